@@ -1,0 +1,22 @@
+# `make demo` and `make test` work on a fresh machine with only Python: they build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): requirements-test.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements-test.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

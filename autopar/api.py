@@ -1,0 +1,98 @@
+"""ap.plan and ap.compile: the two entry points.
+
+Example:
+    >>> plan = ap.plan(model, mesh, args=(x,), annotations={"fc1": ap.colwise("tp")}, data_parallel="dp")
+    >>> module = ap.compile(model, mesh, args=(x,), annotations=..., data_parallel="dp")  # under torchrun
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from .annotate import resolve
+from .errors import AnnotationError, MeshError
+from .gradflow import analyse
+from .mesh import Mesh
+from .plan import Plan
+from .propagate import propagate
+from .trace import trace
+
+
+def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
+         data_parallel: str | None = None, strict: bool = False, dynamic: bool = True,
+         bucket_mb: float = 25.0, bucket_max_params: int | None = None) -> Plan:
+    """Trace ``model`` at the example inputs and plan it on ``mesh``.
+
+    ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
+    ap.colwise / ap.rowwise / ap.replicate / ap.place. ``data_parallel`` names the axis the
+    batch (dim 0 of every input) is split on. ``strict`` makes an op without a rule on a
+    split input an error instead of a gathered, replicated fallback.
+    """
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
+    args = args if isinstance(args, tuple) else (args,)
+    dp_axis = mesh.axis_index(data_parallel) if data_parallel is not None else None
+    for ann in (annotations or {}).values():
+        if hasattr(ann, "axis"):
+            mesh.axis_index(ann.axis)
+    traced = trace(model, args, kwargs, dynamic=dynamic)
+    ndims = _input_ndims(traced, args, kwargs)
+    seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
+    _unify_tied(seeds, traced)
+    ctx = propagate(traced, mesh, seeds, strict)
+    flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
+    options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
+               "strict": strict}
+    return Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
+
+
+def _input_ndims(traced, args, kwargs) -> dict:
+    flat = pytree.tree_leaves((args, kwargs or {}))
+    return {name: (v.dim() if isinstance(v, torch.Tensor) else 0) for name, v in zip(traced.user_inputs, flat)}
+
+
+def _unify_tied(seeds, traced) -> None:
+    """Tied parameters are one tensor: they get one layout, whichever name was annotated."""
+    for names in traced.tied.values():
+        given = {n: seeds.params[n] for n in names if n in seeds.params}
+        if len(set(given.values())) > 1:
+            raise AnnotationError(f"Tied parameters {names} share one tensor but were annotated "
+                                  f"differently: {given}. Annotate them alike (or only one of them).")
+        if given:
+            spec = next(iter(given.values()))
+            for n in names:
+                seeds.params[n] = spec
+
+
+def compile(model: torch.nn.Module, mesh: Mesh, **plan_kwargs) -> torch.nn.Module:
+    """This rank's module for a torch.distributed job (world size must equal mesh.size).
+
+    Every rank traces and plans the same way, makes the process groups of every mesh axis
+    (in the same order everywhere), and broadcasts replicated parameters from the first
+    rank of each group so that all ranks start equal.
+    """
+    import torch.distributed as dist
+    from .collectives import DistBackend, install_backend
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError("ap.compile needs an initialised process group: call "
+                        "torch.distributed.init_process_group (torchrun sets the environment).")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != mesh.size:
+        raise MeshError(f"The world has {world} processes but the mesh {mesh} has {mesh.size} ranks: "
+                        f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh.")
+    p = plan(model, mesh, **plan_kwargs)
+    groups = {}
+    for axis in range(mesh.ndim):
+        for g in mesh.groups(axis):
+            groups[g] = dist.new_group(list(g)) if len(g) < world else dist.group.WORLD
+    backend = DistBackend(groups, rank)
+    install_backend(backend)
+    module = p.module(rank)
+    with torch.no_grad():
+        for name, param in list(module.named_parameters()) + list(module.named_buffers()):
+            spec = p.param_specs.get(name)
+            for axis in range(mesh.ndim):
+                if spec is None or spec[axis].is_replicate():
+                    backend.broadcast(param.data, mesh.group(axis, rank), rank)
+    module.autopar_plan = p
+    return module

@@ -1,0 +1,291 @@
+"""Collectives as torch custom ops with their gradients, over a swappable backend.
+
+Each op names its mesh axis, its group (the global ranks, in axis order) and the calling
+rank, so an emitted graph reads ``autopar.all_reduce(x, 'tp', [0, 1], 0, 'sum')`` and the
+simulator (all ranks in one process) knows who is calling. Gradients follow the placements
+(DESIGN.md, "Gradients are part of the contract"): the gradient of a replicated tensor is
+whole on every rank, of a partial tensor whole too, of a shard the matching shard.
+
+Backends: ``DistBackend`` (torch.distributed, gloo or NCCL) and ``simulate.SimBackend``.
+
+Example:
+    >>> with use_backend(my_backend):
+    ...     y = torch.ops.autopar.all_reduce(x, "tp", [0, 1], 0, "sum")
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+_state = threading.local()
+_GLOBAL: list = []  # the process-wide backend stack (the simulator's threads share it)
+
+
+def current_backend():
+    if not _GLOBAL:
+        raise RuntimeError("No autopar collective backend is active: run a rank's module through "
+                           "plan.simulate(...), or build it with ap.compile(...) in a torch.distributed job.")
+    return _GLOBAL[-1]
+
+
+@contextlib.contextmanager
+def use_backend(backend):
+    _GLOBAL.append(backend)
+    try:
+        yield backend
+    finally:
+        _GLOBAL.remove(backend)
+
+
+def install_backend(backend) -> None:
+    """Make ``backend`` the process-wide default (used by ap.compile for real runs)."""
+    _GLOBAL.insert(0, backend)
+
+
+def _pos(group, rank) -> int:
+    return list(group).index(rank)
+
+
+# ---------------------------------------------------------------------------- forward ops
+@torch.library.custom_op("autopar::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
+    """P -> R: sum (or average) over the group."""
+    return current_backend().all_reduce(x, tuple(group), rank, op)
+
+
+@torch.library.custom_op("autopar::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
+    """S(dim) -> R: concatenate the group's pieces along ``dim``."""
+    return current_backend().all_gather(x, dim, tuple(group), rank)
+
+
+@torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
+    """P -> S(dim): reduce over the group, keep this rank's chunk of ``dim``."""
+    return current_backend().reduce_scatter(x, dim, tuple(group), rank, op)
+
+
+@torch.library.custom_op("autopar::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, group: list[int],
+               rank: int) -> torch.Tensor:
+    """S(src_dim) -> S(dst_dim): regroup the pieces."""
+    return current_backend().all_to_all(x, src_dim, dst_dim, tuple(group), rank)
+
+
+@torch.library.custom_op("autopar::shard", mutates_args=())
+def shard(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
+    """R -> S(dim): keep this rank's chunk, locally (backward all-gathers)."""
+    n = len(group)
+    size = x.shape[dim] // n
+    return x.narrow(dim, _pos(group, rank) * size, size).clone()
+
+
+@torch.library.custom_op("autopar::to_partial", mutates_args=())
+def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
+    """R -> P: the first rank of the group keeps the value, the others hold zeros (avg: all keep it)."""
+    if op == "avg" or _pos(group, rank) == 0:
+        return x.clone()
+    return torch.zeros_like(x)
+
+
+@torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
+def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int) -> torch.Tensor:
+    """Identity forward, all-reduce backward (Megatron's "f").
+
+    Placed where a replicated tensor feeds computation that is split on ``axis``: each rank's
+    gradient is then only its part's contribution, and the sum over the group is the whole.
+    """
+    return x.clone()
+
+
+@torch.library.custom_op("autopar::scale_grad", mutates_args=())
+def scale_grad(x: torch.Tensor, axis: str, factor: float) -> torch.Tensor:
+    """Identity forward, gradient times ``factor`` backward.
+
+    On outputs left split over the data-parallel axis: each rank's loss is then the mean over
+    its own slice of the batch, and averaging the gradients over the axis (as DDP does) makes
+    them the serial model's.
+    """
+    return x.clone()
+
+
+# ----------------------------------------------------------------------------- fake impls
+@all_reduce.register_fake
+def _(x, axis, group, rank, op):
+    return torch.empty_like(x)
+
+
+@all_gather.register_fake
+def _(x, dim, axis, group, rank):
+    shape = list(x.shape)
+    shape[dim] *= len(group)
+    return x.new_empty(shape)
+
+
+@reduce_scatter.register_fake
+def _(x, dim, axis, group, rank, op):
+    shape = list(x.shape)
+    shape[dim] //= len(group)
+    return x.new_empty(shape)
+
+
+@all_to_all.register_fake
+def _(x, src_dim, dst_dim, axis, group, rank):
+    shape = list(x.shape)
+    shape[src_dim] *= len(group)
+    shape[dst_dim] //= len(group)
+    return x.new_empty(shape)
+
+
+@shard.register_fake
+def _(x, dim, axis, group, rank):
+    shape = list(x.shape)
+    shape[dim] //= len(group)
+    return x.new_empty(shape)
+
+
+for _op in (to_partial, grad_all_reduce):
+    _op.register_fake(lambda x, *a: torch.empty_like(x))
+scale_grad.register_fake(lambda x, axis, factor: torch.empty_like(x))
+
+
+# --------------------------------------------------------------------------------- autograd
+def _save(names):
+    def setup_context(ctx, inputs, output):
+        for name, value in zip(names, inputs):
+            setattr(ctx, name, value)
+    return setup_context
+
+
+ops = torch.ops.autopar
+
+
+def _all_reduce_bwd(ctx, g):
+    if ctx.op == "avg":
+        g = g / len(ctx.group)
+    return g, None, None, None, None
+
+
+def _all_gather_bwd(ctx, g):
+    return ops.shard(g, ctx.dim, ctx.axis, ctx.group, ctx.rank), None, None, None, None
+
+
+def _reduce_scatter_bwd(ctx, g):
+    full = ops.all_gather(g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank)
+    if ctx.op == "avg":
+        full = full / len(ctx.group)
+    return full, None, None, None, None, None
+
+
+def _all_to_all_bwd(ctx, g):
+    back = ops.all_to_all(g.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.axis, ctx.group, ctx.rank)
+    return back, None, None, None, None, None
+
+
+def _shard_bwd(ctx, g):
+    return ops.all_gather(g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank), None, None, None, None
+
+
+def _to_partial_bwd(ctx, g):
+    return g, None, None, None, None
+
+
+def _grad_all_reduce_bwd(ctx, g):
+    return ops.all_reduce(g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None
+
+
+def _scale_grad_bwd(ctx, g):
+    return g * ctx.factor, None, None
+
+
+all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save(["x", "axis", "group", "rank", "op"]))
+all_gather.register_autograd(_all_gather_bwd, setup_context=_save(["x", "dim", "axis", "group", "rank"]))
+reduce_scatter.register_autograd(_reduce_scatter_bwd,
+                                 setup_context=_save(["x", "dim", "axis", "group", "rank", "op"]))
+all_to_all.register_autograd(_all_to_all_bwd,
+                             setup_context=_save(["x", "src_dim", "dst_dim", "axis", "group", "rank"]))
+shard.register_autograd(_shard_bwd, setup_context=_save(["x", "dim", "axis", "group", "rank"]))
+to_partial.register_autograd(_to_partial_bwd, setup_context=_save(["x", "axis", "group", "rank", "op"]))
+grad_all_reduce.register_autograd(_grad_all_reduce_bwd, setup_context=_save(["x", "axis", "group", "rank"]))
+scale_grad.register_autograd(_scale_grad_bwd, setup_context=_save(["x", "axis", "factor"]))
+
+
+# ---------------------------------------------------------------------------- local math
+def chunk_of(full: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+    size = full.shape[dim] // n
+    return full.narrow(dim, index * size, size)
+
+
+def all_to_all_local(pieces: list[torch.Tensor], src_dim: int, dst_dim: int, index: int) -> torch.Tensor:
+    """What rank ``index`` of a group gets from all_to_all, given every rank's piece."""
+    n = len(pieces)
+    return torch.cat([chunk_of(p, dst_dim, n, index) for p in pieces], dim=src_dim)
+
+
+# ------------------------------------------------------------------------------ real backend
+class DistBackend:
+    """Collectives over torch.distributed process groups (gloo on CPU, NCCL on GPU).
+
+    ``groups`` maps each group's tuple of global ranks to its ProcessGroup; ap.compile makes
+    them all, on every rank in the same order, before the first step.
+    """
+
+    def __init__(self, groups: dict, rank: int):
+        self.groups = groups
+        self.rank = rank
+        self.stats = None
+
+    def _pg(self, group, rank):
+        if rank != self.rank:
+            raise RuntimeError(f"autopar: a module built for rank {rank} is running on rank {self.rank}; "
+                               "build it with plan.module(dist.get_rank()) or ap.compile.")
+        return self.groups[group]
+
+    def _note(self, kind, group, t):
+        if self.stats is not None:
+            self.stats.record(kind, group, t)
+
+    def all_reduce(self, x, group, rank, op):
+        import torch.distributed as dist
+        y = x.contiguous().clone()
+        self._note("all_reduce", group, y)
+        dist.all_reduce(y, group=self._pg(group, rank))
+        return y / len(group) if op == "avg" else y
+
+    def all_gather(self, x, dim, group, rank):
+        import torch.distributed as dist
+        x = x.contiguous()
+        self._note("all_gather", group, x)
+        out = [torch.empty_like(x) for _ in group]
+        dist.all_gather(out, x, group=self._pg(group, rank))
+        return torch.cat(out, dim=dim)
+
+    def reduce_scatter(self, x, dim, group, rank, op):
+        # gloo has no reduce_scatter: all-reduce, then keep this rank's chunk.
+        full = self.all_reduce(x, group, rank, op)
+        return chunk_of(full, dim, len(group), _pos(group, rank)).contiguous()
+
+    def all_to_all(self, x, src_dim, dst_dim, group, rank):
+        pieces = self.all_gather(x, 0, group, rank).chunk(len(group), dim=0) if x.dim() else None
+        return all_to_all_local(list(pieces), src_dim, dst_dim, _pos(group, rank)).contiguous()
+
+    def all_reduce_async(self, flat, group, rank):
+        import torch.distributed as dist
+        self._note("all_reduce", group, flat)
+        work = dist.all_reduce(flat, group=self._pg(group, rank), async_op=True)
+        return _Work(work, flat)
+
+    def broadcast(self, x, group, rank):
+        import torch.distributed as dist
+        dist.broadcast(x, src=group[0], group=self._pg(group, rank))
+
+
+class _Work:
+    def __init__(self, work, result):
+        self.work, self.result = work, result
+
+    def wait(self):
+        self.work.wait()
+        return self.result

@@ -1,0 +1,187 @@
+"""Build one rank's torch.fx graph: local pieces, collectives on the edges, local shapes.
+
+The emitter walks the planned graph in order and writes a new graph for ``rank``:
+parameters become attributes (``get_attr`` with the serial names); each input edge whose
+layout differs from what the op's strategy needs gets the redistribution's collectives
+(shared between consumers that need the same layout); replicated inputs of split compute
+get Megatron's "f" where their gradient must be made whole; shape arguments of views are
+rewritten to local sizes. Symbolic sizes stay *global* in the graph (``sym_size`` of a split
+dim is multiplied back), and only shape arguments are divided, so size arithmetic in the
+model needs no rewriting.
+
+Example:
+    >>> gm = emit_rank(plan, rank=0)
+    >>> print(gm.code)   # ... torch.ops.autopar.all_reduce.default(linear, 'tp', [0, 1], 0, 'sum') ...
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .lowering import LOWERINGS
+from .placement import Shard, shard_factor
+from .propagate import layout_of, tensor_inputs
+from .redistribute import plan_steps
+from .rules.views import SHAPE_ARGS
+
+aten = torch.ops.aten
+ops = torch.ops.autopar
+
+
+class Emitter:
+    def __init__(self, plan, rank: int):
+        self.plan, self.mesh, self.rank = plan, plan.mesh, rank
+        self.coords = self.mesh.coords(rank)
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.edges: dict[tuple, fx.Node] = {}
+        self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
+
+    # ------------------------------------------------------------------ helpers
+    def global_shape(self, node: fx.Node):
+        return tuple(node.meta["val"].shape)
+
+    def collective(self, op, args: tuple, axis: int, extra: tuple = ()) -> fx.Node:
+        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis``."""
+        group = list(self.mesh.group(axis, self.rank))
+        return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
+
+    def _step(self, x: fx.Node, st) -> fx.Node:
+        if st.kind == "all_gather":
+            return self.collective(ops.all_gather.default, (x, st.dim), st.axis)
+        if st.kind == "all_reduce":
+            return self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
+        if st.kind == "reduce_scatter":
+            return self.collective(ops.reduce_scatter.default, (x, st.dim), st.axis, (st.op,))
+        if st.kind == "all_to_all":
+            return self.collective(ops.all_to_all.default, (x, st.dim, st.dim2), st.axis)
+        if st.kind == "slice":
+            return self.collective(ops.shard.default, (x, st.dim), st.axis)
+        if st.kind == "to_partial":
+            return self.collective(ops.to_partial.default, (x,), st.axis, (st.op,))
+        n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
+        factor = float(n) if st.op == "sum->avg" else 1.0 / n
+        return self.graph.call_function(aten.mul.Tensor, (x, factor))
+
+    def edge(self, src: fx.Node, target: tuple, f_axes=frozenset()) -> fx.Node:
+        """``src``'s value in layout ``target`` (collectives added once per layout)."""
+        key = (src, target, frozenset(f_axes))
+        if key not in self.edges:
+            x = self.env[src]
+            for st in plan_steps(layout_of(src).spec, target):
+                x = self._step(x, st)
+            for axis in sorted(f_axes):
+                x = self.collective(ops.grad_all_reduce.default, (x,), axis)
+            self.edges[key] = x
+        return self.edges[key]
+
+    # -------------------------------------------------------------------- nodes
+    def run(self) -> fx.Graph:
+        for node in self.plan.graph.nodes:
+            handler = getattr(self, f"_{node.op}")
+            new = handler(node)
+            if new is not None:
+                if isinstance(new, fx.Node) and not new.meta:
+                    new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+                self.env[node] = new
+        return self.graph
+
+    def _placeholder(self, node):
+        fqn = self.plan.attr_name(node.name)
+        if fqn is not None:
+            return self.graph.get_attr(fqn)
+        return self.graph.placeholder(node.name)
+
+    def _get_attr(self, node):
+        return self.graph.get_attr(node.target)
+
+    def _call_function(self, node):
+        if node.target is aten.sym_size.int:
+            return self._sym_size(node)
+        if "autopar" not in node.meta or not layout_of(node).outputs or node.target is operator.getitem:
+            return self.graph.call_function(node.target, *self._map_args(node))
+        return self._compute(node)
+
+    def _output(self, node):
+        flat, spec = pytree.tree_flatten(node.args[0])
+        outs = []
+        for i, v in enumerate(flat):
+            if i in self.plan.traced.buffer_mutations:
+                buf = self.graph.get_attr(self.plan.traced.buffer_mutations[i])
+                self.graph.call_function(aten.copy_.default, (buf, self.env[v]))
+                continue
+            outs.append(self._user_output(v) if isinstance(v, fx.Node) else v)
+        self.graph.output(tuple(outs))
+
+    def _user_output(self, v: fx.Node) -> fx.Node:
+        if "autopar" not in v.meta or not layout_of(v).outputs:
+            return self.env[v]
+        target = self.plan.output_target(layout_of(v).spec)
+        x = self.edge(v, target)
+        dp = self.plan.dp_axis
+        if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
+            n = self.mesh.shape[dp]
+            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n))
+        return x
+
+    # --------------------------------------------------------------- arguments
+    def _map_args(self, node):
+        def conv(a):
+            return self.env[a] if isinstance(a, fx.Node) else a
+        args, kwargs = pytree.tree_map(conv, (node.args, node.kwargs))
+        return tuple(args), dict(kwargs)
+
+    def _sym_size(self, node):
+        x, dim = node.args
+        local = self.graph.call_function(aten.sym_size.int, (self.env[x], dim))
+        f = shard_factor(layout_of(x).spec, self.mesh, dim % x.meta["val"].dim())
+        if f == 1:
+            return local
+        glob = self.graph.call_function(operator.mul, (local, f))
+        self.scaled[glob] = (local, f)
+        return glob
+
+    def _local_size(self, size, f: int):
+        if f == 1 or (isinstance(size, int) and size == -1):
+            return size
+        if isinstance(size, int):
+            return size // f
+        if size in self.scaled and self.scaled[size][1] == f:
+            return self.scaled[size][0]
+        return self.graph.call_function(operator.floordiv, (size, f))
+
+    def _compute(self, node):
+        lay = layout_of(node)
+        f_edges = self.plan.flow.f_edges
+        local_inputs = [self.edge(inp, tgt, f_edges.get((node.name, i), ()))
+                        for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets))]
+        it = iter(local_inputs)
+
+        def conv(a):
+            if isinstance(a, fx.Node):
+                return next(it) if a in _tensor_set(lay) else self.env[a]
+            return a
+        args, kwargs = pytree.tree_map(conv, (node.args, node.kwargs))
+        args = list(args)
+        shape_idx = SHAPE_ARGS.get(getattr(node.target, "overloadpacket", None))
+        if shape_idx is not None and shape_idx < len(args):
+            spec = lay.spec
+            args[shape_idx] = [self._local_size(s, shard_factor(spec, self.mesh, d))
+                               for d, s in enumerate(args[shape_idx])]
+        for axis, s in enumerate(lay.strategies):
+            if s is not None and s.lowering:
+                return LOWERINGS[s.lowering](self, node, tuple(args), dict(kwargs), axis)
+        return self.graph.call_function(node.target, tuple(args), dict(kwargs))
+
+
+def _tensor_set(lay):
+    return set(lay.inputs)
+
+
+def emit_graph(plan, rank: int) -> fx.Graph:
+    graph = Emitter(plan, rank).run()
+    graph.lint()
+    return graph

@@ -1,0 +1,157 @@
+"""Placements (R, S(d), P) and specs: how a global tensor is laid out on a mesh.
+
+A spec holds one placement per mesh axis. ``Shard(d)`` splits tensor dim ``d`` evenly
+over the axis (rank k of the axis holds chunk k), ``Replicate()`` keeps a full copy,
+``Partial("sum")`` means the global value is the sum (or average) of the ranks' values.
+A tensor dim is split by at most one axis: nested splits are refused by propagation.
+
+Example:
+    >>> mesh = Mesh((2, 2), ("dp", "tp"))
+    >>> spec = (Shard(0), Replicate())
+    >>> local = shard_tensor(torch.arange(8.).view(4, 2), spec, mesh, rank=2)   # rows 2..3
+    >>> merge_tensors([shard_tensor(t, spec, mesh, r) for r in mesh.ranks()], spec, mesh)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ShardingError
+
+
+class Placement:
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    dim: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_op not in ("sum", "avg"):
+            raise ShardingError(f"Partial({self.reduce_op!r}): only 'sum' and 'avg' are supported.")
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "P" if self.reduce_op == "sum" else "P(avg)"
+
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+def normalize(placement: Placement, ndim: int) -> Placement:
+    """Shard(-1) -> Shard(ndim - 1); others unchanged."""
+    if isinstance(placement, Shard) and placement.dim < 0:
+        return Shard(placement.dim + ndim)
+    return placement
+
+
+def fmt_spec(placements) -> str:
+    """'(S(0), R)' style text for a tuple of placements."""
+    return "(" + ", ".join(repr(p) for p in placements) + ")"
+
+
+def shard_factor(placements, mesh, dim: int) -> int:
+    """How many pieces tensor dim ``dim`` is cut into (1 when no axis shards it)."""
+    f = 1
+    for p, size in zip(placements, mesh.shape):
+        if isinstance(p, Shard) and p.dim == dim:
+            f *= size
+    return f
+
+
+def check_divisible(shape, placements, mesh, what: str) -> None:
+    """Raise ShardingError naming ``what`` if a sharded dim does not divide evenly."""
+    used = {}
+    for axis, (p, size) in enumerate(zip(placements, mesh.shape)):
+        if not isinstance(p, Shard):
+            continue
+        if p.dim >= len(shape):
+            raise ShardingError(f"{what}: placement {fmt_spec(placements)} shards dim {p.dim} "
+                                f"but the tensor has only {len(shape)} dims (shape {tuple(shape)}).")
+        if p.dim in used:
+            raise ShardingError(f"{what}: dim {p.dim} is sharded on two mesh axes "
+                                f"({mesh.axis_names[used[p.dim]]!r} and {mesh.axis_names[axis]!r}); "
+                                "shard each dim on at most one axis.")
+        used[p.dim] = axis
+        n = shape[p.dim]
+        if isinstance(n, int) and n % size:
+            raise ShardingError(
+                f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
+                f"by the size {size} of mesh axis {mesh.axis_names[axis]!r}. Choose sizes divisible "
+                f"by {size}, or leave this tensor replicated on {mesh.axis_names[axis]!r}.")
+
+
+def local_shape(shape, placements, mesh) -> tuple:
+    """The shape of each rank's piece (even sharding: every rank's is the same)."""
+    return tuple(n // shard_factor(placements, mesh, d) for d, n in enumerate(shape))
+
+
+def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tensor:
+    """This rank's piece of ``full`` (a view where possible; Partial keeps it on the group's first rank)."""
+    coords = mesh.coords(rank)
+    out = full
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            size = mesh.shape[axis]
+            n = out.shape[p.dim] // size
+            out = out.narrow(p.dim, coords[axis] * n, n)
+        elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
+            out = torch.zeros_like(out)
+    return out
+
+
+def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
+    """The global tensor from every rank's piece (``pieces[rank]``): cat shards, sum partials."""
+    def build(axis: int, coords: list[int]) -> torch.Tensor:
+        if axis == mesh.ndim:
+            return pieces[mesh.rank_of(coords)]
+        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1:])
+                 for k in range(mesh.shape[axis])]
+        p = placements[axis]
+        if isinstance(p, Shard):
+            return torch.cat(parts, dim=p.dim)
+        if isinstance(p, Partial):
+            total = parts[0]
+            for t in parts[1:]:
+                total = total + t
+            return total / len(parts) if p.reduce_op == "avg" else total
+        return parts[0]
+    return build(0, [0] * mesh.ndim)

@@ -1,0 +1,248 @@
+"""Plan: the result of planning, and what you do with it.
+
+A Plan holds the traced graph with a layout on every node, the gradient flow, and the
+specs of every parameter, input and output. From it come each rank's module, each rank's
+slice of a batch, conversions between serial and per-rank state dicts, the in-process
+simulation of all ranks, and the check against the serial model.
+
+Example:
+    >>> plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x,), annotations=..., data_parallel="dp")
+    >>> print(plan)
+    >>> gm = plan.module(3)
+    >>> args, kwargs = plan.local_inputs(3, x)
+    >>> plan.check(x)                      # raises ap.PlanMismatch if any rank disagrees with serial
+"""
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export._unlift import _get_codegen
+
+from . import display
+from .emit import emit_graph
+from .errors import InputError
+from .gradsync import GradSync
+from .placement import Partial, Replicate, Shard, fmt_spec, merge_tensors, shard_tensor
+from .propagate import layout_of
+from .simulate import run_ranks
+from .state import has_attr, merge_states, set_attr, shard_state
+
+R = Replicate()
+
+
+class Plan:
+    def __init__(self, model, mesh, traced, seeds, flow, ctx, dp_axis, options):
+        self.model, self.mesh, self.traced, self.seeds = model, mesh, traced, seeds
+        self.flow, self.ctx, self.dp_axis, self.options = flow, ctx, dp_axis, options
+        self._modules: dict[int, fx.GraphModule] = {}
+
+    # ------------------------------------------------------------------ layout queries
+    @property
+    def graph(self) -> fx.Graph:
+        return self.traced.gm.graph
+
+    def layout(self, name: str):
+        """The Layout of a graph node by name (placements, strategies, reason)."""
+        for n in self.graph.nodes:
+            if n.name == name and "autopar" in n.meta:
+                return layout_of(n)
+        raise KeyError(name)
+
+    def attr_name(self, placeholder: str) -> str | None:
+        t = self.traced
+        return t.param_fqn.get(placeholder) or t.buffer_fqn.get(placeholder) or t.constant_fqn.get(placeholder)
+
+    @cached_property
+    def param_specs(self) -> dict[str, tuple]:
+        """Placements of every parameter and buffer, by serial name (tied names included)."""
+        specs = {}
+        for node in self.graph.nodes:
+            fqn = self.attr_name(node.name) if node.op == "placeholder" else None
+            if fqn is not None and layout_of(node).outputs:
+                specs[fqn] = layout_of(node).spec
+        for names in self.traced.tied.values():
+            used = [specs[n] for n in names if n in specs]
+            for n in names:
+                specs[n] = used[0]
+        return specs
+
+    @cached_property
+    def input_specs(self) -> list[tuple | None]:
+        nodes = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        return [layout_of(nodes[name]).spec for name in self.traced.user_inputs]
+
+    def output_target(self, spec: tuple) -> tuple:
+        """How an output leaves a rank: reduced to R, gathered on every axis but data parallel."""
+        out = []
+        for axis, p in enumerate(spec):
+            if isinstance(p, Partial) or (isinstance(p, Shard) and axis != self.dp_axis):
+                out.append(R)
+            else:
+                out.append(p)
+        return tuple(out)
+
+    @cached_property
+    def output_specs(self) -> list[tuple | None]:
+        """The layout of each (flattened) user output as the rank's module returns it."""
+        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        flat = pytree.tree_leaves(out_node.args[0])[: self.traced.n_user_outputs]
+        return [self.output_target(layout_of(v).spec)
+                if isinstance(v, fx.Node) and "autopar" in v.meta and layout_of(v).outputs else None
+                for v in flat]
+
+    @cached_property
+    def grad_sync_axes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> mesh axes its gradient is summed over by the gradient sync."""
+        canonical = {n: names[0] for names in self.traced.tied.values() for n in names}
+        out: dict[str, tuple] = {}
+        for ph, axes in self.flow.param_sync_axes.items():
+            fqn = self.traced.param_fqn[ph]
+            key = canonical.get(fqn, fqn)
+            out[key] = tuple(sorted(set(out.get(key, ())) | set(axes)))
+        return out
+
+    # ------------------------------------------------------------------------- modules
+    def module(self, rank: int) -> fx.GraphModule:
+        """This rank's module (built once, then the same object): local shards, collectives inside."""
+        self.mesh.check_rank(rank)
+        if rank not in self._modules:
+            self._modules[rank] = self.build_module(rank)
+        return self._modules[rank]
+
+    def build_module(self, rank: int, state: dict | None = None) -> fx.GraphModule:
+        """A fresh module for ``rank`` with pieces of ``state`` (default: the model's current values)."""
+        self.mesh.check_rank(rank)
+        graph = emit_graph(self, rank)
+        t = self.traced
+        graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
+        root = nn.Module()
+        self._fill_attrs(root, rank, state)
+        gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}Module")
+        self._fill_attrs(gm, rank, state, only_missing=True)
+        gm.autopar_rank = rank
+        sync_axes = self.grad_sync_axes
+        if sync_axes:
+            opts = self.options
+            sync = GradSync(gm, sync_axes, self.mesh, rank, opts.get("bucket_bytes", 25 * 2**20),
+                            opts.get("bucket_max_params"))
+            gm.autopar_grad_sync = sync
+            gm.no_sync = sync.no_sync
+        return gm
+
+    def _fill_attrs(self, root, rank, state, only_missing=False):
+        made: dict[int, nn.Parameter] = {}
+        model_state = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = {n: b for n, b in self.model.named_buffers()}
+        persistent = set(self.model.state_dict().keys())
+        for fqn, p in model_state.items():
+            if only_missing and has_attr(root, fqn):
+                continue
+            if id(p) not in made:
+                value = state[fqn] if state is not None and fqn in state else p
+                local = shard_tensor(value.detach(), self.param_specs.get(fqn, (R,) * self.mesh.ndim),
+                                     self.mesh, rank).clone()
+                made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
+            set_attr(root, fqn, made[id(p)])
+        for fqn, b in buffers.items():
+            if not (only_missing and has_attr(root, fqn)):
+                spec = self.param_specs.get(fqn, (R,) * self.mesh.ndim)
+                set_attr(root, fqn, shard_tensor(b, spec, self.mesh, rank).clone(), fqn in persistent)
+        for fqn, c in self.traced.constants.items():
+            if not (only_missing and has_attr(root, fqn)):
+                set_attr(root, fqn, c.clone(), None)
+
+    # -------------------------------------------------------------------------- inputs
+    def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:
+        """This rank's slice of a global batch, in the model's (args, kwargs) structure."""
+        self.mesh.check_rank(rank)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        names = self.traced.user_inputs
+        if len(flat) != len(names):
+            raise InputError(f"The plan was traced with {len(names)} inputs ({', '.join(names)}) but "
+                             f"{len(flat)} were given; pass the same structure as the example inputs.")
+        local = []
+        for name, value, ispec in zip(names, flat, self.input_specs):
+            if isinstance(value, torch.Tensor) and ispec is not None:
+                self._check_input(name, value, ispec)
+                value = shard_tensor(value, ispec, self.mesh, rank)
+            local.append(value)
+        return pytree.tree_unflatten(local, spec)
+
+    def _check_input(self, name, value, ispec):
+        for axis, p in enumerate(ispec):
+            if isinstance(p, Shard):
+                n = self.mesh.shape[axis]
+                if p.dim >= value.dim() or value.shape[p.dim] % n:
+                    raise InputError(
+                        f"Input {name!r} has shape {tuple(value.shape)}; its dim {p.dim} is split over "
+                        f"mesh axis {self.mesh.axis_names[axis]!r} of size {n} and must divide by it. "
+                        f"Use a batch size that is a multiple of {n}.")
+
+    # ----------------------------------------------------------------------- state dicts
+    def merge_state_dicts(self, per_rank: list[dict]) -> dict:
+        """Full serial tensors from every rank's dict of parameters (or of their gradients)."""
+        return merge_states(per_rank, self.param_specs, self.mesh)
+
+    def shard_state_dict(self, full: dict, rank: int) -> dict:
+        """This rank's pieces of a full serial state dict (the inverse of merge_state_dicts)."""
+        return shard_state(full, self.param_specs, self.mesh, rank)
+
+    def merge_outputs(self, per_rank: list):
+        """The global outputs from every rank's outputs (shards concatenated)."""
+        flats = [pytree.tree_flatten(o)[0] for o in per_rank]
+        spec = pytree.tree_flatten(per_rank[0])[1]
+        merged = []
+        for i, ospec in enumerate(self.output_specs):
+            pieces = [f[i] for f in flats]
+            if ospec is None or not isinstance(pieces[0], torch.Tensor):
+                merged.append(pieces[0])
+            else:
+                merged.append(merge_tensors([p.detach() for p in pieces], ospec, self.mesh))
+        return pytree.tree_unflatten(merged, spec)
+
+    # ------------------------------------------------------------------ running ranks
+    def simulate(self, step, *args, timeout: float = 60.0, **kwargs) -> list:
+        """Run ``step(module, *local_args, **local_kwargs)`` for every rank in this process.
+
+        Collectives (forward and backward) are computed across the simulated ranks; the
+        list of each rank's return value comes back.
+        """
+        inputs = [self.local_inputs(r, *args, **kwargs) for r in self.mesh.ranks()]
+        modules = [self.module(r) for r in self.mesh.ranks()]
+
+        def run(rank):
+            a, k = inputs[rank]
+            return step(modules[rank], *a, **k)
+        return run_ranks(self.mesh.size, run, timeout=timeout)
+
+    def check(self, *args, loss=None, rtol: float = 1e-5, atol: float = 1e-6, **kwargs) -> dict:
+        """Compare every rank (simulated) with the serial model: outputs and every gradient.
+
+        Raises ap.PlanMismatch naming the first tensor that differs. Returns a small report.
+        """
+        from .check import check_plan
+        return check_plan(self, args, kwargs, loss, rtol, atol)
+
+    # --------------------------------------------------------------------------- display
+    def collectives(self) -> list:
+        """Every collective one training step runs (forward, backward, gradient sync), per rank."""
+        from .cost import collectives
+        return collectives(self)
+
+    def __str__(self) -> str:
+        return display.plan_table(self)
+
+    def __repr__(self) -> str:
+        return (f"<autopar.Plan {type(self.model).__name__} on {self.mesh}: "
+                f"{sum(1 for _ in self.graph.nodes)} nodes, {len(self.collectives())} collectives/step>")
+
+    def summary(self) -> str:
+        return display.summary(self)
+
+
+def spec_text(spec) -> str:
+    return fmt_spec(spec) if spec is not None else "-"

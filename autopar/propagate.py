@@ -1,0 +1,330 @@
+"""Complete a layout for every node from the seeds, choosing one strategy per op and axis.
+
+A pass over the graph in order (an fx pass writing ``node.meta["autopar"]``). Placeholders
+take their seeded layouts (replicated when not annotated). For each op the rule's
+strategies are costed on each mesh axis: bytes of the redistributions its inputs would
+need (forward and backward), plus what a module-output annotation would cost after it;
+communication on parameters is weighed heavily, since it is rarely what an annotation
+meant. The cheapest valid strategy wins; ties go to the fewest redistributions, then to the
+rule's order. An op without a rule runs replicated when nothing reaching it is split; when
+something is, its inputs are gathered (with a warning) or, with ``strict=True``, NoRuleError.
+
+Example:
+    >>> ctx = propagate(traced, mesh, seeds)
+    >>> layout_of(node).spec
+    (R, S(2))
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .errors import NoRuleError, ShardingError
+from .placement import Placement, Replicate, Shard, check_divisible, fmt_spec
+from .redistribute import plan_steps, steps_cost
+from .rules import OpInfo, Strategy, TensorMeta, get_rule
+
+R = Replicate()
+PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
+
+
+@dataclass
+class Layout:
+    """What propagation decided for one node (kept in node.meta["autopar"])."""
+    outputs: list[tuple[Placement, ...]]          # placements per tensor output; [] for scalars
+    inputs: list[fx.Node] = field(default_factory=list)                # tensor inputs, flatten order
+    input_targets: list[tuple[Placement, ...]] = field(default_factory=list)  # placements each needs
+    strategies: tuple[Strategy | None, ...] = ()  # one per mesh axis
+    reason: str = ""
+    alternatives: list[tuple[int, str, float]] = field(default_factory=list)  # (axis, strategy, cost)
+    fallback: bool = False
+
+    @property
+    def spec(self) -> tuple[Placement, ...] | None:
+        return self.outputs[0] if self.outputs else None
+
+
+def layout_of(node: fx.Node) -> Layout:
+    return node.meta["autopar"]
+
+
+def is_tensor(val) -> bool:
+    return isinstance(val, torch.Tensor)
+
+
+def tensor_outputs(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    if is_tensor(val):
+        return [val]
+    if isinstance(val, (list, tuple)) and val and all(is_tensor(v) or v is None for v in val):
+        return [v for v in val]
+    return []
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and is_tensor(a.meta.get("val"))]
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [p for p, _ in stack.values() if p and not p.startswith("_empty")]
+    return paths[-1] if paths else ""
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [p for p, _ in stack.values() if p and not p.startswith("_empty")]
+
+
+def op_info(node: fx.Node) -> OpInfo:
+    metas: list[TensorMeta] = []
+    index = {}
+
+    def conv(a):
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            if is_tensor(val):
+                m = TensorMeta.of(val)
+                index[id(m)] = len(metas)
+                metas.append(m)
+                return m
+            return _scalar_hint(val)
+        return a
+    args, kwargs = pytree.tree_map(conv, (node.args, node.kwargs))
+    outs = [TensorMeta.of(v) for v in tensor_outputs(node) if v is not None]
+    return OpInfo(node.target, tuple(args), dict(kwargs), metas, outs, index)
+
+
+def _scalar_hint(val):
+    if isinstance(val, torch.SymInt):
+        return int(val.node.hint) if val.node.hint is not None else val
+    return val
+
+
+@dataclass
+class Context:
+    mesh: object
+    seeds: object
+    strict: bool
+    param_nodes: set
+    needs_grad: dict          # node -> bool
+    param_derived: dict       # node -> bool
+    output_constraints: dict  # node -> {axis: Placement}
+    warned: set = field(default_factory=set)
+
+
+def propagate(traced, mesh, seeds, strict: bool = False) -> Context:
+    """Fill node.meta["autopar"] for every node of ``traced.gm``; return what was learnt on the way."""
+    graph = traced.gm.graph
+    ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            layout = _placeholder_layout(node, traced, ctx)
+        elif node.op == "get_attr":
+            layout = Layout([(R,) * mesh.ndim], reason="constant")
+            ctx.param_derived[node], ctx.needs_grad[node] = True, False
+        elif node.op == "call_function":
+            layout = _call_layout(node, ctx)
+        else:
+            continue
+        node.meta["autopar"] = layout
+    check_layouts(graph, mesh)
+    return ctx
+
+
+def _module_output_nodes(graph: fx.Graph, seeds) -> dict:
+    """Nodes whose value leaves an annotated module: they must end in the annotated layout."""
+    out = {}
+    if not seeds.module_outputs:
+        return out
+    members: dict[str, set] = {path: set() for path in seeds.module_outputs}
+    for node in graph.nodes:
+        for path in module_paths(node):
+            if path in members:
+                members[path].add(node)
+    for path, nodes in members.items():
+        for node in nodes:
+            if any(u not in nodes for u in node.users) and is_tensor(node.meta.get("val")):
+                out.setdefault(node, {}).update(seeds.module_outputs[path])
+    return out
+
+
+def _placeholder_layout(node, traced, ctx) -> Layout:
+    mesh, seeds = ctx.mesh, ctx.seeds
+    default = (R,) * mesh.ndim
+    if node.name in traced.param_fqn:
+        fqn = traced.param_fqn[node.name]
+        placements = seeds.params.get(fqn, default)
+        reason = seeds.reasons.get(fqn, "parameter, replicated (no annotation)")
+        ctx.param_nodes.add(node)
+        ctx.param_derived[node] = True
+        ctx.needs_grad[node] = bool(getattr(node.meta.get("val"), "requires_grad", True))
+    elif node.name in traced.buffer_fqn or node.name in traced.constant_fqn:
+        fqn = traced.buffer_fqn.get(node.name) or traced.constant_fqn[node.name]
+        placements = seeds.params.get(fqn, default)
+        reason = seeds.reasons.get(fqn, "buffer, replicated")
+        ctx.param_derived[node], ctx.needs_grad[node] = True, False
+    else:
+        placements = seeds.inputs.get(node.name, default)
+        reason = seeds.reasons.get(node.name, "input, replicated")
+        ctx.param_derived[node], ctx.needs_grad[node] = False, False
+    val = node.meta.get("val")
+    if not is_tensor(val):
+        return Layout([], reason="non-tensor input")
+    meta = TensorMeta.of(val)
+    check_divisible(meta.shape, placements, mesh, f"{node.name!r}")
+    return Layout([tuple(placements)], reason=reason)
+
+
+def _call_layout(node: fx.Node, ctx: Context) -> Layout:
+    ins = tensor_inputs(node)
+    ctx.param_derived[node] = all(ctx.param_derived.get(i, False) for i in ins)
+    outs = tensor_outputs(node)
+    floating = any(v is not None and v.dtype.is_floating_point for v in outs)
+    ctx.needs_grad[node] = floating and any(ctx.needs_grad.get(i, False) for i in ins)
+    if node.target is operator.getitem:
+        src = layout_of(node.args[0])
+        idx = node.args[1]
+        if src.outputs and isinstance(idx, int) and idx < len(src.outputs):
+            return Layout([src.outputs[idx]], [node.args[0]], reason="item of a multi-output op")
+        return Layout([], reason="non-tensor item")
+    if not outs:
+        return Layout([], inputs=ins, reason="scalar or assertion")
+    return choose(node, ins, ctx)
+
+
+def _current(node: fx.Node) -> tuple[Placement, ...]:
+    return layout_of(node).spec
+
+
+def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
+    mesh = ctx.mesh
+    info = op_info(node)
+    cur = [_current(i) for i in ins]
+    rule = get_rule(node.target)
+    if rule is None:
+        return _no_rule(node, ins, info, cur, ctx)
+    strategies = rule(info)
+    chosen: list[Strategy] = []
+    alternatives = []
+    for axis in range(mesh.ndim):
+        scored = []
+        for idx, s in enumerate(strategies):
+            if not _valid(s, axis, info, chosen, mesh):
+                continue
+            scored.append((_cost(node, s, axis, ins, info, cur, ctx), idx, s))
+        scored.sort(key=lambda t: (t[0], t[1]))
+        best = scored[0][2]
+        chosen.append(best)
+        alternatives += [(axis, repr(s), c[0]) for c, _, s in scored[:4]]
+    outputs = [tuple(chosen[a].outputs[j] for a in range(mesh.ndim)) for j in range(len(info.outputs))]
+    targets = [tuple(chosen[a].inputs[i] for a in range(mesh.ndim)) for i in range(len(ins))]
+    reason = f"rule {rule.__name__}: " + "; ".join(
+        f"{mesh.axis_names[a]}: {chosen[a]!r}" + (f" ({chosen[a].note})" if chosen[a].note else "")
+        for a in range(mesh.ndim))
+    return Layout(outputs, ins, targets, tuple(chosen), reason, alternatives)
+
+
+def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:
+    n = mesh.shape[axis]
+    for metas, places, prior in ((info.tensors, s.inputs, [c.inputs for c in chosen]),
+                                 (info.outputs, s.outputs, [c.outputs for c in chosen])):
+        for k, (meta, p) in enumerate(zip(metas, places)):
+            if not isinstance(p, Shard):
+                continue
+            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % n):
+                return False
+            if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
+                return False  # that dim is already split by an earlier axis
+    return True
+
+
+def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) -> tuple:
+    mesh = ctx.mesh
+    total, comm_steps, local_steps = 0.0, 0, 0
+    out_split = any(not p.is_replicate() for p in s.outputs)
+    for i, (inp, meta) in enumerate(zip(ins, info.tensors)):
+        src = cur[i][axis]
+        nbytes = _bytes(meta) / _others_factor(cur[i], mesh, axis)
+        if src != s.inputs[i]:
+            steps = plan_steps((src,), (s.inputs[i],))
+            fwd, bwd = steps_cost(steps, (src,), _OneAxis(mesh.shape[axis]), nbytes)
+            weight = PARAM_COMM_WEIGHT if inp in ctx.param_nodes else 1.0
+            total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
+            comm_steps += sum(st.communicates for st in steps)
+            local_steps += sum(not st.communicates for st in steps)
+        elif src.is_replicate() and out_split and ctx.needs_grad.get(inp) and not ctx.param_derived.get(inp):
+            n = mesh.shape[axis]
+            total += 2 * (n - 1) / n * nbytes  # Megatron's "f": an all-reduce of the gradient
+    wanted = ctx.output_constraints.get(node, {}).get(axis)
+    if wanted is not None and s.outputs[0] != wanted:
+        meta = info.outputs[0]
+        steps = plan_steps((s.outputs[0],), (wanted,))
+        fwd, bwd = steps_cost(steps, (s.outputs[0],), _OneAxis(mesh.shape[axis]), _bytes(meta))
+        total += fwd + bwd
+        comm_steps += sum(st.communicates for st in steps)
+        local_steps += len(steps)
+    return (round(total, 3), comm_steps, local_steps)
+
+
+class _OneAxis:
+    def __init__(self, n):
+        self.shape = (n,)
+
+
+def _bytes(meta: TensorMeta) -> float:
+    n = 1
+    for s in meta.shape:
+        n *= s
+    return float(n * meta.dtype.itemsize)
+
+
+def _others_factor(placements, mesh, axis) -> int:
+    f = 1
+    for a, p in enumerate(placements):
+        if a != axis and isinstance(p, Shard):
+            f *= mesh.shape[a]
+    return f
+
+
+def _no_rule(node, ins, info, cur, ctx) -> Layout:
+    mesh = ctx.mesh
+    replicated = (R,) * mesh.ndim
+    split = [i for i, c in zip(ins, cur) if c != replicated]
+    where = f"node {node.name!r} (module {module_path(node) or '<top>'!r})"
+    if split and ctx.strict:
+        raise NoRuleError(
+            f"No sharding rule for {node.target} at {where}, and its input(s) "
+            f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are split. "
+            "Annotate so that this op sees replicated inputs, add a rule with "
+            "autopar.rules.register, or pass strict=False to gather the inputs and run it replicated.")
+    if split and node.target not in ctx.warned:
+        ctx.warned.add(node.target)
+        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs are "
+                      "gathered and it runs replicated on every rank (correct, but it costs "
+                      "communication and memory).", stacklevel=4)
+    n_out = len(info.outputs)
+    return Layout([replicated] * n_out, ins, [replicated] * len(ins), (None,) * mesh.ndim,
+                  reason="no rule: replicated" + (" (inputs gathered)" if split else ""),
+                  fallback=bool(split))
+
+
+def check_layouts(graph: fx.Graph, mesh) -> None:
+    """Sanity: every tensor node got a layout whose split dims divide (raises ShardingError)."""
+    for node in graph.nodes:
+        lay = node.meta.get("autopar")
+        if lay is None:
+            continue
+        for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
+            meta = TensorMeta.of(val)
+            static = tuple(s if not d else 0 for s, d in zip(meta.shape, meta.dynamic))
+            try:
+                check_divisible(static, spec, mesh, f"node {node.name!r}")
+            except ShardingError as e:
+                raise ShardingError(f"{e} (module {module_path(node) or '<top>'!r})") from None

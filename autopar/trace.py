@@ -1,0 +1,196 @@
+"""The torch.export front end: an ATen-level fx graph with parameters as named placeholders.
+
+Batch and sequence dims (every dim of every tensor input, let export decide which stay
+dynamic) are exported as dynamic so that the emitted modules run at other sizes. The
+graph is then prepared for propagation: a linear's bias and addmm's input are split into
+a separate add, so that a row-parallel layer can add its bias once, after the reduction.
+
+Example:
+    >>> traced = trace(model, (x,))
+    >>> traced.param_fqn["p_fc_weight"]
+    'fc.weight'
+"""
+from __future__ import annotations
+
+import re
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.export import Dim
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import TraceError
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Traced:
+    """A traced model: the graph plus what each placeholder and output stands for."""
+    gm: fx.GraphModule
+    param_fqn: dict[str, str]          # placeholder name -> parameter name in the model
+    buffer_fqn: dict[str, str]         # placeholder name -> buffer name
+    constant_fqn: dict[str, str]       # placeholder name -> lifted constant name
+    constants: dict[str, torch.Tensor]  # lifted constant name -> value
+    user_inputs: list[str]             # placeholder names of the user's inputs, in order
+    buffer_mutations: dict[int, str]   # output position -> buffer name it writes
+    n_user_outputs: int
+    in_spec: object
+    out_spec: object
+    forward_arg_names: list[str]
+    dynamic: bool
+    tied: dict[str, list[str]] = field(default_factory=dict)  # canonical param -> all its names
+
+    def placeholders(self) -> dict[str, fx.Node]:
+        return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
+
+
+def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
+          dynamic: bool = True) -> Traced:
+    """Export ``model`` at ``args``/``kwargs`` and prepare the graph for propagation."""
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"autopar needs an nn.Module, got {type(model).__name__}.")
+    args = args if isinstance(args, tuple) else (args,)
+    kwargs = dict(kwargs or {})
+    ep, used_dynamic = _export(model, args, kwargs, dynamic)
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    traced = Traced(
+        gm=gm, param_fqn={}, buffer_fqn={}, constant_fqn={}, constants={}, user_inputs=[],
+        buffer_mutations={}, n_user_outputs=0, in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        forward_arg_names=list(ep.module_call_graph[0].signature.forward_arg_names or []),
+        dynamic=used_dynamic)
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            traced.param_fqn[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            traced.buffer_fqn[name] = spec.target
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            traced.constant_fqn[name] = spec.target
+            traced.constants[spec.target] = ep.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT:
+            traced.user_inputs.append(name)
+        else:
+            raise TraceError(f"Input {name!r} of kind {spec.kind.name} is not supported by autopar.")
+    for i, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            traced.n_user_outputs += 1
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            traced.buffer_mutations[i] = spec.target
+        else:
+            raise TraceError(f"Output {spec.arg} of kind {spec.kind.name} (the model mutates its "
+                             "inputs in place?) is not supported by autopar: return a new tensor.")
+    traced.tied = _tied_parameters(model)
+    _check_outputs(traced)
+    split_biases(gm.graph)
+    gm.recompile()
+    return traced
+
+
+def _dynamic_shapes(args, kwargs):
+    def spec(x):
+        if isinstance(x, torch.Tensor):
+            return {d: Dim.AUTO for d in range(x.dim())}
+        return None
+    return (pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)) if kwargs else \
+        pytree.tree_map(spec, args)
+
+
+def _export(model, args, kwargs, dynamic):
+    """torch.export, dynamic first; static shapes as a fallback (with a warning)."""
+    errors = []
+    for use_dynamic in ([True, False] if dynamic else [False]):
+        shapes = _dynamic_shapes(args, kwargs) if use_dynamic else None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+            if use_dynamic is False and dynamic:
+                warnings.warn(f"autopar: {type(model).__name__} traced with static shapes only "
+                              f"(dynamic export failed: {_first_line(errors[0])}); its modules then "
+                              "accept only the example's sizes.", stacklevel=3)
+            return ep, use_dynamic
+        except Exception as e:  # noqa: BLE001 - export raises many kinds; we re-raise as TraceError
+            errors.append(e)
+    raise TraceError(_explain_export_failure(model, errors[-1])) from errors[-1]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _explain_export_failure(model, e: BaseException) -> str:
+    """Name the user's source line where export gave up, and what to do about it."""
+    text = str(e)
+    where = _user_frame(e, text)
+    data_dep = "data-dependent" in text.lower() or "GuardOnDataDependent" in type(e).__name__
+    hint = ("The model branches on tensor values (data-dependent control flow): replace "
+            "`if tensor...` with torch.where / torch.cond, or keep that submodule out of the "
+            "plan (ap.opaque is planned)." if data_dep else
+            "Make the model exportable with torch.export.export(model, args, strict=False) first; "
+            "see https://pytorch.org/docs/stable/export.html for what it supports.")
+    return (f"torch.export could not trace {type(model).__name__}{where}: "
+            f"{type(e).__name__}: {_first_line(e)}\n{hint}")
+
+
+def _user_frame(e: BaseException, text: str) -> str:
+    m = re.findall(r'File "([^"]+)", line (\d+)', text)
+    frames = [(f, int(n)) for f, n in m if "site-packages" not in f and "/torch/" not in f]
+    if not frames:
+        tb = traceback.extract_tb(e.__traceback__)
+        frames = [(f.filename, f.lineno) for f in tb
+                  if "site-packages" not in f.filename and "/torch/" not in f.filename
+                  and "autopar/" not in f.filename]
+    if not frames:
+        return ""
+    f, n = frames[-1]
+    return f" at {f}:{n}"
+
+
+def _tied_parameters(model) -> dict[str, list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in by_id.values() if len(names) > 1}
+
+
+def _check_outputs(traced: Traced) -> None:
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    for v in pytree.tree_leaves(out.args[0])[: traced.n_user_outputs]:
+        if isinstance(v, fx.Node) and not isinstance(v.meta.get("val"), (torch.Tensor, torch.SymInt)):
+            raise TraceError(f"The model returns {type(v.meta.get('val')).__name__} at output "
+                             f"{v.name!r}; autopar needs tensors or (nested) tuples/dicts of tensors.")
+
+
+def split_biases(graph: fx.Graph) -> None:
+    """linear(x, w, b) -> linear(x, w) + b and addmm(b, x, w) -> mm(x, w) + b.
+
+    Why: a row-parallel layer's bias must be added once after the reduction; as its own
+    add node, propagation places it there like any other op.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
+            x, w, b = node.args[:3]
+            _replace_with_add(graph, node, aten.linear.default, (x, w), b)
+        elif node.target is aten.addmm.default and not node.kwargs and len(node.args) == 3:
+            b, x, w = node.args
+            _replace_with_add(graph, node, aten.mm.default, (x, w), b)
+
+
+def _replace_with_add(graph, node, op, op_args, bias):
+    with graph.inserting_before(node):
+        core = graph.call_function(op, op_args)
+        core.meta = dict(node.meta)
+        add = graph.call_function(aten.add.Tensor, (core, bias))
+        add.meta = dict(node.meta)
+    node.replace_all_uses_with(add)
+    graph.erase_node(node)
