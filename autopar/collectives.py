@@ -40,7 +40,10 @@ def use_backend(backend):
 
 
 def install_backend(backend) -> None:
-    """Make ``backend`` the process-wide default (used by ap.compile for real runs)."""
+    """Make ``backend`` the process-wide default (used by ap.compile for real runs).
+
+    It replaces an earlier default of the same kind (a second ap.compile in one process)."""
+    _GLOBAL[:] = [b for b in _GLOBAL if type(b) is not type(backend)]
     _GLOBAL.insert(0, backend)
 
 
