@@ -21,3 +21,6 @@ __all__ = [
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
 ]
+__all__ += ["load_plan", "PlanFileError", "Cost"]
+from .saveload import PlanFileError, load_plan
+from .estimate import Cost
