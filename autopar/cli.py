@@ -119,7 +119,8 @@ def make_plan(opts):
     return plan, args, kwargs
 
 
-def run(opts, out=sys.stdout) -> int:
+def run(opts, out=None) -> int:
+    out = out or sys.stdout
     plan, args, kwargs = make_plan(opts)
     with progress("costing the plan"):
         text = plan.summary() if opts.summary_only else str(plan)
