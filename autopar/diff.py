@@ -81,8 +81,8 @@ def _node_diffs(a, b, ca, cb) -> list[NodeDiff]:
     la, lb = _labels(ca), _labels(cb)
     out = []
     for n in a.graph.nodes:
-        if "autopar" not in n.meta:
-            continue
+        if "autopar" not in n.meta or (n.op == "placeholder" and a.attr_name(n.name)):
+            continue  # parameters are listed by name in PlanDiff.params
         m = other.get(n.name)
         x = " ".join(fmt_spec(s) for s in layout_of(n).outputs)
         y = "(missing)" if m is None else " ".join(fmt_spec(s) for s in layout_of(m).outputs)

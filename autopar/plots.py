@@ -17,7 +17,16 @@ COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "acti
 
 def _figure(w=7.0, h=3.5):
     from matplotlib.figure import Figure
-    return Figure(figsize=(w, h), layout="constrained")
+
+    class PlanFigure(Figure):
+        """A Figure that shows itself in Jupyter without pyplot (no global figure state)."""
+
+        def _repr_png_(self) -> bytes:
+            import io
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", dpi=90)
+            return buf.getvalue()
+    return PlanFigure(figsize=(w, h), layout="constrained")
 
 
 def _unit(values) -> tuple[float, str]:
