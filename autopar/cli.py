@@ -20,6 +20,7 @@ import argparse
 import importlib
 import sys
 
+from .display import plan_table
 from .errors import PlanError
 from .progress import progress
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--save", help="write the plan as JSON")
         s.add_argument("--html", help="write the plan's HTML view")
         s.add_argument("--summary-only", action="store_true", help="print the summary, not the table")
+        s.add_argument("--collectives-only", action="store_true", help="table rows only for ops with collectives")
     return p
 
 
@@ -123,7 +125,7 @@ def run(opts, out=None) -> int:
     out = out or sys.stdout
     plan, args, kwargs = make_plan(opts)
     with progress("costing the plan"):
-        text = plan.summary() if opts.summary_only else str(plan)
+        text = plan.summary() if opts.summary_only else plan_table(plan, only_collectives=opts.collectives_only)
     print(text, file=out)
     for name in opts.explain:
         print("\n" + plan.explain(name), file=out)

@@ -87,11 +87,13 @@ def plan_rows(plan, comms=None) -> list[Row]:
     return rows
 
 
-def plan_table(plan, width: int = 32) -> str:
+def plan_table(plan, width: int = 32, only_collectives: bool = False) -> str:
+    """Summary, then one line per op (``only_collectives``: only the ops with collectives)."""
     comms = plan.collectives()
     head = ("module", "node", "op", "layout", "collectives", "bytes")
     body = [(r.module, r.node, r.op, r.layout, ", ".join(comm_label(c) for c in r.comms),
-             fmt_bytes(r.bytes) if r.comms else "") for r in plan_rows(plan, comms)]
+             fmt_bytes(r.bytes) if r.comms else "") for r in plan_rows(plan, comms)
+            if r.comms or not only_collectives]
     table = [head] + body
     widths = [min(max(len(r[i]) for r in table), width) for i in range(5)]
     lines = [summary(plan, comms), ""]

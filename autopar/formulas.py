@@ -74,7 +74,10 @@ class PlanSymbols:
     def dim(self, size) -> sympy.Expr:
         """One global dim as a formula (SymInt -> named dims, int -> a named size where it fits)."""
         if isinstance(size, torch.SymInt):
-            return sympy.sympify(size.node.expr).xreplace(self.dims)
+            expr = sympy.sympify(size.node.expr).xreplace(self.dims)
+            if expr.free_symbols - set(self.example) and size.node.hint is not None:
+                return sympy.Integer(int(size.node.hint))  # a size not from the inputs: its example value
+            return expr
         return self._static(int(size))
 
     def _static(self, n: int) -> sympy.Expr:

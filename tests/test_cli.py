@@ -17,7 +17,7 @@ GPT_TP = ["--annotate", "blocks.*.attn.qkv=colwise:tp", "--annotate", "blocks.*.
 def test_plan_gpt_prints_table_summary_cost_and_saves(capsys, tmp_path):
     out_file = tmp_path / "gpt.json"
     rc = main(["plan", "autopar.models.examples:gpt", "--mesh", "dp=2,tp=2", *GPT_TP, "--cost",
-               "--sizes", "H=32", "--explain", "blocks.0.mlp.fc", "--save", str(out_file)])
+               "--sizes", "H=32", "--explain", "blocks.0.mlp.fc", "--save", str(out_file), "--collectives-only"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("autopar plan for GPT on Mesh(dp=2, tp=2) (4 ranks)")
@@ -25,6 +25,9 @@ def test_plan_gpt_prints_table_summary_cost_and_saves(capsys, tmp_path):
     assert "communication on tp: 8 collectives, 64.0 KiB per step and rank" in out
     row = next(line for line in out.splitlines() if " linear_default_2 " in line)
     assert "blocks.0.mlp.fc" in row and "(S(0), S(2))" in row and "all_reduce(tp, bwd)" in row
+    assert " gelu " not in out  # --collectives-only: ops without collectives are left out
+    table = out.split("\nmodule blocks.0.mlp.fc")[0]
+    assert sum(" all_reduce(" in line for line in table.splitlines()) == 11
     assert "comm on tp: 64*B*H*S*(tp - 1)/(dp*tp)  = 65536 B" in out
     assert "module blocks.0.mlp.fc" in out
     from autopar.models.examples import gpt
