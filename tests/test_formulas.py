@@ -66,10 +66,10 @@ def mlp_loss(out):
 
 @pytest.fixture(scope="module")
 def gpt_plans():
-    return {shape: gpt_plan(shape) for shape in ((2,), (2, 2))}
+    return {shape: gpt_plan(shape) for shape in ((2,), (4,), (2, 2))}
 
 
-@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+@pytest.mark.parametrize("shape", [(2,), (4,), (2, 2)])
 def test_gpt_formulas_equal_runtime_bytes(gpt_plans, shape):
     plan = gpt_plans[shape]
     idx, tgt = gpt_batch(batch=8, seq=8)
