@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import operator
 import shutil
 import subprocess
 from collections import defaultdict
@@ -23,6 +24,9 @@ from .propagate import module_path
 COLLECTIVE_COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a",
                      "all_to_all": "#c6a3f4", "grad_all_reduce": "#fbd9d9", "shard": "#e0ecfa",
                      "to_partial": "#eeeeee", "scale_grad": "#eeeeee"}
+
+
+SIZE_OPS = {operator.mul, operator.floordiv, operator.add, operator.sub, operator.truediv}
 
 
 class Drawing:
@@ -79,18 +83,23 @@ def _layer(node) -> str:
     return layer_of(module_path(node))
 
 
+def _is_size(node) -> bool:
+    """Symbolic size arithmetic (sym_size, int mul/floordiv): clutter in a drawing of tensors."""
+    return node.op == "call_function" and (_name(node) == "sym_size" or node.target in SIZE_OPS)
+
+
 def to_dot(graph, title: str, params: bool = False) -> str:
     clusters = defaultdict(list)
     edges = []
     for node in graph.nodes:
-        if node.op == "get_attr" and not params:
+        if (node.op == "get_attr" and not params) or _is_size(node):
             continue
         label, fill = _label(node)
         style = f', style=filled, fillcolor="{fill}"' if fill else ""
         clusters[_layer(node)].append(
             f'  "{node.name}" [label="{label}"{style}];')
         for inp in node.all_input_nodes:
-            if inp.op != "get_attr" or params:
+            if (inp.op != "get_attr" or params) and not _is_size(inp):
                 edges.append(f'  "{inp.name}" -> "{node.name}";')
     lines = [f'digraph "{title}" {{', '  rankdir=TB; node [shape=box, fontsize=10, fontname="monospace"];',
              f'  label="{title}"; labelloc=t;']

@@ -1,6 +1,8 @@
 """Plan display: text table and summary, HTML, explain, diff, draw, plots (issue 6)."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 import autopar as ap
@@ -89,8 +91,11 @@ def test_draw_colours_collectives(plan, tmp_path):
     assert d.dot.count('label="grad_all_reduce\\ntp"') == 4
     assert d.dot.count('label="all_reduce\\ndp"') == 2
     assert "subgraph cluster_" in d.dot and 'label="blocks.1"' in d.dot
+    assert "sym_size" not in d.dot  # size arithmetic is left out
     path = d.save(tmp_path / "rank0.dot")
     assert open(path).read() == d.dot
+    if shutil.which("dot"):  # Graphviz present: rendered to SVG
+        assert "<svg" in d.svg and d._repr_svg_() == d.svg
 
 
 def test_plots(plan):
