@@ -85,7 +85,7 @@ def _explain_node(plan, node, comms) -> str:
     if node.op == "placeholder":
         return "\n".join(lines + _consumers(plan, node))
     if lay.alternatives:
-        lines.append("  strategies considered (axis: strategy, cost in bytes moved):")
+        lines.append("  strategies considered (axis: strategy, cost = bytes moved, moves of parameters x16):")
         for a, text, cost in lay.alternatives:
             chosen = lay.strategies[a] is not None and repr(lay.strategies[a]) == text
             lines.append(f"    {_axis(plan, a)}: {text}  {cost:.0f}{'  <- chosen' if chosen else ''}")

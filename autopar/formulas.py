@@ -41,7 +41,8 @@ class PlanSymbols:
 
     @classmethod
     def of(cls, plan, sizes: dict | None = None, names: dict | None = None) -> "PlanSymbols":
-        """Symbols for ``plan``; ``names`` renames input dims ({"idx.1": "T"}), ``sizes`` names static sizes."""
+        """Symbols for ``plan``; ``names`` renames dims ({"S": "T"} or one input's {"idx.1": "T"}),
+        ``sizes`` names static sizes ({"H": 768})."""
         dims, example = {}, {}
         for node in plan.graph.nodes:
             if node.op != "placeholder" or node.name not in plan.traced.user_inputs:
@@ -55,7 +56,8 @@ class PlanSymbols:
                 if s.node.expr in dims:
                     continue
                 hint = int(s.node.hint)
-                name = (names or {}).get(f"{node.name}.{d}") or _default_name(node.name, d, val.dim())
+                default = _default_name(node.name, d, val.dim())
+                name = (names or {}).get(f"{node.name}.{d}") or (names or {}).get(default) or default
                 if example.get(_sym(name), hint) != hint:  # same role, other size: its own symbol
                     name = f"{_ident(node.name)}_{d}"
                 dims[s.node.expr] = _sym(name)

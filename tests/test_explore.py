@@ -54,7 +54,21 @@ def test_html_groups_by_module_and_highlights(plan):
     assert html.count('<tr class="group">') >= len({r.module for r in rows})
     assert html.count("background:#f4a3a3") == 11  # every collective here is an all-reduce
     assert "communication on <b>tp</b>: 8 collectives, 32.0 KiB" in html
-    assert "memory per rank: params" in html
+    assert "memory per rank: params" in html and "on mesh dp=2, tp=2 (4 ranks)" in html
+
+
+def test_progress_line_only_for_slow_steps():
+    import io
+    import time
+
+    from autopar.progress import progress
+    fast, slow = io.StringIO(), io.StringIO()
+    with progress("quick", after=0.5, stream=fast):
+        pass
+    with progress("tracing", after=0.01, stream=slow):
+        time.sleep(0.1)
+    assert fast.getvalue() == ""
+    assert slow.getvalue().startswith("autopar: tracing... done in ")
 
 
 def test_explain_node_param_module(plan):

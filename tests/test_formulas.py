@@ -92,6 +92,10 @@ def test_gpt_tp_formula_per_layer(gpt_plans):
     assert cost.example == {"B": 8, "S": 8, "H": 32, "dp": 2, "tp": 2}
     assert cost.at()["comm"]["tp"] == 2 * 4 * 1 * 4 * 8 * 8 * 32 / 2
     assert cost._repr_latex_().startswith("$$")
+    # 2 layers x 4 all-reduces x 2(tp-1)/tp x a float32 (B/dp, S, H)
+    assert float(cost.comm["tp"].subs({B: 4, S: 16, H: 32, dp: 2, tp: 4})) == 2 * 4 * (6 / 4) * 4 * (4 * 16 * 32) / 2
+    assert set(plan.cost(names={"S": "T"}).example) == {"B", "T", "dp", "tp"}
+    assert set(plan.cost(names={"idx.1": "T"}).example) >= {"B", "T", "dp", "tp"}
 
 
 def test_memory_and_flops_formulas(gpt_plans):
