@@ -92,7 +92,7 @@ class Cost:
         comm = defaultdict(lambda: sympy.Integer(0))
         for c in self.comms:
             n = self.sy.axis(c.axis)
-            comm[c.axis] += alpha * ring_steps(c.kind, n) + c.formula / beta
+            comm[c.axis] += alpha * ring_steps(c.kind, n) + formula_of(c) / beta
         compute = self.flops / fps
         total = compute + sum(comm.values())
         return {"compute": compute, "comm": dict(comm), "total": total}
@@ -118,10 +118,17 @@ class Cost:
         return r"$$\begin{array}{l|l}" + "\n".join(rows) + r"\end{array}$$"
 
 
+def formula_of(comm) -> sympy.Expr:
+    """A Comm's bytes formula; a Comm made without one (numbers only) counts as its number."""
+    if comm.formula is not None:
+        return comm.formula
+    return sympy.Rational(comm.bytes).limit_denominator(10**6)
+
+
 def _sum_by(comms, key) -> dict:
     out: dict = defaultdict(lambda: sympy.Integer(0))
     for c in comms:
-        out[key(c)] += c.formula
+        out[key(c)] += formula_of(c)
     return {k: simplify(v) for k, v in out.items()}
 
 

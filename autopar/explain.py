@@ -98,7 +98,8 @@ def _explain_node(plan, node, comms) -> str:
     here = [c for c in comms if c.node == node.name]
     if here:
         lines.append("  collectives on its inputs:")
-        lines += [f"    {comm_label(c)} {fmt_bytes(c.bytes)} = {c.formula}: {comm_reason(plan, c)}"
+        lines += [f"    {comm_label(c)} {fmt_bytes(c.bytes)}{'' if c.formula is None else f' = {c.formula}'}: "
+                  f"{comm_reason(plan, c)}"
                   for c in here]
     lines += _consumers(plan, node)
     lines += _origins(plan, node)

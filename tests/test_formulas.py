@@ -52,6 +52,7 @@ def planned_bytes(plan, **dims) -> dict:
     cost = plan.cost()
     out = defaultdict(float)
     for c in cost.comms:
+        assert c.formula is not None, f"{c} has no formula"
         out[(c.axis, c.kind)] += cost.sy.value(c.formula, **dims)
     return {k: v for k, v in out.items() if v}
 
