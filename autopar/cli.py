@@ -1,6 +1,6 @@
 """The ``autopar`` command (also ``python -m autopar``).
 
-    autopar plan  PACKAGE.MODULE:FACTORY --mesh dp=2,tp=2 [--preset megatron]
+    autopar plan  PACKAGE.MODULE:FACTORY --mesh dp=2,tp=2 [--preset megatron[:AXIS]] [--sequence-parallel]
                   [--annotate PATTERN=colwise:tp ...] [--dp AXIS|none] [--explain NAME ...]
                   [--cost] [--sizes H=32,V=64] [--save PLAN.json] [--html PLAN.html]
     autopar check PACKAGE.MODULE:FACTORY --mesh ... (same options): simulate every rank and
@@ -71,19 +71,21 @@ def load_factory(target: str):
     return model, args if isinstance(args, tuple) else (args,), (made[2] if len(made) == 3 else {})
 
 
-def preset_annotations(name: str, model, mesh) -> dict:
-    """Annotations from ``autopar.presets.<name>``: a dict, or a callable (model, mesh) -> dict."""
+def preset_annotations(spec: str, model, mesh, args, kwargs, sequence_parallel: bool = False) -> dict:
+    """Annotations from ``autopar.presets``: ``megatron`` or ``megatron:AXIS`` (default axis tp).
+
+    A preset is a function ``preset(model, axis, *, args, kwargs[, sequence_parallel])``
+    returning {pattern: annotation} (issue 3's ``presets.megatron``)."""
+    name, _, axis = spec.partition(":")
+    axis = axis or ("tp" if "tp" in mesh.axis_names else mesh.axis_names[-1])
     try:
-        presets = importlib.import_module("autopar.presets")
-        preset = getattr(presets, name)
+        preset = getattr(importlib.import_module("autopar.presets"), name)
     except (ImportError, AttributeError):
         raise SystemExit(f"autopar: no preset {name!r} in autopar.presets; annotate with "
                          "--annotate PATTERN=colwise:AXIS instead.") from None
-    if isinstance(preset, dict):
-        return dict(preset)
-    if hasattr(preset, "annotations"):
-        preset = preset.annotations
-    return dict(preset(model, mesh))
+    extra = {"sequence_parallel": True} if sequence_parallel else {}
+    with progress(f"finding the {name} annotations"):
+        return dict(preset(model, axis, args=args, kwargs=kwargs, **extra))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=what)
         s.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning (model, example_args)")
         s.add_argument("--mesh", required=True, help="axis sizes, e.g. dp=2,tp=2")
-        s.add_argument("--preset", help="annotations from autopar.presets (e.g. megatron)")
+        s.add_argument("--preset", help="annotations from autopar.presets: NAME or NAME:AXIS (e.g. megatron)")
+        s.add_argument("--sequence-parallel", action="store_true", help="ask the preset for sequence parallelism")
         s.add_argument("--annotate", action="append", default=[], metavar="PATTERN=KIND[:ARG]")
         s.add_argument("--dp", default="auto", help="data-parallel axis ('none' for none; default: "
                                                     "the axis named dp, if any)")
@@ -112,7 +115,8 @@ def make_plan(opts):
     from .api import plan as make
     mesh = parse_mesh(opts.mesh)
     model, args, kwargs = load_factory(opts.factory)
-    annotations = preset_annotations(opts.preset, model, mesh) if opts.preset else {}
+    annotations = preset_annotations(opts.preset, model, mesh, args, kwargs, opts.sequence_parallel) \
+        if opts.preset else {}
     annotations.update(dict(parse_annotation(a) for a in opts.annotate))
     dp = ("dp" if "dp" in mesh.axis_names else None) if opts.dp == "auto" else \
         (None if opts.dp == "none" else opts.dp)

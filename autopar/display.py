@@ -95,7 +95,7 @@ def plan_table(plan, width: int = 32, only_collectives: bool = False) -> str:
              fmt_bytes(r.bytes) if r.comms else "") for r in plan_rows(plan, comms)
             if r.comms or not only_collectives]
     table = [head] + body
-    widths = [min(max(len(r[i]) for r in table), width) for i in range(5)]
+    widths = [min(max(len(r[i]) for r in table), width if i < 4 else 200) for i in range(5)]
     lines = [summary(plan, comms), ""]
     for r in table:
         cells = [_cut(r[i], widths[i]).ljust(widths[i]) for i in range(5)]

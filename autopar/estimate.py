@@ -37,14 +37,15 @@ MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
 
 
 def layer_of(path: str) -> str:
-    """'blocks.3.mlp.fc' -> 'blocks.3' (up to the first index), 'lm_head' -> 'lm_head', '' -> '(top)'."""
+    """'blocks.3.mlp.fc' -> 'blocks.3' (up to the first index); a path without an index stays
+    whole ('lm_head', 'model.embed_tokens'); '' -> '(top)'."""
     if not path:
         return "(top)"
     parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
             return ".".join(parts[: i + 1])
-    return parts[0]
+    return path
 
 
 def op_name(node) -> str:
