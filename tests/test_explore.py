@@ -63,10 +63,10 @@ def test_progress_line_only_for_slow_steps():
 
     from autopar.progress import progress
     fast, slow = io.StringIO(), io.StringIO()
-    with progress("quick", after=0.5, stream=fast):
+    with progress("quick", after=5.0, stream=fast):
         pass
     with progress("tracing", after=0.01, stream=slow):
-        time.sleep(0.1)
+        time.sleep(0.5)
     assert fast.getvalue() == ""
     assert slow.getvalue().startswith("autopar: tracing... done in ")
 
