@@ -23,13 +23,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import sympy
-import torch
 
 from .cost import collectives
 from .formulas import PlanSymbols, ring_steps, simplify
 from .propagate import layout_of, tensor_outputs
 
-aten = torch.ops.aten
 VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze",
          "squeeze", "alias", "slice", "select", "unbind", "split", "split_with_sizes", "chunk",
          "detach", "getitem", "as_strided", "lift_fresh_copy", "sym_size"}

@@ -83,7 +83,7 @@ def _explain_node(plan, node, comms) -> str:
              f"{' '.join(fmt_spec(s) for s in lay.outputs) or 'no tensor output'}",
              f"  why: {lay.reason or '-'}"]
     if node.op == "placeholder":
-        return "\n".join(lines + _consumers(plan, node))
+        return "\n".join(lines + _consumers(plan, node, comms))
     if lay.alternatives:
         lines.append("  strategies considered (axis: strategy, cost = bytes moved, moves of parameters x16):")
         for a, text, cost in lay.alternatives:
@@ -101,19 +101,23 @@ def _explain_node(plan, node, comms) -> str:
         lines += [f"    {comm_label(c)} {fmt_bytes(c.bytes)}{'' if c.formula is None else f' = {c.formula}'}: "
                   f"{comm_reason(plan, c)}"
                   for c in here]
-    lines += _consumers(plan, node)
+    lines += _consumers(plan, node, comms)
     lines += _origins(plan, node)
     return "\n".join(lines)
 
 
-def _consumers(plan, node) -> list[str]:
+def _consumers(plan, node, comms=()) -> list[str]:
+    """Users that need this value in another layout, and the collectives that makes."""
     out = []
     for user in node.users:
-        if user.op == "output" or "autopar" not in user.meta:
+        if "autopar" not in user.meta and user.op != "output":
             continue
         tgt = _target_of(plan, node, user)
-        if tgt is not None and tgt != layout_of(node).spec:
-            out.append(f"  used by {user.name} ({op_name(user)}) as {fmt_spec(tgt)}: redistributed there")
+        if tgt is None or tgt == layout_of(node).spec:
+            continue
+        moved = [c for c in comms if c.node == user.name and c.src == node.name]
+        what = ", ".join(f"{comm_label(c)} {fmt_bytes(c.bytes)}" for c in moved) or "a local slice"
+        out.append(f"  used by {user.name} ({op_name(user)}) as {fmt_spec(tgt)}: {what}")
     return out
 
 

@@ -78,6 +78,7 @@ def test_explain_node_param_module(plan):
     assert "tp: S(2) comes from linear_default_2 <- p_blocks_0_mlp_fc_weight: colwise('tp') from " \
            "pattern 'blocks.*.mlp.fc'" in text
     assert "idx: batch dim split on data-parallel axis 'dp'" in text
+    assert "used by add_tensor_1 (add) as (S(0), R): all_reduce(tp) 4.0 KiB" in plan.explain("linear_default_1")
     param = plan.explain("blocks.0.mlp.fc.weight")
     assert "-> (R, S(0)), local shape (64, 32)" in param and "gradient summed over dp" in param
     module = plan.explain("blocks.0.mlp")
