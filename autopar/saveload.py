@@ -93,7 +93,7 @@ def plan_record(plan) -> dict:
         "model": {"class": type(plan.model).__name__, "params": model_params(plan.model)},
         "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
         "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
-        "options": plan.options, "dynamic": plan.traced.dynamic,
+        "autopar_version": _version(), "options": _options_out(plan.options), "dynamic": plan.traced.dynamic,
         "inputs": {"names": list(plan.traced.user_inputs),
                    "metas": [_input_meta(phs[name]) for name in plan.traced.user_inputs],
                    "spec": pytree.treespec_dumps(plan.traced.in_spec)},
@@ -104,6 +104,38 @@ def plan_record(plan) -> dict:
                   "reasons": dict(seeds.reasons)},
         "nodes": nodes,
     }
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("autopar")
+    except Exception:  # noqa: BLE001 - not installed (running from a checkout)
+        return "unknown"
+
+
+def _options_out(options: dict) -> dict:
+    """JSON values as they are; anything else as {"__repr__": text} (restored as None, with a warning)."""
+    out = {}
+    for k, v in options.items():
+        try:
+            json.dumps(v)
+            out[k] = v
+        except TypeError:
+            out[k] = {"__repr__": repr(v)}
+    return out
+
+
+def _options_in(options: dict, path) -> dict:
+    import warnings
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, dict) and set(v) == {"__repr__"}:
+            warnings.warn(f"autopar: plan option {k!r} = {v['__repr__']} in {path} could not be saved as "
+                          "JSON; it is None in the loaded plan.", stacklevel=3)
+            v = None
+        out[k] = v
+    return out
 
 
 def save_plan(plan, path) -> None:
@@ -188,7 +220,7 @@ def _rebuild(rec, model, mesh, args, kwargs, path):
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     dp = rec["data_parallel"]
     return Plan(model, mesh, traced, seeds, flow, ctx, None if dp is None else mesh.axis_index(dp),
-                dict(rec["options"]))
+                _options_in(rec["options"], path))
 
 
 def _enforce(graph, saved_nodes, mesh, path) -> None:

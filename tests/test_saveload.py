@@ -29,6 +29,7 @@ def test_round_trip_reproduces_layouts(saved):
     rec = json.loads(path.read_text())
     assert rec["format"] == "autopar-plan" and rec["version"] == 1
     assert rec["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"]}
+    assert rec["options"] == plan.options and rec["data_parallel"] == "dp"
     loaded = ap.load_plan(path, plan.model)
     assert layouts(loaded) == layouts(plan)
     assert loaded.param_specs == plan.param_specs and loaded.grad_sync_axes == plan.grad_sync_axes
