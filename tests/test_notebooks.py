@@ -41,3 +41,12 @@ def test_notebook_runs(path):
     if path.stem == "gpt":
         assert "plans agree: same layouts and collectives" in text
         assert any("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_with_outputs(path):
+    """A notebook tells its story with real output: run it and save it before committing."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.get("execution_count") for c in code), f"{path.name}: run it top to bottom, then save"
+    assert sum(bool(c.get("outputs")) for c in code) >= len(code) * 2 // 3
