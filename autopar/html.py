@@ -2,8 +2,10 @@
 
 The header names the mesh and ranks, memory per rank (parameters, gradients, optimizer
 state, activations) and the bytes each rank communicates per step, by axis and phase. The
-table has one group per module path (in graph order) and one row per op; rows with
-collectives are highlighted, each collective coloured by kind.
+table has one group per layer (``blocks.0``; a module path without an index is its own
+group), in graph order, with the sub-module, node, op, layout, collectives and bytes of each
+op; rows with collectives are highlighted, each collective coloured by kind (hover: its
+bytes formula).
 
 Example:
     >>> plan            # in a notebook cell
@@ -15,6 +17,7 @@ from html import escape
 from itertools import groupby
 
 from .display import comm_label, comm_totals, fmt_bytes, memory_numbers, plan_rows
+from .estimate import layer_of
 
 COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a",
           "all_to_all": "#c6a3f4"}
@@ -57,15 +60,16 @@ def plan_html(plan) -> str:
     rows = plan_rows(plan, comms)
     out = [STYLE, '<div class="autopar-plan">', summary_html(plan, comms), "<table>",
            "<tr>" + "".join(f"<th>{h} &#x25BE;</th>" for h in
-                            ("node", "op", "layout", "collectives", "bytes")) + "</tr>"]
-    for module, group in groupby(rows, key=lambda r: r.module):
+                            ("module", "node", "op", "layout", "collectives", "bytes")) + "</tr>"]
+    for layer, group in groupby(rows, key=lambda r: layer_of(r.module)):
         group = list(group)
         total = sum(r.bytes for r in group)
-        out.append(f'<tr class="group"><td colspan="4">{escape(module or "(top)")}</td>'
+        out.append(f'<tr class="group"><td colspan="5">{escape(layer)}</td>'
                    f'<td class="num">{fmt_bytes(total) if total else ""}</td></tr>')
         for r in group:
             cls = ' class="comm"' if r.comms else ""
-            out.append(f"<tr{cls}><td>{escape(r.node)}</td><td>{escape(r.op)}</td>"
+            sub = r.module[len(layer) + 1:] if r.module.startswith(layer + ".") else ""
+            out.append(f"<tr{cls}><td>{escape(sub)}</td><td>{escape(r.node)}</td><td>{escape(r.op)}</td>"
                        f"<td>{escape(r.layout)}</td><td>{''.join(_badge(c) for c in r.comms)}</td>"
                        f'<td class="num">{fmt_bytes(r.bytes) if r.comms else ""}</td></tr>')
     out += ["</table>", "</div>"]

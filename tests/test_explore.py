@@ -51,7 +51,12 @@ def test_html_groups_by_module_and_highlights(plan):
     html = plan._repr_html_()
     rows = plan_rows(plan)
     assert html.count('<tr class="comm">') == sum(1 for r in rows if r.comms)
-    assert html.count('<tr class="group">') >= len({r.module for r in rows})
+    from autopar.estimate import layer_of
+    layers = {layer_of(r.module) for r in rows}
+    assert {"blocks.0", "blocks.1", "(grad sync)", "(outputs)"} <= layers
+    assert html.count('<tr class="group">') >= len(layers)
+    assert '<tr class="group"><td colspan="5">blocks.0</td><td class="num">16.0 KiB</td></tr>' in html
+    assert "<td>attn.proj</td><td>add_tensor_1</td>" in html
     assert html.count("background:#f4a3a3") == 11  # every collective here is an all-reduce
     assert "communication on <b>tp</b>: 8 collectives, 32.0 KiB" in html
     assert "memory per rank: params" in html and "on mesh dp=2, tp=2 (4 ranks)" in html
