@@ -132,3 +132,10 @@ def test_mlp_other_collectives_match_runtime(ann, kinds):
     want = planned_bytes(plan)
     assert kinds <= {k for _, k in want}
     assert runtime_bytes(plan, (x,), mlp_loss) == pytest.approx(want)
+
+
+def test_real_gloo_ranks_send_the_planned_bytes(gloo):
+    """Four real processes (ap.compile, DistBackend): each rank sends what plan.collectives says."""
+    for planned, sent in gloo(4).run("tests.dist_jobs_explore:gpt_bytes_planned_and_sent"):
+        assert sent == pytest.approx(planned)
+        assert planned[("tp", "all_reduce")] == 8 * 4096 and planned[("dp", "all_reduce")] > 0
