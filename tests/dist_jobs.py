@@ -64,5 +64,12 @@ def compile_with_wrong_mesh():
     return "no error"
 
 
+def device_mesh_round_trip(shape, axes):
+    mesh = ap.Mesh(shape, axes)
+    dm = mesh.to_device_mesh()
+    back = ap.Mesh.from_device_mesh(dm)
+    return back == mesh, dm.get_group(axes[-1]).size()
+
+
 def world_info():
     return dist.get_rank(), dist.get_world_size()

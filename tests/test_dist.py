@@ -21,3 +21,8 @@ def test_gpt_training_matches_serial_over_gloo(gloo, world, shape, axes, dp):
 def test_compile_refuses_mesh_of_other_size(gloo):
     for msg in gloo(2).run("tests.dist_jobs:compile_with_wrong_mesh"):
         assert "world has 2 processes but the mesh" in msg and "--nproc-per-node 3" in msg
+
+
+def test_device_mesh_interop(gloo):
+    for same, tp_size in gloo(4).run("tests.dist_jobs:device_mesh_round_trip", (2, 2), ("dp", "tp")):
+        assert same and tp_size == 2

@@ -105,3 +105,19 @@ def test_print_plan_shows_layouts_and_collectives():
     assert "blocks.0.attn.qkv" in text and "S(2)" in text and "all_reduce(tp)" in text
     assert "all_reduce(tp, bwd)" in text
     assert "parameters per rank" in plan.summary()
+
+
+def test_mlp_on_eight_ranks_collectives_and_shapes():
+    from tests.models import MLP, MLP_TP
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    x = torch.randn(8, 16)
+    plan = ap.plan(model, ap.Mesh((8,), ("tp",)), args=(x,), annotations=MLP_TP)
+    kinds = Counter((c.kind, c.phase) for c in plan.collectives())
+    # the first layer reads the user's input, which needs no gradient: no "f" there
+    assert kinds == {("all_reduce", "forward"): 3, ("all_reduce", "backward"): 2}
+    gm = plan.module(7)
+    assert tuple(gm.get_parameter("layers.2.fc1.weight").shape) == (4, 16)
+    assert tuple(gm.get_parameter("layers.2.fc2.weight").shape) == (16, 4)
+    assert tuple(gm.get_parameter("layers.2.fc2.bias").shape) == (16,)
+    plan.check(x)
