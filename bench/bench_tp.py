@@ -119,7 +119,7 @@ def _rows(kind, size, res) -> list[dict]:
 def run(quick: bool) -> list[dict]:
     cases = [("gpt", "tiny"), ("mlp", "tiny")] if quick else \
         [(k, s) for s in ("small", "large") for k in ("gpt", "mlp")]
-    iters, warmup = (3, 1) if quick else (60, 10)
+    iters, warmup = (3, 1) if quick else (int(__import__("os").environ.get("BENCH_ITERS", 60)), 10)
     rows = []
     for kind, size in cases:
         res = pool(2).run("bench.bench_tp:tp_job", kind, size, iters, warmup)[0]
