@@ -174,7 +174,31 @@ class Emitter:
         for axis, s in enumerate(lay.strategies):
             if s is not None and s.lowering:
                 return LOWERINGS[s.lowering](self, node, tuple(args), dict(kwargs), axis)
+        fused = self._fuse_bias(node, args, kwargs)
+        if fused is not None:
+            return fused
         return self.graph.call_function(node.target, tuple(args), dict(kwargs))
+
+    def _fuse_bias(self, node, args, kwargs) -> fx.Node | None:
+        """linear(x, w) + b -> linear(x, w, b) where nothing runs between the two on this rank.
+
+        Why: trace.split_biases separates every bias so that a row-parallel layer can add its
+        bias after the reduction; where no collective ends up in between (column-parallel and
+        replicated linears), the fused kernel saves a pass over the output, forward and
+        backward, as a hand-written module has it.
+        """
+        if node.target is not aten.add.Tensor or len(args) != 2 or kwargs:
+            return None
+        lin, bias = args
+        src, bias_src = node.args
+        if not (isinstance(lin, fx.Node) and lin.target is aten.linear.default and len(lin.args) == 2
+                and not lin.users and len(src.users) == 1 and self.env.get(src) is lin):
+            return None  # not a bare linear, used elsewhere, or a collective in between
+        if not (isinstance(bias, fx.Node) and bias.op == "get_attr" and isinstance(bias_src, fx.Node)
+                and bias_src.meta["val"].dim() == 1 and bias_src.meta["val"].dtype == src.meta["val"].dtype):
+            return None
+        lin.args = (*lin.args, bias)
+        return lin
 
 
 def _tensor_set(lay):
