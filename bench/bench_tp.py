@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from bench.models import annotations, build, loss_of
 
 TARGETS = {("megatron", "small"): "<= 1.03", ("megatron", "large"): "<= 1.03",
            ("dtensor", "small"): "<= 0.50", ("dtensor", "large"): "<= 0.88"}
+
+
+ITERS = {"small": 60, "large": 30}  # pairs per case (BENCH_ITERS overrides)
 
 
 def _styles(kind):
@@ -118,10 +122,10 @@ def _rows(kind, size, res) -> list[dict]:
 
 def run(quick: bool) -> list[dict]:
     cases = [("gpt", "tiny"), ("mlp", "tiny")] if quick else \
-        [(k, s) for s in ("small", "large") for k in ("gpt", "mlp")]
-    iters, warmup = (3, 1) if quick else (int(__import__("os").environ.get("BENCH_ITERS", 60)), 10)
+        [(k, s) for s in os.environ.get("BENCH_SIZES", "small,large").split(",") for k in ("gpt", "mlp")]
     rows = []
     for kind, size in cases:
+        iters, warmup = (3, 1) if quick else (int(os.environ.get("BENCH_ITERS", ITERS[size])), 5)
         res = pool(2).run("bench.bench_tp:tp_job", kind, size, iters, warmup)[0]
         rows += _rows(kind, size, res)
     return rows

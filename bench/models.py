@@ -30,7 +30,7 @@ class MLPStack(nn.Module):
 
 
 # (hidden, mlp hidden, layers, heads, batch, seq): small is overhead-bound, large matmul-bound
-SIZES = {"small": (128, 512, 2, 4, 8, 64), "large": (512, 2048, 2, 8, 8, 64), "tiny": (32, 64, 1, 4, 2, 8)}
+SIZES = {"small": (128, 512, 2, 4, 8, 64), "large": (512, 2048, 2, 8, 4, 64), "tiny": (32, 64, 1, 4, 2, 8)}
 VOCAB = 512
 
 GPT_TP = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp"),
