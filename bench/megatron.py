@@ -98,3 +98,26 @@ def megatronize(model: nn.Module, rank: int, world: int, styles: dict[str, str])
 GPT_STYLES = {"blocks.*.attn.qkv": "col", "blocks.*.attn.proj": "row",
               "blocks.*.mlp.fc": "col", "blocks.*.mlp.proj": "row"}
 MLP_STYLES = {"layers.*.fc1": "col", "layers.*.fc2": "row"}
+
+
+def max_grad_error(serial: nn.Module, tp: nn.Module, args, loss_of, rank: int, world: int) -> float:
+    """Largest relative difference between ``tp``'s gradients (one training step, this rank's
+    pieces) and the matching pieces of the serial model's: the reference must itself be exact."""
+    serial = copy.deepcopy(serial)
+    loss_of(serial(*args)).backward()
+    loss_of(tp(*args)).backward()
+    worst = 0.0
+    full = dict(serial.named_parameters())
+    owners = {f"{n}.{p}": m for n, m in tp.named_modules() for p, _ in m.named_parameters(recurse=False)}
+    for name, p in tp.named_parameters():
+        g = full[name].grad
+        m = owners[name]
+        if isinstance(m, ColumnParallelLinear):
+            n = g.shape[0] // world
+            g = g[rank * n:(rank + 1) * n]
+        elif isinstance(m, RowParallelLinear) and name.endswith("weight"):
+            n = g.shape[1] // world
+            g = g[:, rank * n:(rank + 1) * n]
+        worst = max(worst, ((p.grad - g).abs().max() / g.abs().max().clamp_min(1e-12)).item())
+        p.grad = None
+    return worst
