@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -79,12 +80,17 @@ def contenders(kind, size, rank, world):
     """name -> (module, args), plus notes for contenders that could not be built."""
     model, args = build(kind, size)
     mesh = ap.Mesh((world,), ("tp",))
-    out = {"autopar": (ap.compile(model, mesh, args=args, annotations=annotations(kind)), args),
-           "megatron": (megatronize(model, rank, world, _styles(kind)), args),
-           "megatron_copy": (megatronize(model, rank, world, _styles(kind)), args),
-           "dtensor": (_dtensor(model, world, kind), args)}
-    notes = {}
+    t0 = time.perf_counter()
+    out = {"autopar": (ap.compile(model, mesh, args=args, annotations=annotations(kind)), args)}
+    t1 = time.perf_counter()
+    out.update({"megatron": (megatronize(model, rank, world, _styles(kind)), args),
+                "megatron_copy": (megatronize(model, rank, world, _styles(kind)), args)})
+    t2 = time.perf_counter()
+    out["dtensor"] = (_dtensor(model, world, kind), args)
+    t3 = time.perf_counter()
+    notes = {"build_s": f"autopar {t1 - t0:.1f}, megatron x2 {t2 - t1:.1f}, dtensor {t3 - t2:.1f}"}
     tpt, res = _tp_transform(model, args, rank, world, kind)
+    notes["build_s"] += f", tp_transform {time.perf_counter() - t3:.1f}"
     if tpt is None:
         notes["tp_transform"] = res
     else:
@@ -95,6 +101,7 @@ def contenders(kind, size, rank, world):
 
 def tp_job(kind: str, size: str, iters: int, warmup: int) -> dict:
     """Runs on every rank of the pool: build every contender, check its loss, time them alternately."""
+    t0 = time.perf_counter()
     torch.manual_seed(0)
     rank, world = dist.get_rank(), dist.get_world_size()
     built, notes, serial = contenders(kind, size, rank, world)
@@ -103,7 +110,8 @@ def tp_job(kind: str, size: str, iters: int, warmup: int) -> dict:
     megatron_error = max_grad_error(model, built["megatron"][0], args, loss_of, rank, world)
     steps = {n: _step(m, a) for n, (m, a) in built.items()}
     times = alternate(steps, iters, warmup, barrier=dist.barrier)
-    return {"times": times, "notes": notes, "losses": losses, "serial": serial, "megatron_error": megatron_error}
+    return {"times": times, "notes": notes, "losses": losses, "serial": serial, "megatron_error": megatron_error,
+            "job_s": time.perf_counter() - t0}
 
 
 def _rows(kind, size, res) -> list[dict]:
@@ -113,7 +121,7 @@ def _rows(kind, size, res) -> list[dict]:
     rows = [row("tp_step", case, "megatron / megatron (sanity)", round(median_ratio(t["megatron_copy"], t["megatron"]), 3),
                 "1.00 +- 0.05", f"identical modules{wrong}"),
             row("tp_step", case, "megatron grad error vs serial", float(f"{res['megatron_error']:.2g}"), "< 1e-4",
-                "max relative difference of the reference's gradients (rank 0)")]
+                f"max relative difference of the reference's gradients (rank 0); build s: {res['notes']['build_s']}")]
     for other in ("megatron", "dtensor", "tp_transform"):
         if other not in t:
             rows.append(row("tp_step", case, f"autopar / {other}", None, "", f"{other} fails: {res['notes'][other]}"))
