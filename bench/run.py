@@ -51,6 +51,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join([head, *lines])
 
 
+def results_md(data: dict) -> str:
+    """bench/RESULTS.md: the table of a full run, the machine it ran on, and the command."""
+    return (f"# autopar benchmark results\n\nCommand: `make bench` (= `OMP_NUM_THREADS=1 python -m bench.run`), "
+            f"run {data['started']} on {data['machine']}.\n\n{RESULTS_NOTES}\n\n{markdown(data['rows'])}\n")
+
+
+RESULTS_NOTES = """\
+Ratios are medians of per-iteration ratios, the contenders alternating iteration by iteration
+in one process group (gloo, 2 processes); a ratio below 1 means autopar is faster. The
+sanity row times two identical hand-written modules against each other: its distance from
+1.00 is the noise of that run. Compile times are wall seconds on the same machine; the
+memory figures come from a tensor-allocation counter (bench/bench_memory.py)."""
+
+
 def machine() -> str:
     import torch
     return (f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, Python "
@@ -71,8 +85,10 @@ def main(argv=None) -> int:
         close_pools()
     print(f"\nautopar benchmarks ({started}; {machine()})\n")
     print(markdown(rows))
-    Path(args.out).write_text(json.dumps({"started": started, "machine": machine(), "quick": args.quick,
-                                          "rows": rows}, indent=1))
+    data = {"started": started, "machine": machine(), "quick": args.quick, "rows": rows}
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    if not args.quick and not args.only:  # a full run refreshes the published figures
+        (HERE / "RESULTS.md").write_text(results_md(data))
     return 0
 
 
