@@ -2,7 +2,7 @@
 
 Timing protocol (why): on a small shared machine the speed drifts over seconds, so two
 contenders timed one after the other are not comparable. Here every iteration runs each
-contender once, in an order that rotates per iteration, both ranks starting together
+contender once, in a shuffled order (seeded alike on every rank), both ranks starting together
 (barrier, outside the timed region); the figure is the median over iterations of the
 per-iteration ratio. Identical contenders then read 1.00 +- a few percent.
 
@@ -12,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -50,9 +51,11 @@ def alternate(steps: dict, iters: int, warmup: int, barrier=None) -> dict[str, l
         for n in names:
             steps[n]()
     times: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(iters):
-        k = i % len(names)
-        for n in names[k:] + names[:k]:
+    rng = random.Random(0)  # the same order on every rank: their collectives must match
+    for _ in range(iters):
+        order = names[:]
+        rng.shuffle(order)  # no contender always runs right after another (cache, allocator)
+        for n in order:
             if barrier is not None:
                 barrier()
             t0 = time.perf_counter()
