@@ -39,6 +39,7 @@ class Plan:
         self.model, self.mesh, self.traced, self.seeds = model, mesh, traced, seeds
         self.flow, self.ctx, self.dp_axis, self.options = flow, ctx, dp_axis, options
         self._modules: dict[int, fx.GraphModule] = {}
+        self._comms: list | None = None
 
     # ------------------------------------------------------------------ layout queries
     @property
@@ -47,10 +48,15 @@ class Plan:
 
     def layout(self, name: str):
         """The Layout of a graph node by name (placements, strategies, reason)."""
-        for n in self.graph.nodes:
-            if n.name == name and "autopar" in n.meta:
-                return layout_of(n)
-        raise KeyError(name)
+        node = self._nodes_by_name.get(name)
+        if node is None or "autopar" not in node.meta:
+            raise KeyError(name)
+        return layout_of(node)
+
+    @cached_property
+    def _nodes_by_name(self) -> dict:
+        # one index instead of a scan per query: callers ask for many nodes of large graphs
+        return {n.name: n for n in self.graph.nodes}
 
     def attr_name(self, placeholder: str) -> str | None:
         t = self.traced
@@ -231,7 +237,9 @@ class Plan:
     def collectives(self) -> list:
         """Every collective one training step runs (forward, backward, gradient sync), per rank."""
         from .cost import collectives
-        return collectives(self)
+        if self._comms is None:  # a plan does not change once made; str(plan) asks twice
+            self._comms = collectives(self)
+        return list(self._comms)
 
     def __str__(self) -> str:
         return display.plan_table(self)
