@@ -7,6 +7,7 @@ Example:
     >>> runner = plan.pipeline_runner(rank)          # under torch.distributed or plan.simulate
     >>> loss = runner.step((idx, tg)); opt.step()
 """
+from .api import with_pipeline
 from .options import Pipeline, PipelineError, SplitBefore, split_before
 
-__all__ = ["Pipeline", "PipelineError", "SplitBefore", "split_before"]
+__all__ = ["Pipeline", "PipelineError", "SplitBefore", "split_before", "with_pipeline"]

@@ -6,6 +6,8 @@ Example:
 """
 from __future__ import annotations
 
+import copy
+
 from ..placement import Replicate
 from ..propagate import layout_of
 from .options import Pipeline, PipelineError, SplitBefore
@@ -71,3 +73,17 @@ def pipeline_runner(plan, rank: int, distributed: bool | None = None, **kwargs):
     runner = PipelineRunner(plan, rank, p2p_group=group, **kwargs)
     dist_setup.broadcast_replicated(runner)
     return runner
+
+
+def with_pipeline(plan, pipeline: Pipeline, split_before=()):
+    """The same plan (same trace and layouts) with other pipeline options, without tracing again.
+
+    Example:
+        >>> gpipe = with_pipeline(plan, ap.Pipeline("pp", microbatches=8, schedule="gpipe"))
+    """
+    check_options(pipeline, plan.mesh, plan.mesh.axis_names[plan.dp_axis] if plan.dp_axis is not None else None,
+                  {}, list(split_before))
+    new = copy.copy(plan)
+    new._modules = {}
+    attach(new, pipeline, list(split_before))
+    return new

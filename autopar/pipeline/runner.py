@@ -68,8 +68,8 @@ class PipelineRunner:
         self.coords = plan.mesh.coords(rank)
         self.pp_rank = self.coords[lay.axis]
         self.stage_ids = [s for s in range(lay.n_stages) if lay.rank_of_stage(s) == self.pp_rank]
-        self._params: dict = {}
-        self.modules = {s: build_stage_module(plan, rank, s, self._params) for s in self.stage_ids}
+        self.params: dict = {}
+        self.modules = {s: build_stage_module(plan, rank, s, self.params) for s in self.stage_ids}
         self.holder = self._holder()
         self.grad_sync = self._grad_sync()
         self.tied_groups = self._tied_groups()
@@ -82,7 +82,7 @@ class PipelineRunner:
     def _holder(self) -> nn.Module:
         """A module holding this rank's parameters under their serial names (tied: the first)."""
         holder = nn.Module()
-        for fqn, value in self._params.items():
+        for fqn, value in self.params.items():
             if isinstance(value, nn.Parameter) and fqn not in dict(holder.named_parameters()):
                 if not any(value is p for p in holder.parameters()):
                     set_attr(holder, fqn, value)
@@ -110,12 +110,12 @@ class PipelineRunner:
         """Weights this rank shares with other pipeline ranks, with the ranks to sum over."""
         out = []
         for names in self.plan.traced.tied.values():
-            if not any(n in self._params for n in names):
+            if not any(n in self.params for n in names):
                 continue
             holders = sorted({self.layout.rank_of_stage(st.index) for st in self.layout.stages
                               for ph in st.attrs if self.plan.attr_name(ph) in names})
             if len(holders) > 1:
-                out.append((self._params[next(n for n in names if n in self._params)],
+                out.append((self.params[next(n for n in names if n in self.params)],
                             tuple(self.rank_at(c) for c in holders)))
         return out
 
