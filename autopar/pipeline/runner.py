@@ -39,12 +39,14 @@ from .stage_module import build_stage_module
 
 @dataclass
 class Event:
-    """One action as it ran: perf_counter start and end of its compute (waits excluded)."""
+    """One action as it ran: perf_counter start and end of its compute (waits excluded), and
+    the CPU time its thread spent (robust when ranks share cores, as simulated ranks do)."""
     kind: str
     microbatch: int
     stage: int
     start: float
     end: float
+    cpu: float = 0.0
 
 
 @dataclass
@@ -205,12 +207,12 @@ class PipelineRunner:
         args, received = self._recv_inputs(a, train)
         keep_graph = train and not self.options.checkpoint
         counter = _SavedBytes(self.holder)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with (counter if keep_graph else contextlib.nullcontext()), torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
             sends, loss = self._split_outputs(st, outs, a.microbatch)
         t1 = time.perf_counter()
-        self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1))
+        self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0))
         for (name, dsts), v in zip(st.send, sends):
             for d in dsts:
                 x = v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64)
@@ -243,7 +245,7 @@ class PipelineRunner:
     def _backward(self, a) -> None:
         st, lay = self.layout.stages[a.stage], self.layout
         sv = self._saved.pop((a.microbatch, a.stage))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         extra = 0
         if self.options.checkpoint:  # recompute this stage's forward, now keeping its graph
             counter = _SavedBytes(self.holder)
@@ -252,7 +254,7 @@ class PipelineRunner:
                 sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
             extra = counter.bytes
             self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes + extra)
-        t_wait = time.perf_counter()
+        t_wait, c_wait = time.perf_counter(), time.thread_time()
         tensors, grads = [], []
         for (name, dsts), v in zip(st.send, sv.sends):
             if lay.kinds[name] != "grad":
@@ -265,7 +267,7 @@ class PipelineRunner:
             if v.requires_grad:
                 tensors.append(v)
                 grads.append(g)
-        t_go = time.perf_counter()
+        t_go, c_go = time.perf_counter(), time.thread_time()
         if st.has_output:
             if sv.loss is None:
                 raise PipelineError("The model returns no scalar loss: pass Pipeline(loss=fn) or "
@@ -281,7 +283,8 @@ class PipelineRunner:
         t1 = time.perf_counter()
         self._held_bytes -= sv.nbytes
         # The event's time is compute only: recomputation plus backward, not the gradient wait.
-        self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1))
+        cpu = time.thread_time() - c0 - (c_go - c_wait)
+        self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
 
     def _split_outputs_quiet(self, st, outs, mb):
         keep, losses, metrics = self._keep, self._losses, self._metrics

@@ -49,14 +49,19 @@ def measured_idle(events_per_rank) -> list[float]:
     return [1.0 - sum(e.end - e.start for e in evs) / span for evs in events_per_rank]
 
 
-def replayed_idle(plan, events_per_rank) -> list[float]:
-    """Idle fraction per pipeline rank with the measured durations replayed on the schedule."""
-    dur = {}
+def replayed_idle(plan, events_per_rank, cpu: bool = True, stat=min) -> list[float]:
+    """Idle fraction per pipeline rank with measured durations replayed on the schedule's
+    dependencies: each stage's forward (and backward) takes ``stat`` (default: the fastest,
+    as timeit does, since a shared machine only ever adds time) of its measured CPU times
+    (wall-clock with ``cpu=False``) over its micro-batches, and over several steps when their
+    timelines are concatenated."""
+    times: dict = {}
     for evs in events_per_rank:
         for e in evs:
-            dur[schedules.Action(e.kind, e.microbatch, e.stage)] = e.end - e.start
+            times.setdefault((e.kind, e.stage), []).append(e.cpu if cpu else e.end - e.start)
+    dur = {k: stat(v) for k, v in times.items()}
     sched = plan_schedule(plan, forward_only=not any(e.kind == "B" for evs in events_per_rank for e in evs))
-    played = schedules.replay(sched, plan.stage_layout.n_stages, lambda a: dur[a])
+    played = schedules.replay(sched, plan.stage_layout.n_stages, lambda a: dur[(a.kind, a.stage)])
     return schedules.idle_fraction(played)
 
 
