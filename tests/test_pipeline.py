@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import autopar as ap
-from autopar.pipeline import PipelineError, with_pipeline
+from autopar.pipeline import PipelineError, schedules, timeline, with_pipeline
 from autopar.pipeline.split import _candidates, _param_bytes, balanced_cuts, node_flops
 from autopar.propagate import module_paths
 from autopar.simulate import run_ranks
@@ -20,6 +20,7 @@ MESHES = {  # name -> (shape, axes, data-parallel axis)
     "pp4": ((4,), ("pp",), None),
     "pp2xtp2": ((2, 2), ("pp", "tp"), None),
     "dp2xpp2": ((2, 2), ("dp", "pp"), "dp"),
+    "dp2xpp2xtp2": ((2, 2, 2), ("dp", "pp", "tp"), "dp"),
 }
 SCHEDULES = [("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
              ("gpipe", 1, True), ("1f1b", 1, True), ("interleaved", 2, True)]
@@ -49,7 +50,7 @@ def run_step(plan, batch, labels=None, **kw):
     return runners, losses
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", [m for m in MESHES if len(MESHES[m][0]) < 3])
 @pytest.mark.parametrize("schedule,chunks,ckpt", SCHEDULES)
 def test_gpt_step_equals_serial(gpt, mesh, schedule, chunks, ckpt):
     model, batch, (serial_loss, serial_grads) = gpt
@@ -67,6 +68,11 @@ def test_gpt_step_equals_serial(gpt, mesh, schedule, chunks, ckpt):
             held = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
             assert held == {plan.attr_name(ph) for ph in plan.stage_layout.stages[s].attrs
                             if plan.attr_name(ph) in held}
+
+
+@pytest.mark.parametrize("schedule,chunks,ckpt", [("1f1b", 1, True), ("interleaved", 2, False)])
+def test_3d_mesh_dp_pp_tp(gpt, schedule, chunks, ckpt):
+    test_gpt_step_equals_serial(gpt, "dp2xpp2xtp2", schedule, chunks, ckpt)
 
 
 def test_memory_in_flight_counts(gpt):
@@ -223,5 +229,11 @@ def test_schedule_table_and_figure(gpt):
     assert isinstance(fig, matplotlib.figure.Figure)
     assert len(fig.axes[0].patches) == 2 * 2 * 4  # one bar per action: 2 ranks x (F + B) x 4 micro-batches
     runners, _ = run_step(plan, gpt[1])
+    for r, runner in zip(range(2), runners):  # the runner ran exactly the schedule, in order
+        assert [(e.kind, e.microbatch, e.stage) for e in runner.timeline] == \
+            [(a.kind, a.microbatch, a.stage) for a in schedules.build("1f1b", 2, 4)[r]]
+        assert all(e.end >= e.start and e.cpu >= 0 for e in runner.timeline)
+    idle = timeline.replayed_idle(plan, [r.timeline for r in runners])
+    assert len(idle) == 2 and all(0 <= v < 1 for v in idle)
     fig = plan.timeline_figure([r.timeline for r in runners])
     assert len(fig.axes[0].patches) == 16

@@ -56,6 +56,7 @@ class _Saved:
     sends: list = field(default_factory=list)
     loss: torch.Tensor | None = None
     nbytes: int = 0
+    rng: torch.Tensor | None = None   # CPU RNG state at the forward, replayed when recomputing
 
 
 class PipelineRunner:
@@ -207,6 +208,7 @@ class PipelineRunner:
         args, received = self._recv_inputs(a, train)
         keep_graph = train and not self.options.checkpoint
         counter = _SavedBytes(self.holder)
+        rng = torch.get_rng_state() if train and not keep_graph else None
         t0, c0 = time.perf_counter(), time.thread_time()
         with (counter if keep_graph else contextlib.nullcontext()), torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
@@ -219,7 +221,7 @@ class PipelineRunner:
                 self._ch.send(x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0))
         if train:
             nbytes = counter.bytes if keep_graph else sum(_nbytes(x) for x in args)
-            self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes)
+            self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
             self._held_bytes += nbytes
             held = len(self._saved)
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], held)
@@ -249,7 +251,8 @@ class PipelineRunner:
         extra = 0
         if self.options.checkpoint:  # recompute this stage's forward, now keeping its graph
             counter = _SavedBytes(self.holder)
-            with counter, torch.enable_grad():
+            with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(sv.rng)  # the same dropout masks as the forward
                 outs = self.modules[a.stage](*sv.args)
                 sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
             extra = counter.bytes
