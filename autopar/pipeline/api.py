@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 
 from ..placement import Replicate
-from ..propagate import layout_of
 from .options import Pipeline, PipelineError, SplitBefore
 from .split import split_stages
 

@@ -14,7 +14,6 @@ Example:
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
