@@ -114,6 +114,10 @@ def test_skip_connections_and_multi_tensor_boundaries():
         torch.testing.assert_close(met, metric.detach(), rtol=1e-5, atol=1e-6)
     errors = [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
     assert not errors, errors
+    # no loss: the last stage fails, and the ranks waiting on it stop instead of hanging
+    bare = with_pipeline(plan, ap.Pipeline("pp", microbatches=2), split_before=list(SKIP_SPLITS))
+    with pytest.raises(ap.SimulationError, match="no scalar loss"):
+        run_step(bare, (x,))
 
 
 def test_tied_weights_one_value_after_sgd(gpt):

@@ -50,6 +50,8 @@ def attach(plan, pipeline: Pipeline, splits: list[str]) -> None:
                 raise PipelineError(f"Node {node.name!r} was laid out {spec[axis]!r} on the pipeline axis "
                                     f"{pipeline.axis!r}; the pipeline axis must stay replicated.")
     plan.stage_layout = split_stages(plan.traced, plan.mesh, pipeline, splits)
+    from .timeline import slots
+    slots(plan)  # the schedule is valid for these sizes and cannot deadlock (raises if not)
 
 
 def require_pipeline(plan):

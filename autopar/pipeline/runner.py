@@ -60,6 +60,18 @@ class _Saved:
 
 
 class PipelineRunner:
+    """One rank's pipeline stages and their schedule.
+
+    Attributes: ``modules`` (stage index -> GraphModule, only its parameters), ``params``
+    (serial name -> this rank's Parameter, tied names included), ``timeline`` (Events of the
+    last step), ``stats`` (``max_in_flight``, ``peak_activation_bytes``), ``outputs`` (last
+    stage, ``evaluate(keep_outputs=True)``).
+
+    Example:
+        >>> runner = plan.pipeline_runner(rank)
+        >>> loss = runner.step((idx, targets)); opt.step(); opt.zero_grad()
+    """
+
     def __init__(self, plan, rank: int, loss=None, metric=None, p2p_group=None):
         self.plan, self.rank = plan, plan.mesh.check_rank(rank)
         self.layout = lay = plan.stage_layout
@@ -84,11 +96,11 @@ class PipelineRunner:
     # ------------------------------------------------------------------ parameters
     def _holder(self) -> nn.Module:
         """A module holding this rank's parameters under their serial names (tied: the first)."""
-        holder = nn.Module()
+        holder, seen = nn.Module(), set()
         for fqn, value in self.params.items():
-            if isinstance(value, nn.Parameter) and fqn not in dict(holder.named_parameters()):
-                if not any(value is p for p in holder.parameters()):
-                    set_attr(holder, fqn, value)
+            if isinstance(value, nn.Parameter) and id(value) not in seen:
+                seen.add(id(value))
+                set_attr(holder, fqn, value)
         return holder
 
     def named_parameters(self):
@@ -173,7 +185,7 @@ class PipelineRunner:
         self._ch = channel(current_backend(), self.rank, self.p2p_group)
         self._saved: dict = {}
         self._losses, self._metrics, self.outputs = [], [], []
-        self._keep = keep_outputs
+        self._keep, self._training = keep_outputs, train
         self.timeline = []
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0}
         self._held_bytes = 0
@@ -237,6 +249,9 @@ class PipelineRunner:
         loss = self.loss_fn(outputs, labels) if self.loss_fn else _own_loss(flat)
         if loss is not None:
             self._losses.append(loss.detach())
+        elif self._training:
+            raise PipelineError("The model returns no scalar loss: pass Pipeline(loss=fn) or "
+                                "plan.pipeline_runner(rank, loss=fn) with fn(outputs, labels) -> scalar.")
         if self.metric_fn is not None:
             with torch.no_grad():
                 self._metrics.append(torch.as_tensor(self.metric_fn(outputs, labels), dtype=torch.float32))
@@ -248,33 +263,12 @@ class PipelineRunner:
         st, lay = self.layout.stages[a.stage], self.layout
         sv = self._saved.pop((a.microbatch, a.stage))
         t0, c0 = time.perf_counter(), time.thread_time()
-        extra = 0
-        if self.options.checkpoint:  # recompute this stage's forward, now keeping its graph
-            counter = _SavedBytes(self.holder)
-            with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(sv.rng)  # the same dropout masks as the forward
-                outs = self.modules[a.stage](*sv.args)
-                sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
-            extra = counter.bytes
-            self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes + extra)
+        if self.options.checkpoint:
+            self._recompute(a, st, sv)
         t_wait, c_wait = time.perf_counter(), time.thread_time()
-        tensors, grads = [], []
-        for (name, dsts), v in zip(st.send, sv.sends):
-            if lay.kinds[name] != "grad":
-                continue
-            g = None
-            for d in dsts:
-                gd = self._ch.recv(self.rank_at(lay.rank_of_stage(d)), self._tag(a.microbatch, name, d, 1),
-                                   self.dtypes[name])
-                g = gd if g is None else g + gd
-            if v.requires_grad:
-                tensors.append(v)
-                grads.append(g)
+        tensors, grads = self._output_grads(a, st, sv)
         t_go, c_go = time.perf_counter(), time.thread_time()
         if st.has_output:
-            if sv.loss is None:
-                raise PipelineError("The model returns no scalar loss: pass Pipeline(loss=fn) or "
-                                    "plan.pipeline_runner(rank, loss=fn) with fn(outputs, labels) -> scalar.")
             tensors.append(sv.loss)
             grads.append(torch.full_like(sv.loss, 1.0 / self.options.microbatches))
         with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext():
@@ -288,6 +282,33 @@ class PipelineRunner:
         # The event's time is compute only: recomputation plus backward, not the gradient wait.
         cpu = time.thread_time() - c0 - (c_go - c_wait)
         self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
+
+    def _recompute(self, a, st, sv) -> None:
+        """Checkpointing: run the stage's forward again, now keeping its graph."""
+        counter = _SavedBytes(self.holder)
+        with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(sv.rng)  # the same dropout masks as the forward
+            outs = self.modules[a.stage](*sv.args)
+            sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
+        peak = self._held_bytes + counter.bytes
+        self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], peak)
+
+    def _output_grads(self, a, st, sv):
+        """The gradients of this stage's sent values, summed over the stages that read them."""
+        lay = self.layout
+        tensors, grads = [], []
+        for (name, dsts), v in zip(st.send, sv.sends):
+            if lay.kinds[name] != "grad":
+                continue
+            g = None
+            for d in dsts:
+                gd = self._ch.recv(self.rank_at(lay.rank_of_stage(d)), self._tag(a.microbatch, name, d, 1),
+                                   self.dtypes[name])
+                g = gd if g is None else g + gd
+            if v.requires_grad:
+                tensors.append(v)
+                grads.append(g)
+        return tensors, grads
 
     def _split_outputs_quiet(self, st, outs, mb):
         keep, losses, metrics = self._keep, self._losses, self._metrics
