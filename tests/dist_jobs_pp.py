@@ -120,3 +120,18 @@ def gpt_pipeline_sgd(shape, axes, dp, steps=2, lr=0.1):
             ref = shard_tensor(named[name].detach(), plan.param_specs[name], plan.mesh, rank)
             worst = max(worst, ((p.detach() - ref).abs().max() / ref.abs().max()).item())
     return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
+
+
+def skipnet_matches_serial():
+    """SkipNet on 4 real ranks: skips over stages, a bool mask and two tensors at once."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = SkipNet()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    plan = ap.plan(model, ap.Mesh((4,), ("pp",)), args=(x,), annotations=SKIP_SPLITS,
+                   pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse))
+    serial_loss, serial_grads = serial_step(model, (x,), mse, y)
+    runner = plan.pipeline_runner(rank)
+    loss = runner.step((x,), y)
+    return {"loss": loss.item(), "serial": serial_loss.item(),
+            "errors": grad_errors(plan, rank, runner, serial_grads)}

@@ -30,3 +30,9 @@ def test_pp4_sgd_real_gloo(gloo):
     for r in results:
         assert r["losses"] == pytest.approx(r["serial"], rel=1e-5)
         assert r["max_rel_param"] < 1e-5
+
+
+def test_skips_masks_multi_tensor_real_gloo(gloo):
+    for r in gloo(4).run("tests.dist_jobs_pp:skipnet_matches_serial"):
+        assert r["loss"] == pytest.approx(r["serial"], rel=1e-5)
+        assert not r["errors"], r["errors"]

@@ -91,6 +91,8 @@ class DistChannel:
         if dst == self.rank:
             return self.local.put(x, tag)
         x = x.detach().contiguous()
+        if x.dtype == torch.bool:  # not every backend sends bools: go as bytes
+            x = x.to(torch.uint8)
         if x.dim() > HEADER - 1:
             raise ValueError(f"autopar pipeline: cannot send a {x.dim()}-d tensor (at most {HEADER - 1} dims).")
         header = torch.zeros(HEADER, dtype=torch.int64)
@@ -106,9 +108,9 @@ class DistChannel:
         header = torch.empty(HEADER, dtype=torch.int64)
         dist.recv(header, src, group=self.group, tag=2 * tag)
         shape = header[1: 1 + int(header[0])].tolist()
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
         dist.recv(out, src, group=self.group, tag=2 * tag + 1)
-        return out
+        return out.bool() if dtype == torch.bool else out
 
     def flush(self) -> None:
         for work, _keep in self.pending:
