@@ -49,17 +49,23 @@ def measured_idle(events_per_rank) -> list[float]:
     return [1.0 - sum(e.end - e.start for e in evs) / span for evs in events_per_rank]
 
 
-def replayed_idle(plan, events_per_rank, cpu: bool = True, stat=min) -> list[float]:
+def replayed_idle(plan, events_per_rank, cpu: bool = True) -> list[float]:
     """Idle fraction per pipeline rank with measured durations replayed on the schedule's
-    dependencies: each stage's forward (and backward) takes ``stat`` (default: the fastest,
-    as timeit does, since a shared machine only ever adds time) of its measured CPU times
-    (wall-clock with ``cpu=False``) over its micro-batches, and over several steps when their
-    timelines are concatenated."""
-    times: dict = {}
+    dependencies (each rank on its own core, messages free).
+
+    Each stage's forward (and backward) takes its mean CPU time (wall-clock with
+    ``cpu=False``) over the micro-batches of one step, and with several steps' timelines
+    concatenated, the smallest of those step means: a shared machine only ever adds time.
+    """
+    per_step: dict = {}   # (kind, stage) -> {step: [durations]}
+    seen: dict = {}
     for evs in events_per_rank:
         for e in evs:
-            times.setdefault((e.kind, e.stage), []).append(e.cpu if cpu else e.end - e.start)
-    dur = {k: stat(v) for k, v in times.items()}
+            key = (e.kind, e.microbatch, e.stage)
+            step = seen[key] = seen.get(key, -1) + 1   # the k-th time an action appears: step k
+            per_step.setdefault((e.kind, e.stage), {}).setdefault(step, []).append(
+                e.cpu if cpu else e.end - e.start)
+    dur = {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per_step.items()}
     sched = plan_schedule(plan, forward_only=not any(e.kind == "B" for evs in events_per_rank for e in evs))
     played = schedules.replay(sched, plan.stage_layout.n_stages, lambda a: dur[(a.kind, a.stage)])
     return schedules.idle_fraction(played)
