@@ -1,18 +1,14 @@
 """Plots of a plan (matplotlib Figures, no pyplot state): memory per rank, communication per
-layer and axis, and a timeline of events (the pipeline schedule's hook).
+layer and axis. The pipeline timeline is ``plan.timeline_figure()`` (autopar/pipeline/timeline.py).
 
 Example:
     >>> fig = plan.plot_memory()          # stacked bars: params, grads, optimizer, activations
     >>> fig = plan.plot_comm(B=64)        # bytes per step per layer and axis, at batch 64
-    >>> fig = plot_timeline([TimelineEvent("stage 0", 0.0, 1.0, "F0", "forward"), ...])
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 KINDS = ("params", "grads", "optimizer", "activations")
-COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2",
-          "forward": "#4c72b0", "backward": "#dd8452", "comm": "#c44e52", "idle": "#dddddd"}
+COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2"}
 
 
 def _figure(w=7.0, h=3.5):
@@ -80,34 +76,4 @@ def plot_comm(plan, **dims):
     ax.set_ylabel(f"{unit} per step and rank")
     ax.set_title("communication per layer and mesh axis")
     ax.legend(title="axis")
-    return fig
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One bar of a timeline: a lane (rank or stage), start and duration (any unit), label, kind."""
-    lane: str
-    start: float
-    duration: float
-    label: str = ""
-    kind: str = "forward"   # forward | backward | comm | idle | anything (colour by COLORS)
-
-
-def plot_timeline(events, title: str = "schedule", unit: str = "time"):
-    """A Gantt chart of ``events`` (TimelineEvent or (lane, start, duration, label, kind) tuples).
-
-    The pipeline schedules hand their micro-batch steps here (one lane per stage)."""
-    events = [e if isinstance(e, TimelineEvent) else TimelineEvent(*e) for e in events]
-    lanes = list(dict.fromkeys(e.lane for e in events))
-    fig = _figure(8.0, 0.5 * len(lanes) + 1.5)
-    ax = fig.add_subplot()
-    for e in events:
-        y = lanes.index(e.lane)
-        ax.barh(y, e.duration, left=e.start, color=COLORS.get(e.kind, "#999999"), edgecolor="white")
-        if e.label:
-            ax.text(e.start + e.duration / 2, y, e.label, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.invert_yaxis()
-    ax.set_xlabel(unit)
-    ax.set_title(title)
     return fig

@@ -139,6 +139,11 @@ def _options_in(options: dict, path) -> dict:
 
 
 def save_plan(plan, path) -> None:
+    if getattr(plan, "stage_layout", None) is not None:
+        raise PlanFileError(
+            "Saving a pipelined plan is not supported yet (its stages are not recorded). Save the plan "
+            "made without pipeline=..., load it with ap.load_plan, then add the pipeline with "
+            "autopar.pipeline.with_pipeline(plan, ap.Pipeline(...), split_before=[...]).")
     with open(path, "w") as f:
         json.dump(plan_record(plan), f, indent=1)
 

@@ -72,3 +72,14 @@ def test_refuses_other_model_mesh_or_file(saved, tmp_path):
     other.write_text("{}")
     with pytest.raises(ap.PlanFileError, match="not an autopar plan file"):
         ap.load_plan(other, plan.model)
+
+
+def test_pipelined_plan_refused_with_the_way_out(tmp_path):
+    import torch
+
+    from tests.models import MLP
+    model = MLP(layers=2)
+    plan = ap.plan(model, ap.Mesh((2,), ("pp",)), args=(torch.randn(8, 16),),
+                   pipeline=ap.Pipeline("pp", microbatches=2))
+    with pytest.raises(ap.PlanFileError, match="with_pipeline"):
+        plan.save(tmp_path / "pp.json")
