@@ -15,9 +15,12 @@ from .mesh import Mesh
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
 from .simulate import SimulationError
+from .dataparallel import DataParallel, DataParallelError
+from .zero import ZeroOptimizer
 
 __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
+    "DataParallel", "DataParallelError", "ZeroOptimizer",
 ]

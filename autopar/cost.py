@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .gradsync import make_buckets
 from .placement import Partial, Replicate, Shard, local_shape
 from .propagate import layout_of, module_path
 from .redistribute import backward_bytes, plan_steps, step_bytes
@@ -99,20 +98,25 @@ def collectives(plan) -> list[Comm]:
 
 
 def _sync_comms(plan) -> list[Comm]:
-    mesh = plan.mesh
-    params = dict(plan.model.named_parameters())
-    local_sizes = {}
-    for n, p in params.items():
-        spec = plan.param_specs.get(n)
-        local_sizes[n] = p.new_empty(local_shape(tuple(p.shape), spec, mesh), device="meta").requires_grad_(
-            p.requires_grad) if spec else p
-    buckets = make_buckets(local_sizes, plan.grad_sync_axes, plan.options.get("bucket_bytes", 25 * 2**20),
-                           plan.options.get("bucket_max_params"))
+    """Gradient-sync collectives per step: per bucket and axis (ZeRO adds an all-gather per dp
+    bucket after the step; local SGD has none on dp, its parameter average every k steps aside)."""
+    mesh, dp = plan.mesh, plan.data_parallel
     out = []
-    for i, b in enumerate(buckets):
-        nbytes = b.numel * b.dtype.itemsize
+    for i, b in enumerate(plan.grad_buckets()):
         for a in b.axes:
             n = mesh.shape[a]
-            out.append(Comm("all_reduce", mesh.axis_names[a], "grad sync", 2 * (n - 1) / n * nbytes,
-                            f"bucket {i} ({len(b.names)} params)", ""))
+            nbytes = b.numel * b.dtype.itemsize
+            where = f"bucket {i} ({len(b.names)} params)"
+            if a != plan.dp_axis or dp is None:
+                out.append(Comm("all_reduce", mesh.axis_names[a], "grad sync", 2 * (n - 1) / n * nbytes, where, ""))
+                continue
+            if dp.local_sgd_every is not None:
+                continue
+            wire = b.numel * (dp.reduce_dtype.itemsize if dp.reduce_dtype is not None else b.dtype.itemsize)
+            if dp.zero == 2:
+                out.append(Comm("reduce_scatter", mesh.axis_names[a], "grad sync", (n - 1) / n * wire, where, ""))
+            else:
+                out.append(Comm("all_reduce", mesh.axis_names[a], "grad sync", 2 * (n - 1) / n * wire, where, ""))
+            if dp.zero:
+                out.append(Comm("all_gather", mesh.axis_names[a], "optimizer", (n - 1) / n * nbytes, where, ""))
     return out
