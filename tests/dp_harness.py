@@ -115,3 +115,32 @@ def worst_difference(merged: dict, ref: dict) -> float:
 def compare(merged: dict, ref: dict, option: str, where: str) -> None:
     for n, p in ref.items():
         torch.testing.assert_close(merged[n], p.detach(), **tolerance(option), msg=lambda m: f"{where} {n}: {m}")
+
+
+class Recorder:
+    """Wraps a collective backend and records, per rank, every collective it is asked for."""
+
+    KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+             "all_reduce_async", "reduce_scatter_async", "all_gather_async")
+
+    def __init__(self, inner, events=None):
+        self.inner, self.calls, self.events = inner, {}, events
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.KINDS:
+            return attr
+
+        def call(*args):
+            i = next(k for k, a in enumerate(args) if isinstance(a, tuple))
+            group, rank = args[i], args[i + 1]
+            numel = next(a for a in args if isinstance(a, torch.Tensor)).numel()
+            self.calls.setdefault(rank, []).append((name, group, numel))
+            if self.events is not None:
+                self.events.append(("launch", rank, name))
+            return attr(*args)
+        return call
+
+
+def sync_calls(calls):
+    return [c for c in calls if c[0].endswith("_async")]
