@@ -1,0 +1,53 @@
+"""gloo jobs for the data-parallel tests (each worker runs the job as its rank)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autopar as ap
+from autopar.collectives import current_backend, use_backend
+from tests import dp_harness as H
+
+
+def _compiled_plan(mesh_name, seed_per_rank=False):
+    shape, axes = H.MESHES[mesh_name]
+    model = H.make_model(seed=100 + dist.get_rank() if seed_per_rank else 0)
+    ann = H.MLP_TP if "tp" in axes else {}
+    module = ap.compile(model, ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
+                        data_parallel="dp")
+    return module, module.autopar_plan
+
+
+def numerics(mesh_name, options):
+    """Every option x optimizer for STEPS steps; rank 0 returns the worst relative difference."""
+    rank = dist.get_rank()
+    _, plan = _compiled_plan(mesh_name)
+    out = {}
+    for option in options:
+        p = plan.with_data_parallel(ap.DataParallel("dp", **H.OPTIONS[option]))
+        for opt_name in H.OPTIMIZERS:
+            mine = H.train_rank(p, rank, opt_name)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            if rank == 0:
+                out[(option, opt_name)] = H.worst_difference(p.merge_state_dicts(gathered),
+                                                             H.reference(p, opt_name))
+    return out
+
+
+def calls(mesh_name, option):
+    """One training step recorded: this rank's collectives (kind, group, numel) in order."""
+    _, plan = _compiled_plan(mesh_name)
+    p = plan.with_data_parallel(ap.DataParallel("dp", **H.OPTIONS[option]))
+    rec = H.Recorder(current_backend())
+    with use_backend(rec):
+        H.train_rank(p, dist.get_rank(), "sgd", H.batches(1))
+    return rec.calls[dist.get_rank()], len(p.grad_buckets())
+
+
+def broadcast_from_first_rank():
+    """Ranks build their models with different seeds; ap.compile makes them all rank 0's."""
+    module, _ = _compiled_plan("dp2", seed_per_rank=True)
+    mine = {n: p.detach().clone() for n, p in module.named_parameters()}
+    first = H.make_model(seed=100)
+    return all(torch.equal(mine[n], p.detach()) for n, p in first.named_parameters())
