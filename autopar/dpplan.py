@@ -7,6 +7,8 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .gradsync import GradSync, make_buckets
@@ -51,6 +53,15 @@ def attach(plan, gm: torch.nn.Module, rank: int) -> None:
     if dp is not None and dp.local_sgd_every is not None:
         from .localsgd import LocalSGD
         gm.autopar_local_sgd = LocalSGD(sync, dp.local_sgd_every)
+
+
+def exact_gradients(plan):
+    """The plan with plain fp32 all-reduce on dp (what Plan.check compares with serial):
+    ZeRO, local SGD and a reduce dtype change what the optimizer gets, not the layouts."""
+    dp = plan.data_parallel
+    if dp is None or (not dp.zero and dp.local_sgd_every is None and dp.reduce_dtype is None):
+        return plan
+    return plan.with_data_parallel(dataclasses.replace(dp, zero=0, local_sgd_every=None, reduce_dtype=None))
 
 
 def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
