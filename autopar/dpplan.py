@@ -35,12 +35,10 @@ def param_order(plan) -> list[str]:
         fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
         if fqn is not None:
             first[fqn] = min((pos[u] for u in node.users), default=len(nodes))
-    order = sorted(first, key=lambda n: -first[n])
-    for names in plan.traced.tied.values():  # every alias of a tied parameter at its first name's place
-        for n in names:
-            if n not in first and names[0] in first:
-                order.insert(order.index(names[0]) + 1, n)
-    return order
+    for names in plan.traced.tied.values():  # a tied tensor: its first use under any of its names
+        uses = [first[n] for n in names if n in first]
+        first.update({n: min(uses) for n in names} if uses else {})
+    return sorted(first, key=lambda n: -first[n])
 
 
 def attach(plan, gm: torch.nn.Module, rank: int) -> None:

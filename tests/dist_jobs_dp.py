@@ -45,9 +45,16 @@ def calls(mesh_name, option):
     return rec.calls[dist.get_rank()], len(p.grad_buckets())
 
 
-def broadcast_from_first_rank():
-    """Ranks build their models with different seeds; ap.compile makes them all rank 0's."""
-    module, _ = _compiled_plan("dp2", seed_per_rank=True)
+def broadcast_from_first_rank(mesh_name):
+    """Ranks build their models with different seeds; after ap.compile every rank holds the
+    pieces of the first rank of its dp group (and, on dp only, rank 0's model)."""
+    module, plan = _compiled_plan(mesh_name, seed_per_rank=True)
     mine = {n: p.detach().clone() for n, p in module.named_parameters()}
-    first = H.make_model(seed=100)
-    return all(torch.equal(mine[n], p.detach()) for n, p in first.named_parameters())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    first = gathered[plan.mesh.group("dp", dist.get_rank())[0]]
+    same_in_group = all(torch.equal(mine[n], first[n]) for n in mine)
+    differs_from_own_init = any(not torch.equal(mine[n], p.detach())
+                                for n, p in H.make_model(seed=100 + dist.get_rank()).named_parameters()
+                                if n in mine and mine[n].shape == p.shape)
+    return same_in_group, differs_from_own_init or plan.mesh.group("dp", dist.get_rank())[0] == dist.get_rank()

@@ -206,3 +206,43 @@ def test_plain_name_keeps_defaults_and_plan_records_options():
     zero = plan_for("dp2", zero=2, bucket_max_params=3)
     kinds = [c.kind for c in zero.collectives() if c.phase in ("grad sync", "optimizer")]
     assert kinds == ["reduce_scatter", "all_gather"] * len(zero.grad_buckets())
+
+
+@pytest.mark.parametrize("option", ["zero1", "zero2", "localsgd2"])
+def test_no_sync_accumulation_then_step(option):
+    """Accumulate 2 micro-batches under no_sync, sync on the 3rd, step: as serial on all 3."""
+    plan = plan_for("dp2xtp2", **H.OPTIONS[option])
+    data = H.batches(3)
+
+    def step(rank):
+        module = plan.build_module(rank)
+        opt = H.make_optimizer(module, "adamw", plan.data_parallel.zero)
+        with module.no_sync():
+            for x in data[:2]:
+                H.loss_of(module(plan.local_inputs(rank, x)[0][0])).backward()
+        H.loss_of(module(plan.local_inputs(rank, data[2])[0][0])).backward()
+        opt.step()
+        if option == "localsgd2":
+            module.autopar_local_sgd.average()
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+    merged = plan.merge_state_dicts(run(plan, step))
+    models = [H.make_model() for _ in range(2)]  # local SGD: one replica per dp rank, then the average
+    for i, model in enumerate(models if option == "localsgd2" else models[:1]):
+        opt = torch.optim.AdamW(model.parameters(), **H.OPTIMIZERS["adamw"][1])
+        for x in data:
+            H.loss_of(model(x.chunk(2)[i] if option == "localsgd2" else x)).backward()
+        opt.step()
+    ref = {n: p.detach() for n, p in models[0].named_parameters()}
+    if option == "localsgd2":
+        ref = {n: (p + models[1].get_parameter(n).detach()) / 2 for n, p in ref.items()}
+    H.compare(merged, ref, option, f"no_sync {option}")
+
+
+def test_tp_sharded_gradients_are_reduced_over_dp_only():
+    plan = plan_for("dp2xtp2", bucket_max_params=1)
+    axes = {b.names[0]: b.axes for b in plan.grad_buckets()}
+    assert axes["layers.0.fc1.weight"] == (0,) and axes["norm.weight"] == (0,)
+    rec = H.Recorder(SimBackend(4))
+    run(plan, lambda r: H.train_rank(plan, r, "sgd", H.batches(1)), backend=rec)
+    for rank in plan.mesh.ranks():
+        assert {g for _, g, _ in H.sync_calls(rec.calls[rank])} == {plan.mesh.group("dp", rank)}

@@ -31,5 +31,7 @@ def test_collectives_per_step_and_order_on_gloo(gloo, mesh_name, option):
     assert all(s == seqs[0] for s in seqs)
 
 
-def test_parameters_broadcast_from_first_rank(gloo):
-    assert gloo(2).run("tests.dist_jobs_dp:broadcast_from_first_rank") == [True, True]
+@pytest.mark.parametrize("mesh_name", ["dp2", "dp2xtp2"])
+def test_parameters_broadcast_from_first_rank_of_each_dp_group(gloo, mesh_name):
+    results = gloo(WORLD[mesh_name]).run("tests.dist_jobs_dp:broadcast_from_first_rank", mesh_name)
+    assert all(same and changed for same, changed in results), results
