@@ -58,3 +58,18 @@ def broadcast_from_first_rank(mesh_name):
                                 for n, p in H.make_model(seed=100 + dist.get_rank()).named_parameters()
                                 if n in mine and mine[n].shape == p.shape)
     return same_in_group, differs_from_own_init or plan.mesh.group("dp", dist.get_rank())[0] == dist.get_rank()
+
+
+def overlap(mesh_name):
+    """The order of events in one backward on this rank: bucket launches (async collectives
+    handed to gloo) and the accumulation of the first layer's weight gradient."""
+    _, plan = _compiled_plan(mesh_name)
+    p = plan.with_data_parallel(ap.DataParallel("dp", bucket_max_params=2))
+    rank, events = dist.get_rank(), []
+    module = p.build_module(rank)
+    module.get_parameter("layers.0.fc1.weight").register_post_accumulate_grad_hook(
+        lambda _: events.append(("first layer grad", rank, "")))
+    (x,), _ = p.local_inputs(rank, H.batches(1)[0])
+    with use_backend(H.Recorder(current_backend(), events)):
+        H.loss_of(module(x)).backward()
+    return [e[0] for e in events]

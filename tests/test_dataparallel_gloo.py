@@ -35,3 +35,9 @@ def test_collectives_per_step_and_order_on_gloo(gloo, mesh_name, option):
 def test_parameters_broadcast_from_first_rank_of_each_dp_group(gloo, mesh_name):
     results = gloo(WORLD[mesh_name]).run("tests.dist_jobs_dp:broadcast_from_first_rank", mesh_name)
     assert all(same and changed for same, changed in results), results
+
+
+def test_first_bucket_in_flight_before_first_layer_backward_on_gloo(gloo):
+    for kinds in gloo(2).run("tests.dist_jobs_dp:overlap", "dp2"):
+        assert kinds.index("launch") < kinds.index("first layer grad"), kinds
+        assert kinds.count("launch") == 5  # 10 parameters, 2 per bucket
