@@ -5,7 +5,8 @@ option at its default) or a DataParallel naming the axis and the options:
 
 - ``bucket_mb`` / ``bucket_max_params``: gradients are fused into flat buckets bounded by
   bytes and by count (grouped by dtype), one collective per bucket, launched during backward
-  as soon as the bucket's last gradient is accumulated.
+  as soon as the bucket's last gradient is accumulated. As in DDP the first bucket is
+  smaller (``first_bucket_mb``, 1 MB) so that communication starts early in backward.
 - ``zero``: 0 (plain all-reduce, every rank steps everything), 1 (optimizer state sharded:
   gradients all-reduced, each rank steps only its 1/dp slice of every bucket and the slices
   are all-gathered) or 2 (gradients too: reduce-scattered, the non-owned gradient memory is
@@ -39,12 +40,14 @@ class DataParallel:
     zero: int = 0
     local_sgd_every: int | None = None
     reduce_dtype: torch.dtype | None = None
+    first_bucket_mb: float = 1.0  # as DDP: a small first bucket starts communication early
 
     def __post_init__(self):
         if not isinstance(self.axis, str):
             raise DataParallelError(f"DataParallel axis must be a mesh axis name, got {self.axis!r}.")
-        if not self.bucket_mb > 0:
-            raise DataParallelError(f"DataParallel(bucket_mb={self.bucket_mb}) must be > 0 (25 is DDP's default).")
+        if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
+            raise DataParallelError(f"DataParallel(bucket_mb={self.bucket_mb}, first_bucket_mb={self.first_bucket_mb}) "
+                                    "must be > 0 (DDP's defaults: 25 and 1).")
         if self.bucket_max_params is not None and self.bucket_max_params < 1:
             raise DataParallelError("DataParallel(bucket_max_params=...) must be None or >= 1.")
         if self.zero not in (0, 1, 2):
@@ -65,6 +68,10 @@ class DataParallel:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        return int(min(self.first_bucket_mb, self.bucket_mb) * 2**20)
 
     @classmethod
     def of(cls, value, bucket_mb: float = 25.0, bucket_max_params: int | None = None) -> "DataParallel | None":

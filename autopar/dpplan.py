@@ -77,7 +77,8 @@ def grad_buckets(plan, rank: int = 0):
     dp, opts = plan.data_parallel, plan.options
     size = dp.bucket_bytes if dp is not None else opts.get("bucket_bytes", 25 * 2**20)
     count = dp.bucket_max_params if dp is not None else opts.get("bucket_max_params")
-    return make_buckets(local_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan))
+    first = dp.first_bucket_bytes if dp is not None else None
+    return make_buckets(local_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
 
 
 def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]:

@@ -47,16 +47,18 @@ class Bucket:
 
 def make_buckets(params: dict[str, torch.nn.Parameter], sync_axes: dict[str, tuple[int, ...]],
                  bucket_bytes: int = 25 * 2**20, bucket_max_params: int | None = None,
-                 order: list[str] | None = None) -> list[Bucket]:
+                 order: list[str] | None = None, first_bucket_bytes: int | None = None) -> list[Bucket]:
     """Deterministic buckets (same on every rank) for the parameters that need a sync.
 
     ``order``: parameter names in the order their gradients become ready (default: reverse
     registration order); names not in it follow in reverse registration order.
+    ``first_bucket_bytes``: a smaller bound for the first bucket of each (axes, dtype).
     """
     names = [n for n in (order or []) if n in params]
     names += [n for n in reversed(list(params)) if n not in set(names)]
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
+    closed: set[tuple] = set()
     for name in names:
         p = params[name]
         axes = sync_axes.get(name)
@@ -66,10 +68,12 @@ def make_buckets(params: dict[str, torch.nn.Parameter], sync_axes: dict[str, tup
         b = open_.setdefault(key, Bucket([], axes, p.dtype, 0))
         b.names.append(name)
         b.numel += p.numel()
-        full_bytes = b.numel * p.element_size() >= bucket_bytes
+        first = first_bucket_bytes is not None and key not in closed
+        full_bytes = b.numel * p.element_size() >= (min(bucket_bytes, first_bucket_bytes) if first else bucket_bytes)
         full_count = bucket_max_params is not None and len(b.names) >= bucket_max_params
         if full_bytes or full_count:
             done.append(open_.pop(key))
+            closed.add(key)
     return done + list(open_.values())
 
 
@@ -80,10 +84,11 @@ class GradSync:
                  bucket_bytes: int = 25 * 2**20, bucket_max_params: int | None = None,
                  dp: DataParallel | None = None, dp_axis: int | None = None, order: list[str] | None = None):
         self.mesh, self.rank, self.dp, self.dp_axis = mesh, rank, dp, dp_axis
+        first = None
         if dp is not None:
-            bucket_bytes, bucket_max_params = dp.bucket_bytes, dp.bucket_max_params
+            bucket_bytes, bucket_max_params, first = dp.bucket_bytes, dp.bucket_max_params, dp.first_bucket_bytes
         self.params = dict(module.named_parameters())
-        self.buckets = make_buckets(self.params, sync_axes, bucket_bytes, bucket_max_params, order)
+        self.buckets = make_buckets(self.params, sync_axes, bucket_bytes, bucket_max_params, order, first)
         self.bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b.names}
         self.enabled = True
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
