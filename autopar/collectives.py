@@ -296,7 +296,7 @@ class DistBackend:
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         try:
             return _Work(rs(out, flat, group=self._pg(group, rank), async_op=True), out)
-        except RuntimeError:
+        except (RuntimeError, NotImplementedError):  # no reduce-scatter in this process group
             work = dist.all_reduce(flat, group=self._pg(group, rank), async_op=True)
             return _Work(work, flat.view(n, -1)[pos])
 

@@ -93,4 +93,6 @@ class DataParallel:
             parts.append(f"local_sgd_every={self.local_sgd_every}")
         if self.reduce_dtype is not None:
             parts.append(f"reduce_dtype={self.reduce_dtype}")
+        if self.first_bucket_mb != 1.0:
+            parts.append(f"first_bucket_mb={self.first_bucket_mb:g}")
         return f"DataParallel({', '.join(parts)})"
