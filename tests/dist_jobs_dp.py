@@ -9,12 +9,12 @@ from autopar.collectives import current_backend, use_backend
 from tests import dp_harness as H
 
 
-def _compiled_plan(mesh_name, seed_per_rank=False):
+def _compiled_plan(mesh_name, seed_per_rank=False, zero=0):
     shape, axes = H.MESHES[mesh_name]
     model = H.make_model(seed=100 + dist.get_rank() if seed_per_rank else 0)
     ann = H.MLP_TP if "tp" in axes else {}
     module = ap.compile(model, ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
-                        data_parallel="dp")
+                        data_parallel=ap.DataParallel("dp", zero=zero, bucket_max_params=3))
     return module, module.autopar_plan
 
 
@@ -45,10 +45,15 @@ def calls(mesh_name, option):
     return rec.calls[dist.get_rank()], len(p.grad_buckets())
 
 
-def broadcast_from_first_rank(mesh_name):
+def broadcast_from_first_rank(mesh_name, zero=0):
     """Ranks build their models with different seeds; after ap.compile every rank holds the
-    pieces of the first rank of its dp group (and, on dp only, rank 0's model)."""
-    module, plan = _compiled_plan(mesh_name, seed_per_rank=True)
+    pieces of the first rank of its dp group (ZeRO: also after a step through the flat shards)."""
+    module, plan = _compiled_plan(mesh_name, seed_per_rank=True, zero=zero)
+    if zero:
+        opt = ap.ZeroOptimizer(module, torch.optim.AdamW, lr=0.01)
+        (x,), _ = plan.local_inputs(dist.get_rank(), H.batches(1)[0])
+        H.loss_of(module(x)).backward()
+        opt.step()
     mine = {n: p.detach().clone() for n, p in module.named_parameters()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

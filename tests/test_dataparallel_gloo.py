@@ -31,9 +31,9 @@ def test_collectives_per_step_and_order_on_gloo(gloo, mesh_name, option):
     assert all(s == seqs[0] for s in seqs)
 
 
-@pytest.mark.parametrize("mesh_name", ["dp2", "dp2xtp2"])
-def test_parameters_broadcast_from_first_rank_of_each_dp_group(gloo, mesh_name):
-    results = gloo(WORLD[mesh_name]).run("tests.dist_jobs_dp:broadcast_from_first_rank", mesh_name)
+@pytest.mark.parametrize("mesh_name,zero", [("dp2", 0), ("dp2xtp2", 2)])
+def test_parameters_broadcast_from_first_rank_of_each_dp_group(gloo, mesh_name, zero):
+    results = gloo(WORLD[mesh_name]).run("tests.dist_jobs_dp:broadcast_from_first_rank", mesh_name, zero)
     assert all(same and changed for same, changed in results), results
 
 
