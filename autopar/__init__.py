@@ -14,6 +14,7 @@ from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanEr
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
+from .pipeline import Pipeline, PipelineError, split_before
 from .simulate import SimulationError
 from .dataparallel import DataParallel, DataParallelError
 from .zero import ZeroOptimizer
@@ -23,4 +24,5 @@ __all__ = [
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
     "DataParallel", "DataParallelError", "ZeroOptimizer",
+    "Pipeline", "PipelineError", "split_before",
 ]
