@@ -7,19 +7,19 @@ same global batch. Contenders, built in the same processes and timed side by sid
 - ``autopar``: ap.compile(..., data_parallel=ap.DataParallel("dp", bucket_mb=same));
 - ``per_param``: the same plan with bucket_max_params=1 (one all-reduce per parameter).
 
-Timing protocol: every iteration runs each contender once (forward, backward, optimizer
-step, zero_grad), in an order that rotates per iteration, both ranks starting together
-(barrier outside the timed region); the figure is the median over iterations of the
-per-iteration ratio, after warm-up. Rank 0's times are reported.
+Timing protocol (bench/common.py): every iteration runs each contender once (forward,
+backward, optimizer step, zero_grad), in a shuffled order seeded alike on every rank, both
+ranks starting together (barrier outside the timed region); the figure is the median over
+iterations of the per-iteration ratio, after warm-up. Rank 0's times are reported.
 
 Example:
     $ PYTHONPATH=. python bench/bench_dp.py          # full size
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
+
+from bench.common import alternate, close_pools, median_ratio, ms, pool, row
 
 SIZES = {  # name -> (layers, embd, heads, vocab, seq, batch per rank)
     "quick": (2, 64, 4, 256, 32, 4),
@@ -74,23 +74,6 @@ def _contenders(size: str):
             "per_param": _stepper(per_param.build_module(rank), a_args, a_kw)}, len(plan.grad_buckets())
 
 
-def _alternate(steps: dict, iters: int, warmup: int) -> dict[str, list[float]]:
-    import torch.distributed as dist
-    names = list(steps)
-    for _ in range(warmup):
-        for n in names:
-            steps[n]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(iters):
-        k = i % len(names)
-        for n in names[k:] + names[:k]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[n]()
-            times[n].append(time.perf_counter() - t0)
-    return times
-
-
 def dp_job(size: str, iters: int, warmup: int) -> dict:
     """Runs on every rank: build the contenders, check they agree on the loss, time them."""
     import torch
@@ -103,36 +86,33 @@ def dp_job(size: str, iters: int, warmup: int) -> dict:
             torch.distributed.all_reduce(loss)
             loss /= torch.distributed.get_world_size()
         losses[n] = loss.item()
-    times = _alternate(steps, iters, warmup)
+    times = alternate(steps, iters, warmup, barrier=torch.distributed.barrier)
     return {"times": times, "losses": losses, "buckets": n_buckets}
 
 
-def _median_ratio(a, b) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
 def _row(case, metric, value, target="", note=""):
-    return {"benchmark": "dp", "case": case, "metric": metric, "value": value, "target": target, "note": note}
+    return row("dp", case, metric, value, target, note)
 
 
 def run(quick: bool) -> list[dict]:
-    from autopar.launch import GlooPool
     size = "quick" if quick else "full"
-    iters, warmup = (6, 2) if quick else (30, 5)
-    with GlooPool(2, timeout=900.0) as pool:
-        res = pool.run("bench.bench_dp:dp_job", size, iters, warmup)[0]
+    iters, warmup = (20, 3) if quick else (30, 5)
+    res = pool(2).run("bench.bench_dp:dp_job", size, iters, warmup)[0]
     t = res["times"]
     layers, embd, *_ = SIZES[size]
     case = f"GPT {layers}x{embd}, 2 gloo ranks, bucket {BUCKET_MB:g} MB"
-    med = {n: statistics.median(v) * 1e3 for n, v in t.items()}
+    med = {n: ms(v) for n, v in t.items()}
     agree = max(res["losses"].values()) - min(res["losses"].values())
     note = (f"median step ms: ddp {med['ddp']:.1f}, autopar {med['autopar']:.1f}, per-param "
             f"{med['per_param']:.1f}; {res['buckets']} bucket(s); first-step losses agree to {agree:.1e}")
-    return [_row(case, "autopar / DDP step time", round(_median_ratio(t["autopar"], t["ddp"]), 3), "<= 1.05", note),
+    return [_row(case, "autopar / DDP step time", round(median_ratio(t["autopar"], t["ddp"]), 3), "<= 1.05", note),
             _row(case, "per-parameter / fused step time",
-                 round(_median_ratio(t["per_param"], t["autopar"]), 3), "", "one all-reduce per parameter vs buckets")]
+                 round(median_ratio(t["per_param"], t["autopar"]), 3), "", f"one all-reduce per parameter; n={iters}")]
 
 
 if __name__ == "__main__":
-    for r in run(quick="--quick" in sys.argv):
-        print(r)
+    try:
+        for r in run(quick="--quick" in sys.argv):
+            print(r)
+    finally:
+        close_pools()
