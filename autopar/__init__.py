@@ -16,11 +16,14 @@ from .placement import Partial, Replicate, Shard
 from .plan import Plan
 from .pipeline import Pipeline, PipelineError, split_before
 from .simulate import SimulationError
+from .dataparallel import DataParallel, DataParallelError
+from .zero import ZeroOptimizer
 
 __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
+    "DataParallel", "DataParallelError", "ZeroOptimizer",
     "Pipeline", "PipelineError", "split_before",
 ]
 __all__ += ["load_plan", "PlanFileError", "Cost"]

@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .annotate import resolve
+from .dataparallel import DataParallel
 from .errors import AnnotationError, MeshError
 from .gradflow import analyse
 from .mesh import Mesh
@@ -20,18 +21,22 @@ from .pipeline import api as pipeline_api
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
-         data_parallel: str | None = None, strict: bool = False, dynamic: bool = True,
+         data_parallel=None, strict: bool = False, dynamic: bool = True,
          bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
     ap.colwise / ap.rowwise / ap.replicate / ap.place. ``data_parallel`` names the axis the
-    batch (dim 0 of every input) is split on. ``strict`` makes an op without a rule on a
+    batch (dim 0 of every input) is split on, or is an ap.DataParallel with that axis and its
+    options (buckets, ZeRO, local SGD, reduce dtype); ``bucket_mb`` / ``bucket_max_params``
+    apply when it is a plain name. ``strict`` makes an op without a rule on a
     split input an error instead of a gathered, replicated fallback.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
+    dp = DataParallel.of(data_parallel, bucket_mb, bucket_max_params)
+    data_parallel = dp.axis if dp is not None else None
     annotations, splits = pipeline_api.take_splits(annotations)
     pipeline_api.check_options(pipeline, mesh, data_parallel, annotations, splits)
     dp_axis = mesh.axis_index(data_parallel) if data_parallel is not None else None
@@ -45,7 +50,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     ctx = propagate(traced, mesh, seeds, strict)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
-               "strict": strict}
+               "strict": strict, "data_parallel": dp}
     result = Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
     if pipeline is not None:
         pipeline_api.attach(result, pipeline, splits)

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
+from . import dpplan
 from .errors import PlanMismatch
 from .placement import shard_tensor
 
@@ -52,6 +53,7 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     serial_grads = dict(zip(trainable, grads))
 
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    plan = dpplan.exact_gradients(plan)  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
     inputs = [plan.local_inputs(r, *args, **kwargs) for r in plan.mesh.ranks()]
     local_weights = [[None if w is None else shard_tensor(w, s, plan.mesh, r)

@@ -320,6 +320,29 @@ class DistBackend:
         import torch.distributed as dist
         dist.broadcast(x, src=group[0], group=self._pg(group, rank))
 
+    # -- used by the data-parallel gradient sync and ZeRO (issue 4) --------------------------
+    def reduce_scatter_async(self, flat, group, rank):
+        """Sum ``flat`` (numel divisible by the group size) over the group; wait() gives this
+        rank's contiguous chunk. Falls back to all-reduce + slice where the process group has
+        no reduce-scatter (older gloo)."""
+        import torch.distributed as dist
+        n, pos = len(group), _pos(group, rank)
+        out = flat.new_empty(flat.numel() // n)
+        self._note("reduce_scatter", group, flat)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        try:
+            return _Work(rs(out, flat, group=self._pg(group, rank), async_op=True), out)
+        except (RuntimeError, NotImplementedError):  # no reduce-scatter in this process group
+            work = dist.all_reduce(flat, group=self._pg(group, rank), async_op=True)
+            return _Work(work, flat.view(n, -1)[pos])
+
+    def all_gather_async(self, out, chunk, group, rank):
+        """Concatenate every rank's ``chunk`` into ``out`` (numel = group size * chunk numel)."""
+        import torch.distributed as dist
+        self._note("all_gather", group, chunk)
+        work = dist.all_gather_into_tensor(out, chunk, group=self._pg(group, rank), async_op=True)
+        return _Work(work, out)
+
 
 class _Work:
     def __init__(self, work, result):

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import sympy
 import torch.fx as fx
 
-from .gradsync import make_buckets
 from .formulas import PlanSymbols, simplify
-from .placement import Partial, Replicate, Shard, local_shape
+from .placement import Partial, Replicate, Shard
 from .propagate import layout_of, module_path
 from .redistribute import backward_bytes, plan_steps, step_bytes
 
@@ -104,22 +103,29 @@ def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
 
 
 def _sync_comms(plan, sy) -> list[Comm]:
-    mesh = plan.mesh
+    """Gradient-sync collectives per step: per bucket and axis (ZeRO adds an all-gather per dp
+    bucket after the step; local SGD has none on dp, its parameter average every k steps aside)."""
+    mesh, dp = plan.mesh, plan.data_parallel
     params = dict(plan.model.named_parameters())
-    local_sizes = {}
-    for n, p in params.items():
-        spec = plan.param_specs.get(n)
-        local_sizes[n] = p.new_empty(local_shape(tuple(p.shape), spec, mesh), device="meta").requires_grad_(
-            p.requires_grad) if spec else p
-    buckets = make_buckets(local_sizes, plan.grad_sync_axes, plan.options.get("bucket_bytes", 25 * 2**20),
-                           plan.options.get("bucket_max_params"))
     out = []
-    for i, b in enumerate(buckets):
-        nbytes = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names) * b.dtype.itemsize
+    for i, b in enumerate(plan.grad_buckets()):
+        numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names)
+        nbytes = numel * b.dtype.itemsize
+        where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))
         for a in b.axes:
-            n = sy.axes[a]
-            out.append(_comm(sy, "all_reduce", mesh.axis_names[a], "grad sync", 2 * (n - 1) / n * nbytes,
-                             f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names)))
+            n, axis = sy.axes[a], mesh.axis_names[a]
+            if a != plan.dp_axis or dp is None:
+                out.append(_comm(sy, "all_reduce", axis, "grad sync", 2 * (n - 1) / n * nbytes, *where))
+                continue
+            if dp.local_sgd_every is not None:
+                continue
+            wire = numel * (dp.reduce_dtype.itemsize if dp.reduce_dtype is not None else b.dtype.itemsize)
+            if dp.zero == 2:
+                out.append(_comm(sy, "reduce_scatter", axis, "grad sync", (n - 1) / n * wire, *where))
+            else:
+                out.append(_comm(sy, "all_reduce", axis, "grad sync", 2 * (n - 1) / n * wire, *where))
+            if dp.zero:
+                out.append(_comm(sy, "all_gather", axis, "optimizer", (n - 1) / n * nbytes, *where))
     return out
 
 

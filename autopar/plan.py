@@ -25,7 +25,7 @@ from torch.export._unlift import _get_codegen
 from . import display
 from .emit import emit_graph
 from .errors import InputError
-from .gradsync import GradSync
+from . import dpplan
 from .placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from .propagate import layout_of
 from .simulate import run_ranks
@@ -113,6 +113,38 @@ class Plan:
             out[key] = tuple(sorted(set(out.get(key, ())) | set(axes)))
         return out
 
+    # -------------------------------------------------------------- data parallel (issue 4)
+    @property
+    def data_parallel(self):
+        """The ap.DataParallel options of the dp axis (None without data parallelism)."""
+        return self.options.get("data_parallel")
+
+    def with_data_parallel(self, data_parallel) -> "Plan":
+        """The same plan (same trace and layouts) with other DataParallel options on the same axis.
+
+        Example: ``plan.with_data_parallel(ap.DataParallel("dp", zero=2)).module(rank)``
+        """
+        from .dataparallel import DataParallel, DataParallelError
+        dp = DataParallel.of(data_parallel)
+        if self.dp_axis is None or dp is None or self.mesh.axis_index(dp.axis) != self.dp_axis:
+            raise DataParallelError(f"with_data_parallel({dp}): the plan's data-parallel axis is "
+                                    f"{self.data_parallel and self.data_parallel.axis!r}; re-plan to change the axis.")
+        return Plan(self.model, self.mesh, self.traced, self.seeds, self.flow, self.ctx, self.dp_axis,
+                    dict(self.options, data_parallel=dp))
+
+    def grad_buckets(self, rank: int = 0) -> list:
+        """The fused gradient buckets of ``rank``, in the order every rank of its group launches them."""
+        return dpplan.grad_buckets(self, rank)
+
+    def memory_per_rank(self, rank: int = 0, state_slots: int = 2) -> dict:
+        """Bytes of parameters, gradients and optimizer state on ``rank`` (ZeRO shards counted)."""
+        return dpplan.memory_per_rank(self, rank, state_slots)
+
+    def zero_optimizer(self, module, optimizer_class, **kwargs):
+        """ap.ZeroOptimizer(module, optimizer_class, **kwargs) for a module of this plan (zero=1|2)."""
+        from .zero import ZeroOptimizer
+        return ZeroOptimizer(module, optimizer_class, **kwargs)
+
     # ------------------------------------------------------------------------- modules
     def module(self, rank: int) -> fx.GraphModule:
         """This rank's module (built once, then the same object): local shards, collectives inside."""
@@ -132,13 +164,8 @@ class Plan:
         gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}Module")
         self._fill_attrs(gm, rank, state, only_missing=True)
         gm.autopar_rank = rank
-        sync_axes = self.grad_sync_axes
-        if sync_axes:
-            opts = self.options
-            sync = GradSync(gm, sync_axes, self.mesh, rank, opts.get("bucket_bytes", 25 * 2**20),
-                            opts.get("bucket_max_params"))
-            gm.autopar_grad_sync = sync
-            gm.no_sync = sync.no_sync
+        if self.grad_sync_axes:
+            dpplan.attach(self, gm, rank)  # gradient buckets, ZeRO shards, local SGD (issue 4)
         return gm
 
     def _fill_attrs(self, root, rank, state, only_missing=False):

@@ -102,19 +102,33 @@ class SimBackend:
         pieces = self._exchange("broadcast", group, rank, x)
         x.copy_(pieces[0])
 
+    def reduce_scatter_async(self, flat, group, rank):
+        """wait() gives this rank's chunk of the sum (exchanged at wait, like all_reduce_async)."""
+        return _SimWork(self, flat, group, rank, "reduce_scatter")
+
+    def all_gather_async(self, out, chunk, group, rank):
+        return _SimWork(self, chunk, group, rank, "all_gather", out)
+
 
 class _SimWork:
     """An asynchronous all-reduce: handed in now, completed at wait()."""
 
-    def __init__(self, backend, flat, group, rank):
+    def __init__(self, backend, flat, group, rank, kind="all_reduce", out=None):
         self.backend, self.flat, self.group, self.rank = backend, flat, group, rank
+        self.kind, self.out = kind, out
         self.done = False
 
     def wait(self):
         if not self.done:
-            self.flat.copy_(self.backend.all_reduce(self.flat, self.group, self.rank, "sum"))
+            b, g, r = self.backend, self.group, self.rank
+            if self.kind == "all_reduce":
+                self.out = self.flat.copy_(b.all_reduce(self.flat, g, r, "sum"))
+            elif self.kind == "reduce_scatter":
+                self.out = b.reduce_scatter(self.flat, 0, g, r, "sum")
+            else:
+                self.out.copy_(b.all_gather(self.flat, 0, g, r))
             self.done = True
-        return self.flat
+        return self.out
 
 
 def run_ranks(world_size: int, fn, timeout: float = 60.0, backend: SimBackend | None = None) -> list:
