@@ -29,6 +29,7 @@ from .placement import Placement, Replicate, Shard, check_divisible, fmt_spec
 from .redistribute import plan_steps, steps_cost
 from .rules import OpInfo, Strategy, TensorMeta, get_rule
 
+aten = torch.ops.aten
 R = Replicate()
 PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
 
@@ -124,6 +125,8 @@ def propagate(traced, mesh, seeds, strict: bool = False) -> Context:
     graph = traced.gm.graph
     ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
     for node in graph.nodes:
+        if "autopar" in node.meta:
+            continue  # a boundary node inserted by _enforce_output_constraint
         if node.op == "placeholder":
             layout = _placeholder_layout(node, traced, ctx)
         elif node.op == "get_attr":
@@ -134,8 +137,36 @@ def propagate(traced, mesh, seeds, strict: bool = False) -> Context:
         else:
             continue
         node.meta["autopar"] = layout
+        if node in ctx.output_constraints and layout.outputs:
+            _enforce_output_constraint(node, ctx)
     check_layouts(graph, mesh)
     return ctx
+
+
+def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
+    """Make a module's output leave in its annotated layout (e.g. a row-parallel layer's R).
+
+    Why a node: the constraint is where the reduction belongs (Megatron's "g" right after
+    the layer); left to the consumers, a Partial would leak into the residual stream and
+    every later op would pick its own, costlier, place to reduce. An ``aten.alias`` is
+    inserted after the node; its input edge carries the redistribution and every other
+    user reads the alias.
+    """
+    spec = list(layout_of(node).spec)
+    wanted = dict(ctx.output_constraints[node])
+    if not is_tensor(node.meta.get("val")) or all(spec[a] == p for a, p in wanted.items()):
+        return
+    target = tuple(wanted.get(a, p) for a, p in enumerate(spec))
+    users = [u for u in node.users]
+    with node.graph.inserting_after(node):
+        boundary = node.graph.call_function(aten.alias.default, (node,))
+    boundary.meta = {k: v for k, v in node.meta.items() if k != "autopar"}
+    for u in users:
+        u.replace_input_with(node, boundary)
+    boundary.meta["autopar"] = Layout([target], [node], [target], (None,) * ctx.mesh.ndim,
+                                      reason=f"module output constraint {fmt_spec(target)}")
+    ctx.param_derived[boundary] = ctx.param_derived.get(node, False)
+    ctx.needs_grad[boundary] = ctx.needs_grad.get(node, False)
 
 
 def _module_output_nodes(graph: fx.Graph, seeds) -> dict:
