@@ -36,12 +36,15 @@ class colwise(Annotation):
 
     Linear weight rows and bias split, output sharded on its last dim. An Embedding splits
     its embedding dim. ``output`` asks for another output layout (e.g. Replicate() to gather).
+    ``blocks=k`` is for fused layers whose output features are k equal blocks (GPT-2's
+    ``c_attn``, q | k | v): each block is split, so every rank keeps whole heads of each.
     """
     axis: str
     output: Placement | None = None
+    blocks: int = 1
 
     def __repr__(self) -> str:
-        return f"colwise({self.axis!r})"
+        return f"colwise({self.axis!r}" + (f", blocks={self.blocks})" if self.blocks > 1 else ")")
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,8 @@ def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):
         for pname, p in own.items():
             fqn = f"{path}.{pname}"
             dim = split.get(pname)
-            put(fqn, axis, Shard(dim) if dim is not None and dim < p.dim() else R, why)
+            blocks = getattr(ann, "blocks", 1) if isinstance(ann, colwise) else 1
+            put(fqn, axis, Shard(dim, blocks) if dim is not None and dim < p.dim() else R, why)
         if ann.output is not None:
             seeds.module_outputs.setdefault(path, {})[axis] = ann.output
             seeds.reasons[path] = why

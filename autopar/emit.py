@@ -50,6 +50,8 @@ class Emitter:
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
 
     def _step(self, x: fx.Node, st) -> fx.Node:
+        if st.blocks > 1:
+            return self._blocked_step(x, st)
         if st.kind == "all_gather":
             return self.collective(ops.all_gather.default, (x, st.dim), st.axis)
         if st.kind == "all_reduce":
@@ -65,6 +67,23 @@ class Emitter:
         n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
         return self.graph.call_function(aten.mul.Tensor, (x, factor))
+
+    def _blocked_step(self, x: fx.Node, st) -> fx.Node:
+        """Gather or slice a blocked shard: plain collectives around a local regrouping.
+
+        Gathered pieces arrive rank-major ([r0: b0 b1 b2][r1: b0 b1 b2]); the serial order is
+        block-major, so (n, blocks, s) is transposed to (blocks, n, s). A slice views the dim
+        as (blocks, s) and keeps this rank's chunk of every block.
+        """
+        g, d, k, n = self.graph, st.dim, st.blocks, self.mesh.shape[st.axis]
+        if st.kind == "all_gather":
+            full = self.collective(ops.all_gather.default, (x, d), st.axis)
+            grid = g.call_function(aten.unflatten.int, (full, d, [n, k, -1]))
+            grid = g.call_function(aten.transpose.int, (grid, d, d + 1))
+            return g.call_function(aten.flatten.using_ints, (grid, d, d + 2))
+        grid = g.call_function(aten.unflatten.int, (x, d, [k, -1]))  # slice
+        mine = self.collective(ops.shard.default, (grid, d + 1), st.axis)
+        return g.call_function(aten.flatten.using_ints, (mine, d, d + 1))
 
     def edge(self, src: fx.Node, target: tuple, f_axes=frozenset()) -> fx.Node:
         """``src``'s value in layout ``target`` (collectives added once per layout)."""

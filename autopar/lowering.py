@@ -46,6 +46,14 @@ def cross_entropy_split_rows(em, node, args, kwargs, axis: int):
     return g.call_function(aten.div.Tensor, (local_sum, total))
 
 
+def split_blocked(em, node, args, kwargs, axis: int):
+    """split of a blocked shard into its blocks: each local block is 1/n of the global one."""
+    n = em.mesh.shape[axis]
+    sizes = args[1]
+    local = [s // n for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // n
+    return em.graph.call_function(node.target, (args[0], local, *args[2:]), kwargs)
+
+
 def _arg(node, i, name, default):
     if i < len(node.args):
         return node.args[i]
@@ -59,4 +67,5 @@ def _dtype(node):
 LOWERINGS = {
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "cross_entropy_split_rows": cross_entropy_split_rows,
+    "split_blocked": split_blocked,
 }

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .blocks import with_blocks
 from .errors import NoRuleError, ShardingError
 from .placement import Placement, Replicate, Shard, check_divisible, fmt_spec
 from .redistribute import plan_steps, steps_cost
@@ -241,7 +242,7 @@ def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
     rule = get_rule(node.target)
     if rule is None:
         return _no_rule(node, ins, info, cur, ctx)
-    strategies = rule(info)
+    strategies = with_blocks(rule(info), info, cur)
     chosen: list[Strategy] = []
     alternatives = []
     for axis in range(mesh.ndim):
@@ -269,7 +270,7 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
-            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % n):
+            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % (n * p.blocks)):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis

@@ -20,7 +20,7 @@ def llama(layers=1, seed=0, kv_heads=2):
 def gpt2(layers=1, seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=4, n_positions=64,
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
                      attn_implementation="eager", use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg).eval()
 
@@ -42,7 +42,7 @@ def batch(b=4, s=SEQ, seed=1):
 LLAMA_TP = {"model.layers.*.self_attn.[qkv]_proj": ap.colwise("tp"), "model.layers.*.self_attn.o_proj": ap.rowwise("tp"),
             "model.layers.*.mlp.gate_proj": ap.colwise("tp"), "model.layers.*.mlp.up_proj": ap.colwise("tp"),
             "model.layers.*.mlp.down_proj": ap.rowwise("tp")}
-GPT2_TP = {"transformer.h.*.attn.c_attn": ap.colwise("tp"), "transformer.h.*.attn.c_proj": ap.rowwise("tp"),
+GPT2_TP = {"transformer.h.*.attn.c_attn": ap.colwise("tp", blocks=3), "transformer.h.*.attn.c_proj": ap.rowwise("tp"),
            "transformer.h.*.mlp.c_fc": ap.colwise("tp"), "transformer.h.*.mlp.c_proj": ap.rowwise("tp")}
 BERT_TP = {"encoder.layer.*.attention.self.query": ap.colwise("tp"), "encoder.layer.*.attention.self.key": ap.colwise("tp"),
            "encoder.layer.*.attention.self.value": ap.colwise("tp"),
