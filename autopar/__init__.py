@@ -8,6 +8,7 @@ Example:
     >>> plan.check(x)
 """
 from .annotate import colwise, place, replicate, rowwise
+from .annotate import sequence_parallel, vocab_parallel
 from .api import compile, plan
 from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
                      ShardingError, TraceError)
@@ -21,3 +22,4 @@ __all__ = [
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
 ]
+__all__ += ["vocab_parallel", "sequence_parallel"]

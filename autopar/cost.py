@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .gradsync import make_buckets
+from .lowering_vocab import vocab_parallel_comms
 from .placement import Partial, Replicate, Shard, local_shape
 from .propagate import layout_of, module_path
 from .redistribute import backward_bytes, plan_steps, step_bytes
@@ -83,10 +84,7 @@ def collectives(plan) -> list[Comm]:
                 continue
             seen.add(key)
             _edge_comms(plan, src, tgt, node, f_axes, out)
-        for axis, s in enumerate(lay.strategies):
-            if s is not None and s.lowering == "cross_entropy_split_rows":
-                out.append(Comm("all_reduce", plan.mesh.axis_names[axis], "forward", 8.0, node.name,
-                                module_path(node)))
+        out += _lowering_comms(plan, node)
     out_node = next(n for n in plan.graph.nodes if n.op == "output")
     for v in out_node.all_input_nodes:
         if "autopar" in v.meta and layout_of(v).outputs:
@@ -95,6 +93,23 @@ def collectives(plan) -> list[Comm]:
                 seen.add(key)
                 _edge_comms(plan, v, key[1], out_node, (), out)
     out += _sync_comms(plan)
+    return out
+
+
+def _lowering_comms(plan, node) -> list[Comm]:
+    """Collectives inside a lowering (they are not on an edge). The vocab-parallel loss, when
+    present, also does the row count of a row split, so it is the only one counted."""
+    lowerings = [(a, s.lowering) for a, s in enumerate(layout_of(node).strategies) if s is not None and s.lowering]
+    names = plan.mesh.axis_names
+    vocab = [a for a, name in lowerings if name == "cross_entropy_vocab_parallel"]
+    if vocab:
+        return [Comm(kind, names[a], phase, b, node.name, module_path(node))
+                for kind, a, phase, b in vocab_parallel_comms(plan, node, vocab[0])]
+    out = []
+    for a, name in lowerings:
+        if name == "cross_entropy_split_rows":  # one float32 count, all-reduced
+            n = plan.mesh.shape[a]
+            out.append(Comm("all_reduce", names[a], "forward", 2 * (n - 1) / n * 4, node.name, module_path(node)))
     return out
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .lowering_vocab import cross_entropy_vocab_parallel
+
 aten = torch.ops.aten
 ops = torch.ops.autopar
 
@@ -33,6 +35,9 @@ def vocab_parallel_embedding(em, node, args, kwargs, axis: int):
 
 def cross_entropy_split_rows(em, node, args, kwargs, axis: int):
     """mean over rows split across ranks = local sum / global count of counted targets."""
+    for vocab_axis, s in enumerate(node.meta["autopar"].strategies):  # classes split too:
+        if s is not None and s.lowering == "cross_entropy_vocab_parallel":  # that lowering counts rows
+            return cross_entropy_vocab_parallel(em, node, args, kwargs, vocab_axis)
     logits, target = args[0], args[1]
     ignore_index = _arg(node, 4, "ignore_index", -100)
     g = em.graph
@@ -68,4 +73,5 @@ LOWERINGS = {
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "cross_entropy_split_rows": cross_entropy_split_rows,
     "split_blocked": split_blocked,
+    "cross_entropy_vocab_parallel": cross_entropy_vocab_parallel,
 }

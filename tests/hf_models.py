@@ -48,3 +48,7 @@ BERT_TP = {"encoder.layer.*.attention.self.query": ap.colwise("tp"), "encoder.la
            "encoder.layer.*.attention.self.value": ap.colwise("tp"),
            "encoder.layer.*.attention.output.dense": ap.rowwise("tp"),
            "encoder.layer.*.intermediate.dense": ap.colwise("tp"), "encoder.layer.*.output.dense": ap.rowwise("tp")}
+
+LLAMA_VOCAB = {"model.embed_tokens": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
+GPT2_VOCAB = {"transformer.wte": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
+BERT_VOCAB = {"embeddings.word_embeddings": ap.vocab_parallel("tp")}
