@@ -9,6 +9,8 @@ Example:
 """
 from .annotate import colwise, place, replicate, rowwise
 from .annotate import sequence_parallel, vocab_parallel
+from .commstats import CommStats, comm_stats
+from . import presets
 from .api import compile, plan
 from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
                      ShardingError, TraceError)
@@ -22,4 +24,4 @@ __all__ = [
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
 ]
-__all__ += ["vocab_parallel", "sequence_parallel"]
+__all__ += ["vocab_parallel", "sequence_parallel", "comm_stats", "CommStats", "presets"]

@@ -50,6 +50,7 @@ def _nbytes(node: fx.Node, spec, mesh) -> float:
 def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out) -> None:
     mesh = plan.mesh
     cur = list(layout_of(src).spec)
+    f_axes = set(f_axes)
     for st in plan_steps(tuple(cur), target):
         local = _nbytes(src, tuple(cur), mesh)
         n = mesh.shape[st.axis]
@@ -57,6 +58,11 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out) -> N
         if st.communicates:
             out.append(Comm(st.kind, axis, "forward", step_bytes(st, local, n), consumer.name, module_path(consumer)))
         back = BACKWARD_OF[st.kind]
+        if st.kind == "all_gather" and st.blocks == 1 and st.axis in f_axes:  # emitted as all_gather_rs
+            f_axes.discard(st.axis)
+            out.append(Comm("reduce_scatter", axis, "backward", (n - 1) * local, consumer.name,
+                            module_path(consumer)))
+            back = None
         if back and layout_of(src).outputs and plan.ctx.needs_grad.get(src):
             out.append(Comm(back, axis, "backward", backward_bytes(st, local, n), consumer.name,
                             module_path(consumer)))

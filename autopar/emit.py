@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from . import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
 from .lowering import LOWERINGS
 from .placement import Shard, shard_factor
 from .propagate import layout_of, tensor_inputs
@@ -90,7 +91,13 @@ class Emitter:
         key = (src, target, frozenset(f_axes))
         if key not in self.edges:
             x = self.env[src]
+            f_axes = set(f_axes)
             for st in plan_steps(layout_of(src).spec, target):
+                if st.kind == "all_gather" and st.blocks == 1 and st.axis in f_axes:
+                    # the gathered value's gradient arrives in parts: reduce-scatter it back
+                    x = self.collective(ops.all_gather_rs.default, (x, st.dim), st.axis)
+                    f_axes.discard(st.axis)
+                    continue
                 x = self._step(x, st)
             for axis in sorted(f_axes):
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
