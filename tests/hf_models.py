@@ -52,3 +52,31 @@ BERT_TP = {"encoder.layer.*.attention.self.query": ap.colwise("tp"), "encoder.la
 LLAMA_VOCAB = {"model.embed_tokens": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
 GPT2_VOCAB = {"transformer.wte": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
 BERT_VOCAB = {"embeddings.word_embeddings": ap.vocab_parallel("tp")}
+
+
+MODELS = {  # name -> (builder, annotations, needs labels)
+    "llama": (llama, {**LLAMA_TP, **LLAMA_VOCAB}, True),
+    "gpt2": (gpt2, {**GPT2_TP, **GPT2_VOCAB}, True),
+    "bert": (bert, {**BERT_TP, **BERT_VOCAB}, False),
+}
+MESHES = {"tp2": ((2,), ("tp",), None), "tp4": ((4,), ("tp",), None), "dp2xtp2": ((2, 2), ("dp", "tp"), "dp")}
+
+
+def inputs(name, b=4, s=SEQ, seed=1):
+    ids, labels = batch(b, s, seed)
+    return {"input_ids": ids, "labels": labels} if MODELS[name][2] else {"input_ids": ids}
+
+
+def hf_plan(name, mesh_name, annotations=None, layers=1, dynamic=False, **model_kw):
+    build, ann, _ = MODELS[name]
+    shape, axes, dp = MESHES[mesh_name]
+    model = build(layers=layers, **model_kw)
+    kw = inputs(name)
+    plan = ap.plan(model, ap.Mesh(shape, axes), kwargs=kw, annotations=annotations or ann,
+                   data_parallel=dp, dynamic=dynamic)
+    return plan, kw
+
+
+def sp_annotations(name, model, kw):
+    """The Megatron plan with sequence parallel, from the preset."""
+    return ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True)
