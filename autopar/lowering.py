@@ -28,7 +28,10 @@ def vocab_parallel_embedding(em, node, args, kwargs, axis: int):
     outside = g.call_function(aten.bitwise_or.Tensor, (below, above))
     shifted = g.call_function(aten.sub.Tensor, (ids, start))
     local_ids = g.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
-    looked_up = g.call_function(aten.embedding.default, (weight, local_ids) + tuple(args[2:]), kwargs)
+    rest = list(args[2:])
+    if rest and rest[0] is not None and rest[0] >= 0:  # padding_idx: local on its owner, none elsewhere
+        rest[0] = rest[0] - start if start <= rest[0] < start + rows else -1
+    looked_up = g.call_function(aten.embedding.default, (weight, local_ids) + tuple(rest), kwargs)
     mask = g.call_function(aten.unsqueeze.default, (outside, -1))
     return g.call_function(aten.masked_fill.Scalar, (looked_up, mask, 0.0))
 

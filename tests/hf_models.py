@@ -67,13 +67,13 @@ def inputs(name, b=4, s=SEQ, seed=1):
     return {"input_ids": ids, "labels": labels} if MODELS[name][2] else {"input_ids": ids}
 
 
-def hf_plan(name, mesh_name, annotations=None, layers=1, dynamic=False, **model_kw):
+def hf_plan(name, mesh_name, annotations=None, layers=1, dynamic=False, strict=False, **model_kw):
     build, ann, _ = MODELS[name]
     shape, axes, dp = MESHES[mesh_name]
     model = build(layers=layers, **model_kw)
     kw = inputs(name)
     plan = ap.plan(model, ap.Mesh(shape, axes), kwargs=kw, annotations=annotations or ann,
-                   data_parallel=dp, dynamic=dynamic)
+                   data_parallel=dp, dynamic=dynamic, strict=strict)
     return plan, kw
 
 
