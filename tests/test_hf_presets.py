@@ -9,6 +9,7 @@ import pytest
 import autopar as ap
 from autopar.rules import registry
 from tests.hf_models import MODELS, hf_plan, inputs
+from tests.test_hf_comm import _runtime_matches_static as runtime_matches_static
 
 pytest.importorskip("transformers")
 
@@ -44,6 +45,8 @@ def test_sequence_parallel_matches_serial(name):
     plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel="dp",
                    dynamic=False)
     plan.check(**kw, rtol=1e-4, atol=1e-5)
+    if "labels" in kw:
+        runtime_matches_static(plan, kw)  # on dp x tp: grad sync over both axes included
     norm = [p for p, a in ann.items() if isinstance(a, ap.sequence_parallel)][-1]
     assert 1 in plan.grad_sync_axes[f"{norm}.weight"]  # partial over tp: summed by the gradient sync
     emb = next(p for p, a in ann.items() if isinstance(a, ap.vocab_parallel))
