@@ -60,3 +60,19 @@ def test_blocked_shard_roundtrip():
     pieces = [shard_tensor(full, spec, mesh, r) for r in mesh.ranks()]
     assert pieces[1][0].tolist() == [2., 3., 6., 7., 10., 11.]
     assert torch.equal(merge_tensors(pieces, spec, mesh), full)
+
+
+def test_bert_padding_mask_and_token_types():
+    """BERT with a padded attention mask and token types as inputs, split on dp."""
+    from tests.hf_models import MESHES
+    ids, _ = inputs("bert")["input_ids"], None
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    mask[3, 2:] = 0
+    kw = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (torch.arange(8) >= 4).long().expand(4, 8)}
+    shape, axes, dp = MESHES["dp2xtp2"]
+    build, ann, _ = MODELS["bert"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = ap.plan(build(), ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False)
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
