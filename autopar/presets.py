@@ -7,8 +7,8 @@ its down projection. The pairs are found from data flow, not from module names: 
 back from each linear layer's input, we stop at linear layers; if every path ends at
 linear layers or at inputs that carry no parameter (masks, positions, rotary tables),
 the layer is row-parallel and the linears reached are column-parallel. A path that
-meets any other parameter (a norm's weight, an embedding) means the layer reads the
-residual stream: it stays replicated. A column-parallel layer whose output is split into
+meets any other parameter (a norm's weight, an embedding) or a floating-point model input
+means the layer reads the residual stream: it stays replicated. A column-parallel layer whose output is split into
 k equal pieces (GPT-2's fused q|k|v) is split block by block (colwise(blocks=k)).
 The word embedding (the embedding of a user input with the most rows) and an LM head
 (a linear with as many outputs as that vocabulary, or tied to it) become vocab-parallel.
@@ -146,7 +146,8 @@ class _Graph:
             cols = self._reads(self._activation(node), path)
             if cols:
                 out.append((path, sorted(cols)))
-        return out
+        rows = {r for r, _ in out}  # a layer cannot be both: such a chain is not a Megatron pair
+        return [(r, cols) for r, cols in out if not rows & set(cols)]
 
     def _reads(self, start, own: str) -> set | None:
         """Linear layers reached walking back from ``start``; None if a parameter is met first."""
@@ -163,8 +164,10 @@ class _Graph:
                 found.add(layer)
                 continue
             if node.op == "placeholder":
-                if node.name in self.params:
-                    return None
+                val = node.meta.get("val")
+                floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+                if node.name in self.params or (floating and node.name in self.traced.user_inputs):
+                    return None  # a norm, an embedding or the input activations: the residual stream
                 continue
             if node.op != "call_function" or node.target in SIZE_ONLY:
                 continue

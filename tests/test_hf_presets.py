@@ -63,3 +63,16 @@ def test_missing_rule_names_op_and_module(monkeypatch):
     with pytest.warns(UserWarning, match=r"no sharding rule for aten\.silu"):
         plan, kw = hf_plan("llama", "tp2")
     plan.check(**kw, rtol=1e-4, atol=1e-5)  # the gathered fallback is still correct
+
+
+def test_preset_on_plain_pytorch_models():
+    """Not only HuggingFace: the package's GPT (fused heads-major qkv, tied head) and an MLP
+    stack whose residual stream has no norm between layers."""
+    import torch
+    from tests.models import MEGATRON, MLP, MLP_TP, gpt_batch, small_gpt
+    gpt = small_gpt()
+    preset = ap.presets.megatron(gpt, "tp", args=gpt_batch())
+    assert _expand(preset, gpt) == {**_expand(MEGATRON, gpt), "wte": ap.vocab_parallel("tp"),
+                                    "lm_head": ap.vocab_parallel("tp")}
+    mlp = MLP()
+    assert _expand(ap.presets.megatron(mlp, "tp", args=(torch.randn(4, 16),)), mlp) == _expand(MLP_TP, mlp)
