@@ -8,12 +8,12 @@ import autopar as ap
 VOCAB, HIDDEN, SEQ = 128, 32, 8
 
 
-def llama(layers=1, seed=0, kv_heads=2):
+def llama(layers=1, seed=0, kv_heads=2, attn="eager"):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
-                      attn_implementation="eager", tie_word_embeddings=False, use_cache=False)
+                      attn_implementation=attn, tie_word_embeddings=False, use_cache=False)
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -76,3 +76,11 @@ def test_bert_padding_mask_and_token_types():
         warnings.simplefilter("error")
         plan = ap.plan(build(), ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False)
     plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_llama_sdpa_attention():
+    """transformers' default attention (scaled_dot_product_attention) splits by heads too."""
+    plan, kw = hf_plan("llama", "dp2xtp2", attn="sdpa")
+    assert any("scaled_dot_product" in str(n.target) for n in plan.graph.nodes)
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+    assert sum(c.kind == "all_reduce" and c.axis == "tp" and c.bytes >= 2048 for c in plan.collectives()) == 6
