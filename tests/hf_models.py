@@ -1,6 +1,8 @@
 """Tiny HuggingFace models (random weights, no download) and their Megatron annotations."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 import autopar as ap
@@ -77,6 +79,17 @@ def hf_plan(name, mesh_name, annotations=None, layers=1, dynamic=False, strict=F
     return plan, kw
 
 
-def sp_annotations(name, model, kw):
-    """The Megatron plan with sequence parallel, from the preset."""
-    return ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True)
+def runtime_matches_static(plan, kw):
+    """ap.comm_stats over one simulated step (forward, loss backward) equals Plan.collectives on every rank."""
+    def step(module, **k):
+        module(**k)["loss"].backward()
+    with ap.comm_stats() as stats:
+        plan.simulate(step, **kw)
+    static = Counter((c.kind, c.axis, round(c.bytes, 3)) for c in plan.collectives())
+    for rank in plan.mesh.ranks():
+        ran = Counter((r.kind, _axis(plan, r.group), round(r.bytes, 3)) for r in stats.for_rank(rank))
+        assert ran == static, f"rank {rank}: ran {ran - static} more, {static - ran} fewer than planned"
+
+
+def _axis(plan, group):
+    return next(plan.mesh.axis_names[a] for a in range(plan.mesh.ndim) if group in map(tuple, plan.mesh.groups(a)))

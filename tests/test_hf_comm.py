@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 import torch.nn as nn
 
 import autopar as ap
-from tests.hf_models import HIDDEN, SEQ, hf_plan, inputs, llama
+from tests.hf_models import HIDDEN, SEQ, hf_plan, inputs, llama, runtime_matches_static
 
 pytest.importorskip("transformers")
 B = 4
@@ -30,21 +29,6 @@ def _kinds(comms):
     return Counter((c.kind, c.phase) for c in comms)
 
 
-def _runtime_matches_static(plan, kw):
-    def step(module, **k):
-        module(**k)["loss"].backward()
-    with ap.comm_stats() as stats:
-        plan.simulate(step, **kw)
-    static = Counter((c.kind, c.axis, round(c.bytes, 3)) for c in plan.collectives())
-    for rank in plan.mesh.ranks():
-        ran = Counter((r.kind, _axis(plan, r.group), round(r.bytes, 3)) for r in stats.for_rank(rank))
-        assert ran == static, f"rank {rank}: ran {ran - static} more, {static - ran} fewer than planned"
-
-
-def _axis(plan, group):
-    return next(plan.mesh.axis_names[a] for a in range(plan.mesh.ndim) if group in map(tuple, plan.mesh.groups(a)))
-
-
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_megatron_minimum(layers):
     plan, kw = hf_plan("llama", "tp2", layers=layers)
@@ -57,7 +41,7 @@ def test_megatron_minimum(layers):
     assert _kinds(outside) == {("all_reduce", "forward"): 3,   # embedding's partial sums; loss: sum exp, target logit
                                ("all_reduce", "backward"): 1,  # the LM head's input gradient
                                ("all_gather", "forward"): 2}   # loss: row maxima; the returned logits
-    _runtime_matches_static(plan, kw)
+    runtime_matches_static(plan, kw)
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
@@ -72,7 +56,7 @@ def test_sequence_parallel_minimum(layers):
         assert all(c.bytes == 1 / 2 * 4 * E for c in comms)
     assert not [c for c in plan.collectives() if c.kind == "all_reduce" and c.bytes >= E]
     plan.check(**kw, rtol=1e-4, atol=1e-5)
-    _runtime_matches_static(plan, kw)
+    runtime_matches_static(plan, kw)
 
 
 class LossOnly(nn.Module):

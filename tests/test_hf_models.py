@@ -9,7 +9,7 @@ import torch
 
 import autopar as ap
 from autopar.propagate import layout_of
-from tests.hf_models import MODELS, hf_plan, inputs, llama, gpt2
+from tests.hf_models import MODELS, hf_plan, inputs
 
 pytest.importorskip("transformers")
 

@@ -8,8 +8,7 @@ import pytest
 
 import autopar as ap
 from autopar.rules import registry
-from tests.hf_models import MODELS, hf_plan, inputs
-from tests.test_hf_comm import _runtime_matches_static as runtime_matches_static
+from tests.hf_models import MODELS, hf_plan, inputs, runtime_matches_static
 
 pytest.importorskip("transformers")
 
