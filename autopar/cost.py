@@ -58,7 +58,7 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out) -> N
         if st.communicates:
             out.append(Comm(st.kind, axis, "forward", step_bytes(st, local, n), consumer.name, module_path(consumer)))
         back = BACKWARD_OF[st.kind]
-        if st.kind == "all_gather" and st.blocks == 1 and st.axis in f_axes:  # emitted as all_gather_rs
+        if st.kind == "all_gather" and st.axis in f_axes:  # emitted as all_gather_rs
             f_axes.discard(st.axis)
             out.append(Comm("reduce_scatter", axis, "backward", (n - 1) * local, consumer.name,
                             module_path(consumer)))

@@ -50,11 +50,12 @@ class Emitter:
         group = list(self.mesh.group(axis, self.rank))
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
 
-    def _step(self, x: fx.Node, st) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None) -> fx.Node:
+        gather = gather or ops.all_gather.default
         if st.blocks > 1:
-            return self._blocked_step(x, st)
+            return self._blocked_step(x, st, gather)
         if st.kind == "all_gather":
-            return self.collective(ops.all_gather.default, (x, st.dim), st.axis)
+            return self.collective(gather, (x, st.dim), st.axis)
         if st.kind == "all_reduce":
             return self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
         if st.kind == "reduce_scatter":
@@ -69,7 +70,7 @@ class Emitter:
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
         return self.graph.call_function(aten.mul.Tensor, (x, factor))
 
-    def _blocked_step(self, x: fx.Node, st) -> fx.Node:
+    def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
         """Gather or slice a blocked shard: plain collectives around a local regrouping.
 
         Gathered pieces arrive rank-major ([r0: b0 b1 b2][r1: b0 b1 b2]); the serial order is
@@ -78,7 +79,7 @@ class Emitter:
         """
         g, d, k, n = self.graph, st.dim, st.blocks, self.mesh.shape[st.axis]
         if st.kind == "all_gather":
-            full = self.collective(ops.all_gather.default, (x, d), st.axis)
+            full = self.collective(gather, (x, d), st.axis)
             grid = g.call_function(aten.unflatten.int, (full, d, [n, k, -1]))
             grid = g.call_function(aten.transpose.int, (grid, d, d + 1))
             return g.call_function(aten.flatten.using_ints, (grid, d, d + 2))
@@ -93,9 +94,9 @@ class Emitter:
             x = self.env[src]
             f_axes = set(f_axes)
             for st in plan_steps(layout_of(src).spec, target):
-                if st.kind == "all_gather" and st.blocks == 1 and st.axis in f_axes:
+                if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
-                    x = self.collective(ops.all_gather_rs.default, (x, st.dim), st.axis)
+                    x = self._step(x, st, ops.all_gather_rs.default)
                     f_axes.discard(st.axis)
                     continue
                 x = self._step(x, st)

@@ -87,3 +87,24 @@ def test_parameter_bytes_per_rank(mesh_name, tp):
     for rank in plan.mesh.ranks():
         got = sum(p.numel() * p.element_size() for p in plan.module(rank).parameters())
         assert got == expected
+
+
+LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}.", "bert": "encoder.layer.{}."}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["megatron", "sequence_parallel"])
+@pytest.mark.parametrize("name", list(LAYER_PREFIX))
+def test_every_model_meets_the_per_layer_minimum(name, sp):
+    from tests.hf_models import MODELS
+    model, kw = MODELS[name][0](layers=2), inputs(name)
+    ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=sp)
+    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw, annotations=ann, dynamic=False)
+    for i in range(2):
+        comms = [c for c in plan.collectives() if c.module.startswith(LAYER_PREFIX[name].format(i))]
+        if sp:
+            assert _kinds(comms) == {("all_gather", "forward"): 2, ("reduce_scatter", "forward"): 2,
+                                     ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 2}
+            assert all(c.bytes == 1 / 2 * 4 * E for c in comms)
+        else:
+            assert _kinds(comms) == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}
+            assert all(c.bytes == 2 * 1 / 2 * 4 * E for c in comms)
