@@ -18,5 +18,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
+# Benchmarks: one markdown table, results in bench/results.json (bench/RESULTS.md: last figures).
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
+
 clean:
 	rm -rf $(VENV) .pytest_cache
