@@ -14,26 +14,19 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import _save, current_backend
-
-ops = torch.ops.autopar
+from .collectives import _G, _KERNELS, _call, _define, _gather_fake, all_gather
 
 
-@torch.library.custom_op("autopar::all_gather_rs", mutates_args=())
 def all_gather_rs(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """S(dim) -> R forward; the backward reduce-scatters a partial gradient back to S(dim)."""
-    return current_backend().all_gather(x, dim, tuple(group), rank)
-
-
-@all_gather_rs.register_fake
-def _(x, dim, axis, group, rank):
-    shape = list(x.shape)
-    shape[dim] *= len(group)
-    return x.new_empty(shape)
+    return all_gather(x, dim, axis, group, rank)
 
 
 def _all_gather_rs_bwd(ctx, g):
-    return ops.reduce_scatter(g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None
+    return _call("reduce_scatter", g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank, "sum"), \
+        None, None, None, None
 
 
-all_gather_rs.register_autograd(_all_gather_rs_bwd, setup_context=_save(["x", "dim", "axis", "group", "rank"]))
+_KERNELS["all_gather_rs"] = all_gather_rs
+_define("all_gather_rs", f"(Tensor x, int dim, {_G}) -> Tensor", all_gather_rs, _gather_fake,
+        _all_gather_rs_bwd, ("dim", "axis", "group", "rank"))
