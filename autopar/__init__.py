@@ -8,6 +8,9 @@ Example:
     >>> plan.check(x)
 """
 from .annotate import colwise, place, replicate, rowwise
+from .annotate import sequence_parallel, vocab_parallel
+from .commstats import CommStats, comm_stats
+from . import presets
 from .api import compile, plan
 from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
                      ShardingError, TraceError)
@@ -29,3 +32,4 @@ __all__ = [
 __all__ += ["load_plan", "PlanFileError", "Cost"]
 from .saveload import PlanFileError, load_plan
 from .estimate import Cost
+__all__ += ["vocab_parallel", "sequence_parallel", "comm_stats", "CommStats", "presets"]

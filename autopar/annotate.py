@@ -36,12 +36,15 @@ class colwise(Annotation):
 
     Linear weight rows and bias split, output sharded on its last dim. An Embedding splits
     its embedding dim. ``output`` asks for another output layout (e.g. Replicate() to gather).
+    ``blocks=k`` is for fused layers whose output features are k equal blocks (GPT-2's
+    ``c_attn``, q | k | v): each block is split, so every rank keeps whole heads of each.
     """
     axis: str
     output: Placement | None = None
+    blocks: int = 1
 
     def __repr__(self) -> str:
-        return f"colwise({self.axis!r})"
+        return f"colwise({self.axis!r}" + (f", blocks={self.blocks})" if self.blocks > 1 else ")")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,35 @@ class place(Annotation):
         return f"place{fmt_spec(self.placements)}"
 
 
+@dataclass(frozen=True)
+class vocab_parallel(Annotation):
+    """The vocabulary split on ``axis``: an Embedding's rows (masked lookup, partial results
+    reduced, output R unless ``output`` says otherwise, e.g. Shard(1) for sequence parallel)
+    or an LM head's output features (logits stay split by class; a cross-entropy on them
+    runs vocab-parallel and never gathers a full row).
+    """
+    axis: str
+    output: Placement | None = R
+
+    def __repr__(self) -> str:
+        return f"vocab_parallel({self.axis!r})"
+
+
+@dataclass(frozen=True)
+class sequence_parallel(Annotation):
+    """The matched modules (norms, dropouts) run on activations split on the sequence dim
+    ``dim`` over ``axis``: their outputs are constrained to Shard(dim); their parameters stay
+    replicated (their gradients, partial, are summed over ``axis`` by the gradient sync).
+    Pair with rowwise(axis, output=Shard(dim)) and vocab_parallel(axis, output=Shard(dim))
+    so that the residual stream stays split: presets.megatron(..., sequence_parallel=True).
+    """
+    axis: str
+    dim: int = 1
+
+    def __repr__(self) -> str:
+        return f"sequence_parallel({self.axis!r})"
+
+
 @dataclass
 class Seeds:
     """What the annotations resolve to."""
@@ -104,6 +136,9 @@ SPLITS = {
     ("conv1d", rowwise): {"weight": 0},
     ("embedding", colwise): {"weight": 1},
     ("embedding", rowwise): {"weight": 0},
+    ("embedding", vocab_parallel): {"weight": 0},
+    ("linear", vocab_parallel): {"weight": 0, "bias": 0},
+    ("conv1d", vocab_parallel): {"weight": 1, "bias": 0},
 }
 
 
@@ -132,6 +167,10 @@ def resolve(annotations: dict | None, model: nn.Module, mesh, input_names: list[
             _apply_place(pattern, ann, params, input_names, mesh, put, why)
         elif isinstance(ann, replicate):
             _apply_replicate(pattern, modules, params, mesh, put, why)
+        elif isinstance(ann, sequence_parallel):
+            for path in _matching(pattern, [n for n in modules if n], "module path"):
+                seeds.module_outputs.setdefault(path, {})[mesh.axis_index(ann.axis)] = Shard(ann.dim)
+                seeds.reasons[path] = why
         else:
             _apply_layer(pattern, ann, modules, mesh, put, why, seeds)
 
@@ -192,7 +231,10 @@ def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):
         for pname, p in own.items():
             fqn = f"{path}.{pname}"
             dim = split.get(pname)
-            put(fqn, axis, Shard(dim) if dim is not None and dim < p.dim() else R, why)
+            blocks = getattr(ann, "blocks", 1) if isinstance(ann, colwise) else 1
+            put(fqn, axis, Shard(dim, blocks) if dim is not None and dim < p.dim() else R, why)
+        if isinstance(ann, vocab_parallel) and kind != "embedding":
+            continue  # an LM head's logits stay split by class
         if ann.output is not None:
             seeds.module_outputs.setdefault(path, {})[axis] = ann.output
             seeds.reasons[path] = why

@@ -21,6 +21,7 @@ import torch
 
 _state = threading.local()
 _GLOBAL: list = []  # the process-wide backend stack (the simulator's threads share it)
+STATS_SINKS: list = []  # open ap.comm_stats() blocks: backends started inside report to the last
 
 
 def current_backend():
@@ -33,10 +34,15 @@ def current_backend():
 @contextlib.contextmanager
 def use_backend(backend):
     _GLOBAL.append(backend)
+    attach = STATS_SINKS and getattr(backend, "stats", None) is None
+    if attach:
+        backend.stats = STATS_SINKS[-1]
     try:
         yield backend
     finally:
         _GLOBAL.remove(backend)
+        if attach:
+            backend.stats = None
 
 
 def install_backend(backend) -> None:
@@ -286,28 +292,28 @@ class DistBackend:
         if self.stats is not None:
             self.stats.record(kind, group, t)
 
-    def all_reduce(self, x, group, rank, op):
+    def all_reduce(self, x, group, rank, op, kind="all_reduce"):
         import torch.distributed as dist
         y = x.contiguous().clone()
-        self._note("all_reduce", group, y)
+        self._note(kind, group, y)
         dist.all_reduce(y, group=self._pg(group, rank))
         return y / len(group) if op == "avg" else y
 
-    def all_gather(self, x, dim, group, rank):
+    def all_gather(self, x, dim, group, rank, kind="all_gather"):
         import torch.distributed as dist
         x = x.contiguous()
-        self._note("all_gather", group, x)
+        self._note(kind, group, x)
         out = [torch.empty_like(x) for _ in group]
         dist.all_gather(out, x, group=self._pg(group, rank))
         return torch.cat(out, dim=dim)
 
     def reduce_scatter(self, x, dim, group, rank, op):
-        # gloo has no reduce_scatter: all-reduce, then keep this rank's chunk.
-        full = self.all_reduce(x, group, rank, op)
+        # gloo has no reduce_scatter: all-reduce, then keep this rank's chunk (noted as what it stands for).
+        full = self.all_reduce(x, group, rank, op, kind="reduce_scatter")
         return chunk_of(full, dim, len(group), _pos(group, rank)).contiguous()
 
     def all_to_all(self, x, src_dim, dst_dim, group, rank):
-        pieces = self.all_gather(x, 0, group, rank).chunk(len(group), dim=0) if x.dim() else None
+        pieces = self.all_gather(x, 0, group, rank, kind="all_to_all").chunk(len(group), dim=0) if x.dim() else None
         return all_to_all_local(list(pieces), src_dim, dst_dim, _pos(group, rank)).contiguous()
 
     def all_reduce_async(self, flat, group, rank):
@@ -318,6 +324,7 @@ class DistBackend:
 
     def broadcast(self, x, group, rank):
         import torch.distributed as dist
+        self._note("broadcast", group, x)
         dist.broadcast(x, src=group[0], group=self._pg(group, rank))
 
     # -- used by the data-parallel gradient sync and ZeRO (issue 4) --------------------------

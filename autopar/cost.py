@@ -18,6 +18,7 @@ import sympy
 import torch.fx as fx
 
 from .formulas import PlanSymbols, simplify
+from .lowering_vocab import vocab_parallel_comms
 from .placement import Partial, Replicate, Shard
 from .propagate import layout_of, module_path
 from .redistribute import backward_bytes, plan_steps, step_bytes
@@ -51,6 +52,7 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
     mesh = plan.mesh
     cur = list(layout_of(src).spec)
     where = (consumer.name, module_path(consumer))
+    f_axes = set(f_axes)
     for st in plan_steps(tuple(cur), target):
         local = sy.local_bytes(src, tuple(cur))
         n = sy.axes[st.axis]
@@ -58,6 +60,10 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
         if st.communicates:
             out.append(_comm(sy, st.kind, axis, "forward", step_bytes(st, local, n), *where, src.name))
         back = BACKWARD_OF[st.kind]
+        if st.kind == "all_gather" and st.axis in f_axes:  # emitted as all_gather_rs
+            f_axes.discard(st.axis)
+            out.append(_comm(sy, "reduce_scatter", axis, "backward", (n - 1) * local, *where, src.name))
+            back = None
         if back and layout_of(src).outputs and plan.ctx.needs_grad.get(src):
             out.append(_comm(sy, back, axis, "backward", backward_bytes(st, local, n), *where, src.name))
         cur[st.axis] = {"all_gather": Replicate(), "all_reduce": Replicate(), "reduce_scatter": Shard(st.dim or 0),
@@ -86,11 +92,7 @@ def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
                 continue
             seen.add(key)
             _edge_comms(plan, src, tgt, node, f_axes, out, sy)
-        for axis, s in enumerate(lay.strategies):
-            if s is not None and s.lowering == "cross_entropy_split_rows":  # the float32 target count
-                n = sy.axes[axis]
-                out.append(_comm(sy, "all_reduce", plan.mesh.axis_names[axis], "forward",
-                                 2 * (n - 1) / n * 4, node.name, module_path(node)))
+        out += _lowering_comms(plan, node, sy)
     out_node = next(n for n in plan.graph.nodes if n.op == "output")
     for v in out_node.all_input_nodes:
         if "autopar" in v.meta and layout_of(v).outputs:
@@ -99,6 +101,24 @@ def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
                 seen.add(key)
                 _edge_comms(plan, v, key[1], out_node, (), out, sy)
     out += _sync_comms(plan, sy)
+    return out
+
+
+def _lowering_comms(plan, node, sy) -> list[Comm]:
+    """Collectives inside a lowering (they are not on an edge). The vocab-parallel loss, when
+    present, also does the row count of a row split, so it is the only one counted."""
+    lowerings = [(a, s.lowering) for a, s in enumerate(layout_of(node).strategies) if s is not None and s.lowering]
+    names = plan.mesh.axis_names
+    where = (node.name, module_path(node))
+    vocab = [a for a, name in lowerings if name == "cross_entropy_vocab_parallel"]
+    if vocab:
+        return [_comm(sy, kind, names[a], phase, b, *where)
+                for kind, a, phase, b in vocab_parallel_comms(plan, node, vocab[0], sy)]
+    out = []
+    for a, name in lowerings:
+        if name == "cross_entropy_split_rows":  # one float32 count, all-reduced
+            n = sy.axes[a]
+            out.append(_comm(sy, "all_reduce", names[a], "forward", 2 * (n - 1) / n * 4, *where))
     return out
 
 

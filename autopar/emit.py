@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from . import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
 from .lowering import LOWERINGS
 from .placement import Shard, shard_factor
 from .propagate import layout_of
@@ -50,9 +51,12 @@ class Emitter:
         group = list(self.mesh.group(axis, self.rank))
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
 
-    def _step(self, x: fx.Node, st) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None) -> fx.Node:
+        gather = gather or ops.all_gather.default
+        if st.blocks > 1:
+            return self._blocked_step(x, st, gather)
         if st.kind == "all_gather":
-            return self.collective(ops.all_gather.default, (x, st.dim), st.axis)
+            return self.collective(gather, (x, st.dim), st.axis)
         if st.kind == "all_reduce":
             return self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
         if st.kind == "reduce_scatter":
@@ -67,12 +71,35 @@ class Emitter:
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
         return self.graph.call_function(aten.mul.Tensor, (x, factor))
 
+    def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
+        """Gather or slice a blocked shard: plain collectives around a local regrouping.
+
+        Gathered pieces arrive rank-major ([r0: b0 b1 b2][r1: b0 b1 b2]); the serial order is
+        block-major, so (n, blocks, s) is transposed to (blocks, n, s). A slice views the dim
+        as (blocks, s) and keeps this rank's chunk of every block.
+        """
+        g, d, k, n = self.graph, st.dim, st.blocks, self.mesh.shape[st.axis]
+        if st.kind == "all_gather":
+            full = self.collective(gather, (x, d), st.axis)
+            grid = g.call_function(aten.unflatten.int, (full, d, [n, k, -1]))
+            grid = g.call_function(aten.transpose.int, (grid, d, d + 1))
+            return g.call_function(aten.flatten.using_ints, (grid, d, d + 2))
+        grid = g.call_function(aten.unflatten.int, (x, d, [k, -1]))  # slice
+        mine = self.collective(ops.shard.default, (grid, d + 1), st.axis)
+        return g.call_function(aten.flatten.using_ints, (mine, d, d + 1))
+
     def edge(self, src: fx.Node, target: tuple, f_axes=frozenset()) -> fx.Node:
         """``src``'s value in layout ``target`` (collectives added once per layout)."""
         key = (src, target, frozenset(f_axes))
         if key not in self.edges:
             x = self.env[src]
+            f_axes = set(f_axes)
             for st in _steps(layout_of(src).spec, target):
+                if st.kind == "all_gather" and st.axis in f_axes:
+                    # the gathered value's gradient arrives in parts: reduce-scatter it back
+                    x = self._step(x, st, ops.all_gather_rs.default)
+                    f_axes.discard(st.axis)
+                    continue
                 x = self._step(x, st)
             for axis in sorted(f_axes):
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)

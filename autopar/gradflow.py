@@ -68,7 +68,7 @@ def _uses(node: fx.Node):
             yield user, None
         elif user.target is operator.getitem:
             yield user, None
-        elif "autopar" in user.meta:
+        elif "autopar" in user.meta and layout_of(user).input_targets:  # asserts carry no gradient
             lay = layout_of(user)
             for i, inp in enumerate(lay.inputs):
                 if inp is node:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .lowering_vocab import cross_entropy_vocab_parallel
+
 aten = torch.ops.aten
 ops = torch.ops.autopar
 
@@ -26,13 +28,19 @@ def vocab_parallel_embedding(em, node, args, kwargs, axis: int):
     outside = g.call_function(aten.bitwise_or.Tensor, (below, above))
     shifted = g.call_function(aten.sub.Tensor, (ids, start))
     local_ids = g.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
-    looked_up = g.call_function(aten.embedding.default, (weight, local_ids) + tuple(args[2:]), kwargs)
+    rest = list(args[2:])
+    if rest and rest[0] is not None and rest[0] >= 0:  # padding_idx: local on its owner, none elsewhere
+        rest[0] = rest[0] - start if start <= rest[0] < start + rows else -1
+    looked_up = g.call_function(aten.embedding.default, (weight, local_ids) + tuple(rest), kwargs)
     mask = g.call_function(aten.unsqueeze.default, (outside, -1))
     return g.call_function(aten.masked_fill.Scalar, (looked_up, mask, 0.0))
 
 
 def cross_entropy_split_rows(em, node, args, kwargs, axis: int):
     """mean over rows split across ranks = local sum / global count of counted targets."""
+    for vocab_axis, s in enumerate(node.meta["autopar"].strategies):  # classes split too:
+        if s is not None and s.lowering == "cross_entropy_vocab_parallel":  # that lowering counts rows
+            return cross_entropy_vocab_parallel(em, node, args, kwargs, vocab_axis)
     logits, target = args[0], args[1]
     ignore_index = _arg(node, 4, "ignore_index", -100)
     g = em.graph
@@ -44,6 +52,14 @@ def cross_entropy_split_rows(em, node, args, kwargs, axis: int):
     total = em.collective(ops.all_reduce.default, (count,), axis, extra=("sum",))
     total = g.call_function(aten._to_copy.default, (total,), {"dtype": _dtype(node)})
     return g.call_function(aten.div.Tensor, (local_sum, total))
+
+
+def split_blocked(em, node, args, kwargs, axis: int):
+    """split of a blocked shard into its blocks: each local block is 1/n of the global one."""
+    n = em.mesh.shape[axis]
+    sizes = args[1]
+    local = [s // n for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // n
+    return em.graph.call_function(node.target, (args[0], local, *args[2:]), kwargs)
 
 
 def _arg(node, i, name, default):
@@ -59,4 +75,6 @@ def _dtype(node):
 LOWERINGS = {
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "cross_entropy_split_rows": cross_entropy_split_rows,
+    "split_blocked": split_blocked,
+    "cross_entropy_vocab_parallel": cross_entropy_vocab_parallel,
 }

@@ -44,13 +44,21 @@ class Replicate(Placement):
 
 @dataclass(frozen=True)
 class Shard(Placement):
+    """Tensor dim ``dim`` split evenly over a mesh axis.
+
+    ``blocks > 1`` splits each of ``blocks`` equal consecutive blocks of the dim instead:
+    rank k holds chunk k of every block, in block order. A fused projection (GPT-2's
+    ``c_attn``: q | k | v along its output features) sharded so keeps whole heads of q, k
+    and v on every rank, and splitting its output into the 3 blocks gives plain shards.
+    """
     dim: int
+    blocks: int = 1
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
     def __repr__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks})"
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,10 @@ def check_divisible(shape, placements, mesh, what: str) -> None:
                                 "shard each dim on at most one axis.")
         used[p.dim] = axis
         n = shape[p.dim]
+        if isinstance(n, int) and p.blocks > 1 and n % (size * p.blocks):
+            raise ShardingError(
+                f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}: its {p.blocks} blocks "
+                f"do not divide by the size {size} of mesh axis {mesh.axis_names[axis]!r}.")
         if isinstance(n, int) and n % size:
             raise ShardingError(
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
@@ -131,8 +143,10 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             size = mesh.shape[axis]
-            n = out.shape[p.dim] // size
-            out = out.narrow(p.dim, coords[axis] * n, n)
+            parts = out.chunk(p.blocks, p.dim) if p.blocks > 1 else [out]
+            n = parts[0].shape[p.dim] // size
+            parts = [b.narrow(p.dim, coords[axis] * n, n) for b in parts]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, p.dim)
         elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)
     return out
@@ -146,6 +160,9 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
         parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1:])
                  for k in range(mesh.shape[axis])]
         p = placements[axis]
+        if isinstance(p, Shard) and p.blocks > 1:  # rank k holds chunk k of every block
+            per_rank = [t.chunk(p.blocks, p.dim) for t in parts]
+            return torch.cat([r[b] for b in range(p.blocks) for r in per_rank], dim=p.dim)
         if isinstance(p, Shard):
             return torch.cat(parts, dim=p.dim)
         if isinstance(p, Partial):

@@ -24,11 +24,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .blocks import with_blocks
 from .errors import NoRuleError, ShardingError
 from .placement import Placement, Replicate, Shard, check_divisible, fmt_spec
 from .redistribute import plan_steps, steps_cost
 from .rules import OpInfo, Strategy, TensorMeta, get_rule
 
+aten = torch.ops.aten
 R = Replicate()
 PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
 
@@ -131,6 +133,8 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
     if not cache:
         ctx.choices = None
     for node in graph.nodes:
+        if "autopar" in node.meta:
+            continue  # a boundary node inserted by _enforce_output_constraint
         if node.op == "placeholder":
             layout = _placeholder_layout(node, traced, ctx)
         elif node.op == "get_attr":
@@ -141,8 +145,36 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
         else:
             continue
         node.meta["autopar"] = layout
+        if node in ctx.output_constraints and layout.outputs:
+            _enforce_output_constraint(node, ctx)
     check_layouts(graph, mesh)
     return ctx
+
+
+def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
+    """Make a module's output leave in its annotated layout (e.g. a row-parallel layer's R).
+
+    Why a node: the constraint is where the reduction belongs (Megatron's "g" right after
+    the layer); left to the consumers, a Partial would leak into the residual stream and
+    every later op would pick its own, costlier, place to reduce. An ``aten.alias`` is
+    inserted after the node; its input edge carries the redistribution and every other
+    user reads the alias.
+    """
+    spec = list(layout_of(node).spec)
+    wanted = dict(ctx.output_constraints[node])
+    if not is_tensor(node.meta.get("val")) or all(spec[a] == p for a, p in wanted.items()):
+        return
+    target = tuple(wanted.get(a, p) for a, p in enumerate(spec))
+    users = [u for u in node.users]
+    with node.graph.inserting_after(node):
+        boundary = node.graph.call_function(aten.alias.default, (node,))
+    boundary.meta = {k: v for k, v in node.meta.items() if k != "autopar"}
+    for u in users:
+        u.replace_input_with(node, boundary)
+    boundary.meta["autopar"] = Layout([target], [node], [target], (None,) * ctx.mesh.ndim,
+                                      reason=f"module output constraint {fmt_spec(target)}")
+    ctx.param_derived[boundary] = ctx.param_derived.get(node, False)
+    ctx.needs_grad[boundary] = ctx.needs_grad.get(node, False)
 
 
 def _module_output_nodes(graph: fx.Graph, seeds) -> dict:
@@ -261,7 +293,7 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
 def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
     """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives)."""
     mesh = ctx.mesh
-    strategies = rule(info)
+    strategies = with_blocks(rule(info), info, cur)
     chosen: list[Strategy] = []
     alternatives = []
     for axis in range(mesh.ndim):
@@ -289,7 +321,7 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
-            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % n):
+            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % (n * p.blocks)):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis

@@ -29,6 +29,7 @@ class Step:
     dim: int | None = None
     dim2: int | None = None   # all_to_all: the dim that becomes split
     op: str | None = None     # reduce op for partial kinds
+    blocks: int = 1           # all_gather / slice of a blocked shard (Shard.blocks)
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in (("dim", self.dim), ("dim2", self.dim2), ("op", self.op))
@@ -50,16 +51,17 @@ def plan_steps(src, dst) -> list[Step]:
     steps: list[Step] = []
     for a, (s, d) in enumerate(zip(src, dst)):  # 1: shards that must go
         if isinstance(s, Shard) and s != d:
-            if isinstance(d, Shard) and _dim_free(cur, a, d.dim) and _dim_free(dst, a, d.dim):
+            plain = s.blocks == 1 and not (isinstance(d, Shard) and (d.blocks > 1 or d.dim == s.dim))
+            if plain and isinstance(d, Shard) and _dim_free(cur, a, d.dim) and _dim_free(dst, a, d.dim):
                 steps.append(Step("all_to_all", a, s.dim, d.dim))
                 cur[a] = d
             else:
-                steps.append(Step("all_gather", a, s.dim))
+                steps.append(Step("all_gather", a, s.dim, blocks=s.blocks))
                 cur[a] = R
     for a, d in enumerate(dst):  # 2: partial sums
         s = cur[a]
         if isinstance(s, Partial) and s != d:
-            if isinstance(d, Shard) and _dim_free(cur, a, d.dim):
+            if isinstance(d, Shard) and d.blocks == 1 and _dim_free(cur, a, d.dim):
                 steps.append(Step("reduce_scatter", a, d.dim, op=s.reduce_op))
                 cur[a] = d
             elif isinstance(d, Partial):
@@ -71,7 +73,7 @@ def plan_steps(src, dst) -> list[Step]:
     for a, d in enumerate(dst):  # 3: local splits of replicated data
         if cur[a] == R and d != R:
             if isinstance(d, Shard):
-                steps.append(Step("slice", a, d.dim))
+                steps.append(Step("slice", a, d.dim, blocks=d.blocks))
             else:
                 steps.append(Step("to_partial", a, op=d.reduce_op))
             cur[a] = d

@@ -12,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 import re
 import traceback
 import warnings
@@ -24,6 +25,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import TraceError
+from .inline import inline_wrappers
 
 aten = torch.ops.aten
 
@@ -88,25 +90,29 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
                              "inputs in place?) is not supported by autopar: return a new tensor.")
     traced.tied = _tied_parameters(model)
     _check_outputs(traced)
+    inline_wrappers(gm)
     split_biases(gm.graph)
     gm.recompile()
     return traced
 
 
-def _dynamic_shapes(args, kwargs):
+def _dynamic_shapes(model, args, kwargs):
     def spec(x):
         if isinstance(x, torch.Tensor):
             return {d: Dim.AUTO for d in range(x.dim())}
         return None
-    return (pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)) if kwargs else \
-        pytree.tree_map(spec, args)
+    if not kwargs:
+        return pytree.tree_map(spec, args)
+    # With keyword inputs export wants the specs keyed by the forward's parameter names.
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
 
 
 def _export(model, args, kwargs, dynamic):
     """torch.export, dynamic first; static shapes as a fallback (with a warning)."""
     errors = []
     for use_dynamic in ([True, False] if dynamic else [False]):
-        shapes = _dynamic_shapes(args, kwargs) if use_dynamic else None
+        shapes = _dynamic_shapes(model, args, kwargs) if use_dynamic else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -7,3 +7,5 @@ Propagation picks one strategy per mesh axis. Importing this package registers e
 """
 from .registry import OpInfo, Strategy, TensorMeta, get_rule, register, registered_ops  # noqa: F401
 from . import pointwise, matmul, views, reductions, norms, embedding, loss, attention, creation  # noqa: F401,E402
+from . import vocab_loss  # noqa: F401,E402  (after loss: extends its cross_entropy rule)
+from . import hf_ops  # noqa: F401,E402

@@ -24,8 +24,7 @@ def embedding_rule(op: OpInfo) -> list[Strategy]:
     for d in range(ids.ndim):
         if ids.shape[d] != 1:
             strategies.append(op.strategy({ids: Shard(d)}, Shard(d)))
-    padding_idx = op.arg(2, "padding_idx", -1)
-    if padding_idx is None or padding_idx < 0:
-        strategies.append(op.strategy({weight: Shard(0)}, Partial(), lowering="vocab_parallel_embedding",
-                                      note="vocabulary split"))
+    # (a padding_idx is translated to its owner's local row by the lowering)
+    strategies.append(op.strategy({weight: Shard(0)}, Partial(), lowering="vocab_parallel_embedding",
+                                  note="vocabulary split"))
     return strategies

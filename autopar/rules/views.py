@@ -85,7 +85,26 @@ def view_rule(op: OpInfo) -> list[Strategy]:
         # the shard of input dim a is a contiguous block of the group: it must start an
         # output dim whose size takes the split; the propagator checks divisibility.
         strategies.append(Strategy((Shard(a),), (Shard(b),)))
-    return strategies
+    return strategies + _blocked_view(src, dst)
+
+
+def _blocked_view(src, dst) -> list[Strategy]:
+    """A dim of k blocks viewed as (k, rest...): S(d, blocks=k) is a plain shard of ``rest``.
+
+    (B, T, 3C) -> (B, T, 3, H, D): GPT-2's fused q|k|v split by heads. And the reverse.
+    """
+    out = []
+    for gi, gj in view_groups(src, dst):
+        for one, many, fwd in ((gi, gj, True), (gj, gi, False)):
+            shape = dst if fwd else src
+            if len(one) != 1 or len(many) < 2 or shape[many[0]] < 2:
+                continue
+            rest = _first_big(many[1:], shape)
+            if rest is None:
+                continue
+            blocked, plain = Shard(one[0], blocks=shape[many[0]]), Shard(rest)
+            out.append(Strategy((blocked,), (plain,)) if fwd else Strategy((plain,), (blocked,)))
+    return out
 
 
 @register(aten.permute)
@@ -157,7 +176,13 @@ def unbind_rule(op: OpInfo) -> list[Strategy]:
 def split_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.arg(2, "dim", 0) % x.ndim
-    return _moved(op, {d: d for d in range(x.ndim) if d != dim}, len(op.outputs))
+    strategies = _moved(op, {d: d for d in range(x.ndim) if d != dim}, len(op.outputs))
+    k = len(op.outputs)
+    if k > 1 and all(o.shape[dim] * k == x.shape[dim] for o in op.outputs):
+        # into its k equal blocks: a blocked shard becomes a plain shard of every piece
+        lowering = None if op.op.overloadpacket is aten.chunk else "split_blocked"
+        strategies.append(Strategy((Shard(dim, blocks=k),), (Shard(dim),) * k, lowering, "blocks split"))
+    return strategies
 
 
 @register(aten.cat)
