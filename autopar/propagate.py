@@ -184,6 +184,8 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
 
 def _call_layout(node: fx.Node, ctx: Context) -> Layout:
     ins = tensor_inputs(node)
+    if node.target is operator.getitem:  # its source holds a list, not a tensor: follow it anyway
+        ins = [node.args[0]]
     ctx.param_derived[node] = all(ctx.param_derived.get(i, False) for i in ins)
     outs = tensor_outputs(node)
     floating = any(v is not None and v.dtype.is_floating_point for v in outs)
