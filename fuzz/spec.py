@@ -13,13 +13,16 @@ Example:
 """
 from __future__ import annotations
 
+import json
 import math
+from unittest import mock
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar as ap
+from autopar.trace import trace
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
 
@@ -127,11 +130,34 @@ def annotations_of(case: dict) -> dict:
     return out
 
 
-def plan_case(case: dict):
+MODEL_KEYS = ("seed", "vocab", "d", "batch", "seq", "blocks")
+_TRACED: dict[str, tuple] = {}  # model spec -> (model, args, traced): tracing is the slow part
+
+
+def _model_and_trace(case: dict, cache: bool):
+    key = json.dumps({k: case[k] for k in MODEL_KEYS}, sort_keys=True)
+    if cache and key in _TRACED:
+        return _TRACED[key]
     model, args = build_model(case)
+    traced = trace(model, args)
+    if cache:
+        if len(_TRACED) >= 32:
+            _TRACED.pop(next(iter(_TRACED)))
+        _TRACED[key] = (model, args, traced)
+    return model, args, traced
+
+
+def plan_case(case: dict, cache: bool = True):
+    """ap.plan for ``case``; with ``cache`` the model's trace is reused across cases.
+
+    Reusing a trace is sound because propagation rewrites every node's layout and the
+    earlier plan is no longer used; only ap.plan's call to trace is replaced.
+    """
+    model, args, traced = _model_and_trace(case, cache)
     shape, names = case["mesh"]
     mesh = ap.Mesh(tuple(shape), tuple(names))
-    plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"])
+    with mock.patch("autopar.api.trace", lambda *a, **k: traced):
+        plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"])
     return plan, args
 
 
