@@ -240,7 +240,9 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
-            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % n):
+            # dynamic dims too: the plan must hold at the example's sizes (a batch of 2 on 3 ranks
+            # would leave a rank with nothing, and views of it wrong)
+            if p.dim >= meta.ndim or meta.shape[p.dim] % n:
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis
