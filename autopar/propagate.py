@@ -178,7 +178,8 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
     if not is_tensor(val):
         return Layout([], reason="non-tensor input")
     meta = TensorMeta.of(val)
-    check_divisible(meta.shape, placements, mesh, f"{node.name!r}")
+    what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
+    check_divisible(meta.shape, placements, mesh, what)
     return Layout([tuple(placements)], reason=reason)
 
 
