@@ -12,6 +12,7 @@ from .api import compile, plan
 from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
                      ShardingError, TraceError)
 from .mesh import Mesh
+from .opaque import opaque
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
 from .simulate import SimulationError
@@ -20,4 +21,5 @@ __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
+    "opaque",
 ]

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .annotate import resolve
+from .annotate import replicate, resolve
 from .errors import AnnotationError, MeshError
 from .gradflow import analyse
 from .mesh import Mesh
+from .opaque import keep_opaque, opaque, opaque_paths
 from .plan import Plan
 from .propagate import propagate
 from .trace import trace
@@ -35,7 +36,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     for ann in (annotations or {}).values():
         if hasattr(ann, "axis"):
             mesh.axis_index(ann.axis)
-    traced = trace(model, args, kwargs, dynamic=dynamic)
+    keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
+    annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in (annotations or {}).items()}
+    with keep_opaque(model, keep, args, kwargs or {}):
+        traced = trace(model, args, kwargs, dynamic=dynamic)
     ndims = _input_ndims(traced, args, kwargs)
     seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
     _unify_tied(seeds, traced)
