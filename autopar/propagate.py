@@ -311,9 +311,16 @@ def _no_rule(node, ins, info, cur, ctx) -> Layout:
             "autopar.rules.register, or pass strict=False to gather the inputs and run it replicated.")
     if split and node.target not in ctx.warned:
         ctx.warned.add(node.target)
-        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs are "
-                      "gathered and it runs replicated on every rank (correct, but it costs "
-                      "communication and memory).", stacklevel=4)
+        fwd = bwd = 0.0
+        for i, c, meta in zip(ins, cur, info.tensors):
+            if c != replicated:
+                f, b = steps_cost(plan_steps(c, replicated), c, mesh, _bytes(meta))
+                fwd, bwd = fwd + f, bwd + (b if ctx.needs_grad.get(i) else 0.0)
+        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs "
+                      f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are gathered "
+                      f"and it runs replicated on every rank (correct, but it costs {fwd:.0f} bytes "
+                      f"of communication per rank forward, {bwd:.0f} backward, and replicated memory "
+                      "and compute). Add a rule (autopar.rules.register) to keep it split.", stacklevel=4)
     n_out = len(info.outputs)
     return Layout([replicated] * n_out, ins, [replicated] * len(ins), (None,) * mesh.ndim,
                   reason="no rule: replicated" + (" (inputs gathered)" if split else ""),
