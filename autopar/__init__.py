@@ -13,6 +13,8 @@ from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanEr
                      ShardingError, TraceError)
 from .mesh import Mesh
 from .opaque import opaque
+from .errors import InconsistentPlanError
+from .failures import CollectiveError
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
 from .simulate import SimulationError
@@ -21,5 +23,5 @@ __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
-    "opaque",
+    "opaque", "InconsistentPlanError", "CollectiveError",
 ]

@@ -12,6 +12,8 @@ import torch.utils._pytree as pytree
 from .annotate import replicate, resolve
 from .errors import AnnotationError, MeshError
 from .gradflow import analyse
+from .consistency import verify_consistent
+from .failures import install_excepthook
 from .mesh import Mesh
 from .opaque import keep_opaque, opaque, opaque_paths
 from .plan import Plan
@@ -21,13 +23,14 @@ from .trace import trace
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel: str | None = None, strict: bool = False, dynamic: bool = True,
-         bucket_mb: float = 25.0, bucket_max_params: int | None = None) -> Plan:
+         bucket_mb: float = 25.0, bucket_max_params: int | None = None, debug: bool = False) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
     ap.colwise / ap.rowwise / ap.replicate / ap.place. ``data_parallel`` names the axis the
     batch (dim 0 of every input) is split on. ``strict`` makes an op without a rule on a
-    split input an error instead of a gathered, replicated fallback.
+    split input an error instead of a gathered, replicated fallback. ``debug`` makes
+    ap.compile check that all ranks hold the same plan before the first collective.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
@@ -46,7 +49,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     ctx = propagate(traced, mesh, seeds, strict)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
-               "strict": strict}
+               "strict": strict, "debug": debug}
     return Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
 
 
@@ -68,12 +71,15 @@ def _unify_tied(seeds, traced) -> None:
                 seeds.params[n] = spec
 
 
-def compile(model: torch.nn.Module, mesh: Mesh, **plan_kwargs) -> torch.nn.Module:
+def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
+            **plan_kwargs) -> torch.nn.Module:
     """This rank's module for a torch.distributed job (world size must equal mesh.size).
 
     Every rank traces and plans the same way, makes the process groups of every mesh axis
     (in the same order everywhere), and broadcasts replicated parameters from the first
-    rank of each group so that all ranks start equal.
+    rank of each group so that all ranks start equal. ``timeout`` (seconds) bounds every
+    collective's wait: a rank that failed or died makes the others raise CollectiveError
+    naming it instead of hanging. ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
     from .collectives import DistBackend, install_backend
@@ -89,9 +95,12 @@ def compile(model: torch.nn.Module, mesh: Mesh, **plan_kwargs) -> torch.nn.Modul
     for axis in range(mesh.ndim):
         for g in mesh.groups(axis):
             groups[g] = dist.new_group(list(g)) if len(g) < world else dist.group.WORLD
-    backend = DistBackend(groups, rank)
+    backend = DistBackend(groups, rank, timeout)
     install_backend(backend)
+    install_excepthook(rank)
     module = p.module(rank)
+    if p.options.get("debug"):
+        verify_consistent(p, module)
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
             spec = p.param_specs.get(name)
