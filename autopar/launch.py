@@ -101,26 +101,31 @@ class GlooPool:
                 waiting = set(range(self.world_size)) - set(out) - set(failures) - set(dead)
                 if waiting and time.monotonic() < deadline:
                     continue  # the live ranks report how a dead one affected them (or time out)
-                self.close()
+                self._restart()
                 missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
                 detail = "".join(f"\n--- rank {r} ---\n{m}" for r, m in failures.items())
                 why = f"rank processes {dead} died" if dead else f"no result within {timeout:.0f} s"
                 raise JobError(f"{target}: ranks {missing} gave no result ({why}).{detail}") from None
             (out if ok else failures)[rank] = payload
         if failures:
-            self.close()  # a failed job may leave collectives half-done: start afresh next time
+            self._restart()  # a failed job may leave collectives half-done: start afresh
             r = min(failures)
             raise JobError(f"{target} failed on rank {r}:\n{failures[r]}")
         return [out[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def _restart(self) -> None:
+        """After a failed job: replace the workers now (they boot while the caller goes on)."""
+        self.close(grace=1.0)
+        self.start()
+
+    def close(self, grace: float = 2.0) -> None:
         for q in getattr(self, "jobs", []):
             try:
                 q.put(None)
             except (ValueError, OSError):
                 pass
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
         self.procs = []
