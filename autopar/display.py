@@ -66,7 +66,6 @@ def summary(plan) -> str:
                 f *= mesh.shape[a]
         local += p.numel() * p.element_size() / f
     comm = ", ".join(f"{a}: {counts[a]} collectives, {_fmt_bytes(b)}" for a, b in by_axis.items()) or "none"
-    specs = ", ".join(f"{k} {fmt_spec(v)}" for k, v in list(plan.param_specs.items())[:0])
-    return (f"autopar plan for {type(plan.model).__name__} on {mesh} ({mesh.size} ranks){specs}\n"
+    return (f"autopar plan for {type(plan.model).__name__} on {mesh} ({mesh.size} ranks)\n"
             f"  parameters per rank: {_fmt_bytes(local)} (serial {_fmt_bytes(serial)})\n"
             f"  communication per step and rank: {comm}")

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from .guards import check_local_inputs, input_checks
 from .lowering import LOWERINGS
 from .placement import Shard, shard_factor
-from .propagate import layout_of, tensor_inputs
+from .propagate import layout_of
 from .redistribute import plan_steps
 from .rules.views import SHAPE_ARGS
 
@@ -177,10 +177,11 @@ class Emitter:
         local_inputs = [self.edge(inp, tgt, f_edges.get((node.name, i), ()))
                         for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets))]
         it = iter(local_inputs)
+        tensors = set(lay.inputs)
 
         def conv(a):
             if isinstance(a, fx.Node):
-                return next(it) if a in _tensor_set(lay) else self.env[a]
+                return next(it) if a in tensors else self.env[a]
             return a
         args, kwargs = pytree.tree_map(conv, (node.args, node.kwargs))
         args = list(args)
@@ -193,10 +194,6 @@ class Emitter:
             if s is not None and s.lowering:
                 return LOWERINGS[s.lowering](self, node, tuple(args), dict(kwargs), axis)
         return self.graph.call_function(node.target, tuple(args), dict(kwargs))
-
-
-def _tensor_set(lay):
-    return set(lay.inputs)
 
 
 def emit_graph(plan, rank: int) -> fx.Graph:

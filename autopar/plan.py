@@ -26,7 +26,7 @@ from . import display
 from .emit import emit_graph
 from .errors import InputError
 from .gradsync import GradSync
-from .placement import Partial, Replicate, Shard, fmt_spec, merge_tensors, shard_tensor
+from .placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from .propagate import layout_of
 from .simulate import run_ranks
 from .state import has_attr, merge_states, set_attr, shard_state
@@ -242,7 +242,3 @@ class Plan:
 
     def summary(self) -> str:
         return display.summary(self)
-
-
-def spec_text(spec) -> str:
-    return fmt_spec(spec) if spec is not None else "-"
