@@ -40,7 +40,6 @@ def analyse(graph: fx.Graph, mesh, needs_grad: dict, param_derived: dict, param_
             if not needs_grad.get(node) or not layout_of(node).outputs:
                 continue
             if not all(spec[axis].is_replicate() for spec in layout_of(node).outputs):
-                _made_replicated(node, axis, flow)
                 continue
             _decide(node, axis, flow, param_derived, param_nodes)
         _redistributed_edges(nodes, axis, flow, needs_grad)
@@ -87,19 +86,6 @@ def _contribution(node, user, i, axis, flow) -> str:
     if any(not spec[axis].is_replicate() for spec in lay.outputs):
         return PARTS
     return flow.forms.get((user.name, axis), WHOLE)
-
-
-def _made_replicated(node: fx.Node, axis: int, flow: GradFlow) -> None:
-    """A split or partial value gathered (or reduced) to R on an edge whose consumer is split
-    on ``axis``: the gradient reaching that edge is in parts, but the collective's backward
-    (slice / identity) wants it whole, so the edge gets "f" after the collective."""
-    for user, i in _uses(node):
-        if i is None or user.op == "output":
-            continue
-        lay = layout_of(user)
-        if lay.input_targets[i][axis].is_replicate() and \
-                any(not spec[axis].is_replicate() for spec in lay.outputs):
-            flow.f_edges.setdefault((user.name, i), set()).add(axis)
 
 
 def _eligible(node: fx.Node, axis: int, param_derived: dict) -> bool:
