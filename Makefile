@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean fuzz
 
 $(STAMP): requirements-test.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+# Property-based fuzzing beyond CI's 200 cases; failures land in fuzz/failures/*.json (replayable).
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.run --examples $${FUZZ_EXAMPLES:-2000}
 
 clean:
 	rm -rf $(VENV) .pytest_cache
