@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .guards import check_local_inputs, input_checks
+from .guards import check_local_inputs, guard_args
 from .lowering import LOWERINGS
 from .placement import Shard, shard_factor
 from .propagate import layout_of
@@ -102,16 +102,9 @@ class Emitter:
 
     def _input_guard(self):
         """One check of the user inputs' local shapes before anything runs (see guards.py)."""
-        names = self.plan.traced.user_inputs
-        phs = {n.name: n for n in self.plan.graph.nodes if n.op == "placeholder"}
-        checks, values = [], []
-        for name in names:
-            val, lay = phs[name].meta.get("val"), phs[name].meta.get("autopar")
-            if isinstance(val, torch.Tensor) and lay is not None and lay.spec is not None:
-                checks.append(input_checks(name, val, lay.spec, self.mesh))
-                values.append(self.env[phs[name]])
-        if checks:
-            self.graph.call_function(check_local_inputs, (tuple(values), tuple(checks), self.rank))
+        args = guard_args(self.plan, self.env, self.rank)
+        if args is not None:
+            self.graph.call_function(check_local_inputs, args)
 
     def _get_attr(self, node):
         return self.graph.get_attr(node.target)

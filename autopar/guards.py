@@ -14,11 +14,51 @@ Example:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx.node import has_side_effect
 
 from .errors import InputError
 from .placement import fmt_spec, shard_factor
+
+
+def guard_args(plan, env: dict, rank: int) -> tuple | None:
+    """The arguments of the guard node for ``rank`` (None when the model has no tensor input)."""
+    phs = {n.name: n for n in plan.graph.nodes if n.op == "placeholder"}
+    checks, values = [], []
+    for name in plan.traced.user_inputs:
+        val, lay = phs[name].meta.get("val"), phs[name].meta.get("autopar")
+        if isinstance(val, torch.Tensor) and lay is not None and lay.spec is not None:
+            checks.append(input_checks(name, val, lay.spec, plan.mesh))
+            values.append(env[phs[name]])
+    if not checks:
+        return None
+    return tuple(values), tuple(checks), rank, symbol_divisors(plan.graph, plan.mesh)
+
+
+def symbol_divisors(graph, mesh) -> tuple:
+    """(symbol, k, node) for each dynamic size the plan cuts into k pieces somewhere (at ``node``).
+
+    A dynamic dim may be split inside the graph (an intermediate's batch dim on some axis):
+    the runtime size must then divide by the pieces, or a rank would hold a ragged piece.
+    """
+    from .propagate import tensor_outputs
+    found: dict[str, tuple[int, str]] = {}
+    for node in graph.nodes:
+        lay = node.meta.get("autopar")
+        if lay is None:
+            continue
+        for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
+            for d, size in enumerate(val.shape):
+                if not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
+                    continue
+                f = shard_factor(spec, mesh, d)
+                sym = str(size.node.expr)
+                k, where = found.get(sym, (1, ""))
+                if f > 1 and math.lcm(k, f) != k:
+                    found[sym] = (math.lcm(k, f), node.name)
+    return tuple((sym, k, where) for sym, (k, where) in sorted(found.items()))
 
 
 def input_checks(name: str, val, spec, mesh) -> tuple:
@@ -41,9 +81,10 @@ def input_checks(name: str, val, spec, mesh) -> tuple:
 
 
 @has_side_effect
-def check_local_inputs(values: tuple, checks: tuple, rank: int) -> None:
+def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple = ()) -> None:
     """Raise InputError when ``values`` are not the local pieces the plan expects."""
     sizes: dict[str, tuple[int, str]] = {}  # dynamic symbol -> (global size, input that set it)
+    need = {sym: (k, where) for sym, k, where in divisors}
     for value, (name, spec, global_shape, dims) in zip(values, checks):
         if not isinstance(value, torch.Tensor):
             continue
@@ -60,6 +101,11 @@ def check_local_inputs(values: tuple, checks: tuple, rank: int) -> None:
                       if is_global else f"dim {d} has size {shape[d]}, the plan expects {n}")
             if sym is not None:
                 full = shape[d] * f
+                k, where = need.get(sym, (1, ""))
+                if full % k:
+                    _fail(rank, name, shape, expected, spec, global_shape,
+                          f"dim {d} means a global size {full}, but the plan splits that size into "
+                          f"{k} pieces (at node {where!r}): use sizes divisible by {k}")
                 seen = sizes.setdefault(sym, (full, name))
                 if seen[0] != full:
                     _fail(rank, name, shape, expected, spec, global_shape,
