@@ -100,7 +100,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
     install_excepthook(rank)
     module = p.module(rank)
     if p.options.get("debug"):
-        verify_consistent(p, module)
+        verify_consistent(p, module, timeout)
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
             spec = p.param_specs.get(name)

@@ -99,10 +99,23 @@ def _fmt(entry) -> str:
     return f"{kind}({', '.join(map(repr, rest))})"
 
 
-def verify_consistent(plan, module: fx.GraphModule) -> None:
-    """Exchange (plan hash, collectives) between all ranks of the job and compare them."""
+def verify_consistent(plan, module: fx.GraphModule, timeout: float | None = None) -> None:
+    """Exchange (plan hash, collectives) between all ranks of the job and compare them.
+
+    On gloo a monitored barrier comes first: a rank that never gets here (it failed while
+    planning) is named after ``timeout`` seconds instead of the exchange hanging.
+    """
+    import datetime
+
     import torch.distributed as dist
+    from .failures import explain
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout or 300), wait_all_ranks=True)
+        except RuntimeError as e:
+            raise explain("monitored_barrier (debug plan check)", range(world), rank, timeout, e) from e
     mine = (plan_hash(plan), collective_sequence(module))
-    gathered: list = [None] * dist.get_world_size()
+    gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     compare(gathered)
