@@ -48,9 +48,12 @@ def collective_sequence(module: fx.GraphModule) -> list[tuple]:
                 or target.namespace != "autopar":
             continue
         args = [a for a in node.args if not isinstance(a, fx.Node)]
-        at = next((i for i, a in enumerate(args) if isinstance(a, (list, tuple))), None)
-        group = tuple(args[at]) if at is not None else ()
-        rest = tuple(args[:at] + args[at + 2:]) if at is not None else tuple(args)
+        at = next((i for i, a in enumerate(args) if isinstance(a, (list, tuple))
+                   and all(isinstance(r, int) for r in a)), None)  # the group: a list of ranks
+        if at is None:  # not a collective (scale_grad, opaque_call: local ops)
+            continue
+        group = tuple(args[at])
+        rest = tuple(args[:at] + args[at + 2:])
         out.append((target._opname, group, rest))  # rest: dims, axis name, op (the group and rank dropped)
     return out
 

@@ -181,7 +181,8 @@ def _wrapper(module, path, records):
 
     def forward(*args, **kwargs):
         n = next(calls)
-        ins, outs, out_spec = records[n] if n < len(records) else records[-1]
+        # the n-th call of a forward (export may run forward twice: dynamic, then static)
+        ins, outs, out_spec = records[n % len(records)]
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         site = _Site(module, path, names, in_spec,
