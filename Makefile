@@ -18,6 +18,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
+# Benchmarks: one markdown table, results in bench/results.json (bench/RESULTS.md: last figures).
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
+
 # Property-based fuzzing beyond CI's 200 cases; failures land in fuzz/failures/*.json (replayable).
 fuzz: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.run --examples $${FUZZ_EXAMPLES:-2000}

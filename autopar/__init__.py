@@ -17,11 +17,13 @@ from .errors import InconsistentPlanError
 from .failures import CollectiveError
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
+from .pipeline import Pipeline, PipelineError, split_before
 from .simulate import SimulationError
 
 __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
+    "Pipeline", "PipelineError", "split_before",
     "opaque", "InconsistentPlanError", "CollectiveError",
 ]

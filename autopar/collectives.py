@@ -51,33 +51,83 @@ def _pos(group, rank) -> int:
     return list(group).index(rank)
 
 
-# ---------------------------------------------------------------------------- forward ops
-@torch.library.custom_op("autopar::all_reduce", mutates_args=())
+# ------------------------------------------------------------------------- op definitions
+# Why not torch.library.custom_op: its Python layers (a generated autograd.Function, default
+# filling, a dynamo-disable wrapper, a second dispatch to the kernel) cost ~5x a plain
+# autograd.Function per call, which at small hidden sizes was most of autopar's per-step
+# overhead over hand-written Megatron. The ops are the same torch ops (same schemas, fake
+# kernels, in the graph, traced by export/make_fx, compiled), defined with the lower-level
+# torch.library.Library: an Autograd kernel calls a plain autograd.Function whose forward,
+# in plain eager mode (a real torch.Tensor, no dispatch mode active), calls the backend
+# directly; under tracing (fake tensors, proxy/dispatch modes) it redispatches to the op
+# below autograd so that tracers record the op itself.
+_LIB = torch.library.Library("autopar", "DEF")  # noqa: TOR901 - see above
+ops = torch.ops.autopar
+
+
+def _fast(x) -> bool:
+    """Plain eager execution: call the kernel directly, no tracer needs to see the op."""
+    return type(x) is torch.Tensor and torch._C._len_torch_dispatch_stack() == 0
+
+
+def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=None) -> None:
+    """Define ``autopar::name`` with ``kernel`` (real tensors), ``fake`` (shapes only) and
+    ``backward(ctx, grad) -> grads`` reading the ``saved`` argument names from ctx.
+
+    ``eager`` (default: ``kernel``) is what the autograd forward runs in plain eager mode; an
+    identity op may return its input there (an autograd.Function output, as in Megatron's f)
+    where the op itself must return a fresh tensor.
+    """
+    _LIB.define(name + schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"autopar::{name}", fake, lib=_LIB)
+    op = getattr(ops, name).default
+    run_eager = eager or kernel
+
+    def forward(ctx, *args):
+        for key, value in zip(saved, args[1:]):
+            setattr(ctx, key, value)
+        if _fast(args[0]):
+            return run_eager(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    fn = type(f"{name}_autograd", (torch.autograd.Function,),
+              {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    _LIB.impl(name, fn.apply, "Autograd")
+
+
+def _call(name: str, *args):
+    """Run op ``name`` from a backward: the kernel directly when nothing needs to see or
+    differentiate it (no double backward), the op otherwise."""
+    x = args[0]
+    if _fast(x) and not (torch.is_grad_enabled() and x.requires_grad):
+        return _KERNELS[name](*args)
+    return getattr(ops, name).default(*args)
+
+
+# ------------------------------------------------------------------------------- kernels
 def all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
     """P -> R: sum (or average) over the group."""
     return current_backend().all_reduce(x, tuple(group), rank, op)
 
 
-@torch.library.custom_op("autopar::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """S(dim) -> R: concatenate the group's pieces along ``dim``."""
     return current_backend().all_gather(x, dim, tuple(group), rank)
 
 
-@torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
 def reduce_scatter(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
     """P -> S(dim): reduce over the group, keep this rank's chunk of ``dim``."""
     return current_backend().reduce_scatter(x, dim, tuple(group), rank, op)
 
 
-@torch.library.custom_op("autopar::all_to_all", mutates_args=())
 def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, group: list[int],
                rank: int) -> torch.Tensor:
     """S(src_dim) -> S(dst_dim): regroup the pieces."""
     return current_backend().all_to_all(x, src_dim, dst_dim, tuple(group), rank)
 
 
-@torch.library.custom_op("autopar::shard", mutates_args=())
 def shard(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """R -> S(dim): keep this rank's chunk, locally (backward all-gathers)."""
     n = len(group)
@@ -85,7 +135,6 @@ def shard(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> 
     return x.narrow(dim, _pos(group, rank) * size, size).clone()
 
 
-@torch.library.custom_op("autopar::to_partial", mutates_args=())
 def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
     """R -> P: the first rank of the group keeps the value, the others hold zeros (avg: all keep it)."""
     if op == "avg" or _pos(group, rank) == 0:
@@ -93,7 +142,6 @@ def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str)
     return torch.zeros_like(x)
 
 
-@torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
 def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's "f").
 
@@ -103,7 +151,6 @@ def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int) -> 
     return x.clone()
 
 
-@torch.library.custom_op("autopar::scale_grad", mutates_args=())
 def scale_grad(x: torch.Tensor, axis: str, factor: float) -> torch.Tensor:
     """Identity forward, gradient times ``factor`` backward.
 
@@ -114,57 +161,39 @@ def scale_grad(x: torch.Tensor, axis: str, factor: float) -> torch.Tensor:
     return x.clone()
 
 
+def _identity(x, *args):
+    return x
+
+
+_KERNELS = {f.__name__: f for f in (all_reduce, all_gather, reduce_scatter, all_to_all, shard, to_partial,
+                                    grad_all_reduce, scale_grad)}
+
+
 # ----------------------------------------------------------------------------- fake impls
-@all_reduce.register_fake
-def _(x, axis, group, rank, op):
+def _same(x, *args):
     return torch.empty_like(x)
 
 
-@all_gather.register_fake
-def _(x, dim, axis, group, rank):
+def _gather_fake(x, dim, axis, group, rank):
     shape = list(x.shape)
     shape[dim] *= len(group)
     return x.new_empty(shape)
 
 
-@reduce_scatter.register_fake
-def _(x, dim, axis, group, rank, op):
+def _split_fake(x, dim, axis, group, rank, op=None):
     shape = list(x.shape)
     shape[dim] //= len(group)
     return x.new_empty(shape)
 
 
-@all_to_all.register_fake
-def _(x, src_dim, dst_dim, axis, group, rank):
+def _all_to_all_fake(x, src_dim, dst_dim, axis, group, rank):
     shape = list(x.shape)
     shape[src_dim] *= len(group)
     shape[dst_dim] //= len(group)
     return x.new_empty(shape)
 
 
-@shard.register_fake
-def _(x, dim, axis, group, rank):
-    shape = list(x.shape)
-    shape[dim] //= len(group)
-    return x.new_empty(shape)
-
-
-for _op in (to_partial, grad_all_reduce):
-    _op.register_fake(lambda x, *a: torch.empty_like(x))
-scale_grad.register_fake(lambda x, axis, factor: torch.empty_like(x))
-
-
 # --------------------------------------------------------------------------------- autograd
-def _save(names):
-    def setup_context(ctx, inputs, output):
-        for name, value in zip(names, inputs):
-            setattr(ctx, name, value)
-    return setup_context
-
-
-ops = torch.ops.autopar
-
-
 def _all_reduce_bwd(ctx, g):
     if ctx.op == "avg":
         g = g / len(ctx.group)
@@ -172,23 +201,23 @@ def _all_reduce_bwd(ctx, g):
 
 
 def _all_gather_bwd(ctx, g):
-    return ops.shard(g, ctx.dim, ctx.axis, ctx.group, ctx.rank), None, None, None, None
+    return _call("shard", g, ctx.dim, ctx.axis, ctx.group, ctx.rank), None, None, None, None
 
 
 def _reduce_scatter_bwd(ctx, g):
-    full = ops.all_gather(g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank)
+    full = _call("all_gather", g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank)
     if ctx.op == "avg":
         full = full / len(ctx.group)
     return full, None, None, None, None, None
 
 
 def _all_to_all_bwd(ctx, g):
-    back = ops.all_to_all(g.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.axis, ctx.group, ctx.rank)
+    back = _call("all_to_all", g.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.axis, ctx.group, ctx.rank)
     return back, None, None, None, None, None
 
 
 def _shard_bwd(ctx, g):
-    return ops.all_gather(g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank), None, None, None, None
+    return _call("all_gather", g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank), None, None, None, None
 
 
 def _to_partial_bwd(ctx, g):
@@ -196,23 +225,30 @@ def _to_partial_bwd(ctx, g):
 
 
 def _grad_all_reduce_bwd(ctx, g):
-    return ops.all_reduce(g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None
+    return _call("all_reduce", g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None
 
 
 def _scale_grad_bwd(ctx, g):
     return g * ctx.factor, None, None
 
 
-all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save(["x", "axis", "group", "rank", "op"]))
-all_gather.register_autograd(_all_gather_bwd, setup_context=_save(["x", "dim", "axis", "group", "rank"]))
-reduce_scatter.register_autograd(_reduce_scatter_bwd,
-                                 setup_context=_save(["x", "dim", "axis", "group", "rank", "op"]))
-all_to_all.register_autograd(_all_to_all_bwd,
-                             setup_context=_save(["x", "src_dim", "dst_dim", "axis", "group", "rank"]))
-shard.register_autograd(_shard_bwd, setup_context=_save(["x", "dim", "axis", "group", "rank"]))
-to_partial.register_autograd(_to_partial_bwd, setup_context=_save(["x", "axis", "group", "rank", "op"]))
-grad_all_reduce.register_autograd(_grad_all_reduce_bwd, setup_context=_save(["x", "axis", "group", "rank"]))
-scale_grad.register_autograd(_scale_grad_bwd, setup_context=_save(["x", "axis", "factor"]))
+_G = "str axis, int[] group, int rank"
+_define("all_reduce", f"(Tensor x, {_G}, str op) -> Tensor", all_reduce, _same, _all_reduce_bwd,
+        ("axis", "group", "rank", "op"))
+_define("all_gather", f"(Tensor x, int dim, {_G}) -> Tensor", all_gather, _gather_fake, _all_gather_bwd,
+        ("dim", "axis", "group", "rank"))
+_define("reduce_scatter", f"(Tensor x, int dim, {_G}, str op) -> Tensor", reduce_scatter, _split_fake,
+        _reduce_scatter_bwd, ("dim", "axis", "group", "rank", "op"))
+_define("all_to_all", f"(Tensor x, int src_dim, int dst_dim, {_G}) -> Tensor", all_to_all, _all_to_all_fake,
+        _all_to_all_bwd, ("src_dim", "dst_dim", "axis", "group", "rank"))
+_define("shard", f"(Tensor x, int dim, {_G}) -> Tensor", shard, _split_fake, _shard_bwd,
+        ("dim", "axis", "group", "rank"))
+_define("to_partial", f"(Tensor x, {_G}, str op) -> Tensor", to_partial, _same, _to_partial_bwd,
+        ("axis", "group", "rank", "op"))
+_define("grad_all_reduce", f"(Tensor x, {_G}) -> Tensor", grad_all_reduce, _same, _grad_all_reduce_bwd,
+        ("axis", "group", "rank"), eager=_identity)
+_define("scale_grad", "(Tensor x, str axis, float factor) -> Tensor", scale_grad, _same, _scale_grad_bwd,
+        ("axis", "factor"), eager=_identity)
 
 
 # ---------------------------------------------------------------------------- local math

@@ -35,10 +35,13 @@ R = Replicate()
 
 
 class Plan:
+    stage_layout = None  # pipeline.split.StageLayout when planned with pipeline=ap.Pipeline(...)
+
     def __init__(self, model, mesh, traced, seeds, flow, ctx, dp_axis, options):
         self.model, self.mesh, self.traced, self.seeds = model, mesh, traced, seeds
         self.flow, self.ctx, self.dp_axis, self.options = flow, ctx, dp_axis, options
         self._modules: dict[int, fx.GraphModule] = {}
+        self._comms: list | None = None
 
     # ------------------------------------------------------------------ layout queries
     @property
@@ -47,10 +50,15 @@ class Plan:
 
     def layout(self, name: str):
         """The Layout of a graph node by name (placements, strategies, reason)."""
-        for n in self.graph.nodes:
-            if n.name == name and "autopar" in n.meta:
-                return layout_of(n)
-        raise KeyError(name)
+        node = self._nodes_by_name.get(name)
+        if node is None or "autopar" not in node.meta:
+            raise KeyError(name)
+        return layout_of(node)
+
+    @cached_property
+    def _nodes_by_name(self) -> dict:
+        # one index instead of a scan per query: callers ask for many nodes of large graphs
+        return {n.name: n for n in self.graph.nodes}
 
     def attr_name(self, placeholder: str) -> str | None:
         t = self.traced
@@ -231,10 +239,34 @@ class Plan:
     def collectives(self) -> list:
         """Every collective one training step runs (forward, backward, gradient sync), per rank."""
         from .cost import collectives
-        return collectives(self)
+        if self._comms is None:  # a plan does not change once made; str(plan) asks twice
+            self._comms = collectives(self)
+        return list(self._comms)
 
     def __str__(self) -> str:
-        return display.plan_table(self)
+        text = display.plan_table(self)
+        if self.stage_layout is not None:
+            from .pipeline.split import describe
+            text += "\n\n" + describe(self.stage_layout, self.graph)
+        return text
+
+    # ------------------------------------------------------------- pipeline (issue 5)
+    def pipeline_runner(self, rank: int, **kwargs):
+        """This rank's PipelineRunner (see autopar/pipeline/runner.py): ``runner.step(batch, labels)``."""
+        from .pipeline.api import pipeline_runner
+        return pipeline_runner(self, rank, **kwargs)
+
+    def schedule_table(self, rank: int | None = None) -> str:
+        """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
+        from .pipeline.api import require_pipeline
+        from .pipeline.timeline import schedule_table
+        return schedule_table(require_pipeline(self), rank)
+
+    def timeline_figure(self, events_per_rank=None, title: str | None = None):
+        """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
+        from .pipeline.api import require_pipeline
+        from .pipeline.timeline import timeline_figure
+        return timeline_figure(events_per_rank, require_pipeline(self), title)
 
     def __repr__(self) -> str:
         return (f"<autopar.Plan {type(self.model).__name__} on {self.mesh}: "

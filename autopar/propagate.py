@@ -117,12 +117,19 @@ class Context:
     param_derived: dict       # node -> bool
     output_constraints: dict  # node -> {axis: Placement}
     warned: set = field(default_factory=set)
+    choices: dict | None = field(default_factory=dict)  # choice cache (see _choice_key); None: off
 
 
-def propagate(traced, mesh, seeds, strict: bool = False) -> Context:
-    """Fill node.meta["autopar"] for every node of ``traced.gm``; return what was learnt on the way."""
+def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> Context:
+    """Fill node.meta["autopar"] for every node of ``traced.gm``; return what was learnt on the way.
+
+    ``cache=False`` re-solves every op from scratch (the cache never changes a result: see
+    _choice_key; tests compare both).
+    """
     graph = traced.gm.graph
     ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
+    if not cache:
+        ctx.choices = None
     for node in graph.nodes:
         if node.op == "placeholder":
             layout = _placeholder_layout(node, traced, ctx)
@@ -207,12 +214,56 @@ def _current(node: fx.Node) -> tuple[Placement, ...]:
 
 
 def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
-    mesh = ctx.mesh
     info = op_info(node)
     cur = [_current(i) for i in ins]
     rule = get_rule(node.target)
     if rule is None:
         return _no_rule(node, ins, info, cur, ctx)
+    key = _choice_key(node, ins, info, cur, ctx) if ctx.choices is not None else None
+    hit = ctx.choices.get(key) if key is not None else None
+    if hit is None:
+        hit = _solve(node, ins, info, cur, rule, ctx)
+        if key is not None:
+            ctx.choices[key] = hit
+    outputs, targets, chosen, reason, alternatives = hit
+    return Layout(list(outputs), list(ins), list(targets), chosen, reason, list(alternatives))
+
+
+def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
+    """Everything _solve reads, as a hashable key; None when something is not hashable.
+
+    Why: a model of N identical blocks has N copies of each op with the same shapes, the same
+    input layouts and the same gradient facts; solving each once makes propagation time grow
+    with the number of *distinct* ops, not with depth. The key holds the op, its arguments
+    with every tensor replaced by (shape, dtype, dynamic dims), the output metas, the current
+    placements of the inputs, per input whether it is a parameter / needs a gradient / is
+    computed from parameters alone, and the node's module-output constraint: exactly what the
+    rule (a pure function of OpInfo) and _cost look at.
+    """
+    def freeze(a):
+        if isinstance(a, TensorMeta):
+            return ("T", a.shape, a.dtype, a.dynamic)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, *map(freeze, a))
+        if isinstance(a, dict):
+            return ("dict", *sorted((k, freeze(v)) for k, v in a.items()))
+        if isinstance(a, torch.SymInt):
+            raise TypeError("symbolic size without a hint")
+        return (type(a).__name__, a)
+    try:
+        key = (node.target, freeze(info.args), freeze(info.kwargs), freeze(info.outputs), tuple(cur),
+               tuple((i in ctx.param_nodes, bool(ctx.needs_grad.get(i)), bool(ctx.param_derived.get(i)))
+                     for i in ins),
+               tuple(sorted(ctx.output_constraints.get(node, {}).items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
+    """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives)."""
+    mesh = ctx.mesh
     strategies = rule(info)
     chosen: list[Strategy] = []
     alternatives = []
@@ -231,7 +282,7 @@ def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
     reason = f"rule {rule.__name__}: " + "; ".join(
         f"{mesh.axis_names[a]}: {chosen[a]!r}" + (f" ({chosen[a].note})" if chosen[a].note else "")
         for a in range(mesh.ndim))
-    return Layout(outputs, ins, targets, tuple(chosen), reason, alternatives)
+    return tuple(outputs), tuple(targets), tuple(chosen), reason, tuple(alternatives)
 
 
 def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:

@@ -1,0 +1,96 @@
+"""Run every benchmark (bench/bench_*.py), print one markdown table, write bench/results.json.
+
+Each module exposes ``run(quick: bool) -> list[dict]`` with rows of keys benchmark, case,
+metric, value, target, note. ``--quick`` runs the tiny sizes (what the tests run);
+``--only tp,compile`` picks modules by name.
+
+Example:
+    $ make bench                         # = python -m bench.run
+    $ python -m bench.run --only compile
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # so that the gloo workers can import bench.*
+
+
+def modules(only: list[str] | None = None) -> list[str]:
+    names = sorted(p.stem for p in HERE.glob("bench_*.py"))
+    return [n for n in names if not only or n.removeprefix("bench_") in only]
+
+
+def run_all(quick: bool, only: list[str] | None = None) -> list[dict]:
+    """Every benchmark's rows; a benchmark that raises gives one row saying so (the rest still run)."""
+    rows = []
+    for name in modules(only):
+        t0 = time.perf_counter()
+        try:
+            rows += importlib.import_module(f"bench.{name}").run(quick)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            traceback.print_exc()
+            rows.append({"benchmark": name, "case": "-", "metric": "FAILED", "value": None, "target": "",
+                         "note": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"})
+        print(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| benchmark | case | metric | value | target | note |\n|---|---|---|---|---|---|"
+    lines = [f"| {r['benchmark']} | {r['case']} | {r['metric']} | {'-' if r['value'] is None else r['value']} "
+             f"| {r['target'] or ''} | {r['note'] or ''} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def results_md(data: dict) -> str:
+    """bench/RESULTS.md: the table of a full run, the machine it ran on, and the command."""
+    return (f"# autopar benchmark results\n\nCommand: `make bench` (= `OMP_NUM_THREADS=1 python -m bench.run`), "
+            f"run {data['started']} on {data['machine']}.\n\n{RESULTS_NOTES}\n\n{markdown(data['rows'])}\n")
+
+
+RESULTS_NOTES = """\
+Ratios are medians of per-iteration ratios, the contenders alternating iteration by iteration
+in one process group (gloo, 2 processes); a ratio below 1 means autopar is faster. The
+sanity row times two identical hand-written modules against each other: its distance from
+1.00 is the noise of that run. Compile times are wall seconds on the same machine; the
+memory figures come from a tensor-allocation counter (bench/bench_memory.py)."""
+
+
+def machine() -> str:
+    import torch
+    return (f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    ap.add_argument("--only", default="", help="comma-separated benchmark names (tp, compile, memory, ...)")
+    ap.add_argument("--out", default=str(HERE / "results.json"))
+    args = ap.parse_args(argv)
+    from bench.common import close_pools
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    try:
+        rows = run_all(args.quick, [s for s in args.only.split(",") if s] or None)
+    finally:
+        close_pools()
+    print(f"\nautopar benchmarks ({started}; {machine()})\n")
+    print(markdown(rows))
+    data = {"started": started, "machine": machine(), "quick": args.quick, "rows": rows}
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    if not args.quick and not args.only:  # a full run refreshes the published figures
+        (HERE / "RESULTS.md").write_text(results_md(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

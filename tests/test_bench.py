@@ -1,0 +1,58 @@
+"""The benchmarks run (tiny sizes), their floor is exact, and the propagation cache changes nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar as ap
+from autopar.annotate import resolve
+from autopar.propagate import propagate
+from autopar.trace import trace
+from tests.models import MEGATRON, gpt_batch, small_gpt
+
+
+def _layouts(traced):
+    return {n.name: n.meta["autopar"] for n in traced.gm.graph.nodes if "autopar" in n.meta}
+
+
+def test_propagate_cache_gives_identical_layouts():
+    model, (idx, tg) = small_gpt(layers=3), gpt_batch()
+    mesh = ap.Mesh((2, 2), ("dp", "tp"))
+    traced = trace(model, (idx, tg))
+    seeds = resolve(MEGATRON, model, mesh, traced.user_inputs, "dp", {n: 2 for n in traced.user_inputs})
+    ctx = propagate(traced, mesh, seeds)
+    cached = _layouts(traced)
+    assert 0 < len(ctx.choices) < len(cached) / 3  # repeated blocks are solved once
+    propagate(traced, mesh, seeds, cache=False)
+    assert _layouts(traced) == cached
+
+
+def test_tp_bench_quick_and_megatron_reference_exact(gloo):
+    from bench import bench_tp, common
+    common.use_pool(gloo(2))
+    rows = {r["metric"]: r for r in bench_tp.run(quick=True)}
+    assert rows["megatron grad error vs serial"]["value"] < 1e-4
+    assert "LOSS DIFFERS" not in rows["megatron / megatron (sanity)"]["note"]
+    for other in ("megatron", "dtensor"):
+        assert rows[f"autopar / {other}"]["value"] > 0
+
+
+def test_compile_and_memory_bench_quick(tmp_path):
+    from bench import run
+    out = tmp_path / "r.json"
+    assert run.main(["--quick", "--only", "compile,memory", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if r["metric"] == "FAILED"]
+    mem = {(r["case"], r["metric"]): r["value"] for r in rows if r["benchmark"] == "memory"}
+    assert mem[("gpt tiny, tp=2", "param MiB per rank")] < mem[("gpt tiny, tp=1", "param MiB per rank")]
+    assert any(r["metric"] == "emit 8 ranks / 1 rank" for r in rows)
+    assert run.markdown(rows).count("\n") == len(rows) + 1
+
+
+@pytest.mark.parametrize("quick", [True])
+def test_every_bench_module_has_run(quick):
+    import importlib
+    from bench import run
+    for name in run.modules():
+        assert callable(importlib.import_module(f"bench.{name}").run)
