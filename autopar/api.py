@@ -86,7 +86,9 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
     (in the same order everywhere), and broadcasts replicated parameters from the first
     rank of each group so that all ranks start equal. ``timeout`` (seconds) bounds every
     collective's wait: a rank that failed or died makes the others raise CollectiveError
-    naming it instead of hanging. ``debug=True`` checks first that all ranks planned alike.
+    naming it instead of hanging. It bounds compile's own parameter broadcasts too, where ranks
+    that planned at different speeds meet: keep it above that skew (or raise it after compile:
+    ``current_backend().timeout``). ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
     from .collectives import DistBackend, install_backend

@@ -65,3 +65,17 @@ def test_simulator_times_out_naming_missing_ranks():
                                                  r"waited 1 s for ranks \[1\]"):
         run_ranks(2, fn, backend=backend)
     block.set()
+
+
+def test_consistency_compare_names_ranks_and_first_differing_collective():
+    from autopar.consistency import compare
+    same = [("ab", [("all_reduce", (0, 1), ("tp", "sum"))])] * 2
+    compare(same)  # equal plans pass
+    other = [same[0], ("cd", [("all_gather", (0, 1), (1, "tp"))])]
+    with pytest.raises(ap.InconsistentPlanError, match=r"ranks \[0\] have plan ab; ranks \[1\] have plan cd"
+                                                       r".*over ranks \(0, 1\): #0 is all_reduce\('tp', 'sum'\) "
+                                                       r"on rank 0 but all_gather\(1, 'tp'\) on rank 1"):
+        compare(other)
+    shorter = [same[0], ("ab", [])]
+    with pytest.raises(ap.InconsistentPlanError, match="nothing"):
+        compare(shorter)
