@@ -27,3 +27,6 @@ __all__ = [
     "Pipeline", "PipelineError", "split_before",
     "opaque", "InconsistentPlanError", "CollectiveError",
 ]
+__all__ += ["load_plan", "PlanFileError", "Cost"]
+from .saveload import PlanFileError, load_plan
+from .estimate import Cost

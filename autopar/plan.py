@@ -274,3 +274,43 @@ class Plan:
 
     def summary(self) -> str:
         return display.summary(self)
+
+    # ---------------------------------------------------- exploring (display, costs, files)
+    def _repr_html_(self) -> str:
+        from .html import plan_html
+        return plan_html(self)
+
+    def explain(self, name: str) -> str:
+        """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
+        from .explain import explain
+        return explain(self, name)
+
+    def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
+        """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
+        from .estimate import Cost
+        return Cost(self, sizes, names, optimizer_states)
+
+    def plot_memory(self, **kw):
+        """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""
+        from .plots import plot_memory
+        return plot_memory(self, **kw)
+
+    def plot_comm(self, **kw):
+        """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
+        from .plots import plot_comm
+        return plot_comm(self, **kw)
+
+    def draw(self, rank: int = 0, **kw):
+        """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
+        from .draw import draw
+        return draw(self, rank, **kw)
+
+    def save(self, path) -> None:
+        """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
+        from .saveload import save_plan
+        save_plan(self, path)
+
+    def diff(self, other: "Plan"):
+        """Nodes whose layout or collectives differ between two plans of one model."""
+        from .diff import diff_plans
+        return diff_plans(self, other)
