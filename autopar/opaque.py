@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +61,13 @@ class _Site:
         it = iter(tensors[n:])
         leaves = [next(it) if c is None else c for c in self.consts]
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
-        return functional_call(self.module, state, tuple(args), kwargs, tie_weights=False)
+        # functional_call swaps the module's tensors in and out: simulated ranks (threads)
+        # share the module, so one call at a time (it holds no collective: no deadlock)
+        with _LOCK:
+            return functional_call(self.module, state, tuple(args), kwargs, tie_weights=False)
+
+
+_LOCK = threading.RLock()
 
 
 _SITES: dict[str, _Site] = {}
