@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean fuzz
 
 $(STAMP): requirements-test.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 # Benchmarks: one markdown table, results in bench/results.json (bench/RESULTS.md: last figures).
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
+
+# Property-based fuzzing beyond CI's 200 cases; failures land in fuzz/failures/*.json (replayable).
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.run --examples $${FUZZ_EXAMPLES:-2000}
 
 clean:
 	rm -rf $(VENV) .pytest_cache

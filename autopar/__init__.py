@@ -15,6 +15,9 @@ from .api import compile, plan
 from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
                      ShardingError, TraceError)
 from .mesh import Mesh
+from .opaque import opaque
+from .errors import InconsistentPlanError
+from .failures import CollectiveError
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
 from .pipeline import Pipeline, PipelineError, split_before
@@ -28,6 +31,7 @@ __all__ = [
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
     "DataParallel", "DataParallelError", "ZeroOptimizer",
     "Pipeline", "PipelineError", "split_before",
+    "opaque", "InconsistentPlanError", "CollectiveError",
 ]
 __all__ += ["load_plan", "PlanFileError", "Cost"]
 from .saveload import PlanFileError, load_plan

@@ -228,6 +228,11 @@ def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):
                 f"{ann!r} on module {path!r} ({type(module).__name__}): it has no 'weight' parameter "
                 "to split. Annotate its Linear/Embedding submodules instead, e.g. "
                 f"{path + '.*'!r}, or use ap.place on parameter names.")
+        if own["weight"].dim() != 2:  # a norm's or a conv's weight: colwise/rowwise mean nothing there
+            raise AnnotationError(
+                f"{ann!r} on module {path!r} ({type(module).__name__}): its weight has shape "
+                f"{tuple(own['weight'].shape)}, but {type(ann).__name__} splits the 2-D weight of a "
+                "Linear or Embedding. Annotate a Linear/Embedding, or use ap.place on parameter names.")
         for pname, p in own.items():
             fqn = f"{path}.{pname}"
             dim = split.get(pname)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .annotate import resolve
+from .annotate import replicate, resolve
 from .dataparallel import DataParallel
 from .errors import AnnotationError, MeshError
 from .gradflow import analyse
+from .consistency import verify_consistent
+from .failures import install_excepthook
 from .mesh import Mesh
+from .opaque import keep_opaque, opaque, opaque_paths
 from .plan import Plan
 from .propagate import propagate
 from .trace import trace
@@ -22,7 +25,8 @@ from .pipeline import api as pipeline_api
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel=None, strict: bool = False, dynamic: bool = True,
-         bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None) -> Plan:
+         bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None,
+         debug: bool = False) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -30,7 +34,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     batch (dim 0 of every input) is split on, or is an ap.DataParallel with that axis and its
     options (buckets, ZeRO, local SGD, reduce dtype); ``bucket_mb`` / ``bucket_max_params``
     apply when it is a plain name. ``strict`` makes an op without a rule on a
-    split input an error instead of a gathered, replicated fallback.
+    split input an error instead of a gathered, replicated fallback. ``debug`` makes
+    ap.compile check that all ranks hold the same plan before the first collective.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
@@ -43,14 +48,17 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     for ann in (annotations or {}).values():
         if hasattr(ann, "axis"):
             mesh.axis_index(ann.axis)
-    traced = trace(model, args, kwargs, dynamic=dynamic)
+    keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
+    annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in (annotations or {}).items()}
+    with keep_opaque(model, keep, args, kwargs or {}):
+        traced = trace(model, args, kwargs, dynamic=dynamic)
     ndims = _input_ndims(traced, args, kwargs)
     seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
     _unify_tied(seeds, traced)
     ctx = propagate(traced, mesh, seeds, strict)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
-               "strict": strict, "data_parallel": dp}
+               "strict": strict, "data_parallel": dp, "debug": debug}
     result = Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
     if pipeline is not None:
         pipeline_api.attach(result, pipeline, splits)
@@ -75,12 +83,17 @@ def _unify_tied(seeds, traced) -> None:
                 seeds.params[n] = spec
 
 
-def compile(model: torch.nn.Module, mesh: Mesh, **plan_kwargs) -> torch.nn.Module:
+def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
+            **plan_kwargs) -> torch.nn.Module:
     """This rank's module for a torch.distributed job (world size must equal mesh.size).
 
     Every rank traces and plans the same way, makes the process groups of every mesh axis
     (in the same order everywhere), and broadcasts replicated parameters from the first
-    rank of each group so that all ranks start equal.
+    rank of each group so that all ranks start equal. ``timeout`` (seconds) bounds every
+    collective's wait: a rank that failed or died makes the others raise CollectiveError
+    naming it instead of hanging. It bounds compile's own parameter broadcasts too, where ranks
+    that planned at different speeds meet: keep it above that skew (or raise it after compile:
+    ``current_backend().timeout``). ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
     from .collectives import DistBackend, install_backend
@@ -96,9 +109,12 @@ def compile(model: torch.nn.Module, mesh: Mesh, **plan_kwargs) -> torch.nn.Modul
     for axis in range(mesh.ndim):
         for g in mesh.groups(axis):
             groups[g] = dist.new_group(list(g)) if len(g) < world else dist.group.WORLD
-    backend = DistBackend(groups, rank)
+    backend = DistBackend(groups, rank, timeout)
     install_backend(backend)
+    install_excepthook(rank)
     module = p.module(rank)
+    if p.options.get("debug"):
+        verify_consistent(p, module, timeout)
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
             spec = p.param_specs.get(name)

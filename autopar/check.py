@@ -49,7 +49,8 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     weights = _weights(plan, serial_out)
     serial_obj = loss(serial_out) if loss is not None else _objective(serial_out, weights)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
-    grads = torch.autograd.grad(serial_obj, list(trainable.values()), allow_unused=True)
+    grads = torch.autograd.grad(serial_obj, list(trainable.values()), allow_unused=True) \
+        if trainable and serial_obj.requires_grad else [None] * len(trainable)
     serial_grads = dict(zip(trainable, grads))
 
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -63,7 +64,8 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         a, k = inputs[rank]
         out = modules[rank](*a, **k)
         obj = loss(out) if loss is not None else _objective(out, local_weights[rank])
-        obj.backward()
+        if torch.is_tensor(obj) and obj.requires_grad:  # a model without trainable parameters has none
+            obj.backward()
         g = {n: p.grad for n, p in modules[rank].named_parameters(remove_duplicate=False)}
         return out, g
 

@@ -277,10 +277,24 @@ class DistBackend:
     them all, on every rank in the same order, before the first step.
     """
 
-    def __init__(self, groups: dict, rank: int):
+    def __init__(self, groups: dict, rank: int, timeout: float | None = None):
         self.groups = groups
         self.rank = rank
         self.stats = None
+        self.timeout = timeout  # seconds a collective may wait before failing (None: the group's)
+
+    def _wait(self, kind, group, start):
+        """Run ``start()`` (an async collective) and wait for it; a failure or a timeout raises
+        CollectiveError naming the rank that failed (see failures.py), never hangs past timeout."""
+        import datetime
+        from .failures import explain
+        try:
+            work = start()
+            done = work.wait(datetime.timedelta(seconds=self.timeout)) if self.timeout else work.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
+            raise explain(kind, group, self.rank, self.timeout, e) from e
+        if done is False:
+            raise explain(kind, group, self.rank, self.timeout, TimeoutError("timed out"))
 
     def _pg(self, group, rank):
         if rank != self.rank:
@@ -296,7 +310,8 @@ class DistBackend:
         import torch.distributed as dist
         y = x.contiguous().clone()
         self._note(kind, group, y)
-        dist.all_reduce(y, group=self._pg(group, rank))
+        pg = self._pg(group, rank)
+        self._wait(kind, group, lambda: dist.all_reduce(y, group=pg, async_op=True))
         return y / len(group) if op == "avg" else y
 
     def all_gather(self, x, dim, group, rank, kind="all_gather"):
@@ -304,7 +319,8 @@ class DistBackend:
         x = x.contiguous()
         self._note(kind, group, x)
         out = [torch.empty_like(x) for _ in group]
-        dist.all_gather(out, x, group=self._pg(group, rank))
+        pg = self._pg(group, rank)
+        self._wait(kind, group, lambda: dist.all_gather(out, x, group=pg, async_op=True))
         return torch.cat(out, dim=dim)
 
     def reduce_scatter(self, x, dim, group, rank, op):
@@ -319,13 +335,19 @@ class DistBackend:
     def all_reduce_async(self, flat, group, rank):
         import torch.distributed as dist
         self._note("all_reduce", group, flat)
-        work = dist.all_reduce(flat, group=self._pg(group, rank), async_op=True)
-        return _Work(work, flat)
+        pg = self._pg(group, rank)
+        try:
+            work = dist.all_reduce(flat, group=pg, async_op=True)
+        except Exception as e:  # noqa: BLE001 - named like the others
+            from .failures import explain
+            raise explain("all_reduce", group, rank, self.timeout, e) from e
+        return _Work(work, flat, lambda: self._wait("all_reduce", group, lambda: work))
 
     def broadcast(self, x, group, rank):
         import torch.distributed as dist
         self._note("broadcast", group, x)
-        dist.broadcast(x, src=group[0], group=self._pg(group, rank))
+        pg = self._pg(group, rank)
+        self._wait("broadcast", group, lambda: dist.broadcast(x, src=group[0], group=pg, async_op=True))
 
     # -- used by the data-parallel gradient sync and ZeRO (issue 4) --------------------------
     def reduce_scatter_async(self, flat, group, rank):
@@ -352,9 +374,12 @@ class DistBackend:
 
 
 class _Work:
-    def __init__(self, work, result):
-        self.work, self.result = work, result
+    def __init__(self, work, result, wait=None):
+        self.work, self.result, self._wait = work, result, wait
 
     def wait(self):
-        self.work.wait()
+        if self._wait is not None:
+            self._wait()
+        else:
+            self.work.wait()
         return self.result

@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
+from .guards import check_local_inputs, guard_args
 from .lowering import LOWERINGS
 from .placement import Shard, shard_factor
 from .propagate import layout_of
@@ -108,7 +109,11 @@ class Emitter:
 
     # -------------------------------------------------------------------- nodes
     def run(self) -> fx.Graph:
+        guarded = False
         for node in self.plan.graph.nodes:
+            if node.op != "placeholder" and not guarded:
+                guarded = True
+                self._input_guard()
             handler = getattr(self, f"_{node.op}")
             new = handler(node)
             if new is not None:
@@ -122,6 +127,12 @@ class Emitter:
         if fqn is not None:
             return self.graph.get_attr(fqn)
         return self.graph.placeholder(node.name)
+
+    def _input_guard(self):
+        """One check of the user inputs' local shapes before anything runs (see guards.py)."""
+        args = guard_args(self.plan, self.env, self.rank)
+        if args is not None:
+            self.graph.call_function(check_local_inputs, args)
 
     def _get_attr(self, node):
         return self.graph.get_attr(node.target)

@@ -39,6 +39,10 @@ class InputError(PlanError):
     """Inputs given to a plan or a rank's module do not match what was planned."""
 
 
+class InconsistentPlanError(PlanError):
+    """Ranks of one job planned differently (found by ap.compile(..., debug=True))."""
+
+
 class PlanMismatch(AssertionError):
     """Raised by Plan.check: a rank's result differs from the serial model's."""
 

@@ -50,6 +50,8 @@ def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: 
             fn = getattr(importlib.import_module(module), name)
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - sent back to the parent with the rank
+            from autopar.failures import report_failure
+            report_failure(rank, e)  # so that ranks waiting on this one can say who failed
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
 
@@ -90,32 +92,40 @@ class GlooPool:
         deadline = time.monotonic() + timeout
         out: dict[int, object] = {}
         failures: dict[int, str] = {}
+        dead: list[int] = []
         while len(out) + len(failures) < self.world_size:
             try:
                 rank, ok, payload = self.results.get(timeout=0.5)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                if not dead and time.monotonic() < deadline:
-                    continue
-                self.close()
+                waiting = set(range(self.world_size)) - set(out) - set(failures) - set(dead)
+                if waiting and time.monotonic() < deadline:
+                    continue  # the live ranks report how a dead one affected them (or time out)
+                self._restart()
                 missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
                 detail = "".join(f"\n--- rank {r} ---\n{m}" for r, m in failures.items())
                 why = f"rank processes {dead} died" if dead else f"no result within {timeout:.0f} s"
                 raise JobError(f"{target}: ranks {missing} gave no result ({why}).{detail}") from None
             (out if ok else failures)[rank] = payload
         if failures:
+            self._restart()  # a failed job may leave collectives half-done: start afresh
             r = min(failures)
             raise JobError(f"{target} failed on rank {r}:\n{failures[r]}")
         return [out[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def _restart(self) -> None:
+        """After a failed job: replace the workers now (they boot while the caller goes on)."""
+        self.close(grace=1.0)
+        self.start()
+
+    def close(self, grace: float = 2.0) -> None:
         for q in getattr(self, "jobs", []):
             try:
                 q.put(None)
             except (ValueError, OSError):
                 pass
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
         self.procs = []

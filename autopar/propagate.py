@@ -217,12 +217,15 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
     if not is_tensor(val):
         return Layout([], reason="non-tensor input")
     meta = TensorMeta.of(val)
-    check_divisible(meta.shape, placements, mesh, f"{node.name!r}")
+    what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
+    check_divisible(meta.shape, placements, mesh, what)
     return Layout([tuple(placements)], reason=reason)
 
 
 def _call_layout(node: fx.Node, ctx: Context) -> Layout:
     ins = tensor_inputs(node)
+    if node.target is operator.getitem:  # its source holds a list, not a tensor: follow it anyway
+        ins = [node.args[0]]
     ctx.param_derived[node] = all(ctx.param_derived.get(i, False) for i in ins)
     outs = tensor_outputs(node)
     floating = any(v is not None and v.dtype.is_floating_point for v in outs)
@@ -321,7 +324,9 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
-            if p.dim >= meta.ndim or (not meta.dynamic[p.dim] and meta.shape[p.dim] % (n * p.blocks)):
+            # dynamic dims too: the plan must hold at the example's sizes (a batch of 2 on 3 ranks
+            # would leave a rank with nothing, and views of it wrong)
+            if p.dim >= meta.ndim or meta.shape[p.dim] % (n * p.blocks):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis
@@ -391,9 +396,16 @@ def _no_rule(node, ins, info, cur, ctx) -> Layout:
             "autopar.rules.register, or pass strict=False to gather the inputs and run it replicated.")
     if split and node.target not in ctx.warned:
         ctx.warned.add(node.target)
-        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs are "
-                      "gathered and it runs replicated on every rank (correct, but it costs "
-                      "communication and memory).", stacklevel=4)
+        fwd = bwd = 0.0
+        for i, c, meta in zip(ins, cur, info.tensors):
+            if c != replicated:
+                f, b = steps_cost(plan_steps(c, replicated), c, mesh, _bytes(meta))
+                fwd, bwd = fwd + f, bwd + (b if ctx.needs_grad.get(i) else 0.0)
+        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs "
+                      f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are gathered "
+                      f"and it runs replicated on every rank (correct, but it costs {fwd:.0f} bytes "
+                      f"of communication per rank forward, {bwd:.0f} backward, and replicated memory "
+                      "and compute). Add a rule (autopar.rules.register) to keep it split.", stacklevel=4)
     n_out = len(info.outputs)
     return Layout([replicated] * n_out, ins, [replicated] * len(ins), (None,) * mesh.ndim,
                   reason="no rule: replicated" + (" (inputs gathered)" if split else ""),

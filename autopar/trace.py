@@ -137,9 +137,12 @@ def _explain_export_failure(model, e: BaseException) -> str:
     text = str(e)
     where = _user_frame(e, text)
     data_dep = "data-dependent" in text.lower() or "GuardOnDataDependent" in type(e).__name__
+    if "in output" in text and "Found <class" in text:
+        return (f"{type(model).__name__} returns a value autopar cannot handle: {_first_line(e)}\n"
+                "autopar needs tensors or (nested) tuples/lists/dicts of tensors as outputs.")
     hint = ("The model branches on tensor values (data-dependent control flow): replace "
-            "`if tensor...` with torch.where / torch.cond, or keep that submodule out of the "
-            "plan (ap.opaque is planned)." if data_dep else
+            "`if tensor...` with torch.where / torch.cond, or keep the submodule that does it out of "
+            "the plan: annotations={'path.to.submodule': ap.opaque()} runs it replicated, untraced." if data_dep else
             "Make the model exportable with torch.export.export(model, args, strict=False) first; "
             "see https://pytorch.org/docs/stable/export.html for what it supports.")
     return (f"torch.export could not trace {type(model).__name__}{where}: "
@@ -170,6 +173,10 @@ def _tied_parameters(model) -> dict[str, list[str]]:
 def _check_outputs(traced: Traced) -> None:
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     for v in pytree.tree_leaves(out.args[0])[: traced.n_user_outputs]:
+        if not isinstance(v, (fx.Node, int, float, bool, type(None))):  # a str, an object, ...
+            raise TraceError(f"The model returns {type(v).__name__} {v!r:.40} among its outputs; autopar "
+                             "needs tensors or (nested) tuples/lists/dicts of tensors: drop it from "
+                             "forward's result.")
         if isinstance(v, fx.Node) and not isinstance(v.meta.get("val"), (torch.Tensor, torch.SymInt)):
             raise TraceError(f"The model returns {type(v.meta.get('val')).__name__} at output "
                              f"{v.name!r}; autopar needs tensors or (nested) tuples/dicts of tensors.")

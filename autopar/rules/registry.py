@@ -32,7 +32,10 @@ class TensorMeta:
     def of(val) -> "TensorMeta":
         shape, dyn = [], []
         for s in val.shape:
-            if isinstance(s, torch.SymInt):
+            if isinstance(s, torch.SymInt) and s.node.expr.is_number:  # specialised by export: static
+                shape.append(int(s.node.expr))
+                dyn.append(False)
+            elif isinstance(s, torch.SymInt):
                 shape.append(int(s.node.hint) if s.node.hint is not None else 2)
                 dyn.append(True)
             else:

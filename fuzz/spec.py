@@ -1,0 +1,178 @@
+"""Random small models, annotations and meshes for the property-based fuzzer.
+
+A case is plain data (a JSON-able dict), so that a failure is saved and replayed exactly:
+
+    {"seed": 3, "vocab": 0, "d": 8, "batch": 4, "seq": 4,
+     "blocks": [{"kind": "linear", "out": 12}, {"kind": "act", "fn": "gelu"}, ...],
+     "mesh": [[2, 2], ["a0", "a1"]], "dp": "a0",
+     "annotations": [["b0", "colwise", "a1"], ...]}
+
+Example:
+    >>> model, args = build_model(case)
+    >>> outcome = run_case(case)          # "ok", or "PlanError: ..." -- anything else raises
+"""
+from __future__ import annotations
+
+import json
+import math
+from unittest import mock
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar as ap
+from autopar.trace import trace
+
+ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
+
+
+class Attention(nn.Module):
+    """q, k, v from one linear; heads by reshape/transpose; scores by matmul; softmax."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        y = att.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Residual(nn.Module):
+    """x + fc2(act(fc1(x)))."""
+
+    def __init__(self, d: int, hidden: int, fn: str):
+        super().__init__()
+        self.fc1, self.fc2, self.fn = nn.Linear(d, hidden), nn.Linear(hidden, d), fn
+
+    def forward(self, x):
+        return x + self.fc2(ACTS[self.fn](self.fc1(x)))
+
+
+class Act(nn.Module):
+    def __init__(self, fn: str):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return ACTS[self.fn](x)
+
+
+class FuzzModel(nn.Module):
+    """An optional embedding, then the blocks in order; the output is the last activation."""
+
+    def __init__(self, case: dict):
+        super().__init__()
+        d = case["d"]
+        self.embed = nn.Embedding(case["vocab"], d) if case["vocab"] else None
+        blocks = []
+        for spec in case["blocks"]:
+            blocks.append(_block(spec, d))
+            if spec["kind"] == "linear":
+                d = spec["out"]
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _block(spec: dict, d: int) -> nn.Module:
+    kind = spec["kind"]
+    if kind == "linear":
+        return nn.Linear(d, spec["out"], bias=spec.get("bias", True))
+    if kind == "act":
+        return Act(spec["fn"])
+    if kind == "norm":
+        return nn.LayerNorm(d)
+    if kind == "attn":
+        return Attention(d, spec["heads"])
+    if kind == "residual":
+        return Residual(d, spec["hidden"], spec["fn"])
+    raise ValueError(kind)
+
+
+def build_model(case: dict):
+    """The model (seeded) and its example input for ``case``."""
+    torch.manual_seed(case["seed"])
+    model = FuzzModel(case)
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    shape = (case["batch"], case["seq"])
+    if case["vocab"]:
+        x = torch.randint(0, case["vocab"], shape, generator=g)
+    else:
+        x = torch.randn(*shape, case["d"], generator=g)
+    return model, (x,)
+
+
+ANNOTATIONS = {"colwise": ap.colwise, "rowwise": ap.rowwise}
+
+
+def annotations_of(case: dict) -> dict:
+    out = {}
+    for pattern, kind, axis in case["annotations"]:
+        if kind == "replicate":
+            out[pattern] = ap.replicate()
+        elif kind == "place":
+            out[pattern] = ap.place(*[ap.Shard(a) if isinstance(a, int) else ap.Replicate() for a in axis])
+        else:
+            out[pattern] = ANNOTATIONS[kind](axis)
+    return out
+
+
+MODEL_KEYS = ("seed", "vocab", "d", "batch", "seq", "blocks")
+_TRACED: dict[str, tuple] = {}  # model spec -> (model, args, traced): tracing is the slow part
+
+
+def _model_and_trace(case: dict, cache: bool):
+    key = json.dumps({k: case[k] for k in MODEL_KEYS}, sort_keys=True)
+    if cache and key in _TRACED:
+        return _TRACED[key]
+    model, args = build_model(case)
+    traced = trace(model, args)
+    if cache:
+        if len(_TRACED) >= 32:
+            _TRACED.pop(next(iter(_TRACED)))
+        _TRACED[key] = (model, args, traced)
+    return model, args, traced
+
+
+def plan_case(case: dict, cache: bool = True):
+    """ap.plan for ``case``; with ``cache`` the model's trace is reused across cases.
+
+    Reusing a trace is sound because propagation rewrites every node's layout and the
+    earlier plan is no longer used; only ap.plan's call to trace is replaced.
+    """
+    model, args, traced = _model_and_trace(case, cache)
+    shape, names = case["mesh"]
+    mesh = ap.Mesh(tuple(shape), tuple(names))
+    with mock.patch("autopar.api.trace", lambda *a, **k: traced):
+        plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"])
+    return plan, args
+
+
+def run_case(case: dict) -> str:
+    """'ok' when the plan matches serial, 'PlanError ...' when refused; anything else raises."""
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan, args = plan_case(case)
+    except ap.PlanError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    plan.check(*args, rtol=1e-4, atol=1e-5)
+    return "ok"
+
+
+def replay_command(path: str) -> str:
+    return f"PYTHONPATH=$PWD .venv/bin/python -m fuzz.replay {path}"

@@ -1,0 +1,94 @@
+"""Hypothesis strategies that draw fuzz cases (see fuzz/spec.py for the case format).
+
+The model part of a case comes from a numbered family (``model_spec(k)``): CI draws from a
+small pool, so that each traced model is reused by many meshes and annotations (tracing is
+the slow part); ``make fuzz`` draws from a million.
+
+Example:
+    >>> from hypothesis import given
+    >>> @given(cases(pool=12))
+    ... def test(case): run_case(case)
+"""
+from __future__ import annotations
+
+import random
+
+from hypothesis import strategies as st
+
+from .spec import ACTS
+
+DIMS = (4, 6, 8, 12)
+KINDS = ("linear", "act", "norm", "attn", "residual")
+
+
+def model_spec(k: int) -> dict:
+    """Model number ``k``: an optional embedding and 1-4 blocks of tiny sizes."""
+    rng = random.Random(k)
+    d = rng.choice(DIMS)
+    spec = {"seed": k, "vocab": rng.choice((0, 0, 8, 12)), "d": d,
+            "batch": rng.choice((2, 4, 6, 8)), "seq": rng.choice((2, 4)), "blocks": []}
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.choice(KINDS)
+        if kind == "linear":
+            block = {"kind": "linear", "out": rng.choice(DIMS), "bias": rng.random() < 0.7}
+            d = block["out"]
+        elif kind == "act":
+            block = {"kind": "act", "fn": rng.choice(sorted(ACTS))}
+        elif kind == "norm":
+            block = {"kind": "norm"}
+        elif kind == "attn":
+            block = {"kind": "attn", "heads": rng.choice([h for h in (1, 2, 3, 4) if d % h == 0])}
+        else:
+            block = {"kind": "residual", "hidden": rng.choice(DIMS), "fn": rng.choice(sorted(ACTS))}
+        spec["blocks"].append(block)
+    return spec
+
+
+@st.composite
+def meshes(draw):
+    sizes = []
+    for _ in range(draw(st.integers(1, 3))):
+        room = 8 // max(1, _prod(sizes))
+        sizes.append(draw(st.sampled_from([s for s in (1, 2, 3, 4) if s <= room])))
+    return [sizes, [f"a{i}" for i in range(len(sizes))]]
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def layer_paths(case: dict) -> list[str]:
+    """Module paths that colwise / rowwise may name (Linear and Embedding modules)."""
+    paths = ["embed"] if case["vocab"] else []
+    for i, b in enumerate(case["blocks"]):
+        paths += {"linear": [f"blocks.{i}"], "attn": [f"blocks.{i}.qkv", f"blocks.{i}.proj"],
+                  "residual": [f"blocks.{i}.fc1", f"blocks.{i}.fc2"]}.get(b["kind"], [])
+    return paths
+
+
+@st.composite
+def annotations(draw, case: dict) -> list:
+    names = case["mesh"][1]
+    paths = layer_paths(case)
+    out = []
+    if paths:
+        chosen = draw(st.lists(st.sampled_from(paths), max_size=min(4, len(paths)), unique=True))
+        for p in chosen:
+            out.append([p, draw(st.sampled_from(("colwise", "rowwise", "replicate"))),
+                        draw(st.sampled_from(names))])
+    if draw(st.integers(0, 5)) == 0:  # an explicit input layout now and then
+        ndim = 2 if case["vocab"] else 3
+        out.append(["x", "place", [draw(st.sampled_from([None] + list(range(ndim)))) for _ in names]])
+    return out
+
+
+@st.composite
+def cases(draw, pool: int = 12) -> dict:
+    case = model_spec(draw(st.integers(0, pool - 1)))
+    case["mesh"] = draw(meshes())
+    case["dp"] = draw(st.sampled_from([None] + case["mesh"][1]))
+    case["annotations"] = draw(annotations(case))
+    return case
