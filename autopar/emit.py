@@ -50,11 +50,14 @@ class Emitter:
         group = list(self.mesh.group(axis, self.rank))
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
 
-    def _step(self, x: fx.Node, st) -> fx.Node:
+    def _step(self, x: fx.Node, st, owned: bool = False) -> fx.Node:
         if st.kind == "all_gather":
             return self.collective(ops.all_gather.default, (x, st.dim), st.axis)
         if st.kind == "all_reduce":
-            return self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
+            node = self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
+            if owned:
+                node.kwargs = {"owned": True}
+            return node
         if st.kind == "reduce_scatter":
             return self.collective(ops.reduce_scatter.default, (x, st.dim), st.axis, (st.op,))
         if st.kind == "all_to_all":
@@ -72,12 +75,21 @@ class Emitter:
         key = (src, target, frozenset(f_axes))
         if key not in self.edges:
             x = self.env[src]
-            for st in _steps(layout_of(src).spec, target):
-                x = self._step(x, st)
+            for i, st in enumerate(_steps(layout_of(src).spec, target)):
+                x = self._step(x, st, owned=i == 0 and self._owned(src))
             for axis in sorted(f_axes):
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
             self.edges[key] = x
         return self.edges[key]
+
+    def _owned(self, src: fx.Node) -> bool:
+        """Nothing but this edge reads ``src``'s local value, and autograd does not keep it: a
+        collective may then work in place (see autopar::all_reduce's ``owned``)."""
+        local = self.env[src]
+        if local.op != "call_function" or local.target not in _FRESH_OUTPUT or len(src.users) != 1:
+            return False
+        user = next(iter(src.users))
+        return user.op == "call_function" and "autopar" in user.meta and layout_of(user).inputs.count(src) == 1
 
     # -------------------------------------------------------------------- nodes
     def run(self) -> fx.Graph:
@@ -203,6 +215,10 @@ class Emitter:
             return None
         lin.args = (*lin.args, bias)
         return lin
+
+
+# ops whose output is a fresh tensor their backward does not save (their inputs are saved)
+_FRESH_OUTPUT = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
 
 
 @functools.lru_cache(maxsize=4096)
