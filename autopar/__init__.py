@@ -14,10 +14,15 @@ from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanEr
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard
 from .plan import Plan
+from .pipeline import Pipeline, PipelineError, split_before
 from .simulate import SimulationError
 
 __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
+    "Pipeline", "PipelineError", "split_before",
 ]
+__all__ += ["load_plan", "PlanFileError", "Cost"]
+from .saveload import PlanFileError, load_plan
+from .estimate import Cost

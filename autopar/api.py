@@ -16,11 +16,12 @@ from .mesh import Mesh
 from .plan import Plan
 from .propagate import propagate
 from .trace import trace
+from .pipeline import api as pipeline_api
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel: str | None = None, strict: bool = False, dynamic: bool = True,
-         bucket_mb: float = 25.0, bucket_max_params: int | None = None) -> Plan:
+         bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -31,6 +32,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
+    annotations, splits = pipeline_api.take_splits(annotations)
+    pipeline_api.check_options(pipeline, mesh, data_parallel, annotations, splits)
     dp_axis = mesh.axis_index(data_parallel) if data_parallel is not None else None
     for ann in (annotations or {}).values():
         if hasattr(ann, "axis"):
@@ -43,7 +46,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
                "strict": strict}
-    return Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
+    result = Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
+    if pipeline is not None:
+        pipeline_api.attach(result, pipeline, splits)
+    return result
 
 
 def _input_ndims(traced, args, kwargs) -> dict:

@@ -1,8 +1,10 @@
 """What a plan communicates per training step: every collective, with its bytes per rank.
 
-Bytes are for the example inputs' sizes, per rank, using ring algorithms
-(all-reduce 2(n-1)/n of the tensor, all-gather (n-1)/n of the result, reduce-scatter and
-all-to-all (n-1)/n of the input).
+Bytes are per rank, using ring algorithms (all-reduce 2(n-1)/n of the tensor, all-gather
+(n-1)/n of the result, reduce-scatter and all-to-all (n-1)/n of the input). Each Comm carries
+its bytes as a sympy ``formula`` in the named dims and mesh axis sizes (formulas.py);
+``bytes`` is that formula at the example inputs' sizes. This is the one list of what runs:
+the text table, plan.cost() and the plots all read it.
 
 Example:
     >>> for c in plan.collectives(): print(c)
@@ -10,11 +12,13 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import sympy
 import torch.fx as fx
 
 from .gradsync import make_buckets
+from .formulas import PlanSymbols, simplify
 from .placement import Partial, Replicate, Shard, local_shape
 from .propagate import layout_of, module_path
 from .redistribute import backward_bytes, plan_steps, step_bytes
@@ -31,45 +35,45 @@ class Comm:
     bytes: float     # per rank
     node: str
     module: str
+    formula: sympy.Expr | None = field(default=None, compare=False)  # bytes in B, S, ..., dp, tp
+    src: str = ""    # the value moved (a node name), "" for gradient buckets
 
     def __str__(self) -> str:
         where = f"{self.node} ({self.module})" if self.module else self.node
         return f"{self.kind} on {self.axis}, {self.phase}, {self.bytes:.0f} B, at {where}"
 
 
-def _nbytes(node: fx.Node, spec, mesh) -> float:
-    val = node.meta["val"]
-    shape = [int(s.node.hint) if hasattr(s, "node") else int(s) for s in val.shape]
-    n = 1
-    for s in local_shape(shape, spec, mesh):
-        n *= s
-    return float(n * val.dtype.itemsize)
+def _comm(sy: PlanSymbols, kind, axis, phase, formula, node, module, src="") -> Comm:
+    formula = simplify(formula)
+    return Comm(kind, axis, phase, sy.value(formula), node, module, formula, src)
 
 
-def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out) -> None:
+def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) -> None:
     mesh = plan.mesh
     cur = list(layout_of(src).spec)
+    where = (consumer.name, module_path(consumer))
     for st in plan_steps(tuple(cur), target):
-        local = _nbytes(src, tuple(cur), mesh)
-        n = mesh.shape[st.axis]
+        local = sy.local_bytes(src, tuple(cur))
+        n = sy.axes[st.axis]
         axis = mesh.axis_names[st.axis]
         if st.communicates:
-            out.append(Comm(st.kind, axis, "forward", step_bytes(st, local, n), consumer.name, module_path(consumer)))
+            out.append(_comm(sy, st.kind, axis, "forward", step_bytes(st, local, n), *where, src.name))
         back = BACKWARD_OF[st.kind]
         if back and layout_of(src).outputs and plan.ctx.needs_grad.get(src):
-            out.append(Comm(back, axis, "backward", backward_bytes(st, local, n), consumer.name,
-                            module_path(consumer)))
+            out.append(_comm(sy, back, axis, "backward", backward_bytes(st, local, n), *where, src.name))
         cur[st.axis] = {"all_gather": Replicate(), "all_reduce": Replicate(), "reduce_scatter": Shard(st.dim or 0),
                         "slice": Shard(st.dim or 0), "all_to_all": Shard(st.dim2 or 0)}.get(
             st.kind, Partial(st.op.split("->")[-1]) if st.op else Replicate())
     for a in sorted(f_axes):
-        n = mesh.shape[a]
-        local = _nbytes(src, tuple(cur), mesh)
-        out.append(Comm("all_reduce", mesh.axis_names[a], "backward", 2 * (n - 1) / n * local,
-                        consumer.name, module_path(consumer)))
+        n = sy.axes[a]
+        local = sy.local_bytes(src, tuple(cur))
+        out.append(_comm(sy, "all_reduce", mesh.axis_names[a], "backward", 2 * (n - 1) / n * local,
+                         *where, src.name))
 
 
-def collectives(plan) -> list[Comm]:
+def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
+    """Every collective of one training step on one rank, in graph order, then gradient buckets."""
+    sy = sy or PlanSymbols.of(plan)
     out: list[Comm] = []
     seen = set()
     for node in plan.graph.nodes:
@@ -82,23 +86,24 @@ def collectives(plan) -> list[Comm]:
             if key in seen:
                 continue
             seen.add(key)
-            _edge_comms(plan, src, tgt, node, f_axes, out)
+            _edge_comms(plan, src, tgt, node, f_axes, out, sy)
         for axis, s in enumerate(lay.strategies):
-            if s is not None and s.lowering == "cross_entropy_split_rows":
-                out.append(Comm("all_reduce", plan.mesh.axis_names[axis], "forward", 8.0, node.name,
-                                module_path(node)))
+            if s is not None and s.lowering == "cross_entropy_split_rows":  # the float32 target count
+                n = sy.axes[axis]
+                out.append(_comm(sy, "all_reduce", plan.mesh.axis_names[axis], "forward",
+                                 2 * (n - 1) / n * 4, node.name, module_path(node)))
     out_node = next(n for n in plan.graph.nodes if n.op == "output")
     for v in out_node.all_input_nodes:
         if "autopar" in v.meta and layout_of(v).outputs:
             key = (v, plan.output_target(layout_of(v).spec), frozenset())
             if key not in seen:
                 seen.add(key)
-                _edge_comms(plan, v, key[1], out_node, (), out)
-    out += _sync_comms(plan)
+                _edge_comms(plan, v, key[1], out_node, (), out, sy)
+    out += _sync_comms(plan, sy)
     return out
 
 
-def _sync_comms(plan) -> list[Comm]:
+def _sync_comms(plan, sy) -> list[Comm]:
     mesh = plan.mesh
     params = dict(plan.model.named_parameters())
     local_sizes = {}
@@ -110,9 +115,20 @@ def _sync_comms(plan) -> list[Comm]:
                            plan.options.get("bucket_max_params"))
     out = []
     for i, b in enumerate(buckets):
-        nbytes = b.numel * b.dtype.itemsize
+        nbytes = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names) * b.dtype.itemsize
         for a in b.axes:
-            n = mesh.shape[a]
-            out.append(Comm("all_reduce", mesh.axis_names[a], "grad sync", 2 * (n - 1) / n * nbytes,
-                            f"bucket {i} ({len(b.names)} params)", ""))
+            n = sy.axes[a]
+            out.append(_comm(sy, "all_reduce", mesh.axis_names[a], "grad sync", 2 * (n - 1) / n * nbytes,
+                             f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names)))
     return out
+
+
+def _bucket_module(names) -> str:
+    """The longest module path the bucket's parameters share ('' for the whole model)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from .lowering import LOWERINGS
 from .placement import Shard, shard_factor
-from .propagate import layout_of, tensor_inputs
+from .propagate import layout_of
 from .redistribute import plan_steps
 from .rules.views import SHAPE_ARGS
 

@@ -42,7 +42,23 @@ def analyse(graph: fx.Graph, mesh, needs_grad: dict, param_derived: dict, param_
             if not all(spec[axis].is_replicate() for spec in layout_of(node).outputs):
                 continue
             _decide(node, axis, flow, param_derived, param_nodes)
+        _redistributed_edges(nodes, axis, flow, needs_grad)
     return flow
+
+
+def _redistributed_edges(nodes, axis, flow, needs_grad) -> None:
+    """A value gathered or reduced to R on an edge is a collective's output, whose backward
+    wants a whole gradient: where split compute consumes it, it needs "f" too."""
+    for user in nodes:
+        lay = layout_of(user)
+        if user.op != "call_function" or not lay.input_targets:
+            continue
+        if all(spec[axis].is_replicate() for spec in lay.outputs):
+            continue
+        for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets)):
+            src = layout_of(inp).spec[axis]
+            if needs_grad.get(inp) and tgt[axis].is_replicate() and not src.is_replicate():
+                flow.f_edges.setdefault((user.name, i), set()).add(axis)
 
 
 def _uses(node: fx.Node):

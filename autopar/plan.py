@@ -26,7 +26,7 @@ from . import display
 from .emit import emit_graph
 from .errors import InputError
 from .gradsync import GradSync
-from .placement import Partial, Replicate, Shard, fmt_spec, merge_tensors, shard_tensor
+from .placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from .propagate import layout_of
 from .simulate import run_ranks
 from .state import has_attr, merge_states, set_attr, shard_state
@@ -35,6 +35,8 @@ R = Replicate()
 
 
 class Plan:
+    stage_layout = None  # pipeline.split.StageLayout when planned with pipeline=ap.Pipeline(...)
+
     def __init__(self, model, mesh, traced, seeds, flow, ctx, dp_axis, options):
         self.model, self.mesh, self.traced, self.seeds = model, mesh, traced, seeds
         self.flow, self.ctx, self.dp_axis, self.options = flow, ctx, dp_axis, options
@@ -242,7 +244,29 @@ class Plan:
         return list(self._comms)
 
     def __str__(self) -> str:
-        return display.plan_table(self)
+        text = display.plan_table(self)
+        if self.stage_layout is not None:
+            from .pipeline.split import describe
+            text += "\n\n" + describe(self.stage_layout, self.graph)
+        return text
+
+    # ------------------------------------------------------------- pipeline (issue 5)
+    def pipeline_runner(self, rank: int, **kwargs):
+        """This rank's PipelineRunner (see autopar/pipeline/runner.py): ``runner.step(batch, labels)``."""
+        from .pipeline.api import pipeline_runner
+        return pipeline_runner(self, rank, **kwargs)
+
+    def schedule_table(self, rank: int | None = None) -> str:
+        """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
+        from .pipeline.api import require_pipeline
+        from .pipeline.timeline import schedule_table
+        return schedule_table(require_pipeline(self), rank)
+
+    def timeline_figure(self, events_per_rank=None, title: str | None = None):
+        """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
+        from .pipeline.api import require_pipeline
+        from .pipeline.timeline import timeline_figure
+        return timeline_figure(events_per_rank, require_pipeline(self), title)
 
     def __repr__(self) -> str:
         return (f"<autopar.Plan {type(self.model).__name__} on {self.mesh}: "
@@ -251,6 +275,42 @@ class Plan:
     def summary(self) -> str:
         return display.summary(self)
 
+    # ---------------------------------------------------- exploring (display, costs, files)
+    def _repr_html_(self) -> str:
+        from .html import plan_html
+        return plan_html(self)
 
-def spec_text(spec) -> str:
-    return fmt_spec(spec) if spec is not None else "-"
+    def explain(self, name: str) -> str:
+        """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
+        from .explain import explain
+        return explain(self, name)
+
+    def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
+        """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
+        from .estimate import Cost
+        return Cost(self, sizes, names, optimizer_states)
+
+    def plot_memory(self, **kw):
+        """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""
+        from .plots import plot_memory
+        return plot_memory(self, **kw)
+
+    def plot_comm(self, **kw):
+        """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
+        from .plots import plot_comm
+        return plot_comm(self, **kw)
+
+    def draw(self, rank: int = 0, **kw):
+        """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
+        from .draw import draw
+        return draw(self, rank, **kw)
+
+    def save(self, path) -> None:
+        """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
+        from .saveload import save_plan
+        save_plan(self, path)
+
+    def diff(self, other: "Plan"):
+        """Nodes whose layout or collectives differ between two plans of one model."""
+        from .diff import diff_plans
+        return diff_plans(self, other)

@@ -310,9 +310,11 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
             total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
             comm_steps += sum(st.communicates for st in steps)
             local_steps += sum(not st.communicates for st in steps)
-        elif src.is_replicate() and out_split and ctx.needs_grad.get(inp) and not ctx.param_derived.get(inp):
+        needs_f = s.inputs[i].is_replicate() and out_split and ctx.needs_grad.get(inp) and (
+            src != s.inputs[i] or not ctx.param_derived.get(inp))
+        if needs_f:  # Megatron's "f": an all-reduce of the gradient (see gradflow.py)
             n = mesh.shape[axis]
-            total += 2 * (n - 1) / n * nbytes  # Megatron's "f": an all-reduce of the gradient
+            total += 2 * (n - 1) / n * nbytes
     wanted = ctx.output_constraints.get(node, {}).get(axis)
     if wanted is not None and s.outputs[0] != wanted:
         meta = info.outputs[0]

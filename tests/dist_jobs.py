@@ -8,20 +8,32 @@ import autopar as ap
 from tests.models import MEGATRON, gpt_batch, small_gpt
 
 
-def gpt_step_matches_serial(shape, axes, dp, steps=2, lr=0.1):
-    """Train the GPT for ``steps`` SGD steps with ap.compile; return the loss curve and the
-    merged-on-rank-0 max difference of every parameter against serial training."""
+def _gather_merged(plan, module):
+    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
+    return plan.merge_state_dicts(gathered), gathered
+
+
+def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
+    """Train the GPT with ap.compile on every rank, each rank initialised differently.
+
+    Checks that replicated parameters were broadcast (equal on every rank at start), then
+    trains the serial model from the merged initial state; returns both loss curves and the
+    worst relative parameter difference after training."""
     rank = dist.get_rank()
-    serial = small_gpt(tied=True)
-    model = small_gpt(tied=True, seed=rank + 100)  # different init per rank: compile broadcasts
+    model = small_gpt(tied=True, seed=rank + 100)
     mesh = ap.Mesh(shape, axes)
     idx, tg = gpt_batch()
     ann = MEGATRON if "tp" in axes else {}
-    with torch.no_grad():  # the sharded parameters come from each rank's model: give them serial values
-        for p, q in zip(model.parameters(), serial.parameters()):
-            p.copy_(q)
     module = ap.compile(model, mesh, args=(idx, tg), annotations=ann, data_parallel=dp)
     plan = module.autopar_plan
+    start, gathered = _gather_merged(plan, module)
+    for name, spec in plan.param_specs.items():
+        if all(p.is_replicate() for p in spec) and name in gathered[0]:
+            assert all(torch.equal(g[name], gathered[0][name]) for g in gathered), f"{name} not broadcast"
+    serial = small_gpt(tied=True)
+    serial.load_state_dict(start, strict=False)
     opt = torch.optim.SGD(module.parameters(), lr=lr)
     sopt = torch.optim.SGD(serial.parameters(), lr=lr)
     losses, serial_losses = [], []
@@ -38,13 +50,25 @@ def gpt_step_matches_serial(shape, axes, dp, steps=2, lr=0.1):
         sopt.step()
         sopt.zero_grad()
         serial_losses.append(sl.item())
-    pieces = {n: p.detach() for n, p in module.named_parameters()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    merged = plan.merge_state_dicts(gathered)
+    merged, _ = _gather_merged(plan, module)
     worst = max(((merged[n] - p.detach()).abs().max() / p.abs().max()).item()
                 for n, p in serial.named_parameters())
     return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
+
+
+def compile_with_wrong_mesh():
+    try:
+        ap.compile(small_gpt(), ap.Mesh((3,), ("tp",)), args=gpt_batch())
+    except ap.MeshError as e:
+        return str(e)
+    return "no error"
+
+
+def device_mesh_round_trip(shape, axes):
+    mesh = ap.Mesh(shape, axes)
+    dm = mesh.to_device_mesh()
+    back = ap.Mesh.from_device_mesh(dm)
+    return back == mesh, dm.get_group(axes[-1]).size()
 
 
 def world_info():

@@ -1,0 +1,6 @@
+"""``python -m autopar``: the same as the ``autopar`` command (see autopar/cli.py)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
