@@ -113,9 +113,22 @@ def _call(name: str, *args):
 
 
 # ------------------------------------------------------------------------------- kernels
-def all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
-    """P -> R: sum (or average) over the group."""
+def all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str, owned: bool = False) -> torch.Tensor:
+    """P -> R: sum (or average) over the group.
+
+    ``owned``: the emitter saw that nothing else reads ``x`` (the fresh output of a matmul-like
+    op whose backward does not keep it, with this collective as its only use). Plain eager
+    execution may then reduce it in place, as hand-written Megatron does, instead of copying
+    it first; traced or compiled execution ignores the hint (the op stays functional).
+    """
     return current_backend().all_reduce(x, tuple(group), rank, op)
+
+
+def _all_reduce_eager(x, axis, group, rank, op, owned=False):
+    backend = current_backend()
+    if owned and hasattr(backend, "all_reduce_"):
+        return backend.all_reduce_(x, tuple(group), rank, op)
+    return backend.all_reduce(x, tuple(group), rank, op)
 
 
 def all_gather(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
@@ -203,7 +216,7 @@ def _all_to_all_fake(x, src_dim, dst_dim, axis, group, rank):
 def _all_reduce_bwd(ctx, g):
     if ctx.op == "avg":
         g = g / len(ctx.group)
-    return g, None, None, None, None
+    return g, None, None, None, None, None
 
 
 def _all_gather_bwd(ctx, g):
@@ -239,8 +252,8 @@ def _scale_grad_bwd(ctx, g):
 
 
 _G = "str axis, int[] group, int rank"
-_define("all_reduce", f"(Tensor x, {_G}, str op) -> Tensor", all_reduce, _same, _all_reduce_bwd,
-        ("axis", "group", "rank", "op"))
+_define("all_reduce", f"(Tensor x, {_G}, str op, bool owned=False) -> Tensor", all_reduce, _same,
+        _all_reduce_bwd, ("axis", "group", "rank", "op"), eager=_all_reduce_eager)
 _define("all_gather", f"(Tensor x, int dim, {_G}) -> Tensor", all_gather, _gather_fake, _all_gather_bwd,
         ("dim", "axis", "group", "rank"))
 _define("reduce_scatter", f"(Tensor x, int dim, {_G}, str op) -> Tensor", reduce_scatter, _split_fake,
@@ -313,6 +326,16 @@ class DistBackend:
         pg = self._pg(group, rank)
         self._wait(kind, group, lambda: dist.all_reduce(y, group=pg, async_op=True))
         return y / len(group) if op == "avg" else y
+
+    def all_reduce_(self, x, group, rank, op):
+        """In place, for inputs nothing else reads (see the ``owned`` hint of autopar::all_reduce)."""
+        import torch.distributed as dist
+        if not x.is_contiguous():
+            return self.all_reduce(x, group, rank, op)
+        self._note("all_reduce", group, x)
+        pg = self._pg(group, rank)
+        self._wait("all_reduce", group, lambda: dist.all_reduce(x, group=pg, async_op=True))
+        return x.div_(len(group)) if op == "avg" else x
 
     def all_gather(self, x, dim, group, rank, kind="all_gather"):
         import torch.distributed as dist

@@ -52,14 +52,17 @@ class Emitter:
         group = list(self.mesh.group(axis, self.rank))
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
 
-    def _step(self, x: fx.Node, st, gather=None) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False) -> fx.Node:
         gather = gather or ops.all_gather.default
         if st.blocks > 1:
             return self._blocked_step(x, st, gather)
         if st.kind == "all_gather":
             return self.collective(gather, (x, st.dim), st.axis)
         if st.kind == "all_reduce":
-            return self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
+            node = self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
+            if owned:
+                node.kwargs = {"owned": True}
+            return node
         if st.kind == "reduce_scatter":
             return self.collective(ops.reduce_scatter.default, (x, st.dim), st.axis, (st.op,))
         if st.kind == "all_to_all":
@@ -95,17 +98,26 @@ class Emitter:
         if key not in self.edges:
             x = self.env[src]
             f_axes = set(f_axes)
-            for st in _steps(layout_of(src).spec, target):
+            for i, st in enumerate(_steps(layout_of(src).spec, target)):
                 if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
                     x = self._step(x, st, ops.all_gather_rs.default)
                     f_axes.discard(st.axis)
                     continue
-                x = self._step(x, st)
+                x = self._step(x, st, owned=i == 0 and self._owned(src))
             for axis in sorted(f_axes):
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
             self.edges[key] = x
         return self.edges[key]
+
+    def _owned(self, src: fx.Node) -> bool:
+        """Nothing but this edge reads ``src``'s local value, and autograd does not keep it: a
+        collective may then work in place (see autopar::all_reduce's ``owned``)."""
+        local = self.env[src]
+        if local.op != "call_function" or local.target not in _FRESH_OUTPUT or len(src.users) != 1:
+            return False
+        user = next(iter(src.users))
+        return user.op == "call_function" and "autopar" in user.meta and layout_of(user).inputs.count(src) == 1
 
     # -------------------------------------------------------------------- nodes
     def run(self) -> fx.Graph:
@@ -241,6 +253,10 @@ class Emitter:
             return None
         lin.args = (*lin.args, bias)
         return lin
+
+
+# ops whose output is a fresh tensor their backward does not save (their inputs are saved)
+_FRESH_OUTPUT = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
 
 
 @functools.lru_cache(maxsize=4096)

@@ -26,7 +26,7 @@ TARGETS = {("megatron", "small"): "<= 1.03", ("megatron", "large"): "<= 1.03",
            ("dtensor", "small"): "<= 0.50", ("dtensor", "large"): "<= 0.88"}
 
 
-ITERS = {"small": 100, "large": 30}  # pairs per case (BENCH_ITERS overrides)
+ITERS = {"small": 100, "large": 60}  # pairs per case (BENCH_ITERS overrides)
 
 
 def _styles(kind):

@@ -58,11 +58,25 @@ def results_md(data: dict) -> str:
 
 
 RESULTS_NOTES = """\
-Ratios are medians of per-iteration ratios, the contenders alternating iteration by iteration
-in one process group (gloo, 2 processes); a ratio below 1 means autopar is faster. The
-sanity row times two identical hand-written modules against each other: its distance from
-1.00 is the noise of that run. Compile times are wall seconds on the same machine; the
-memory figures come from a tensor-allocation counter (bench/bench_memory.py)."""
+How to read it:
+
+- **tp_step**: training step (forward, loss, backward) on 2 gloo processes. Ratios are medians of
+  per-iteration ratios, the contenders alternating in a shuffled order (the same on both ranks);
+  below 1 means autopar is faster. The sanity row times two identical hand-written Megatron
+  modules against each other: its distance from 1.00 is this run's noise. The hand-written
+  reference's gradients are checked against serial in the same job. "small" is hidden 128
+  (framework overhead decides), "large" hidden 512 / MLP 2048 (matmuls decide). The DTensor
+  targets assume DTensor costs 2.2x (small) and 1.17x (large) the floor; where DTensor itself
+  is cheaper than that on the day, the same autopar step reads a higher ratio.
+- **compile**: GPT-style models on the meta device, mesh (2, 4) = (dp, tp). torch.export is timed
+  apart from autopar's own work (propagation with its choice cache, emitting all 8 ranks'
+  GraphModules); with dynamic batch/sequence dims (the default) export is ~3x slower than with
+  `ap.plan(..., dynamic=False)`, the last compile row.
+- **memory**: one rank's module run alone with shape-only collectives under a tensor-allocation
+  counter: parameter bytes, and the peak bytes a step allocates (activations kept for backward,
+  gradients, temporaries). Embeddings, norms and logits stay replicated under the Megatron
+  annotations, hence ratios above 1 to serial/tp.
+- Wall-clock figures depend on the machine's load (it is shared); ratios much less so."""
 
 
 def machine() -> str:
