@@ -129,12 +129,13 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
     _choice_key; tests compare both).
     """
     graph = traced.gm.graph
+    _forget_previous_plan(graph)
     ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
     if not cache:
         ctx.choices = None
     for node in graph.nodes:
-        if "autopar" in node.meta:
-            continue  # a boundary node inserted by _enforce_output_constraint
+        if node.meta.get("autopar_boundary"):
+            continue  # inserted just now by _enforce_output_constraint, with its layout
         if node.op == "placeholder":
             layout = _placeholder_layout(node, traced, ctx)
         elif node.op == "get_attr":
@@ -149,6 +150,17 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
             _enforce_output_constraint(node, ctx)
     check_layouts(graph, mesh)
     return ctx
+
+
+def _forget_previous_plan(graph: fx.Graph) -> None:
+    """A traced graph may be planned again (another mesh, other annotations): drop the boundary
+    nodes and layouts an earlier propagation left, so that nothing stale survives."""
+    for node in list(graph.nodes):
+        if node.meta.get("autopar_boundary"):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in graph.nodes:
+        node.meta.pop("autopar", None)
 
 
 def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
@@ -169,6 +181,7 @@ def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
     with node.graph.inserting_after(node):
         boundary = node.graph.call_function(aten.alias.default, (node,))
     boundary.meta = {k: v for k, v in node.meta.items() if k != "autopar"}
+    boundary.meta["autopar_boundary"] = True
     for u in users:
         u.replace_input_with(node, boundary)
     boundary.meta["autopar"] = Layout([target], [node], [target], (None,) * ctx.mesh.ndim,

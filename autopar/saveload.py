@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -114,10 +115,30 @@ def _version() -> str:
         return "unknown"
 
 
+def _dp_out(dp) -> dict:
+    fields = dataclasses.asdict(dp)
+    if fields["reduce_dtype"] is not None:
+        fields["reduce_dtype"] = str(fields["reduce_dtype"]).removeprefix("torch.")
+    return {"__DataParallel__": fields}
+
+
+def _dp_in(v: dict):
+    from .dataparallel import DataParallel
+    fields = dict(v["__DataParallel__"])
+    if fields.get("reduce_dtype") is not None:
+        fields["reduce_dtype"] = getattr(torch, fields["reduce_dtype"])
+    return DataParallel(**fields)
+
+
 def _options_out(options: dict) -> dict:
-    """JSON values as they are; anything else as {"__repr__": text} (restored as None, with a warning)."""
+    """JSON values as they are, DataParallel options field by field; anything else as
+    {"__repr__": text} (restored as None, with a warning)."""
+    from .dataparallel import DataParallel
     out = {}
     for k, v in options.items():
+        if isinstance(v, DataParallel):
+            out[k] = _dp_out(v)
+            continue
         try:
             json.dumps(v)
             out[k] = v
@@ -130,7 +151,9 @@ def _options_in(options: dict, path) -> dict:
     import warnings
     out = {}
     for k, v in options.items():
-        if isinstance(v, dict) and set(v) == {"__repr__"}:
+        if isinstance(v, dict) and set(v) == {"__DataParallel__"}:
+            v = _dp_in(v)
+        elif isinstance(v, dict) and set(v) == {"__repr__"}:
             warnings.warn(f"autopar: plan option {k!r} = {v['__repr__']} in {path} could not be saved as "
                           "JSON; it is None in the loaded plan.", stacklevel=3)
             v = None

@@ -121,3 +121,18 @@ def test_mlp_on_eight_ranks_collectives_and_shapes():
     assert tuple(gm.get_parameter("layers.2.fc2.weight").shape) == (16, 4)
     assert tuple(gm.get_parameter("layers.2.fc2.bias").shape) == (16,)
     plan.check(x)
+
+
+def test_replanning_a_traced_graph_leaves_nothing_stale():
+    """A traced graph planned again on another mesh gets fresh layouts, and the boundary nodes
+    the first plan inserted (row-parallel outputs) are not duplicated."""
+    from autopar.annotate import resolve
+    from autopar.propagate import propagate
+    model, plan = gpt_plan(shape=(2, 2), axes=("dp", "tp"), dp="dp")
+    count = sum(1 for _ in plan.graph.nodes)
+    mesh = ap.Mesh((2,), ("tp",))
+    seeds = resolve(MEGATRON, model, mesh, plan.traced.user_inputs)
+    propagate(plan.traced, mesh, seeds)
+    assert sum(1 for _ in plan.graph.nodes) == count
+    assert all(len(spec) == 1 for n in plan.graph.nodes if "autopar" in n.meta
+               for spec in n.meta["autopar"].outputs)

@@ -29,7 +29,9 @@ def test_round_trip_reproduces_layouts(saved):
     rec = json.loads(path.read_text())
     assert rec["format"] == "autopar-plan" and rec["version"] == 1
     assert rec["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"]}
-    assert rec["options"] == plan.options and rec["data_parallel"] == "dp"
+    from autopar.saveload import _options_in
+    assert _options_in(rec["options"], path) == plan.options and rec["data_parallel"] == "dp"
+    assert rec["options"]["data_parallel"]["__DataParallel__"]["axis"] == "dp"
     loaded = ap.load_plan(path, plan.model)
     assert layouts(loaded) == layouts(plan)
     assert loaded.param_specs == plan.param_specs and loaded.grad_sync_axes == plan.grad_sync_axes
