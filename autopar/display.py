@@ -47,7 +47,7 @@ def op_name(node) -> str:
 
 
 def comm_label(c) -> str:
-    phase = {"forward": "", "backward": ", bwd", "grad sync": ", grad sync"}[c.phase]
+    phase = {"forward": "", "backward": ", bwd", "grad sync": ", grad sync", "optimizer": ", after step"}[c.phase]
     return f"{c.kind}({c.axis}{phase})"
 
 
@@ -82,7 +82,7 @@ def plan_rows(plan, comms=None) -> list[Row]:
         rows.append(Row(node.name, module_path(node), op_name(node),
                         " ".join(fmt_spec(s) for s in lay.outputs), at[node.name]))
     for c in comms:
-        if c.phase == "grad sync":
+        if c.phase in ("grad sync", "optimizer"):
             rows.append(Row(c.node, "(grad sync)", "bucket", "-", [c]))
     return rows
 
@@ -112,7 +112,7 @@ def comm_totals(comms) -> dict:
     out: dict = {}
     for c in comms:
         t = out.setdefault(c.axis, {"count": 0, "bytes": 0.0, "forward": 0.0, "backward": 0.0,
-                                    "grad sync": 0.0})
+                                    "grad sync": 0.0, "optimizer": 0.0})
         t["count"] += 1
         t["bytes"] += c.bytes
         t[c.phase] += c.bytes
@@ -139,7 +139,7 @@ def summary(plan, comms=None) -> str:
     if not totals:
         lines.append("  communication per step and rank: none")
     for axis, t in totals.items():
-        parts = ", ".join(f"{k} {fmt_bytes(t[k])}" for k in ("forward", "backward", "grad sync") if t[k])
+        parts = ", ".join(f"{k} {fmt_bytes(t[k])}" for k in ("forward", "backward", "grad sync", "optimizer") if t[k])
         lines.append(f"  communication on {axis}: {t['count']} collectives, {fmt_bytes(t['bytes'])} "
                      f"per step and rank ({parts})")
     return Text("\n".join(lines))

@@ -142,6 +142,11 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         if p.requires_grad:
             grads += local * p.element_size()
             opt += optimizer_states * local * 4
+    dp = plan.data_parallel
+    if dp is not None and dp.zero:  # ZeRO shards optimizer state (1) and gradients (2) over dp
+        opt = opt / sy.axes[plan.dp_axis]
+        if dp.zero == 2:
+            grads = grads / sy.axes[plan.dp_axis]
     acts = sympy.Integer(0)
     for node in plan.graph.nodes:
         if node.op != "call_function" or op_name(node) in VIEWS or not plan.ctx.needs_grad.get(node):

@@ -136,3 +136,17 @@ def test_replanning_a_traced_graph_leaves_nothing_stale():
     assert sum(1 for _ in plan.graph.nodes) == count
     assert all(len(spec) == 1 for n in plan.graph.nodes if "autopar" in n.meta
                for spec in n.meta["autopar"].outputs)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_plans_display_and_cost_their_sharded_memory(zero):
+    from tests.models import MLP
+    torch.manual_seed(0)
+    plan = ap.plan(MLP(), ap.Mesh((4,), ("dp",)), args=(torch.randn(8, 16),),
+                   data_parallel=ap.DataParallel("dp", zero=zero))
+    assert "optimizer" in plan.summary() and "after step" in str(plan) and plan._repr_html_()
+    memory = plan.cost().memory
+    predicted = plan.memory_per_rank(0)
+    for key, mine in (("optimizer", "optimizer_state"), ("grads", "grads")):
+        value = memory[key].subs({s: 4 for s in memory[key].free_symbols})  # the only symbol: dp
+        assert float(value) == predicted[mine]
