@@ -38,6 +38,16 @@ def test_notebook_runs(path):
     assert "Traceback" not in text
     if path.stem == "quickstart":
         assert "'max_rel'" in text and "autopar plan for Sequential on Mesh(dp=2, tp=2)" in text
+    if path.stem == "llama":  # HF LLaMA, Megatron preset, sequence parallel off/on, measured = planned
+        assert "SP: measured bytes == planned bytes on every axis: True; same collectives: True" in text
+        assert "no SP: measured bytes == planned bytes on every axis: True; same collectives: True" in text
+    if path.stem == "zero":
+        assert "ZeRO-1 vs plain DP: losses and parameters identical" in text
+        assert "ZeRO-2 vs plain DP: losses and parameters identical" in text
+        assert "ZeRO-1 optimizer state: 1/4 of plain DP's" in text
+    if path.stem == "pipeline":
+        assert text.count("equal to serial") >= 3
+        assert "GPipe holds m = 4 micro-batches per rank [4, 4]; 1F1B at most p - r [2, 1]" in text
     if path.stem == "gpt":
         assert "plans agree: same layouts and collectives" in text
         assert any("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
