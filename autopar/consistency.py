@@ -21,7 +21,6 @@ import torch.fx as fx
 
 from .errors import InconsistentPlanError
 from .placement import fmt_spec
-from .propagate import layout_of
 
 
 def plan_hash(plan) -> str:

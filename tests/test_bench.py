@@ -73,6 +73,5 @@ def test_owned_all_reduce_only_where_nothing_else_reads():
 
 
 def test_real_gloo_training_matches_serial_with_fast_collectives(gloo):
-    from tests.dist_jobs import gpt_step_matches_serial  # noqa: F401 - the job the workers run
     res = gloo(2).run("tests.dist_jobs:gpt_step_matches_serial", (2,), ("tp",), None)
     assert res[0]["max_rel_param"] < 1e-5 and res[0]["losses"] == pytest.approx(res[0]["serial"], rel=1e-5)
