@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from . import collectives
+from .redistribute import Step, step_bytes
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,9 @@ class Record:
     def bytes(self) -> float:
         """Bytes one rank of the group sends (ring algorithms)."""
         n, b = len(self.group), self.numel * self.itemsize
-        if n == 1:
-            return 0.0
-        return {"all_reduce": 2 * (n - 1) / n * b, "all_gather": (n - 1) * b,
-                "broadcast": float(b)}.get(self.kind, (n - 1) / n * b)
+        if self.kind == "broadcast":
+            return 0.0 if n == 1 else float(b)
+        return step_bytes(Step(self.kind, 0), b, n)  # the plan's own formulas: one convention
 
 
 class CommStats:
