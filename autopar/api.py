@@ -24,7 +24,7 @@ from .pipeline import api as pipeline_api
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
-         data_parallel=None, strict: bool = False, dynamic: bool = True,
+         data_parallel=None, strict: bool = False, dynamic: bool = True, repeat_blocks: bool = True,
          bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None,
          debug: bool = False) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
@@ -36,6 +36,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     apply when it is a plain name. ``strict`` makes an op without a rule on a
     split input an error instead of a gathered, replicated fallback. ``debug`` makes
     ap.compile check that all ranks hold the same plan before the first collective.
+    ``repeat_blocks`` traces a long list of identical blocks two deep and copies the rest
+    (the same graph, much faster for deep models; see autopar/repeat.py); False exports all.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
@@ -51,7 +53,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
     annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in (annotations or {}).items()}
     with keep_opaque(model, keep, args, kwargs or {}):
-        traced = trace(model, args, kwargs, dynamic=dynamic)
+        traced = trace(model, args, kwargs, dynamic=dynamic, repeat_blocks=repeat_blocks)
     ndims = _input_ndims(traced, args, kwargs)
     seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
     _unify_tied(seeds, traced)

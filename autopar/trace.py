@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import TraceError
 from .inline import inline_wrappers
+from .repeat import Repeated, copy_blocks, find_repeated, truncated
 
 aten = torch.ops.aten
 
@@ -46,19 +47,40 @@ class Traced:
     forward_arg_names: list[str]
     dynamic: bool
     tied: dict[str, list[str]] = field(default_factory=dict)  # canonical param -> all its names
+    repeated: object = None            # repeat.Repeated when blocks were copied, not exported
 
     def placeholders(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
 
 
 def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
-          dynamic: bool = True) -> Traced:
-    """Export ``model`` at ``args``/``kwargs`` and prepare the graph for propagation."""
+          dynamic: bool = True, repeat_blocks: bool = True) -> Traced:
+    """Export ``model`` at ``args``/``kwargs`` and prepare the graph for propagation.
+
+    With ``repeat_blocks``, a long list of identical blocks is exported two blocks deep and
+    the rest copied (see repeat.py); the graph is the one a full export gives.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar needs an nn.Module, got {type(model).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
+    found = find_repeated(model) if repeat_blocks else None
+    if found is not None:
+        try:
+            with truncated(model, found):
+                ep, used_dynamic = _export(model, args, kwargs, dynamic)
+            traced = _prepared(ep, used_dynamic, model, found)
+            if traced is not None:
+                return traced
+        except Exception:  # noqa: BLE001 - any trouble with the short model: export it whole
+            pass
     ep, used_dynamic = _export(model, args, kwargs, dynamic)
+    return _prepared(ep, used_dynamic, model)
+
+
+def _prepared(ep, used_dynamic: bool, model, found: Repeated | None = None) -> Traced | None:
+    """The Traced of an ExportedProgram: names of what each placeholder stands for, wrappers
+    inlined, biases split, and with ``found`` the blocks copied (None if they cannot be)."""
     gm = ep.graph_module
     sig = ep.graph_signature
     traced = Traced(
@@ -92,6 +114,10 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     _check_outputs(traced)
     inline_wrappers(gm)
     split_biases(gm.graph)
+    if found is not None:
+        if traced.buffer_mutations or not copy_blocks(traced, found):
+            return None
+        traced.repeated = found
     gm.recompile()
     return traced
 
