@@ -46,7 +46,8 @@ def collective_sequence(module: fx.GraphModule) -> list[tuple]:
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or target.namespace != "autopar":
             continue
-        args = [a for a in node.args if not isinstance(a, fx.Node)]
+        args = [_resolved(module, a) for a in node.args]
+        args = [a for a in args if not isinstance(a, fx.Node)]
         at = next((i for i, a in enumerate(args) if isinstance(a, (list, tuple))
                    and all(isinstance(r, int) for r in a)), None)  # the group: a list of ranks
         if at is None:  # not a collective (scale_grad, opaque_call: local ops)
@@ -55,6 +56,14 @@ def collective_sequence(module: fx.GraphModule) -> list[tuple]:
         rest = tuple(args[:at] + args[at + 2:])
         out.append((target._opname, group, rest))  # rest: dims, axis name, op (the group and rank dropped)
     return out
+
+
+def _resolved(module, a):
+    """A get_attr argument (the rank's group, its rank) as the value the module holds."""
+    if isinstance(a, fx.Node) and a.op == "get_attr":
+        value = getattr(module, a.target, a)
+        return a if isinstance(value, torch.Tensor) else value
+    return a
 
 
 def compare(signatures: list[tuple[str, list]]) -> None:

@@ -10,8 +10,12 @@ dim is multiplied back), and only shape arguments are divided, so size arithmeti
 model needs no rewriting.
 
 Example:
-    >>> gm = emit_rank(plan, rank=0)
-    >>> print(gm.code)   # ... torch.ops.autopar.all_reduce.default(linear, 'tp', [0, 1], 0, 'sum') ...
+    >>> graph = emit_graph(plan)      # one program for every rank
+    >>> print(plan.module(0).code)   # ... autopar.all_reduce.default(linear, 'tp', autopar_group_1, autopar_rank, 'sum')
+
+The program is the same on every rank: what differs (the rank, its groups, its position on
+each axis) is read from attributes of the rank's module (``rank_attrs``). The Python code is
+therefore generated once per plan, not once per rank, which is most of emission's cost.
 """
 from __future__ import annotations
 
@@ -34,11 +38,25 @@ aten = torch.ops.aten
 ops = torch.ops.autopar
 
 
+RANK_ATTR = "autopar_rank"
+
+
+def rank_attrs(mesh, rank: int) -> dict:
+    """The per-rank constants an emitted program reads from its module: the rank, and per mesh
+    axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``)."""
+    out = {RANK_ATTR: rank}
+    coords = mesh.coords(rank)
+    for i in range(mesh.ndim):
+        out[f"autopar_group_{i}"] = list(mesh.group(i, rank))
+        out[f"autopar_coord_{i}"] = coords[i]
+    return out
+
+
 class Emitter:
-    def __init__(self, plan, rank: int):
-        self.plan, self.mesh, self.rank = plan, plan.mesh, rank
-        self.coords = self.mesh.coords(rank)
+    def __init__(self, plan):
+        self.plan, self.mesh = plan, plan.mesh
         self.graph = fx.Graph()
+        self._rank_nodes: dict[str, fx.Node] = {}
         self.env: dict[fx.Node, fx.Node] = {}
         self.edges: dict[tuple, fx.Node] = {}
         self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
@@ -47,10 +65,20 @@ class Emitter:
     def global_shape(self, node: fx.Node):
         return tuple(node.meta["val"].shape)
 
+    def rank_value(self, name: str) -> fx.Node:
+        """The module attribute ``name`` of ``rank_attrs`` (read once per program)."""
+        if name not in self._rank_nodes:
+            self._rank_nodes[name] = self.graph.get_attr(name)
+        return self._rank_nodes[name]
+
+    def coord(self, axis: int) -> fx.Node:
+        """This rank's position on mesh axis ``axis``, as a value of the program."""
+        return self.rank_value(f"autopar_coord_{axis}")
+
     def collective(self, op, args: tuple, axis: int, extra: tuple = ()) -> fx.Node:
         """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis``."""
-        group = list(self.mesh.group(axis, self.rank))
-        return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, self.rank, *extra))
+        group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
+        return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, rank, *extra))
 
     def _step(self, x: fx.Node, st, gather=None, owned: bool = False) -> fx.Node:
         gather = gather or ops.all_gather.default
@@ -142,7 +170,7 @@ class Emitter:
 
     def _input_guard(self):
         """One check of the user inputs' local shapes before anything runs (see guards.py)."""
-        args = guard_args(self.plan, self.env, self.rank)
+        args = guard_args(self.plan, self.env, self.rank_value(RANK_ATTR))
         if args is not None:
             self.graph.call_function(check_local_inputs, args)
 
@@ -265,7 +293,8 @@ def _steps(src: tuple, dst: tuple) -> tuple:
     return tuple(plan_steps(src, dst))
 
 
-def emit_graph(plan, rank: int) -> fx.Graph:
-    graph = Emitter(plan, rank).run()
+def emit_graph(plan) -> fx.Graph:
+    """The program every rank runs (see rank_attrs for what differs between ranks)."""
+    graph = Emitter(plan).run()
     graph.lint()
     return graph

@@ -9,6 +9,8 @@ Example (vocabulary split over 2 ranks, rank 1 holds rows 32..63):
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .lowering_vocab import cross_entropy_vocab_parallel
@@ -21,19 +23,24 @@ def vocab_parallel_embedding(em, node, args, kwargs, axis: int):
     weight, ids = args[0], args[1]
     n = em.mesh.shape[axis]
     rows = em.global_shape(node.args[0])[0] // n
-    start = em.coords[axis] * rows
     g = em.graph
+    start = g.call_function(operator.mul, (em.coord(axis), rows))
     below = g.call_function(aten.lt.Scalar, (ids, start))
-    above = g.call_function(aten.ge.Scalar, (ids, start + rows))
+    above = g.call_function(aten.ge.Scalar, (ids, g.call_function(operator.add, (start, rows))))
     outside = g.call_function(aten.bitwise_or.Tensor, (below, above))
     shifted = g.call_function(aten.sub.Tensor, (ids, start))
     local_ids = g.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
     rest = list(args[2:])
     if rest and rest[0] is not None and rest[0] >= 0:  # padding_idx: local on its owner, none elsewhere
-        rest[0] = rest[0] - start if start <= rest[0] < start + rows else -1
+        rest[0] = g.call_function(local_padding_idx, (rest[0], start, rows))
     looked_up = g.call_function(aten.embedding.default, (weight, local_ids) + tuple(rest), kwargs)
     mask = g.call_function(aten.unsqueeze.default, (outside, -1))
     return g.call_function(aten.masked_fill.Scalar, (looked_up, mask, 0.0))
+
+
+def local_padding_idx(padding_idx: int, start: int, rows: int) -> int:
+    """The padding row's local index on the rank holding rows start..start+rows, else -1."""
+    return padding_idx - start if start <= padding_idx < start + rows else -1
 
 
 def cross_entropy_split_rows(em, node, args, kwargs, axis: int):

@@ -13,6 +13,8 @@ Example:
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .placement import Shard
@@ -38,7 +40,7 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     reduction = _arg(node, 3, "reduction", REDUCTION_MEAN)
     call = em.graph.call_function
     n_local = em.global_shape(node.args[0])[1] // em.mesh.shape[axis]
-    start = em.coords[axis] * n_local
+    start = call(operator.mul, (em.coord(axis), n_local))
     local_max = call(aten.amax.default, (call(aten.detach.default, (logits,)), [1], True))
     maxes = em.collective(ops.all_gather.default, (local_max, 1), axis)
     shifted = call(aten.sub.Tensor, (logits, call(aten.amax.default, (maxes, [1], True))))

@@ -23,15 +23,35 @@ import torch.utils._pytree as pytree
 from torch.export._unlift import _get_codegen
 
 from . import display
-from .emit import emit_graph
+from .emit import emit_graph, rank_attrs
 from .errors import InputError
 from . import dpplan
 from .placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
+from .program import Program
 from .propagate import layout_of
 from .simulate import run_ranks
-from .state import has_attr, merge_states, set_attr, shard_state
+from .state import merge_states, set_attr, shard_state
 
 R = Replicate()
+
+
+class _Owners:
+    """The submodule of ``root`` that holds each dotted name, made (plain nn.Module) once."""
+
+    def __init__(self, root: nn.Module):
+        self.mods = {"": root}
+
+    def of(self, fqn: str) -> tuple[nn.Module, str]:
+        path, _, leaf = fqn.rpartition(".")
+        return self._module(path), leaf
+
+    def _module(self, path: str) -> nn.Module:
+        if path not in self.mods:
+            parent, _, name = path.rpartition(".")
+            mod = nn.Module()
+            self._module(parent).add_module(name, mod)
+            self.mods[path] = mod
+        return self.mods[path]
 
 
 class Plan:
@@ -156,39 +176,49 @@ class Plan:
     def build_module(self, rank: int, state: dict | None = None) -> fx.GraphModule:
         """A fresh module for ``rank`` with pieces of ``state`` (default: the model's current values)."""
         self.mesh.check_rank(rank)
-        graph = emit_graph(self, rank)
-        t = self.traced
-        graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
-        root = nn.Module()
-        self._fill_attrs(root, rank, state)
-        gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}Module")
-        self._fill_attrs(gm, rank, state, only_missing=True)
-        gm.autopar_rank = rank
+        gm = self.program.instance(f"Rank{rank}Module")
+        self._fill_attrs(gm, rank, state)
+        for name, value in rank_attrs(self.mesh, rank).items():  # what the program reads per rank
+            setattr(gm, name, value)
         if self.grad_sync_axes:
             dpplan.attach(self, gm, rank)  # gradient buckets, ZeRO shards, local SGD (issue 4)
         return gm
 
-    def _fill_attrs(self, root, rank, state, only_missing=False):
+    @cached_property
+    def program(self) -> Program:
+        """The emitted program every rank runs, its Python code generated once."""
+        graph = emit_graph(self)
+        t = self.traced
+        graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
+        return Program(graph)
+
+    def _fill_attrs(self, root, rank, state):
+        """Every parameter, buffer and constant of the model, as ``rank``'s piece, on ``root``
+        (unused ones too, so that state_dict() has the serial model's keys)."""
         made: dict[int, nn.Parameter] = {}
-        model_state = dict(self.model.named_parameters(remove_duplicate=False))
-        buffers = {n: b for n, b in self.model.named_buffers()}
-        persistent = set(self.model.state_dict().keys())
-        for fqn, p in model_state.items():
-            if only_missing and has_attr(root, fqn):
-                continue
+        owners = _Owners(root)
+        specs, default = self.param_specs, (R,) * self.mesh.ndim
+        for fqn, p in self._model_tensors["params"]:
             if id(p) not in made:
                 value = state[fqn] if state is not None and fqn in state else p
-                local = shard_tensor(value.detach(), self.param_specs.get(fqn, (R,) * self.mesh.ndim),
-                                     self.mesh, rank).clone()
+                local = shard_tensor(value.detach(), specs.get(fqn, default), self.mesh, rank).clone()
                 made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
-            set_attr(root, fqn, made[id(p)])
-        for fqn, b in buffers.items():
-            if not (only_missing and has_attr(root, fqn)):
-                spec = self.param_specs.get(fqn, (R,) * self.mesh.ndim)
-                set_attr(root, fqn, shard_tensor(b, spec, self.mesh, rank).clone(), fqn in persistent)
+            owner, leaf = owners.of(fqn)
+            owner.register_parameter(leaf, made[id(p)])
+        persistent = self._model_tensors["persistent"]
+        for fqn, b in self._model_tensors["buffers"]:
+            owner, leaf = owners.of(fqn)
+            owner.register_buffer(leaf, shard_tensor(b, specs.get(fqn, default), self.mesh, rank).clone(),
+                                  persistent=fqn in persistent)
         for fqn, c in self.traced.constants.items():
-            if not (only_missing and has_attr(root, fqn)):
-                set_attr(root, fqn, c.clone(), None)
+            set_attr(root, fqn, c.clone(), None)
+
+    @cached_property
+    def _model_tensors(self) -> dict:
+        """The model's parameters (tied names included), buffers and persistent names, in order."""
+        return {"params": list(self.model.named_parameters(remove_duplicate=False)),
+                "buffers": list(self.model.named_buffers()),
+                "persistent": set(self.model.state_dict().keys())}
 
     # -------------------------------------------------------------------------- inputs
     def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:

@@ -18,14 +18,14 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..emit import Emitter
+from ..emit import Emitter, rank_attrs
 from ..placement import Replicate, shard_tensor
 from ..state import set_attr
 
 
 class StageEmitter(Emitter):
-    def __init__(self, plan, rank: int, stage):
-        super().__init__(plan, rank)
+    def __init__(self, plan, stage):
+        super().__init__(plan)
         self.stage = stage
 
     def run(self) -> fx.Graph:
@@ -56,9 +56,11 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
     """Stage ``stage``'s module for ``rank``; ``params`` (fqn -> Parameter) is shared by the
     stages of one rank so that a weight two of its stages read is one Parameter."""
     st = plan.stage_layout.stages[stage]
-    graph = StageEmitter(plan, rank, st).run()
+    graph = StageEmitter(plan, st).run()
     graph.lint()
     root = nn.Module()
+    for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
+        setattr(root, name, value)
     for ph in st.attrs:
         fqn = plan.attr_name(ph)
         set_attr(root, fqn, _local(plan, rank, fqn, params), _persistent(plan, fqn))
