@@ -293,15 +293,16 @@ class PipelineRunner:
         with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext():
             if tensors:
                 torch.autograd.backward(tensors, grads)
+        t1 = time.perf_counter()
+        # The event's time is compute only (as the forward's): recomputation plus backward, not the
+        # gradient wait nor the sends.
+        cpu = time.thread_time() - c0 - (c_go - c_wait)
+        self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
         for name, src, t in sv.received:
             g = t.grad if t.grad is not None else torch.zeros_like(t)
             self._ch.send(g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1),
                           (name, a.stage, 1))
-        t1 = time.perf_counter()
         self._held_bytes -= sv.nbytes
-        # The event's time is compute only: recomputation plus backward, not the gradient wait.
-        cpu = time.thread_time() - c0 - (c_go - c_wait)
-        self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
 
     def _recompute(self, a, st, sv) -> None:
         """Checkpointing: run the stage's forward again, now keeping its graph."""
