@@ -133,5 +133,12 @@ def skipnet_matches_serial():
     serial_loss, serial_grads = serial_step(model, (x,), mse, y)
     runner = plan.pipeline_runner(rank)
     loss = runner.step((x,), y)
-    return {"loss": loss.item(), "serial": serial_loss.item(),
-            "errors": grad_errors(plan, rank, runner, serial_grads)}
+    errors = grad_errors(plan, rank, runner, serial_grads)
+    # Another batch size: boundary shapes change between steps (each step's first message of a
+    # value carries its shape; the later ones are received into buffers posted ahead).
+    x2, y2 = torch.randn(12, 16), torch.randn(12, 16)
+    runner.holder.zero_grad(set_to_none=True)
+    loss2 = runner.step((x2,), y2)
+    serial2, grads2 = serial_step(model, (x2,), mse, y2)
+    return {"loss": loss.item(), "serial": serial_loss.item(), "loss2": loss2.item(), "serial2": serial2.item(),
+            "errors": errors + grad_errors(plan, rank, runner, grads2)}

@@ -241,3 +241,19 @@ def test_schedule_table_and_figure(gpt):
     assert len(idle) == 2 and all(0 <= v < 1 for v in idle)
     fig = plan.timeline_figure([r.timeline for r in runners])
     assert len(fig.axes[0].patches) == 16
+
+
+def test_p2p_streams_shape_once_then_prefetch():
+    """A stream's first message tells its shape; later ones can be posted ahead; a shape change fails."""
+    from autopar.pipeline.p2p import SimChannel
+    from autopar.simulate import SimBackend
+    backend = SimBackend(2)
+    a, b = SimChannel(backend, 0), SimChannel(backend, 1)
+    assert not b.prefetch(0, 1, torch.float32, "h")     # shape not known yet
+    a.send(torch.ones(2, 3), 1, 1, "h")
+    a.send(torch.zeros(2, 3), 1, 2, "h")
+    assert b.recv(0, 1, torch.float32, "h").sum() == 6
+    assert b.prefetch(0, 2, torch.float32, "h")         # DistChannel would post this irecv now
+    assert b.recv(0, 2, torch.float32, "h").shape == (2, 3)
+    with pytest.raises(PipelineError, match="every micro-batch"):
+        a.send(torch.ones(4, 3), 1, 3, "h")

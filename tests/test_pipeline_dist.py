@@ -35,4 +35,5 @@ def test_pp4_sgd_real_gloo(gloo):
 def test_skips_masks_multi_tensor_real_gloo(gloo):
     for r in gloo(4).run("tests.dist_jobs_pp:skipnet_matches_serial"):
         assert r["loss"] == pytest.approx(r["serial"], rel=1e-5)
+        assert r["loss2"] == pytest.approx(r["serial2"], rel=1e-5)
         assert not r["errors"], r["errors"]

@@ -36,6 +36,8 @@ from .options import PipelineError
 from .p2p import channel
 from .stage_module import build_stage_module
 
+PREFETCH_AHEAD = 1  # receives posted for the current action and this many after it
+
 
 @dataclass
 class Event:
@@ -189,7 +191,8 @@ class PipelineRunner:
         self.timeline = []
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0}
         self._held_bytes = 0
-        for a in acts:
+        for i, a in enumerate(acts):
+            self._prefetch(acts[i: i + 1 + PREFETCH_AHEAD])
             if a.kind == "F":
                 self._forward(a, train)
             else:
@@ -199,12 +202,27 @@ class PipelineRunner:
             self._sync_grads()
         return self._reduce_results()
 
+    def _receives(self, a) -> list[tuple]:
+        """The messages action ``a`` receives: (src rank, tag, dtype, stream) each."""
+        st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
+        if a.kind == "F":
+            return [(self.rank_at(lay.rank_of_stage(src)), self._tag(mb, name, a.stage, 0), self.dtypes[name],
+                     (name, a.stage, 0)) for name, src in st.recv]
+        return [(self.rank_at(lay.rank_of_stage(d)), self._tag(mb, name, d, 1), self.dtypes[name], (name, d, 1))
+                for name, dsts in st.send if lay.kinds[name] == "grad" for d in dsts]
+
+    def _prefetch(self, actions) -> None:
+        """Post the receives of the coming actions now, so their messages arrive while this rank
+        computes (a receive posted only when needed costs a round trip with the busy sender)."""
+        for a in actions:
+            for src, tag, dtype, stream in self._receives(a):
+                self._ch.prefetch(src, tag, dtype, stream)
+
     def _recv_inputs(self, a, train: bool):
         st, lay = self.layout.stages[a.stage], self.layout
         args, received = [], []
-        for name, src in st.recv:
-            t = self._ch.recv(self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 0),
-                              self.dtypes[name])
+        for (name, src), (src_rank, tag, dtype, stream) in zip(st.recv, self._receives(a)):
+            t = self._ch.recv(src_rank, tag, dtype, stream)
             if lay.kinds[name] == "int":
                 args.append(int(t.reshape(-1)[0]))
                 continue
@@ -230,7 +248,8 @@ class PipelineRunner:
         for (name, dsts), v in zip(st.send, sends):
             for d in dsts:
                 x = v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64)
-                self._ch.send(x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0))
+                self._ch.send(x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0),
+                              (name, d, 0))
         if train:
             nbytes = counter.bytes if keep_graph else sum(_nbytes(x) for x in args)
             self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
@@ -274,14 +293,16 @@ class PipelineRunner:
         with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext():
             if tensors:
                 torch.autograd.backward(tensors, grads)
-        for name, src, t in sv.received:
-            g = t.grad if t.grad is not None else torch.zeros_like(t)
-            self._ch.send(g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1))
         t1 = time.perf_counter()
-        self._held_bytes -= sv.nbytes
-        # The event's time is compute only: recomputation plus backward, not the gradient wait.
+        # The event's time is compute only (as the forward's): recomputation plus backward, not the
+        # gradient wait nor the sends.
         cpu = time.thread_time() - c0 - (c_go - c_wait)
         self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
+        for name, src, t in sv.received:
+            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            self._ch.send(g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1),
+                          (name, a.stage, 1))
+        self._held_bytes -= sv.nbytes
 
     def _recompute(self, a, st, sv) -> None:
         """Checkpointing: run the stage's forward again, now keeping its graph."""
@@ -303,7 +324,7 @@ class PipelineRunner:
             g = None
             for d in dsts:
                 gd = self._ch.recv(self.rank_at(lay.rank_of_stage(d)), self._tag(a.microbatch, name, d, 1),
-                                   self.dtypes[name])
+                                   self.dtypes[name], (name, d, 1))
                 g = gd if g is None else g + gd
             if v.requires_grad:
                 tensors.append(v)
