@@ -55,7 +55,8 @@ def make_buckets(params: dict[str, torch.nn.Parameter], sync_axes: dict[str, tup
     ``first_bucket_bytes``: a smaller bound for the first bucket of each (axes, dtype).
     """
     names = [n for n in (order or []) if n in params]
-    names += [n for n in reversed(list(params)) if n not in set(names)]
+    seen = set(names)
+    names += [n for n in reversed(list(params)) if n not in seen]
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
     closed: set[tuple] = set()

@@ -20,7 +20,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .errors import InputError
-from .placement import fmt_spec, shard_factor
+from .placement import Shard, fmt_spec, shard_factor
 
 
 def guard_args(plan, env: dict, rank: int) -> tuple | None:
@@ -50,13 +50,15 @@ def symbol_divisors(graph, mesh) -> tuple:
         if lay is None:
             continue
         for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
+            if not any(isinstance(p, Shard) for p in spec):
+                continue  # nothing cut (most values: checked first, it is the cheap test)
             for d, size in enumerate(val.shape):
-                if not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
-                    continue
                 f = shard_factor(spec, mesh, d)
+                if f == 1 or not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
+                    continue
                 sym = str(size.node.expr)
                 k, where = found.get(sym, (1, ""))
-                if f > 1 and math.lcm(k, f) != k:
+                if math.lcm(k, f) != k:
                     found[sym] = (math.lcm(k, f), node.name)
     return tuple((sym, k, where) for sym, (k, where) in sorted(found.items()))
 

@@ -118,8 +118,22 @@ def _prepared(ep, used_dynamic: bool, model, found: Repeated | None = None) -> T
         if traced.buffer_mutations or not copy_blocks(traced, found):
             return None
         traced.repeated = found
-    gm.recompile()
+    traced.gm = _lazily_compiled(gm)
     return traced
+
+
+def _lazily_compiled(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its Python code made on its first call rather than now.
+
+    Why: autopar reads the traced graph, it never runs it; generating the code of a deep
+    model's graph (a fifth of a second at 48 layers) would be spent for nothing.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+        return _LazyGraphModule(gm, gm.graph)
+    except Exception:  # noqa: BLE001 - a torch without it: compile now
+        gm.recompile()
+        return gm
 
 
 def _dynamic_shapes(model, args, kwargs):

@@ -166,3 +166,14 @@ def test_unsafe_shapes_export_the_whole_model(cls, copied):
 def test_find_repeated_needs_enough_blocks():
     assert find_repeated(small_gpt(layers=3)) is None
     assert find_repeated(small_gpt(layers=4)).count == 4
+
+
+def test_copied_graph_runs_as_the_model():
+    model, args = small_gpt(layers=4), gpt_batch(batch=2)
+    traced = trace(model, args)
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    ph = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder" and n.name in traced.param_fqn]
+    logits, loss = traced.gm(*[weights[traced.param_fqn[n]] for n in ph], *args)
+    want_logits, want_loss = model(*args)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(logits, want_logits)
