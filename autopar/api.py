@@ -6,6 +6,8 @@ Example:
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -93,9 +95,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
     (in the same order everywhere), and broadcasts replicated parameters from the first
     rank of each group so that all ranks start equal. ``timeout`` (seconds) bounds every
     collective's wait: a rank that failed or died makes the others raise CollectiveError
-    naming it instead of hanging. It bounds compile's own parameter broadcasts too, where ranks
-    that planned at different speeds meet: keep it above that skew (or raise it after compile:
-    ``current_backend().timeout``). ``debug=True`` checks first that all ranks planned alike.
+    naming it instead of hanging (the process groups are made with it). It bounds compile's own
+    parameter broadcasts too, where ranks that planned at different speeds meet: keep it above
+    that skew (or change it after compile: ``current_backend().timeout``, then enforced per
+    collective, at some cost per call). ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
     from .collectives import DistBackend, install_backend
@@ -108,10 +111,14 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
                         f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh.")
     p = plan(model, mesh, **plan_kwargs)
     groups = {}
+    # With a timeout, every group (the whole world's too) is made with it, so that blocking
+    # collectives are bounded by the group itself (see DistBackend._run).
+    group_kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout is not None else {}
     for axis in range(mesh.ndim):
         for g in mesh.groups(axis):
-            groups[g] = dist.new_group(list(g)) if len(g) < world else dist.group.WORLD
-    backend = DistBackend(groups, rank, timeout)
+            if g not in groups:
+                groups[g] = dist.new_group(list(g), **group_kw) if len(g) < world or group_kw else dist.group.WORLD
+    backend = DistBackend(groups, rank, timeout, groups_timeout=timeout)
     install_backend(backend)
     install_excepthook(rank)
     module = p.module(rank)
