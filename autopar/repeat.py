@@ -308,6 +308,8 @@ def _new_placeholders(traced, prefix: str, k: int, par1_names: dict, anchors: di
     for old, rel in par1_names.items():
         fqn1, fqnk = f"{prefix}.1.{rel}", f"{prefix}.{k}.{rel}"
         u1, uk = fqn1.replace(".", "_"), fqnk.replace(".", "_")
+        if u1 not in old.name:  # export lower-cases names ("LayerNorm" -> "layernorm")
+            u1, uk = u1.lower(), uk.lower()
         name = old.name.replace(u1, uk) if u1 in old.name else f"{old.name}_{k}"
         table = _kind_table(traced, old)
         with graph.inserting_after(anchors[id(table)]):
