@@ -1,8 +1,9 @@
 """Collectives as torch custom ops with their gradients, over a swappable backend.
 
 Each op names its mesh axis, its group (the global ranks, in axis order) and the calling
-rank, so an emitted graph reads ``autopar.all_reduce(x, 'tp', [0, 1], 0, 'sum')`` and the
-simulator (all ranks in one process) knows who is calling. Gradients follow the placements
+rank (an emitted graph passes the group and rank it reads from its module's attributes:
+``autopar.all_reduce(x, 'tp', autopar_group_1, autopar_rank, 'sum')``), so the simulator
+(all ranks in one process) knows who is calling. Gradients follow the placements
 (DESIGN.md, "Gradients are part of the contract"): the gradient of a replicated tensor is
 whole on every rank, of a partial tensor whole too, of a shard the matching shard.
 
