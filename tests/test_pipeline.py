@@ -241,6 +241,10 @@ def test_schedule_table_and_figure(gpt):
     assert len(idle) == 2 and all(0 <= v < 1 for v in idle)
     fig = plan.timeline_figure([r.timeline for r in runners])
     assert len(fig.axes[0].patches) == 16
+    assert fig._repr_png_().startswith(b"\x89PNG")  # shows itself in Jupyter, no pyplot needed
+    inter = with_pipeline(gpt_plan("pp2", gpt), ap.Pipeline("pp", microbatches=4, schedule="interleaved", chunks=2))
+    labels = {t.get_text() for t in inter.timeline_figure().axes[0].texts}
+    assert {"F0/0", "F0/2", "B3/3"} <= labels  # rank 0 runs stages 0 and 2: bars say which
 
 
 def test_p2p_streams_shape_once_then_prefetch():

@@ -72,10 +72,12 @@ def replayed_idle(plan, events_per_rank, cpu: bool = True) -> list[float]:
 
 
 def timeline_figure(events_per_rank=None, plan=None, title: str | None = None):
-    """A matplotlib Figure: one row per rank, a bar per action (forward blue, backward orange)
-    labelled with its micro-batch. Pass measured ``events_per_rank`` (runner.timeline of each
-    rank) or a ``plan`` for its schedule on unit slots."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend is chosen or needed
+    """A matplotlib Figure (shown inline in Jupyter): one row per rank, a bar per action
+    (forward blue, backward orange) labelled with its micro-batch, and with its stage (``F3/1``:
+    micro-batch 3 of stage 1) where a rank runs several stages (interleaved schedules). Pass
+    measured ``events_per_rank`` (runner.timeline of each rank) or a ``plan`` for its schedule
+    on unit slots."""
+    from ..plots import _figure  # no pyplot: no GUI backend is chosen or needed
     if events_per_rank is None:
         rows = [[(s.action.kind, s.action.microbatch, s.action.stage, s.start, s.end) for s in rs]
                 for rs in slots(plan)]
@@ -85,13 +87,15 @@ def timeline_figure(events_per_rank=None, plan=None, title: str | None = None):
         rows = [[(e.kind, e.microbatch, e.stage, (e.start - t0) * 1e3, (e.end - t0) * 1e3) for e in evs]
                 for evs in events_per_rank]
         unit = "ms"
-    fig = Figure(figsize=(10, 0.6 * len(rows) + 1.2))
+    fig = _figure(10, 0.6 * len(rows) + 1.2)
     ax = fig.add_subplot(1, 1, 1)
     colors = {"F": "#4C72B0", "B": "#DD8452"}
+    chunks = any(len({a[2] for a in acts}) > 1 for acts in rows)
     for r, acts in enumerate(rows):
         for kind, mb, stage, start, end in acts:
             ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white", height=0.8)
-            ax.text((start + end) / 2, r, f"{kind}{mb}", ha="center", va="center", fontsize=7, color="white")
+            label = f"{kind}{mb}/{stage}" if chunks else f"{kind}{mb}"
+            ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
