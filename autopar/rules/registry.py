@@ -7,6 +7,7 @@ Example:
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,6 +16,10 @@ import torch
 from ..placement import Placement, Replicate
 
 R = Replicate()
+# (shape, dtype, dynamic dims) per example tensor: a deep model's copied blocks share their
+# example tensors, so each is read once (reading symbolic sizes is most of TensorMeta.of's cost)
+# (keyed by id with a weak reference: tensors compare by value, not identity, in a WeakKeyDictionary)
+_PARTS: dict[int, tuple] = {}
 
 
 @dataclass(frozen=True, eq=False)  # identity hashing: two inputs of one shape are still two
@@ -30,6 +35,15 @@ class TensorMeta:
 
     @staticmethod
     def of(val) -> "TensorMeta":
+        """A new TensorMeta for ``val`` (a new object each time: identity tells inputs apart)."""
+        key = id(val)
+        entry = _PARTS.get(key)
+        if entry is None or entry[0]() is not val:
+            entry = _PARTS[key] = (weakref.ref(val, lambda _, k=key: _PARTS.pop(k, None)), TensorMeta._parts(val))
+        return TensorMeta(*entry[1])
+
+    @staticmethod
+    def _parts(val) -> tuple:
         shape, dyn = [], []
         for s in val.shape:
             if isinstance(s, torch.SymInt) and s.node.expr.is_number:  # specialised by export: static
@@ -41,7 +55,7 @@ class TensorMeta:
             else:
                 shape.append(int(s))
                 dyn.append(False)
-        return TensorMeta(tuple(shape), val.dtype, tuple(dyn))
+        return tuple(shape), val.dtype, tuple(dyn)
 
 
 @dataclass(frozen=True)
