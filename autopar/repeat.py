@@ -1,7 +1,7 @@
 """Trace a deep model fast: export two of its identical blocks, then copy the second one.
 
 torch.export costs about a third of a second per transformer block with dynamic shapes, so
-a 48-layer model took 11 s to trace. Deep models are a ModuleList of blocks that are the
+a 48-layer GPT took 11-14 s to trace. Deep models are a ModuleList of blocks that are the
 same module with other weights; exporting the model with only its first two blocks and
 repeating block 1's subgraph for blocks 2..n-1 gives the graph a full export gives, at the
 cost of a 2-block export.
