@@ -59,6 +59,8 @@ class StageLayout:
     value_ids: dict[str, int]     # boundary value -> id (used in message tags)
     kinds: dict[str, str]         # boundary value -> "grad" (float tensor), "tensor" or "int"
     auto: bool                    # cuts chosen by the cost model
+    # stage -> its emitted program (the same on every rank; stage_module.py builds it once)
+    programs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_stages(self) -> int:

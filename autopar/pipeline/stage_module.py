@@ -9,7 +9,7 @@ axes are emitted where it is consumed, exactly as in the unpipelined program.
 
 Example:
     >>> params = {}
-    >>> gm = build_stage_module(plan, rank=1, stage=1, params=params)
+    >>> gm = build_stage_module(plan, rank=1, stage=1, params=params)   # program emitted once per stage
     >>> outs = gm(*received, *user_inputs)
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..emit import Emitter, rank_attrs
+from ..program import Program
 from ..placement import Replicate, shard_tensor
 from ..state import set_attr
 
@@ -56,17 +57,24 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
     """Stage ``stage``'s module for ``rank``; ``params`` (fqn -> Parameter) is shared by the
     stages of one rank so that a weight two of its stages read is one Parameter."""
     st = plan.stage_layout.stages[stage]
-    graph = StageEmitter(plan, st).run()
-    graph.lint()
-    root = nn.Module()
-    for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
-        setattr(root, name, value)
+    gm = _program(plan, stage).instance(f"Rank{rank}Stage{stage}")
     for ph in st.attrs:
         fqn = plan.attr_name(ph)
-        set_attr(root, fqn, _local(plan, rank, fqn, params), _persistent(plan, fqn))
-    gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}Stage{stage}")
-    gm.autopar_rank, gm.autopar_stage = rank, stage
+        set_attr(gm, fqn, _local(plan, rank, fqn, params), _persistent(plan, fqn))
+    for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
+        setattr(gm, name, value)
+    gm.autopar_stage = stage
     return gm
+
+
+def _program(plan, stage: int) -> Program:
+    """Stage ``stage``'s program, emitted once for every rank (what differs is in rank_attrs)."""
+    programs = plan.stage_layout.programs
+    if stage not in programs:
+        graph = StageEmitter(plan, plan.stage_layout.stages[stage]).run()
+        graph.lint()
+        programs[stage] = Program(graph, class_name=f"Stage{stage}")
+    return programs[stage]
 
 
 def _persistent(plan, fqn):
