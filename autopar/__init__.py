@@ -7,23 +7,23 @@ Example:
     ...                "mlp.proj": ap.rowwise("tp")}, data_parallel="dp")
     >>> plan.check(x)
 """
-from .annotate import colwise, place, replicate, rowwise
-from .annotate import sequence_parallel, vocab_parallel
-from .commstats import CommStats, comm_stats
-from . import presets
-from .api import compile, plan
-from .errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
+from autopar.sharding.annotations import colwise, place, replicate, rowwise
+from autopar.sharding.annotations import sequence_parallel, vocab_parallel
+from autopar.runtime.comm_stats import CommStats, comm_stats
+from autopar import presets
+from autopar.api import compile, plan
+from autopar.errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
                      ShardingError, TraceError)
-from .mesh import Mesh
-from .opaque import opaque
-from .errors import InconsistentPlanError
-from .failures import CollectiveError
-from .placement import Partial, Replicate, Shard
-from .plan import Plan
-from .pipeline import Pipeline, PipelineError, split_before
-from .simulate import SimulationError
-from .dataparallel import DataParallel, DataParallelError
-from .zero import ZeroOptimizer
+from autopar.mesh import Mesh
+from autopar.trace.opaque import opaque
+from autopar.errors import InconsistentPlanError
+from autopar.runtime.failures import CollectiveError
+from autopar.placement import Partial, Replicate, Shard
+from autopar.plan import Plan
+from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
+from autopar.runtime.simulator import SimulationError
+from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.zero import ZeroOptimizer
 
 __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
@@ -34,6 +34,6 @@ __all__ = [
     "opaque", "InconsistentPlanError", "CollectiveError",
 ]
 __all__ += ["load_plan", "PlanFileError", "Cost"]
-from .saveload import PlanFileError, load_plan
-from .estimate import Cost
+from autopar.explore.save_load import PlanFileError, load_plan
+from autopar.explore.cost import Cost
 __all__ += ["vocab_parallel", "sequence_parallel", "comm_stats", "CommStats", "presets"]

@@ -1,6 +1,6 @@
-"""``python -m autopar``: the same as the ``autopar`` command (see autopar/cli.py)."""
+"""``python -m autopar``: the same as the ``autopar`` command (see autopar/explore/cli.py)."""
 import sys
 
-from .cli import main
+from autopar.explore.cli import main
 
 sys.exit(main())

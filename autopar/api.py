@@ -11,18 +11,18 @@ import datetime
 import torch
 import torch.utils._pytree as pytree
 
-from .annotate import replicate, resolve
-from .dataparallel import DataParallel
-from .errors import AnnotationError, MeshError
-from .gradflow import analyse
-from .consistency import verify_consistent
-from .failures import install_excepthook
-from .mesh import Mesh
-from .opaque import keep_opaque, opaque, opaque_paths
-from .plan import Plan
-from .propagate import propagate
-from .trace import trace
-from .pipeline import api as pipeline_api
+from autopar.sharding.annotations import replicate, resolve
+from autopar.parallel.data_parallel import DataParallel
+from autopar.errors import AnnotationError, MeshError
+from autopar.sharding.gradient_flow import analyse
+from autopar.runtime.consistency import verify_consistent
+from autopar.runtime.failures import install_excepthook
+from autopar.mesh import Mesh
+from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
+from autopar.plan import Plan
+from autopar.sharding.propagate import propagate
+from autopar.trace.export import trace
+from autopar.parallel.pipeline import api as pipeline_api
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
@@ -39,7 +39,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     split input an error instead of a gathered, replicated fallback. ``debug`` makes
     ap.compile check that all ranks hold the same plan before the first collective.
     ``repeat_blocks`` traces a long list of identical blocks two deep and copies the rest
-    (the same graph, much faster for deep models; see autopar/repeat.py); False exports all.
+    (the same graph, much faster for deep models; see autopar/trace/repeat_blocks.py); False exports all.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
@@ -101,7 +101,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
     collective, at some cost per call). ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
-    from .collectives import DistBackend, install_backend
+    from autopar.runtime.collectives import DistBackend, install_backend
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError("ap.compile needs an initialised process group: call "
                         "torch.distributed.init_process_group (torchrun sets the environment).")

@@ -13,7 +13,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .errors import MeshError, close_matches
+from autopar.errors import MeshError, close_matches
 
 
 @dataclass(frozen=True)

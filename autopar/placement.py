@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ShardingError
+from autopar.errors import ShardingError
 
 
 class Placement:

@@ -22,15 +22,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export._unlift import _get_codegen
 
-from . import display
-from .emit import emit_graph, rank_attrs
-from .errors import InputError
-from . import dpplan
-from .placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
-from .program import Program
-from .propagate import layout_of
-from .simulate import run_ranks
-from .state import merge_states, set_attr, shard_state
+from autopar.explore import display
+from autopar.codegen.emit import emit_graph, rank_attrs
+from autopar.errors import InputError
+from autopar.parallel import dp_module as dpplan
+from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
+from autopar.codegen.program import Program
+from autopar.sharding.propagate import layout_of
+from autopar.runtime.simulator import run_ranks
+from autopar.codegen.rank_state import merge_states, set_attr, shard_state
 
 R = Replicate()
 
@@ -144,7 +144,7 @@ class Plan:
 
         Example: ``plan.with_data_parallel(ap.DataParallel("dp", zero=2)).module(rank)``
         """
-        from .dataparallel import DataParallel, DataParallelError
+        from autopar.parallel.data_parallel import DataParallel, DataParallelError
         dp = DataParallel.of(data_parallel)
         if self.dp_axis is None or dp is None or self.mesh.axis_index(dp.axis) != self.dp_axis:
             raise DataParallelError(f"with_data_parallel({dp}): the plan's data-parallel axis is "
@@ -162,7 +162,7 @@ class Plan:
 
     def zero_optimizer(self, module, optimizer_class, **kwargs):
         """ap.ZeroOptimizer(module, optimizer_class, **kwargs) for a module of this plan (zero=1|2)."""
-        from .zero import ZeroOptimizer
+        from autopar.parallel.zero import ZeroOptimizer
         return ZeroOptimizer(module, optimizer_class, **kwargs)
 
     # ------------------------------------------------------------------------- modules
@@ -289,13 +289,13 @@ class Plan:
 
         Raises ap.PlanMismatch naming the first tensor that differs. Returns a small report.
         """
-        from .check import check_plan
+        from autopar.runtime.serial_check import check_plan
         return check_plan(self, args, kwargs, loss, rtol, atol)
 
     # --------------------------------------------------------------------------- display
     def collectives(self) -> list:
         """Every collective one training step runs (forward, backward, gradient sync), per rank."""
-        from .cost import collectives
+        from autopar.explore.step_collectives import collectives
         if self._comms is None:  # a plan does not change once made; str(plan) asks twice
             self._comms = collectives(self)
         return list(self._comms)
@@ -303,26 +303,26 @@ class Plan:
     def __str__(self) -> str:
         text = display.plan_table(self)
         if self.stage_layout is not None:
-            from .pipeline.split import describe
+            from autopar.parallel.pipeline.split import describe
             text += "\n\n" + describe(self.stage_layout, self.graph)
         return text
 
     # ------------------------------------------------------------- pipeline (issue 5)
     def pipeline_runner(self, rank: int, **kwargs):
-        """This rank's PipelineRunner (see autopar/pipeline/runner.py): ``runner.step(batch, labels)``."""
-        from .pipeline.api import pipeline_runner
+        """This rank's PipelineRunner (see autopar/parallel/pipeline/runner.py): ``runner.step(batch, labels)``."""
+        from autopar.parallel.pipeline.api import pipeline_runner
         return pipeline_runner(self, rank, **kwargs)
 
     def schedule_table(self, rank: int | None = None) -> str:
         """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
-        from .pipeline.api import require_pipeline
-        from .pipeline.timeline import schedule_table
+        from autopar.parallel.pipeline.api import require_pipeline
+        from autopar.parallel.pipeline.timeline import schedule_table
         return schedule_table(require_pipeline(self), rank)
 
     def timeline_figure(self, events_per_rank=None, title: str | None = None):
         """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
-        from .pipeline.api import require_pipeline
-        from .pipeline.timeline import timeline_figure
+        from autopar.parallel.pipeline.api import require_pipeline
+        from autopar.parallel.pipeline.timeline import timeline_figure
         return timeline_figure(events_per_rank, require_pipeline(self), title)
 
     def __repr__(self) -> str:
@@ -334,40 +334,40 @@ class Plan:
 
     # ---------------------------------------------------- exploring (display, costs, files)
     def _repr_html_(self) -> str:
-        from .html import plan_html
+        from autopar.explore.html import plan_html
         return plan_html(self)
 
     def explain(self, name: str) -> str:
         """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
-        from .explain import explain
+        from autopar.explore.explain import explain
         return explain(self, name)
 
     def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
         """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
-        from .estimate import Cost
+        from autopar.explore.cost import Cost
         return Cost(self, sizes, names, optimizer_states)
 
     def plot_memory(self, **kw):
         """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""
-        from .plots import plot_memory
+        from autopar.explore.plots import plot_memory
         return plot_memory(self, **kw)
 
     def plot_comm(self, **kw):
         """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
-        from .plots import plot_comm
+        from autopar.explore.plots import plot_comm
         return plot_comm(self, **kw)
 
     def draw(self, rank: int = 0, **kw):
         """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
-        from .draw import draw
+        from autopar.explore.draw import draw
         return draw(self, rank, **kw)
 
     def save(self, path) -> None:
         """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
-        from .saveload import save_plan
+        from autopar.explore.save_load import save_plan
         save_plan(self, path)
 
     def diff(self, other: "Plan"):
         """Nodes whose layout or collectives differ between two plans of one model."""
-        from .diff import diff_plans
+        from autopar.explore.diff import diff_plans
         return diff_plans(self, other)

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar as ap
-from autopar.collectives import _pos, all_to_all_local, chunk_of, use_backend
+from autopar.runtime.collectives import _pos, all_to_all_local, chunk_of, use_backend
 from bench.common import row
 from bench.models import annotations, build, loss_of
 

@@ -67,8 +67,8 @@ def _model(width: int, hidden: int, blocks: int):
 
 def _one(kind: str, chunks: int, p: int, width: int, hidden: int, rows: int, m: int) -> dict:
 
-    from autopar.pipeline import schedules, timeline
-    from autopar.simulate import run_ranks
+    from autopar.parallel.pipeline import schedules, timeline
+    from autopar.runtime.simulator import run_ranks
     plan, x, y = _plan(kind, chunks, p, width, hidden, rows, m)
     runners = [plan.pipeline_runner(r) for r in range(p)]
     events: list[list] = [[] for _ in range(p)]
@@ -117,7 +117,7 @@ def gloo_job(kind, chunks, width, hidden, rows, m, steps=REAL_STEPS, warmup=WARM
 
 def step_idle(events_per_step_per_rank) -> list[list[float]]:
     """Wall-clock idle fraction of every rank in each step (``timeline.measured_idle`` per step)."""
-    from autopar.pipeline import timeline
+    from autopar.parallel.pipeline import timeline
     return [timeline.measured_idle(ranks) for ranks in events_per_step_per_rank]
 
 
@@ -135,9 +135,9 @@ def _median(xs):
 def _real_rows(width, hidden, rows, m) -> list[dict]:
     """Two gloo processes (one core each on a 2-core machine): wall-clock idle of real ranks,
     per step from the runners' timelines, median over the steps."""
-    from autopar.launch import GlooPool
-    from autopar.pipeline import schedules, timeline
-    from autopar.pipeline.runner import Event
+    from autopar.runtime.gloo_pool import GlooPool
+    from autopar.parallel.pipeline import schedules, timeline
+    from autopar.parallel.pipeline.runner import Event
     out = []
     with GlooPool(2, timeout=600) as pool:
         for kind in ("gpipe", "1f1b"):

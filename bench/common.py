@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from autopar.launch import GlooPool
+from autopar.runtime.gloo_pool import GlooPool
 
 _POOLS: dict[int, GlooPool] = {}
 

@@ -70,9 +70,9 @@ How to read it:
   is cheaper than that on the day, the same autopar step reads a higher ratio.
 - **compile**: GPT-style models on the meta device, mesh (2, 4) = (dp, tp). torch.export is timed
   apart from autopar's own work (propagation with its choice cache, emitting all 8 ranks'
-  GraphModules). Export runs on the first two blocks only, the others are copied (autopar/repeat.py;
+  GraphModules). Export runs on the first two blocks only, the others are copied (autopar/trace/repeat_blocks.py;
   the row "every block exported" is the same plan with `repeat_blocks=False`); the 8 ranks share one
-  generated program (autopar/program.py). The 48-layer row is the median of 3 runs. With dynamic
+  generated program (autopar/codegen/program.py). The 48-layer row is the median of 3 runs. With dynamic
   batch/sequence dims (the default) export is slower than with `ap.plan(..., dynamic=False)`, the
   last compile row.
 - **pipeline**: idle fraction per rank against the schedule's bubble. "replayed": each action's

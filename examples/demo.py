@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import autopar as ap  # noqa: E402
-from autopar.launch import GlooPool  # noqa: E402
+from autopar.runtime.gloo_pool import GlooPool  # noqa: E402
 from tests.models import MEGATRON, gpt_batch, small_gpt  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar as ap
-from autopar.trace import trace
+from autopar.trace.export import trace
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from autopar.launch import GlooPool
+from autopar.runtime.gloo_pool import GlooPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)

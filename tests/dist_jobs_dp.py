@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
-from autopar.collectives import current_backend, use_backend
+from autopar.runtime.collectives import current_backend, use_backend
 from tests import dp_harness as H
 
 

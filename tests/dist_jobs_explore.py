@@ -6,7 +6,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 import autopar as ap
-from autopar.collectives import current_backend
+from autopar.runtime.collectives import current_backend
 from tests.models import MEGATRON, gpt_batch, small_gpt
 
 from tests.test_formulas import RING, Counter as _Counter  # noqa: E402  (one definition)

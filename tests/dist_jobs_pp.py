@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar as ap
-from autopar.pipeline import with_pipeline
+from autopar.parallel.pipeline import with_pipeline
 from autopar.placement import shard_tensor
 from tests.models import MEGATRON, gpt_batch, small_gpt
 

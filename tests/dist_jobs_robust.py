@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
-from autopar.collectives import current_backend
+from autopar.runtime.collectives import current_backend
 from tests.models import MLP
 
 

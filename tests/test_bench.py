@@ -6,9 +6,9 @@ import json
 import pytest
 
 import autopar as ap
-from autopar.annotate import resolve
-from autopar.propagate import propagate
-from autopar.trace import trace
+from autopar.sharding.annotations import resolve
+from autopar.sharding.propagate import propagate
+from autopar.trace.export import trace
 from tests.models import MEGATRON, gpt_batch, small_gpt
 
 

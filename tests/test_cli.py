@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import autopar as ap
-from autopar.cli import main
+from autopar.explore.cli import main
 
 GPT_TP = ["--annotate", "blocks.*.attn.qkv=colwise:tp", "--annotate", "blocks.*.attn.proj=rowwise:tp",
           "--annotate", "blocks.*.mlp.fc=colwise:tp", "--annotate", "blocks.*.mlp.proj=rowwise:tp"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.simulate import SimBackend, run_ranks
+from autopar.runtime.simulator import SimBackend, run_ranks
 from tests import dp_harness as H
 
 _PLANS: dict = {}

@@ -162,7 +162,7 @@ def test_dynamic_dims_shared_by_inputs_must_agree():
 
 
 def test_guard_checks_divisibility_of_dynamic_sizes_split_inside_the_graph():
-    from autopar.guards import check_local_inputs
+    from autopar.codegen.input_guard import check_local_inputs
     checks = (("x", "(S(0))", ("s0", 8), ((None, 2, "s0"), (8, 1, None))),)
     check_local_inputs((torch.zeros(4, 8),), checks, 0, (("s0", 4, "reshape_3"),))  # 8 divides by 4
     with raises(ap.InputError, "'x'", "global size 6", "4 pieces", "'reshape_3'", "divisible by 4"):

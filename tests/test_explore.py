@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 import autopar as ap
-from autopar.display import plan_rows
+from autopar.explore.display import plan_rows
 from tests.explore_models import gpt_plan
 
 ACT = 4 * 8 * 32 * 4  # one (B/dp, S, H) float32 activation on a rank: 4 KiB; a ring all-reduce over 2 moves it once
@@ -50,7 +50,7 @@ def test_html_groups_by_module_and_highlights(plan):
     html = plan._repr_html_()
     rows = plan_rows(plan)
     assert html.count('<tr class="comm">') == sum(1 for r in rows if r.comms)
-    from autopar.estimate import layer_of
+    from autopar.explore.cost import layer_of
     layers = {layer_of(r.module) for r in rows}
     assert {"blocks.0", "blocks.1", "(grad sync)", "(outputs)"} <= layers
     assert html.count('<tr class="group">') >= len(layers)
@@ -65,7 +65,7 @@ def test_progress_line_only_for_slow_steps():
     import io
     import time
 
-    from autopar.progress import progress
+    from autopar.explore.progress import progress
     fast, slow = io.StringIO(), io.StringIO()
     with progress("quick", after=5.0, stream=fast):
         pass

@@ -13,7 +13,7 @@ import sympy
 import torch
 
 import autopar as ap
-from autopar.simulate import SimBackend, run_ranks
+from autopar.runtime.simulator import SimBackend, run_ranks
 from tests.explore_models import gpt_plan
 from tests.models import MLP, gpt_batch
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import autopar as ap
-from autopar.rules import TensorMeta
-from autopar.trace import trace
+from autopar.sharding.rules import TensorMeta
+from autopar.trace.export import trace
 from fuzz.spec import run_case
 
 CASES = {

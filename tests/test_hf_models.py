@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.propagate import layout_of
+from autopar.sharding.propagate import layout_of
 from tests.hf_models import MODELS, hf_plan, inputs
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)

@@ -7,7 +7,7 @@ import fnmatch
 import pytest
 
 import autopar as ap
-from autopar.rules import registry
+from autopar.sharding.rules import registry
 from tests.hf_models import MODELS, hf_plan, inputs, runtime_matches_static
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)

@@ -129,8 +129,8 @@ def test_mlp_on_eight_ranks_collectives_and_shapes():
 def test_replanning_a_traced_graph_leaves_nothing_stale():
     """A traced graph planned again on another mesh gets fresh layouts, and the boundary nodes
     the first plan inserted (row-parallel outputs) are not duplicated."""
-    from autopar.annotate import resolve
-    from autopar.propagate import propagate
+    from autopar.sharding.annotations import resolve
+    from autopar.sharding.propagate import propagate
     model, plan = gpt_plan(shape=(2, 2), axes=("dp", "tp"), dp="dp")
     count = sum(1 for _ in plan.graph.nodes)
     mesh = ap.Mesh((2,), ("tp",))

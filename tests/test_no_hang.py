@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.launch import JobError
-from autopar.simulate import SimBackend, run_ranks
+from autopar.runtime.gloo_pool import JobError
+from autopar.runtime.simulator import SimBackend, run_ranks
 
 
 def test_world_size_and_debug_consistency(gloo):
@@ -68,7 +68,7 @@ def test_simulator_times_out_naming_missing_ranks():
 
 
 def test_consistency_compare_names_ranks_and_first_differing_collective():
-    from autopar.consistency import compare
+    from autopar.runtime.consistency import compare
     same = [("ab", [("all_reduce", (0, 1), ("tp", "sum"))])] * 2
     compare(same)  # equal plans pass
     other = [same[0], ("cd", [("all_gather", (0, 1), (1, "tp"))])]

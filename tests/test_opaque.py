@@ -89,7 +89,7 @@ def test_opaque_trains_like_serial():
 
 def test_consistency_signature_ignores_local_ops():
     """The debug check compares collectives only: opaque calls' keys may differ between ranks."""
-    from autopar.consistency import collective_sequence
+    from autopar.runtime.consistency import collective_sequence
     torch.manual_seed(0)
     plan = ap.plan(Net(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 3, 8),), annotations=ANN)
     seq = collective_sequence(plan.module(0))

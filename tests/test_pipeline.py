@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 import autopar as ap
-from autopar.pipeline import PipelineError, schedules, timeline, with_pipeline
-from autopar.pipeline.split import _candidates, _param_bytes, balanced_cuts, node_flops
-from autopar.propagate import module_paths
-from autopar.simulate import run_ranks
+from autopar.parallel.pipeline import PipelineError, schedules, timeline, with_pipeline
+from autopar.parallel.pipeline.split import _candidates, _param_bytes, balanced_cuts, node_flops
+from autopar.sharding.propagate import module_paths
+from autopar.runtime.simulator import run_ranks
 from tests.dist_jobs_pp import SKIP_SPLITS, SkipNet, covered, grad_errors, mse, serial_step
 from tests.models import MEGATRON, gpt_batch, small_gpt
 
@@ -249,8 +249,8 @@ def test_schedule_table_and_figure(gpt):
 
 def test_p2p_streams_shape_once_then_prefetch():
     """A stream's first message tells its shape; later ones can be posted ahead; a shape change fails."""
-    from autopar.pipeline.p2p import SimChannel
-    from autopar.simulate import SimBackend
+    from autopar.parallel.pipeline.p2p import SimChannel
+    from autopar.runtime.simulator import SimBackend
     backend = SimBackend(2)
     a, b = SimChannel(backend, 0), SimChannel(backend, 1)
     assert not b.prefetch(0, 1, torch.float32, "h")     # shape not known yet

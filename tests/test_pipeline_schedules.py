@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.pipeline import PipelineError, schedules as S
+from autopar.parallel.pipeline import PipelineError, schedules as S
 
 GRID = [(kind, p, m, v) for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
         for p in (2, 4) for m in (4, 8, 12) if kind != "interleaved" or m % p == 0]

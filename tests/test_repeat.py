@@ -10,8 +10,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 import autopar as ap
-from autopar.repeat import find_repeated
-from autopar.trace import trace
+from autopar.trace.repeat_blocks import find_repeated
+from autopar.trace.export import trace
 from tests import hf_models
 from tests.models import MEGATRON, MLP, gpt_batch, small_gpt
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import autopar as ap
 from autopar.placement import Partial, Replicate, Shard
-from autopar.rules import OpInfo, TensorMeta, get_rule
-from autopar.rules.views import view_dim_map
+from autopar.sharding.rules import OpInfo, TensorMeta, get_rule
+from autopar.sharding.rules.views import view_dim_map
 
 R, S = Replicate(), Shard
 MESHES = [((2,), ("a",)), ((4,), ("a",)), ((2, 2), ("a", "b"))]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import autopar as ap
-from autopar.propagate import layout_of
+from autopar.sharding.propagate import layout_of
 from tests.explore_models import gpt_plan
 from tests.models import gpt_batch, small_gpt
 
@@ -29,7 +29,7 @@ def test_round_trip_reproduces_layouts(saved):
     rec = json.loads(path.read_text())
     assert rec["format"] == "autopar-plan" and rec["version"] == 1
     assert rec["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"]}
-    from autopar.saveload import _options_in
+    from autopar.explore.save_load import _options_in
     assert _options_in(rec["options"], path) == plan.options and rec["data_parallel"] == "dp"
     assert rec["options"]["data_parallel"]["__DataParallel__"]["axis"] == "dp"
     loaded = ap.load_plan(path, plan.model)

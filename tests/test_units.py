@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.collectives import use_backend
+from autopar.runtime.collectives import use_backend
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
-from autopar.redistribute import Step, plan_steps, step_bytes
-from autopar.simulate import SimBackend, SimulationError, run_ranks
+from autopar.sharding.redistribute import Step, plan_steps, step_bytes
+from autopar.runtime.simulator import SimBackend, SimulationError, run_ranks
 
 R, S, P = Replicate(), Shard, Partial()
 ops = torch.ops.autopar

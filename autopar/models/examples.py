@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .gpt import GPT, GPTConfig
+from autopar.models.gpt import GPT, GPTConfig
 
 
 def gpt(n_layer: int = 2, n_embd: int = 32, n_head: int = 4, vocab_size: int = 64, batch: int = 8,

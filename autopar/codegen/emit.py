@@ -1,0 +1,300 @@
+"""Build one rank's torch.fx graph: local pieces, collectives on the edges, local shapes.
+
+The emitter walks the planned graph in order and writes a new graph for ``rank``:
+parameters become attributes (``get_attr`` with the serial names); each input edge whose
+layout differs from what the op's strategy needs gets the redistribution's collectives
+(shared between consumers that need the same layout); replicated inputs of split compute
+get Megatron's "f" where their gradient must be made whole; shape arguments of views are
+rewritten to local sizes. Symbolic sizes stay *global* in the graph (``sym_size`` of a split
+dim is multiplied back), and only shape arguments are divided, so size arithmetic in the
+model needs no rewriting.
+
+Example:
+    >>> graph = emit_graph(plan)      # one program for every rank
+    >>> print(plan.module(0).code)   # ... autopar.all_reduce.default(linear, 'tp', autopar_group_1, autopar_rank, 'sum')
+
+The program is the same on every rank: what differs (the rank, its groups, its position on
+each axis) is read from attributes of the rank's module (``rank_attrs``). The Python code is
+therefore generated once per plan, not once per rank, which is most of emission's cost.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.runtime import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
+from autopar.codegen.input_guard import check_local_inputs, guard_args
+from autopar.codegen.lowerings.registry import LOWERINGS
+from autopar.placement import Shard, shard_factor
+from autopar.sharding.propagate import layout_of
+from autopar.sharding.redistribute import plan_steps
+from autopar.sharding.rules.views import SHAPE_ARGS
+
+aten = torch.ops.aten
+ops = torch.ops.autopar
+
+
+RANK_ATTR = "autopar_rank"
+
+
+def rank_attrs(mesh, rank: int) -> dict:
+    """The per-rank constants an emitted program reads from its module: the rank, and per mesh
+    axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``)."""
+    out = {RANK_ATTR: rank}
+    coords = mesh.coords(rank)
+    for i in range(mesh.ndim):
+        out[f"autopar_group_{i}"] = list(mesh.group(i, rank))
+        out[f"autopar_coord_{i}"] = coords[i]
+    return out
+
+
+class Emitter:
+    def __init__(self, plan):
+        self.plan, self.mesh = plan, plan.mesh
+        self.graph = fx.Graph()
+        self._rank_nodes: dict[str, fx.Node] = {}
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.edges: dict[tuple, fx.Node] = {}
+        self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
+
+    # ------------------------------------------------------------------ helpers
+    def global_shape(self, node: fx.Node):
+        return tuple(node.meta["val"].shape)
+
+    def rank_value(self, name: str) -> fx.Node:
+        """The module attribute ``name`` of ``rank_attrs`` (read once per program)."""
+        if name not in self._rank_nodes:
+            self._rank_nodes[name] = self.graph.get_attr(name)
+        return self._rank_nodes[name]
+
+    def coord(self, axis: int) -> fx.Node:
+        """This rank's position on mesh axis ``axis``, as a value of the program."""
+        return self.rank_value(f"autopar_coord_{axis}")
+
+    def collective(self, op, args: tuple, axis: int, extra: tuple = ()) -> fx.Node:
+        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis``."""
+        group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
+        return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, rank, *extra))
+
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False) -> fx.Node:
+        gather = gather or ops.all_gather.default
+        if st.blocks > 1:
+            return self._blocked_step(x, st, gather)
+        if st.kind == "all_gather":
+            return self.collective(gather, (x, st.dim), st.axis)
+        if st.kind == "all_reduce":
+            node = self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
+            if owned:
+                node.kwargs = {"owned": True}
+            return node
+        if st.kind == "reduce_scatter":
+            return self.collective(ops.reduce_scatter.default, (x, st.dim), st.axis, (st.op,))
+        if st.kind == "all_to_all":
+            return self.collective(ops.all_to_all.default, (x, st.dim, st.dim2), st.axis)
+        if st.kind == "slice":
+            return self.collective(ops.shard.default, (x, st.dim), st.axis)
+        if st.kind == "to_partial":
+            return self.collective(ops.to_partial.default, (x,), st.axis, (st.op,))
+        n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
+        factor = float(n) if st.op == "sum->avg" else 1.0 / n
+        return self.graph.call_function(aten.mul.Tensor, (x, factor))
+
+    def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
+        """Gather or slice a blocked shard: plain collectives around a local regrouping.
+
+        Gathered pieces arrive rank-major ([r0: b0 b1 b2][r1: b0 b1 b2]); the serial order is
+        block-major, so (n, blocks, s) is transposed to (blocks, n, s). A slice views the dim
+        as (blocks, s) and keeps this rank's chunk of every block.
+        """
+        g, d, k, n = self.graph, st.dim, st.blocks, self.mesh.shape[st.axis]
+        if st.kind == "all_gather":
+            full = self.collective(gather, (x, d), st.axis)
+            grid = g.call_function(aten.unflatten.int, (full, d, [n, k, -1]))
+            grid = g.call_function(aten.transpose.int, (grid, d, d + 1))
+            return g.call_function(aten.flatten.using_ints, (grid, d, d + 2))
+        grid = g.call_function(aten.unflatten.int, (x, d, [k, -1]))  # slice
+        mine = self.collective(ops.shard.default, (grid, d + 1), st.axis)
+        return g.call_function(aten.flatten.using_ints, (mine, d, d + 1))
+
+    def edge(self, src: fx.Node, target: tuple, f_axes=frozenset()) -> fx.Node:
+        """``src``'s value in layout ``target`` (collectives added once per layout)."""
+        key = (src, target, frozenset(f_axes))
+        if key not in self.edges:
+            x = self.env[src]
+            f_axes = set(f_axes)
+            for i, st in enumerate(_steps(layout_of(src).spec, target)):
+                if st.kind == "all_gather" and st.axis in f_axes:
+                    # the gathered value's gradient arrives in parts: reduce-scatter it back
+                    x = self._step(x, st, ops.all_gather_rs.default)
+                    f_axes.discard(st.axis)
+                    continue
+                x = self._step(x, st, owned=i == 0 and self._owned(src))
+            for axis in sorted(f_axes):
+                x = self.collective(ops.grad_all_reduce.default, (x,), axis)
+            self.edges[key] = x
+        return self.edges[key]
+
+    def _owned(self, src: fx.Node) -> bool:
+        """Nothing but this edge reads ``src``'s local value, and autograd does not keep it: a
+        collective may then work in place (see autopar::all_reduce's ``owned``)."""
+        local = self.env[src]
+        if local.op != "call_function" or local.target not in _FRESH_OUTPUT or len(src.users) != 1:
+            return False
+        user = next(iter(src.users))
+        return user.op == "call_function" and "autopar" in user.meta and layout_of(user).inputs.count(src) == 1
+
+    # -------------------------------------------------------------------- nodes
+    def run(self) -> fx.Graph:
+        guarded = False
+        for node in self.plan.graph.nodes:
+            if node.op != "placeholder" and not guarded:
+                guarded = True
+                self._input_guard()
+            handler = getattr(self, f"_{node.op}")
+            new = handler(node)
+            if new is not None:
+                if isinstance(new, fx.Node) and not new.meta:
+                    new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+                self.env[node] = new
+        return self.graph
+
+    def _placeholder(self, node):
+        fqn = self.plan.attr_name(node.name)
+        if fqn is not None:
+            return self.graph.get_attr(fqn)
+        return self.graph.placeholder(node.name)
+
+    def _input_guard(self):
+        """One check of the user inputs' local shapes before anything runs (see guards.py)."""
+        args = guard_args(self.plan, self.env, self.rank_value(RANK_ATTR))
+        if args is not None:
+            self.graph.call_function(check_local_inputs, args)
+
+    def _get_attr(self, node):
+        return self.graph.get_attr(node.target)
+
+    def _call_function(self, node):
+        if node.target is aten.sym_size.int:
+            return self._sym_size(node)
+        if "autopar" not in node.meta or not layout_of(node).outputs or node.target is operator.getitem:
+            return self.graph.call_function(node.target, *self._map_args(node))
+        return self._compute(node)
+
+    def _output(self, node):
+        flat, spec = pytree.tree_flatten(node.args[0])
+        outs = []
+        for i, v in enumerate(flat):
+            if i in self.plan.traced.buffer_mutations:
+                buf = self.graph.get_attr(self.plan.traced.buffer_mutations[i])
+                self.graph.call_function(aten.copy_.default, (buf, self.env[v]))
+                continue
+            outs.append(self._user_output(v) if isinstance(v, fx.Node) else v)
+        self.graph.output(tuple(outs))
+
+    def _user_output(self, v: fx.Node) -> fx.Node:
+        if "autopar" not in v.meta or not layout_of(v).outputs:
+            return self.env[v]
+        target = self.plan.output_target(layout_of(v).spec)
+        x = self.edge(v, target)
+        dp = self.plan.dp_axis
+        if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
+            n = self.mesh.shape[dp]
+            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n))
+        return x
+
+    # --------------------------------------------------------------- arguments
+    def _map_args(self, node):
+        # fx's map_aggregate (C++) rather than pytree: emission walks every argument of every
+        # node once per rank, and pytree's generic walk was a fifth of the emission time.
+        def conv(a):
+            return self.env[a] if isinstance(a, fx.Node) else a
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
+        return tuple(args), dict(kwargs)
+
+    def _sym_size(self, node):
+        x, dim = node.args
+        local = self.graph.call_function(aten.sym_size.int, (self.env[x], dim))
+        f = shard_factor(layout_of(x).spec, self.mesh, dim % x.meta["val"].dim())
+        if f == 1:
+            return local
+        glob = self.graph.call_function(operator.mul, (local, f))
+        self.scaled[glob] = (local, f)
+        return glob
+
+    def _local_size(self, size, f: int):
+        if f == 1 or (isinstance(size, int) and size == -1):
+            return size
+        if isinstance(size, int):
+            return size // f
+        if size in self.scaled and self.scaled[size][1] == f:
+            return self.scaled[size][0]
+        return self.graph.call_function(operator.floordiv, (size, f))
+
+    def _compute(self, node):
+        lay = layout_of(node)
+        f_edges = self.plan.flow.f_edges
+        local_inputs = [self.edge(inp, tgt, f_edges.get((node.name, i), ()))
+                        for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets))]
+        it = iter(local_inputs)
+        tensors = set(lay.inputs)
+
+        def conv(a):
+            if isinstance(a, fx.Node):
+                return next(it) if a in tensors else self.env[a]
+            return a
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
+        args = list(args)
+        shape_idx = SHAPE_ARGS.get(getattr(node.target, "overloadpacket", None))
+        if shape_idx is not None and shape_idx < len(args):
+            spec = lay.spec
+            args[shape_idx] = [self._local_size(s, shard_factor(spec, self.mesh, d))
+                               for d, s in enumerate(args[shape_idx])]
+        for axis, s in enumerate(lay.strategies):
+            if s is not None and s.lowering:
+                return LOWERINGS[s.lowering](self, node, tuple(args), dict(kwargs), axis)
+        fused = self._fuse_bias(node, args, kwargs)
+        if fused is not None:
+            return fused
+        return self.graph.call_function(node.target, tuple(args), dict(kwargs))
+
+    def _fuse_bias(self, node, args, kwargs) -> fx.Node | None:
+        """linear(x, w) + b -> linear(x, w, b) where nothing runs between the two on this rank.
+
+        Why: trace.split_biases separates every bias so that a row-parallel layer can add its
+        bias after the reduction; where no collective ends up in between (column-parallel and
+        replicated linears), the fused kernel saves a pass over the output, forward and
+        backward, as a hand-written module has it.
+        """
+        if node.target is not aten.add.Tensor or len(args) != 2 or kwargs:
+            return None
+        lin, bias = args
+        src, bias_src = node.args
+        if not (isinstance(lin, fx.Node) and lin.target is aten.linear.default and len(lin.args) == 2
+                and not lin.users and len(src.users) == 1 and self.env.get(src) is lin):
+            return None  # not a bare linear, used elsewhere, or a collective in between
+        if not (isinstance(bias, fx.Node) and bias.op == "get_attr" and isinstance(bias_src, fx.Node)
+                and bias_src.meta["val"].dim() == 1 and bias_src.meta["val"].dtype == src.meta["val"].dtype):
+            return None
+        lin.args = (*lin.args, bias)
+        return lin
+
+
+# ops whose output is a fresh tensor their backward does not save (their inputs are saved)
+_FRESH_OUTPUT = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(src: tuple, dst: tuple) -> tuple:
+    """plan_steps, remembered: a pure function of two specs, asked once per edge and rank."""
+    return tuple(plan_steps(src, dst))
+
+
+def emit_graph(plan) -> fx.Graph:
+    """The program every rank runs (see rank_attrs for what differs between ranks)."""
+    graph = Emitter(plan).run()
+    graph.lint()
+    return graph

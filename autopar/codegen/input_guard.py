@@ -1,0 +1,122 @@
+"""A cheap check at the start of every emitted module: are these the rank's *local* inputs?
+
+A rank's module expects its piece of each input (``plan.local_inputs(rank, ...)``). Passing
+the global batch instead is the most common mistake, and without a check it either fails
+deep inside with a shape error or, worse, runs. The emitted graph therefore starts with one
+``check_local_inputs`` node that compares each input's shape with the planned layout:
+static dims must have exactly the local size; dynamic dims (batch, sequence) may take any
+size, but inputs that share a dynamic dim must agree on its global size.
+
+Example:
+    >>> gm = plan.module(1)
+    >>> gm(x)                   # x is the global batch
+    autopar.errors.InputError: rank 1's module got input 'x' of shape (8, 6) ... pass plan.local_inputs(1, ...)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx.node import has_side_effect
+
+from autopar.errors import InputError
+from autopar.placement import Shard, fmt_spec, shard_factor
+
+
+def guard_args(plan, env: dict, rank: int) -> tuple | None:
+    """The arguments of the guard node for ``rank`` (None when the model has no tensor input)."""
+    phs = {n.name: n for n in plan.graph.nodes if n.op == "placeholder"}
+    checks, values = [], []
+    for name in plan.traced.user_inputs:
+        val, lay = phs[name].meta.get("val"), phs[name].meta.get("autopar")
+        if isinstance(val, torch.Tensor) and lay is not None and lay.spec is not None:
+            checks.append(input_checks(name, val, lay.spec, plan.mesh))
+            values.append(env[phs[name]])
+    if not checks:
+        return None
+    return tuple(values), tuple(checks), rank, symbol_divisors(plan.graph, plan.mesh)
+
+
+def symbol_divisors(graph, mesh) -> tuple:
+    """(symbol, k, node) for each dynamic size the plan cuts into k pieces somewhere (at ``node``).
+
+    A dynamic dim may be split inside the graph (an intermediate's batch dim on some axis):
+    the runtime size must then divide by the pieces, or a rank would hold a ragged piece.
+    """
+    from autopar.sharding.propagate import tensor_outputs
+    found: dict[str, tuple[int, str]] = {}
+    for node in graph.nodes:
+        lay = node.meta.get("autopar")
+        if lay is None:
+            continue
+        for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
+            if not any(isinstance(p, Shard) for p in spec):
+                continue  # nothing cut (most values: checked first, it is the cheap test)
+            for d, size in enumerate(val.shape):
+                f = shard_factor(spec, mesh, d)
+                if f == 1 or not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
+                    continue
+                sym = str(size.node.expr)
+                k, where = found.get(sym, (1, ""))
+                if math.lcm(k, f) != k:
+                    found[sym] = (math.lcm(k, f), node.name)
+    return tuple((sym, k, where) for sym, (k, where) in sorted(found.items()))
+
+
+def input_checks(name: str, val, spec, mesh) -> tuple:
+    """What the guard checks for one input: (name, spec text, global shape, dims).
+
+    Each dim is (local size or None when dynamic, shard factor, symbol or None).
+    """
+    dims, global_shape = [], []
+    for d, s in enumerate(val.shape):
+        f = shard_factor(spec, mesh, d)
+        if isinstance(s, torch.SymInt) and s.node.expr.is_number:  # specialised by export
+            s = int(s.node.expr)
+        if isinstance(s, torch.SymInt):
+            dims.append((None, f, str(s.node.expr)))
+            global_shape.append(str(s.node.expr))
+        else:
+            dims.append((int(s) // f, f, None))
+            global_shape.append(int(s))
+    return (name, fmt_spec(spec), tuple(global_shape), tuple(dims))
+
+
+@has_side_effect
+def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple = ()) -> None:
+    """Raise InputError when ``values`` are not the local pieces the plan expects."""
+    sizes: dict[str, tuple[int, str]] = {}  # dynamic symbol -> (global size, input that set it)
+    need = {sym: (k, where) for sym, k, where in divisors}
+    for value, (name, spec, global_shape, dims) in zip(values, checks):
+        if not isinstance(value, torch.Tensor):
+            continue
+        shape = tuple(value.shape)
+        expected = tuple(n if n is not None else "*" for n, _, _ in dims)
+        if len(shape) != len(dims):
+            _fail(rank, name, shape, expected, spec, global_shape,
+                  f"it has {len(shape)} dims, the plan expects {len(dims)}")
+        for d, (n, f, sym) in enumerate(dims):
+            if n is not None and shape[d] != n:
+                is_global = shape[d] == n * f and f > 1
+                _fail(rank, name, shape, expected, spec, global_shape,
+                      "it looks like the global input was passed where the local piece was expected"
+                      if is_global else f"dim {d} has size {shape[d]}, the plan expects {n}")
+            if sym is not None:
+                full = shape[d] * f
+                k, where = need.get(sym, (1, ""))
+                if full % k:
+                    _fail(rank, name, shape, expected, spec, global_shape,
+                          f"dim {d} means a global size {full}, but the plan splits that size into "
+                          f"{k} pieces (at node {where!r}): use sizes divisible by {k}")
+                seen = sizes.setdefault(sym, (full, name))
+                if seen[0] != full:
+                    _fail(rank, name, shape, expected, spec, global_shape,
+                          f"dim {d} means a global size {full}, but input {seen[1]!r} means {seen[0]} "
+                          "for the same dim: one of them is global and the other local?")
+
+
+def _fail(rank, name, shape, expected, spec, global_shape, why):
+    raise InputError(
+        f"rank {rank}'s module got input {name!r} of shape {shape}, but expects its local piece "
+        f"{expected} (layout {spec} of the global shape {global_shape}; '*' is any size): {why}. "
+        f"Pass plan.local_inputs({rank}, *args, **kwargs) to the module, not the global batch.")

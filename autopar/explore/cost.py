@@ -1,0 +1,195 @@
+"""plan.cost(): communication, memory and time per rank as sympy formulas.
+
+Communication comes from plan.collectives() (the one list of what runs), memory from the
+parameter specs and the layouts of the activations, compute from a FLOP count per op.
+Every formula is in the plan's named dims (B, S, ...), mesh axis sizes (dp, tp) and any
+static sizes you name; ``at()`` evaluates them (at the example unless told otherwise).
+
+Memory per rank: ``params`` and ``grads`` (trainable parameters' local pieces),
+``optimizer`` (``optimizer_states`` fp32-sized copies of the trainable pieces, 2 for Adam),
+``activations`` (every non-view op's local output that needs a gradient: what autograd may
+keep for backward, an upper bound). Time: per collective ``alpha * rounds + bytes / beta``
+(ring: 2(n-1) rounds for all-reduce, n-1 otherwise), compute ``flops / flops_per_s`` with
+backward counted as twice the forward; the total adds them (no overlap assumed).
+
+Example:
+    >>> c = plan.cost(sizes={"H": 32})
+    >>> c.comm["tp"]                 # 32*B*S*H*(tp - 1)/(dp*tp)  (bytes per step and rank)
+    >>> c.at(B=64)["comm"]["tp"]     # a number
+    >>> c.time(alpha=5e-6, beta=25e9, flops_per_s=1e12)["total"]
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import sympy
+
+from autopar.explore.step_collectives import collectives
+from autopar.explore.formulas import PlanSymbols, ring_steps, simplify
+from autopar.sharding.propagate import layout_of, tensor_outputs
+
+VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze",
+         "squeeze", "alias", "slice", "select", "unbind", "split", "split_with_sizes", "chunk",
+         "detach", "getitem", "as_strided", "lift_fresh_copy", "sym_size"}
+MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
+
+
+def layer_of(path: str) -> str:
+    """'blocks.3.mlp.fc' -> 'blocks.3' (up to the first index); a path without an index stays
+    whole ('lm_head', 'model.embed_tokens'); '' -> '(top)'."""
+    if not path:
+        return "(top)"
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
+
+
+def op_name(node) -> str:
+    t = node.target
+    name = getattr(t, "__name__", str(t))
+    return name.split(".")[0]
+
+
+class Cost:
+    """Formulas for one plan (see the module docstring); ``at(**dims)`` gives numbers."""
+
+    def __init__(self, plan, sizes: dict | None = None, names: dict | None = None,
+                 optimizer_states: int = 2):
+        self.plan = plan
+        self.sy = PlanSymbols.of(plan, sizes, names)
+        self.comms = collectives(plan, self.sy)
+        self.comm = _sum_by(self.comms, lambda c: c.axis)
+        self.comm_by_phase = _sum_by(self.comms, lambda c: (c.axis, c.phase))
+        self.comm_by_layer = _sum_by(self.comms, lambda c: (layer_of(c.module) if c.phase != "grad sync"
+                                                             else "(grad sync)", c.axis))
+        self.memory = memory_formulas(plan, self.sy, optimizer_states)
+        self.flops = flops_formula(plan, self.sy)
+
+    @property
+    def symbols(self) -> dict[str, sympy.Symbol]:
+        return {s.name: s for s in self.sy.example}
+
+    @property
+    def example(self) -> dict[str, int]:
+        return {s.name: v for s, v in self.sy.example.items()}
+
+    def at(self, **values) -> dict:
+        """Every formula as a number at the example, with ``values`` (by name) replacing some."""
+        ev = lambda e: self.sy.value(e, **values)  # noqa: E731
+        return {"comm": {k: ev(v) for k, v in self.comm.items()},
+                "memory": {k: ev(v) for k, v in self.memory.items()},
+                "flops": ev(self.flops)}
+
+    def time(self, alpha=5e-6, beta=25e9, flops_per_s=1e12) -> dict:
+        """Seconds per step as formulas (alpha-beta per collective, FLOPs / flops_per_s).
+
+        Pass a string (e.g. ``alpha="alpha"``) to keep that parameter a symbol."""
+        alpha, beta, fps = (sympy.Symbol(v, positive=True) if isinstance(v, str) else v
+                            for v in (alpha, beta, flops_per_s))
+        comm = defaultdict(lambda: sympy.Integer(0))
+        for c in self.comms:
+            n = self.sy.axis(c.axis)
+            comm[c.axis] += alpha * ring_steps(c.kind, n) + formula_of(c) / beta
+        compute = self.flops / fps
+        total = compute + sum(comm.values())
+        return {"compute": compute, "comm": dict(comm), "total": total}
+
+    def __str__(self) -> str:
+        ex = ", ".join(f"{k}={v}" for k, v in self.example.items())
+        num = self.at()
+        lines = [f"per rank and step (example: {ex})"]
+        for axis, e in self.comm.items():
+            lines.append(f"  comm on {axis}: {e}  = {num['comm'][axis]:.0f} B")
+        for k, e in self.memory.items():
+            lines.append(f"  memory {k}: {e}  = {num['memory'][k]:.0f} B")
+        lines.append(f"  flops: {self.flops}  = {num['flops']:.3g}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<autopar.Cost {dict(self.comm)}>"
+
+    def _repr_latex_(self) -> str:
+        rows = [rf"\text{{comm on {a} (B)}} & {sympy.latex(e)} \\" for a, e in self.comm.items()]
+        rows += [rf"\text{{memory: {k} (B)}} & {sympy.latex(e)} \\" for k, e in self.memory.items()]
+        rows.append(rf"\text{{FLOPs}} & {sympy.latex(self.flops)} \\")
+        return r"$$\begin{array}{l|l}" + "\n".join(rows) + r"\end{array}$$"
+
+
+def formula_of(comm) -> sympy.Expr:
+    """A Comm's bytes formula; a Comm made without one (numbers only) counts as its number."""
+    if comm.formula is not None:
+        return comm.formula
+    return sympy.Rational(comm.bytes).limit_denominator(10**6)
+
+
+def _sum_by(comms, key) -> dict:
+    out: dict = defaultdict(lambda: sympy.Integer(0))
+    for c in comms:
+        out[key(c)] += formula_of(c)
+    return {k: simplify(v) for k, v in out.items()}
+
+
+def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
+    """Bytes per rank: params, grads, optimizer, activations (formulas)."""
+    params = sympy.Integer(0)
+    grads = sympy.Integer(0)
+    opt = sympy.Integer(0)
+    for name, p in plan.model.named_parameters():
+        local = sy.numel(p.shape, plan.param_specs.get(name))
+        params += local * p.element_size()
+        if p.requires_grad:
+            grads += local * p.element_size()
+            opt += optimizer_states * local * 4
+    dp = plan.data_parallel
+    if dp is not None and dp.zero:  # ZeRO shards optimizer state (1) and gradients (2) over dp
+        opt = opt / sy.axes[plan.dp_axis]
+        if dp.zero == 2:
+            grads = grads / sy.axes[plan.dp_axis]
+    acts = sympy.Integer(0)
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or op_name(node) in VIEWS or not plan.ctx.needs_grad.get(node):
+            continue
+        lay = layout_of(node)
+        for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
+            acts += sy.numel(val.shape, spec) * val.dtype.itemsize
+    return {k: simplify(v) for k, v in
+            (("params", params), ("grads", grads), ("optimizer", opt), ("activations", acts))}
+
+
+def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
+    """Global forward FLOPs of one op (matmuls 2*M*N*K, attention 4*L*S*D per head, others numel)."""
+    name = op_name(node)
+    outs = [v for v in tensor_outputs(node) if v is not None]
+    if name in VIEWS or not outs:
+        return sympy.Integer(0)
+    out_numel = sy.numel(outs[0].shape)
+    if name in MATMULS:
+        a = node.args[1] if name in ("addmm", "baddbmm") else node.args[0]
+        k = sy.dim(a.meta["val"].shape[-1])
+        return 2 * out_numel * k
+    if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
+        q, key = node.args[0].meta["val"], node.args[1].meta["val"]
+        return 4 * sy.numel(q.shape) * sy.dim(key.shape[-2])
+    return out_numel
+
+
+def _split_factor(spec, sy) -> sympy.Expr:
+    """How many ranks share one op's work: the axes on which its output is not replicated."""
+    f = sympy.Integer(1)
+    for axis, p in enumerate(spec or ()):
+        if not p.is_replicate():
+            f *= sy.axes[axis]
+    return f
+
+
+def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
+    """FLOPs per rank and step: forward, plus twice that for ops whose output needs a gradient."""
+    total = sympy.Integer(0)
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
+            continue
+        f = node_flops(node, sy) / _split_factor(layout_of(node).spec, sy)
+        total += f * (3 if plan.ctx.needs_grad.get(node) else 1)
+    return simplify(total)

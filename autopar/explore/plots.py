@@ -1,0 +1,79 @@
+"""Plots of a plan (matplotlib Figures, no pyplot state): memory per rank, communication per
+layer and axis. The pipeline timeline is ``plan.timeline_figure()`` (autopar/parallel/pipeline/timeline.py).
+
+Example:
+    >>> fig = plan.plot_memory()          # stacked bars: params, grads, optimizer, activations
+    >>> fig = plan.plot_comm(B=64)        # bytes per step per layer and axis, at batch 64
+"""
+from __future__ import annotations
+
+KINDS = ("params", "grads", "optimizer", "activations")
+COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2"}
+
+
+def _figure(w=7.0, h=3.5):
+    from matplotlib.figure import Figure
+
+    class PlanFigure(Figure):
+        """A Figure that shows itself in Jupyter without pyplot (no global figure state)."""
+
+        def _repr_png_(self) -> bytes:
+            import io
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", dpi=90)
+            return buf.getvalue()
+    return PlanFigure(figsize=(w, h), layout="constrained")
+
+
+def _unit(values) -> tuple[float, str]:
+    top = max(values, default=0.0)
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if top >= scale:
+            return scale, unit
+    return 1.0, "B"
+
+
+def memory_per_rank(plan, **dims) -> dict[int, dict[str, float]]:
+    """rank -> {params, grads, optimizer, activations} bytes (at the example, ``dims`` override)."""
+    mem = plan.cost().at(**dims)["memory"]
+    return {r: {k: mem[k] for k in KINDS} for r in plan.mesh.ranks()}
+
+
+def plot_memory(plan, **dims):
+    """Stacked bars of memory per rank, beside the serial model's parameters+grads+optimizer."""
+    per_rank = memory_per_rank(plan, **dims)
+    serial = sum(p.numel() * p.element_size() for p in plan.model.parameters())
+    scale, unit = _unit([sum(v.values()) for v in per_rank.values()] + [4 * serial])
+    fig = _figure()
+    ax = fig.add_subplot()
+    labels = [f"rank {r}" for r in per_rank]
+    bottom = [0.0] * len(labels)
+    for k in KINDS:
+        vals = [per_rank[r][k] / scale for r in per_rank]
+        ax.bar(labels, vals, bottom=bottom, label=k, color=COLORS[k])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(4 * serial / scale, color="k", ls="--", lw=1, label="serial params+grads+Adam")
+    ax.set_ylabel(unit)
+    ax.set_title(f"memory per rank: {type(plan.model).__name__} on {plan.mesh}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def plot_comm(plan, **dims):
+    """Grouped bars: bytes per step and rank, per layer (and the gradient sync), per mesh axis."""
+    cost = plan.cost()
+    by = {k: cost.sy.value(v, **dims) for k, v in cost.comm_by_layer.items()}
+    layers = list(dict.fromkeys(k[0] for k in by))
+    axes = list(dict.fromkeys(k[1] for k in by))
+    scale, unit = _unit(list(by.values()))
+    fig = _figure(max(6.0, 0.6 * len(layers) + 2))
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(axes))
+    for j, axis in enumerate(axes):
+        xs = [i + (j - (len(axes) - 1) / 2) * width for i in range(len(layers))]
+        ax.bar(xs, [by.get((layer, axis), 0.0) / scale for layer in layers], width, label=axis)
+    ax.set_xticks(range(len(layers)), layers, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"{unit} per step and rank")
+    ax.set_title("communication per layer and mesh axis")
+    ax.legend(title="axis")
+    return fig

@@ -1,0 +1,289 @@
+"""plan.save(path) and ap.load_plan(path, model): a plan as JSON, and back.
+
+The file records the model's parameter names, shapes and dtypes, the mesh, the resolved
+annotations (seeds), the example inputs' shapes and structure, and for every node its
+layout and the strategy chosen on each axis. Loading re-traces the model (a plan is tied to
+a graph), re-propagates from the recorded seeds and then *enforces the recorded choices*:
+where today's cost model would pick another strategy, the saved one is rebuilt from the rule.
+The result is checked node by node against the file, so a loaded plan has exactly the saved
+layouts, or loading fails saying where it differs. A file saved for another model (other
+parameters) or another mesh is refused with the difference named.
+
+Example:
+    >>> plan.save("gpt_dp2_tp2.json")
+    >>> again = ap.load_plan("gpt_dp2_tp2.json", model)
+    >>> assert not plan.diff(again)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import torch
+import torch.utils._pytree as pytree
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.placement import Partial, Replicate, Shard
+from autopar.sharding.propagate import Layout, layout_of, op_info, tensor_inputs
+
+FORMAT, VERSION = "autopar-plan", 1
+
+
+class PlanFileError(PlanError):
+    """A saved plan that does not fit the model, mesh or this version of autopar."""
+
+
+# ------------------------------------------------------------------------------- placements
+def placement_text(p) -> str:
+    return repr(p)
+
+
+def parse_placement(text: str):
+    if text == "R":
+        return Replicate()
+    if text in ("P", "P(sum)"):
+        return Partial("sum")
+    if text == "P(avg)":
+        return Partial("avg")
+    m = re.fullmatch(r"S\((-?\d+)\)", text)
+    if m:
+        return Shard(int(m.group(1)))
+    raise PlanFileError(f"unknown placement {text!r} in plan file")
+
+
+def _spec_out(spec):
+    return [placement_text(p) for p in spec]
+
+
+def _spec_in(items):
+    return tuple(parse_placement(t) for t in items)
+
+
+# -------------------------------------------------------------------------------------- save
+def model_params(model) -> list:
+    return [[n, list(p.shape), str(p.dtype).replace("torch.", "")]
+            for n, p in model.named_parameters(remove_duplicate=False)]
+
+
+def _input_meta(node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        shape = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+        return {"shape": shape, "dtype": str(val.dtype).replace("torch.", "")}
+    if isinstance(val, torch.SymInt):
+        return {"value": int(val.node.hint)}
+    return {"value": val}
+
+
+def plan_record(plan) -> dict:
+    seeds = plan.seeds
+    phs = {n.name: n for n in plan.graph.nodes if n.op == "placeholder"}
+    nodes = []
+    for n in plan.graph.nodes:
+        if "autopar" not in n.meta:
+            continue
+        lay = layout_of(n)
+        nodes.append({"name": n.name, "target": str(n.target),
+                      "outputs": [_spec_out(s) for s in lay.outputs],
+                      "strategies": [None if s is None else repr(s) for s in lay.strategies],
+                      "reason": lay.reason})
+    return {
+        "format": FORMAT, "version": VERSION,
+        "model": {"class": type(plan.model).__name__, "params": model_params(plan.model)},
+        "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
+        "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
+        "autopar_version": _version(), "options": _options_out(plan.options), "dynamic": plan.traced.dynamic,
+        "inputs": {"names": list(plan.traced.user_inputs),
+                   "metas": [_input_meta(phs[name]) for name in plan.traced.user_inputs],
+                   "spec": pytree.treespec_dumps(plan.traced.in_spec)},
+        "seeds": {"params": {k: _spec_out(v) for k, v in seeds.params.items()},
+                  "inputs": {k: _spec_out(v) for k, v in seeds.inputs.items()},
+                  "module_outputs": {k: {str(a): placement_text(p) for a, p in v.items()}
+                                     for k, v in seeds.module_outputs.items()},
+                  "reasons": dict(seeds.reasons)},
+        "nodes": nodes,
+    }
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("autopar")
+    except Exception:  # noqa: BLE001 - not installed (running from a checkout)
+        return "unknown"
+
+
+def _dp_out(dp) -> dict:
+    fields = dataclasses.asdict(dp)
+    if fields["reduce_dtype"] is not None:
+        fields["reduce_dtype"] = str(fields["reduce_dtype"]).removeprefix("torch.")
+    return {"__DataParallel__": fields}
+
+
+def _dp_in(v: dict):
+    from autopar.parallel.data_parallel import DataParallel
+    fields = dict(v["__DataParallel__"])
+    if fields.get("reduce_dtype") is not None:
+        fields["reduce_dtype"] = getattr(torch, fields["reduce_dtype"])
+    return DataParallel(**fields)
+
+
+def _options_out(options: dict) -> dict:
+    """JSON values as they are, DataParallel options field by field; anything else as
+    {"__repr__": text} (restored as None, with a warning)."""
+    from autopar.parallel.data_parallel import DataParallel
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, DataParallel):
+            out[k] = _dp_out(v)
+            continue
+        try:
+            json.dumps(v)
+            out[k] = v
+        except TypeError:
+            out[k] = {"__repr__": repr(v)}
+    return out
+
+
+def _options_in(options: dict, path) -> dict:
+    import warnings
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, dict) and set(v) == {"__DataParallel__"}:
+            v = _dp_in(v)
+        elif isinstance(v, dict) and set(v) == {"__repr__"}:
+            warnings.warn(f"autopar: plan option {k!r} = {v['__repr__']} in {path} could not be saved as "
+                          "JSON; it is None in the loaded plan.", stacklevel=3)
+            v = None
+        out[k] = v
+    return out
+
+
+def save_plan(plan, path) -> None:
+    if getattr(plan, "stage_layout", None) is not None:
+        raise PlanFileError(
+            "Saving a pipelined plan is not supported yet (its stages are not recorded). Save the plan "
+            "made without pipeline=..., load it with ap.load_plan, then add the pipeline with "
+            "autopar.parallel.pipeline.with_pipeline(plan, ap.Pipeline(...), split_before=[...]).")
+    with open(path, "w") as f:
+        json.dump(plan_record(plan), f, indent=1)
+
+
+# -------------------------------------------------------------------------------------- load
+def load_plan(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=None, kwargs=None):
+    """The plan saved at ``path``, for ``model`` (which must have the same parameters).
+
+    ``mesh`` (optional) must equal the saved mesh; ``args``/``kwargs`` are example inputs to
+    trace with (default: zeros/ones of the saved shapes and dtypes)."""
+    with open(path) as f:
+        rec = json.load(f)
+    _check_header(rec, path)
+    _check_model(rec, model, path)
+    saved_mesh = Mesh(tuple(rec["mesh"]["shape"]), tuple(rec["mesh"]["axes"]))
+    if mesh is not None and (tuple(mesh.shape) != saved_mesh.shape or tuple(mesh.axis_names) != saved_mesh.axis_names):
+        raise PlanFileError(f"{path} was saved for mesh {saved_mesh}, not {mesh}: plan again with "
+                            "ap.plan(...) on the new mesh (layouts depend on the mesh).")
+    if args is None and kwargs is None:
+        args, kwargs = example_inputs(rec)
+    return _rebuild(rec, model, saved_mesh, args if isinstance(args, tuple) else (args,), kwargs, path)
+
+
+def _check_header(rec, path) -> None:
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        raise PlanFileError(f"{path} is not an autopar plan file (no 'format': {FORMAT!r}).")
+    if rec.get("version", 0) > VERSION:
+        raise PlanFileError(f"{path} has plan format version {rec['version']}; this autopar reads "
+                            f"up to {VERSION}. Upgrade autopar.")
+
+
+def _check_model(rec, model, path) -> None:
+    saved = rec["model"]
+    if saved["class"] != type(model).__name__:
+        raise PlanFileError(f"{path} was saved for a {saved['class']} model, not {type(model).__name__}.")
+    have = {n: (s, d) for n, s, d in model_params(model)}
+    want = {n: (s, d) for n, s, d in saved["params"]}
+    for name in sorted(set(have) | set(want)):
+        if have.get(name) != want.get(name):
+            h, w = have.get(name), want.get(name)
+            raise PlanFileError(
+                f"{path} was saved for another {saved['class']}: parameter {name!r} is "
+                f"{'missing' if h is None else f'shape {h[0]} {h[1]}'} in this model but "
+                f"{'absent' if w is None else f'shape {w[0]} {w[1]}'} in the plan. Load it with the "
+                "model configuration it was planned for, or plan this model anew.")
+
+
+def example_inputs(rec) -> tuple[tuple, dict]:
+    """Inputs of the saved shapes and dtypes (zeros for integers, ones for floats)."""
+    leaves = []
+    for meta in rec["inputs"]["metas"]:
+        if "shape" in meta:
+            dtype = getattr(torch, meta["dtype"])
+            make = torch.ones if dtype.is_floating_point else torch.zeros
+            leaves.append(make(meta["shape"], dtype=dtype))
+        else:
+            leaves.append(meta["value"])
+    spec = pytree.treespec_loads(rec["inputs"]["spec"])
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return tuple(args), dict(kwargs)
+
+
+def _rebuild(rec, model, mesh, args, kwargs, path):
+    from autopar.sharding.annotations import Seeds
+    from autopar.api import _unify_tied
+    from autopar.sharding.gradient_flow import analyse
+    from autopar.plan import Plan
+    from autopar.sharding.propagate import propagate
+    from autopar.trace.export import trace
+    s = rec["seeds"]
+    seeds = Seeds({k: _spec_in(v) for k, v in s["params"].items()},
+                  {k: _spec_in(v) for k, v in s["inputs"].items()},
+                  {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
+                  dict(s["reasons"]))
+    traced = trace(model, args, kwargs, dynamic=rec.get("dynamic", True))
+    _unify_tied(seeds, traced)
+    ctx = propagate(traced, mesh, seeds, rec["options"].get("strict", False))
+    _enforce(traced.gm.graph, rec["nodes"], mesh, path)
+    flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
+    dp = rec["data_parallel"]
+    return Plan(model, mesh, traced, seeds, flow, ctx, None if dp is None else mesh.axis_index(dp),
+                _options_in(rec["options"], path))
+
+
+def _enforce(graph, saved_nodes, mesh, path) -> None:
+    """Give every node its recorded strategies; then require the recorded layouts exactly."""
+    from autopar.sharding.rules import get_rule
+    nodes = {n.name: n for n in graph.nodes if "autopar" in n.meta}
+    if set(nodes) != {r["name"] for r in saved_nodes}:
+        extra = sorted(set(nodes) ^ {r["name"] for r in saved_nodes})[:5]
+        raise PlanFileError(f"{path}: the model traces to another graph than the saved plan's "
+                            f"(nodes {extra} differ): its code changed since the plan was saved. Plan it anew.")
+    for r in saved_nodes:
+        node = nodes[r["name"]]
+        if str(node.target) != r["target"]:
+            raise PlanFileError(f"{path}: node {node.name!r} is {node.target} now but was {r['target']} "
+                                "when the plan was saved; plan the model anew.")
+        lay = layout_of(node)
+        recorded = r["strategies"]
+        if node.op == "call_function" and any(recorded) and [
+                None if x is None else repr(x) for x in lay.strategies] != recorded:
+            node.meta["autopar"] = _forced_layout(node, lay, recorded, get_rule(node.target), mesh, r["reason"])
+        if [_spec_out(o) for o in layout_of(node).outputs] != r["outputs"]:
+            raise PlanFileError(f"{path}: node {node.name!r} comes out {layout_of(node).outputs} but the plan "
+                                f"recorded {r['outputs']}; plan the model anew.")
+
+
+def _forced_layout(node, lay, recorded, rule, mesh, reason) -> Layout:
+    offered = {repr(s): s for s in rule(op_info(node))} if rule else {}
+    chosen = []
+    for axis, text in enumerate(recorded):
+        if text not in offered:
+            raise PlanFileError(f"node {node.name!r}: the saved strategy {text} on axis "
+                                f"{mesh.axis_names[axis]!r} is no longer offered by {getattr(rule, '__name__', rule)}.")
+        chosen.append(offered[text])
+    ins = tensor_inputs(node)
+    outputs = [tuple(chosen[a].outputs[j] for a in range(mesh.ndim)) for j in range(len(lay.outputs))]
+    targets = [tuple(chosen[a].inputs[i] for a in range(mesh.ndim)) for i in range(len(ins))]
+    return Layout(outputs, ins, targets, tuple(chosen), f"restored from the plan file: {reason}",
+                  lay.alternatives)

@@ -1,0 +1,104 @@
+"""What a Plan knows about data parallelism: the gradient buckets each rank will use, the
+sync attached to a rank's module, and the memory ZeRO saves per rank.
+
+Example:
+    >>> for b in plan.grad_buckets(): print(b.names, b.nbytes)
+    >>> plan.memory_per_rank(state_slots=2)["optimizer_state"]   # bytes on rank 0 (Adam: 2 slots)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from autopar.parallel.grad_sync import GradSync, make_buckets
+from autopar.placement import Replicate, local_shape
+
+
+def sync_axes_all_names(plan) -> dict[str, tuple[int, ...]]:
+    """grad_sync_axes under every name of a tied parameter (a module may register either)."""
+    axes = dict(plan.grad_sync_axes)
+    for names in plan.traced.tied.values():
+        found = next((axes[n] for n in names if n in axes), None)
+        if found is not None:
+            axes.update({n: found for n in names})
+    return axes
+
+
+def param_order(plan) -> list[str]:
+    """Parameter names in the order backward completes their gradients: the reverse of their
+    first use in the forward graph (the same on every rank: it comes from the plan's graph)."""
+    nodes = list(plan.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    first = {}
+    for node in nodes:
+        fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None:
+            first[fqn] = min((pos[u] for u in node.users), default=len(nodes))
+    for names in plan.traced.tied.values():  # a tied tensor: its first use under any of its names
+        uses = [first[n] for n in names if n in first]
+        first.update({n: min(uses) for n in names} if uses else {})
+    return sorted(first, key=lambda n: -first[n])
+
+
+def attach(plan, gm: torch.nn.Module, rank: int) -> None:
+    """Give ``gm`` its gradient sync (and local SGD, if asked) as plan.build_module does."""
+    dp, opts = plan.data_parallel, plan.options
+    sync = GradSync(gm, sync_axes_all_names(plan), plan.mesh, rank, opts.get("bucket_bytes", 25 * 2**20),
+                    opts.get("bucket_max_params"), dp=dp, dp_axis=plan.dp_axis, order=param_order(plan))
+    gm.autopar_grad_sync = sync
+    gm.no_sync = sync.no_sync
+    if dp is not None and dp.local_sgd_every is not None:
+        from autopar.parallel.local_sgd import LocalSGD
+        gm.autopar_local_sgd = LocalSGD(sync, dp.local_sgd_every)
+
+
+def exact_gradients(plan):
+    """The plan with plain fp32 all-reduce on dp (what Plan.check compares with serial):
+    ZeRO, local SGD and a reduce dtype change what the optimizer gets, not the layouts."""
+    dp = plan.data_parallel
+    if dp is None or (not dp.zero and dp.local_sgd_every is None and dp.reduce_dtype is None):
+        return plan
+    return plan.with_data_parallel(dataclasses.replace(dp, zero=0, local_sgd_every=None, reduce_dtype=None))
+
+
+def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Meta tensors with this rank's local shapes (deduplicated names, as a module has them)."""
+    out = {}
+    for n, p in plan.model.named_parameters():
+        spec = plan.param_specs.get(n, (Replicate(),) * plan.mesh.ndim)
+        shape = local_shape(tuple(p.shape), spec, plan.mesh)
+        out[n] = torch.empty(shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad)
+    return out
+
+
+def grad_buckets(plan, rank: int = 0):
+    """The gradient buckets of ``rank`` (the same on every rank of its dp group), in launch order."""
+    dp, opts = plan.data_parallel, plan.options
+    size = dp.bucket_bytes if dp is not None else opts.get("bucket_bytes", 25 * 2**20)
+    count = dp.bucket_max_params if dp is not None else opts.get("bucket_max_params")
+    first = dp.first_bucket_bytes if dp is not None else None
+    return make_buckets(local_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
+
+
+def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients (after backward) and optimizer state.
+
+    ``state_slots``: optimizer state tensors per parameter element (Adam/AdamW 2, SGD with
+    momentum 1, plain SGD 0). ZeRO divides the optimizer state of the dp buckets by dp (and,
+    at stage 2, their gradients); ``optimizer_state_unsharded`` is what zero=0 would hold.
+    """
+    dp = plan.data_parallel
+    params = local_params(plan, rank)
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
+    n = plan.mesh.shape[plan.dp_axis] if plan.dp_axis is not None else 1
+    kept = trainable  # bytes of trainable params this rank steps (ZeRO: its slice of each dp bucket)
+    if dp is not None and dp.zero:
+        for b in grad_buckets(plan, rank):
+            if plan.dp_axis in b.axes:
+                kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
+    grads = kept if dp is not None and dp.zero == 2 else trainable
+    return {"params": total, "grads": grads, "optimizer_state": state_slots * kept,
+            "optimizer_state_unsharded": state_slots * trainable, "dp": n,
+            "zero": dp.zero if dp is not None else 0}

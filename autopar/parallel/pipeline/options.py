@@ -1,0 +1,69 @@
+"""Pipeline options: the ``pipeline=`` argument of ap.plan and the ``ap.split_before()`` annotation.
+
+Example:
+    >>> plan = ap.plan(model, ap.Mesh((2, 2), ("pp", "tp")), args=(idx, tg),
+    ...                annotations={"blocks.2": ap.split_before(), **MEGATRON},
+    ...                pipeline=ap.Pipeline("pp", microbatches=8, schedule="1f1b"))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from autopar.errors import PlanError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class PipelineError(PlanError):
+    """A pipeline option, stage split or schedule that cannot work."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline parallelism on mesh axis ``axis``.
+
+    ``schedule``: "gpipe" (fill-drain), "1f1b", or "interleaved" (1F1B over ``chunks`` model
+    chunks per rank: rank r holds stages r, r + pp, ...); "1f1b" with chunks > 1 means
+    interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
+    (outputs, labels) -> scalar replaces the model's own loss; ``metric`` (outputs, labels)
+    -> scalar is averaged alongside. ``stages`` overrides the number of stages (pp * chunks).
+    """
+    axis: str = "pp"
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    chunks: int = 1
+    checkpoint: bool = False
+    loss: Callable | None = None
+    metric: Callable | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise PipelineError(f"Unknown pipeline schedule {self.schedule!r}: use one of {SCHEDULES}.")
+        if self.microbatches < 1 or self.chunks < 1:
+            raise PipelineError(f"microbatches ({self.microbatches}) and chunks ({self.chunks}) must be >= 1.")
+        if self.schedule == "interleaved" and self.chunks < 2:
+            raise PipelineError("schedule='interleaved' needs chunks >= 2 (model chunks per rank).")
+        if self.schedule == "gpipe" and self.chunks > 1:
+            raise PipelineError("schedule='gpipe' runs one chunk per rank: use chunks=1, or "
+                                "schedule='interleaved' for several chunks.")
+
+    @property
+    def kind(self) -> str:
+        return "interleaved" if self.chunks > 1 else self.schedule
+
+
+@dataclass(frozen=True)
+class SplitBefore:
+    """Annotation: a new pipeline stage starts at this module's first operation."""
+
+    def __repr__(self) -> str:
+        return "split_before()"
+
+    def describe(self) -> str:
+        return "pipeline stage boundary before this module"
+
+
+def split_before() -> SplitBefore:
+    """Mark a module path as the start of a pipeline stage: ``{"layers.4": ap.split_before()}``."""
+    return SplitBefore()

@@ -1,0 +1,212 @@
+"""Point-to-point messages between pipeline ranks: simulated (in memory) or torch.distributed.
+
+A message is one tensor from rank ``src`` to rank ``dst`` under an integer ``tag``;
+receives match sends by (src, dst, tag), so stages may receive in another order than they
+were sent (interleaved chunks, skip connections). Sends never block (the sender goes on
+computing; ``flush`` waits for them at the end of a step); a receive blocks until the
+message is there. Messages to oneself (two chunks of one rank) stay in process.
+
+Messages belong to a ``stream`` (the runner's: one boundary value, its consumer stage and
+direction), whose messages all have one shape within a step. Only a stream's first message
+carries its shape (a small header); the receiver then knows the shape of the next ones and
+``prefetch`` can post their receives before it computes, so a message travels while both
+ranks compute instead of when the receiver asks for it (Megatron and ColossalAI pipelines
+post receives early for the same reason). A later message of another shape is an error.
+
+The simulated channel shares the SimBackend's lock and failure list: a rank that raised
+wakes the ranks waiting on it, and a receive that waits longer than the backend's timeout
+fails naming the missing message.
+
+Example:
+    >>> ch = channel(current_backend(), rank)
+    >>> ch.send(x, dst=1, tag=7, stream="h")
+    >>> ch.prefetch(src=0, tag=9, dtype=torch.float32, stream="h")  # once "h"'s shape is known
+    >>> y = ch.recv(src=0, tag=7, dtype=torch.float32, stream="h")
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import torch
+
+from autopar.runtime.simulator import SimBackend, SimulationError
+from autopar.parallel.pipeline.options import PipelineError
+
+HEADER = 9  # ndim + up to 8 sizes
+
+
+def channel(backend, rank: int, group=None):
+    """The p2p channel for ``backend`` (a SimBackend, or anything over torch.distributed)."""
+    if isinstance(backend, SimBackend):
+        return SimChannel(backend, rank)
+    return DistChannel(rank, group)
+
+
+class _Streams:
+    """The shape of each stream's first message, sent and received (one step's channel)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.sent: dict = {}      # (dst, stream) -> shape
+        self.got: dict = {}       # (src, stream) -> shape
+
+    def first_send(self, x: torch.Tensor, dst: int, stream) -> bool:
+        """True for the stream's first message (it carries a header); checks later shapes."""
+        key = (dst, stream)
+        if key not in self.sent:
+            self.sent[key] = tuple(x.shape)
+            return True
+        if self.sent[key] != tuple(x.shape):
+            raise PipelineError(f"rank {self.rank}: pipeline message {stream} has shape {tuple(x.shape)} but "
+                                f"{self.sent[key]} earlier in this step: every micro-batch must hand the "
+                                "next stage tensors of one shape.")
+        return False
+
+    def shape(self, src: int, stream):
+        return self.got.get((src, stream))
+
+
+class _Local:
+    """Messages a rank sends to itself."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.boxes: dict[tuple, deque] = defaultdict(deque)
+
+    def put(self, x, tag):
+        self.boxes[tag].append(x.detach().clone())
+
+    def take(self, tag):
+        if not self.boxes[tag]:
+            raise SimulationError(f"rank {self.rank}: message {tag} to itself was never sent "
+                                  "(the schedule runs a consumer before its producer).")
+        return self.boxes[tag].popleft()
+
+
+class SimChannel(_Streams):
+    """In-memory mailboxes; keeps the stream rules of DistChannel (a shape change raises)."""
+
+    def __init__(self, backend: SimBackend, rank: int):
+        super().__init__(rank)
+        self.backend = backend
+        if not hasattr(backend, "autopar_mail"):
+            backend.autopar_mail = defaultdict(deque)  # (src, dst, tag) -> tensors
+        self.mail = backend.autopar_mail
+
+    def send(self, x: torch.Tensor, dst: int, tag: int, stream=None) -> None:
+        b = self.backend
+        if stream is not None and dst != self.rank:
+            self.first_send(x, dst, stream)
+        with b.cv:
+            self.mail[(self.rank, dst, tag)].append(x.detach().clone())
+            b.cv.notify_all()
+
+    def prefetch(self, src: int, tag: int, dtype, stream) -> bool:
+        """Nothing to post in memory; True where DistChannel would post (for tests)."""
+        return src != self.rank and (src, stream) in self.got
+
+    def recv(self, src: int, tag: int, dtype=None, stream=None) -> torch.Tensor:
+        b, key = self.backend, (src, self.rank, tag)
+        with b.cv:
+            if not b.cv.wait_for(lambda: self.mail[key] or b.failed, b.timeout):
+                raise SimulationError(f"rank {self.rank}: waited {b.timeout:.0f} s for message {tag} "
+                                      f"from rank {src}, which never came.")
+            if not self.mail[key]:
+                r, err = next(iter(b.failed.items()))
+                raise SimulationError(f"rank {self.rank}: stopped waiting for rank {src} because rank {r} "
+                                      f"failed: {type(err).__name__}: {err}")
+            x = self.mail[key].popleft()
+        if stream is not None:
+            self.got.setdefault((src, stream), tuple(x.shape))
+        return x
+
+    def flush(self) -> None:
+        pass
+
+
+class DistChannel(_Streams):
+    """isend / irecv over a torch.distributed group holding every rank (global rank numbers).
+
+    A message is a header (2 * tag: ndim and sizes) and the data (2 * tag + 1); after a
+    stream's first message only the data goes, and ``prefetch`` posts its irecv early.
+    """
+
+    def __init__(self, rank: int, group=None):
+        super().__init__(rank)
+        self.group = group
+        self.local = _Local(rank)
+        self.pending: list = []
+        self.posted: dict = {}    # (src, tag) -> (irecv work, buffer)
+        self.headers: dict = {}   # (src, tag) -> (irecv work, header) of a stream's first message
+        self.header_posted: set = set()   # (src, stream) whose first message's header is posted
+
+    def send(self, x: torch.Tensor, dst: int, tag: int, stream=None) -> None:
+        import torch.distributed as dist
+        if dst == self.rank:
+            return self.local.put(x, tag)
+        x = x.detach().contiguous()
+        if x.dtype == torch.bool:  # not every backend sends bools: go as bytes
+            x = x.to(torch.uint8)
+        if x.dim() > HEADER - 1:
+            raise ValueError(f"autopar pipeline: cannot send a {x.dim()}-d tensor (at most {HEADER - 1} dims).")
+        parts = [(x, 2 * tag + 1)]
+        if stream is None or self.first_send(x, dst, stream):
+            header = torch.zeros(HEADER, dtype=torch.int64)
+            header[0] = x.dim()
+            header[1: 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+            parts.insert(0, (header, 2 * tag))
+        for t, k in parts:
+            self.pending.append((dist.isend(t, dst, group=self.group, tag=k), t))
+
+    def prefetch(self, src: int, tag: int, dtype, stream) -> bool:
+        """Post the receive of a message whose stream's shape is known; True if posted (or already).
+        Otherwise post the receive of its header (the first message of its stream)."""
+        import torch.distributed as dist
+        shape = self.shape(src, stream)
+        if src == self.rank:
+            return False
+        if shape is None:  # only the stream's first message has a header: the first one asked for
+            if (src, stream) not in self.header_posted:
+                self.header_posted.add((src, stream))
+                h = torch.empty(HEADER, dtype=torch.int64)
+                self.headers[(src, tag)] = (dist.irecv(h, src, group=self.group, tag=2 * tag), h)
+            return False
+        if (src, tag) not in self.posted:
+            buf = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
+            self.posted[(src, tag)] = (dist.irecv(buf, src, group=self.group, tag=2 * tag + 1), buf)
+        return True
+
+    def recv(self, src: int, tag: int, dtype=torch.float32, stream=None) -> torch.Tensor:
+        if src == self.rank:
+            return self.local.take(tag)
+        if stream is not None and (src, tag) not in self.posted:
+            self.prefetch(src, tag, dtype, stream)
+        if (src, tag) in self.posted:
+            work, out = self.posted.pop((src, tag))
+            work.wait()
+        else:
+            out = self._recv_with_header(src, tag, dtype)
+            if stream is not None:
+                self.got[(src, stream)] = tuple(out.shape)
+        return out.bool() if dtype == torch.bool else out
+
+    def _recv_with_header(self, src: int, tag: int, dtype) -> torch.Tensor:
+        import torch.distributed as dist
+        if (src, tag) in self.headers:
+            work, header = self.headers.pop((src, tag))
+            work.wait()
+        else:
+            header = torch.empty(HEADER, dtype=torch.int64)
+            dist.recv(header, src, group=self.group, tag=2 * tag)
+        shape = header[1: 1 + int(header[0])].tolist()
+        out = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
+        dist.recv(out, src, group=self.group, tag=2 * tag + 1)
+        return out
+
+    def flush(self) -> None:
+        for work, _keep in self.pending:
+            work.wait()
+        self.pending.clear()
+        if self.posted or self.headers:  # the runner only prefetches its own schedule's messages
+            raise PipelineError(f"rank {self.rank}: receives posted but never used: "
+                                f"{sorted(self.posted) + sorted(self.headers)}")

@@ -1,0 +1,411 @@
+"""PipelineRunner: one rank's stages, driven through a schedule once per training step.
+
+``runner.step(batch, labels)`` splits this rank's slice of the batch into micro-batches,
+runs the schedule's forwards and backwards (receiving activations and gradients from the
+neighbouring stages, sending its own), and returns the step's loss (the mean over the
+micro-batches, the same on every rank). Gradients are then in ``runner.parameters()``,
+summed over micro-batches (each micro-batch's loss weighted 1/m, so they equal the serial
+gradients of the whole batch), synced over data parallel (and tp where a norm needs it),
+and summed over the stages that share a tied weight. Call your optimizer step after it.
+
+Activation checkpointing (``checkpoint=True``) runs each forward without keeping its
+autograd graph and recomputes it just before the backward. ``runner.evaluate`` runs the
+forwards only, under no_grad. Every action's start and end go to ``runner.timeline``;
+``runner.stats`` has the peak number of micro-batches held and the peak activation bytes.
+
+Example:
+    >>> runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    >>> losses = run_ranks(plan.mesh.size, lambda r: runners[r].step((idx, tg)))
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autopar.runtime.collectives import current_backend
+from autopar.errors import InputError
+from autopar.parallel.grad_sync import GradSync
+from autopar.codegen.rank_state import set_attr
+from autopar.parallel.pipeline import schedules
+from autopar.parallel.pipeline.options import PipelineError
+from autopar.parallel.pipeline.p2p import channel
+from autopar.parallel.pipeline.stage_module import build_stage_module
+
+PREFETCH_AHEAD = 1  # receives posted for the current action and this many after it
+
+
+@dataclass
+class Event:
+    """One action as it ran: perf_counter start and end of its compute (waits excluded), and
+    the CPU time its thread spent (robust when ranks share cores, as simulated ranks do)."""
+    kind: str
+    microbatch: int
+    stage: int
+    start: float
+    end: float
+    cpu: float = 0.0
+
+
+@dataclass
+class _Saved:
+    args: list
+    received: list          # (value name, producing stage, tensor) of float inputs
+    sends: list = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    nbytes: int = 0
+    rng: torch.Tensor | None = None   # CPU RNG state at the forward, replayed when recomputing
+
+
+class PipelineRunner:
+    """One rank's pipeline stages and their schedule.
+
+    Attributes: ``modules`` (stage index -> GraphModule, only its parameters), ``params``
+    (serial name -> this rank's Parameter, tied names included), ``timeline`` (Events of the
+    last step), ``stats`` (``max_in_flight``, ``peak_activation_bytes``), ``outputs`` (last
+    stage, ``evaluate(keep_outputs=True)``).
+
+    Example:
+        >>> runner = plan.pipeline_runner(rank)
+        >>> loss = runner.step((idx, targets)); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, plan, rank: int, loss=None, metric=None, p2p_group=None):
+        self.plan, self.rank = plan, plan.mesh.check_rank(rank)
+        self.layout = lay = plan.stage_layout
+        if lay is None:
+            raise PipelineError("This plan has no pipeline: pass pipeline=ap.Pipeline(...) to ap.plan.")
+        self.options = lay.options
+        self.loss_fn = loss or lay.options.loss
+        self.metric_fn = metric or lay.options.metric
+        self.coords = plan.mesh.coords(rank)
+        self.pp_rank = self.coords[lay.axis]
+        self.stage_ids = [s for s in range(lay.n_stages) if lay.rank_of_stage(s) == self.pp_rank]
+        self.params: dict = {}
+        self.modules = {s: build_stage_module(plan, rank, s, self.params) for s in self.stage_ids}
+        self.holder = self._holder()
+        self.grad_sync = self._grad_sync()
+        self.tied_groups = self._tied_groups()
+        self.p2p_group = p2p_group
+        self.dtypes = {n.name: _dtype(n) for n in plan.graph.nodes if n.name in lay.value_ids}
+        self.timeline: list[Event] = []
+        self.stats: dict = {}
+
+    # ------------------------------------------------------------------ parameters
+    def _holder(self) -> nn.Module:
+        """A module holding this rank's parameters under their serial names (tied: the first)."""
+        holder, seen = nn.Module(), set()
+        for fqn, value in self.params.items():
+            if isinstance(value, nn.Parameter) and id(value) not in seen:
+                seen.add(id(value))
+                set_attr(holder, fqn, value)
+        return holder
+
+    def named_parameters(self):
+        return self.holder.named_parameters()
+
+    def parameters(self):
+        return self.holder.parameters()
+
+    def _grad_sync(self):
+        axes = dict(self.plan.grad_sync_axes)
+        for names in self.plan.traced.tied.values():
+            for n in names:
+                if names[0] in axes:
+                    axes[n] = axes[names[0]]
+        if not any(axes.get(n) for n, _ in self.holder.named_parameters()):
+            return None
+        o = self.plan.options
+        return GradSync(self.holder, axes, self.plan.mesh, self.rank, o.get("bucket_bytes", 25 * 2**20),
+                        o.get("bucket_max_params"))
+
+    def _tied_groups(self) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+        """Weights this rank shares with other pipeline ranks, with the ranks to sum over."""
+        out = []
+        for names in self.plan.traced.tied.values():
+            if not any(n in self.params for n in names):
+                continue
+            holders = sorted({self.layout.rank_of_stage(st.index) for st in self.layout.stages
+                              for ph in st.attrs if self.plan.attr_name(ph) in names})
+            if len(holders) > 1:
+                out.append((self.params[next(n for n in names if n in self.params)],
+                            tuple(self.rank_at(c) for c in holders)))
+        return out
+
+    def rank_at(self, pp_coord: int) -> int:
+        c = list(self.coords)
+        c[self.layout.axis] = pp_coord
+        return self.plan.mesh.rank_of(c)
+
+    # ------------------------------------------------------------------------ inputs
+    def _micro_inputs(self, batch) -> list[dict]:
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        args, kwargs = self.plan.local_inputs(self.rank, *batch)
+        flat = pytree.tree_leaves((args, kwargs))
+        m = self.options.microbatches
+        per = [dict() for _ in range(m)]
+        for name, v in zip(self.plan.traced.user_inputs, flat):
+            pieces = _chunk(v, m, name) if isinstance(v, torch.Tensor) else [v] * m
+            for i in range(m):
+                per[i][name] = pieces[i]
+        return per
+
+    def _micro_labels(self, labels) -> list:
+        m = self.options.microbatches
+        if labels is None:
+            return [None] * m
+        dp = self.plan.dp_axis
+
+        def split(t):
+            if not isinstance(t, torch.Tensor):
+                return [t] * m
+            if dp is not None:
+                t = _chunk(t, self.plan.mesh.shape[dp], "labels")[self.coords[dp]]
+            return _chunk(t, m, "labels")
+        pieces = pytree.tree_map(split, labels)
+        return [pytree.tree_map(lambda p: p[i], pieces, is_leaf=lambda x: isinstance(x, list)) for i in range(m)]
+
+    # --------------------------------------------------------------------- stepping
+    def step(self, batch, labels=None):
+        """One training step over the whole batch; returns the loss (and the metric, if any)."""
+        return self._run(batch, labels, train=True)
+
+    def evaluate(self, batch, labels=None, keep_outputs: bool = False):
+        """Forward only (no activations kept); returns the loss (and metric) like ``step``.
+        With ``keep_outputs`` the last stage's per-micro-batch outputs go to ``runner.outputs``."""
+        with torch.no_grad():
+            return self._run(batch, labels, train=False, keep_outputs=keep_outputs)
+
+    def _run(self, batch, labels, train: bool, keep_outputs: bool = False):
+        o, lay = self.options, self.layout
+        self._inputs, self._labels = self._micro_inputs(batch), self._micro_labels(labels)
+        acts = schedules.build(o.kind, lay.pp, o.microbatches, o.chunks, forward_only=not train)[self.pp_rank]
+        self._ch = channel(current_backend(), self.rank, self.p2p_group)
+        self._saved: dict = {}
+        self._losses, self._metrics, self.outputs = [], [], []
+        self._keep, self._training = keep_outputs, train
+        self.timeline = []
+        self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0}
+        self._held_bytes = 0
+        for i, a in enumerate(acts):
+            self._prefetch(acts[i: i + 1 + PREFETCH_AHEAD])
+            if a.kind == "F":
+                self._forward(a, train)
+            else:
+                self._backward(a)
+        self._ch.flush()
+        if train:
+            self._sync_grads()
+        return self._reduce_results()
+
+    def _receives(self, a) -> list[tuple]:
+        """The messages action ``a`` receives: (src rank, tag, dtype, stream) each."""
+        st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
+        if a.kind == "F":
+            return [(self.rank_at(lay.rank_of_stage(src)), self._tag(mb, name, a.stage, 0), self.dtypes[name],
+                     (name, a.stage, 0)) for name, src in st.recv]
+        return [(self.rank_at(lay.rank_of_stage(d)), self._tag(mb, name, d, 1), self.dtypes[name], (name, d, 1))
+                for name, dsts in st.send if lay.kinds[name] == "grad" for d in dsts]
+
+    def _prefetch(self, actions) -> None:
+        """Post the receives of the coming actions now, so their messages arrive while this rank
+        computes (a receive posted only when needed costs a round trip with the busy sender)."""
+        for a in actions:
+            for src, tag, dtype, stream in self._receives(a):
+                self._ch.prefetch(src, tag, dtype, stream)
+
+    def _recv_inputs(self, a, train: bool):
+        st, lay = self.layout.stages[a.stage], self.layout
+        args, received = [], []
+        for (name, src), (src_rank, tag, dtype, stream) in zip(st.recv, self._receives(a)):
+            t = self._ch.recv(src_rank, tag, dtype, stream)
+            if lay.kinds[name] == "int":
+                args.append(int(t.reshape(-1)[0]))
+                continue
+            if lay.kinds[name] == "grad" and train:
+                t.requires_grad_(True)
+                received.append((name, src, t))
+            args.append(t)
+        args += [self._inputs[a.microbatch][n] for n in st.inputs]
+        return args, received
+
+    def _forward(self, a, train: bool) -> None:
+        st = self.layout.stages[a.stage]
+        args, received = self._recv_inputs(a, train)
+        keep_graph = train and not self.options.checkpoint
+        counter = _SavedBytes(self.holder)
+        rng = torch.get_rng_state() if train and not keep_graph else None
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with (counter if keep_graph else contextlib.nullcontext()), torch.set_grad_enabled(keep_graph):
+            outs = self.modules[a.stage](*args)
+            sends, loss = self._split_outputs(st, outs, a.microbatch)
+        t1 = time.perf_counter()
+        self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0))
+        for (name, dsts), v in zip(st.send, sends):
+            for d in dsts:
+                x = v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64)
+                self._ch.send(x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0),
+                              (name, d, 0))
+        if train:
+            nbytes = counter.bytes if keep_graph else sum(_nbytes(x) for x in args)
+            self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
+            self._held_bytes += nbytes
+            held = len(self._saved)
+            self.stats["max_in_flight"] = max(self.stats["max_in_flight"], held)
+            self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes)
+
+    def _split_outputs(self, st, outs, mb: int):
+        sends = outs[: len(st.send)]
+        if not st.has_output:
+            return sends, None
+        flat = list(outs[len(st.send):])
+        outputs = pytree.tree_unflatten(flat, self.plan.traced.out_spec)
+        labels = self._labels[mb]
+        loss = self.loss_fn(outputs, labels) if self.loss_fn else _own_loss(flat)
+        if loss is not None:
+            self._losses.append(loss.detach())
+        elif self._training:
+            raise PipelineError("The model returns no scalar loss: pass Pipeline(loss=fn) or "
+                                "plan.pipeline_runner(rank, loss=fn) with fn(outputs, labels) -> scalar.")
+        if self.metric_fn is not None:
+            with torch.no_grad():
+                self._metrics.append(torch.as_tensor(self.metric_fn(outputs, labels), dtype=torch.float32))
+        if self._keep:
+            self.outputs.append(pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs))
+        return sends, loss
+
+    def _backward(self, a) -> None:
+        st, lay = self.layout.stages[a.stage], self.layout
+        sv = self._saved.pop((a.microbatch, a.stage))
+        t0, c0 = time.perf_counter(), time.thread_time()
+        if self.options.checkpoint:
+            self._recompute(a, st, sv)
+        t_wait, c_wait = time.perf_counter(), time.thread_time()
+        tensors, grads = self._output_grads(a, st, sv)
+        t_go, c_go = time.perf_counter(), time.thread_time()
+        if st.has_output:
+            tensors.append(sv.loss)
+            grads.append(torch.full_like(sv.loss, 1.0 / self.options.microbatches))
+        with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext():
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        t1 = time.perf_counter()
+        # The event's time is compute only (as the forward's): recomputation plus backward, not the
+        # gradient wait nor the sends.
+        cpu = time.thread_time() - c0 - (c_go - c_wait)
+        self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
+        for name, src, t in sv.received:
+            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            self._ch.send(g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1),
+                          (name, a.stage, 1))
+        self._held_bytes -= sv.nbytes
+
+    def _recompute(self, a, st, sv) -> None:
+        """Checkpointing: run the stage's forward again, now keeping its graph."""
+        counter = _SavedBytes(self.holder)
+        with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(sv.rng)  # the same dropout masks as the forward
+            outs = self.modules[a.stage](*sv.args)
+            sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
+        peak = self._held_bytes + counter.bytes
+        self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], peak)
+
+    def _output_grads(self, a, st, sv):
+        """The gradients of this stage's sent values, summed over the stages that read them."""
+        lay = self.layout
+        tensors, grads = [], []
+        for (name, dsts), v in zip(st.send, sv.sends):
+            if lay.kinds[name] != "grad":
+                continue
+            g = None
+            for d in dsts:
+                gd = self._ch.recv(self.rank_at(lay.rank_of_stage(d)), self._tag(a.microbatch, name, d, 1),
+                                   self.dtypes[name], (name, d, 1))
+                g = gd if g is None else g + gd
+            if v.requires_grad:
+                tensors.append(v)
+                grads.append(g)
+        return tensors, grads
+
+    def _split_outputs_quiet(self, st, outs, mb):
+        keep, losses, metrics = self._keep, self._losses, self._metrics
+        self._keep, self._losses, self._metrics = False, [], []
+        try:
+            return self._split_outputs(st, outs, mb)
+        finally:
+            self._keep, self._losses, self._metrics = keep, losses, metrics
+
+    def _tag(self, mb: int, name: str, consumer: int, direction: int) -> int:
+        lay = self.layout
+        return ((mb * len(lay.value_ids) + lay.value_ids[name]) * lay.n_stages + consumer) * 2 + direction
+
+    # ----------------------------------------------------------------- after the step
+    def _sync_grads(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync._finish()  # every bucket once, after the last micro-batch
+        backend = current_backend()
+        for p, group in self.tied_groups:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            total = backend.all_reduce(g, group, self.rank, "sum")
+            if p.grad is None:
+                p.grad = total
+            else:
+                p.grad.copy_(total)
+
+    def _reduce_results(self):
+        """The mean loss (and metric) over micro-batches and data-parallel ranks, on every rank."""
+        backend, mesh = current_backend(), self.plan.mesh
+        m = self.options.microbatches
+        vals = [torch.stack(self._losses).sum() / m if self._losses else torch.zeros(())]
+        if self.metric_fn is not None:
+            vals.append(torch.stack(self._metrics).sum() / m if self._metrics else torch.zeros(()))
+        v = torch.stack([x.float() for x in vals])
+        v = backend.all_reduce(v, mesh.group(self.layout.axis, self.rank), self.rank, "sum")
+        if self.plan.dp_axis is not None:
+            v = backend.all_reduce(v, mesh.group(self.plan.dp_axis, self.rank), self.rank, "avg")
+        return (v[0], v[1]) if self.metric_fn is not None else v[0]
+
+
+def _own_loss(flat):
+    """The model's own loss: its first scalar floating output."""
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype.is_floating_point:
+            return t
+    return None
+
+
+def _chunk(t: torch.Tensor, m: int, name: str) -> list:
+    if t.dim() == 0 or t.shape[0] % m:
+        raise InputError(f"Input {name!r} of shape {tuple(t.shape)} cannot be split into {m} micro-batches "
+                         f"along dim 0: use a batch (per data-parallel rank) divisible by {m}.")
+    return list(t.chunk(m, dim=0))
+
+
+def _dtype(node):
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else torch.int64
+
+
+def _nbytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd saves for backward (parameters and their views excluded)."""
+
+    def __init__(self, params_module: nn.Module):
+        self.bytes = 0
+        self._seen: set = set()
+        param_ptrs = {p.untyped_storage().data_ptr() for p in params_module.parameters()}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in param_ptrs and ptr not in self._seen:
+                self._seen.add(ptr)
+                self.bytes += t.untyped_storage().nbytes()
+            return t
+        super().__init__(pack, lambda t: t)

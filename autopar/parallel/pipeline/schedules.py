@@ -1,0 +1,173 @@
+"""Pipeline schedules as plain data: for each rank, the ordered list of actions it runs.
+
+An action is ``Action("F" | "B", microbatch, stage)``. Stage s lives on rank s % pp (with
+``chunks`` > 1, rank r holds stages r, r + pp, ...). Pure Python, no torch: the runner
+executes these lists, and ``replay`` puts them on a time axis from their dependencies
+(forward of stage s after forward of s - 1, backward of s after backward of s + 1), which
+gives the schedule table, the bubble, and a deadlock check.
+
+Example:
+    >>> [str(a) for a in build("1f1b", pp=2, microbatches=3)[0]]
+    ['F0.s0', 'F1.s0', 'B0.s0', 'F2.s0', 'B1.s0', 'B2.s0']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.parallel.pipeline.options import PipelineError
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str        # "F" forward, "B" backward
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}.s{self.stage}"
+
+
+def build(kind: str, pp: int, microbatches: int, chunks: int = 1, forward_only: bool = False) -> list[list[Action]]:
+    """Actions per pipeline rank for schedule ``kind`` ("gpipe", "1f1b", "interleaved")."""
+    if kind == "gpipe":
+        out = [gpipe(pp, microbatches, r) for r in range(pp)]
+    elif kind == "1f1b":
+        out = [one_f_one_b(pp, microbatches, r) for r in range(pp)]
+    elif kind == "interleaved":
+        out = [interleaved(pp, microbatches, chunks, r) for r in range(pp)]
+    else:
+        raise PipelineError(f"Unknown schedule {kind!r}.")
+    if forward_only:
+        out = [[a for a in acts if a.kind == "F"] for acts in out]
+    return out
+
+
+def gpipe(pp: int, m: int, r: int) -> list[Action]:
+    """Fill-drain: every forward, then every backward (all m micro-batches held at once)."""
+    return [Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
+
+
+def one_f_one_b(pp: int, m: int, r: int) -> list[Action]:
+    """PipeDream-flush 1F1B: pp - r - 1 warm-up forwards, then one forward / one backward."""
+    warmup = min(pp - r - 1, m)
+    acts = [Action("F", i, r) for i in range(warmup)]
+    for i in range(m - warmup):
+        acts += [Action("F", warmup + i, r), Action("B", i, r)]
+    acts += [Action("B", i, r) for i in range(m - warmup, m)]
+    return acts
+
+
+def interleaved(pp: int, m: int, v: int, r: int) -> list[Action]:
+    """Megatron's interleaved 1F1B over v model chunks (rank r holds stages r, r + pp, ...).
+
+    Micro-batches go through the chunks in groups of pp, so m must be a multiple of pp.
+    """
+    if m % pp:
+        raise PipelineError(f"The interleaved schedule runs micro-batches in groups of pp={pp}: "
+                            f"use microbatches divisible by {pp} (got {m}).")
+    total = m * v
+
+    def unit(k: int, forward: bool) -> Action:
+        c = (k % (pp * v)) // pp
+        chunk = c if forward else v - 1 - c
+        mb = (k // (pp * v)) * pp + k % pp
+        return Action("F" if forward else "B", mb, chunk * pp + r)
+
+    warmup = total if m == pp else min((pp - r - 1) * 2 + (v - 1) * pp, total)
+    acts = [unit(k, True) for k in range(warmup)]
+    for i in range(total - warmup):
+        acts += [unit(warmup + i, True), unit(i, False)]
+    acts += [unit(i, False) for i in range(total - warmup, total)]
+    return acts
+
+
+@dataclass(frozen=True)
+class Slot:
+    action: Action
+    start: float
+    end: float
+
+
+def deps(a: Action, n_stages: int) -> list[Action]:
+    if a.kind == "F":
+        return [Action("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
+    after = Action("B", a.microbatch, a.stage + 1) if a.stage < n_stages - 1 else None
+    return [Action("F", a.microbatch, a.stage)] + ([after] if after else [])
+
+
+def replay(schedule: list[list[Action]], n_stages: int, duration=None) -> list[list[Slot]]:
+    """Start and end of every action when each runs as soon as its rank and inputs are free.
+
+    ``duration(action)`` defaults to 1 for a forward and 1 for a backward (one slot each).
+    Raises PipelineError if the schedule would deadlock (an action waits on one that its
+    rank can only reach later).
+    """
+    duration = duration or (lambda a: 1.0)
+    done: dict[Action, float] = {}
+    pos = [0] * len(schedule)
+    free = [0.0] * len(schedule)
+    out: list[list[Slot]] = [[] for _ in schedule]
+    remaining = sum(len(s) for s in schedule)
+    present = {a for acts in schedule for a in acts}  # forward-only schedules have no backwards
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(schedule):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                need = [d for d in deps(a, n_stages) if d in present]
+                if any(d not in done for d in need):
+                    break
+                start = max([free[r]] + [done[d] for d in need])
+                end = start + duration(a)
+                done[a], free[r] = end, end
+                out[r].append(Slot(a, start, end))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(acts[pos[r]]) for r, acts in enumerate(schedule) if pos[r] < len(acts)}
+            raise PipelineError(f"The schedule deadlocks: ranks wait at {stuck}.")
+    return out
+
+
+def idle_fraction(slots: list[list[Slot]]) -> list[float]:
+    """Per rank: 1 - busy time / the whole step's span (first start to last end, all ranks)."""
+    t0 = min(s.start for rs in slots for s in rs)
+    t1 = max(s.end for rs in slots for s in rs)
+    span = (t1 - t0) or 1.0
+    return [1.0 - sum(s.end - s.start for s in rs) / span for rs in slots]
+
+
+def theoretical_bubble(kind: str, pp: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle fraction of a balanced pipeline: (p - 1) / (m + p - 1), or (p - 1) / (v m + p - 1)
+    for the interleaved schedule with v chunks."""
+    v = chunks if kind == "interleaved" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """The most micro-batches whose forward ran and backward has not (activations held)."""
+    held, peak = 0, 0
+    for a in actions:
+        held += 1 if a.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def table(slots: list[list[Slot]], ranks=None) -> str:
+    """A text grid: one row per rank, one column per unit slot, cells like F3 / B0 (. = idle)."""
+    ranks = range(len(slots)) if ranks is None else ranks
+    end = int(max(s.end for rs in slots for s in rs))
+    lines = ["slot   " + " ".join(f"{t:>5}" for t in range(end))]
+    for r in ranks:
+        cells = ["    ."] * end
+        for s in slots[r]:
+            label = f"{s.action.kind}{s.action.microbatch}" + (f"/{s.action.stage}" if _multi(slots) else "")
+            for t in range(int(s.start), int(s.end)):
+                cells[t] = f"{label:>5}"
+        lines.append(f"rank {r:<2}" + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _multi(slots) -> bool:
+    return any(s.action.stage >= len(slots) for rs in slots for s in rs)

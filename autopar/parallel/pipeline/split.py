@@ -1,0 +1,270 @@
+"""Cut the planned graph into pipeline stages: where, what each holds, what crosses.
+
+Stage boundaries come from ``ap.split_before()`` annotations on module paths, or from a
+cost model: each node costs its FLOPs (forward + backward ~ 3x forward) plus the bytes of
+the parameters it reads, and the cut points (at module boundaries: where the owning block,
+e.g. ``blocks.3``, changes) are chosen by dynamic programming to minimise the most
+expensive stage. A stage is a contiguous run of the graph's nodes in execution order;
+parameters go to every stage that reads them (tied weights to several), user inputs are
+fed to every stage that reads them, and every other value a stage reads from an earlier
+stage is a boundary value: sent point to point, with its gradient sent back.
+
+Example:
+    >>> layout = split_stages(plan.traced, mesh, pipeline, cuts_at={"blocks.2"})
+    >>> [s.index for s in layout.stages], layout.stages[1].recv
+    ([0, 1], [('add_2', 0), ('sym_size_int_2', 0)])
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import close_matches
+from autopar.sharding.propagate import module_paths
+from autopar.sharding.rules.registry import TensorMeta
+from autopar.parallel.pipeline.options import Pipeline, PipelineError
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.linear.default,
+           aten.addmm.default, aten.baddbmm.default}
+
+
+@dataclass
+class Stage:
+    index: int
+    nodes: list[str]                                     # compute nodes, in order
+    attrs: list[str] = field(default_factory=list)       # placeholder names of params/buffers read
+    inputs: list[str] = field(default_factory=list)      # user-input placeholders read
+    recv: list[tuple[str, int]] = field(default_factory=list)          # (value, producing stage)
+    send: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (value, consumer stages)
+    has_output: bool = False
+    flops: float = 0.0
+    param_bytes: int = 0
+
+    @property
+    def cost(self) -> float:
+        return 3.0 * self.flops + self.param_bytes
+
+
+@dataclass
+class StageLayout:
+    """The stages of a pipelined plan and the values that cross between them."""
+    options: Pipeline
+    axis: int                     # mesh axis index of the pipeline
+    pp: int                       # its size
+    stages: list[Stage]
+    value_ids: dict[str, int]     # boundary value -> id (used in message tags)
+    kinds: dict[str, str]         # boundary value -> "grad" (float tensor), "tensor" or "int"
+    auto: bool                    # cuts chosen by the cost model
+    # stage -> its emitted program (the same on every rank; stage_module.py builds it once)
+    programs: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline coordinate (position on the pp axis) that runs ``stage``."""
+        return stage % self.pp
+
+
+# ------------------------------------------------------------------------------- costs
+def node_flops(node: fx.Node) -> float:
+    """A rough FLOP count: 2 M N K for matrix products, one per output element otherwise."""
+    val = node.meta.get("val")
+    outs = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor)]
+    numel = sum(_numel(TensorMeta.of(v).shape) for v in outs)
+    if node.target in MATMULS:
+        a = node.args[1] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
+        k = TensorMeta.of(a.meta["val"]).shape[-1] if isinstance(a, fx.Node) else 1
+        return 2.0 * numel * k
+    return float(numel)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _param_bytes(node: fx.Node, attr_names: set[str]) -> int:
+    total = 0
+    for a in node.all_input_nodes:
+        if a.op == "placeholder" and a.name in attr_names and isinstance(a.meta.get("val"), torch.Tensor):
+            v = a.meta["val"]
+            total += _numel(v.shape) * v.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------- cuts
+def _unit(node: fx.Node) -> str:
+    """The block a node belongs to: its module path up to the first list index (``blocks.3``)."""
+    paths = module_paths(node)
+    if not paths:
+        return ""
+    parts = paths[-1].split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+def _candidates(order: list[fx.Node]) -> list[int]:
+    """Positions where a stage may start: where the owning block changes (never inside a
+    multi-output op's getitems)."""
+    out = [i for i in range(1, len(order))
+           if _unit(order[i]) and _unit(order[i]) != _unit(order[i - 1]) and order[i].target is not operator.getitem]
+    return out
+
+
+def annotated_cuts(order: list[fx.Node], paths: list[str]) -> list[int]:
+    """Positions of the first node of each ``split_before`` module path."""
+    cuts = []
+    for path in paths:
+        hits = [i for i, n in enumerate(order) if path in module_paths(n) or
+                any(p.startswith(path + ".") for p in module_paths(n))]
+        if not hits:
+            known = sorted({p for n in order for p in module_paths(n)})
+            raise PipelineError(f"split_before({path!r}): no operation of the traced graph belongs to module "
+                                f"{path!r}. Known module paths include {close_matches(path, known)}.")
+        if hits[0] == 0:
+            raise PipelineError(f"split_before({path!r}) is the model's first operation: a stage boundary "
+                                "there would leave stage 0 empty; drop that annotation.")
+        cuts.append(hits[0])
+    return sorted(set(cuts))
+
+
+def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int) -> list[int]:
+    """Cut positions (from ``candidates``) that minimise the most expensive stage.
+
+    Example:
+        >>> balanced_cuts([4, 1, 1, 1, 1], [1, 2, 3, 4], 2)
+        [1]
+    """
+    if n_stages == 1:
+        return []
+    if len(candidates) < n_stages - 1:
+        candidates = list(range(1, len(costs)))
+    if len(candidates) < n_stages - 1:
+        raise PipelineError(f"The graph has only {len(costs)} operations; it cannot be cut into "
+                            f"{n_stages} stages. Use fewer stages (pp * chunks).")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    ends = candidates + [len(costs)]
+    INF = float("inf")
+    # best[k][j]: the least max-stage cost covering nodes [0, ends[j]) with k + 1 stages.
+    best = [[prefix[e] for e in ends]] + [[INF] * len(ends) for _ in range(n_stages - 1)]
+    back = [[-1] * len(ends) for _ in range(n_stages)]
+    for k in range(1, n_stages):
+        for j, e in enumerate(ends):
+            for i in range(j):
+                v = max(best[k - 1][i], prefix[e] - prefix[ends[i]])
+                if v < best[k][j]:
+                    best[k][j], back[k][j] = v, i
+    cuts, j = [], len(ends) - 1
+    for k in range(n_stages - 1, 0, -1):
+        j = back[k][j]
+        cuts.append(ends[j])
+    return sorted(cuts)
+
+
+# ------------------------------------------------------------------------------- layout
+def split_stages(traced, mesh, options: Pipeline, split_paths: list[str]) -> StageLayout:
+    """Assign every node to a stage and work out each stage's inputs, outputs and params."""
+    axis = mesh.axis_index(options.axis)
+    pp = mesh.shape[axis]
+    n_stages = pp * options.chunks
+    if traced.buffer_mutations:
+        raise PipelineError(f"The model updates buffers in forward ({sorted(traced.buffer_mutations.values())}, "
+                            "e.g. BatchNorm running stats); pipelined plans do not support that yet: "
+                            "use a model without buffer updates (LayerNorm) or no pipeline.")
+    graph = traced.gm.graph
+    order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    attr_names = set(traced.param_fqn) | set(traced.buffer_fqn) | set(traced.constant_fqn)
+    costs = [3.0 * node_flops(n) + _param_bytes(n, attr_names) for n in order]
+    if split_paths:
+        cuts = annotated_cuts(order, split_paths)
+        if len(cuts) + 1 != n_stages:
+            raise PipelineError(f"{len(split_paths)} split_before annotations ({', '.join(split_paths)}) make "
+                                f"{len(cuts) + 1} stages, but the pipeline needs {n_stages} "
+                                f"({options.axis}={pp} x chunks={options.chunks}). Annotate "
+                                f"{n_stages - 1} module paths, or none for an automatic split.")
+    else:
+        cuts = balanced_cuts(costs, _candidates(order), n_stages)
+    bounds = [0] + cuts + [len(order)]
+    stages = [Stage(s, [n.name for n in order[bounds[s]:bounds[s + 1]]]) for s in range(n_stages)]
+    stage_of = {n.name: s for s in range(n_stages) for n in order[bounds[s]:bounds[s + 1]]}
+    for s, st in enumerate(stages):
+        if not st.nodes:
+            raise PipelineError(f"Pipeline stage {s} has no operations; move the split_before annotations.")
+        for i in range(bounds[s], bounds[s + 1]):
+            st.flops += node_flops(order[i])
+            st.param_bytes += _param_bytes(order[i], attr_names)
+    layout = StageLayout(options, axis, pp, stages, {}, {}, auto=not split_paths)
+    _wire(graph, traced, layout, stage_of)
+    return layout
+
+
+def _wire(graph, traced, layout: StageLayout, stage_of: dict[str, int]) -> None:
+    """Fill each stage's attrs, inputs, recv and send lists."""
+    attrs = set(traced.param_fqn) | set(traced.buffer_fqn) | set(traced.constant_fqn)
+    users: dict[str, set[int]] = {}
+    last = layout.n_stages - 1
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            continue
+        s = last if node.op == "output" else stage_of[node.name]
+        st = layout.stages[s]
+        for a in node.all_input_nodes:
+            if a.op == "placeholder":
+                lst = st.attrs if a.name in attrs else st.inputs
+                if a.name not in lst:
+                    lst.append(a.name)
+            elif stage_of[a.name] != s:
+                users.setdefault(a.name, set()).add(s)
+    layout.stages[last].has_output = True
+    for name in (n.name for n in graph.nodes if n.name in users):
+        src = stage_of[name]
+        layout.value_ids[name] = len(layout.value_ids)
+        layout.kinds[name] = _kind(graph, name)
+        layout.stages[src].send.append((name, tuple(sorted(users[name]))))
+        for dst in sorted(users[name]):
+            layout.stages[dst].recv.append((name, src))
+
+
+def _kind(graph, name: str) -> str:
+    node = next(n for n in graph.nodes if n.name == name)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return "grad" if val.dtype.is_floating_point or val.dtype.is_complex else "tensor"
+    if isinstance(val, (int, torch.SymInt)):
+        return "int"
+    raise PipelineError(f"Value {name!r} ({type(val).__name__}) crosses a pipeline stage boundary; only "
+                        "tensors and integer sizes can be sent. Move the split_before annotation so "
+                        f"that {name!r} and its users are in the same stage.")
+
+
+# ------------------------------------------------------------------------------- display
+def describe(layout: StageLayout, graph) -> str:
+    """Text for the plan: one line per stage (ops, modules, params, FLOPs, what it sends)."""
+    o = layout.options
+    how = "automatic (cost model: 3 x FLOPs + parameter bytes)" if layout.auto else "split_before annotations"
+    lines = [f"pipeline on axis {o.axis!r} (size {layout.pp}): {layout.n_stages} stages, "
+             f"{o.microbatches} micro-batches, schedule {o.kind}"
+             f"{f' x {o.chunks} chunks' if o.chunks > 1 else ''}, checkpoint {'on' if o.checkpoint else 'off'}; "
+             f"boundaries {how}"]
+    nodes = {n.name: n for n in graph.nodes}
+    total = sum(s.cost for s in layout.stages) or 1.0
+    for st in layout.stages:
+        units = [u for u in dict.fromkeys(_unit(nodes[n]) for n in st.nodes) if u]
+        mods = units[0] + (f" .. {units[-1]}" if len(units) > 1 else "") if units else "<top>"
+        sends = ", ".join(f"{v}->s{'/s'.join(map(str, d))}" for v, d in st.send) or "-"
+        lines.append(f"  stage {st.index} (pp rank {layout.rank_of_stage(st.index)}): {len(st.nodes)} ops, "
+                     f"modules {mods}, params {st.param_bytes / 1024:.1f} KiB, "
+                     f"{st.flops / 1e6:.2f} MFLOP fwd, cost share {st.cost / total:.0%}; sends {sends}")
+    return "\n".join(lines)

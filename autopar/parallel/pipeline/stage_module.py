@@ -1,0 +1,105 @@
+"""Each pipeline stage as its own GraphModule, per rank, with the plan's tp/dp layout inside.
+
+``StageEmitter`` is the plan's Emitter restricted to one stage's nodes: values received
+from earlier stages and the user inputs the stage reads become placeholders (in that
+order), parameters it reads become attributes, and its outputs are the values later stages
+need (in the stage's ``send`` order) followed, on the last stage, by the model's outputs.
+A value is sent in the layout its producer left it in, so collectives on the non-pipeline
+axes are emitted where it is consumed, exactly as in the unpipelined program.
+
+Example:
+    >>> params = {}
+    >>> gm = build_stage_module(plan, rank=1, stage=1, params=params)   # program emitted once per stage
+    >>> outs = gm(*received, *user_inputs)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autopar.codegen.emit import Emitter, rank_attrs
+from autopar.codegen.program import Program
+from autopar.placement import Replicate, shard_tensor
+from autopar.codegen.rank_state import set_attr
+
+
+class StageEmitter(Emitter):
+    def __init__(self, plan, stage):
+        super().__init__(plan)
+        self.stage = stage
+
+    def run(self) -> fx.Graph:
+        st, plan = self.stage, self.plan
+        nodes = {n.name: n for n in plan.graph.nodes}
+        for name, _src in st.recv:
+            self.env[nodes[name]] = self.graph.placeholder(f"recv_{name}")
+        for name in st.inputs:
+            self.env[nodes[name]] = self.graph.placeholder(name)
+        for name in st.attrs:
+            self.env[nodes[name]] = self.graph.get_attr(plan.attr_name(name))
+        for name in st.nodes:
+            node = nodes[name]
+            new = getattr(self, f"_{node.op}")(node)
+            if isinstance(new, fx.Node) and not new.meta:
+                new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+            self.env[node] = new
+        outs = [self.env[nodes[name]] for name, _ in st.send]
+        if st.has_output:
+            out_node = next(n for n in plan.graph.nodes if n.op == "output")
+            flat = pytree.tree_leaves(out_node.args[0])[: plan.traced.n_user_outputs]
+            outs += [self._user_output(v) if isinstance(v, fx.Node) else v for v in flat]
+        self.graph.output(tuple(outs))
+        return self.graph
+
+
+def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphModule:
+    """Stage ``stage``'s module for ``rank``; ``params`` (fqn -> Parameter) is shared by the
+    stages of one rank so that a weight two of its stages read is one Parameter."""
+    st = plan.stage_layout.stages[stage]
+    gm = _program(plan, stage).instance(f"Rank{rank}Stage{stage}")
+    for ph in st.attrs:
+        fqn = plan.attr_name(ph)
+        set_attr(gm, fqn, _local(plan, rank, fqn, params), _persistent(plan, fqn))
+    for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
+        setattr(gm, name, value)
+    gm.autopar_stage = stage
+    return gm
+
+
+def _program(plan, stage: int) -> Program:
+    """Stage ``stage``'s program, emitted once for every rank (what differs is in rank_attrs)."""
+    programs = plan.stage_layout.programs
+    if stage not in programs:
+        graph = StageEmitter(plan, plan.stage_layout.stages[stage]).run()
+        graph.lint()
+        programs[stage] = Program(graph, class_name=f"Stage{stage}")
+    return programs[stage]
+
+
+def _persistent(plan, fqn):
+    if fqn in plan.traced.constants:
+        return None
+    return fqn in set(plan.model.state_dict().keys())
+
+
+def _local(plan, rank: int, fqn: str, cache: dict):
+    """This rank's piece of parameter/buffer/constant ``fqn``, made once per rank (tied names
+    share it)."""
+    if fqn in cache:
+        return cache[fqn]
+    model = plan.model
+    named = dict(model.named_parameters(remove_duplicate=False))
+    spec = plan.param_specs.get(fqn, (Replicate(),) * plan.mesh.ndim)
+    if fqn in named:
+        p = named[fqn]
+        value = nn.Parameter(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(),
+                             requires_grad=p.requires_grad)
+        for other, q in named.items():  # tied names: one Parameter
+            if q is p:
+                cache[other] = value
+        return value
+    buffers = dict(model.named_buffers())
+    value = buffers[fqn] if fqn in buffers else plan.traced.constants[fqn]
+    cache[fqn] = shard_tensor(value, spec, plan.mesh, rank).clone()
+    return cache[fqn]

@@ -1,0 +1,174 @@
+"""ZeRO stages 1 and 2 on the data-parallel axis: each dp rank owns a contiguous 1/dp slice
+of every gradient bucket's flat parameter vector, and only that slice's optimizer state.
+
+At build time the parameters of each dp bucket are moved into one flat buffer (padded to a
+multiple of dp) and become views of it, so the owner's in-place optimizer update lands in
+the module's parameters and one all-gather per bucket brings every rank's updated slice
+everywhere, with no copy back. The optimizer sees, per parameter, the 1-D piece of it that
+falls in this rank's slice, so any optimizer whose update is elementwise per tensor (SGD,
+Adam, AdamW, Adagrad, RMSprop, NAdam, RAdam, Adamax, Adadelta, ASGD, Rprop: every
+torch.optim class but LBFGS, SparseAdam and Adafactor, which need whole tensors) gives
+exactly the unsharded result. Optimizer state per rank is 1/dp of the unsharded state.
+
+Example:
+    >>> plan = ap.plan(model, mesh, args=(x,), data_parallel=ap.DataParallel("dp", zero=2))
+    >>> module = plan.module(rank)               # or ap.compile(...)
+    >>> opt = ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    >>> loss.backward(); opt.step(); opt.zero_grad()
+    >>> opt.state_bytes()                        # this rank's optimizer-state bytes (1/dp)
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+
+from autopar.runtime.collectives import current_backend
+from autopar.parallel.data_parallel import DataParallelError
+
+WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor")
+
+
+@dataclass
+class Piece:
+    name: str             # the parameter this piece belongs to
+    tensor: torch.Tensor  # 1-D view of the bucket's flat buffer: what the optimizer steps
+    lo: int               # offsets within this rank's slice of the bucket
+    hi: int
+
+
+class ZeroShards:
+    """The flat buffers of the dp buckets, this rank's slice of each, and its pieces."""
+
+    def __init__(self, sync, bucket_ids: list[int]):
+        self.sync, self.bucket_ids = sync, bucket_ids
+        group = sync.dp_group()
+        self.n, self.pos = len(group), group.index(sync.rank)
+        self.flats: dict[int, torch.Tensor] = {}
+        self.pieces: dict[int, list[Piece]] = {}
+        for i in bucket_ids:
+            self._flatten(i)
+
+    def chunk(self, i: int) -> int:
+        return -(-self.sync.buckets[i].numel // self.n)
+
+    def _flatten(self, i: int) -> None:
+        bucket, params = self.sync.buckets[i], self.sync.params
+        first = params[bucket.names[0]]
+        flat = torch.zeros(self.chunk(i) * self.n, dtype=bucket.dtype, device=first.device)
+        lo, hi = self.pos * self.chunk(i), (self.pos + 1) * self.chunk(i)
+        pieces, offset = [], 0
+        with torch.no_grad():
+            for name in bucket.names:
+                p = params[name]
+                k = p.numel()
+                flat[offset: offset + k].copy_(p.detach().reshape(-1))
+                p.data = flat[offset: offset + k].view_as(p)  # the parameter now lives in the flat
+                a, b = max(offset, lo), min(offset + k, hi)
+                if a < b:
+                    pieces.append(Piece(name, flat[a:b], a - lo, b - lo))
+                offset += k
+        self.flats[i], self.pieces[i] = flat, pieces
+
+    def own_slice(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a bucket-sized flat tensor (the padding left out)."""
+        c = self.chunk(i)
+        return full[self.pos * c: min((self.pos + 1) * c, full.numel())]
+
+    def set_grad(self, i: int, chunk: torch.Tensor, accumulate: bool = True) -> None:
+        """Hand this rank's reduced gradient slice of bucket ``i`` to its pieces (ZeRO-2 adds it
+        to what they hold: backwards without zero_grad accumulate, as parameters' .grad do)."""
+        for piece in self.pieces[i]:
+            g = chunk[piece.lo: piece.hi]
+            held = piece.tensor.grad
+            piece.tensor.grad = held.add_(g) if accumulate and held is not None else g
+
+    def all_pieces(self) -> list[Piece]:
+        return [p for i in self.bucket_ids for p in self.pieces[i]]
+
+    def all_gather(self) -> None:
+        """Every rank's updated slice to every rank: one collective per bucket, waited once."""
+        backend, group, works = current_backend(), self.sync.dp_group(), []
+        for i in self.bucket_ids:
+            c = self.chunk(i)
+            mine = self.flats[i][self.pos * c: (self.pos + 1) * c].clone()
+            works.append(backend.all_gather_async(self.flats[i], mine, group, self.sync.rank))
+        for w in works:
+            w.wait()
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Any elementwise torch optimizer, stepping only this rank's ZeRO slice.
+
+    ``param_groups``: optional list of dicts whose "params" are parameter-name patterns
+    (fnmatch), with per-group options, e.g. ``[{"params": ["*.bias", "*ln*"], "weight_decay": 0}]``;
+    parameters matching no group use the keyword defaults. ``state_dict()`` is this rank's shard.
+
+    Example:
+        >>> opt = ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-3)
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer_class, param_groups: list[dict] | None = None,
+                 **defaults):
+        sync = getattr(module, "autopar_grad_sync", None)
+        if sync is None or sync.zero is None:
+            raise DataParallelError("ap.ZeroOptimizer needs a module planned with "
+                                    "data_parallel=ap.DataParallel('dp', zero=1 or 2); for zero=0 use "
+                                    f"{getattr(optimizer_class, '__name__', optimizer_class)}(module.parameters()).")
+        if getattr(optimizer_class, "__name__", "") in WHOLE_TENSOR_OPTIMIZERS:
+            raise DataParallelError(f"{optimizer_class.__name__} needs whole parameter tensors; ZeRO gives each "
+                                    "rank a flat slice. Use an elementwise optimizer (SGD, Adam, AdamW, ...) "
+                                    "or zero=0.")
+        self.module, self.shards = module, sync.zero
+        groups = self._groups(sync, param_groups or [])
+        self.optim = optimizer_class(groups, **defaults)
+        super().__init__(groups, self.optim.defaults)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one truth
+        sync.zero_optimizer = self
+
+    def _groups(self, sync, spec: list[dict]) -> list[dict]:
+        """The optimizer's param groups: this rank's pieces plus trainable params not on dp."""
+        sharded = {n for i in self.shards.bucket_ids for n in sync.buckets[i].names}
+        tensors = [(p.name, p.tensor) for p in self.shards.all_pieces()]
+        tensors += [(n, p) for n, p in sync.params.items() if p.requires_grad and n not in sharded]
+        out = [dict(g, params=[]) for g in spec] + [{"params": []}]
+        for name, t in tensors:
+            k = next((j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])),
+                     len(spec))
+            out[k]["params"].append(t)
+        if not out[-1]["params"]:  # a rank may own only padding: keep the group non-empty
+            out[-1]["params"].append(torch.zeros(0))
+        return [g for g in out if g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        self.shards.all_gather()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optim.load_state_dict(state_dict)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (1/dp of the unsharded optimizer's)."""
+        return state_bytes(self.optim)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in an optimizer's state (any optimizer)."""
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))

@@ -1,0 +1,239 @@
+"""Annotation presets found from a model's traced graph: ``presets.megatron(model)``.
+
+The Megatron plan pairs a column-parallel layer with a row-parallel one wherever the
+first feeds the second without a normalisation or the residual stream in between: the
+attention's q/k/v projections with its output projection, an MLP's up (and gate) with
+its down projection. The pairs are found from data flow, not from module names: walking
+back from each linear layer's input, we stop at linear layers; if every path ends at
+linear layers or at inputs that carry no parameter (masks, positions, rotary tables),
+the layer is row-parallel and the linears reached are column-parallel. A path that
+meets any other parameter (a norm's weight, an embedding) or a floating-point model input
+means the layer reads the residual stream: it stays replicated. A column-parallel layer whose output is split into
+k equal pieces (GPT-2's fused q|k|v) is split block by block (colwise(blocks=k)).
+The word embedding (the embedding of a user input with the most rows) and an LM head
+(a linear with as many outputs as that vocabulary, or tied to it) become vocab-parallel.
+With ``sequence_parallel=True`` the norms run split on the sequence dim, row-parallel
+layers reduce-scatter into it and the embedding's output is reduce-scattered.
+
+Example:
+    >>> ann = ap.presets.megatron(model, "tp", kwargs={"input_ids": ids})
+    >>> print(ann.explain())
+    >>> plan = ap.plan(model, mesh, kwargs={"input_ids": ids}, annotations=ann)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.sharding.annotations import _layer_kind, colwise, rowwise, sequence_parallel, vocab_parallel
+from autopar.errors import AnnotationError
+from autopar.placement import Shard
+from autopar.sharding.propagate import module_path
+from autopar.trace.export import trace
+
+aten = torch.ops.aten
+MATMULS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default}
+SIZE_ONLY = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+             aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+             aten.sym_size.int}
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
+            aten.clone.default, aten.alias.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+PASS_THROUGH = {aten.view.default, aten.reshape.default, aten.add.Tensor, aten.alias.default,
+                aten._unsafe_view.default, aten.contiguous.default}
+
+
+class Preset(dict):
+    """Annotations ({pattern: annotation}) plus ``matches``: why each one was chosen."""
+
+    def __init__(self, annotations: dict, matches: list[str]):
+        super().__init__(annotations)
+        self.matches = matches
+
+    def explain(self) -> str:
+        return "\n".join(self.matches)
+
+
+def megatron(model: torch.nn.Module, axis: str = "tp", *, args=(), kwargs=None,
+             sequence_parallel: bool = False, vocab: bool = True) -> Preset:
+    """The Megatron tensor-parallel annotations for ``model`` on mesh axis ``axis``.
+
+    ``args``/``kwargs`` are example inputs to trace with (default: the model's
+    ``dummy_inputs``, as HuggingFace models have).
+    """
+    if not args and not kwargs:
+        kwargs = dict(getattr(model, "dummy_inputs", None) or {})
+        if not kwargs:
+            raise AnnotationError(f"presets.megatron({type(model).__name__}): pass example inputs "
+                                  "(args=... or kwargs=...) to trace the model with.")
+    traced = trace(model, args if isinstance(args, tuple) else (args,), kwargs, dynamic=False)
+    g = _Graph(model, traced)
+    ann, why = {}, []
+    pairs = g.pairs()
+    if not pairs:
+        raise AnnotationError(f"presets.megatron({type(model).__name__}): found no column/row-parallel "
+                              "pair of linear layers (a linear feeding another through attention or "
+                              "an activation); annotate with ap.colwise / ap.rowwise by hand.")
+    sp_out = Shard(1) if sequence_parallel else None
+    for row, cols in pairs:
+        for c in cols:
+            k = g.blocks(c)
+            ann[c] = colwise(axis, blocks=k) if k > 1 else colwise(axis)
+            why.append(f"{c}: {ann[c]!r}, feeds {row}" + (f" (output split into {k} blocks)" if k > 1 else ""))
+        ann[row] = rowwise(axis, output=sp_out) if sp_out else rowwise(axis)
+        why.append(f"{row}: {ann[row]!r}, reads only {', '.join(cols)}")
+    if vocab:
+        _vocab(g, ann, why, axis, sp_out)
+    if sequence_parallel:
+        for path in g.norms():
+            ann[path] = sequence_parallel_annotation(axis)
+            why.append(f"{path}: sequence_parallel({axis!r}), a norm on the residual stream")
+    return Preset(ann, why)
+
+
+sequence_parallel_annotation = sequence_parallel
+
+
+def _vocab(g, ann, why, axis, sp_out) -> None:
+    emb = g.word_embedding()
+    if emb is None:
+        return
+    path, rows = emb
+    ann[path] = vocab_parallel(axis, output=sp_out) if sp_out else vocab_parallel(axis)
+    why.append(f"{path}: {ann[path]!r}, the word embedding ({rows} rows, looked up from an input)")
+    paired = set(ann)
+    for head in g.heads(rows, path):
+        if head not in paired:
+            ann[head] = vocab_parallel(axis)
+            why.append(f"{head}: vocab_parallel({axis!r}), the LM head ({rows} outputs)")
+
+
+class _Graph:
+    """The traced graph with each parametrised layer's nodes."""
+
+    def __init__(self, model, traced):
+        self.model, self.traced = model, traced
+        self.modules = dict(model.named_modules())
+        self.params = set(traced.param_fqn)
+        self.layer_of: dict[fx.Node, str] = {}   # matmul/embedding node -> module path
+        for node in traced.gm.graph.nodes:
+            path = self._weight_owner(node)
+            if path is not None:
+                self.layer_of[node] = path
+
+    def _weight_owner(self, node):
+        if node.op != "call_function" or node.target not in MATMULS | {aten.embedding.default}:
+            return None
+        for a in node.args[:3]:
+            if isinstance(a, fx.Node) and a.name in self.params:
+                inner = module_path(node)  # a tied weight has one name: trust the calling module
+                if isinstance(getattr(self.modules.get(inner), "weight", None), torch.nn.Parameter):
+                    return inner
+                path = self.traced.param_fqn[a.name].rpartition(".")[0]
+                if path in self.modules:
+                    return path
+        return None
+
+    def _activation(self, node):
+        return next((a for a in node.args if isinstance(a, fx.Node) and a.name not in self.params), None)
+
+    def linears(self):
+        return {p: n for n, p in self.layer_of.items() if _layer_kind(self.modules[p]) != "embedding"}
+
+    def pairs(self) -> list[tuple[str, list[str]]]:
+        out = []
+        for path, node in self.linears().items():
+            cols = self._reads(self._activation(node), path)
+            if cols:
+                out.append((path, sorted(cols)))
+        rows = {r for r, _ in out}  # a layer cannot be both: such a chain is not a Megatron pair
+        return [(r, cols) for r, cols in out if not rows & set(cols)]
+
+    def _reads(self, start, own: str) -> set | None:
+        """Linear layers reached walking back from ``start``; None if a parameter is met first."""
+        found, seen, todo = set(), set(), [start]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            layer = self.layer_of.get(node) or self._inside_layer(node)
+            if layer is not None and layer != own:  # the layer's own nodes (a Conv1D's bias add, its views) count as it
+                if _layer_kind(self.modules[layer]) == "embedding":
+                    return None
+                found.add(layer)
+                continue
+            if node.op == "placeholder":
+                val = node.meta.get("val")
+                floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+                if node.name in self.params or (floating and node.name in self.traced.user_inputs):
+                    return None  # a norm, an embedding or the input activations: the residual stream
+                continue
+            if node.op != "call_function" or node.target in SIZE_ONLY:
+                continue
+            todo += [a for a in node.all_input_nodes]
+        return found or None
+
+    def _inside_layer(self, node):
+        path = module_path(node)
+        return path if path in self._layer_paths else None
+
+    @property
+    def _layer_paths(self) -> set:
+        return set(self.layer_of.values())
+
+    def blocks(self, path: str) -> int:
+        """k when the layer's output is split into k equal pieces on its last dim, else 1."""
+        node = self.linears()[path]
+        for _ in range(4):
+            users = [u for u in node.users if u.op == "call_function"]
+            split = next((u for u in users if u.target in SPLITS), None)
+            if split is not None:
+                outs = split.meta["val"]
+                dim = split.args[2] if len(split.args) > 2 else 0
+                last = dim % node.meta["val"].dim() == node.meta["val"].dim() - 1
+                sizes = {o.shape[-1] for o in outs}
+                return len(outs) if last and len(sizes) == 1 and len(outs) > 1 else 1
+            nxt = [u for u in users if u.target in PASS_THROUGH]
+            if len(nxt) != 1:
+                return 1
+            node = nxt[0]
+        return 1
+
+    def word_embedding(self):
+        best = None
+        for node, path in self.layer_of.items():
+            if node.target is not aten.embedding.default:
+                continue
+            ids = node.args[1]
+            while isinstance(ids, fx.Node) and ids.op == "call_function" and ids.target in RESHAPES:
+                ids = ids.args[0]
+            if isinstance(ids, fx.Node) and ids.op == "placeholder" and ids.name in self.traced.user_inputs:
+                rows = self.modules[path].weight.shape[0]
+                if best is None or rows > best[1]:
+                    best = (path, rows)
+        return best
+
+    def heads(self, rows: int, emb_path: str) -> list[str]:
+        emb_weight = self.modules[emb_path].weight
+        out = []
+        for path in self.linears():
+            mod = self.modules[path]
+            w = mod.weight
+            features = w.shape[1] if _layer_kind(mod) == "conv1d" else w.shape[0]
+            if w is emb_weight or features == rows:
+                out.append(path)
+        return out
+
+    def norms(self) -> list[str]:
+        """Modules (not linear, not embedding) whose parameters are all vectors: norms."""
+        out = []
+        for path, mod in self.modules.items():
+            own = list(mod.parameters(recurse=False))
+            if path and own and all(p.dim() == 1 for p in own) and _layer_kind(mod) == "linear" \
+                    and not hasattr(mod, "in_features") and path not in self.linears():
+                out.append(path)
+        return out
+
+
+__all__ = ["megatron", "Preset"]

@@ -1,0 +1,1 @@
+"""What runs: the collective ops (torch.library), the distributed and simulated backends, failures, consistency checks, comm stats, the gloo pool."""

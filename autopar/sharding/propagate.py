@@ -1,0 +1,457 @@
+"""Complete a layout for every node from the seeds, choosing one strategy per op and axis.
+
+A pass over the graph in order (an fx pass writing ``node.meta["autopar"]``). Placeholders
+take their seeded layouts (replicated when not annotated). For each op the rule's
+strategies are costed on each mesh axis: bytes of the redistributions its inputs would
+need (forward and backward), plus what a module-output annotation would cost after it;
+communication on parameters is weighed heavily, since it is rarely what an annotation
+meant. The cheapest valid strategy wins; ties go to the fewest redistributions, then to the
+rule's order. An op without a rule runs replicated when nothing reaching it is split; when
+something is, its inputs are gathered (with a warning) or, with ``strict=True``, NoRuleError.
+
+Example:
+    >>> ctx = propagate(traced, mesh, seeds)
+    >>> layout_of(node).spec
+    (R, S(2))
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.sharding.blocked_shards import with_blocks
+from autopar.errors import NoRuleError, ShardingError
+from autopar.placement import Placement, Replicate, Shard, check_divisible, fmt_spec
+from autopar.sharding.redistribute import plan_steps, steps_cost
+from autopar.sharding.rules import OpInfo, Strategy, TensorMeta, get_rule
+
+aten = torch.ops.aten
+R = Replicate()
+PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
+
+
+@dataclass
+class Layout:
+    """What propagation decided for one node (kept in node.meta["autopar"])."""
+    outputs: list[tuple[Placement, ...]]          # placements per tensor output; [] for scalars
+    inputs: list[fx.Node] = field(default_factory=list)                # tensor inputs, flatten order
+    input_targets: list[tuple[Placement, ...]] = field(default_factory=list)  # placements each needs
+    strategies: tuple[Strategy | None, ...] = ()  # one per mesh axis
+    reason: str = ""
+    alternatives: list[tuple[int, str, float]] = field(default_factory=list)  # (axis, strategy, cost)
+    fallback: bool = False
+
+    @property
+    def spec(self) -> tuple[Placement, ...] | None:
+        return self.outputs[0] if self.outputs else None
+
+
+def layout_of(node: fx.Node) -> Layout:
+    return node.meta["autopar"]
+
+
+def is_tensor(val) -> bool:
+    return isinstance(val, torch.Tensor)
+
+
+def tensor_outputs(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    if is_tensor(val):
+        return [val]
+    if isinstance(val, (list, tuple)) and val and all(is_tensor(v) or v is None for v in val):
+        return [v for v in val]
+    return []
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor arguments in argument order, a repeated one as often as it appears."""
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a) if is_tensor(a.meta.get("val")) else None)
+    return out
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [p for p, _ in stack.values() if p and not p.startswith("_empty")]
+    return paths[-1] if paths else ""
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [p for p, _ in stack.values() if p and not p.startswith("_empty")]
+
+
+def op_info(node: fx.Node) -> OpInfo:
+    metas: list[TensorMeta] = []
+    index = {}
+
+    def conv(a):
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            if is_tensor(val):
+                m = TensorMeta.of(val)
+                index[id(m)] = len(metas)
+                metas.append(m)
+                return m
+            return _scalar_hint(val)
+        return a
+    args, kwargs = _map_leaves((node.args, node.kwargs), conv)
+    outs = [TensorMeta.of(v) for v in tensor_outputs(node) if v is not None]
+    return OpInfo(node.target, tuple(args), dict(kwargs), metas, outs, index)
+
+
+def _map_leaves(a, fn):
+    """fn over the leaves of nested tuples, lists and dicts (the containers of fx arguments).
+
+    Why not pytree.tree_map: propagation calls this for every node, and pytree's generic
+    walk (namedtuples, registered types) was a fifth of its time.
+    """
+    if isinstance(a, tuple):
+        return tuple(_map_leaves(x, fn) for x in a)
+    if isinstance(a, list):
+        return [_map_leaves(x, fn) for x in a]
+    if isinstance(a, dict):
+        return {k: _map_leaves(v, fn) for k, v in a.items()}
+    return fn(a)
+
+
+def _scalar_hint(val):
+    if isinstance(val, torch.SymInt):
+        return int(val.node.hint) if val.node.hint is not None else val
+    return val
+
+
+@dataclass
+class Context:
+    mesh: object
+    seeds: object
+    strict: bool
+    param_nodes: set
+    needs_grad: dict          # node -> bool
+    param_derived: dict       # node -> bool
+    output_constraints: dict  # node -> {axis: Placement}
+    warned: set = field(default_factory=set)
+    choices: dict | None = field(default_factory=dict)  # choice cache (see _choice_key); None: off
+
+
+def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> Context:
+    """Fill node.meta["autopar"] for every node of ``traced.gm``; return what was learnt on the way.
+
+    ``cache=False`` re-solves every op from scratch (the cache never changes a result: see
+    _choice_key; tests compare both).
+    """
+    graph = traced.gm.graph
+    _forget_previous_plan(graph)
+    ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
+    if not cache:
+        ctx.choices = None
+    for node in graph.nodes:
+        if node.meta.get("autopar_boundary"):
+            continue  # inserted just now by _enforce_output_constraint, with its layout
+        if node.op == "placeholder":
+            layout = _placeholder_layout(node, traced, ctx)
+        elif node.op == "get_attr":
+            layout = Layout([(R,) * mesh.ndim], reason="constant")
+            ctx.param_derived[node], ctx.needs_grad[node] = True, False
+        elif node.op == "call_function":
+            layout = _call_layout(node, ctx)
+        else:
+            continue
+        node.meta["autopar"] = layout
+        if node in ctx.output_constraints and layout.outputs:
+            _enforce_output_constraint(node, ctx)
+    check_layouts(graph, mesh)
+    return ctx
+
+
+def _forget_previous_plan(graph: fx.Graph) -> None:
+    """A traced graph may be planned again (another mesh, other annotations): drop the boundary
+    nodes and layouts an earlier propagation left, so that nothing stale survives."""
+    for node in list(graph.nodes):
+        if node.meta.get("autopar_boundary"):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in graph.nodes:
+        node.meta.pop("autopar", None)
+
+
+def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
+    """Make a module's output leave in its annotated layout (e.g. a row-parallel layer's R).
+
+    Why a node: the constraint is where the reduction belongs (Megatron's "g" right after
+    the layer); left to the consumers, a Partial would leak into the residual stream and
+    every later op would pick its own, costlier, place to reduce. An ``aten.alias`` is
+    inserted after the node; its input edge carries the redistribution and every other
+    user reads the alias.
+    """
+    spec = list(layout_of(node).spec)
+    wanted = dict(ctx.output_constraints[node])
+    if not is_tensor(node.meta.get("val")) or all(spec[a] == p for a, p in wanted.items()):
+        return
+    target = tuple(wanted.get(a, p) for a, p in enumerate(spec))
+    users = [u for u in node.users]
+    with node.graph.inserting_after(node):
+        boundary = node.graph.call_function(aten.alias.default, (node,))
+    boundary.meta = {k: v for k, v in node.meta.items() if k != "autopar"}
+    boundary.meta["autopar_boundary"] = True
+    for u in users:
+        u.replace_input_with(node, boundary)
+    boundary.meta["autopar"] = Layout([target], [node], [target], (None,) * ctx.mesh.ndim,
+                                      reason=f"module output constraint {fmt_spec(target)}")
+    ctx.param_derived[boundary] = ctx.param_derived.get(node, False)
+    ctx.needs_grad[boundary] = ctx.needs_grad.get(node, False)
+
+
+def _module_output_nodes(graph: fx.Graph, seeds) -> dict:
+    """Nodes whose value leaves an annotated module: they must end in the annotated layout."""
+    out = {}
+    if not seeds.module_outputs:
+        return out
+    members: dict[str, set] = {path: set() for path in seeds.module_outputs}
+    for node in graph.nodes:
+        for path in module_paths(node):
+            if path in members:
+                members[path].add(node)
+    for path, nodes in members.items():
+        for node in nodes:
+            if any(u not in nodes for u in node.users) and is_tensor(node.meta.get("val")):
+                out.setdefault(node, {}).update(seeds.module_outputs[path])
+    return out
+
+
+def _placeholder_layout(node, traced, ctx) -> Layout:
+    mesh, seeds = ctx.mesh, ctx.seeds
+    default = (R,) * mesh.ndim
+    if node.name in traced.param_fqn:
+        fqn = traced.param_fqn[node.name]
+        placements = seeds.params.get(fqn, default)
+        reason = seeds.reasons.get(fqn, "parameter, replicated (no annotation)")
+        ctx.param_nodes.add(node)
+        ctx.param_derived[node] = True
+        ctx.needs_grad[node] = bool(getattr(node.meta.get("val"), "requires_grad", True))
+    elif node.name in traced.buffer_fqn or node.name in traced.constant_fqn:
+        fqn = traced.buffer_fqn.get(node.name) or traced.constant_fqn[node.name]
+        placements = seeds.params.get(fqn, default)
+        reason = seeds.reasons.get(fqn, "buffer, replicated")
+        ctx.param_derived[node], ctx.needs_grad[node] = True, False
+    else:
+        placements = seeds.inputs.get(node.name, default)
+        reason = seeds.reasons.get(node.name, "input, replicated")
+        ctx.param_derived[node], ctx.needs_grad[node] = False, False
+    val = node.meta.get("val")
+    if not is_tensor(val):
+        return Layout([], reason="non-tensor input")
+    meta = TensorMeta.of(val)
+    what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
+    check_divisible(meta.shape, placements, mesh, what)
+    return Layout([tuple(placements)], reason=reason)
+
+
+def _call_layout(node: fx.Node, ctx: Context) -> Layout:
+    ins = tensor_inputs(node)
+    if node.target is operator.getitem:  # its source holds a list, not a tensor: follow it anyway
+        ins = [node.args[0]]
+    ctx.param_derived[node] = all(ctx.param_derived.get(i, False) for i in ins)
+    outs = tensor_outputs(node)
+    floating = any(v is not None and v.dtype.is_floating_point for v in outs)
+    ctx.needs_grad[node] = floating and any(ctx.needs_grad.get(i, False) for i in ins)
+    if node.target is operator.getitem:
+        src = layout_of(node.args[0])
+        idx = node.args[1]
+        if src.outputs and isinstance(idx, int) and idx < len(src.outputs):
+            return Layout([src.outputs[idx]], [node.args[0]], reason="item of a multi-output op")
+        return Layout([], reason="non-tensor item")
+    if not outs:
+        return Layout([], inputs=ins, reason="scalar or assertion")
+    return choose(node, ins, ctx)
+
+
+def _current(node: fx.Node) -> tuple[Placement, ...]:
+    return layout_of(node).spec
+
+
+def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
+    info = op_info(node)
+    cur = [_current(i) for i in ins]
+    rule = get_rule(node.target)
+    if rule is None:
+        return _no_rule(node, ins, info, cur, ctx)
+    key = _choice_key(node, ins, info, cur, ctx) if ctx.choices is not None else None
+    hit = ctx.choices.get(key) if key is not None else None
+    if hit is None:
+        hit = _solve(node, ins, info, cur, rule, ctx)
+        if key is not None:
+            ctx.choices[key] = hit
+    outputs, targets, chosen, reason, alternatives = hit
+    return Layout(list(outputs), list(ins), list(targets), chosen, reason, list(alternatives))
+
+
+def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
+    """Everything _solve reads, as a hashable key; None when something is not hashable.
+
+    Why: a model of N identical blocks has N copies of each op with the same shapes, the same
+    input layouts and the same gradient facts; solving each once makes propagation time grow
+    with the number of *distinct* ops, not with depth. The key holds the op, its arguments
+    with every tensor replaced by (shape, dtype, dynamic dims), the output metas, the current
+    placements of the inputs, per input whether it is a parameter / needs a gradient / is
+    computed from parameters alone, and the node's module-output constraint: exactly what the
+    rule (a pure function of OpInfo) and _cost look at.
+    """
+    def freeze(a):
+        if isinstance(a, TensorMeta):
+            return ("T", a.shape, a.dtype, a.dynamic)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, *map(freeze, a))
+        if isinstance(a, dict):
+            return ("dict", *sorted((k, freeze(v)) for k, v in a.items()))
+        if isinstance(a, torch.SymInt):
+            raise TypeError("symbolic size without a hint")
+        return (type(a).__name__, a)
+    try:
+        key = (node.target, freeze(info.args), freeze(info.kwargs), freeze(info.outputs), tuple(cur),
+               tuple((i in ctx.param_nodes, bool(ctx.needs_grad.get(i)), bool(ctx.param_derived.get(i)))
+                     for i in ins),
+               tuple(sorted(ctx.output_constraints.get(node, {}).items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
+    """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives)."""
+    mesh = ctx.mesh
+    strategies = with_blocks(rule(info), info, cur)
+    chosen: list[Strategy] = []
+    alternatives = []
+    for axis in range(mesh.ndim):
+        scored = []
+        for idx, s in enumerate(strategies):
+            if not _valid(s, axis, info, chosen, mesh):
+                continue
+            scored.append((_cost(node, s, axis, ins, info, cur, ctx), idx, s))
+        scored.sort(key=lambda t: (t[0], t[1]))
+        best = scored[0][2]
+        chosen.append(best)
+        alternatives += [(axis, repr(s), c[0]) for c, _, s in scored[:4]]
+    outputs = [tuple(chosen[a].outputs[j] for a in range(mesh.ndim)) for j in range(len(info.outputs))]
+    targets = [tuple(chosen[a].inputs[i] for a in range(mesh.ndim)) for i in range(len(ins))]
+    reason = f"rule {rule.__name__}: " + "; ".join(
+        f"{mesh.axis_names[a]}: {chosen[a]!r}" + (f" ({chosen[a].note})" if chosen[a].note else "")
+        for a in range(mesh.ndim))
+    return tuple(outputs), tuple(targets), tuple(chosen), reason, tuple(alternatives)
+
+
+def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:
+    n = mesh.shape[axis]
+    for metas, places, prior in ((info.tensors, s.inputs, [c.inputs for c in chosen]),
+                                 (info.outputs, s.outputs, [c.outputs for c in chosen])):
+        for k, (meta, p) in enumerate(zip(metas, places)):
+            if not isinstance(p, Shard):
+                continue
+            # dynamic dims too: the plan must hold at the example's sizes (a batch of 2 on 3 ranks
+            # would leave a rank with nothing, and views of it wrong)
+            if p.dim >= meta.ndim or meta.shape[p.dim] % (n * p.blocks):
+                return False
+            if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
+                return False  # that dim is already split by an earlier axis
+    return True
+
+
+def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) -> tuple:
+    mesh = ctx.mesh
+    total, comm_steps, local_steps = 0.0, 0, 0
+    out_split = any(not p.is_replicate() for p in s.outputs)
+    for i, (inp, meta) in enumerate(zip(ins, info.tensors)):
+        src = cur[i][axis]
+        nbytes = _bytes(meta) / _others_factor(cur[i], mesh, axis)
+        if src != s.inputs[i]:
+            steps = plan_steps((src,), (s.inputs[i],))
+            fwd, bwd = steps_cost(steps, (src,), _OneAxis(mesh.shape[axis]), nbytes)
+            weight = PARAM_COMM_WEIGHT if inp in ctx.param_nodes else 1.0
+            total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
+            comm_steps += sum(st.communicates for st in steps)
+            local_steps += sum(not st.communicates for st in steps)
+        needs_f = s.inputs[i].is_replicate() and out_split and ctx.needs_grad.get(inp) and (
+            src != s.inputs[i] or not ctx.param_derived.get(inp))
+        if needs_f:  # Megatron's "f": an all-reduce of the gradient (see gradflow.py)
+            n = mesh.shape[axis]
+            total += 2 * (n - 1) / n * nbytes
+    wanted = ctx.output_constraints.get(node, {}).get(axis)
+    if wanted is not None and s.outputs[0] != wanted:
+        meta = info.outputs[0]
+        steps = plan_steps((s.outputs[0],), (wanted,))
+        fwd, bwd = steps_cost(steps, (s.outputs[0],), _OneAxis(mesh.shape[axis]), _bytes(meta))
+        total += fwd + bwd
+        comm_steps += sum(st.communicates for st in steps)
+        local_steps += len(steps)
+    return (round(total, 3), comm_steps, local_steps)
+
+
+class _OneAxis:
+    def __init__(self, n):
+        self.shape = (n,)
+
+
+def _bytes(meta: TensorMeta) -> float:
+    n = 1
+    for s in meta.shape:
+        n *= s
+    return float(n * meta.dtype.itemsize)
+
+
+def _others_factor(placements, mesh, axis) -> int:
+    f = 1
+    for a, p in enumerate(placements):
+        if a != axis and isinstance(p, Shard):
+            f *= mesh.shape[a]
+    return f
+
+
+def _no_rule(node, ins, info, cur, ctx) -> Layout:
+    mesh = ctx.mesh
+    replicated = (R,) * mesh.ndim
+    split = [i for i, c in zip(ins, cur) if c != replicated]
+    where = f"node {node.name!r} (module {module_path(node) or '<top>'!r})"
+    if split and ctx.strict:
+        raise NoRuleError(
+            f"No sharding rule for {node.target} at {where}, and its input(s) "
+            f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are split. "
+            "Annotate so that this op sees replicated inputs, add a rule with "
+            "autopar.sharding.rules.register, or pass strict=False to gather the inputs and run it replicated.")
+    if split and node.target not in ctx.warned:
+        ctx.warned.add(node.target)
+        fwd = bwd = 0.0
+        for i, c, meta in zip(ins, cur, info.tensors):
+            if c != replicated:
+                f, b = steps_cost(plan_steps(c, replicated), c, mesh, _bytes(meta))
+                fwd, bwd = fwd + f, bwd + (b if ctx.needs_grad.get(i) else 0.0)
+        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs "
+                      f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are gathered "
+                      f"and it runs replicated on every rank (correct, but it costs {fwd:.0f} bytes "
+                      f"of communication per rank forward, {bwd:.0f} backward, and replicated memory "
+                      "and compute). Add a rule (autopar.sharding.rules.register) to keep it split.", stacklevel=4)
+    n_out = len(info.outputs)
+    return Layout([replicated] * n_out, ins, [replicated] * len(ins), (None,) * mesh.ndim,
+                  reason="no rule: replicated" + (" (inputs gathered)" if split else ""),
+                  fallback=bool(split))
+
+
+def check_layouts(graph: fx.Graph, mesh) -> None:
+    """Sanity: every tensor node got a layout whose split dims divide (raises ShardingError)."""
+    for node in graph.nodes:
+        lay = node.meta.get("autopar")
+        if lay is None:
+            continue
+        for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
+            meta = TensorMeta.of(val)
+            static = tuple(s if not d else 0 for s, d in zip(meta.shape, meta.dynamic))
+            try:
+                check_divisible(static, spec, mesh, f"node {node.name!r}")
+            except ShardingError as e:
+                raise ShardingError(f"{e} (module {module_path(node) or '<top>'!r})") from None

@@ -1,0 +1,31 @@
+"""scaled_dot_product_attention: split the batch or the heads.
+
+q is (B, H, L, E), k and v (B, Hkv, S, E). Heads split evenly keep grouped-query
+attention's grouping when Hkv also divides. An attention mask follows the split on the
+dims it carries and stays replicated on the dims it broadcasts.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.placement import Shard
+from autopar.sharding.rules.registry import OpInfo, Strategy, register
+
+aten = torch.ops.aten
+
+
+@register(aten.scaled_dot_product_attention)
+def sdpa_rule(op: OpInfo) -> list[Strategy]:
+    q, k, v = op.tensors[:3]
+    mask = op.tensors[3] if len(op.tensors) > 3 else None
+    strategies = [op.replicated()]
+    for d in (0, 1):
+        if q.shape[d] == 1 or k.shape[d] == 1:
+            continue
+        placed = {q: Shard(d), k: Shard(d), v: Shard(d)}
+        if mask is not None:
+            md = d - (4 - mask.ndim)
+            if md >= 0 and mask.shape[md] != 1:
+                placed[mask] = Shard(md)
+        strategies.append(op.strategy(placed, Shard(d), note="heads split" if d == 1 else "batch split"))
+    return strategies

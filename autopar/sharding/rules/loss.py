@@ -1,0 +1,37 @@
+"""Losses: cross-entropy over rows split across ranks.
+
+With rows (the batch) split, "mean" needs the global number of counted targets (ignore_index
+may drop some on one rank and not another), so the lowering divides each rank's loss sum by
+the all-reduced count: the per-rank values then sum exactly to the serial mean.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.sharding.rules.registry import OpInfo, Strategy, register
+
+aten = torch.ops.aten
+R = Replicate()
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+
+
+@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward)
+def cross_entropy_rule(op: OpInfo) -> list[Strategy]:
+    logits, target = op.tensors[0], op.tensors[1]
+    reduction = op.arg(3, "reduction", REDUCTION_MEAN)
+    class_weight = op.tensors[2] if len(op.tensors) > 2 else None
+    strategies = [op.replicated()]
+    if logits.ndim < 1 or logits.shape[0] == 1 or op.op.overloadpacket is aten.nll_loss_forward:
+        return strategies
+    placed = {logits: Shard(0), target: Shard(0)}
+    if class_weight is not None:
+        placed[class_weight] = R
+    if reduction == REDUCTION_NONE:
+        strategies.append(op.strategy(placed, Shard(0)))
+    elif reduction == REDUCTION_SUM:
+        strategies.append(op.strategy(placed, Partial("sum"), note="sum of split rows"))
+    elif class_weight is None:
+        strategies.append(op.strategy(placed, Partial("sum"), lowering="cross_entropy_split_rows",
+                                      note="mean over split rows: local sum / global count"))
+    return strategies

@@ -1,0 +1,133 @@
+"""The rule registry, and the small types rules speak in.
+
+Example:
+    >>> @register(aten.relu.default)
+    ... def relu_rule(op: OpInfo) -> list[Strategy]:
+    ...     return elementwise_strategies(op)
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from autopar.placement import Placement, Replicate
+
+R = Replicate()
+# (shape, dtype, dynamic dims) per example tensor: a deep model's copied blocks share their
+# example tensors, so each is read once (reading symbolic sizes is most of TensorMeta.of's cost)
+# (keyed by id with a weak reference: tensors compare by value, not identity, in a WeakKeyDictionary)
+_PARTS: dict[int, tuple] = {}
+
+
+@dataclass(frozen=True, eq=False)  # identity hashing: two inputs of one shape are still two
+class TensorMeta:
+    """What a rule may know of a tensor: its example shape, which dims are dynamic, dtype."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dynamic: tuple[bool, ...] = ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @staticmethod
+    def of(val) -> "TensorMeta":
+        """A new TensorMeta for ``val`` (a new object each time: identity tells inputs apart)."""
+        key = id(val)
+        entry = _PARTS.get(key)
+        if entry is None or entry[0]() is not val:
+            entry = _PARTS[key] = (weakref.ref(val, lambda _, k=key: _PARTS.pop(k, None)), TensorMeta._parts(val))
+        return TensorMeta(*entry[1])
+
+    @staticmethod
+    def _parts(val) -> tuple:
+        shape, dyn = [], []
+        for s in val.shape:
+            if isinstance(s, torch.SymInt) and s.node.expr.is_number:  # specialised by export: static
+                shape.append(int(s.node.expr))
+                dyn.append(False)
+            elif isinstance(s, torch.SymInt):
+                shape.append(int(s.node.hint) if s.node.hint is not None else 2)
+                dyn.append(True)
+            else:
+                shape.append(int(s))
+                dyn.append(False)
+        return tuple(shape), val.dtype, tuple(dyn)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on one mesh axis.
+
+    ``inputs[i]`` is the placement tensor input i must have (inputs in pytree-flatten order
+    of the op's arguments); ``outputs[j]`` the placement output j then has. ``lowering`` names
+    a local rewrite in ``autopar.codegen.lowerings.registry`` when running the op as-is on the local pieces is not
+    enough (e.g. a vocab-parallel embedding masks out-of-range ids).
+    """
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+    lowering: str | None = None
+    note: str = ""
+
+    def __repr__(self) -> str:
+        ins = ", ".join(map(repr, self.inputs))
+        outs = ", ".join(map(repr, self.outputs))
+        low = f" via {self.lowering}" if self.lowering else ""
+        return f"[{ins}] -> [{outs}]{low}"
+
+
+@dataclass
+class OpInfo:
+    """An op as a rule sees it: ``args``/``kwargs`` with tensors replaced by TensorMeta."""
+    op: object
+    args: tuple
+    kwargs: dict
+    tensors: list[TensorMeta]
+    outputs: list[TensorMeta]
+    arg_tensor_index: dict = field(default_factory=dict)  # id(TensorMeta in args) -> position
+
+    def index(self, meta: TensorMeta) -> int:
+        return self.arg_tensor_index[id(meta)]
+
+    def arg(self, i: int, name: str, default=None):
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    def strategy(self, placed: dict, outputs, lowering=None, note="") -> Strategy:
+        """A Strategy from {TensorMeta: placement}; unnamed tensor inputs are replicated."""
+        ins = [R] * len(self.tensors)
+        for meta, p in placed.items():
+            ins[self.index(meta)] = p
+        outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+        return Strategy(tuple(ins), outs, lowering, note)
+
+    def replicated(self) -> Strategy:
+        return Strategy((R,) * len(self.tensors), (R,) * len(self.outputs), None, "replicated")
+
+
+Rule = Callable[[OpInfo], list[Strategy]]
+_RULES: dict[object, Rule] = {}
+
+
+def register(*ops):
+    """Register a rule for ATen ops (OpOverloads or whole OpOverloadPackets)."""
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+    return deco
+
+
+def get_rule(op) -> Rule | None:
+    rule = _RULES.get(op)
+    if rule is None and hasattr(op, "overloadpacket"):
+        rule = _RULES.get(op.overloadpacket)
+    return rule
+
+
+def registered_ops() -> list:
+    return list(_RULES)
