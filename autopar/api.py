@@ -1,109 +1,66 @@
-"""ap.plan and ap.compile: the two entry points.
+"""ap.plan and ap.parallelize: the two entry points (ap.compile: parallelize's deprecated name).
 
 Example:
     >>> plan = ap.plan(model, mesh, args=(x,), annotations={"fc1": ap.colwise("tp")}, data_parallel="dp")
-    >>> module = ap.compile(model, mesh, args=(x,), annotations=..., data_parallel="dp")  # under torchrun
+    >>> module = ap.parallelize(model, mesh, args=(x,), annotations=..., data_parallel="dp")  # torchrun
 """
 from __future__ import annotations
 
 import datetime
+import warnings
 
 import torch
-import torch.utils._pytree as pytree
 
-from autopar.sharding.annotations import replicate, resolve
-from autopar.parallel.data_parallel import DataParallel
-from autopar.errors import AnnotationError, MeshError
-from autopar.sharding.gradient_flow import analyse
+from autopar.errors import MeshError
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.parallel.pipeline.api import take_splits
+from autopar.plan import Plan
+from autopar.planner import make_plan
 from autopar.runtime.consistency import verify_consistent
 from autopar.runtime.failures import install_excepthook
-from autopar.mesh import Mesh
-from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
-from autopar.plan import Plan
-from autopar.sharding.propagate import propagate
-from autopar.trace.export import trace
-from autopar.parallel.pipeline import api as pipeline_api
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
-         data_parallel=None, strict: bool = False, dynamic: bool = True, repeat_blocks: bool = True,
-         bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None,
-         debug: bool = False) -> Plan:
+         data_parallel=None, pipeline=None, strict: bool = False, dynamic: bool = True,
+         repeat_blocks: bool = True, debug: bool = False) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
-    ap.colwise / ap.rowwise / ap.replicate / ap.place. ``data_parallel`` names the axis the
+    ap.colwise / ap.rowwise / ap.replicate / ap.place / ap.vocab_parallel /
+    ap.sequence_parallel / ap.opaque / ap.split_before. ``data_parallel`` names the axis the
     batch (dim 0 of every input) is split on, or is an ap.DataParallel with that axis and its
-    options (buckets, ZeRO, local SGD, reduce dtype); ``bucket_mb`` / ``bucket_max_params``
-    apply when it is a plain name. ``strict`` makes an op without a rule on a
-    split input an error instead of a gathered, replicated fallback. ``debug`` makes
-    ap.compile check that all ranks hold the same plan before the first collective.
-    ``repeat_blocks`` traces a long list of identical blocks two deep and copies the rest
-    (the same graph, much faster for deep models; see autopar/trace/repeat_blocks.py); False exports all.
+    options (buckets, ZeRO, local SGD, reduce dtype). ``pipeline`` is an ap.Pipeline.
+    ``strict`` makes an op without a rule on a split input an error instead of a gathered,
+    replicated fallback. ``debug`` makes ap.parallelize check that all ranks hold the same plan
+    before the first collective. ``repeat_blocks`` traces a long list of identical blocks two
+    deep and copies the rest (the same graph, much faster for deep models; see
+    autopar/trace/repeat_blocks.py); False exports all. The keyword arguments become one
+    ``ap.PlanOptions`` (``plan.options``).
     """
-    if not isinstance(mesh, Mesh):
-        raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
-    args = args if isinstance(args, tuple) else (args,)
-    dp = DataParallel.of(data_parallel, bucket_mb, bucket_max_params)
-    data_parallel = dp.axis if dp is not None else None
-    annotations, splits = pipeline_api.take_splits(annotations)
-    pipeline_api.check_options(pipeline, mesh, data_parallel, annotations, splits)
-    dp_axis = mesh.axis_index(data_parallel) if data_parallel is not None else None
-    for ann in (annotations or {}).values():
-        if hasattr(ann, "axis"):
-            mesh.axis_index(ann.axis)
-    keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
-    annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in (annotations or {}).items()}
-    with keep_opaque(model, keep, args, kwargs or {}):
-        traced = trace(model, args, kwargs, dynamic=dynamic, repeat_blocks=repeat_blocks)
-    ndims = _input_ndims(traced, args, kwargs)
-    seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
-    _unify_tied(seeds, traced)
-    ctx = propagate(traced, mesh, seeds, strict)
-    flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
-    options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
-               "strict": strict, "data_parallel": dp, "debug": debug}
-    result = Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
-    if pipeline is not None:
-        pipeline_api.attach(result, pipeline, splits)
-    return result
+    annotations, splits = take_splits(annotations)
+    options = PlanOptions(data_parallel=data_parallel, pipeline=pipeline, split_before=splits,
+                          strict=strict, dynamic=dynamic, repeat_blocks=repeat_blocks, debug=debug)
+    return make_plan(model, mesh, options, args=args, kwargs=kwargs, annotations=annotations)
 
 
-def _input_ndims(traced, args, kwargs) -> dict:
-    flat = pytree.tree_leaves((args, kwargs or {}))
-    return {name: (v.dim() if isinstance(v, torch.Tensor) else 0) for name, v in zip(traced.user_inputs, flat)}
-
-
-def _unify_tied(seeds, traced) -> None:
-    """Tied parameters are one tensor: they get one layout, whichever name was annotated."""
-    for names in traced.tied.values():
-        given = {n: seeds.params[n] for n in names if n in seeds.params}
-        if len(set(given.values())) > 1:
-            raise AnnotationError(f"Tied parameters {names} share one tensor but were annotated "
-                                  f"differently: {given}. Annotate them alike (or only one of them).")
-        if given:
-            spec = next(iter(given.values()))
-            for n in names:
-                seeds.params[n] = spec
-
-
-def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
-            **plan_kwargs) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
+                **plan_kwargs) -> torch.nn.Module:
     """This rank's module for a torch.distributed job (world size must equal mesh.size).
 
     Every rank traces and plans the same way, makes the process groups of every mesh axis
     (in the same order everywhere), and broadcasts replicated parameters from the first
     rank of each group so that all ranks start equal. ``timeout`` (seconds) bounds every
     collective's wait: a rank that failed or died makes the others raise CollectiveError
-    naming it instead of hanging (the process groups are made with it). It bounds compile's own
+    naming it instead of hanging (the process groups are made with it). It bounds parallelize's own
     parameter broadcasts too, where ranks that planned at different speeds meet: keep it above
-    that skew (or change it after compile: ``current_backend().timeout``, then enforced per
+    that skew (or change it afterwards: ``current_backend().timeout``, then enforced per
     collective, at some cost per call). ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
     from autopar.runtime.collectives import DistBackend, install_backend
     if not dist.is_available() or not dist.is_initialized():
-        raise MeshError("ap.compile needs an initialised process group: call "
+        raise MeshError("ap.parallelize needs an initialised process group: call "
                         "torch.distributed.init_process_group (torchrun sets the environment).")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != mesh.size:
@@ -122,7 +79,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
     install_backend(backend)
     install_excepthook(rank)
     module = p.module(rank)
-    if p.options.get("debug"):
+    if p.options.debug:
         verify_consistent(p, module, timeout)
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
@@ -132,3 +89,11 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
                     backend.broadcast(param.data, mesh.group(axis, rank), rank)
     module.autopar_plan = p
     return module
+
+
+def compile(model: torch.nn.Module, mesh: Mesh, **kwargs) -> torch.nn.Module:
+    """Deprecated: the old name of ap.parallelize (it shadowed the builtin and meant something
+    other than torch.compile)."""
+    warnings.warn("ap.compile is deprecated: call ap.parallelize (same arguments).", DeprecationWarning,
+                  stacklevel=2)
+    return parallelize(model, mesh, **kwargs)

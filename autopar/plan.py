@@ -55,13 +55,24 @@ class _Owners:
 
 
 class Plan:
-    stage_layout = None  # pipeline.split.StageLayout when planned with pipeline=ap.Pipeline(...)
 
-    def __init__(self, model, mesh, traced, seeds, flow, ctx, dp_axis, options):
-        self.model, self.mesh, self.traced, self.seeds = model, mesh, traced, seeds
-        self.flow, self.ctx, self.dp_axis, self.options = flow, ctx, dp_axis, options
+    """Made by planner.make_plan (ap.plan, ap.load_plan); ``layouts`` is planner.Layouts
+    (seeds, every node's layout, gradient flow), ``options`` an ap.PlanOptions."""
+
+    def __init__(self, model, mesh, traced, layouts, options):
+        self.model, self.mesh, self.traced = model, mesh, traced
+        self.layouts, self.options = layouts, options
+        self.seeds, self.ctx, self.flow = layouts.seeds, layouts.ctx, layouts.flow
+        dp = options.data_parallel
+        self.dp_axis = mesh.axis_index(dp.axis) if dp is not None else None
+        self.built: dict[str, object] = {}  # technique name -> what its after_plan built
         self._modules: dict[int, fx.GraphModule] = {}
         self._comms: list | None = None
+
+    @property
+    def stage_layout(self):
+        """The pipeline's StageLayout (parallel/pipeline/split.py), None without a pipeline."""
+        return self.built.get("pipeline")
 
     # ------------------------------------------------------------------ layout queries
     @property
@@ -133,24 +144,19 @@ class Plan:
             out[key] = tuple(sorted(set(out.get(key, ())) | set(axes)))
         return out
 
-    # -------------------------------------------------------------- data parallel (issue 4)
+    # ------------------------------------------------------------------- data parallel
     @property
     def data_parallel(self):
         """The ap.DataParallel options of the dp axis (None without data parallelism)."""
-        return self.options.get("data_parallel")
+        return self.options.data_parallel
 
     def with_data_parallel(self, data_parallel) -> "Plan":
         """The same plan (same trace and layouts) with other DataParallel options on the same axis.
 
         Example: ``plan.with_data_parallel(ap.DataParallel("dp", zero=2)).module(rank)``
         """
-        from autopar.parallel.data_parallel import DataParallel, DataParallelError
-        dp = DataParallel.of(data_parallel)
-        if self.dp_axis is None or dp is None or self.mesh.axis_index(dp.axis) != self.dp_axis:
-            raise DataParallelError(f"with_data_parallel({dp}): the plan's data-parallel axis is "
-                                    f"{self.data_parallel and self.data_parallel.axis!r}; re-plan to change the axis.")
-        return Plan(self.model, self.mesh, self.traced, self.seeds, self.flow, self.ctx, self.dp_axis,
-                    dict(self.options, data_parallel=dp))
+        from autopar.planner import with_options
+        return with_options(self, self.options.replace(data_parallel=data_parallel))
 
     def grad_buckets(self, rank: int = 0) -> list:
         """The fused gradient buckets of ``rank``, in the order every rank of its group launches them."""
@@ -181,7 +187,9 @@ class Plan:
         for name, value in rank_attrs(self.mesh, rank).items():  # what the program reads per rank
             setattr(gm, name, value)
         if self.grad_sync_axes:
-            dpplan.attach(self, gm, rank)  # gradient buckets, ZeRO shards, local SGD (issue 4)
+            dpplan.attach(self, gm, rank)  # gradient buckets (gradient contract; dp options shape them)
+        for technique in self.options.techniques:
+            technique.attach(self, gm, rank)
         return gm
 
     @cached_property
@@ -307,7 +315,12 @@ class Plan:
             text += "\n\n" + describe(self.stage_layout, self.graph)
         return text
 
-    # ------------------------------------------------------------- pipeline (issue 5)
+    # ------------------------------------------------------------------------ pipeline
+    def with_pipeline(self, pipeline, split_before=()) -> "Plan":
+        """The same plan (same trace and layouts) with other pipeline options."""
+        from autopar.parallel.pipeline.api import with_pipeline
+        return with_pipeline(self, pipeline, split_before)
+
     def pipeline_runner(self, rank: int, **kwargs):
         """This rank's PipelineRunner (see autopar/parallel/pipeline/runner.py): ``runner.step(batch, labels)``."""
         from autopar.parallel.pipeline.api import pipeline_runner

@@ -170,7 +170,7 @@ def test_zero_optimizer_state_is_one_dp_th_per_rank():
         full = torch.optim.AdamW(model.parameters(), lr=0.01)
         H.loss_of(model(H.batches(1)[0])).backward()
         full.step()
-        unsharded = ap.zero.state_bytes(full)
+        unsharded = ap.parallel.zero.state_bytes(full)
         moments = 2 * 4 * sum(p.numel() for p in model.parameters())  # exp_avg, exp_avg_sq in fp32
         per_rank = [b for b, _ in out]
         pad = 2 * 4 * 3 * len(plan.grad_buckets())  # at most dp-1 padding floats per bucket and slot

@@ -28,10 +28,10 @@ import torch.utils._pytree as pytree
 
 from autopar.runtime import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
 from autopar.codegen.input_guard import check_local_inputs, guard_args
-from autopar.codegen.lowerings.registry import LOWERINGS
+from autopar.codegen.lowerings.base import lowering_for
 from autopar.placement import Shard, shard_factor
 from autopar.sharding.propagate import layout_of
-from autopar.sharding.redistribute import plan_steps
+from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from autopar.sharding.rules.views import SHAPE_ARGS
 
 aten = torch.ops.aten
@@ -84,21 +84,14 @@ class Emitter:
         gather = gather or ops.all_gather.default
         if st.blocks > 1:
             return self._blocked_step(x, st, gather)
-        if st.kind == "all_gather":
-            return self.collective(gather, (x, st.dim), st.axis)
-        if st.kind == "all_reduce":
-            node = self.collective(ops.all_reduce.default, (x,), st.axis, (st.op,))
-            if owned:
+        kind = STEP_KINDS[st.kind]
+        if kind.op is not None:
+            op = gather if st.kind == "all_gather" else getattr(ops, kind.op).default
+            dims, extra = kind.op_args(st)
+            node = self.collective(op, (x, *dims), st.axis, extra)
+            if owned and st.kind == "all_reduce":
                 node.kwargs = {"owned": True}
             return node
-        if st.kind == "reduce_scatter":
-            return self.collective(ops.reduce_scatter.default, (x, st.dim), st.axis, (st.op,))
-        if st.kind == "all_to_all":
-            return self.collective(ops.all_to_all.default, (x, st.dim, st.dim2), st.axis)
-        if st.kind == "slice":
-            return self.collective(ops.shard.default, (x, st.dim), st.axis)
-        if st.kind == "to_partial":
-            return self.collective(ops.to_partial.default, (x,), st.axis, (st.op,))
         n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
         return self.graph.call_function(aten.mul.Tensor, (x, factor))
@@ -253,9 +246,9 @@ class Emitter:
             spec = lay.spec
             args[shape_idx] = [self._local_size(s, shard_factor(spec, self.mesh, d))
                                for d, s in enumerate(args[shape_idx])]
-        for axis, s in enumerate(lay.strategies):
-            if s is not None and s.lowering:
-                return LOWERINGS[s.lowering](self, node, tuple(args), dict(kwargs), axis)
+        lowering = lowering_for(lay.strategies)
+        if lowering is not None:
+            return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
         fused = self._fuse_bias(node, args, kwargs)
         if fused is not None:
             return fused

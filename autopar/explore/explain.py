@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+from autopar.codegen.lowerings.base import lowering_for
 from autopar.explore.display import Text, comm_label, fmt_bytes, op_name
 from autopar.errors import PlanError, close_matches
 from autopar.placement import Replicate, fmt_spec, local_shape
@@ -50,10 +51,9 @@ def comm_reason(plan, c) -> str:
                 "all-reduce sums them after backward")
     nodes = {n.name: n for n in plan.graph.nodes}
     src, dst = nodes.get(c.src), nodes.get(c.node)
-    if dst is not None and "autopar" in dst.meta and any(
-            s is not None and s.lowering == "cross_entropy_split_rows" for s in layout_of(dst).strategies):
-        return (f"the loss's rows are split on {c.axis}: the count of targets is summed over {c.axis} "
-                "so that local sum / global count is the serial mean")
+    lowering = lowering_for(layout_of(dst).strategies) if dst is not None and "autopar" in dst.meta else None
+    if lowering is not None and c.src == "":  # a collective inside the lowering, not on an edge
+        return lowering[0].reason(c.axis)
     if src is None or dst is None:
         return ""
     have = fmt_spec(layout_of(src).spec)

@@ -115,58 +115,39 @@ def _version() -> str:
         return "unknown"
 
 
-def _dp_out(dp) -> dict:
-    fields = dataclasses.asdict(dp)
-    if fields["reduce_dtype"] is not None:
-        fields["reduce_dtype"] = str(fields["reduce_dtype"]).removeprefix("torch.")
-    return {"__DataParallel__": fields}
-
-
-def _dp_in(v: dict):
-    from autopar.parallel.data_parallel import DataParallel
-    fields = dict(v["__DataParallel__"])
-    if fields.get("reduce_dtype") is not None:
-        fields["reduce_dtype"] = getattr(torch, fields["reduce_dtype"])
-    return DataParallel(**fields)
-
-
-def _options_out(options: dict) -> dict:
-    """JSON values as they are, DataParallel options field by field; anything else as
-    {"__repr__": text} (restored as None, with a warning)."""
-    from autopar.parallel.data_parallel import DataParallel
-    out = {}
-    for k, v in options.items():
-        if isinstance(v, DataParallel):
-            out[k] = _dp_out(v)
-            continue
-        try:
-            json.dumps(v)
-            out[k] = v
-        except TypeError:
-            out[k] = {"__repr__": repr(v)}
+def _options_out(options) -> dict:
+    """ap.PlanOptions as JSON: plain fields as they are, each technique by its own fields()."""
+    out = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+           if f.name not in ("data_parallel", "pipeline", "split_before")}
+    dp = options.data_parallel
+    out["data_parallel"] = None if dp is None else {"__DataParallel__": dp.fields()}
     return out
 
 
-def _options_in(options: dict, path) -> dict:
+def _options_in(options: dict, path):
+    """The ap.PlanOptions of a plan file (older files: unknown keys are ignored, with a warning)."""
     import warnings
-    out = {}
+    from autopar.options import PlanOptions
+    from autopar.parallel.data_parallel import DataParallel
+    known = {f.name for f in dataclasses.fields(PlanOptions)}
+    kept = {}
     for k, v in options.items():
-        if isinstance(v, dict) and set(v) == {"__DataParallel__"}:
-            v = _dp_in(v)
-        elif isinstance(v, dict) and set(v) == {"__repr__"}:
-            warnings.warn(f"autopar: plan option {k!r} = {v['__repr__']} in {path} could not be saved as "
-                          "JSON; it is None in the loaded plan.", stacklevel=3)
-            v = None
-        out[k] = v
-    return out
+        if k == "data_parallel" and isinstance(v, dict):
+            v = DataParallel.from_fields(v["__DataParallel__"])
+        if k in known:
+            kept[k] = v
+        elif k not in ("bucket_bytes", "bucket_max_params"):  # version-1 files: now DataParallel's
+            warnings.warn(f"autopar: plan option {k!r} in {path} is not an option of this autopar; ignored.",
+                          stacklevel=3)
+    return PlanOptions(**kept)
 
 
 def save_plan(plan, path) -> None:
-    if getattr(plan, "stage_layout", None) is not None:
-        raise PlanFileError(
-            "Saving a pipelined plan is not supported yet (its stages are not recorded). Save the plan "
-            "made without pipeline=..., load it with ap.load_plan, then add the pipeline with "
-            "autopar.parallel.pipeline.with_pipeline(plan, ap.Pipeline(...), split_before=[...]).")
+    for technique in plan.options.techniques:
+        try:
+            technique.fields()  # a technique that cannot be saved says why and what to do
+        except PlanError as e:
+            raise PlanFileError(str(e)) from None
     with open(path, "w") as f:
         json.dump(plan_record(plan), f, indent=1)
 
@@ -230,25 +211,18 @@ def example_inputs(rec) -> tuple[tuple, dict]:
 
 
 def _rebuild(rec, model, mesh, args, kwargs, path):
+    from autopar.planner import make_plan
     from autopar.sharding.annotations import Seeds
-    from autopar.api import _unify_tied
-    from autopar.sharding.gradient_flow import analyse
-    from autopar.plan import Plan
-    from autopar.sharding.propagate import propagate
-    from autopar.trace.export import trace
     s = rec["seeds"]
     seeds = Seeds({k: _spec_in(v) for k, v in s["params"].items()},
                   {k: _spec_in(v) for k, v in s["inputs"].items()},
                   {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
                   dict(s["reasons"]))
-    traced = trace(model, args, kwargs, dynamic=rec.get("dynamic", True))
-    _unify_tied(seeds, traced)
-    ctx = propagate(traced, mesh, seeds, rec["options"].get("strict", False))
-    _enforce(traced.gm.graph, rec["nodes"], mesh, path)
-    flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
-    dp = rec["data_parallel"]
-    return Plan(model, mesh, traced, seeds, flow, ctx, None if dp is None else mesh.axis_index(dp),
-                _options_in(rec["options"], path))
+    options = _options_in(rec["options"], path)
+    if "dynamic" in rec:
+        options = options.replace(dynamic=rec["dynamic"])
+    return make_plan(model, mesh, options, args=args, kwargs=kwargs, seeds=seeds,
+                     enforce=lambda graph: _enforce(graph, rec["nodes"], mesh, path))
 
 
 def _enforce(graph, saved_nodes, mesh, path) -> None:

@@ -18,13 +18,9 @@ import sympy
 import torch.fx as fx
 
 from autopar.explore.formulas import PlanSymbols, simplify
-from autopar.codegen.lowerings.vocab_cross_entropy import vocab_parallel_comms
-from autopar.placement import Partial, Replicate, Shard
+from autopar.codegen.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of, module_path
-from autopar.sharding.redistribute import backward_bytes, plan_steps, step_bytes
-
-BACKWARD_OF = {"all_gather": None, "all_reduce": None, "reduce_scatter": "all_gather",
-               "all_to_all": "all_to_all", "slice": "all_gather", "to_partial": None, "partial_cast": None}
+from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, ring_bytes, step_bytes
 
 
 @dataclass(frozen=True)
@@ -59,20 +55,19 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
         axis = mesh.axis_names[st.axis]
         if st.communicates:
             out.append(_comm(sy, st.kind, axis, "forward", step_bytes(st, local, n), *where, src.name))
-        back = BACKWARD_OF[st.kind]
+        back = STEP_KINDS[st.kind].backward
         if st.kind == "all_gather" and st.axis in f_axes:  # emitted as all_gather_rs
             f_axes.discard(st.axis)
-            out.append(_comm(sy, "reduce_scatter", axis, "backward", (n - 1) * local, *where, src.name))
+            out.append(_comm(sy, "reduce_scatter", axis, "backward", ring_bytes("reduce_scatter", n * local, n),
+                             *where, src.name))
             back = None
         if back and layout_of(src).outputs and plan.ctx.needs_grad.get(src):
             out.append(_comm(sy, back, axis, "backward", backward_bytes(st, local, n), *where, src.name))
-        cur[st.axis] = {"all_gather": Replicate(), "all_reduce": Replicate(), "reduce_scatter": Shard(st.dim or 0),
-                        "slice": Shard(st.dim or 0), "all_to_all": Shard(st.dim2 or 0)}.get(
-            st.kind, Partial(st.op.split("->")[-1]) if st.op else Replicate())
+        cur[st.axis] = STEP_KINDS[st.kind].next_placement(st)
     for a in sorted(f_axes):
         n = sy.axes[a]
         local = sy.local_bytes(src, tuple(cur))
-        out.append(_comm(sy, "all_reduce", mesh.axis_names[a], "backward", 2 * (n - 1) / n * local,
+        out.append(_comm(sy, "all_reduce", mesh.axis_names[a], "backward", ring_bytes("all_reduce", local, n),
                          *where, src.name))
 
 
@@ -101,51 +96,39 @@ def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
                 seen.add(key)
                 _edge_comms(plan, v, key[1], out_node, (), out, sy)
     out += _sync_comms(plan, sy)
+    for technique in plan.options.techniques:
+        out += technique.collectives(plan, sy)
     return out
 
 
 def _lowering_comms(plan, node, sy) -> list[Comm]:
-    """Collectives inside a lowering (they are not on an edge). The vocab-parallel loss, when
-    present, also does the row count of a row split, so it is the only one counted."""
-    lowerings = [(a, s.lowering) for a, s in enumerate(layout_of(node).strategies) if s is not None and s.lowering]
-    names = plan.mesh.axis_names
+    """Collectives inside a lowering (they are not on an edge): the lowering lists them."""
+    found = lowering_for(layout_of(node).strategies)
+    if found is None:
+        return []
+    lowering, axis = found
     where = (node.name, module_path(node))
-    vocab = [a for a, name in lowerings if name == "cross_entropy_vocab_parallel"]
-    if vocab:
-        return [_comm(sy, kind, names[a], phase, b, *where)
-                for kind, a, phase, b in vocab_parallel_comms(plan, node, vocab[0], sy)]
-    out = []
-    for a, name in lowerings:
-        if name == "cross_entropy_split_rows":  # one float32 count, all-reduced
-            n = sy.axes[a]
-            out.append(_comm(sy, "all_reduce", names[a], "forward", 2 * (n - 1) / n * 4, *where))
-    return out
+    return [_comm(sy, kind, plan.mesh.axis_names[a], phase, b, *where)
+            for kind, a, phase, b in lowering.comms(plan, node, axis, sy)]
 
 
 def _sync_comms(plan, sy) -> list[Comm]:
-    """Gradient-sync collectives per step: per bucket and axis (ZeRO adds an all-gather per dp
-    bucket after the step; local SGD has none on dp, its parameter average every k steps aside)."""
+    """Gradient-sync collectives per step: per bucket and axis. On the data-parallel axis its
+    options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none)."""
     mesh, dp = plan.mesh, plan.data_parallel
     params = dict(plan.model.named_parameters())
     out = []
     for i, b in enumerate(plan.grad_buckets()):
         numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names)
-        nbytes = numel * b.dtype.itemsize
         where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))
         for a in b.axes:
             n, axis = sy.axes[a], mesh.axis_names[a]
-            if a != plan.dp_axis or dp is None:
-                out.append(_comm(sy, "all_reduce", axis, "grad sync", 2 * (n - 1) / n * nbytes, *where))
-                continue
-            if dp.local_sgd_every is not None:
-                continue
-            wire = numel * (dp.reduce_dtype.itemsize if dp.reduce_dtype is not None else b.dtype.itemsize)
-            if dp.zero == 2:
-                out.append(_comm(sy, "reduce_scatter", axis, "grad sync", (n - 1) / n * wire, *where))
+            if a == plan.dp_axis and dp is not None:
+                out += [_comm(sy, kind, axis, phase, nbytes, *where)
+                        for kind, phase, nbytes in dp.bucket_comms(numel, b.dtype, n)]
             else:
-                out.append(_comm(sy, "all_reduce", axis, "grad sync", 2 * (n - 1) / n * wire, *where))
-            if dp.zero:
-                out.append(_comm(sy, "all_gather", axis, "optimizer", (n - 1) / n * nbytes, *where))
+                out.append(_comm(sy, "all_reduce", axis, "grad sync",
+                                 ring_bytes("all_reduce", numel * b.dtype.itemsize, n), *where))
     return out
 
 

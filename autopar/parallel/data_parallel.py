@@ -26,6 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import PlanError
+from autopar.parallel.technique import Technique
+
+DEFAULT_BUCKET_MB = 25.0      # DDP's bucket_cap_mb
+DEFAULT_FIRST_BUCKET_MB = 1.0  # as DDP: a small first bucket starts communication early
 
 
 class DataParallelError(PlanError):
@@ -33,14 +37,16 @@ class DataParallelError(PlanError):
 
 
 @dataclass(frozen=True)
-class DataParallel:
+class DataParallel(Technique):
     axis: str
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     bucket_max_params: int | None = None
     zero: int = 0
     local_sgd_every: int | None = None
     reduce_dtype: torch.dtype | None = None
-    first_bucket_mb: float = 1.0  # as DDP: a small first bucket starts communication early
+    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
+
+    name = "data_parallel"
 
     def __post_init__(self):
         if not isinstance(self.axis, str):
@@ -74,12 +80,12 @@ class DataParallel:
         return int(min(self.first_bucket_mb, self.bucket_mb) * 2**20)
 
     @classmethod
-    def of(cls, value, bucket_mb: float = 25.0, bucket_max_params: int | None = None) -> "DataParallel | None":
+    def of(cls, value) -> "DataParallel | None":
         """Normalise ap.plan's ``data_parallel=``: None, an axis name, or a DataParallel."""
         if value is None or isinstance(value, DataParallel):
             return value
         if isinstance(value, str):
-            return cls(value, bucket_mb=bucket_mb, bucket_max_params=bucket_max_params)
+            return cls(value)
         raise DataParallelError(f"data_parallel={value!r}: give a mesh axis name ('dp') or "
                                 "ap.DataParallel('dp', ...).")
 
@@ -93,6 +99,43 @@ class DataParallel:
             parts.append(f"local_sgd_every={self.local_sgd_every}")
         if self.reduce_dtype is not None:
             parts.append(f"reduce_dtype={self.reduce_dtype}")
-        if self.first_bucket_mb != 1.0:
+        if self.first_bucket_mb != DEFAULT_FIRST_BUCKET_MB:
             parts.append(f"first_bucket_mb={self.first_bucket_mb:g}")
         return f"DataParallel({', '.join(parts)})"
+
+    # ------------------------------------------------------- the technique (technique.py)
+    def validate(self, mesh, options, annotations: dict) -> None:
+        mesh.axis_index(self.axis)
+
+    def data_axis(self) -> str:
+        return self.axis
+
+    def attach(self, plan, module, rank: int) -> None:
+        """Local SGD's parameter averaging (the gradient buckets are attached for every plan)."""
+        if self.local_sgd_every is not None and hasattr(module, "autopar_grad_sync"):
+            from autopar.parallel.local_sgd import LocalSGD
+            module.autopar_local_sgd = LocalSGD(module.autopar_grad_sync, self.local_sgd_every)
+
+    def bucket_comms(self, numel, dtype: torch.dtype, n) -> list[tuple]:
+        """(kind, phase, bytes per rank) of one gradient bucket on this axis of size ``n``."""
+        from autopar.sharding.redistribute import ring_bytes
+        if self.local_sgd_every is not None:
+            return []  # parameters averaged every k steps instead
+        wire = numel * (self.reduce_dtype or dtype).itemsize
+        sync = ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire, n)) if self.zero == 2 else \
+            ("all_reduce", "grad sync", ring_bytes("all_reduce", wire, n))
+        gather = [("all_gather", "optimizer", ring_bytes("all_gather", numel * dtype.itemsize / n, n))]
+        return [sync] + (gather if self.zero else [])
+
+    def fields(self) -> dict:
+        out = super().fields()
+        if out["reduce_dtype"] is not None:
+            out["reduce_dtype"] = str(out["reduce_dtype"]).removeprefix("torch.")
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "DataParallel":
+        fields = dict(fields)
+        if fields.get("reduce_dtype") is not None:
+            fields["reduce_dtype"] = getattr(torch, fields["reduce_dtype"])
+        return cls(**fields)

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from autopar.parallel.data_parallel import DEFAULT_BUCKET_MB
 from autopar.parallel.grad_sync import GradSync, make_buckets
 from autopar.placement import Replicate, local_shape
 
@@ -43,14 +44,19 @@ def param_order(plan) -> list[str]:
 
 def attach(plan, gm: torch.nn.Module, rank: int) -> None:
     """Give ``gm`` its gradient sync (and local SGD, if asked) as plan.build_module does."""
-    dp, opts = plan.data_parallel, plan.options
-    sync = GradSync(gm, sync_axes_all_names(plan), plan.mesh, rank, opts.get("bucket_bytes", 25 * 2**20),
-                    opts.get("bucket_max_params"), dp=dp, dp_axis=plan.dp_axis, order=param_order(plan))
+    sync = GradSync(gm, sync_axes_all_names(plan), plan.mesh, rank, *bucket_limits(plan)[:2],
+                    dp=plan.data_parallel, dp_axis=plan.dp_axis, order=param_order(plan))
     gm.autopar_grad_sync = sync
     gm.no_sync = sync.no_sync
-    if dp is not None and dp.local_sgd_every is not None:
-        from autopar.parallel.local_sgd import LocalSGD
-        gm.autopar_local_sgd = LocalSGD(sync, dp.local_sgd_every)
+
+
+def bucket_limits(plan) -> tuple[int, int | None, int | None]:
+    """(bucket bytes, bucket max params, first bucket bytes): the data-parallel options', or
+    the defaults where gradients are synced on other axes only (first bucket: no special size)."""
+    dp = plan.data_parallel
+    if dp is None:
+        return int(DEFAULT_BUCKET_MB * 2**20), None, None
+    return dp.bucket_bytes, dp.bucket_max_params, dp.first_bucket_bytes
 
 
 def exact_gradients(plan):
@@ -74,10 +80,7 @@ def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
 
 def grad_buckets(plan, rank: int = 0):
     """The gradient buckets of ``rank`` (the same on every rank of its dp group), in launch order."""
-    dp, opts = plan.data_parallel, plan.options
-    size = dp.bucket_bytes if dp is not None else opts.get("bucket_bytes", 25 * 2**20)
-    count = dp.bucket_max_params if dp is not None else opts.get("bucket_max_params")
-    first = dp.first_bucket_bytes if dp is not None else None
+    size, count, first = bucket_limits(plan)
     return make_buckets(local_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
 
 

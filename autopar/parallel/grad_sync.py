@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.runtime.collectives import current_backend
-from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.data_parallel import DEFAULT_BUCKET_MB, DataParallel, DataParallelError
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Bucket:
 
 
 def make_buckets(params: dict[str, torch.nn.Parameter], sync_axes: dict[str, tuple[int, ...]],
-                 bucket_bytes: int = 25 * 2**20, bucket_max_params: int | None = None,
+                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20), bucket_max_params: int | None = None,
                  order: list[str] | None = None, first_bucket_bytes: int | None = None) -> list[Bucket]:
     """Deterministic buckets (same on every rank) for the parameters that need a sync.
 
@@ -82,7 +82,7 @@ class GradSync:
     """Hooks on a module's parameters that sum their gradients over the given mesh axes."""
 
     def __init__(self, module: torch.nn.Module, sync_axes: dict[str, tuple[int, ...]], mesh, rank: int,
-                 bucket_bytes: int = 25 * 2**20, bucket_max_params: int | None = None,
+                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20), bucket_max_params: int | None = None,
                  dp: DataParallel | None = None, dp_axis: int | None = None, order: list[str] | None = None):
         self.mesh, self.rank, self.dp, self.dp_axis = mesh, rank, dp, dp_axis
         first = None

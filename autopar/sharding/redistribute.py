@@ -38,7 +38,7 @@ class Step:
 
     @property
     def communicates(self) -> bool:
-        return self.kind not in ("slice", "to_partial", "partial_cast")
+        return STEP_KINDS[self.kind].communicates
 
 
 def _dim_free(cur, axis: int, dim: int) -> bool:
@@ -80,30 +80,75 @@ def plan_steps(src, dst) -> list[Step]:
     return steps
 
 
+def ring_bytes(kind: str, local_bytes: float, n: int) -> float:
+    """Bytes each rank sends for collective ``kind`` (ring algorithms) whose input holds
+    ``local_bytes`` on each rank: the one formula every byte count in autopar uses.
+    all_gather (n-1) x input; all_reduce 2(n-1)/n x input; reduce_scatter and all_to_all
+    (n-1)/n x input."""
+    if n == 1:
+        return 0.0
+    if kind == "all_gather":
+        return (n - 1) * local_bytes
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * local_bytes
+    return (n - 1) / n * local_bytes
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What one redistribution step is: whether it communicates, the collective its backward
+    runs (None: local or identity), the emitted op (torch.ops.autopar) and where it leaves the
+    axis's placement. The one table that emit, the cost model and explain read."""
+    name: str
+    op: str | None               # torch.ops.autopar.<op>; None: a local aten rescale
+    communicates: bool
+    backward: str | None
+    backward_input: float = 1.0  # the backward collective's input, as a fraction of the step's input (1/n: a shard)
+
+    def forward_bytes(self, local_bytes: float, n: int) -> float:
+        return ring_bytes(self.name, local_bytes, n) if self.communicates else 0.0
+
+    def backward_bytes(self, local_bytes: float, n: int) -> float:
+        if self.backward is None or n == 1:
+            return 0.0
+        scale = 1.0 / n if self.backward_input < 1 else 1.0
+        return ring_bytes(self.backward, local_bytes * scale, n)
+
+    def op_args(self, step: "Step") -> tuple[tuple, tuple]:
+        """(dims after the tensor, trailing arguments) of the emitted op for ``step``."""
+        dims = {"all_gather": (step.dim,), "reduce_scatter": (step.dim,), "slice": (step.dim,),
+                "all_to_all": (step.dim, step.dim2)}.get(self.name, ())
+        return dims, ((step.op,) if self.name in ("all_reduce", "reduce_scatter", "to_partial") else ())
+
+    def next_placement(self, step: "Step"):
+        if self.name in ("all_gather", "all_reduce"):
+            return R
+        if self.name in ("reduce_scatter", "slice"):
+            return Shard(step.dim)
+        if self.name == "all_to_all":
+            return Shard(step.dim2)
+        return Partial(step.op.split("->")[-1])  # to_partial, partial_cast
+
+
+STEP_KINDS = {k.name: k for k in (
+    StepKind("all_gather", "all_gather", True, None),          # backward: the rank's slice, free
+    StepKind("all_reduce", "all_reduce", True, None),          # backward: identity
+    StepKind("reduce_scatter", "reduce_scatter", True, "all_gather", backward_input=0),
+    StepKind("all_to_all", "all_to_all", True, "all_to_all"),
+    StepKind("slice", "shard", False, "all_gather", backward_input=0),
+    StepKind("to_partial", "to_partial", False, None),
+    StepKind("partial_cast", None, False, None),               # sum <-> avg: a local rescale
+)}
+
+
 def step_bytes(step: Step, local_bytes: float, n: int) -> float:
     """Bytes each rank sends for ``step`` (ring algorithms), given its input's local bytes."""
-    if not step.communicates or n == 1:
-        return 0.0
-    if step.kind == "all_gather":
-        return (n - 1) * local_bytes
-    if step.kind == "all_reduce":
-        return 2 * (n - 1) / n * local_bytes
-    return (n - 1) / n * local_bytes  # reduce_scatter, all_to_all
+    return STEP_KINDS[step.kind].forward_bytes(local_bytes, n)
 
 
 def backward_bytes(step: Step, local_bytes: float, n: int) -> float:
     """Bytes of the collective the step's backward runs (its gradient's dual)."""
-    if n == 1:
-        return 0.0
-    if step.kind == "all_gather":       # backward slices the full gradient: free
-        return 0.0
-    if step.kind == "reduce_scatter":   # backward all-gathers the shard of the gradient
-        return (n - 1) * local_bytes / n
-    if step.kind == "all_to_all":
-        return (n - 1) / n * local_bytes
-    if step.kind == "slice":            # backward all-gathers the slice's gradient
-        return (n - 1) * local_bytes / n
-    return 0.0
+    return STEP_KINDS[step.kind].backward_bytes(local_bytes, n)
 
 
 def local_factor(placements, mesh, shape) -> int:
@@ -124,12 +169,5 @@ def steps_cost(steps: list[Step], src, mesh, global_bytes: float) -> tuple[float
         n = mesh.shape[st.axis]
         fwd += step_bytes(st, local, n)
         bwd += backward_bytes(st, local, n)
-        if st.kind in ("all_gather", "all_reduce"):
-            cur[st.axis] = R
-        elif st.kind in ("reduce_scatter", "slice"):
-            cur[st.axis] = Shard(st.dim)
-        elif st.kind == "all_to_all":
-            cur[st.axis] = Shard(st.dim2)
-        elif st.kind in ("to_partial", "partial_cast"):
-            cur[st.axis] = Partial(st.op.split("->")[-1])
+        cur[st.axis] = STEP_KINDS[st.kind].next_placement(st)
     return fwd, bwd

@@ -9,7 +9,7 @@ Reductions: none -> rows; sum -> sum of rows; mean -> sum / count, the count all
 over every axis that splits the rows (data parallel), as cross_entropy_split_rows does.
 
 Example:
-    >>> lowering_comms("cross_entropy_vocab_parallel", plan, node, axis)   # 3 collectives on tp
+    >>> CROSS_ENTROPY_VOCAB_PARALLEL.comms(plan, node, axis, symbols)   # 3 collectives on tp
 """
 from __future__ import annotations
 
@@ -17,15 +17,14 @@ import operator
 
 import torch
 
+from autopar.codegen.lowerings.base import Lowering, register_lowering
+from autopar.codegen.lowerings.cross_entropy_rows import COUNT_BYTES, node_arg as _arg
 from autopar.placement import Shard
+from autopar.sharding.redistribute import ring_bytes
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
-
-
-def _arg(node, i, name, default):
-    return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
 
 
 def row_axes(node, vocab_axis: int) -> list[int]:
@@ -68,19 +67,30 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     return call(aten.div.Tensor, (total, count))
 
 
-def vocab_parallel_comms(plan, node, axis: int, sy) -> list[tuple]:
-    """(kind, mesh axis, phase, bytes per rank as a sympy formula) of what the lowering runs,
-    for Plan.collectives; ``sy`` is the plan's formulas.PlanSymbols."""
-    lay = node.meta["autopar"]
-    val = node.args[0].meta["val"]
-    rows = sy.shape(val.shape, lay.input_targets[0])[0]
-    n = sy.axes[axis]
-    item = val.dtype.itemsize
-    out = [("all_gather", axis, "forward", (n - 1) * rows * item),
-           ("all_reduce", axis, "forward", 2 * (n - 1) / n * rows * item),
-           ("all_reduce", axis, "forward", 2 * (n - 1) / n * rows * item)]
-    if _arg(node, 3, "reduction", REDUCTION_MEAN) == REDUCTION_MEAN:
-        for a in row_axes(node, axis):
-            m = sy.axes[a]
-            out.append(("all_reduce", a, "forward", 2 * (m - 1) / m * 4))
-    return out
+class CrossEntropyVocabParallel(Lowering):
+    """Cross-entropy on logits split by class: never gathers a row (3 collectives of N values)."""
+    name = "cross_entropy_vocab_parallel"
+    priority = 1  # also counts rows split on other axes: it takes over cross_entropy_split_rows
+
+    def emit(self, em, node, args, kwargs, axis: int):
+        return cross_entropy_vocab_parallel(em, node, args, kwargs, axis)
+
+    def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
+        lay = node.meta["autopar"]
+        val = node.args[0].meta["val"]
+        row_bytes = symbols.shape(val.shape, lay.input_targets[0])[0] * val.dtype.itemsize
+        n = symbols.axes[axis]
+        out = [("all_gather", axis, "forward", ring_bytes("all_gather", row_bytes, n)),
+               ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n)),
+               ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n))]
+        if _arg(node, 3, "reduction", REDUCTION_MEAN) == REDUCTION_MEAN:
+            for a in row_axes(node, axis):
+                out.append(("all_reduce", a, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[a])))
+        return out
+
+    def reason(self, axis_name: str) -> str:
+        return (f"vocab-parallel cross-entropy on {axis_name}: row maxima gathered, exp-sums and target "
+                "logits all-reduced (N values each), never a whole row")
+
+
+CROSS_ENTROPY_VOCAB_PARALLEL = register_lowering(CrossEntropyVocabParallel())

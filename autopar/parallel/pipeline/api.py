@@ -6,10 +6,9 @@ Example:
 """
 from __future__ import annotations
 
-import copy
-
 from autopar.placement import Replicate
 from autopar.parallel.pipeline.options import Pipeline, PipelineError, SplitBefore
+from autopar.parallel.pipeline import schedules
 from autopar.parallel.pipeline.split import split_stages
 
 
@@ -22,14 +21,8 @@ def take_splits(annotations: dict | None) -> tuple[dict | None, list[str]]:
     return rest, splits
 
 
-def check_options(pipeline, mesh, data_parallel, annotations, splits) -> None:
-    if pipeline is None:
-        if splits:
-            raise PipelineError(f"split_before annotations ({', '.join(splits)}) need a pipeline: pass "
-                                "pipeline=ap.Pipeline('pp', microbatches=...) to ap.plan.")
-        return
-    if not isinstance(pipeline, Pipeline):
-        raise PipelineError(f"pipeline must be an ap.Pipeline, got {type(pipeline).__name__}.")
+def check_options(pipeline: Pipeline, mesh, data_parallel, annotations) -> None:
+    """The pipeline axis exists, is not the data-parallel axis, and no annotation splits on it."""
     mesh.axis_index(pipeline.axis)
     if data_parallel == pipeline.axis:
         raise PipelineError(f"Axis {pipeline.axis!r} cannot be both the pipeline and the data-parallel axis: "
@@ -40,7 +33,7 @@ def check_options(pipeline, mesh, data_parallel, annotations, splits) -> None:
                                 f"{pipeline.axis!r}, which only holds stages. Use another mesh axis (tp).")
 
 
-def attach(plan, pipeline: Pipeline, splits: list[str]) -> None:
+def stage_layout(plan, pipeline: Pipeline, splits: list[str]):
     """Check that nothing is split on the pipeline axis, then cut the graph into stages."""
     axis = plan.mesh.axis_index(pipeline.axis)
     for node in plan.graph.nodes:
@@ -49,9 +42,10 @@ def attach(plan, pipeline: Pipeline, splits: list[str]) -> None:
             if spec is not None and not isinstance(spec[axis], Replicate):
                 raise PipelineError(f"Node {node.name!r} was laid out {spec[axis]!r} on the pipeline axis "
                                     f"{pipeline.axis!r}; the pipeline axis must stay replicated.")
-    plan.stage_layout = split_stages(plan.traced, plan.mesh, pipeline, splits)
-    from autopar.parallel.pipeline.timeline import slots
-    slots(plan)  # the schedule is valid for these sizes and cannot deadlock (raises if not)
+    layout = split_stages(plan.traced, plan.mesh, pipeline, splits)
+    o = layout.options  # the schedule is valid for these sizes and cannot deadlock (raises if not):
+    schedules.replay(schedules.build(o.kind, layout.pp, o.microbatches, o.chunks), layout.n_stages)
+    return layout
 
 
 def require_pipeline(plan):
@@ -82,9 +76,5 @@ def with_pipeline(plan, pipeline: Pipeline, split_before=()):
     Example:
         >>> gpipe = with_pipeline(plan, ap.Pipeline("pp", microbatches=8, schedule="gpipe"))
     """
-    check_options(pipeline, plan.mesh, plan.mesh.axis_names[plan.dp_axis] if plan.dp_axis is not None else None,
-                  {}, list(split_before))
-    new = copy.copy(plan)
-    new._modules = {}
-    attach(new, pipeline, list(split_before))
-    return new
+    from autopar.planner import with_options
+    return with_options(plan, plan.options.replace(pipeline=pipeline, split_before=tuple(split_before)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.errors import PlanError
+from autopar.parallel.technique import Technique
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -20,7 +21,7 @@ class PipelineError(PlanError):
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class Pipeline(Technique):
     """Pipeline parallelism on mesh axis ``axis``.
 
     ``schedule``: "gpipe" (fill-drain), "1f1b", or "interleaved" (1F1B over ``chunks`` model
@@ -48,9 +49,26 @@ class Pipeline:
             raise PipelineError("schedule='gpipe' runs one chunk per rank: use chunks=1, or "
                                 "schedule='interleaved' for several chunks.")
 
+    name = "pipeline"
+
     @property
     def kind(self) -> str:
         return "interleaved" if self.chunks > 1 else self.schedule
+
+    # ------------------------------------------------------- the technique (technique.py)
+    def validate(self, mesh, options, annotations: dict) -> None:
+        from autopar.parallel.pipeline.api import check_options
+        dp = options.data_parallel
+        check_options(self, mesh, dp.axis if dp is not None else None, annotations)
+
+    def after_plan(self, plan):
+        from autopar.parallel.pipeline.api import stage_layout
+        return stage_layout(plan, self, list(plan.options.split_before))
+
+    def fields(self) -> dict:
+        raise PipelineError("Saving a pipelined plan is not supported yet (its stages are not recorded). "
+                            "Save the plan made without pipeline=..., load it with ap.load_plan, then add "
+                            "the pipeline with plan.with_pipeline(ap.Pipeline(...), split_before=[...]).")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from autopar.runtime.collectives import current_backend
 from autopar.errors import InputError
+from autopar.parallel.dp_module import bucket_limits
 from autopar.parallel.grad_sync import GradSync
 from autopar.codegen.rank_state import set_attr
 from autopar.parallel.pipeline import schedules
@@ -119,9 +120,7 @@ class PipelineRunner:
                     axes[n] = axes[names[0]]
         if not any(axes.get(n) for n, _ in self.holder.named_parameters()):
             return None
-        o = self.plan.options
-        return GradSync(self.holder, axes, self.plan.mesh, self.rank, o.get("bucket_bytes", 25 * 2**20),
-                        o.get("bucket_max_params"))
+        return GradSync(self.holder, axes, self.plan.mesh, self.rank, *bucket_limits(self.plan)[:2])
 
     def _tied_groups(self) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
         """Weights this rank shares with other pipeline ranks, with the ranks to sum over."""

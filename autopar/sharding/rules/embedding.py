@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.codegen.lowerings.vocab_embedding import VOCAB_PARALLEL_EMBEDDING
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
@@ -25,6 +26,6 @@ def embedding_rule(op: OpInfo) -> list[Strategy]:
         if ids.shape[d] != 1:
             strategies.append(op.strategy({ids: Shard(d)}, Shard(d)))
     # (a padding_idx is translated to its owner's local row by the lowering)
-    strategies.append(op.strategy({weight: Shard(0)}, Partial(), lowering="vocab_parallel_embedding",
+    strategies.append(op.strategy({weight: Shard(0)}, Partial(), lowering=VOCAB_PARALLEL_EMBEDDING,
                                   note="vocabulary split"))
     return strategies

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.codegen.lowerings.cross_entropy_rows import CROSS_ENTROPY_SPLIT_ROWS
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
@@ -32,6 +33,6 @@ def cross_entropy_rule(op: OpInfo) -> list[Strategy]:
     elif reduction == REDUCTION_SUM:
         strategies.append(op.strategy(placed, Partial("sum"), note="sum of split rows"))
     elif class_weight is None:
-        strategies.append(op.strategy(placed, Partial("sum"), lowering="cross_entropy_split_rows",
+        strategies.append(op.strategy(placed, Partial("sum"), lowering=CROSS_ENTROPY_SPLIT_ROWS,
                                       note="mean over split rows: local sum / global count"))
     return strategies

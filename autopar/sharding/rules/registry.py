@@ -63,13 +63,13 @@ class Strategy:
     """One way to run an op on one mesh axis.
 
     ``inputs[i]`` is the placement tensor input i must have (inputs in pytree-flatten order
-    of the op's arguments); ``outputs[j]`` the placement output j then has. ``lowering`` names
-    a local rewrite in ``autopar.codegen.lowerings.registry`` when running the op as-is on the local pieces is not
+    of the op's arguments); ``outputs[j]`` the placement output j then has. ``lowering`` is
+    a local rewrite (``autopar.codegen.lowerings``) when running the op as-is on the local pieces is not
     enough (e.g. a vocab-parallel embedding masks out-of-range ids).
     """
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
-    lowering: str | None = None
+    lowering: object = None  # a codegen.lowerings Lowering (its repr is its name)
     note: str = ""
 
     def __repr__(self) -> str:

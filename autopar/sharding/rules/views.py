@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.codegen.lowerings.split_blocked import SPLIT_BLOCKED
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
@@ -180,7 +181,7 @@ def split_rule(op: OpInfo) -> list[Strategy]:
     k = len(op.outputs)
     if k > 1 and all(o.shape[dim] * k == x.shape[dim] for o in op.outputs):
         # into its k equal blocks: a blocked shard becomes a plain shard of every piece
-        lowering = None if op.op.overloadpacket is aten.chunk else "split_blocked"
+        lowering = None if op.op.overloadpacket is aten.chunk else SPLIT_BLOCKED
         strategies.append(Strategy((Shard(dim, blocks=k),), (Shard(dim),) * k, lowering, "blocks split"))
     return strategies
 

@@ -6,12 +6,13 @@ sum of exponentials and the target's logit where it falls in its range, and two
 all-reduces of one value per row give every rank the same loss (Megatron's
 vocab-parallel cross-entropy). Autograd through those sums (identity backward) leaves
 each rank the gradient of its own slice: softmax minus one-hot, restricted to it.
-Combines with rows split on another axis (data parallel): see lowering_vocab.py.
+Combines with rows split on another axis (data parallel): see codegen/lowerings/vocab_cross_entropy.py.
 """
 from __future__ import annotations
 
 import torch
 
+from autopar.codegen.lowerings.vocab_cross_entropy import CROSS_ENTROPY_VOCAB_PARALLEL
 from autopar.placement import Replicate, Shard  # noqa: F401
 from autopar.sharding.rules.loss import cross_entropy_rule
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
@@ -29,5 +30,5 @@ def vocab_cross_entropy_rule(op: OpInfo) -> list[Strategy]:
     if logits.ndim != 2 or target.ndim != 1 or weight is not None or smoothing:
         return strategies
     strategies.append(op.strategy({logits: Shard(1), target: R}, R,
-                                  lowering="cross_entropy_vocab_parallel", note="classes split"))
+                                  lowering=CROSS_ENTROPY_VOCAB_PARALLEL, note="classes split"))
     return strategies

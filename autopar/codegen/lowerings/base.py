@@ -1,0 +1,54 @@
+"""Lowerings: what one op becomes on a rank when running it as-is on the local pieces is not
+enough (a vocabulary-split embedding must mask ids it does not hold, a loss over split rows
+must divide by the global count, ...).
+
+A rule's strategy names its lowering by object (``Strategy.lowering``). The lowering owns
+everything about it: the nodes it emits, the collectives it runs (for Plan.collectives and
+the cost model) and why they run (for explain), so nothing elsewhere matches it by name.
+Where the strategies of several axes carry lowerings, the one with the highest ``priority``
+is emitted (it handles the other axes too: the vocab-parallel loss also counts split rows).
+
+Example:
+    >>> class Negate(Lowering):
+    ...     name = "negate"
+    ...     def emit(self, em, node, args, kwargs, axis):
+    ...         return em.graph.call_function(aten.neg.default, (args[0],))
+    >>> NEGATE = register_lowering(Negate())
+"""
+from __future__ import annotations
+
+LOWERINGS: dict[str, "Lowering"] = {}
+
+
+class Lowering:
+    name: str = ""
+    priority: int = 0
+
+    def emit(self, em, node, args: tuple, kwargs: dict, axis: int):
+        """Add the rank's nodes for ``node`` to ``em.graph`` (args are already local)."""
+        raise NotImplementedError
+
+    def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
+        """(kind, mesh axis, phase, bytes per rank as a sympy formula) of what ``emit`` runs."""
+        return []
+
+    def reason(self, axis_name: str) -> str:
+        """Why this lowering's collectives run, for plan.explain."""
+        return f"{self.name} on {axis_name}"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def register_lowering(lowering: Lowering) -> Lowering:
+    """Add ``lowering`` to the registry (plan files name it); a second one of a name is an error."""
+    if not lowering.name or lowering.name in LOWERINGS:
+        raise ValueError(f"lowering {lowering.name!r} is unnamed or registered twice")
+    LOWERINGS[lowering.name] = lowering
+    return lowering
+
+
+def lowering_for(strategies) -> tuple[Lowering, int] | None:
+    """(lowering, its axis) that a node's per-axis strategies call for, or None."""
+    found = [(s.lowering, axis) for axis, s in enumerate(strategies) if s is not None and s.lowering]
+    return max(found, key=lambda la: la[0].priority, default=None)

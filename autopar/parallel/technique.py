@@ -1,0 +1,55 @@
+"""The interface of a parallelism technique: what one contributes to a plan.
+
+Layouts (tensor parallelism, vocabulary and sequence parallel) come from annotations and
+rules. A *technique* is everything else a plan can be asked for: data parallelism (gradient
+buckets, ZeRO, local SGD), the pipeline, and next fully sharded data parallel or context
+parallel. Each is one frozen options value (``ap.DataParallel``, ``ap.Pipeline``) that
+implements these hooks; the planning pipeline (planner.py), the rank modules (plan.py), the
+cost model (explore/step_collectives.py, parallel/dp_module.py) and save/load call them and
+know nothing else about the technique. Adding one is one file here plus its tests.
+
+Every hook has a default that does nothing, so a technique implements only what it needs.
+
+Example (the shape of a new technique):
+    >>> @dataclass(frozen=True)
+    ... class MyTechnique(Technique):
+    ...     axis: str
+    ...     def validate(self, mesh, options, annotations): mesh.axis_index(self.axis)
+    ...     def attach(self, plan, module, rank): module.my_hook = ...
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+class Technique:
+    """Base of parallelism techniques; subclasses are frozen dataclasses."""
+
+    #: the key the technique is saved under in a plan file
+    name: str = ""
+
+    def validate(self, mesh, options, annotations: dict) -> None:
+        """Raise a PlanError when the technique cannot work on this mesh with these options."""
+
+    def data_axis(self) -> str | None:
+        """The mesh axis that splits the batch (dim 0 of every input), if this technique does."""
+        return None
+
+    def after_plan(self, plan):
+        """Structure built once the layouts are known (the pipeline cuts the graph into stages);
+        what it returns is kept as ``plan.built[self.name]``."""
+
+    def attach(self, plan, module, rank: int) -> None:
+        """Runtime hooks on ``rank``'s module (gradient sync, optimizer helpers)."""
+
+    def collectives(self, plan, symbols) -> list:
+        """The collectives the technique adds per training step (explore/step_collectives.Comm)."""
+        return []
+
+    def fields(self) -> dict:
+        """JSON-able fields for a plan file; ``from_fields`` is the inverse."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_fields(cls, fields: dict):
+        return cls(**fields)

@@ -1,0 +1,106 @@
+"""The planning pipeline, in one place: trace -> seed -> propagate -> gradient flow -> Plan ->
+techniques. ap.plan, ap.load_plan and the plan variants (other data-parallel or pipeline
+options on the same layouts) all go through here, so a stage added to planning is added once.
+
+Example:
+    >>> plan = make_plan(model, mesh, PlanOptions(data_parallel="dp"), args=(x,),
+    ...                  annotations={"fc1": ap.colwise("tp")})
+    >>> zero2 = with_options(plan, plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from autopar.errors import AnnotationError, MeshError
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.plan import Plan
+from autopar.sharding.annotations import Seeds, replicate, resolve
+from autopar.sharding.gradient_flow import analyse
+from autopar.sharding.propagate import propagate
+from autopar.trace.export import trace
+from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """What propagation decided: the seeds it started from, every node's layout (ctx), and
+    the gradient flow derived from them. Shared by the plans that differ only in options."""
+    seeds: Seeds
+    ctx: object
+    flow: object
+
+
+def make_plan(model: torch.nn.Module, mesh: Mesh, options: PlanOptions, *, args=(), kwargs=None,
+              annotations: dict | None = None, seeds: Seeds | None = None,
+              enforce: Callable | None = None) -> Plan:
+    """Trace ``model`` and plan it. ``seeds`` (a plan file's) replace the annotations;
+    ``enforce(graph)`` runs right after propagation (a plan file's recorded choices)."""
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
+    args = args if isinstance(args, tuple) else (args,)
+    annotations = dict(annotations or {})
+    _validate(mesh, options, annotations)
+    keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
+    annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in annotations.items()}
+    with keep_opaque(model, keep, args, kwargs or {}):
+        traced = trace(model, args, kwargs, dynamic=options.dynamic, repeat_blocks=options.repeat_blocks)
+    if seeds is None:
+        data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
+        seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, _input_ndims(traced, args, kwargs))
+    _unify_tied(seeds, traced)
+    ctx = propagate(traced, mesh, seeds, options.strict)
+    if enforce is not None:
+        enforce(traced.gm.graph)
+    flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
+    return _finish(Plan(model, mesh, traced, Layouts(seeds, ctx, flow), options))
+
+
+def with_options(plan: Plan, options: PlanOptions) -> Plan:
+    """The same trace and layouts under other technique options (no tracing, no propagation).
+    The data-parallel axis shapes the layouts, so it cannot change here."""
+    old, new = plan.options.data_parallel, options.data_parallel
+    if (old and old.axis) != (new and new.axis):
+        from autopar.parallel.data_parallel import DataParallelError
+        raise DataParallelError(f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
+                                "split shapes every layout, so plan again (ap.plan) to change the axis.")
+    _validate(plan.mesh, options, {})
+    return _finish(Plan(plan.model, plan.mesh, plan.traced, plan.layouts, options))
+
+
+def _finish(plan: Plan) -> Plan:
+    for technique in plan.options.techniques:
+        built = technique.after_plan(plan)
+        if built is not None:
+            plan.built[technique.name] = built
+    return plan
+
+
+def _validate(mesh: Mesh, options: PlanOptions, annotations: dict) -> None:
+    for technique in options.techniques:
+        technique.validate(mesh, options, annotations)
+    for ann in annotations.values():
+        if hasattr(ann, "axis"):
+            mesh.axis_index(ann.axis)
+
+
+def _input_ndims(traced, args, kwargs) -> dict:
+    flat = pytree.tree_leaves((args, kwargs or {}))
+    return {name: (v.dim() if isinstance(v, torch.Tensor) else 0) for name, v in zip(traced.user_inputs, flat)}
+
+
+def _unify_tied(seeds, traced) -> None:
+    """Tied parameters are one tensor: they get one layout, whichever name was annotated."""
+    for names in traced.tied.values():
+        given = {n: seeds.params[n] for n in names if n in seeds.params}
+        if len(set(given.values())) > 1:
+            raise AnnotationError(f"Tied parameters {names} share one tensor but were annotated "
+                                  f"differently: {given}. Annotate them alike (or only one of them).")
+        if given:
+            spec = next(iter(given.values()))
+            for n in names:
+                seeds.params[n] = spec
