@@ -6,34 +6,33 @@ Example:
     >>> plan = ap.plan(model, mesh, args=(x,), annotations={"mlp.fc": ap.colwise("tp"),
     ...                "mlp.proj": ap.rowwise("tp")}, data_parallel="dp")
     >>> plan.check(x)
+    >>> module = ap.parallelize(model, mesh, args=(x,), ...)   # in a torchrun job: this rank's module
 """
-from autopar.sharding.annotations import colwise, place, replicate, rowwise
-from autopar.sharding.annotations import sequence_parallel, vocab_parallel
-from autopar.runtime.comm_stats import CommStats, comm_stats
 from autopar import presets
-from autopar.api import compile, plan
-from autopar.errors import (AnnotationError, InputError, MeshError, NoRuleError, PlanError, PlanMismatch,
-                     ShardingError, TraceError)
+from autopar.api import compile, parallelize, plan
+from autopar.errors import (AnnotationError, InconsistentPlanError, InputError, MeshError, NoRuleError,
+                            PlanError, PlanMismatch, ShardingError, TraceError)
+from autopar.explore.cost import Cost
+from autopar.explore.save_load import PlanFileError, load_plan
 from autopar.mesh import Mesh
-from autopar.trace.opaque import opaque
-from autopar.errors import InconsistentPlanError
-from autopar.runtime.failures import CollectiveError
+from autopar.options import PlanOptions
+from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
+from autopar.parallel.zero import ZeroOptimizer
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plan import Plan
-from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
+from autopar.runtime.comm_stats import CommStats, comm_stats
+from autopar.runtime.failures import CollectiveError
 from autopar.runtime.simulator import SimulationError
-from autopar.parallel.data_parallel import DataParallel, DataParallelError
-from autopar.parallel.zero import ZeroOptimizer
+from autopar.sharding.annotations import (colwise, place, replicate, replicated, rowwise, sequence_parallel,
+                                          vocab_parallel)
+from autopar.trace.opaque import opaque
 
 __all__ = [
-    "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
-    "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
-    "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
-    "DataParallel", "DataParallelError", "ZeroOptimizer",
-    "Pipeline", "PipelineError", "split_before",
-    "opaque", "InconsistentPlanError", "CollectiveError",
+    "AnnotationError", "CollectiveError", "CommStats", "Cost", "DataParallel", "DataParallelError",
+    "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial", "Pipeline",
+    "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions", "Replicate",
+    "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "colwise", "comm_stats",
+    "compile", "load_plan", "opaque", "parallelize", "place", "plan", "presets", "replicate", "replicated",
+    "rowwise", "sequence_parallel", "split_before", "vocab_parallel",
 ]
-__all__ += ["load_plan", "PlanFileError", "Cost"]
-from autopar.explore.save_load import PlanFileError, load_plan
-from autopar.explore.cost import Cost
-__all__ += ["vocab_parallel", "sequence_parallel", "comm_stats", "CommStats", "presets"]

@@ -27,7 +27,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
-    ap.colwise / ap.rowwise / ap.replicate / ap.place / ap.vocab_parallel /
+    ap.colwise / ap.rowwise / ap.replicated / ap.place / ap.vocab_parallel /
     ap.sequence_parallel / ap.opaque / ap.split_before. ``data_parallel`` names the axis the
     batch (dim 0 of every input) is split on, or is an ap.DataParallel with that axis and its
     options (buckets, ZeRO, local SGD, reduce dtype). ``pipeline`` is an ap.Pipeline.
@@ -92,7 +92,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
 
 
 def compile(model: torch.nn.Module, mesh: Mesh, **kwargs) -> torch.nn.Module:
-    """Deprecated: the old name of ap.parallelize (it shadowed the builtin and meant something
+    """Deprecated: ap.compile, the old name of ap.parallelize (it shadowed the builtin and meant something
     other than torch.compile)."""
     warnings.warn("ap.compile is deprecated: call ap.parallelize (same arguments).", DeprecationWarning,
                   stacklevel=2)

@@ -40,7 +40,7 @@ class InputError(PlanError):
 
 
 class InconsistentPlanError(PlanError):
-    """Ranks of one job planned differently (found by ap.compile(..., debug=True))."""
+    """Ranks of one job planned differently (found by ap.parallelize(..., debug=True))."""
 
 
 class PlanMismatch(AssertionError):

@@ -19,7 +19,7 @@ from autopar.errors import AnnotationError, MeshError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import Plan
-from autopar.sharding.annotations import Seeds, replicate, resolve
+from autopar.sharding.annotations import Seeds, replicated, resolve
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
@@ -46,7 +46,7 @@ def make_plan(model: torch.nn.Module, mesh: Mesh, options: PlanOptions, *, args=
     annotations = dict(annotations or {})
     _validate(mesh, options, annotations)
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
-    annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in annotations.items()}
+    annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
     with keep_opaque(model, keep, args, kwargs or {}):
         traced = trace(model, args, kwargs, dynamic=options.dynamic, repeat_blocks=options.repeat_blocks)
     if seeds is None:

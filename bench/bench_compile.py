@@ -17,7 +17,7 @@ import time
 import torch
 
 import autopar as ap
-import autopar.api as api
+import autopar.planner as planner
 from autopar.models.gpt import GPT, GPTConfig
 from bench.common import row
 from bench.models import GPT_TP
@@ -28,8 +28,8 @@ QUICK = {"hidden": 64, "heads": 4, "vocab": 256, "layers": (1, 2)}
 
 @contextlib.contextmanager
 def _timed(times: dict):
-    """Time api.trace and api.propagate (+ analyse) inside ap.plan, without changing them."""
-    saved = api.trace, api.propagate, api.analyse
+    """Time the planner's trace and propagate (+ analyse) inside ap.plan, without changing them."""
+    saved = planner.trace, planner.propagate, planner.analyse
 
     def wrap(name, fn):
         def inner(*a, **k):
@@ -39,12 +39,12 @@ def _timed(times: dict):
             finally:
                 times[name] = times.get(name, 0.0) + time.perf_counter() - t0
         return inner
-    api.trace, api.propagate, api.analyse = (wrap("trace", saved[0]), wrap("propagate", saved[1]),
-                                             wrap("propagate", saved[2]))
+    planner.trace, planner.propagate, planner.analyse = (wrap("trace", saved[0]), wrap("propagate", saved[1]),
+                                                         wrap("propagate", saved[2]))
     try:
         yield times
     finally:
-        api.trace, api.propagate, api.analyse = saved
+        planner.trace, planner.propagate, planner.analyse = saved
 
 
 def meta_gpt(layers: int, cfg: dict):

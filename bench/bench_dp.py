@@ -4,7 +4,7 @@ A GPT-style model (autopar.models.gpt) trains with SGD; every rank gets its slic
 same global batch. Contenders, built in the same processes and timed side by side:
 
 - ``ddp``: torch.nn.parallel.DistributedDataParallel, bucket_cap_mb = the bucket size;
-- ``autopar``: ap.compile(..., data_parallel=ap.DataParallel("dp", bucket_mb=same));
+- ``autopar``: ap.parallelize(..., data_parallel=ap.DataParallel("dp", bucket_mb=same));
 - ``per_param``: the same plan with bucket_max_params=1 (one all-reduce per parameter).
 
 Timing protocol (bench/common.py): every iteration runs each contender once (forward,
@@ -66,7 +66,7 @@ def _contenders(size: str):
     local = (idx.chunk(world)[rank], tg.chunk(world)[rank])
     ddp = DDP(_model(size), bucket_cap_mb=BUCKET_MB)
     dp = ap.DataParallel("dp", bucket_mb=BUCKET_MB)
-    module = ap.compile(_model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg), data_parallel=dp)
+    module = ap.parallelize(_model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg), data_parallel=dp)
     plan = module.autopar_plan
     per_param = plan.with_data_parallel(ap.DataParallel("dp", bucket_mb=BUCKET_MB, bucket_max_params=1))
     a_args, a_kw = plan.local_inputs(rank, idx, tg)

@@ -81,7 +81,7 @@ def contenders(kind, size, rank, world):
     model, args = build(kind, size)
     mesh = ap.Mesh((world,), ("tp",))
     t0 = time.perf_counter()
-    out = {"autopar": (ap.compile(model, mesh, args=args, annotations=annotations(kind)), args)}
+    out = {"autopar": (ap.parallelize(model, mesh, args=args, annotations=annotations(kind)), args)}
     t1 = time.perf_counter()
     out.update({"megatron": (megatronize(model, rank, world, _styles(kind)), args),
                 "megatron_copy": (megatronize(model, rank, world, _styles(kind)), args)})

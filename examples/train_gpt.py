@@ -45,7 +45,7 @@ def main():
     if serial is not None:
         serial.load_state_dict(model.state_dict())
     example = next(batches(1, 8, 16, cfg.vocab_size))
-    module = ap.compile(model, mesh, args=example, annotations=MEGATRON, data_parallel="dp")
+    module = ap.parallelize(model, mesh, args=example, annotations=MEGATRON, data_parallel="dp")
     plan = module.autopar_plan
     if rank == 0:
         print(plan.summary())

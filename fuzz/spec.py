@@ -122,7 +122,7 @@ def annotations_of(case: dict) -> dict:
     out = {}
     for pattern, kind, axis in case["annotations"]:
         if kind == "replicate":
-            out[pattern] = ap.replicate()
+            out[pattern] = ap.replicated()
         elif kind == "place":
             out[pattern] = ap.place(*[ap.Shard(a) if isinstance(a, int) else ap.Replicate() for a in axis])
         else:
@@ -151,12 +151,12 @@ def plan_case(case: dict, cache: bool = True):
     """ap.plan for ``case``; with ``cache`` the model's trace is reused across cases.
 
     Reusing a trace is sound because propagation rewrites every node's layout and the
-    earlier plan is no longer used; only ap.plan's call to trace is replaced.
+    earlier plan is no longer used; only the planner's call to trace is replaced.
     """
     model, args, traced = _model_and_trace(case, cache)
     shape, names = case["mesh"]
     mesh = ap.Mesh(tuple(shape), tuple(names))
-    with mock.patch("autopar.api.trace", lambda *a, **k: traced):
+    with mock.patch("autopar.planner.trace", lambda *a, **k: traced):
         plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"])
     return plan, args
 

@@ -16,7 +16,7 @@ def _gather_merged(plan, module):
 
 
 def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
-    """Train the GPT with ap.compile on every rank, each rank initialised differently.
+    """Train the GPT with ap.parallelize on every rank, each rank initialised differently.
 
     Checks that replicated parameters were broadcast (equal on every rank at start), then
     trains the serial model from the merged initial state; returns both loss curves and the
@@ -26,7 +26,7 @@ def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
     mesh = ap.Mesh(shape, axes)
     idx, tg = gpt_batch()
     ann = MEGATRON if "tp" in axes else {}
-    module = ap.compile(model, mesh, args=(idx, tg), annotations=ann, data_parallel=dp)
+    module = ap.parallelize(model, mesh, args=(idx, tg), annotations=ann, data_parallel=dp)
     plan = module.autopar_plan
     start, gathered = _gather_merged(plan, module)
     for name, spec in plan.param_specs.items():
@@ -58,7 +58,7 @@ def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
 
 def compile_with_wrong_mesh():
     try:
-        ap.compile(small_gpt(), ap.Mesh((3,), ("tp",)), args=gpt_batch())
+        ap.parallelize(small_gpt(), ap.Mesh((3,), ("tp",)), args=gpt_batch())
     except ap.MeshError as e:
         return str(e)
     return "no error"

@@ -13,7 +13,7 @@ def _compiled_plan(mesh_name, seed_per_rank=False, zero=0):
     shape, axes = H.MESHES[mesh_name]
     model = H.make_model(seed=100 + dist.get_rank() if seed_per_rank else 0)
     ann = H.MLP_TP if "tp" in axes else {}
-    module = ap.compile(model, ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
+    module = ap.parallelize(model, ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
                         data_parallel=ap.DataParallel("dp", zero=zero, bucket_max_params=3))
     return module, module.autopar_plan
 
@@ -46,7 +46,7 @@ def calls(mesh_name, option):
 
 
 def broadcast_from_first_rank(mesh_name, zero=0):
-    """Ranks build their models with different seeds; after ap.compile every rank holds the
+    """Ranks build their models with different seeds; after ap.parallelize every rank holds the
     pieces of the first rank of its dp group (ZeRO: also after a step through the flat shards)."""
     module, plan = _compiled_plan(mesh_name, seed_per_rank=True, zero=zero)
     if zero:

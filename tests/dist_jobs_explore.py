@@ -1,4 +1,4 @@
-"""Gloo job for the plan-exploring tests (issue 6): planned bytes vs what DistBackend sends."""
+"""Gloo job for the plan-exploring tests: planned bytes vs what DistBackend sends."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -16,7 +16,7 @@ def gpt_bytes_planned_and_sent():
     """One forward+backward of the GPT on (dp=2, tp=2): {(axis, kind): bytes} planned and sent."""
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
     idx, tgt = gpt_batch(batch=8, seq=8)
-    module = ap.compile(small_gpt(), mesh, args=(idx, tgt), annotations=MEGATRON, data_parallel="dp")
+    module = ap.parallelize(small_gpt(), mesh, args=(idx, tgt), annotations=MEGATRON, data_parallel="dp")
     plan, rank = module.autopar_plan, dist.get_rank()
     backend = current_backend()
     backend.stats = _Counter()  # after compile's start-up broadcasts

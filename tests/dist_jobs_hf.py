@@ -11,7 +11,7 @@ from tests.hf_models import LLAMA_TP, LLAMA_VOCAB, inputs, llama
 
 
 def llama_trains_like_serial(shape, axes, steps=2, lr=0.1):
-    """LLaMA (GQA, rotary, RMSNorm) under the Megatron plan with ap.compile: SGD steps against
+    """LLaMA (GQA, rotary, RMSNorm) under the Megatron plan with ap.parallelize: SGD steps against
     serial training; returns the loss curves, the worst relative parameter difference after
     training (merged on every rank), and whether the collectives counted by ap.comm_stats
     in one step equal Plan.collectives()."""
@@ -22,7 +22,7 @@ def llama_trains_like_serial(shape, axes, steps=2, lr=0.1):
             p.copy_(q)
     kw = inputs("llama")
     ann = {**LLAMA_TP, **LLAMA_VOCAB}  # (presets.megatron finds the same: test_hf_presets; a trace saved)
-    module = ap.compile(model, ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    module = ap.parallelize(model, ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
     plan = module.autopar_plan
     opt, sopt = torch.optim.SGD(module.parameters(), lr=lr), torch.optim.SGD(serial.parameters(), lr=lr)
     losses, serial_losses, counted = [], [], None

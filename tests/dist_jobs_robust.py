@@ -16,7 +16,7 @@ def _compiled(timeout, annotations=None, debug=False, hidden=32):
     model, x = MLP(d=8, hidden=hidden, layers=1), torch.randn(4, 8)
     ann = {"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")} if annotations is None \
         else annotations
-    module = ap.compile(model, ap.Mesh((dist.get_world_size(),), ("tp",)), args=(x,), annotations=ann,
+    module = ap.parallelize(model, ap.Mesh((dist.get_world_size(),), ("tp",)), args=(x,), annotations=ann,
                         timeout=timeout, debug=debug)
     return module, x
 
@@ -53,7 +53,7 @@ def debug_checks():
 def mesh_mismatch():
     """A mesh that does not match the world size."""
     try:
-        ap.compile(MLP(d=8, hidden=16, layers=1), ap.Mesh((4,), ("tp",)), args=(torch.randn(4, 8),))
+        ap.parallelize(MLP(d=8, hidden=16, layers=1), ap.Mesh((4,), ("tp",)), args=(torch.randn(4, 8),))
     except ap.MeshError as e:
         return str(e)
     return "no error"

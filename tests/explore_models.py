@@ -1,4 +1,4 @@
-"""Plans shared by the plan-exploring tests (issue 6): built once per test session."""
+"""Plans shared by the plan-exploring tests: built once per test session."""
 from __future__ import annotations
 
 from functools import lru_cache

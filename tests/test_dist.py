@@ -1,5 +1,5 @@
 """Real torch.distributed runs: gloo worker processes (started once per session) train the
-GPT with ap.compile and must match serial training."""
+GPT with ap.parallelize and must match serial training."""
 from __future__ import annotations
 
 import pytest

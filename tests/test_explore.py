@@ -1,4 +1,4 @@
-"""Plan display: text table and summary, HTML, explain, diff, draw, plots (issue 6)."""
+"""Plan display: text table and summary, HTML, explain, diff, draw, plots."""
 from __future__ import annotations
 
 import shutil

@@ -1,6 +1,6 @@
 """plan.cost() formulas and plan.collectives() bytes against the bytes the simulator moves.
 
-The counter below is a minimal stand-in for ap.comm_stats() (issue 3 builds it on the same
+The counter below is a minimal stand-in for ap.comm_stats() (built on the same
 SimBackend.stats hook): it records every collective's input tensor and charges the ring
 algorithm's bytes per rank, as cost.py does.
 """
@@ -119,7 +119,7 @@ def test_memory_and_flops_formulas(gpt_plans):
 
 
 @pytest.mark.parametrize("ann,kinds", [
-    ({"layers.*.fc1": ap.colwise("tp", output=ap.Replicate()), "layers.*.fc2": ap.replicate()},
+    ({"layers.*.fc1": ap.colwise("tp", output=ap.Replicate()), "layers.*.fc2": ap.replicated()},
      {"all_gather"}),
     ({"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp", output=ap.Shard(0))},
      {"reduce_scatter", "all_gather"}),
@@ -135,7 +135,7 @@ def test_mlp_other_collectives_match_runtime(ann, kinds):
 
 
 def test_real_gloo_ranks_send_the_planned_bytes(gloo):
-    """Four real processes (ap.compile, DistBackend): each rank sends what plan.collectives says."""
+    """Four real processes (ap.parallelize, DistBackend): each rank sends what plan.collectives says."""
     for planned, sent in gloo(4).run("tests.dist_jobs_explore:gpt_bytes_planned_and_sent"):
         assert sent == pytest.approx(planned)
         assert planned[("tp", "all_reduce")] == 8 * 4096 and planned[("dp", "all_reduce")] > 0

@@ -1,4 +1,4 @@
-"""Core bugs the fuzzer found, each kept as a regression test (see the report of issue 8)."""
+"""Core bugs the fuzzer found, each kept as a regression test."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Every notebook in notebooks/ runs top to bottom (nbclient + ipykernel, pinned) (issue 6)."""
+"""Every notebook in notebooks/ runs top to bottom (nbclient + ipykernel, pinned)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""plan.save / ap.load_plan: round trip, recorded choices enforced, refusals (issue 6)."""
+"""plan.save / ap.load_plan: round trip, recorded choices enforced, refusals."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Build one rank's torch.fx graph: local pieces, collectives on the edges, local shapes.
+"""Build the emitted program's torch.fx graph: local pieces, collectives on the edges, local shapes.
 
 The emitter walks the planned graph in order and writes a new graph for ``rank``:
 parameters become attributes (``get_attr`` with the serial names); each input edge whose

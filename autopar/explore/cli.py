@@ -8,7 +8,7 @@
 
 FACTORY is called with no arguments and returns ``(model, example_args)`` or
 ``(model, example_args, example_kwargs)``. Annotations: ``colwise:AXIS``, ``rowwise:AXIS``,
-``replicate``, ``place:S(0),R`` (one placement per mesh axis).
+``replicated``, ``place:S(0),R`` (one placement per mesh axis).
 
 Example:
     $ autopar plan autopar.models.examples:gpt --mesh dp=2,tp=2 \\
@@ -43,15 +43,15 @@ def parse_annotation(text: str):
     kind, _, arg = spec.partition(":")
     if not sep or not pattern:
         raise SystemExit(f"autopar: --annotate {text!r}: write PATTERN=colwise:AXIS (or rowwise:AXIS, "
-                         "replicate, place:S(0),R)")
+                         "replicated, place:S(0),R)")
     if kind in ("colwise", "rowwise") and arg:
         return pattern, getattr(annotate, kind)(arg)
-    if kind == "replicate":
-        return pattern, annotate.replicate()
+    if kind in ("replicated", "replicate"):  # the old spelling still accepted here
+        return pattern, annotate.replicated()
     if kind == "place" and arg:
         return pattern, annotate.place(*(parse_placement(p.strip()) for p in arg.split(",")))
     raise SystemExit(f"autopar: --annotate {text!r}: unknown annotation {spec!r}; use colwise:AXIS, "
-                     "rowwise:AXIS, replicate or place:S(0),R")
+                     "rowwise:AXIS, replicated or place:S(0),R")
 
 
 def load_factory(target: str):
@@ -75,7 +75,7 @@ def preset_annotations(spec: str, model, mesh, args, kwargs, sequence_parallel: 
     """Annotations from ``autopar.presets``: ``megatron`` or ``megatron:AXIS`` (default axis tp).
 
     A preset is a function ``preset(model, axis, *, args, kwargs[, sequence_parallel])``
-    returning {pattern: annotation} (issue 3's ``presets.megatron``)."""
+    returning {pattern: annotation} (``presets.megatron``)."""
     name, _, axis = spec.partition(":")
     axis = axis or ("tp" if "tp" in mesh.axis_names else mesh.axis_names[-1])
     try:

@@ -1,6 +1,6 @@
 """ap.DataParallel: how the data-parallel axis synchronises, as one frozen value.
 
-``data_parallel=`` in ap.plan / ap.compile takes either the axis name (``"dp"``: every
+``data_parallel=`` in ap.plan / ap.parallelize takes either the axis name (``"dp"``: every
 option at its default) or a DataParallel naming the axis and the options:
 
 - ``bucket_mb`` / ``bucket_max_params``: gradients are fused into flat buckets bounded by

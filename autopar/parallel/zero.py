@@ -12,7 +12,7 @@ exactly the unsharded result. Optimizer state per rank is 1/dp of the unsharded 
 
 Example:
     >>> plan = ap.plan(model, mesh, args=(x,), data_parallel=ap.DataParallel("dp", zero=2))
-    >>> module = plan.module(rank)               # or ap.compile(...)
+    >>> module = plan.module(rank)               # or ap.parallelize(...)
     >>> opt = ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     >>> loss.backward(); opt.step(); opt.zero_grad()
     >>> opt.state_bytes()                        # this rank's optimizer-state bytes (1/dp)

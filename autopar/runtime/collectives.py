@@ -4,7 +4,7 @@ Each op names its mesh axis, its group (the global ranks, in axis order) and the
 rank (an emitted graph passes the group and rank it reads from its module's attributes:
 ``autopar.all_reduce(x, 'tp', autopar_group_1, autopar_rank, 'sum')``), so the simulator
 (all ranks in one process) knows who is calling. Gradients follow the placements
-(DESIGN.md, "Gradients are part of the contract"): the gradient of a replicated tensor is
+(docs/architecture.md, "The gradient contract"): the gradient of a replicated tensor is
 whole on every rank, of a partial tensor whole too, of a shard the matching shard.
 
 Backends: ``DistBackend`` (torch.distributed, gloo or NCCL) and ``simulate.SimBackend``.
@@ -28,7 +28,7 @@ STATS_SINKS: list = []  # open ap.comm_stats() blocks: backends started inside r
 def current_backend():
     if not _GLOBAL:
         raise RuntimeError("No autopar collective backend is active: run a rank's module through "
-                           "plan.simulate(...), or build it with ap.compile(...) in a torch.distributed job.")
+                           "plan.simulate(...), or build it with ap.parallelize(...) in a torch.distributed job.")
     return _GLOBAL[-1]
 
 
@@ -47,9 +47,9 @@ def use_backend(backend):
 
 
 def install_backend(backend) -> None:
-    """Make ``backend`` the process-wide default (used by ap.compile for real runs).
+    """Make ``backend`` the process-wide default (used by ap.parallelize for real runs).
 
-    It replaces an earlier default of the same kind (a second ap.compile in one process)."""
+    It replaces an earlier default of the same kind (a second ap.parallelize in one process)."""
     _GLOBAL[:] = [b for b in _GLOBAL if type(b) is not type(backend)]
     _GLOBAL.insert(0, backend)
 
@@ -287,7 +287,7 @@ def all_to_all_local(pieces: list[torch.Tensor], src_dim: int, dst_dim: int, ind
 class DistBackend:
     """Collectives over torch.distributed process groups (gloo on CPU, NCCL on GPU).
 
-    ``groups`` maps each group's tuple of global ranks to its ProcessGroup; ap.compile makes
+    ``groups`` maps each group's tuple of global ranks to its ProcessGroup; ap.parallelize makes
     them all, on every rank in the same order, before the first step.
     """
 
@@ -305,7 +305,7 @@ class DistBackend:
 
         Why blocking: on gloo, async_op=True plus work.wait() costs about 0.3 ms more per
         collective than the blocking call, and a wait with a timeout another 0.4 ms, which is
-        most of a small model's step. Where the groups were made with this timeout (ap.compile
+        most of a small model's step. Where the groups were made with this timeout (ap.parallelize
         does), the blocking call is bounded by it; otherwise (timeout changed since) the
         collective waits with the timeout explicitly.
         """
@@ -333,7 +333,7 @@ class DistBackend:
     def _pg(self, group, rank):
         if rank != self.rank:
             raise RuntimeError(f"autopar: a module built for rank {rank} is running on rank {self.rank}; "
-                               "build it with plan.module(dist.get_rank()) or ap.compile.")
+                               "build it with plan.module(dist.get_rank()) or ap.parallelize.")
         return self.groups[group]
 
     def _note(self, kind, group, t):
@@ -393,7 +393,7 @@ class DistBackend:
         pg = self._pg(group, rank)
         self._run("broadcast", group, lambda a: dist.broadcast(x, src=group[0], group=pg, async_op=a))
 
-    # -- used by the data-parallel gradient sync and ZeRO (issue 4) --------------------------
+    # -- used by the data-parallel gradient sync and ZeRO ------------------------------------
     def reduce_scatter_async(self, flat, group, rank):
         """Sum ``flat`` (numel divisible by the group size) over the group; wait() gives this
         rank's contiguous chunk. Falls back to all-reduce + slice where the process group has

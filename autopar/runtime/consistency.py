@@ -8,7 +8,7 @@ the collectives its module issues, in order, with their groups; the ranks exchan
 group must issue the same collectives on it in the same order.
 
 Example:
-    >>> module = ap.compile(model, mesh, args=(x,), annotations=ann, debug=True)
+    >>> module = ap.parallelize(model, mesh, args=(x,), annotations=ann, debug=True)
     autopar.errors.InconsistentPlanError: ranks disagree on the plan: rank 1 has 5c1e..., rank 0 has 9a0f...;
     first differing collective over ranks (0, 1): #0 is all_reduce(...) on rank 0, all_gather(...) on rank 1 ...
 """
@@ -80,7 +80,7 @@ def compare(signatures: list[tuple[str, list]]) -> None:
         problems.append(first)
     if problems:
         raise InconsistentPlanError(
-            ". ".join(problems) + ". Every rank must call ap.compile / ap.plan with the same model "
+            ". ".join(problems) + ". Every rank must call ap.parallelize / ap.plan with the same model "
             "(architecture and config), annotations, mesh, data_parallel axis and example input shapes.")
 
 

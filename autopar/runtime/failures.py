@@ -1,13 +1,13 @@
 """No hangs in real runs: collectives that fail (or wait too long) say which rank failed.
 
-A rank that raises records its error in the job's c10d store (``report_failure``; ap.compile
+A rank that raises records its error in the job's c10d store (``report_failure``; ap.parallelize
 installs an excepthook that does it for uncaught exceptions, the GlooPool worker does it for
 failed jobs). A collective on another rank that then fails or times out (``DistBackend``
 waits at most ``timeout`` seconds) raises CollectiveError naming the collective, its group
 and the ranks that reported a failure, or, when none did, the ranks that never arrived.
 
 Example:
-    >>> module = ap.compile(model, mesh, args=(x,), annotations=ann, timeout=30.0)
+    >>> module = ap.parallelize(model, mesh, args=(x,), annotations=ann, timeout=30.0)
     >>> module(*local)         # rank 0, while rank 1 raised ValueError before the all-reduce:
     autopar.runtime.failures.CollectiveError: rank 0: all_reduce over ranks (0, 1) failed after 30 s:
     rank 1 failed: ValueError: boom
@@ -73,7 +73,7 @@ def explain(kind: str, group, rank: int, timeout, error: BaseException) -> Colle
     others = [r for r in group if r != rank]
     return CollectiveError(
         f"{head}: no rank reported an error, so one of ranks {others} died, hung, or runs a "
-        f"different plan (ap.compile(..., debug=True) checks plans agree). "
+        f"different plan (ap.parallelize(..., debug=True) checks plans agree). "
         f"Underlying error: {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
 
 

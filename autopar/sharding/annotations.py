@@ -63,11 +63,22 @@ class rowwise(Annotation):
 
 
 @dataclass(frozen=True)
-class replicate(Annotation):
-    """Every parameter of the matched modules (or the matched parameters) replicated on every axis."""
+class replicated(Annotation):
+    """Every parameter of the matched modules (or the matched parameters) replicated on every axis.
+
+    (Spelled apart from the placement ``ap.Replicate()``: an annotation names what a layer is,
+    like colwise and rowwise; a placement is one axis of a layout.)
+    """
 
     def __repr__(self) -> str:
-        return "replicate()"
+        return "replicated()"
+
+
+def replicate() -> replicated:
+    """Deprecated spelling of ap.replicated() (it differed from the placement ap.Replicate only by case)."""
+    import warnings
+    warnings.warn("ap.replicated() is deprecated: use ap.replicated().", DeprecationWarning, stacklevel=2)
+    return replicated()
 
 
 @dataclass(frozen=True)
@@ -161,11 +172,11 @@ def resolve(annotations: dict | None, model: nn.Module, mesh, input_names: list[
     for pattern, ann in (annotations or {}).items():
         if not isinstance(ann, Annotation):
             raise AnnotationError(f"Annotation for {pattern!r} is {ann!r}; use ap.colwise, ap.rowwise, "
-                                  "ap.replicate or ap.place.")
+                                  "ap.replicated or ap.place.")
         why = f"{ann!r} from pattern {pattern!r}"
         if isinstance(ann, place):
             _apply_place(pattern, ann, params, input_names, mesh, put, why)
-        elif isinstance(ann, replicate):
+        elif isinstance(ann, replicated):
             _apply_replicate(pattern, modules, params, mesh, put, why)
         elif isinstance(ann, sequence_parallel):
             for path in _matching(pattern, [n for n in modules if n], "module path"):

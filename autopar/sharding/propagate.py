@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from autopar.sharding.blocked_shards import with_blocks
 from autopar.errors import NoRuleError, ShardingError
