@@ -24,12 +24,13 @@ from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
 from autopar.runtime.simulator import SimulationError
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
 from autopar.parallel.zero import ZeroOptimizer
+from autopar.clip import clip_grad_norm_
 
 __all__ = [
     "Mesh", "Replicate", "Shard", "Partial", "colwise", "rowwise", "replicate", "place",
     "plan", "compile", "Plan", "PlanError", "PlanMismatch", "MeshError", "AnnotationError",
     "TraceError", "ShardingError", "NoRuleError", "InputError", "SimulationError",
-    "DataParallel", "DataParallelError", "ZeroOptimizer",
+    "DataParallel", "DataParallelError", "ZeroOptimizer", "clip_grad_norm_",
     "Pipeline", "PipelineError", "split_before",
     "opaque", "InconsistentPlanError", "CollectiveError",
 ]

@@ -5,7 +5,7 @@ non-tensor arguments) to the list of single-axis ``Strategy``s it allows: which 
 each tensor input needs on one mesh axis and which placement the outputs then get.
 Propagation picks one strategy per mesh axis. Importing this package registers every rule.
 """
-from autopar.sharding.rules.registry import OpInfo, Strategy, TensorMeta, get_rule, register, registered_ops  # noqa: F401
+from autopar.sharding.rules.registry import OpInfo, Strategy, TensorMeta, aten_ops, get_rule, register, registered_ops  # noqa: F401
 from autopar.sharding.rules import pointwise
 from autopar.sharding.rules import matmul
 from autopar.sharding.rules import views
@@ -15,5 +15,5 @@ from autopar.sharding.rules import embedding
 from autopar.sharding.rules import loss
 from autopar.sharding.rules import attention
 from autopar.sharding.rules import creation  # noqa: F401,E402
-from autopar.sharding.rules import vocab_loss  # noqa: F401,E402  (after loss: extends its cross_entropy rule)
+from autopar.sharding.rules import vocab_loss  # noqa: F401,E402  (registers cross_entropy_loss: extends loss's rule)
 from autopar.sharding.rules import hf_ops  # noqa: F401,E402
