@@ -23,6 +23,7 @@ from autopar.placement import Partial, Replicate, Shard
 from autopar.plan import Plan
 from autopar.runtime.comm_stats import CommStats, comm_stats
 from autopar.runtime.failures import CollectiveError
+from autopar.runtime.grad_clip import clip_grad_norm_
 from autopar.runtime.simulator import SimulationError
 from autopar.sharding.annotations import (colwise, place, replicate, replicated, rowwise, sequence_parallel,
                                           vocab_parallel)
@@ -32,7 +33,8 @@ __all__ = [
     "AnnotationError", "CollectiveError", "CommStats", "Cost", "DataParallel", "DataParallelError",
     "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial", "Pipeline",
     "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions", "Replicate",
-    "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "colwise", "comm_stats",
+    "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "clip_grad_norm_", "colwise",
+    "comm_stats",
     "compile", "load_plan", "opaque", "parallelize", "place", "plan", "presets", "replicate", "replicated",
     "rowwise", "sequence_parallel", "split_before", "vocab_parallel",
 ]

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,20 @@ from autopar.errors import ShardingError
 
 
 class Placement:
+    """Base of R, S(d), P. Each kind owns its text form both ways: ``repr`` writes it,
+    ``_parse`` reads it back (None when the text is another kind's); ``parse_placement``
+    tries every kind, so plan files, the CLI and printed plans share one definition.
+    """
     __slots__ = ()
+    KINDS: list = []  # the placement classes, filled as each is defined
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        Placement.KINDS.append(cls)
+
+    @classmethod
+    def _parse(cls, text: str) -> "Placement | None":
+        raise NotImplementedError
 
     def is_shard(self, dim: int | None = None) -> bool:
         return False
@@ -40,6 +54,10 @@ class Replicate(Placement):
 
     def __repr__(self) -> str:
         return "R"
+
+    @classmethod
+    def _parse(cls, text: str) -> "Replicate | None":
+        return cls() if text == "R" else None
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,11 @@ class Shard(Placement):
     def __repr__(self) -> str:
         return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks})"
 
+    @classmethod
+    def _parse(cls, text: str) -> "Shard | None":
+        m = re.fullmatch(r"S\((-?\d+)(?:,\s*blocks=(\d+))?\)", text)
+        return cls(int(m.group(1)), int(m.group(2) or 1)) if m else None
+
 
 @dataclass(frozen=True)
 class Partial(Placement):
@@ -73,7 +96,29 @@ class Partial(Placement):
         return True
 
     def __repr__(self) -> str:
-        return "P" if self.reduce_op == "sum" else "P(avg)"
+        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
+
+    @classmethod
+    def _parse(cls, text: str) -> "Partial | None":
+        if text == "P":
+            return cls()
+        m = re.fullmatch(r"P\((\w+)\)", text)
+        return cls(m.group(1)) if m else None
+
+
+def parse_placement(text: str) -> Placement:
+    """The placement whose text (``repr``) is ``text``: ``"S(0,blocks=3)"`` -> ``Shard(0, blocks=3)``.
+
+    Example:
+        >>> parse_placement(repr(Shard(1, blocks=3))) == Shard(1, blocks=3)
+        True
+    """
+    text = text.strip()
+    for kind in Placement.KINDS:
+        found = kind._parse(text)
+        if found is not None:
+            return found
+    raise ShardingError(f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), P or P(avg).")
 
 
 R = Replicate()

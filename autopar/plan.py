@@ -186,6 +186,8 @@ class Plan:
         self._fill_attrs(gm, rank, state)
         for name, value in rank_attrs(self.mesh, rank).items():  # what the program reads per rank
             setattr(gm, name, value)
+        from autopar.runtime.grad_clip import ParamPlacements  # for whole-model quantities (ap.clip_grad_norm_)
+        gm.autopar_placements = ParamPlacements(self.mesh, rank, self.param_specs)
         if self.grad_sync_axes:
             dpplan.attach(self, gm, rank)  # gradient buckets (gradient contract; dp options shape them)
         for technique in self.options.techniques:
@@ -292,13 +294,14 @@ class Plan:
             return step(modules[rank], *a, **k)
         return run_ranks(self.mesh.size, run, timeout=timeout)
 
-    def check(self, *args, loss=None, rtol: float = 1e-5, atol: float = 1e-6, **kwargs) -> dict:
+    def check(self, *args, loss=None, rtol: float | None = None, atol: float | None = None, **kwargs) -> dict:
         """Compare every rank (simulated) with the serial model: outputs and every gradient.
 
         Raises ap.PlanMismatch naming the first tensor that differs. Returns a small report.
+        ``rtol``/``atol`` default to the model's dtype (check.TOLERANCES: fp32 1e-5/1e-6).
         """
-        from autopar.runtime.serial_check import check_plan
-        return check_plan(self, args, kwargs, loss, rtol, atol)
+        from autopar.runtime.serial_check import check_plan, default_tolerances
+        return check_plan(self, args, kwargs, loss, *default_tolerances(self.model, rtol, atol))
 
     # --------------------------------------------------------------------------- display
     def collectives(self) -> list:

@@ -171,6 +171,8 @@ def run_case(case: dict) -> str:
     except ap.PlanError as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     plan.check(*args, rtol=1e-4, atol=1e-5)
+    from .clip_mode import check_clipping
+    check_clipping(plan, args)  # clipping mode: ap.clip_grad_norm_ against serial
     return "ok"
 
 

@@ -162,7 +162,7 @@ class Emitter:
         return self.graph.placeholder(node.name)
 
     def _input_guard(self):
-        """One check of the user inputs' local shapes before anything runs (see guards.py)."""
+        """One check of the user inputs' local shapes before anything runs (see input_guard.py)."""
         args = guard_args(self.plan, self.env, self.rank_value(RANK_ATTR))
         if args is not None:
             self.graph.call_function(check_local_inputs, args)

@@ -7,6 +7,16 @@ deep inside with a shape error or, worse, runs. The emitted graph therefore star
 static dims must have exactly the local size; dynamic dims (batch, sequence) may take any
 size, but inputs that share a dynamic dim must agree on its global size.
 
+What is and is not caught (a rank sees only its own inputs, and the check costs no
+communication):
+- a static dim (``dynamic=False``, or a dim export specialised) of the wrong size: caught,
+  and named as "the global input" when it is the local size times the pieces;
+- inputs sharing a dynamic dim that disagree (global ids with local labels): caught;
+- a dynamic size the plan splits that does not divide by the pieces: caught;
+- the global batch passed as *every* input of a dynamic-batch plan: NOT caught. It is a
+  valid local batch of a bigger global batch; only comparing ranks could tell (each dp rank
+  would see the same data). Plan with ``dynamic=False`` to have it refused.
+
 Example:
     >>> gm = plan.module(1)
     >>> gm(x)                   # x is the global batch

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.errors import PlanError
+from autopar import placement
+from autopar.errors import PlanError, ShardingError
 from autopar.mesh import Mesh
-from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.propagate import Layout, layout_of, op_info, tensor_inputs
 
 FORMAT, VERSION = "autopar-plan", 1
@@ -41,16 +40,11 @@ def placement_text(p) -> str:
 
 
 def parse_placement(text: str):
-    if text == "R":
-        return Replicate()
-    if text in ("P", "P(sum)"):
-        return Partial("sum")
-    if text == "P(avg)":
-        return Partial("avg")
-    m = re.fullmatch(r"S\((-?\d+)\)", text)
-    if m:
-        return Shard(int(m.group(1)))
-    raise PlanFileError(f"unknown placement {text!r} in plan file")
+    """A placement from its text (the one definition lives in placement.py)."""
+    try:
+        return placement.parse_placement(text)
+    except ShardingError as e:
+        raise PlanFileError(f"{e} (in a plan file)") from None
 
 
 def _spec_out(spec):

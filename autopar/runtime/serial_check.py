@@ -6,8 +6,15 @@ of every floating output (a plain sum would hide a permuted gradient). Per rank 
 on the rank's slice of the outputs: data-parallel slices average to the serial mean, as
 in DDP.
 
+Tolerances default to the model's lowest floating precision (``TOLERANCES``): a bf16
+model is checked at bf16 tolerances without hand-set ``rtol``/``atol``. ``max_rel`` is each
+tensor's largest difference over its own largest magnitude, floored at ``rtol`` times the
+largest magnitude of its kind in the model (all outputs, or all gradients): a gradient that is
+zero in exact arithmetic carries rounding noise of the model's scale, not of its own, and
+must not read as a relative error near or above 1.
+
 Example:
-    >>> plan.check(x)                       # returns {'outputs': 2, 'grads': 17, 'max_rel': 3e-7}
+    >>> plan.check(x)                       # returns {'outputs': 2, 'grads': 17, 'max_rel': 3e-7, ...}
 """
 from __future__ import annotations
 
@@ -18,6 +25,24 @@ from torch.func import functional_call
 from autopar.parallel import dp_module as dpplan
 from autopar.errors import PlanMismatch
 from autopar.placement import shard_tensor
+
+
+# dtype -> (rtol, atol) that plan.check uses unless given: summing in another order (which is
+# what splitting a reduction over ranks does) moves a result by a few units in the last place.
+TOLERANCES = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+
+def default_tolerances(model, rtol=None, atol=None) -> tuple[float, float]:
+    """(rtol, atol) for ``model``: the loosest entry of TOLERANCES over its floating tensors."""
+    dtypes = {t.dtype for t in (*model.parameters(), *model.buffers()) if t.dtype.is_floating_point}
+    table = [TOLERANCES[d] for d in dtypes if d in TOLERANCES] or [TOLERANCES[torch.float32]]
+    return (max(r for r, _ in table) if rtol is None else rtol,
+            max(a for _, a in table) if atol is None else atol)
 
 
 def _weights(plan, outputs, seed=1234):
@@ -72,13 +97,14 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     from autopar.runtime.simulator import run_ranks
     results = run_ranks(plan.mesh.size, step)
     merged_out = plan.merge_outputs([r[0] for r in results])
-    worst = 0.0
-    for i, (s, m) in enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged_out))):
-        if isinstance(s, torch.Tensor):
-            worst = max(worst, _compare(f"output {i}", s.detach(), m, rtol, atol))
+    outs = [(f"output {i}", s.detach(), m) for i, (s, m) in
+            enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged_out)))
+            if isinstance(s, torch.Tensor)]
+    worst_out = _compare_all(outs, rtol, atol)
     per_rank_grads = [r[1] for r in results]
     merged_grads = plan.merge_state_dicts([{n: g[n] for n in serial_grads if n in g}
                                            for g in per_rank_grads])
+    grads = []
     for name, sg in serial_grads.items():
         mg = merged_grads.get(name)
         if sg is None and mg is None:
@@ -87,23 +113,36 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
             sg = torch.zeros_like(mg)
         if mg is None:
             raise PlanMismatch(f"gradient of {name!r}: the serial model has one, the ranks have none.")
-        worst = max(worst, _compare(f"gradient of {name!r}", sg, mg, rtol, atol))
-    return {"outputs": len(pytree.tree_leaves(serial_out)), "grads": len(serial_grads), "max_rel": worst}
+        grads.append((f"gradient of {name!r}", sg, mg))
+    worst_grad = _compare_all(grads, rtol, atol)
+    return {"outputs": len(pytree.tree_leaves(serial_out)), "grads": len(serial_grads),
+            "max_rel": max(worst_out, worst_grad), "rtol": rtol, "atol": atol}
 
 
-def _compare(what: str, serial: torch.Tensor, merged: torch.Tensor, rtol: float, atol: float) -> float:
+def _magnitude(t: torch.Tensor) -> float:
+    return t.detach().abs().max().item() if t.dtype.is_floating_point and t.numel() else 0.0
+
+
+def _compare_all(items, rtol: float, atol: float) -> float:
+    """Compare (what, serial, merged) triples; the worst error, each floored at the kind's scale."""
+    floor = rtol * max((_magnitude(s) for _, s, _ in items), default=0.0)
+    return max((_compare(what, s, m, rtol, atol, floor) for what, s, m in items), default=0.0)
+
+
+def _compare(what: str, serial: torch.Tensor, merged: torch.Tensor, rtol: float, atol: float,
+             floor: float = 0.0) -> float:
     if serial.shape != merged.shape:
         raise PlanMismatch(f"{what}: serial shape {tuple(serial.shape)}, ranks give {tuple(merged.shape)}.")
     if serial.dtype.is_floating_point:
-        diff = (serial - merged).abs()
-        bad = diff > atol + rtol * serial.abs()
+        diff = (serial.double() - merged.double()).abs()
+        bad = diff > atol + rtol * serial.double().abs()
         if bad.any():
             idx = tuple(int(i) for i in bad.nonzero()[0])
             raise PlanMismatch(
                 f"{what} differs from serial: max |diff| {diff.max().item():.3g} (rtol {rtol}, atol {atol}); "
                 f"first at index {idx}: serial {serial[idx].item():.6g}, ranks {merged[idx].item():.6g}.")
-        scale = serial.abs().max().item() or 1.0
-        return diff.max().item() / scale
+        scale = max(_magnitude(serial), floor) or 1.0
+        return diff.max().item() / scale if diff.numel() else 0.0
     if not torch.equal(serial, merged):
         raise PlanMismatch(f"{what} differs from serial (integer values).")
     return 0.0

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from autopar.sharding.blocked_shards import with_blocks
+from autopar.sharding.data_dependent import data_dependent_error, is_data_dependent_error
 from autopar.errors import NoRuleError, ShardingError
 from autopar.placement import Placement, Replicate, Shard, check_divisible, fmt_spec
 from autopar.sharding.redistribute import plan_steps, steps_cost
@@ -158,7 +159,12 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
             layout = Layout([(R,) * mesh.ndim], reason="constant")
             ctx.param_derived[node], ctx.needs_grad[node] = True, False
         elif node.op == "call_function":
-            layout = _call_layout(node, ctx)
+            try:
+                layout = _call_layout(node, ctx)
+            except Exception as e:  # noqa: BLE001 - only torch's data-dependent guard is rewritten
+                if not is_data_dependent_error(e):
+                    raise
+                raise data_dependent_error(node, e, module_path(node)) from None
         else:
             continue
         node.meta["autopar"] = layout

@@ -43,6 +43,11 @@ class opaque(Annotation):
         return "opaque()"
 
 
+# Marks a tensor's slot among a call's input leaves: None cannot, it is a value HF passes
+# (T5's attention gets mask=None, position_bias=None, past_key_values=None).
+TENSOR = object()
+
+
 @dataclass
 class _Site:
     """One traced call of an opaque submodule."""
@@ -50,7 +55,7 @@ class _Site:
     path: str
     names: list[str]            # parameter and buffer names, in the order they are passed
     in_spec: object = None
-    consts: list = field(default_factory=list)   # non-tensor input leaves (None where a tensor goes)
+    consts: list = field(default_factory=list)   # non-tensor input leaves (TENSOR where a tensor goes)
     out_spec: object = None
     example_outputs: list = field(default_factory=list)  # (shape, dtype) per output, recorded
     example_inputs: list = field(default_factory=list)   # shapes of the tensor inputs, recorded
@@ -59,7 +64,7 @@ class _Site:
         n = len(self.names)
         state = dict(zip(self.names, tensors[:n]))
         it = iter(tensors[n:])
-        leaves = [next(it) if c is None else c for c in self.consts]
+        leaves = [next(it) if c is TENSOR else c for c in self.consts]
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         # functional_call swaps the module's tensors in and out: simulated ranks (threads)
         # share the module, so one call at a time (it holds no collective: no deadlock)
@@ -101,7 +106,8 @@ def _fake_shape(shape, inputs, example_inputs):
         candidates = [(i, d) for i in range(len(inputs))] + \
             [(i, k) for i, s in enumerate(example_inputs) for k in range(len(s))]
         for i, k in candidates:
-            if k < len(example_inputs[i]) and example_inputs[i][k] == size and k < inputs[i].dim():
+            if i < len(example_inputs) and i < len(inputs) and k < len(example_inputs[i]) \
+                    and example_inputs[i][k] == size and k < inputs[i].dim():
                 found = inputs[i].shape[k]
                 break
         out.append(found)
@@ -193,7 +199,7 @@ def _wrapper(module, path, records):
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         site = _Site(module, path, names, in_spec,
-                     [None if isinstance(x, torch.Tensor) else x for x in leaves],
+                     [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
                      out_spec=out_spec, example_outputs=outs, example_inputs=ins)
         state = dict(module.named_parameters())
         state.update(module.named_buffers())

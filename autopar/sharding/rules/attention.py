@@ -14,7 +14,7 @@ from autopar.sharding.rules.registry import OpInfo, Strategy, register
 aten = torch.ops.aten
 
 
-@register(aten.scaled_dot_product_attention)
+@register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(op: OpInfo) -> list[Strategy]:
     q, k, v = op.tensors[:3]
     mask = op.tensors[3] if len(op.tensors) > 3 else None

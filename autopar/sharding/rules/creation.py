@@ -7,14 +7,17 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 
 aten = torch.ops.aten
 
 
-@register(aten.arange, aten.ones, aten.zeros, aten.full, aten.empty, aten.scalar_tensor,
-          aten.eye, aten.tensor, aten.new_ones, aten.new_zeros, aten.new_full,
-          aten.new_empty, aten.randn, aten.rand, aten.randint, aten.linspace)
+# Not linspace.Tensor_*: their start/end tensors carry values, not only a dtype.
+@register(*aten_ops("arange", "arange.start", "arange.start_step", "ones", "zeros", "full",
+                    "empty.memory_format", "scalar_tensor", "eye", "eye.m", "tensor", "tensor.bool",
+                    "tensor.float", "tensor.int", "new_ones", "new_zeros", "new_full", "new_empty",
+                    "randn", "randn.generator", "rand", "rand.generator", "randint",
+                    "randint.generator", "randint.low", "randint.low_generator", "linspace"))
 def creation_rule(op: OpInfo) -> list[Strategy]:
     strategies = [op.replicated()]
     if len(op.tensors) == 1:  # new_zeros(self, size): only self's dtype and device matter

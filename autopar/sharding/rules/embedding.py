@@ -16,7 +16,7 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-@register(aten.embedding)
+@register(aten.embedding.default)
 def embedding_rule(op: OpInfo) -> list[Strategy]:
     weight, ids = op.tensors[0], op.tensors[1]
     out_ndim = op.outputs[0].ndim

@@ -1,6 +1,6 @@
 """Ops that HuggingFace models emit in masks and losses: logical and/or, diff, pad, index.
 
-- ``__and__``/``__or__``/``__xor__`` are elementwise (mask combination).
+- ``__and__``/``__or__``/``__xor__`` are elementwise (mask combination): see pointwise.py.
 - ``diff(x, n, dim)`` and ``pad(x, pads)`` mix elements only along the dims they act on:
   every other dim may stay split.
 - ``index.Tensor(x, [i0, i1, ...])`` (advanced indexing): dims of ``x`` that are not indexed
@@ -16,12 +16,9 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Shard
-from autopar.sharding.rules.pointwise import elementwise_rule
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
 aten = torch.ops.aten
-
-register(aten.__and__, aten.__or__, aten.__xor__)(elementwise_rule)
 
 
 def _keep_dims(op: OpInfo, dims: list[int]) -> list[Strategy]:
@@ -34,14 +31,14 @@ def _keep_dims(op: OpInfo, dims: list[int]) -> list[Strategy]:
     return strategies
 
 
-@register(aten.diff)
+@register(aten.diff.default)
 def diff_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.arg(2, "dim", -1) % x.ndim
     return _keep_dims(op, [d for d in range(x.ndim) if d != dim])
 
 
-@register(aten.pad, aten.constant_pad_nd)
+@register(aten.pad.default, aten.constant_pad_nd.default)
 def pad_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     pads = list(op.arg(1, "pad", []))

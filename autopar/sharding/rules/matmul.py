@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -58,13 +58,13 @@ def matmul_labels(a_ndim: int, b_ndim: int) -> tuple[str, str, str]:
     return lhs, rhs, out
 
 
-@register(aten.matmul, aten.mm, aten.bmm)
+@register(*aten_ops("matmul", "mm", "mm.dtype", "bmm", "bmm.dtype"))
 def matmul_rule(op: OpInfo) -> list[Strategy]:
     lhs, rhs, out = matmul_labels(op.tensors[0].ndim, op.tensors[1].ndim)
     return einsum_strategies(op, lhs, rhs, out)
 
 
-@register(aten.linear)
+@register(aten.linear.default)
 def linear_rule(op: OpInfo) -> list[Strategy]:
     """y = x @ w.T (the bias is split off into an add when the graph is prepared)."""
     x = op.tensors[0]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 
 aten = torch.ops.aten
 
 
-@register(aten.layer_norm, aten.rms_norm, aten.native_layer_norm)
+@register(*aten_ops("layer_norm", "rms_norm", "native_layer_norm"))
 def norm_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     lead = x.ndim - len(op.args[1])

@@ -10,29 +10,41 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 
 aten = torch.ops.aten
 R = Replicate()
 
-NONLINEAR = [
-    aten.relu, aten.gelu, aten.silu, aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.sqrt,
-    aten.rsqrt, aten.pow, aten.abs, aten.erf, aten.sin, aten.cos, aten.reciprocal, aten.log1p,
-    aten.masked_fill, aten.where, aten.clamp, aten.clamp_min, aten.clamp_max, aten.maximum,
-    aten.minimum, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.bitwise_not,
-    aten.bitwise_and, aten.bitwise_or, aten.logical_not, aten.logical_and, aten.logical_or,
-    aten.dropout, aten.leaky_relu, aten.hardtanh, aten.softplus, aten.elu, aten.mish,
-    aten.ones_like, aten.full_like, aten.empty_like, aten.rand_like, aten.randn_like, aten.floor, aten.ceil,
-    aten.round, aten.sign, aten.isnan, aten.isinf, aten.fill, aten.square, aten.relu_,
-    aten.gelu_, aten.silu_, aten.masked_fill_, aten.tril, aten.triu,
-]
+# One entry per overload (registry.aten_ops): "max.other" is elementwise, "max.dim" is not.
+NONLINEAR = aten_ops(
+    "relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "sqrt", "rsqrt",
+    "pow.Tensor_Tensor", "pow.Tensor_Scalar", "pow.Scalar", "abs", "erf", "sin", "cos",
+    "reciprocal", "log1p", "masked_fill.Scalar", "masked_fill.Tensor",
+    "where.self", "where.ScalarOther", "where.ScalarSelf", "where.Scalar",  # not where(cond): nonzero
+    "clamp", "clamp.Tensor", "clamp_min", "clamp_min.Tensor", "clamp_max", "clamp_max.Tensor",
+    "maximum", "minimum", "max.other", "min.other",
+    "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor",
+    "le.Scalar", "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar", "bitwise_not",
+    "bitwise_and.Tensor", "bitwise_and.Scalar", "bitwise_and.Scalar_Tensor", "bitwise_or.Tensor",
+    "bitwise_or.Scalar", "bitwise_or.Scalar_Tensor", "logical_not", "logical_and", "logical_or",
+    "__and__.Tensor", "__and__.Scalar", "__or__.Tensor", "__or__.Scalar", "__xor__.Tensor",
+    "__xor__.Scalar",
+    "dropout", "leaky_relu", "hardtanh", "softplus", "elu", "mish",
+    "ones_like", "full_like", "empty_like", "rand_like", "rand_like.generator", "randn_like",
+    "randn_like.generator", "floor", "ceil", "round", "round.decimals", "sign", "isnan", "isinf",
+    "fill.Scalar", "fill.Tensor", "square", "relu_", "gelu_", "silu_", "masked_fill_.Scalar",
+    "masked_fill_.Tensor", "tril", "triu",
+)
 # Linear in every tensor operand at once: P + P stays P.
-ADDITIVE = [aten.add, aten.sub, aten.add_, aten.sub_]
+ADDITIVE = aten_ops("add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "add_.Tensor",
+                    "add_.Scalar", "sub_.Tensor", "sub_.Scalar")
 # Linear in each operand alone: P * R stays P; for div only the numerator may be P.
-MULTIPLICATIVE = [aten.mul, aten.mul_, aten.div, aten.div_]
+MULTIPLICATIVE = aten_ops("mul.Tensor", "mul.Scalar", "mul_.Tensor", "mul_.Scalar", "div.Tensor",
+                          "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "div_.Tensor",
+                          "div_.Scalar", "div_.Tensor_mode", "div_.Scalar_mode")
 # Unary and linear: P stays P.
-UNARY_LINEAR = [aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy,
-                aten.to, aten.type_as, aten.zeros_like, aten.lift_fresh_copy]
+UNARY_LINEAR = aten_ops("neg", "clone", "contiguous", "alias", "detach", "_to_copy", "to.device",
+                        "to.dtype", "to.other", "type_as", "zeros_like", "lift_fresh_copy")
 
 
 def shard_strategies(op: OpInfo) -> list[Strategy]:

@@ -9,18 +9,26 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 
 aten = torch.ops.aten
 R = Replicate()
 
 
+# Overloads that reduce every dim; the others take (dim, keepdim) at argument positions
+# 1 and 2, except where _DIM_ARGS says otherwise (norms take the order p first).
+_FULL = set(aten_ops("sum", "mean", "max", "min", "any", "all", "prod", "norm.Scalar"))
+_DIM_ARGS = {op: (2, 3) for op in aten_ops("norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype",
+                                           "linalg_vector_norm")}
+
+
 def _reduced_dims(op: OpInfo) -> tuple[list[int], bool]:
     x = op.tensors[0]
-    dims = op.arg(1, "dim", None)
-    keepdim = bool(op.arg(2, "keepdim", False))
-    if dims is None or dims == [] or op.op in (aten.sum.default, aten.mean.default):
-        return list(range(x.ndim)), False
+    dim_at, keep_at = _DIM_ARGS.get(op.op, (1, 2))
+    dims = None if op.op in _FULL else op.arg(dim_at, "dim", None)
+    keepdim = bool(op.arg(keep_at, "keepdim", False))
+    if dims is None or dims == []:
+        return list(range(x.ndim)), keepdim
     if isinstance(dims, int):
         dims = [dims]
     return sorted(d % max(x.ndim, 1) for d in dims), keepdim
@@ -48,25 +56,27 @@ def reduction_strategies(op: OpInfo, partial_kind: str | None) -> list[Strategy]
     return strategies
 
 
-@register(aten.sum)
+@register(*aten_ops("sum", "sum.dim_IntList"))
 def sum_rule(op: OpInfo) -> list[Strategy]:
     return reduction_strategies(op, "sum")
 
 
-@register(aten.mean)
+@register(*aten_ops("mean", "mean.dim"))
 def mean_rule(op: OpInfo) -> list[Strategy]:
     return reduction_strategies(op, "avg")
 
 
-@register(aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.var,
-          aten.std, aten.any, aten.all, aten.logsumexp, aten.norm, aten.linalg_vector_norm, aten.prod)
+# Not here: max.other / min.other (elementwise, pointwise.py); var(self, unbiased) and
+# var.dim(..., unbiased, keepdim) (export emits var.correction); max.dim_max (out= forms).
+@register(*aten_ops("amax", "amin", "max", "min", "max.dim", "min.dim", "argmax", "argmin",
+                    "var.correction", "std.correction", "any", "any.dim", "any.dims", "all",
+                    "all.dim", "all.dims", "logsumexp", "norm.Scalar", "norm.ScalarOpt_dim",
+                    "norm.ScalarOpt_dim_dtype", "linalg_vector_norm", "prod", "prod.dim_int"))
 def nonlinear_reduction_rule(op: OpInfo) -> list[Strategy]:
-    if op.op in (aten.max.default, aten.min.default):  # full reductions without dim
-        return [op.replicated()]
     return reduction_strategies(op, None)
 
 
-@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum)
+@register(*aten_ops("softmax.int", "_softmax", "log_softmax.int", "_log_softmax", "cumsum"))
 def softmax_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.args[1] % x.ndim

@@ -113,9 +113,36 @@ Rule = Callable[[OpInfo], list[Strategy]]
 _RULES: dict[object, Rule] = {}
 
 
+def aten_ops(*names: str) -> tuple:
+    """ATen overloads by name: ``"relu"`` is ``aten.relu.default``, ``"max.other"`` that overload.
+
+    Rules are registered per overload because one packet mixes meanings: ``max.other`` is
+    elementwise, ``max.dim`` a reduction, ``max.default`` a full reduction.
+    """
+    out = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        out.append(getattr(getattr(torch.ops.aten, packet), overload or "default"))
+    return tuple(out)
+
+
 def register(*ops):
-    """Register a rule for ATen ops (OpOverloads or whole OpOverloadPackets)."""
+    """Register a rule for ATen OpOverloads (never whole packets; each op at most once).
+
+    Example:
+        >>> register(*aten_ops("relu", "max.other"))(elementwise_rule)
+    """
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"register({op!r}): register single overloads (e.g. {op!r}.default), "
+                            "not a whole overload packet: its overloads may mean different things.")
+
     def deco(fn: Rule) -> Rule:
+        for op in ops:
+            if op in _RULES:
+                raise ValueError(f"register: {op} already has the rule {_RULES[op].__name__!r}; "
+                                 f"a second one ({fn.__name__!r}) would silently replace it. Extend "
+                                 "the existing rule instead.")
         for op in ops:
             _RULES[op] = fn
         return fn
@@ -123,10 +150,7 @@ def register(*ops):
 
 
 def get_rule(op) -> Rule | None:
-    rule = _RULES.get(op)
-    if rule is None and hasattr(op, "overloadpacket"):
-        rule = _RULES.get(op.overloadpacket)
-    return rule
+    return _RULES.get(op)
 
 
 def registered_ops() -> list:

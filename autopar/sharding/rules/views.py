@@ -13,7 +13,7 @@ import torch
 
 from autopar.codegen.lowerings.split_blocked import SPLIT_BLOCKED
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -75,7 +75,7 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
     return out
 
 
-@register(aten.view, aten.reshape, aten._unsafe_view)
+@register(*aten_ops("view", "reshape", "_unsafe_view"))  # not view.dtype: a bit cast
 def view_rule(op: OpInfo) -> list[Strategy]:
     src, dst = op.tensors[0].shape, op.outputs[0].shape
     strategies = [op.replicated()] + _partials(1, 1)
@@ -108,13 +108,13 @@ def _blocked_view(src, dst) -> list[Strategy]:
     return out
 
 
-@register(aten.permute)
+@register(aten.permute.default)
 def permute_rule(op: OpInfo) -> list[Strategy]:
     dims = [d % op.tensors[0].ndim for d in op.args[1]]
     return _moved(op, {d_in: d_out for d_out, d_in in enumerate(dims)})
 
 
-@register(aten.transpose)
+@register(aten.transpose.int)
 def transpose_rule(op: OpInfo) -> list[Strategy]:
     n = op.tensors[0].ndim
     d0, d1 = op.args[1] % n, op.args[2] % n
@@ -123,33 +123,33 @@ def transpose_rule(op: OpInfo) -> list[Strategy]:
     return _moved(op, {d_in: d_out for d_out, d_in in enumerate(perm)})
 
 
-@register(aten.t)
+@register(aten.t.default)
 def t_rule(op: OpInfo) -> list[Strategy]:
     n = op.tensors[0].ndim
     return _moved(op, {0: n - 1, n - 1: 0} if n == 2 else {0: 0})
 
 
-@register(aten.unsqueeze)
+@register(aten.unsqueeze.default)
 def unsqueeze_rule(op: OpInfo) -> list[Strategy]:
     n = op.tensors[0].ndim
     at = op.args[1] % (n + 1)
     return _moved(op, {d: d + (d >= at) for d in range(n)})
 
 
-@register(aten.squeeze)
+@register(*aten_ops("squeeze", "squeeze.dim", "squeeze.dims"))
 def squeeze_rule(op: OpInfo) -> list[Strategy]:
     src, dst = op.tensors[0].shape, op.outputs[0].shape
     return _moved(op, view_dim_map(src, dst))
 
 
-@register(aten.expand)
+@register(aten.expand.default)
 def expand_rule(op: OpInfo) -> list[Strategy]:
     src, dst = op.tensors[0].shape, op.outputs[0].shape
     off = len(dst) - len(src)
     return _moved(op, {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}, partial=False)
 
 
-@register(aten.slice)
+@register(aten.slice.Tensor)
 def slice_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.arg(1, "dim", 0) % x.ndim
@@ -159,21 +159,21 @@ def slice_rule(op: OpInfo) -> list[Strategy]:
     return _moved(op, keep)
 
 
-@register(aten.select)
+@register(aten.select.int)
 def select_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.args[1] % x.ndim
     return _moved(op, {d: d - (d > dim) for d in range(x.ndim) if d != dim})
 
 
-@register(aten.unbind)
+@register(aten.unbind.int)
 def unbind_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.arg(1, "dim", 0) % x.ndim
     return _moved(op, {d: d - (d > dim) for d in range(x.ndim) if d != dim}, len(op.outputs))
 
 
-@register(aten.split, aten.split_with_sizes, aten.chunk)
+@register(*aten_ops("split.Tensor", "split.sizes", "split", "split_with_sizes", "chunk"))
 def split_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = op.arg(2, "dim", 0) % x.ndim
@@ -186,7 +186,7 @@ def split_rule(op: OpInfo) -> list[Strategy]:
     return strategies
 
 
-@register(aten.cat)
+@register(aten.cat.default)
 def cat_rule(op: OpInfo) -> list[Strategy]:
     n = op.outputs[0].ndim
     dim = op.arg(1, "dim", 0) % n
@@ -198,7 +198,7 @@ def cat_rule(op: OpInfo) -> list[Strategy]:
     return strategies
 
 
-@register(aten.stack)
+@register(aten.stack.default)
 def stack_rule(op: OpInfo) -> list[Strategy]:
     n = op.tensors[0].ndim
     dim = op.arg(1, "dim", 0) % (n + 1)

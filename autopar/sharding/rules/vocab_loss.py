@@ -21,7 +21,7 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-@register(aten.cross_entropy_loss)
+@register(aten.cross_entropy_loss.default)
 def vocab_cross_entropy_rule(op: OpInfo) -> list[Strategy]:
     strategies = cross_entropy_rule(op)
     logits, target = op.tensors[0], op.tensors[1]
