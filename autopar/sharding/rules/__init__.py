@@ -17,3 +17,10 @@ from autopar.sharding.rules import attention
 from autopar.sharding.rules import creation  # noqa: F401,E402
 from autopar.sharding.rules import vocab_loss  # noqa: F401,E402  (after loss: extends its cross_entropy rule)
 from autopar.sharding.rules import hf_ops  # noqa: F401,E402
+from autopar.sharding.rules import conv
+from autopar.sharding.rules import pooling
+from autopar.sharding.rules import batch_norm
+from autopar.sharding.rules import resample
+from autopar.sharding.rules import sorting
+from autopar.sharding.rules import scatter_gather
+from autopar.sharding.rules import views_extra  # noqa: F401,E402
