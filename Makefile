@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean fuzz
+.PHONY: demo test bench clean fuzz survey
 
 $(STAMP): requirements-test.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,3 +28,7 @@ fuzz: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Every architecture of the installed transformers, tiny, planned and checked: bench/SURVEY.md (~1 h on 2 vCPUs).
+survey: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.survey -j $${SURVEY_JOBS:-2} --limit $${SURVEY_LIMIT:-60}

@@ -38,6 +38,7 @@ SIZE_ONLY = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.defaul
              aten.sym_size.int}
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
             aten.clone.default, aten.alias.default}
+TRANSPOSES = {aten.t.default, aten.numpy_T.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 PASS_THROUGH = {aten.view.default, aten.reshape.default, aten.add.Tensor, aten.alias.default,
                 aten._unsafe_view.default, aten.contiguous.default}
@@ -84,6 +85,8 @@ def megatron(model: torch.nn.Module, axis: str = "tp", *, args=(), kwargs=None,
         why.append(f"{row}: {ann[row]!r}, reads only {', '.join(cols)}")
     if vocab:
         _vocab(g, ann, why, axis, sp_out)
+    for path in sorted(set(g.linears()) - set(ann)):
+        why.append(f"{path}: left replicated, {g.why_not.get(path, 'not part of a column/row pair')}")
     if sequence_parallel:
         for path in g.norms():
             ann[path] = sequence_parallel_annotation(axis)
@@ -125,6 +128,8 @@ class _Graph:
         if node.op != "call_function" or node.target not in MATMULS | {aten.embedding.default}:
             return None
         for a in node.args[:3]:
+            if isinstance(a, fx.Node) and a.op == "call_function" and a.target in TRANSPOSES:
+                a = a.args[0]  # x @ w.T (Falcon's linears): the weight seen through its transpose
             if isinstance(a, fx.Node) and a.name in self.params:
                 inner = module_path(node)  # a tied weight has one name: trust the calling module
                 if isinstance(getattr(self.modules.get(inner), "weight", None), torch.nn.Parameter):
@@ -142,11 +147,18 @@ class _Graph:
 
     def pairs(self) -> list[tuple[str, list[str]]]:
         out = []
+        self.why_not: dict[str, str] = {}
         for path, node in self.linears().items():
+            self.stop = "reads only parameter-free inputs"
             cols = self._reads(self._activation(node), path)
             if cols:
                 out.append((path, sorted(cols)))
+            else:
+                self.why_not[path] = f"not row-parallel: its input {self.stop}; no row-parallel layer reads it"
         rows = {r for r, _ in out}  # a layer cannot be both: such a chain is not a Megatron pair
+        for r, cols in out:
+            if rows & set(cols):
+                self.why_not[r] = f"both row-parallel (reads {', '.join(cols)}) and column-parallel: a chain"
         return [(r, cols) for r, cols in out if not rows & set(cols)]
 
     def _reads(self, start, own: str) -> set | None:
@@ -160,19 +172,44 @@ class _Graph:
             layer = self.layer_of.get(node) or self._inside_layer(node)
             if layer is not None and layer != own:  # the layer's own nodes (a Conv1D's bias add, its views) count as it
                 if _layer_kind(self.modules[layer]) == "embedding":
+                    if self._side_embedding(node):
+                        continue  # T5's relative position bias: looked up from positions, not the residual stream
+                    self.stop = f"reads the embedding {layer}"
                     return None
                 found.add(layer)
                 continue
             if node.op == "placeholder":
                 val = node.meta.get("val")
                 floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+                if node.name in self.params and self._per_head(val, own):
+                    continue  # qk-norm (Qwen3, Gemma-3, OLMo-2): a norm weight over the head dim only
                 if node.name in self.params or (floating and node.name in self.traced.user_inputs):
+                    self.stop = f"reads {self.traced.param_fqn.get(node.name, node.name)} (the residual stream)"
                     return None  # a norm, an embedding or the input activations: the residual stream
                 continue
             if node.op != "call_function" or node.target in SIZE_ONLY:
                 continue
             todo += [a for a in node.all_input_nodes]
         return found or None
+
+    def _per_head(self, val, own: str) -> bool:
+        """A 1-D weight smaller than the layer's input: a norm over one head's dim (qk-norm)."""
+        w = getattr(self.modules.get(own), "weight", None)
+        return isinstance(val, torch.Tensor) and val.dim() == 1 and w is not None and w.dim() == 2 \
+            and val.shape[0] < min(w.shape)
+
+    def _side_embedding(self, node) -> bool:
+        """An embedding looked up from computed positions (no user input upstream)."""
+        todo, seen = [node.args[1]] if node.target is aten.embedding.default else [], set()
+        while todo:
+            n = todo.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and n.name in self.traced.user_inputs:
+                return False
+            todo += n.all_input_nodes
+        return node.target is aten.embedding.default
 
     def _inside_layer(self, node):
         path = module_path(node)

@@ -12,3 +12,5 @@ from autopar.sharding.rules import pointwise, matmul, views, reductions, norms  
 from autopar.sharding.rules import embedding, loss, attention, creation  # noqa: F401
 from autopar.sharding.rules import vocab_loss  # noqa: F401  (registers cross_entropy_loss: extends loss's rule)
 from autopar.sharding.rules import hf_ops  # noqa: F401
+from autopar.sharding.rules import conv, pooling, batch_norm, resample  # noqa: F401
+from autopar.sharding.rules import sorting, scatter_gather, views_extra  # noqa: F401

@@ -146,7 +146,11 @@ def squeeze_rule(op: OpInfo) -> list[Strategy]:
 def expand_rule(op: OpInfo) -> list[Strategy]:
     src, dst = op.tensors[0].shape, op.outputs[0].shape
     off = len(dst) - len(src)
-    return _moved(op, {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}, partial=False)
+    strategies = _moved(op, {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}, partial=False)
+    for d in range(len(dst)):  # a broadcast dim comes out split: each rank expands to its part
+        if (d < off or src[d - off] == 1) and dst[d] > 1:
+            strategies.append(Strategy((R,), (Shard(d),), None, "broadcast to a split"))
+    return strategies
 
 
 @register(aten.slice.Tensor)

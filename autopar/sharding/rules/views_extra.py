@@ -1,0 +1,66 @@
+"""More views: flatten, unflatten, view_as, numpy_T (``w.T``), and copy_ into a like tensor.
+
+- flatten / view_as are views of the input's shape: the view rule's dim groups apply.
+- unflatten(x, dim, sizes): the view rule's groups too; its ``sizes`` are global, so the
+  lowering ``unflatten_local`` divides the entry that carries a split.
+- numpy_T reverses every dim (``w.T`` of a 2-D weight is t()).
+- copy_(dst, src): elementwise; both split alike, or both Partial.
+
+Example:
+    >>> flatten_rule(op)   # x (4, 8, 6) flatten(1) -> [R], [S(0) -> S(0)], [S(1) -> S(1)], ...
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.codegen.lowerings.base import Lowering, register_lowering
+from autopar.placement import Partial, Shard
+from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.views import _moved, view_rule
+
+aten = torch.ops.aten
+
+
+@register(aten.flatten.using_ints, aten.view_as.default)
+def flatten_rule(op: OpInfo) -> list[Strategy]:
+    return view_rule(op)
+
+
+class UnflattenLocal(Lowering):
+    """unflatten with its sizes made local: the output dims that carry a split shrink."""
+    name = "unflatten_local"
+
+    def emit(self, em, node, args, kwargs, axis: int):
+        from autopar.placement import shard_factor
+        dim = node.args[1] % node.args[0].meta["val"].dim()
+        spec = node.meta["autopar"].spec
+        sizes = [s if s == -1 else em._local_size(s, shard_factor(spec, em.mesh, dim + i))
+                 for i, s in enumerate(args[2])]
+        return em.graph.call_function(node.target, (args[0], args[1], sizes), kwargs)
+
+
+UNFLATTEN_LOCAL = register_lowering(UnflattenLocal())
+
+
+@register(aten.unflatten.int)
+def unflatten_rule(op: OpInfo) -> list[Strategy]:
+    return [Strategy(s.inputs, s.outputs, UNFLATTEN_LOCAL if isinstance(s.outputs[0], Shard) else None, s.note)
+            for s in view_rule(op)]
+
+
+@register(aten.numpy_T.default)
+def numpy_t_rule(op: OpInfo) -> list[Strategy]:
+    n = op.tensors[0].ndim
+    return _moved(op, {d: n - 1 - d for d in range(n)})
+
+
+@register(aten.copy_.default, aten.copy.default)
+def copy_rule(op: OpInfo) -> list[Strategy]:
+    dst, src = op.tensors[0], op.tensors[1]
+    strategies = [op.replicated()]
+    if src.shape == dst.shape:
+        for d in range(dst.ndim):
+            if dst.shape[d] > 1:
+                strategies.append(op.strategy({dst: Shard(d), src: Shard(d)}, Shard(d)))
+        strategies.append(op.strategy({dst: Partial(), src: Partial()}, Partial(), note="linear"))
+    return strategies
