@@ -28,7 +28,7 @@ from autopar.parallel.pipeline import api as pipeline_api
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel=None, strict: bool = False, dynamic: bool = True, repeat_blocks: bool = True,
          bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None,
-         debug: bool = False) -> Plan:
+         debug: bool = False, auto=None) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -40,6 +40,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     ap.compile check that all ranks hold the same plan before the first collective.
     ``repeat_blocks`` traces a long list of identical blocks two deep and copies the rest
     (the same graph, much faster for deep models; see autopar/trace/repeat_blocks.py); False exports all.
+    ``auto=True`` or ``auto=ap.Auto(...)`` lets a solver choose what every mesh axis does and the
+    annotations (see autopar/search/); ``annotations`` and ``data_parallel`` are then constraints.
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
@@ -57,12 +59,20 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     with keep_opaque(model, keep, args, kwargs or {}):
         traced = trace(model, args, kwargs, dynamic=dynamic, repeat_blocks=repeat_blocks)
     ndims = _input_ndims(traced, args, kwargs)
+    record = None
+    if auto is not None and auto is not False:
+        from autopar.search.auto import search  # the search plans many probes on this trace (issue 16)
+        annotations, dp, record = search(model, mesh, traced, annotations, dp, auto, ndims, strict)
+        data_parallel = dp.axis if dp is not None else None
+        dp_axis = mesh.axis_index(data_parallel) if data_parallel is not None else None
     seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
     _unify_tied(seeds, traced)
     ctx = propagate(traced, mesh, seeds, strict)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
                "strict": strict, "data_parallel": dp, "debug": debug}
+    if record is not None:
+        options["auto"] = record  # JSON: the search's choice, its reasons and the runners-up
     result = Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
     if pipeline is not None:
         pipeline_api.attach(result, pipeline, splits)

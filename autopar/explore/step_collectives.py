@@ -140,12 +140,17 @@ def _sync_comms(plan, sy) -> list[Comm]:
             if dp.local_sgd_every is not None:
                 continue
             wire = numel * (dp.reduce_dtype.itemsize if dp.reduce_dtype is not None else b.dtype.itemsize)
-            if dp.zero == 2:
-                out.append(_comm(sy, "reduce_scatter", axis, "grad sync", (n - 1) / n * wire, *where))
-            else:
-                out.append(_comm(sy, "all_reduce", axis, "grad sync", 2 * (n - 1) / n * wire, *where))
-            if dp.zero:
-                out.append(_comm(sy, "all_gather", axis, "optimizer", (n - 1) / n * nbytes, *where))
+            out += [_comm(sy, kind, axis, phase, f, *where) for kind, phase, f in dp_sync(dp.zero, n, wire, nbytes)]
+    return out
+
+
+def dp_sync(zero: int, n, wire, nbytes) -> list[tuple]:
+    """(kind, phase, bytes per rank) of one bucket's sync on the data-parallel axis of size ``n``:
+    ``wire`` bytes of gradient on the wire, ``nbytes`` of parameters (ZeRO all-gathers them)."""
+    out = [("reduce_scatter", "grad sync", (n - 1) / n * wire) if zero == 2
+           else ("all_reduce", "grad sync", 2 * (n - 1) / n * wire)]
+    if zero:
+        out.append(("all_gather", "optimizer", (n - 1) / n * nbytes))
     return out
 
 
