@@ -25,17 +25,18 @@ from autopar.runtime.comm_stats import CommStats, comm_stats
 from autopar.runtime.failures import CollectiveError
 from autopar.runtime.grad_clip import clip_grad_norm_
 from autopar.runtime.simulator import SimulationError
+from autopar.search import Auto, calibrate, predict
 from autopar.sharding.rules.batch_norm import sync_batch_norm
 from autopar.sharding.annotations import (colwise, place, replicate, replicated, rowwise, sequence_parallel,
                                           vocab_parallel)
 from autopar.trace.opaque import opaque
 
 __all__ = [
-    "AnnotationError", "CollectiveError", "CommStats", "Cost", "DataParallel", "DataParallelError",
+    "AnnotationError", "Auto", "CollectiveError", "CommStats", "Cost", "DataParallel", "DataParallelError",
     "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial", "Pipeline",
     "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions", "Replicate",
-    "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "clip_grad_norm_", "colwise",
-    "comm_stats",
-    "compile", "load_plan", "opaque", "parallelize", "place", "plan", "presets", "replicate", "replicated",
-    "rowwise", "sequence_parallel", "split_before", "sync_batch_norm", "vocab_parallel",
+    "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "calibrate",
+    "clip_grad_norm_", "colwise", "comm_stats", "compile", "load_plan", "opaque", "parallelize", "place",
+    "plan", "predict", "presets", "replicate", "replicated", "rowwise", "sequence_parallel", "split_before",
+    "sync_batch_norm", "vocab_parallel",
 ]

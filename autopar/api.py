@@ -23,7 +23,7 @@ from autopar.runtime.failures import install_excepthook
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel=None, pipeline=None, strict: bool = False, dynamic: bool = True,
-         repeat_blocks: bool = True, debug: bool = False) -> Plan:
+         repeat_blocks: bool = True, debug: bool = False, auto=None) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -35,12 +35,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     replicated fallback. ``debug`` makes ap.parallelize check that all ranks hold the same plan
     before the first collective. ``repeat_blocks`` traces a long list of identical blocks two
     deep and copies the rest (the same graph, much faster for deep models; see
-    autopar/trace/repeat_blocks.py); False exports all. The keyword arguments become one
+    autopar/trace/repeat_blocks.py); False exports all. ``auto=True`` or ``auto=ap.Auto(...)``
+    lets a solver choose what every mesh axis does and the annotations (see autopar/search/);
+    ``annotations`` and ``data_parallel`` are then constraints. The keyword arguments become one
     ``ap.PlanOptions`` (``plan.options``).
     """
     annotations, splits = take_splits(annotations)
     options = PlanOptions(data_parallel=data_parallel, pipeline=pipeline, split_before=splits,
-                          strict=strict, dynamic=dynamic, repeat_blocks=repeat_blocks, debug=debug)
+                          strict=strict, dynamic=dynamic, repeat_blocks=repeat_blocks, debug=debug,
+                          auto=auto if auto is not False else None)
     return make_plan(model, mesh, options, args=args, kwargs=kwargs, annotations=annotations)
 
 

@@ -28,6 +28,7 @@ class PlanOptions:
     dynamic: bool = True       # batch and sequence dims exported as dynamic
     repeat_blocks: bool = True  # trace identical blocks two deep and copy the rest
     debug: bool = False        # ap.parallelize checks that every rank planned alike
+    auto: object = None        # True or ap.Auto: the search chooses layouts (search/); None once done
 
     def __post_init__(self):
         object.__setattr__(self, "data_parallel", DataParallel.of(self.data_parallel))

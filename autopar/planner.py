@@ -49,9 +49,28 @@ def make_plan(model: torch.nn.Module, mesh: Mesh, options: PlanOptions, *, args=
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
     with keep_opaque(model, keep, args, kwargs or {}):
         traced = trace(model, args, kwargs, dynamic=options.dynamic, repeat_blocks=options.repeat_blocks)
+    ndims = _input_ndims(traced, args, kwargs)
+    record = None
+    if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
+        from autopar.search.auto import search
+        annotations, dp, record = search(model, mesh, traced, annotations, options.data_parallel, options.auto,
+                                         ndims, options.strict)
+        options = options.replace(data_parallel=dp, auto=None)
+        _validate(mesh, options, annotations)
+    plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds,
+                       enforce=enforce)
+    if record is not None:
+        plan.built["auto"] = record  # JSON: the search's choice, its reasons and the runners-up
+    return plan
+
+
+def plan_traced(model: torch.nn.Module, mesh: Mesh, traced, options: PlanOptions, *, annotations=None,
+                ndims: dict | None = None, seeds: Seeds | None = None, enforce: Callable | None = None) -> Plan:
+    """The stages after tracing: seed -> propagate -> gradient flow -> Plan -> techniques (the
+    search plans its probes on one trace with this)."""
     if seeds is None:
         data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
-        seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, _input_ndims(traced, args, kwargs))
+        seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, ndims)
     _unify_tied(seeds, traced)
     ctx = propagate(traced, mesh, seeds, options.strict)
     if enforce is not None:
@@ -69,7 +88,10 @@ def with_options(plan: Plan, options: PlanOptions) -> Plan:
         raise DataParallelError(f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
                                 "split shapes every layout, so plan again (ap.plan) to change the axis.")
     _validate(plan.mesh, options, {})
-    return _finish(Plan(plan.model, plan.mesh, plan.traced, plan.layouts, options))
+    new = _finish(Plan(plan.model, plan.mesh, plan.traced, plan.layouts, options))
+    if "auto" in plan.built:
+        new.built["auto"] = plan.built["auto"]
+    return new
 
 
 def _finish(plan: Plan) -> Plan:

@@ -24,6 +24,10 @@ R = Replicate()
 
 
 def explain(plan, name: str) -> Text:
+    rec = plan.built.get("auto")
+    if name == "auto" and rec:
+        from autopar.search.explain import search_text
+        return Text(search_text(rec))
     nodes = {n.name: n for n in plan.graph.nodes if "autopar" in n.meta}
     params = dict(plan.model.named_parameters(remove_duplicate=False))
     modules = {p for n in plan.graph.nodes for p in module_paths(n)}
@@ -191,4 +195,8 @@ def _explain_module(plan, path, comms) -> str:
     total = sum(c.bytes for c in inside)
     lines.append(f"  collectives: {len(inside)}, {fmt_bytes(total)} per step and rank")
     lines += [f"    {c.node}: {comm_label(c)} {fmt_bytes(c.bytes)}: {comm_reason(plan, c)}" for c in inside]
+    if plan.built.get("auto"):
+        from autopar.search.explain import module_reason
+        why = module_reason(plan.built["auto"], path)
+        lines += [why] if why else []
     return "\n".join(lines)

@@ -89,6 +89,7 @@ def plan_record(plan) -> dict:
         "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
         "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
         "autopar_version": _version(), "options": _options_out(plan.options), "dynamic": plan.traced.dynamic,
+        "auto": plan.built.get("auto"),  # the search's record (ap.plan(auto=...)), JSON
         "inputs": {"names": list(plan.traced.user_inputs),
                    "metas": [_input_meta(phs[name]) for name in plan.traced.user_inputs],
                    "spec": pytree.treespec_dumps(plan.traced.in_spec)},
@@ -112,7 +113,7 @@ def _version() -> str:
 def _options_out(options) -> dict:
     """ap.PlanOptions as JSON: plain fields as they are, each technique by its own fields()."""
     out = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-           if f.name not in ("data_parallel", "pipeline", "split_before")}
+           if f.name not in ("data_parallel", "pipeline", "split_before", "auto")}  # auto: done, see "auto"
     dp = options.data_parallel
     out["data_parallel"] = None if dp is None else {"__DataParallel__": dp.fields()}
     return out
@@ -215,8 +216,11 @@ def _rebuild(rec, model, mesh, args, kwargs, path):
     options = _options_in(rec["options"], path)
     if "dynamic" in rec:
         options = options.replace(dynamic=rec["dynamic"])
-    return make_plan(model, mesh, options, args=args, kwargs=kwargs, seeds=seeds,
+    plan = make_plan(model, mesh, options, args=args, kwargs=kwargs, seeds=seeds,
                      enforce=lambda graph: _enforce(graph, rec["nodes"], mesh, path))
+    if rec.get("auto") is not None:
+        plan.built["auto"] = rec["auto"]
+    return plan
 
 
 def _enforce(graph, saved_nodes, mesh, path) -> None:

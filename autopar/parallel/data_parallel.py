@@ -118,14 +118,9 @@ class DataParallel(Technique):
 
     def bucket_comms(self, numel, dtype: torch.dtype, n) -> list[tuple]:
         """(kind, phase, bytes per rank) of one gradient bucket on this axis of size ``n``."""
-        from autopar.sharding.redistribute import ring_bytes
         if self.local_sgd_every is not None:
             return []  # parameters averaged every k steps instead
-        wire = numel * (self.reduce_dtype or dtype).itemsize
-        sync = ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire, n)) if self.zero == 2 else \
-            ("all_reduce", "grad sync", ring_bytes("all_reduce", wire, n))
-        gather = [("all_gather", "optimizer", ring_bytes("all_gather", numel * dtype.itemsize / n, n))]
-        return [sync] + (gather if self.zero else [])
+        return bucket_sync(self.zero, n, numel * (self.reduce_dtype or dtype).itemsize, numel * dtype.itemsize)
 
     def fields(self) -> dict:
         out = super().fields()
@@ -139,3 +134,14 @@ class DataParallel(Technique):
         if fields.get("reduce_dtype") is not None:
             fields["reduce_dtype"] = getattr(torch, fields["reduce_dtype"])
         return cls(**fields)
+
+
+def bucket_sync(zero: int, n, wire_bytes, param_bytes) -> list[tuple]:
+    """(kind, phase, bytes per rank) of one bucket's sync on a data-parallel axis of size ``n``:
+    ``wire_bytes`` of gradient on the wire, ``param_bytes`` of parameters (ZeRO all-gathers them
+    after the step). The one definition the plan's collectives and the search's costs share."""
+    from autopar.sharding.redistribute import ring_bytes
+    sync = ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire_bytes, n)) if zero == 2 else \
+        ("all_reduce", "grad sync", ring_bytes("all_reduce", wire_bytes, n))
+    gather = [("all_gather", "optimizer", ring_bytes("all_gather", param_bytes / n, n))] if zero else []
+    return [sync] + gather

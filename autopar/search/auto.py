@@ -1,0 +1,186 @@
+"""ap.plan(..., auto=...): probe plans on the one trace, cost them by component, solve, annotate.
+
+1. components (candidates.py): the Megatron pairs and the vocabulary, found from the graph.
+2. probes: for each axis-role structure, the plan with every free component split on the tp
+   axis (and, once per dp axis, the plan with none split); each is an ordinary propagation on
+   the same traced graph, costed by evaluate.plan_terms, node by node attributed to components.
+3. the MILP (solver.py) over structures x ZeRO levels x component choices, under the budget.
+4. the annotations and ap.DataParallel of the solution go back to ap.plan, which plans them
+   as if the user had written them; the reasons and the runners-up go in plan.built["auto"].
+
+Constraints: ``data_parallel=`` fixes the dp axis (its ZeRO level too when it is not 0);
+annotations are kept as written, the components they touch are not searched, and an axis
+they name is the tp axis.
+
+Example:
+    >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30))
+    >>> print(plan.explain("auto"))
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import time
+
+from autopar.options import PlanOptions
+from autopar.planner import plan_traced
+from autopar.parallel.data_parallel import DataParallel
+from autopar.errors import PlanError
+from autopar.search.candidates import components, sp_annotations, structures
+from autopar.search.evaluate import Terms, plan_terms
+from autopar.search.options import Auto
+from autopar.search.short import copied, shortened
+from autopar.search.solver import Option, solve
+
+
+class NoPlanError(PlanError):
+    """No plan the search may choose fits: the memory budget is too small, or constraints clash."""
+
+
+def search(model, mesh, traced, annotations, dp, auto, ndims, strict):
+    """(annotations, DataParallel or None, record) of the best plan under ``auto``."""
+    t0 = time.perf_counter()
+    auto = Auto.of(auto)
+    profile = auto.profile()
+    user = dict(annotations or {})
+    comps, norms = components(model, traced)
+    touched = {c.key for c in comps if _touched(c, user, model)}
+    free = [c for c in comps if c.key not in touched]
+    comp_of = {n: c.key for c in free for n in c.nodes}
+    param_comp = {p: c.key for c in free for p in c.params}
+    user_axes = {a.axis for a in user.values() if getattr(a, "axis", None) is not None}
+    if len(user_axes) > 1:
+        raise PlanError(f"ap.plan(auto=...): the annotations name the axes {sorted(user_axes)}; the search "
+                        "uses one tensor-parallel axis. Annotate one axis, or plan without auto.")
+    fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
+    fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
+    structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True)
+    probes: dict = {}
+    short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)
+    graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
+
+    def probe(dp_axis, tp_axis, sp):
+        key = (dp_axis, tp_axis, sp)
+        if key not in probes:
+            ann = dict(user)
+            if tp_axis is not None:
+                name = mesh.axis_names[tp_axis]
+                for c in free:
+                    if c.kind != "vocab" or auto.vocab_parallel or sp:
+                        ann.update(c.annotations(name, sp))
+                if sp:
+                    ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
+            probes[key] = _probe(model, mesh, graph_for, ann, dp_axis, ndims, strict,
+                                 comp_of, param_comp, profile, auto.optimizer_states, weights)
+        return probes[key]
+    options = []
+    for s in structs:
+        split = probe(s.dp, s.tp, s.sp) if s.tp is not None else None
+        rep = probe(s.dp, None, False) if not s.sp else None
+        if (s.tp is not None and split is None) or (rep is None and split is None):
+            continue
+        base = (split or rep).get("base", Terms())
+        for z in _zeros(s, dp, auto):
+            options.append(_option(s, z, base, free, split, rep, mesh, profile))
+    if not options:
+        raise NoPlanError(f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
+                          "(batch or layer sizes not divisible by the axes?). Plan by hand.")
+    best = solve(options, auto.memory_budget, profile.overlap)
+    if best is None:
+        least = min(_least_memory(o) for o in options)
+        raise NoPlanError(f"ap.plan(auto=ap.Auto(memory_budget={auto.memory_budget:.4g})): no plan fits; the "
+                          f"least memory per rank any option needs is {least:.4g} B. Raise the budget, "
+                          "use a larger mesh or a smaller batch.")
+    record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
+    s, zero = best.option
+    if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
+        s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
+        record["chosen"] = _label(mesh, (s, zero)) + " (the tp axis split nothing)"
+    ann = dict(user)
+    if s.tp is not None:
+        name = mesh.axis_names[s.tp]
+        for c in free:
+            if best.choices.get(c.key) == "split":
+                ann.update(c.annotations(name, s.sp))
+        if s.sp:
+            ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
+    new_dp = None
+    if s.dp is not None:
+        base_dp = dp or DataParallel(mesh.axis_names[s.dp])
+        new_dp = dataclasses.replace(base_dp, axis=mesh.axis_names[s.dp], zero=zero)
+    record["search_s"] = time.perf_counter() - t0
+    return ann, new_dp, record
+
+
+def _touched(comp, user, model) -> bool:
+    pats = [*comp.cols, *comp.rows, *([comp.embedding] if comp.embedding else []), *comp.heads]
+    paths = [p for p, _ in model.named_modules() if any(fnmatch.fnmatchcase(p, q) for q in pats)]
+    return any(fnmatch.fnmatchcase(p, u) for p in paths for u in user) or any(
+        fnmatch.fnmatchcase(n, u) for n in comp.params for u in user)
+
+
+def _zeros(s, dp, auto) -> tuple:
+    if s.dp is None:
+        return (0,)
+    if dp is not None and dp.zero:
+        return (dp.zero,)
+    return tuple(auto.zero) or (0,)
+
+
+def _probe(model, mesh, traced, ann, dp_axis, ndims, strict, comp_of, param_comp, profile, states, weights):
+    """The probe plan's Terms per component (None when it cannot be planned)."""
+    dp_name = mesh.axis_names[dp_axis] if dp_axis is not None else None
+    options = PlanOptions(data_parallel=DataParallel(dp_name) if dp_name else None, strict=strict)
+    try:
+        plan = plan_traced(model, mesh, traced, options, annotations=ann, ndims=ndims)
+    except PlanError:
+        return None
+    return plan_terms(plan, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+
+
+def _coefs(t: Terms, mesh, profile, dp_axis, zero) -> tuple:
+    sync, gather = t.dp_sync(mesh, profile, dp_axis, zero)
+    return (t.compute + t.comm + gather, sync + t.sync_other, t.backward, t.memory(mesh, dp_axis, zero))
+
+
+def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:
+    comps = {}
+    for c in free:
+        ch = {}
+        if split is not None:
+            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, s.dp, zero)
+        if rep is not None:
+            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, s.dp, zero)
+        comps[c.key] = ch
+    return Option((s, zero), _coefs(base, mesh, profile, s.dp, zero), comps)
+
+
+def _least_memory(o: Option) -> float:
+    return o.base[3] + sum(min(v[3] for v in ch.values()) for ch in o.comps.values())
+
+
+def _label(mesh, option) -> str:
+    s, zero = option
+    return s.roles(mesh) + (f", ZeRO-{zero}" if s.dp is not None else "")
+
+
+def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes) -> dict:
+    """What plan.explain("auto") prints (JSON, saved with the plan)."""
+    runners = []
+    for o in options:  # each option's own optimum: what choosing it instead would cost
+        sol = solve([o], auto.memory_budget, profile.overlap)
+        runners.append({"option": _label(mesh, o.label), "time_s": sol.time if sol else None,
+                        "memory": sol.memory if sol else _least_memory(o),
+                        "fits": sol is not None})
+    runners.sort(key=lambda r: (r["time_s"] is None, r["time_s"] or 0.0))
+    chosen = next(o for o in options if o.label == best.option)
+    comps = []
+    for c in free:
+        opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
+        pats = sorted({*c.cols, *c.rows, *c.heads, *([c.embedding] if c.embedding else [])})
+        comps.append({"key": c.key, "what": c.describe(), "choice": best.choices[c.key], "options": opts,
+                      "patterns": pats})
+    return {"chosen": _label(mesh, best.option), "time_s": best.time, "memory": best.memory,
+            "budget": auto.memory_budget, "profile": dataclasses.asdict(profile), "components": comps,
+            "constrained": sorted(touched), "runners_up": runners[:12], "solver": "scipy.optimize.milp (HiGHS)",
+            "search_s": seconds, "probes": n_probes, "options": len(options)}

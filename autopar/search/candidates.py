@@ -1,0 +1,188 @@
+"""What each mesh axis can do, and the parts of the model whose layout the search chooses.
+
+Axis roles (one per mesh axis, see ``structures``): ``dp`` (the batch split, gradients
+synced; ZeRO 0/1/2 are memory options of it), ``tp`` (Megatron tensor parallel: the
+column/row pairs, optionally the vocabulary and sequence parallel) and ``R`` (replicated:
+every rank of the axis computes the same). At most one axis is dp (ap.DataParallel has one
+axis) and at most one is tp (an annotation names one axis).
+
+Components are what the search decides layer by layer on the tp axis: each Megatron pair
+(found from the graph by presets.megatron's analysis) and the vocabulary (word embedding,
+LM head and the loss after it). A component is split or replicated. Its key is its module
+path with block numbers replaced by ``*`` ("model.layers.*.mlp"): every block of a repeated
+stack shares one decision, so the problem does not grow with depth. Between components the
+activations are replicated on tp (Megatron's pairs begin at a replicated input and end in a
+reduction to replicated), so the cost of a component's choice does not depend on another's:
+a step's cost is the sum of the components' costs plus the rest (``base``). With sequence
+parallelism the boundaries are split on the sequence instead, and then every component is
+split (a replicated pair there would need gathers the probes do not measure).
+
+Example:
+    >>> comps = components(model, traced)
+    >>> [c.key for c in comps]                     # ['blocks.*.attn', 'blocks.*.mlp', 'vocab']
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from autopar.sharding.annotations import colwise, rowwise, sequence_parallel, vocab_parallel
+from autopar.placement import Shard
+from autopar.presets.megatron_plan import _Graph
+from autopar.sharding.propagate import module_path
+
+CHOICES = ("split", "R")
+
+
+def pattern(path: str) -> str:
+    """'model.layers.5.mlp.up_proj' -> 'model.layers.*.mlp.up_proj'."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path)
+
+
+@dataclass
+class Component:
+    key: str
+    kind: str                       # "pair" | "vocab"
+    cols: dict = field(default_factory=dict)   # pattern -> blocks (pair: column-parallel layers)
+    rows: set = field(default_factory=set)     # patterns (pair: row-parallel layers)
+    embedding: str | None = None               # pattern (vocab)
+    heads: set = field(default_factory=set)    # patterns (vocab)
+    nodes: set = field(default_factory=set)    # node names of every instance (its region)
+    params: set = field(default_factory=set)   # parameter names of every instance
+    instances: int = 0
+
+    def annotations(self, axis: str, sp: bool) -> dict:
+        out_sp = Shard(1) if sp else None
+        if self.kind == "vocab":
+            ann = {h: vocab_parallel(axis) for h in self.heads}
+            if self.embedding:
+                ann[self.embedding] = vocab_parallel(axis, output=out_sp) if sp else vocab_parallel(axis)
+            return ann
+        ann = {c: (colwise(axis, blocks=k) if k > 1 else colwise(axis)) for c, k in self.cols.items()}
+        ann.update({r: (rowwise(axis, output=out_sp) if sp else rowwise(axis)) for r in self.rows})
+        return ann
+
+    def describe(self) -> str:
+        if self.kind == "vocab":
+            return f"vocabulary: embedding {self.embedding}, head {', '.join(sorted(self.heads)) or '-'}"
+        return f"pair {', '.join(sorted(self.cols))} -> {', '.join(sorted(self.rows))} ({self.instances}x)"
+
+
+def components(model, traced) -> tuple[list[Component], list[str]]:
+    """The model's components and its norm patterns (sequence parallel), from the traced graph."""
+    g = _Graph(model, traced)
+    nodes = list(traced.gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    linears = g.linears()
+    by_key: dict[str, Component] = {}
+    for row, cols in g.pairs():
+        key = pattern(_common(row, *cols))
+        comp = by_key.setdefault(key, Component(key, "pair"))
+        for c in cols:
+            comp.cols[pattern(c)] = g.blocks(c)
+        comp.rows.add(pattern(row))
+        comp.instances += 1
+        comp.nodes |= _region([linears[c] for c in cols], linears[row], index, {row, *cols})
+        comp.params |= _params_of(model, [row, *cols])
+    comps = list(by_key.values())
+    emb = g.word_embedding()
+    if emb is not None:
+        heads = [h for h in g.heads(emb[1], emb[0]) if not any(pattern(h) in c.cols or pattern(h) in c.rows
+                                                                for c in comps)]
+        comp = Component("vocab", "vocab", embedding=pattern(emb[0]), heads={pattern(h) for h in heads}, instances=1)
+        own = {emb[0], *heads}
+        comp.nodes = {n.name for n in nodes if module_path(n) in own}
+        for h in heads:
+            comp.nodes |= _downstream(linears[h], index)
+        comp.params = _params_of(model, own)
+        comps.append(comp)
+    taken = set()
+    for c in comps:  # a node in two regions (it should not happen) counts for the first
+        c.nodes -= taken
+        taken |= c.nodes
+    norms = sorted({pattern(p) for p in g.norms()}) if emb is not None else []
+    return comps, norms
+
+
+def _common(*paths: str) -> str:
+    parts = [p.split(".") for p in paths]
+    out = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        out.append(level[0])
+    return ".".join(out) or "+".join(sorted(paths))
+
+
+def _region(col_nodes, row_node, index, paths) -> set:
+    """Node names between the column layers' matmuls and the row layer's (inclusive), plus
+    the nodes of the layers themselves (bias adds, views): what the pair's split changes."""
+    lo, hi = min(index[c] for c in col_nodes), index[row_node]
+    fwd, todo = set(col_nodes), list(col_nodes)
+    while todo:
+        for u in todo.pop().users:
+            if u not in fwd and index.get(u, hi + 1) <= hi:
+                fwd.add(u)
+                todo.append(u)
+    back, todo = {row_node}, [row_node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in back and index.get(a, -1) >= lo:
+                back.add(a)
+                todo.append(a)
+    out = {n.name for n in fwd & back}
+    out |= {n.name for n in index if module_path(n) in paths and n.op == "call_function"}
+    return out
+
+
+def _downstream(node, index) -> set:
+    seen, todo = {node}, [node]
+    while todo:
+        for u in todo.pop().users:
+            if u not in seen and u.op == "call_function":
+                seen.add(u)
+                todo.append(u)
+    return {n.name for n in seen}
+
+
+def _params_of(model, paths) -> set:
+    out = set()
+    for p in paths:
+        out |= {f"{p}.{n}" for n, _ in model.get_submodule(p).named_parameters()}
+    return out
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What each axis does: the dp axis, the tp axis, sequence parallel on tp."""
+    dp: int | None
+    tp: int | None
+    sp: bool
+
+    def roles(self, mesh) -> str:
+        names = []
+        for a, n in enumerate(mesh.axis_names):
+            role = "dp" if a == self.dp else ("tp+sp" if a == self.tp and self.sp else "tp" if a == self.tp else "R")
+            names.append(f"{n}={role}")
+        return ", ".join(names)
+
+
+def structures(mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None, any_dp: bool) -> list[Structure]:
+    """Every assignment of roles to axes (at most one dp, one tp) that the constraints allow."""
+    out = []
+    axes = [None, *range(mesh.ndim)]
+    for dp in axes:
+        if (fixed_dp is not None and dp != fixed_dp) or (not any_dp and dp is not None and fixed_dp is None):
+            continue
+        for tp in axes:
+            if tp is not None and tp == dp:
+                continue
+            if fixed_tp is not None and tp != fixed_tp:
+                continue
+            for sp in ((False, True) if tp is not None and allow_sp else (False,)):
+                out.append(Structure(dp, tp, sp))
+    return out
+
+
+def sp_annotations(norms: list[str], axis: str) -> dict:
+    return {n: sequence_parallel(axis) for n in norms}

@@ -1,0 +1,166 @@
+"""The search's cost model: one plan's step time and memory per rank, split by component.
+
+This is plan.cost()'s model evaluated with numbers instead of sympy (the search evaluates
+many probe plans; sympy would take seconds on an 8B model), plus the two things a step time
+needs that a byte count does not: links and overlap.
+
+- compute: forward FLOPs per rank of every op (estimate.node_flops over the ranks that share
+  it), backward counted twice that, divided by the profile's FLOP/s.
+- activation collectives (forward and backward, from cost.collectives, the list the runtime
+  runs): ``alpha * ring rounds + bytes / beta`` of the axis' link; not overlapped.
+- gradient sync: per parameter, its local bytes on each axis it is summed over (data_parallel.bucket_sync
+  on the dp axis, with the ZeRO level); hidden behind ``overlap`` x the backward compute, the
+  rest exposed (the runtime launches each bucket in backward as its last gradient is ready).
+  Approximation: buckets' latency counted as ``bytes / bucket_bytes`` rounds (fractional), and
+  the last bucket's tail (it cannot overlap anything) is not charged.
+- ZeRO's parameter all-gather after the optimizer step: exposed.
+- memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
+  divides them by dp), activations (every non-view op's output that needs a gradient) - as
+  estimate.memory_formulas counts them (tests/test_auto.py holds the two against each other).
+
+Example:
+    >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]
+    >>> t.time(plan.mesh, PROFILES["cpu-gloo"], dp_axis=0, zero=1)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from autopar.explore.step_collectives import collectives
+from autopar.parallel.data_parallel import bucket_sync
+from autopar.explore.cost import VIEWS, _split_factor, node_flops, op_name
+from autopar.explore.formulas import PlanSymbols, ring_steps
+from autopar.sharding.propagate import layout_of, tensor_outputs
+
+BUCKET_BYTES = 25 * 2**20
+
+
+class Numbers(PlanSymbols):
+    """PlanSymbols that give numbers at the example: sizes are ints, axes are the mesh's sizes."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh, {}, {}, {})
+        self.axes = list(mesh.shape)
+
+    def dim(self, size):
+        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+    def numel(self, shape, placements=None):
+        return float(math.prod(self.shape(shape, placements)))
+
+    def value(self, expr, **values) -> float:
+        return float(expr)
+
+
+@dataclass
+class Terms:
+    """Additive pieces of one part of a plan (numbers per rank and step)."""
+    compute: float = 0.0      # s, forward + backward
+    backward: float = 0.0     # s of backward compute (what the gradient sync can hide behind)
+    comm: float = 0.0         # s of activation collectives
+    sync_other: float = 0.0   # s of gradient sync on axes other than dp
+    dp_grad: float = 0.0      # local gradient bytes summed over the dp axis
+    params: float = 0.0
+    grads_other: float = 0.0  # gradient bytes not synced on dp (ZeRO does not shard them)
+    opt_other: float = 0.0
+    opt_dp: float = 0.0       # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
+    acts: float = 0.0
+    comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
+
+    def add(self, other: "Terms", w: float = 1.0) -> "Terms":
+        for f in fields(self):
+            if f.name == "comm_bytes":
+                for k, v in other.comm_bytes.items():
+                    self.comm_bytes[k] = self.comm_bytes.get(k, 0.0) + w * v
+            else:
+                setattr(self, f.name, getattr(self, f.name) + w * getattr(other, f.name))
+        return self
+
+    def dp_sync(self, mesh, profile, dp_axis, zero) -> tuple[float, float]:
+        """(seconds of gradient sync on dp, seconds of ZeRO's all-gather after the step)."""
+        if dp_axis is None or not self.dp_grad:
+            return 0.0, 0.0
+        n = mesh.shape[dp_axis]
+        alpha, beta = profile.link(mesh, dp_axis)
+        rounds = self.dp_grad / BUCKET_BYTES
+        sync = gather = 0.0
+        for kind, phase, nbytes in bucket_sync(zero, n, self.dp_grad, self.dp_grad):
+            t = alpha * ring_steps(kind, n) * rounds + nbytes / beta
+            sync, gather = (sync + t, gather) if phase == "grad sync" else (sync, gather + t)
+        return sync, gather
+
+    def memory(self, mesh, dp_axis, zero) -> float:
+        n = mesh.shape[dp_axis] if dp_axis is not None else 1
+        grads = self.dp_grad / (n if zero == 2 else 1)
+        opt = self.opt_dp / (n if zero else 1)
+        return self.params + grads + self.grads_other + opt + self.opt_other + self.acts
+
+    def time(self, mesh, profile, dp_axis, zero) -> float:
+        """Step time: compute + activation collectives + exposed gradient sync + ZeRO's gather."""
+        sync, gather = self.dp_sync(mesh, profile, dp_axis, zero)
+        exposed = max(0.0, sync + self.sync_other - profile.overlap * self.backward)
+        return self.compute + self.comm + exposed + gather
+
+
+def plan_terms(plan, comp_of: dict, profile, states: int = 2, node_weight=None, param_weight=None,
+               param_comp: dict | None = None) -> dict[str, Terms]:
+    """Terms per component key ("base" for the rest) of ``plan``; ``comp_of`` maps node names to
+    component keys, ``param_comp`` parameter names; weights count a node / parameter that stands
+    for several (the blocks of a repeated stack)."""
+    sy, mesh = Numbers(plan.mesh), plan.mesh
+    nw = node_weight or {}
+    out: dict[str, Terms] = {}
+
+    def terms(key):
+        return out.setdefault(key, Terms())
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
+            continue
+        t, w = terms(comp_of.get(node.name, "base")), nw.get(node.name, 1.0)
+        fwd = float(node_flops(node, sy) / _split_factor(layout_of(node).spec, sy)) / profile.flops_per_s
+        grad = bool(plan.ctx.needs_grad.get(node))
+        t.compute += w * fwd * (3 if grad else 1)
+        t.backward += w * fwd * (2 if grad else 0)
+        if grad and op_name(node) not in VIEWS:
+            for val, spec in zip([v for v in tensor_outputs(node) if v is not None], layout_of(node).outputs):
+                t.acts += w * sy.numel(val.shape, spec) * val.dtype.itemsize
+    for c in collectives(plan, sy):
+        if c.phase not in ("forward", "backward"):
+            continue  # the gradient sync is counted per parameter below
+        key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
+        w = nw.get(c.node, nw.get(c.src, 1.0))
+        a = mesh.axis_index(c.axis)
+        alpha, beta = profile.link(mesh, a)
+        t = terms(key)
+        t.comm += w * (alpha * ring_steps(c.kind, mesh.shape[a]) + c.bytes / beta)
+        t.comm_bytes[c.axis] = t.comm_bytes.get(c.axis, 0.0) + w * c.bytes
+    _param_terms(plan, sy, terms, profile, states, param_weight or {}, param_comp or {})
+    return out
+
+
+def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
+    mesh = plan.mesh
+    sync = plan.grad_sync_axes
+    for name, p in plan.model.named_parameters():
+        t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
+        local = sy.numel(p.shape, plan.param_specs.get(name)) * p.element_size()
+        t.params += w * local
+        if not p.requires_grad:
+            continue
+        axes = sync.get(name, ())
+        if plan.dp_axis in axes:
+            t.dp_grad += w * local
+            t.opt_dp += w * states * 4 * local / p.element_size()
+        else:
+            t.grads_other += w * local
+            t.opt_other += w * states * 4 * local / p.element_size()
+        for a in axes:
+            if a == plan.dp_axis:
+                continue
+            n = mesh.shape[a]
+            alpha, beta = profile.link(mesh, a)
+            t.sync_other += w * (alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES
+                                 + 2 * (n - 1) / n * local / beta)

@@ -1,0 +1,44 @@
+"""ap.Auto: what the automatic planner may assume and must respect, as one frozen value.
+
+- ``memory_budget``: bytes per rank (parameters, gradients, optimizer state, activations as
+  plan.cost() counts them); None: no limit.
+- ``device``: a profile name ("h100", "a100", "cpu-gloo") or an ap.calibrate() result;
+  ``alpha`` / ``beta`` / ``flops_per_s`` override its numbers (every link).
+- ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
+- ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
+- ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
+
+Example:
+    >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
+    >>> print(plan.explain("auto"))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.search.profiles import Profile, profile_of
+
+
+@dataclass(frozen=True)
+class Auto:
+    memory_budget: float | None = None
+    alpha: float | None = None
+    beta: float | None = None
+    flops_per_s: float | None = None
+    device: object = None
+    zero: tuple = (0, 1, 2)
+    sequence_parallel: bool = True
+    vocab_parallel: bool = True
+    optimizer_states: int = 2
+
+    @classmethod
+    def of(cls, value) -> "Auto":
+        if isinstance(value, Auto):
+            return value
+        if value is True:
+            return cls()
+        from autopar.errors import PlanError
+        raise PlanError(f"ap.plan(auto={value!r}): pass auto=True or auto=ap.Auto(...).")
+
+    def profile(self) -> Profile:
+        return profile_of(self.device).with_values(self.alpha, self.beta, self.flops_per_s)

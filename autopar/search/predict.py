@@ -1,0 +1,26 @@
+"""ap.predict(plan): the search's cost model for any plan (hand-written or automatic).
+
+Example:
+    >>> ap.predict(plan, "cpu-gloo")     # {'time_s': 0.0021, 'memory': 433668.0, ...}
+"""
+from __future__ import annotations
+
+from autopar.search.evaluate import Terms, plan_terms
+from autopar.search.options import Auto
+
+
+def predict(plan, device=None, optimizer_states: int = 2) -> dict:
+    """Step time (s) and memory per rank (B) of ``plan`` under ``device`` (a profile name, an
+    ap.calibrate() result or an ap.Auto)."""
+    auto = device if isinstance(device, Auto) else Auto(device=device)
+    profile = auto.profile()
+    total = Terms()
+    for t in plan_terms(plan, {}, profile, optimizer_states).values():
+        total.add(t)
+    dp = plan.data_parallel
+    zero = dp.zero if dp is not None else 0
+    sync, gather = total.dp_sync(plan.mesh, profile, plan.dp_axis, zero)
+    return {"time_s": total.time(plan.mesh, profile, plan.dp_axis, zero),
+            "memory": total.memory(plan.mesh, plan.dp_axis, zero),
+            "compute_s": total.compute, "comm_s": total.comm, "sync_s": sync + total.sync_other,
+            "zero_gather_s": gather, "comm_bytes": dict(total.comm_bytes)}

@@ -1,0 +1,66 @@
+"""Device profiles: what a step costs on a kind of machine (alpha, beta per link, FLOP/s).
+
+A collective on a mesh axis costs ``alpha * rounds + bytes / beta`` (ring rounds, see
+formulas.ring_steps); compute costs ``flops / flops_per_s``. An axis whose ranks all sit
+inside one node (the product of its size and the sizes of the axes after it is at most
+``ranks_per_node``: ranks are row-major, so the last axis is the innermost) uses the
+``intra`` link, any other the ``inter`` link. ``overlap`` is the fraction of the backward
+compute that the bucketed gradient sync can hide behind (1.0 on GPUs with their own
+communication streams; on a CPU, gloo's threads compete with compute for the same cores).
+
+The numbers are round published figures, not measurements: an H100 SXM does ~990 TFLOP/s
+dense bf16 (we assume 50% achieved), NVLink 4 ~450 GB/s per direction in practice for
+all-reduce bus bandwidth, InfiniBand NDR 400 Gb/s ~ 45 GB/s per GPU; A100 312 TFLOP/s bf16,
+NVLink 3 ~240 GB/s, HDR IB ~22 GB/s. ``cpu-gloo`` is this kind of machine (a few CPU cores,
+loopback TCP); ``ap.calibrate()`` measures the real one.
+
+Example:
+    >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    flops_per_s: float
+    intra: tuple[float, float]      # (alpha s, beta B/s) inside a node
+    inter: tuple[float, float]      # between nodes
+    ranks_per_node: int = 8
+    overlap: float = 1.0            # fraction of backward compute that hides the gradient sync
+
+    def link(self, mesh, axis: int) -> tuple[float, float]:
+        """(alpha, beta) of mesh axis ``axis`` (inner axes first fill a node)."""
+        inner = math.prod(mesh.shape[axis:])
+        return self.intra if inner <= self.ranks_per_node else self.inter
+
+    def with_values(self, alpha=None, beta=None, flops_per_s=None) -> "Profile":
+        """The same profile with alpha / beta (both links) / FLOP/s replaced where given."""
+        def link(lk):
+            return (lk[0] if alpha is None else alpha, lk[1] if beta is None else beta)
+        return replace(self, intra=link(self.intra), inter=link(self.inter),
+                       flops_per_s=self.flops_per_s if flops_per_s is None else flops_per_s)
+
+
+PROFILES = {
+    "h100": Profile("h100", 0.5 * 989e12, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
+    "a100": Profile("a100", 0.5 * 312e12, (4e-6, 240e9), (10e-6, 22e9), 8, 1.0),
+    "cpu-gloo": Profile("cpu-gloo", 20e9, (60e-6, 1.0e9), (60e-6, 1.0e9), 1 << 30, 0.0),
+}
+DEFAULT = "h100"
+
+
+def profile_of(device) -> Profile:
+    """A Profile from a name ("h100", "a100", "cpu-gloo"), a Profile, or None (the default)."""
+    from autopar.errors import PlanError
+    if device is None:
+        return PROFILES[DEFAULT]
+    if isinstance(device, Profile):
+        return device
+    if isinstance(device, str) and device.lower() in PROFILES:
+        return PROFILES[device.lower()]
+    raise PlanError(f"ap.Auto(device={device!r}): use one of {sorted(PROFILES)}, an ap.calibrate() "
+                    "result, or give alpha=, beta=, flops_per_s= directly.")

@@ -1,0 +1,113 @@
+"""The MILP: one role per mesh axis, one ZeRO level, one layout per component, minimum step time.
+
+Why a MILP (scipy.optimize.milp, i.e. HiGHS) and not a dynamic program over the layer chain:
+the memory budget couples every layer (a knapsack), which a chain DP handles only by
+discretising memory; HiGHS solves these few hundred binaries exactly in milliseconds and
+ships with scipy (no extra solver binary, unlike PuLP/CBC or OR-Tools).
+
+Variables, for every option ``g`` (a Structure plus a ZeRO level) and component ``c``:
+- ``x_g`` in {0, 1}: the option is chosen; sum_g x_g = 1;
+- ``w_gck`` in {0, 1}: component c takes choice k under g; sum_k w_gck = x_g (so w = 0
+  unless g is chosen: the products "g and k" stay linear);
+- ``e_g >= 0``: the exposed part of the gradient sync, e_g >= sync_g - overlap * backward_g
+  (both linear in x and w), which is max(0, .) at the optimum.
+
+Objective: sum of the time coefficients (compute + activation collectives + ZeRO's gather) of
+the chosen x and w, plus sum_g e_g. Memory: sum of memory coefficients <= budget. This is
+exact for the cost model of evaluate.py given the components' additivity (candidates.py);
+the model's own approximations are listed there.
+
+Example:
+    >>> best = solve(options, budget=8 * 2**30)
+    >>> best.option, best.choices, best.time
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+
+EXACT = {"mip_rel_gap": 1e-12}  # HiGHS stops at a 1e-4 gap by default; these problems are small
+
+
+@dataclass
+class Option:
+    """One x_g: its base coefficients and, per component, per choice, the same four numbers."""
+    label: object
+    base: tuple                       # (time, sync, backward, memory)
+    comps: dict                       # component key -> {choice: (time, sync, backward, memory)}
+
+
+@dataclass
+class Solution:
+    option: object
+    choices: dict
+    time: float
+    memory: float
+    status: str
+
+
+def solve(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
+    """The best option and choices (None when nothing fits the budget)."""
+    cols = []   # (kind, g, comp, choice)
+    for g, opt in enumerate(options):
+        cols.append(("x", g, None, None))
+        cols.append(("e", g, None, None))
+        for c, ch in opt.comps.items():
+            cols += [("w", g, c, k) for k in ch]
+    idx = {col: i for i, col in enumerate(cols)}
+    n = len(cols)
+    cost, mem = np.zeros(n), np.zeros(n)
+    rows, lo, hi = [], [], []
+
+    def coef(col):
+        _, g, c, k = col
+        return options[g].base if c is None else options[g].comps[c][k]
+    one = np.zeros(n)
+    for col, i in idx.items():
+        if col[0] == "e":
+            cost[i] = 1.0
+            continue
+        t, _, _, m = coef(col)
+        cost[i], mem[i] = t, m
+        if col[0] == "x":
+            one[i] = 1.0
+    rows.append(one); lo.append(1); hi.append(1)
+    # Seconds are tiny numbers: HiGHS's absolute tolerances (1e-6 gap, 1e-7 feasibility) would
+    # blur them, so time is measured in units that make the largest coefficient 1e6.
+    scale = 1e6 / max(float(np.abs(cost).max()), 1e-30)
+    cost = np.where([col[0] == "e" for col in cols], 1.0, cost * scale)
+    for g, opt in enumerate(options):
+        sync = np.zeros(n)
+        sync[idx[("e", g, None, None)]] = -1.0
+        for col in [("x", g, None, None)] + [("w", g, c, k) for c, ch in opt.comps.items() for k in ch]:
+            _, s, b, _ = coef(col)
+            sync[idx[col]] = (s - overlap * b) * scale
+        rows.append(sync); lo.append(-np.inf); hi.append(0.0)
+        for c, ch in opt.comps.items():
+            r = np.zeros(n)
+            r[idx[("x", g, None, None)]] = -1.0
+            for k in ch:
+                r[idx[("w", g, c, k)]] = 1.0
+            rows.append(r); lo.append(0); hi.append(0)
+    if budget is not None:
+        rows.append(mem); lo.append(-np.inf); hi.append(float(budget))
+    integrality = np.array([0 if col[0] == "e" else 1 for col in cols])
+    upper = np.array([np.inf if col[0] == "e" else 1.0 for col in cols])
+    bounds = Bounds(np.zeros(n), upper)
+    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality, bounds=bounds, options=EXACT)
+    if res.x is not None:
+        # Ties (ZeRO-2 costs what ZeRO-0 costs when the sync hides behind backward) go to the least
+        # memory: a second solve, the time held within 1e-9 of the optimum (lexicographic).
+        rows.append(cost); lo.append(-np.inf); hi.append(res.fun * (1 + 1e-9) + 1e-6)
+        second = milp(mem + 1e-12 * cost, constraints=LinearConstraint(np.array(rows), lo, hi),
+                      integrality=integrality, bounds=bounds, options=EXACT)
+        res = second if second.x is not None else res
+    if res.x is None:
+        return None
+    x = np.round(res.x[:])
+    g = next(g for g in range(len(options)) if x[idx[("x", g, None, None)]] > 0.5)
+    choices = {c: next(k for k in ch if x[idx[("w", g, c, k)]] > 0.5) for c, ch in options[g].comps.items()}
+    return Solution(options[g].label, choices, float(cost @ res.x) / scale, float(mem @ res.x), res.message)
