@@ -1,4 +1,4 @@
-"""Every notebook in notebooks/ runs top to bottom (nbclient + ipykernel, pinned) (issue 6)."""
+"""Every notebook in notebooks/ runs top to bottom (nbclient + ipykernel, pinned)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import nbclient  # noqa: E402  (pinned in requirements-test.txt: a missing one is a failure, not a skip)
 import nbformat  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/docs/ -> ..)
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 

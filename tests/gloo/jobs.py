@@ -1,11 +1,12 @@
-"""Jobs run by the gloo worker pools (each worker runs the job as its rank)."""
+"""Jobs for gloo/test_compile.py and gloo/test_bench.py (each worker runs the job as its rank)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 import autopar as ap
-from tests.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.serial import max_rel_diff
 
 
 def _gather_merged(plan, module):
@@ -51,8 +52,7 @@ def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
         sopt.zero_grad()
         serial_losses.append(sl.item())
     merged, _ = _gather_merged(plan, module)
-    worst = max(((merged[n] - p.detach()).abs().max() / p.abs().max()).item()
-                for n, p in serial.named_parameters())
+    worst = max_rel_diff(merged, dict(serial.named_parameters()))
     return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
 
 

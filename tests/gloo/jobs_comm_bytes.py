@@ -1,4 +1,4 @@
-"""Gloo job for the plan-exploring tests (issue 6): planned bytes vs what DistBackend sends."""
+"""Gloo job for gloo/test_comm_bytes.py: planned bytes vs what DistBackend sends."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -7,9 +7,8 @@ import torch.distributed as dist
 
 import autopar as ap
 from autopar.runtime.collectives import current_backend
-from tests.models import MEGATRON, gpt_batch, small_gpt
-
-from tests.test_formulas import RING, Counter as _Counter  # noqa: E402  (one definition)
+from tests.harness.comm import RING, ByteCounter
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt
 
 
 def gpt_bytes_planned_and_sent():
@@ -19,7 +18,7 @@ def gpt_bytes_planned_and_sent():
     module = ap.compile(small_gpt(), mesh, args=(idx, tgt), annotations=MEGATRON, data_parallel="dp")
     plan, rank = module.autopar_plan, dist.get_rank()
     backend = current_backend()
-    backend.stats = _Counter()  # after compile's start-up broadcasts
+    backend.stats = ByteCounter()  # after compile's start-up broadcasts
     args, kwargs = plan.local_inputs(rank, idx, tgt)
     module(*args, **kwargs)[1].backward()
     backend.stats, rows = None, backend.stats.rows

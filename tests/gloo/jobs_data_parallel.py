@@ -6,14 +6,17 @@ import torch.distributed as dist
 
 import autopar as ap
 from autopar.runtime.collectives import current_backend, use_backend
-from tests import dp_harness as H
+from tests.harness import data_parallel as H
+from tests.harness.comm import Recorder
+from tests.harness.meshes import MESHES
+from tests.harness.serial import max_rel_diff
 
 
 def _compiled_plan(mesh_name, seed_per_rank=False, zero=0):
-    shape, axes = H.MESHES[mesh_name]
+    spec = MESHES[mesh_name]
     model = H.make_model(seed=100 + dist.get_rank() if seed_per_rank else 0)
-    ann = H.MLP_TP if "tp" in axes else {}
-    module = ap.compile(model, ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
+    ann = H.MLP_TP if "tp" in spec.axes else {}
+    module = ap.compile(model, spec.mesh(), args=(H.batches(1)[0],), annotations=ann,
                         data_parallel=ap.DataParallel("dp", zero=zero, bucket_max_params=3))
     return module, module.autopar_plan
 
@@ -30,7 +33,7 @@ def numerics(mesh_name, options):
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
             if rank == 0:
-                out[(option, opt_name)] = H.worst_difference(p.merge_state_dicts(gathered),
+                out[(option, opt_name)] = max_rel_diff(p.merge_state_dicts(gathered),
                                                              H.reference(p, opt_name))
     return out
 
@@ -39,7 +42,7 @@ def calls(mesh_name, option):
     """One training step recorded: this rank's collectives (kind, group, numel) in order."""
     _, plan = _compiled_plan(mesh_name)
     p = plan.with_data_parallel(ap.DataParallel("dp", **H.OPTIONS[option]))
-    rec = H.Recorder(current_backend())
+    rec = Recorder(current_backend())
     with use_backend(rec):
         H.train_rank(p, dist.get_rank(), "sgd", H.batches(1))
     return rec.calls[dist.get_rank()], len(p.grad_buckets())
@@ -75,6 +78,6 @@ def overlap(mesh_name):
     module.get_parameter("layers.0.fc1.weight").register_post_accumulate_grad_hook(
         lambda _: events.append(("first layer grad", rank, "")))
     (x,), _ = p.local_inputs(rank, H.batches(1)[0])
-    with use_backend(H.Recorder(current_backend(), events)):
+    with use_backend(Recorder(current_backend(), events)):
         H.loss_of(module(x)).backward()
     return [e[0] for e in events]

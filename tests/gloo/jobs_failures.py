@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import autopar as ap
 from autopar.runtime.collectives import current_backend
-from tests.models import MLP
+from tests.harness.models import MLP
 
 
 def _compiled(timeout, annotations=None, debug=False, hidden=32):

@@ -1,4 +1,4 @@
-"""Pipeline jobs for the gloo pools, and the serial-comparison helpers the pipeline tests share."""
+"""Pipeline jobs for the gloo pools (gloo/test_pipeline.py); each worker runs a job as its rank."""
 from __future__ import annotations
 
 import copy
@@ -6,75 +6,19 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autopar as ap
 from autopar.parallel.pipeline import with_pipeline
 from autopar.placement import shard_tensor
-from tests.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.meshes import MeshSpec
+from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan, mse, small_gpt
+from tests.harness.serial import grad_errors, serial_step
 
-
-class SkipNet(nn.Module):
-    """Four blocks; block 0's output skips to blocks 2 and 3, a bool mask crosses to block 2,
-    and block 1 hands two tensors to block 2 (multi-tensor boundaries)."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.b0, self.b1, self.b2, self.b3 = (nn.Linear(d, d) for _ in range(4))
-        self.b1b = nn.Linear(d, d)
-
-    def forward(self, x):
-        a = torch.tanh(self.b0(x))
-        mask = x > 0
-        h = torch.tanh(self.b1(a))
-        h2 = self.b1b(a)
-        c = torch.where(mask, self.b2(h) * h2, h) + a
-        return self.b3(c) + 0.5 * a
-
-
-SKIP_SPLITS = {"b1": ap.split_before(), "b2": ap.split_before(), "b3": ap.split_before()}
-
-
-def mse(out, labels):
-    return F.mse_loss(out, labels)
-
-
-def serial_step(model, batch, loss_fn=None, labels=None):
-    """A deep copy of ``model`` trained one step on the whole batch: (loss, {name: grad})."""
-    ref = copy.deepcopy(model)
-    out = ref(*batch)
-    loss = loss_fn(out, labels) if loss_fn else out[1]
-    loss.backward()
-    grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
-    return loss.detach(), grads
-
-
-def grad_errors(plan, rank: int, runner, serial_grads: dict, rtol=1e-5, atol=1e-6) -> list[str]:
-    """Every parameter this rank holds (tied names too) against its piece of the serial gradient."""
-    bad = []
-    for name, p in runner.params.items():
-        if not isinstance(p, nn.Parameter):
-            continue
-        ref = shard_tensor(serial_grads[name], plan.param_specs[name], plan.mesh, rank)
-        if p.grad is None or not torch.allclose(p.grad, ref, rtol=rtol, atol=atol):
-            diff = None if p.grad is None else (p.grad - ref).abs().max().item()
-            bad.append(f"rank {rank} {name}: max diff {diff}")
-    return bad
-
-
-def covered(runners_params: list[dict], model) -> set:
-    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return names - {n for d in runners_params for n in d}
-
-
-# ---------------------------------------------------------------------------------- jobs
 def _gpt_plan(shape, axes, dp, layers=4):
-    model = small_gpt(layers=layers)
-    idx, tg = gpt_batch(batch=8)
-    ann = MEGATRON if "tp" in axes else {}
-    plan = ap.plan(model, ap.Mesh(shape, axes), args=(idx, tg), annotations=ann, data_parallel=dp,
-                   pipeline=ap.Pipeline("pp", microbatches=4))
-    return model, plan, (idx, tg)
+    batch = gpt_batch(batch=8)
+    plan = gpt_plan(MeshSpec(shape, axes, dp), model=small_gpt(layers=layers), batch=batch,
+                    pipeline=ap.Pipeline("pp", microbatches=4))
+    return plan.model, plan, batch
 
 
 def gpt_pipeline_matches_serial(shape, axes, dp, configs):

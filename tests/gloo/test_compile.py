@@ -1,5 +1,5 @@
-"""Real torch.distributed runs: gloo worker processes (started once per session) train the
-GPT with ap.compile and must match serial training."""
+"""ap.compile on real torch.distributed processes: gloo workers (started once per session) train
+the GPT on tp, dp and dp x tp meshes and must match serial training; mesh checks and DeviceMesh."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ CASES = [(2, (2,), ("tp",), None), (2, (2,), ("dp",), "dp"),
 
 @pytest.mark.parametrize("world,shape,axes,dp", CASES)
 def test_gpt_training_matches_serial_over_gloo(gloo, world, shape, axes, dp):
-    results = gloo(world).run("tests.dist_jobs:gpt_step_matches_serial", shape, axes, dp)
+    results = gloo(world).run("tests.gloo.jobs:gpt_step_matches_serial", shape, axes, dp)
     for r in results:
         assert r["max_rel_param"] < 1e-5
         for got, want in zip(r["losses"], r["serial"]):
@@ -19,10 +19,10 @@ def test_gpt_training_matches_serial_over_gloo(gloo, world, shape, axes, dp):
 
 
 def test_compile_refuses_mesh_of_other_size(gloo):
-    for msg in gloo(2).run("tests.dist_jobs:compile_with_wrong_mesh"):
+    for msg in gloo(2).run("tests.gloo.jobs:compile_with_wrong_mesh"):
         assert "world has 2 processes but the mesh" in msg and "--nproc-per-node 3" in msg
 
 
 def test_device_mesh_interop(gloo):
-    for same, tp_size in gloo(4).run("tests.dist_jobs:device_mesh_round_trip", (2, 2), ("dp", "tp")):
+    for same, tp_size in gloo(4).run("tests.gloo.jobs:device_mesh_round_trip", (2, 2), ("dp", "tp")):
         assert same and tp_size == 2

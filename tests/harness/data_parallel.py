@@ -1,13 +1,17 @@
 """Shared by the data-parallel tests (simulated) and their gloo jobs: train a rank, train the
-serial reference (global batch, or local SGD's own definition), and the option matrix."""
+serial reference (global batch, or local SGD's own definition), and the option matrix.
+
+    >>> plan = make_plan("dp2xtp2").with_data_parallel(ap.DataParallel("dp", **OPTIONS["zero2"]))
+    >>> compare(plan.merge_state_dicts(per_rank), reference(plan, "adamw"), "zero2", "where")
+"""
 from __future__ import annotations
 
 import torch
 
 import autopar as ap
-from tests.models import MLP, MLP_TP
-
-MESHES = {"dp2": ((2,), ("dp",)), "dp4": ((4,), ("dp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
+from tests.harness.meshes import MESHES
+from tests.harness.models import MLP, MLP_TP
+from tests.harness.serial import assert_params_close
 
 OPTIONS = {
     "default": dict(),
@@ -36,10 +40,11 @@ def make_model(seed=0):
 
 
 def make_plan(mesh_name, model=None):
-    shape, axes = MESHES[mesh_name]
+    """The MLP on a mesh of DP (Megatron's MLP split on tp where the mesh has it)."""
+    spec = MESHES[mesh_name]
     model = model or make_model()
-    ann = MLP_TP if "tp" in axes else {}
-    return ap.plan(model, ap.Mesh(shape, axes), args=(batches(1)[0],), annotations=ann, data_parallel="dp")
+    ann = MLP_TP if "tp" in spec.axes else {}
+    return ap.plan(model, spec.mesh(), args=(batches(1)[0],), annotations=ann, data_parallel="dp")
 
 
 def loss_of(out):
@@ -108,39 +113,5 @@ def tolerance(option):
     return dict(rtol=2e-2, atol=2e-3) if option == "bf16" else dict(rtol=1e-5, atol=1e-6)
 
 
-def worst_difference(merged: dict, ref: dict) -> float:
-    return max(((merged[n] - p.detach()).abs().max() / p.detach().abs().max()).item() for n, p in ref.items())
-
-
 def compare(merged: dict, ref: dict, option: str, where: str) -> None:
-    for n, p in ref.items():
-        torch.testing.assert_close(merged[n], p.detach(), **tolerance(option), msg=lambda m: f"{where} {n}: {m}")
-
-
-class Recorder:
-    """Wraps a collective backend and records, per rank, every collective it is asked for."""
-
-    KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-             "all_reduce_async", "reduce_scatter_async", "all_gather_async")
-
-    def __init__(self, inner, events=None):
-        self.inner, self.calls, self.events = inner, {}, events
-
-    def __getattr__(self, name):
-        attr = getattr(self.inner, name)
-        if name not in self.KINDS:
-            return attr
-
-        def call(*args):
-            i = next(k for k, a in enumerate(args) if isinstance(a, tuple))
-            group, rank = args[i], args[i + 1]
-            numel = next(a for a in args if isinstance(a, torch.Tensor)).numel()
-            self.calls.setdefault(rank, []).append((name, group, numel))
-            if self.events is not None:
-                self.events.append(("launch", rank, name))
-            return attr(*args)
-        return call
-
-
-def sync_calls(calls):
-    return [c for c in calls if c[0].endswith("_async")]
+    assert_params_close(merged, ref, where, **tolerance(option))

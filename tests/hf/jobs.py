@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
-from tests.hf_models import LLAMA_TP, LLAMA_VOCAB, inputs, llama
+from tests.harness.hf_models import LLAMA_TP, LLAMA_VOCAB, inputs, llama
+from tests.harness.serial import max_rel_diff
 
 
 def llama_trains_like_serial(shape, axes, steps=2, lr=0.1):
@@ -46,7 +47,7 @@ def llama_trains_like_serial(shape, axes, steps=2, lr=0.1):
     pieces = [None] * dist.get_world_size()
     dist.all_gather_object(pieces, {n: p.detach() for n, p in module.named_parameters()})
     merged = plan.merge_state_dicts(pieces)
-    worst = max(((merged[n] - p.detach()).abs().max() / p.abs().max()).item() for n, p in serial.named_parameters())
+    worst = max_rel_diff(merged, dict(serial.named_parameters()))
     ran = Counter((r.kind, round(r.bytes, 3)) for r in counted.records)
     planned = Counter((c.kind, round(c.bytes, 3)) for c in plan.collectives())
     return {"losses": losses, "serial": serial_losses, "max_rel_param": worst, "comm_equal": ran == planned,

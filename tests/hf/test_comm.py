@@ -14,7 +14,8 @@ import pytest
 import torch.nn as nn
 
 import autopar as ap
-from tests.hf_models import HIDDEN, SEQ, hf_plan, inputs, llama, runtime_matches_static
+from tests.harness.comm import runtime_matches_static
+from tests.harness.hf_models import HIDDEN, MODELS, SEQ, hf_plan, inputs, llama
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)
 B = 4
@@ -95,7 +96,6 @@ LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}.", "bert"
 @pytest.mark.parametrize("sp", [False, True], ids=["megatron", "sequence_parallel"])
 @pytest.mark.parametrize("name", list(LAYER_PREFIX))
 def test_every_model_meets_the_per_layer_minimum(name, sp):
-    from tests.hf_models import MODELS
     model, kw = MODELS[name][0](layers=2), inputs(name)
     ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=sp)
     plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw, annotations=ann, dynamic=False)

@@ -6,7 +6,7 @@ import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not
 
 
 def test_llama_dp2_tp2_gloo(gloo):
-    results = gloo(4).run("tests.dist_jobs_hf:llama_trains_like_serial", (2, 2), ("dp", "tp"), timeout=400)
+    results = gloo(4).run("tests.hf.jobs:llama_trains_like_serial", (2, 2), ("dp", "tp"), timeout=400)
     for r in results:
         assert r["max_rel_param"] < 1e-4
         for got, want in zip(r["losses"], r["serial"]):

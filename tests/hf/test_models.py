@@ -9,12 +9,13 @@ import torch
 
 import autopar as ap
 from autopar.sharding.propagate import layout_of
-from tests.hf_models import MODELS, hf_plan, inputs
+from tests.harness.hf_models import MODELS, hf_plan, inputs
+from tests.harness.meshes import MESHES, TP
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)
 
 
-@pytest.mark.parametrize("mesh_name", ["tp2", "tp4", "dp2xtp2"])
+@pytest.mark.parametrize("mesh_name", TP)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_matches_serial(name, mesh_name):
     with warnings.catch_warnings():
@@ -52,29 +53,18 @@ def test_gpt2_tied_embedding_one_shard_one_gradient():
     plan.check(**kw, rtol=1e-4, atol=1e-5)
 
 
-def test_blocked_shard_roundtrip():
-    mesh = ap.Mesh((2, 2), ("dp", "tp"))
-    full = torch.arange(4 * 12.).view(4, 12)
-    spec = (ap.Replicate(), ap.Shard(1, blocks=3))
-    from autopar.placement import merge_tensors, shard_tensor
-    pieces = [shard_tensor(full, spec, mesh, r) for r in mesh.ranks()]
-    assert pieces[1][0].tolist() == [2., 3., 6., 7., 10., 11.]
-    assert torch.equal(merge_tensors(pieces, spec, mesh), full)
-
-
 def test_bert_padding_mask_and_token_types():
     """BERT with a padded attention mask and token types as inputs, split on dp."""
-    from tests.hf_models import MESHES
     ids, _ = inputs("bert")["input_ids"], None
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
     mask[3, 2:] = 0
     kw = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (torch.arange(8) >= 4).long().expand(4, 8)}
-    shape, axes, dp = MESHES["dp2xtp2"]
+    spec = MESHES["dp2xtp2"]
     build, ann, _ = MODELS["bert"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plan = ap.plan(build(), ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False)
+        plan = ap.plan(build(), spec.mesh(), kwargs=kw, annotations=ann, data_parallel=spec.dp, dynamic=False)
     plan.check(**kw, rtol=1e-4, atol=1e-5)
 
 

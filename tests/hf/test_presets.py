@@ -8,7 +8,8 @@ import pytest
 
 import autopar as ap
 from autopar.sharding.rules import registry
-from tests.hf_models import MODELS, hf_plan, inputs, runtime_matches_static
+from tests.harness.comm import runtime_matches_static
+from tests.harness.hf_models import MODELS, hf_plan, inputs
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)
 
@@ -68,7 +69,7 @@ def test_preset_on_plain_pytorch_models():
     """Not only HuggingFace: the package's GPT (fused heads-major qkv, tied head) and an MLP
     stack whose residual stream has no norm between layers."""
     import torch
-    from tests.models import MEGATRON, MLP, MLP_TP, gpt_batch, small_gpt
+    from tests.harness.models import MEGATRON, MLP, MLP_TP, gpt_batch, small_gpt
     gpt = small_gpt()
     preset = ap.presets.megatron(gpt, "tp", args=gpt_batch())
     assert _expand(preset, gpt) == {**_expand(MEGATRON, gpt), "wte": ap.vocab_parallel("tp"),

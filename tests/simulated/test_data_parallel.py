@@ -7,7 +7,10 @@ import torch
 
 import autopar as ap
 from autopar.runtime.simulator import SimBackend, run_ranks
-from tests import dp_harness as H
+from tests.harness import data_parallel as H
+from tests.harness.comm import Recorder, sync_calls
+from tests.harness.meshes import DP
+from tests.harness.serial import max_rel_diff
 
 _PLANS: dict = {}
 
@@ -23,14 +26,14 @@ def run(plan, fn, backend=None):
 
 
 @pytest.mark.parametrize("option", list(H.OPTIONS))
-@pytest.mark.parametrize("mesh_name", list(H.MESHES))
+@pytest.mark.parametrize("mesh_name", DP)
 def test_three_steps_match_reference(mesh_name, option):
     plan = plan_for(mesh_name, **H.OPTIONS[option])
     for opt_name in H.OPTIMIZERS:
         merged = plan.merge_state_dicts(run(plan, lambda r: H.train_rank(plan, r, opt_name)))
         ref = H.reference(plan, opt_name)
         if option == "bf16":  # bf16 on the wire: close to fp32 (SGD), but not equal to it
-            worst = H.worst_difference(merged, ref)
+            worst = max_rel_diff(merged, ref)
             assert 1e-6 < worst < (1e-2 if opt_name == "sgd" else 1e-1), worst
         else:
             H.compare(merged, ref, option, f"{mesh_name}/{option}/{opt_name}")
@@ -40,14 +43,14 @@ def test_three_steps_match_reference(mesh_name, option):
 @pytest.mark.parametrize("mesh_name", ["dp4", "dp2xtp2"])
 def test_one_collective_per_bucket_in_the_same_order_on_every_rank(mesh_name, option):
     plan = plan_for(mesh_name, **H.OPTIONS[option])
-    rec = H.Recorder(SimBackend(plan.mesh.size))
+    rec = Recorder(SimBackend(plan.mesh.size))
     run(plan, lambda r: H.train_rank(plan, r, "sgd", H.batches(1)), backend=rec)
     buckets = plan.grad_buckets()
     per_step = len(buckets) * (2 if plan.data_parallel.zero else 1)  # ZeRO: + one all-gather per bucket
     planned = [c for c in plan.collectives() if c.phase in ("grad sync", "optimizer")]
     assert len(planned) == per_step
     for rank in plan.mesh.ranks():
-        assert len(H.sync_calls(rec.calls[rank])) == per_step
+        assert len(sync_calls(rec.calls[rank])) == per_step
     for group in plan.mesh.groups("dp"):  # same kinds, groups and sizes, in the same order
         seqs = [[(k, n) for k, _, n in rec.calls[r]] for r in group]
         assert all(s == seqs[0] for s in seqs), seqs
@@ -63,7 +66,7 @@ def test_first_bucket_launched_before_first_layer_backward():
             lambda p: events.append(("first layer grad", rank, "")))
         (x,), _ = plan.local_inputs(rank, H.batches(1)[0])
         H.loss_of(module(x)).backward()
-    run(plan, step, backend=H.Recorder(SimBackend(2), events))
+    run(plan, step, backend=Recorder(SimBackend(2), events))
     for rank in (0, 1):
         mine = [e[0] for e in events if e[1] == rank]
         assert mine.index("launch") < mine.index("first layer grad"), mine
@@ -73,7 +76,7 @@ def test_first_bucket_launched_before_first_layer_backward():
 def test_no_sync_accumulates_locally_and_syncs_once():
     plan = plan_for("dp2")
     data = H.batches(3)
-    rec = H.Recorder(SimBackend(2))
+    rec = Recorder(SimBackend(2))
 
     def step(rank):
         module = plan.build_module(rank)
@@ -84,7 +87,7 @@ def test_no_sync_accumulates_locally_and_syncs_once():
         H.loss_of(module(plan.local_inputs(rank, data[2])[0][0])).backward()
         return {n: p.grad.clone() for n, p in module.named_parameters()}
     grads = plan.merge_state_dicts(run(plan, step, backend=rec))
-    assert len(H.sync_calls(rec.calls[0])) == len(plan.grad_buckets())
+    assert len(sync_calls(rec.calls[0])) == len(plan.grad_buckets())
     assert_grads_accumulated_like_serial(grads, data)
 
 
@@ -243,7 +246,7 @@ def test_tp_sharded_gradients_are_reduced_over_dp_only():
     plan = plan_for("dp2xtp2", bucket_max_params=1)
     axes = {b.names[0]: b.axes for b in plan.grad_buckets()}
     assert axes["layers.0.fc1.weight"] == (0,) and axes["norm.weight"] == (0,)
-    rec = H.Recorder(SimBackend(4))
+    rec = Recorder(SimBackend(4))
     run(plan, lambda r: H.train_rank(plan, r, "sgd", H.batches(1)), backend=rec)
     for rank in plan.mesh.ranks():
-        assert {g for _, g, _ in H.sync_calls(rec.calls[rank])} == {plan.mesh.group("dp", rank)}
+        assert {g for _, g, _ in sync_calls(rec.calls[rank])} == {plan.mesh.group("dp", rank)}

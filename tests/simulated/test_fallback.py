@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar as ap
+from tests.harness.meshes import MESHES, TP
 
 
 class Mixer(nn.Module):
@@ -28,14 +29,14 @@ class Net(nn.Module):
 ANN = {"fc1": ap.colwise("tp"), "fc2": ap.rowwise("tp")}
 
 
-@pytest.mark.parametrize("shape,names,dp", [((2,), ("tp",), None), ((4,), ("tp",), None),
-                                            ((2, 2), ("dp", "tp"), "dp")])
-def test_no_rule_gathers_warns_and_matches_serial(shape, names, dp):
+@pytest.mark.parametrize("mesh_name", TP)
+def test_no_rule_gathers_warns_and_matches_serial(mesh_name):
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 3, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = ap.plan(model, ap.Mesh(shape, names), args=(x,), annotations=ANN, data_parallel=dp)
+        plan = ap.plan(model, MESHES[mesh_name].mesh(), args=(x,), annotations=ANN,
+                   data_parallel=MESHES[mesh_name].dp)
     texts = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
     assert any("aten.flip" in t and "module 'mix'" in t and "bytes of communication" in t for t in texts), texts
     assert any(plan.layout(n.name).fallback for n in plan.graph.nodes if "autopar" in n.meta)

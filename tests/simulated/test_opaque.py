@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar as ap
+from tests.harness.meshes import MESHES, TP
 
 
 class Gate(nn.Module):
@@ -45,14 +46,14 @@ def test_untraceable_submodule_fails_without_opaque():
         ap.plan(Net(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 3, 8),))
 
 
-@pytest.mark.parametrize("shape,names,dp", [((2,), ("tp",), None), ((4,), ("tp",), None),
-                                            ((2, 2), ("dp", "tp"), "dp")])
-def test_opaque_submodule_matches_serial_forward_and_gradients(shape, names, dp):
+@pytest.mark.parametrize("mesh_name", TP)
+def test_opaque_submodule_matches_serial_forward_and_gradients(mesh_name):
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 3, 8)
-    plan = ap.plan(model, ap.Mesh(shape, names), args=(x,), annotations=ANN, data_parallel=dp)
+    plan = ap.plan(model, MESHES[mesh_name].mesh(), args=(x,), annotations=ANN,
+                   data_parallel=MESHES[mesh_name].dp)
     ops = [n for n in plan.graph.nodes if n.target is torch.ops.autopar.opaque_call.default]
-    assert len(ops) == 1 and plan.param_specs["gate.fc.weight"] == (ap.Replicate(),) * len(shape)
+    assert len(ops) == 1 and plan.param_specs["gate.fc.weight"] == (ap.Replicate(),) * len(MESHES[mesh_name].shape)
     report = plan.check(x)
     assert report["grads"] == 9  # gate.fc.weight/bias and gate.scale among them
 

@@ -12,16 +12,9 @@ from autopar.parallel.pipeline import PipelineError, schedules, timeline, with_p
 from autopar.parallel.pipeline.split import _candidates, _param_bytes, balanced_cuts, node_flops
 from autopar.sharding.propagate import module_paths
 from autopar.runtime.simulator import run_ranks
-from tests.dist_jobs_pp import SKIP_SPLITS, SkipNet, covered, grad_errors, mse, serial_step
-from tests.models import MEGATRON, gpt_batch, small_gpt
-
-MESHES = {  # name -> (shape, axes, data-parallel axis)
-    "pp2": ((2,), ("pp",), None),
-    "pp4": ((4,), ("pp",), None),
-    "pp2xtp2": ((2, 2), ("pp", "tp"), None),
-    "dp2xpp2": ((2, 2), ("dp", "pp"), "dp"),
-    "dp2xpp2xtp2": ((2, 2, 2), ("dp", "pp", "tp"), "dp"),
-}
+from tests.harness.meshes import MESHES, PP
+from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan as _gpt_plan, mse, small_gpt
+from tests.harness.serial import covered, grad_errors, serial_step
 SCHEDULES = [("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
              ("gpipe", 1, True), ("1f1b", 1, True), ("interleaved", 2, True)]
 
@@ -36,11 +29,9 @@ _PLANS: dict = {}
 
 
 def gpt_plan(name, gpt):
+    """The module's GPT on a pipeline mesh (Megatron on tp where the mesh has it), planned once."""
     if name not in _PLANS:
-        shape, axes, dp = MESHES[name]
-        ann = MEGATRON if "tp" in axes else {}
-        _PLANS[name] = ap.plan(gpt[0], ap.Mesh(shape, axes), args=gpt[1], annotations=ann, data_parallel=dp,
-                               pipeline=ap.Pipeline("pp", microbatches=4))
+        _PLANS[name] = _gpt_plan(name, model=gpt[0], batch=gpt[1], pipeline=ap.Pipeline("pp", microbatches=4))
     return _PLANS[name]
 
 
@@ -50,7 +41,7 @@ def run_step(plan, batch, labels=None, **kw):
     return runners, losses
 
 
-@pytest.mark.parametrize("mesh", [m for m in MESHES if len(MESHES[m][0]) < 3])
+@pytest.mark.parametrize("mesh", [m for m in PP if len(MESHES[m].shape) < 3])
 @pytest.mark.parametrize("schedule,chunks,ckpt", SCHEDULES)
 def test_gpt_step_equals_serial(gpt, mesh, schedule, chunks, ckpt):
     model, batch, (serial_loss, serial_grads) = gpt

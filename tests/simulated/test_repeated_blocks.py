@@ -1,4 +1,4 @@
-"""Deep models traced two blocks deep and copied (repeat.py): the same graph as a full export,
+"""Deep models traced two blocks deep and copied (trace/repeat_blocks.py): the same graph as a full export,
 or a full export where copying would not be safe."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.nn as nn
 import autopar as ap
 from autopar.trace.repeat_blocks import find_repeated
 from autopar.trace.export import trace
-from tests import hf_models
-from tests.models import MEGATRON, MLP, gpt_batch, small_gpt
+from tests.harness import hf_models
+from tests.harness.models import MEGATRON, MLP, gpt_batch, small_gpt
 
 
 def canonical(traced) -> list[str]:
@@ -58,7 +58,7 @@ def test_huggingface_blocks_copied(name):
 
 
 def test_uncalled_blocks_exported_whole():
-    # tests.models.MLP's blocks are ModuleDicts it never calls: its relu and residual add run
+    # tests.harness.models.MLP's blocks are ModuleDicts it never calls: its relu and residual add run
     # in the parent's forward, between the blocks, so no block is a pattern for the others.
     assert_same_as_full_export(MLP(layers=4), (torch.randn(4, 16),), copied=False)
 

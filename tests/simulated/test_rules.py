@@ -1,6 +1,10 @@
 """Every rule on its own: a one-op module whose input is forced into a split layout, checked
-against serial (forward and every gradient) on meshes (2,), (4,) and (2, 2)."""
+against serial (forward and every gradient) on meshes (2,), (4,) and (2, 2); then the rules
+added for HuggingFace models (pad, diff, index, logical and, blocked (fused) splits) behind a
+column-parallel layer. The strategies rules offer, without numerics: unit/test_rule_strategies.py."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -8,12 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar as ap
-from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules import OpInfo, TensorMeta, get_rule
-from autopar.sharding.rules.views import view_dim_map
+from autopar.placement import Replicate, Shard
+from tests.harness.meshes import MESHES, RULE_MESHES, TP
 
 R, S = Replicate(), Shard
-MESHES = [((2,), ("a",)), ((4,), ("a",)), ((2, 2), ("a", "b"))]
 
 
 class OpModule(nn.Module):
@@ -33,8 +35,8 @@ def run_case(fn, shape, placements_per_mesh, extra=(), x=None):
     torch.manual_seed(0)
     model = OpModule(fn, shape, extra)
     x = torch.randn(shape) if x is None else x
-    for (mshape, axes), placements in zip(MESHES, placements_per_mesh):
-        mesh = ap.Mesh(mshape, axes)
+    for spec, placements in zip(RULE_MESHES, placements_per_mesh):
+        mesh = spec.mesh()
         plan = ap.plan(model, mesh, args=(x,), annotations={"x": ap.place(*placements)}, strict=True)
         try:
             plan.check(x)
@@ -109,8 +111,8 @@ def test_embedding(ann):
     torch.manual_seed(0)
     model = EmbedModule()
     ids = torch.randint(0, 16, (4, 6))
-    for mshape, axes in MESHES:
-        mesh = ap.Mesh(mshape, axes)
+    for spec in RULE_MESHES:
+        mesh = spec.mesh()
         annotations = {
             "ids_split": {"ids": ap.place(*([S(0)] + [R] * (mesh.ndim - 1)))},
             "dim_split": {"emb": ap.colwise("a")},
@@ -138,25 +140,78 @@ def test_cross_entropy_split_rows(reduction):
     model = LossModule(reduction)
     x = torch.randn(8, 8)
     target = torch.tensor([3, 3, 3, 1, 2, 5, 3, 7])  # ignored targets unevenly spread over ranks
-    for mshape, axes in MESHES:
-        plan = ap.plan(model, ap.Mesh(mshape, axes), args=(x, target), data_parallel="a")
+    for spec in RULE_MESHES:
+        plan = ap.plan(model, spec.mesh(), args=(x, target), data_parallel="a")
         plan.check(x, target)
 
 
-def meta(*shape):
-    return TensorMeta(tuple(shape), torch.float32, (False,) * len(shape))
+# ------------------------------------------- rules behind a column-parallel layer (features split on tp)
+class Op(nn.Module):
+    """x (8, 16) -> colwise fc (features split on tp) -> op -> mean-free output."""
+
+    def __init__(self, fn, d=16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.fc(x))
 
 
-def test_linear_rule_offers_megatron_strategies():
-    x, w = meta(4, 8, 16), meta(32, 16)
-    op = OpInfo(torch.ops.aten.linear.default, (x, w), {}, [x, w], [meta(4, 8, 32)], {id(x): 0, id(w): 1})
-    strategies = {(s.inputs, s.outputs) for s in get_rule(op.op)(op)}
-    assert ((R, S(0)), (S(2),)) in strategies            # column parallel
-    assert ((S(2), S(1)), (Partial(),)) in strategies    # row parallel: partial sum
-    assert ((S(0), R), (S(0),)) in strategies            # batch split
+def _index(y):
+    rows = torch.arange(y.shape[0]).unsqueeze(1)
+    cols = torch.arange(y.shape[0]).remainder(3).unsqueeze(1)
+    return y[rows, cols] + y[:, :4]
 
 
-def test_view_dim_map_splits_heads():
-    assert view_dim_map((2, 8, 32), (2, 8, 4, 8)) == {0: 0, 1: 1, 2: 2}
-    assert view_dim_map((2, 8, 4, 8), (2, 8, 32)) == {0: 0, 1: 1, 2: 2}
-    assert view_dim_map((6, 4), (24,)) == {0: 0}
+OPS = {
+    "pad": lambda y: F.pad(y, (0, 0, 1, 2), value=0.5),      # pads the rows: features stay split
+    "pad_last": lambda y: F.pad(y, (1, 1)),                  # pads the split dim: gathered first
+    "diff": lambda y: torch.diff(y, dim=0),
+    "and": lambda y: ((y > 0) & (y < 0.5)).float() * y,
+    "index": _index,
+    "index_rows": lambda y: y[torch.arange(y.shape[0]).flip(0)[:5]] * 2,   # features keep their split
+}
+
+
+def _plan(model, mesh_name, x, **kw):
+    spec = MESHES[mesh_name]
+    return ap.plan(model, spec.mesh(), args=(x,), annotations={"fc": ap.colwise("tp")}, data_parallel=spec.dp, **kw)
+
+
+@pytest.mark.parametrize("mesh_name", TP)
+@pytest.mark.parametrize("op", list(OPS))
+def test_rule_on_split_features_matches_serial(op, mesh_name):
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every op has a rule: no gathered fallback
+        plan = _plan(Op(OPS[op]), mesh_name, x)
+    plan.check(x)
+    if op in ("pad", "diff", "and", "index_rows"):  # the split features pass through: no gather
+        assert not [c for c in plan.collectives() if c.kind == "all_gather" and c.axis == "tp" and c.node != "output"]
+
+
+class Fused(nn.Module):
+    """A fused q|k|v projection split into its 3 blocks, as GPT-2's c_attn."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        heads = (q * k).view(*q.shape[:-1], 4, -1).softmax(-1).reshape(q.shape) * v
+        return self.out(heads)
+
+
+@pytest.mark.parametrize("mesh_name", TP)
+def test_blocked_split_matches_serial_without_gathers(mesh_name):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 16)
+    spec = MESHES[mesh_name]
+    ann = {"qkv": ap.colwise("tp", blocks=3), "out": ap.rowwise("tp")}
+    plan = ap.plan(Fused(), spec.mesh(), args=(x,), annotations=ann, data_parallel=spec.dp)
+    plan.check(x)
+    assert not [c for c in plan.collectives() if c.kind == "all_gather"]

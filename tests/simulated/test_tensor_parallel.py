@@ -1,5 +1,6 @@
-"""Simulated numerics: per-rank modules against the serial model (forward, every gradient,
-parameters after one SGD step) for an MLP and the GPT-style model on several meshes."""
+"""Tensor parallel (and its data-parallel product), simulated: per-rank modules against the
+serial model (forward, every gradient, parameters after one SGD step) for the MLP and the GPT on
+tp2, tp4, dp2xtp2 (the MLP also on dp-only meshes); and plan.check can fail."""
 from __future__ import annotations
 
 import copy
@@ -8,68 +9,52 @@ import pytest
 import torch
 
 import autopar as ap
-from tests.models import MESHES, MLP, MLP_TP, gpt_batch, mesh_and_plan, small_gpt
+from tests.harness.meshes import MESHES, TP
+from tests.harness.models import MLP, MLP_TP, gpt_batch, gpt_plan
+from tests.harness.serial import assert_params_close, sgd_step
 
-MLP_MESHES = {
-    "tp2": ((2,), ("tp",), None),
-    "tp4": ((4,), ("tp",), None),
-    "dp2xtp2": ((2, 2), ("dp", "tp"), "dp"),
-    "dp4": ((4,), ("dp",), "dp"),
-    "dp8": ((8,), ("dp",), "dp"),
-}
+MLP_MESHES = [*TP, "dp4", "dp8"]
 
 
-@pytest.mark.parametrize("name", list(MLP_MESHES))
+@pytest.mark.parametrize("name", MLP_MESHES)
 def test_mlp_matches_serial(name):
-    shape, axes, dp = MLP_MESHES[name]
+    spec = MESHES[name]
     torch.manual_seed(0)
     model = MLP()
     x = torch.randn(8, 16)
-    ann = MLP_TP if "tp" in axes else {}
-    plan = ap.plan(model, ap.Mesh(shape, axes), args=(x,), annotations=ann, data_parallel=dp)
+    ann = MLP_TP if "tp" in spec.axes else {}
+    plan = ap.plan(model, spec.mesh(), args=(x,), annotations=ann, data_parallel=spec.dp)
     report = plan.check(x)
     assert report["grads"] == len(list(model.parameters()))
     plan.check(torch.randn(16, 16))  # another batch size: dims are dynamic
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", TP)
 @pytest.mark.parametrize("tied", [True, False])
 def test_gpt_matches_serial(name, tied):
-    model = small_gpt(tied=tied)
     idx, tg = gpt_batch()
-    plan = mesh_and_plan(name, model, (idx, tg))
+    plan = gpt_plan(name, tied=tied)
     plan.check(idx, tg)
     plan.check(*gpt_batch(batch=4, seq=12, seed=5))  # other batch and sequence length
 
 
-def _sgd_step(module, lr, loss):
-    loss.backward()
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.grad is not None:
-                p -= lr * p.grad
-                p.grad = None
-
-
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", TP)
 def test_gpt_parameters_after_one_sgd_step(name):
-    model = small_gpt()
-    serial = copy.deepcopy(model)
     idx, tg = gpt_batch()
-    plan = mesh_and_plan(name, model, (idx, tg))
+    plan = gpt_plan(name)
+    serial = copy.deepcopy(plan.model)
     losses = plan.simulate(lambda m, *a: _train(m, a), idx, tg)
     _, serial_loss = serial(idx, tg)
-    _sgd_step(serial, 0.5, serial_loss)
+    sgd_step(serial, 0.5, serial_loss)
     merged = plan.merge_state_dicts([dict(plan.module(r).named_parameters()) for r in range(plan.mesh.size)])
-    for n, p in serial.named_parameters():
-        torch.testing.assert_close(merged[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    assert_params_close(merged, dict(serial.named_parameters()), name, rtol=1e-5, atol=1e-6)
     for loss in losses:  # every rank reports the global loss
         assert abs(loss - serial_loss.item()) < 1e-5
 
 
 def _train(module, args):
     _, loss = module(*args)
-    _sgd_step(module, 0.5, loss)
+    sgd_step(module, 0.5, loss)
     return loss.item()
 
 

@@ -1,4 +1,4 @@
-"""The autopar command: plan and check from PACKAGE.MODULE:FACTORY (issue 6)."""
+"""The autopar command: plan and check from PACKAGE.MODULE:FACTORY."""
 from __future__ import annotations
 
 import os

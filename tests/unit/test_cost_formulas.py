@@ -1,60 +1,17 @@
-"""plan.cost() formulas and plan.collectives() bytes against the bytes the simulator moves.
-
-The counter below is a minimal stand-in for ap.comm_stats() (issue 3 builds it on the same
-SimBackend.stats hook): it records every collective's input tensor and charges the ring
-algorithm's bytes per rank, as cost.py does.
-"""
+"""plan.cost() formulas and plan.collectives() bytes against the bytes the simulator moves
+(tests.harness.comm charges each recorded collective the ring algorithm's bytes per rank, as
+the cost model does; the same on real processes: gloo/test_comm_bytes.py)."""
 from __future__ import annotations
-
-from collections import defaultdict
 
 import pytest
 import sympy
 import torch
 
 import autopar as ap
-from autopar.runtime.simulator import SimBackend, run_ranks
-from tests.explore_models import gpt_plan
-from tests.models import MLP, gpt_batch
+from tests.harness.comm import planned_bytes, runtime_bytes
+from tests.harness.models import MLP, gpt_batch, shared_gpt_plan
 
-RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
-        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
-
-
-class Counter:
-    def __init__(self):
-        self.rows = []
-
-    def record(self, kind, group, tensor):
-        self.rows.append((kind, tuple(group), tensor.numel() * tensor.element_size()))
-
-
-def runtime_bytes(plan, args, loss_of, rank=0) -> dict:
-    """(axis, kind) -> bytes rank ``rank`` sends in one forward+backward (with gradient sync)."""
-    backend = SimBackend(plan.mesh.size)
-    backend.stats = Counter()
-    inputs = [plan.local_inputs(r, *args) for r in plan.mesh.ranks()]
-    modules = [plan.build_module(r) for r in plan.mesh.ranks()]
-
-    def step(r):
-        a, k = inputs[r]
-        loss_of(modules[r](*a, **k)).backward()
-    run_ranks(plan.mesh.size, step, backend=backend)
-    axis_of = {g: plan.mesh.axis_names[a] for a in range(plan.mesh.ndim) for g in plan.mesh.groups(a)}
-    got = defaultdict(float)
-    for kind, group, nbytes in backend.stats.rows:
-        if rank in group:
-            got[(axis_of[group], kind)] += RING[kind](len(group)) * nbytes
-    return dict(got)
-
-
-def planned_bytes(plan, **dims) -> dict:
-    cost = plan.cost()
-    out = defaultdict(float)
-    for c in cost.comms:
-        assert c.formula is not None, f"{c} has no formula"
-        out[(c.axis, c.kind)] += cost.sy.value(c.formula, **dims)
-    return {k: v for k, v in out.items() if v}
+NAMES = {(2,): "tp2", (4,): "tp4", (2, 2): "dp2xtp2"}
 
 
 def gpt_loss(out):
@@ -67,7 +24,7 @@ def mlp_loss(out):
 
 @pytest.fixture(scope="module")
 def gpt_plans():
-    return {shape: gpt_plan(shape) for shape in ((2,), (4,), (2, 2))}
+    return {shape: shared_gpt_plan(name) for shape, name in NAMES.items()}
 
 
 @pytest.mark.parametrize("shape", [(2,), (4,), (2, 2)])
@@ -132,10 +89,3 @@ def test_mlp_other_collectives_match_runtime(ann, kinds):
     want = planned_bytes(plan)
     assert kinds <= {k for _, k in want}
     assert runtime_bytes(plan, (x,), mlp_loss) == pytest.approx(want)
-
-
-def test_real_gloo_ranks_send_the_planned_bytes(gloo):
-    """Four real processes (ap.compile, DistBackend): each rank sends what plan.collectives says."""
-    for planned, sent in gloo(4).run("tests.dist_jobs_explore:gpt_bytes_planned_and_sent"):
-        assert sent == pytest.approx(planned)
-        assert planned[("tp", "all_reduce")] == 8 * 4096 and planned[("dp", "all_reduce")] > 0

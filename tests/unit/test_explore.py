@@ -1,4 +1,4 @@
-"""Plan display: text table and summary, HTML, explain, diff, draw, plots (issue 6)."""
+"""Plan display: text table and summary, HTML, explain, diff, draw, plots."""
 from __future__ import annotations
 
 import shutil
@@ -7,14 +7,14 @@ import pytest
 
 import autopar as ap
 from autopar.explore.display import plan_rows
-from tests.explore_models import gpt_plan
+from tests.harness.models import shared_gpt_plan
 
 ACT = 4 * 8 * 32 * 4  # one (B/dp, S, H) float32 activation on a rank: 4 KiB; a ring all-reduce over 2 moves it once
 
 
 @pytest.fixture(scope="module")
 def plan():
-    return gpt_plan((2, 2))
+    return shared_gpt_plan("dp2xtp2")
 
 
 def test_rows_name_collectives_and_bytes(plan):
@@ -96,7 +96,7 @@ def test_explain_node_param_module(plan):
 def test_diff(plan):
     same = plan.diff(plan)
     assert not same and str(same) == "plans agree: same layouts and collectives"
-    d = plan.diff(gpt_plan((2, 2), annotated=False))
+    d = plan.diff(shared_gpt_plan("dp2xtp2", annotated=False))
     assert len(d.params) == 12  # qkv, proj, fc weights and column biases of 2 blocks
     assert d.params["blocks.0.mlp.fc.weight"] == ("(R, S(0))", "(R, R)")
     node = next(n for n in d.nodes if n.node == "linear_default_2")

@@ -10,15 +10,9 @@ import torch
 
 import autopar as ap
 from autopar.placement import Partial, Replicate, Shard
-from tests.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.models import MEGATRON, MLP, MLP_TP, gpt_batch, gpt_plan
 
 R, S = Replicate(), Shard
-
-
-def gpt_plan(shape=(2,), axes=("tp",), dp=None, layers=2, ann=MEGATRON, tied=True):
-    model = small_gpt(layers=layers, tied=tied)
-    idx, tg = gpt_batch()
-    return model, ap.plan(model, ap.Mesh(shape, axes), args=(idx, tg), annotations=ann, data_parallel=dp)
 
 
 def node_by_module(plan, module, op):
@@ -30,7 +24,7 @@ def node_by_module(plan, module, op):
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_megatron_collectives_per_layer(layers):
     """Megatron's minimum on tp: 2 all-reduces forward and 2 backward per layer, nothing else."""
-    _, plan = gpt_plan(layers=layers)
+    plan = gpt_plan(layers=layers)
     kinds = Counter((c.kind, c.phase) for c in plan.collectives() if c.axis == "tp")
     assert kinds == {("all_reduce", "forward"): 2 * layers, ("all_reduce", "backward"): 2 * layers}
     b, t, h = 8, 8, 32
@@ -39,7 +33,7 @@ def test_megatron_collectives_per_layer(layers):
 
 
 def test_megatron_layouts():
-    _, plan = gpt_plan()
+    plan = gpt_plan()
     qkv = node_by_module(plan, "blocks.0.attn.qkv", "linear")
     assert qkv.meta["autopar"].spec == (S(2),)
     proj = node_by_module(plan, "blocks.0.attn.proj", "linear")
@@ -52,7 +46,8 @@ def test_megatron_layouts():
 
 
 def test_data_parallel_syncs_every_parameter_once():
-    model, plan = gpt_plan(shape=(4,), axes=("dp",), dp="dp", ann={})
+    plan = gpt_plan("dp4", annotations={})
+    model = plan.model
     names = {n for n, p in model.named_parameters()}
     assert set(plan.grad_sync_axes) == names
     sync = [c for c in plan.collectives() if c.phase == "grad sync"]
@@ -62,7 +57,8 @@ def test_data_parallel_syncs_every_parameter_once():
 
 
 def test_emitted_module_names_shapes_and_code():
-    model, plan = gpt_plan(shape=(2, 2), axes=("dp", "tp"), dp="dp")
+    plan = gpt_plan("dp2xtp2")
+    model = plan.model
     gm = plan.module(3)
     assert set(gm.state_dict()) == set(model.state_dict())
     assert [n for n, _ in gm.named_parameters()] == [n for n, _ in model.named_parameters()]
@@ -80,20 +76,21 @@ def test_emitted_module_names_shapes_and_code():
 
 
 def test_module_is_cached_and_build_is_fresh():
-    _, plan = gpt_plan()
+    plan = gpt_plan()
     assert plan.module(0) is plan.module(0)
     assert plan.build_module(0) is not plan.module(0)
 
 
 def test_local_inputs_split_batch():
-    _, plan = gpt_plan(shape=(2, 2), axes=("dp", "tp"), dp="dp")
+    plan = gpt_plan("dp2xtp2")
     idx, tg = gpt_batch()
     (a, b), kw = plan.local_inputs(2, idx, tg)
     assert torch.equal(a, idx[4:]) and torch.equal(b, tg[4:]) and kw == {}
 
 
 def test_state_dict_round_trip():
-    model, plan = gpt_plan(shape=(2, 2), axes=("dp", "tp"), dp="dp")
+    plan = gpt_plan("dp2xtp2")
+    model = plan.model
     full = model.state_dict()
     pieces = [plan.shard_state_dict(full, r) for r in range(4)]
     merged = plan.merge_state_dicts(pieces)
@@ -103,7 +100,7 @@ def test_state_dict_round_trip():
 
 
 def test_print_plan_shows_layouts_and_collectives():
-    _, plan = gpt_plan()
+    plan = gpt_plan()
     text = str(plan)
     assert "blocks.0.attn.qkv" in text and "S(2)" in text and "all_reduce(tp)" in text
     assert "all_reduce(tp, bwd)" in text
@@ -111,7 +108,6 @@ def test_print_plan_shows_layouts_and_collectives():
 
 
 def test_mlp_on_eight_ranks_collectives_and_shapes():
-    from tests.models import MLP, MLP_TP
     torch.manual_seed(0)
     model = MLP(layers=3)
     x = torch.randn(8, 16)
@@ -131,7 +127,8 @@ def test_replanning_a_traced_graph_leaves_nothing_stale():
     the first plan inserted (row-parallel outputs) are not duplicated."""
     from autopar.sharding.annotations import resolve
     from autopar.sharding.propagate import propagate
-    model, plan = gpt_plan(shape=(2, 2), axes=("dp", "tp"), dp="dp")
+    plan = gpt_plan("dp2xtp2")
+    model = plan.model
     count = sum(1 for _ in plan.graph.nodes)
     mesh = ap.Mesh((2,), ("tp",))
     seeds = resolve(MEGATRON, model, mesh, plan.traced.user_inputs)
@@ -143,7 +140,6 @@ def test_replanning_a_traced_graph_leaves_nothing_stale():
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_plans_display_and_cost_their_sharded_memory(zero):
-    from tests.models import MLP
     torch.manual_seed(0)
     plan = ap.plan(MLP(), ap.Mesh((4,), ("dp",)), args=(torch.randn(8, 16),),
                    data_parallel=ap.DataParallel("dp", zero=zero))

@@ -1,4 +1,4 @@
-"""plan.save / ap.load_plan: round trip, recorded choices enforced, refusals (issue 6)."""
+"""plan.save / ap.load_plan: round trip, recorded choices enforced, refusals."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,7 @@ import pytest
 
 import autopar as ap
 from autopar.sharding.propagate import layout_of
-from tests.explore_models import gpt_plan
-from tests.models import gpt_batch, small_gpt
+from tests.harness.models import MLP, gpt_batch, shared_gpt_plan, small_gpt
 
 
 def layouts(plan) -> dict:
@@ -18,7 +17,7 @@ def layouts(plan) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    plan = gpt_plan((2, 2))
+    plan = shared_gpt_plan("dp2xtp2")
     path = tmp_path_factory.mktemp("plans") / "gpt.json"
     plan.save(path)
     return plan, path
@@ -79,7 +78,6 @@ def test_refuses_other_model_mesh_or_file(saved, tmp_path):
 def test_pipelined_plan_refused_with_the_way_out(tmp_path):
     import torch
 
-    from tests.models import MLP
     model = MLP(layers=2)
     plan = ap.plan(model, ap.Mesh((2,), ("pp",)), args=(torch.randn(8, 16),),
                    pipeline=ap.Pipeline("pp", microbatches=2))
