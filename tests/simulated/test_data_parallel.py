@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autopar as ap
+from autopar.parallel.zero import state_bytes as zero_state_bytes
 from autopar.runtime.simulator import SimBackend, run_ranks
 from tests.harness import data_parallel as H
 from tests.harness.comm import Recorder, sync_calls
@@ -173,7 +174,7 @@ def test_zero_optimizer_state_is_one_dp_th_per_rank():
         full = torch.optim.AdamW(model.parameters(), lr=0.01)
         H.loss_of(model(H.batches(1)[0])).backward()
         full.step()
-        unsharded = ap.zero.state_bytes(full)
+        unsharded = zero_state_bytes(full)
         moments = 2 * 4 * sum(p.numel() for p in model.parameters())  # exp_avg, exp_avg_sq in fp32
         per_rank = [b for b, _ in out]
         pad = 2 * 4 * 3 * len(plan.grad_buckets())  # at most dp-1 padding floats per bucket and slot

@@ -212,7 +212,7 @@ def test_split_before_boundaries_and_errors(gpt):
     with pytest.raises(PipelineError, match="pipeline axis"):
         ap.plan(model, mesh, args=(x,), annotations={"b1": ap.colwise("pp")}, pipeline=ap.Pipeline("pp"))
     with pytest.raises(PipelineError, match="divisible"):
-        ap.pipeline.schedules.interleaved(4, 6, 2, 0)
+        schedules.interleaved(4, 6, 2, 0)
 
 
 def test_schedule_table_and_figure(gpt):
