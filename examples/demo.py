@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 
 import autopar as ap  # noqa: E402
 from autopar.runtime.gloo_pool import GlooPool  # noqa: E402
-from tests.models import MEGATRON, gpt_batch, small_gpt  # noqa: E402
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt  # noqa: E402
 
 
 def section(title):
@@ -54,7 +54,7 @@ def main():
 
     section("real: 4 gloo processes, 3 SGD steps vs serial training")
     with GlooPool(4) as pool:
-        results = pool.run("tests.dist_jobs:gpt_step_matches_serial", (2, 2), ("dp", "tp"), "dp")
+        results = pool.run("tests.gloo.jobs:gpt_step_matches_serial", (2, 2), ("dp", "tp"), "dp")
     r = results[0]
     for step, (a, s) in enumerate(zip(r["losses"], r["serial"])):
         print(f"  step {step}: autopar loss {a:.6f}   serial loss {s:.6f}")

@@ -10,7 +10,7 @@ next job.
 
 Example:
     >>> with GlooPool(world_size=2) as pool:
-    ...     results = pool.run("tests.dist_jobs:gpt_matches_serial", (2, 2))
+    ...     results = pool.run("tests.gloo.jobs:gpt_step_matches_serial", (2, 2), ("dp", "tp"), "dp")
 """
 from __future__ import annotations
 

@@ -1,0 +1,88 @@
+"""Pipeline jobs for the gloo pools (gloo/test_pipeline.py); each worker runs a job as its rank."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import autopar as ap
+from autopar.parallel.pipeline import with_pipeline
+from autopar.placement import shard_tensor
+from tests.harness.meshes import MeshSpec
+from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan, mse, small_gpt
+from tests.harness.serial import grad_errors, serial_step
+
+def _gpt_plan(shape, axes, dp, layers=4):
+    batch = gpt_batch(batch=8)
+    plan = gpt_plan(MeshSpec(shape, axes, dp), model=small_gpt(layers=layers), batch=batch,
+                    pipeline=ap.Pipeline("pp", microbatches=4))
+    return plan.model, plan, batch
+
+
+def gpt_pipeline_matches_serial(shape, axes, dp, configs):
+    """For each (schedule, chunks, checkpoint): one real step; returns losses and gradient errors."""
+    rank = dist.get_rank()
+    model, plan, batch = _gpt_plan(shape, axes, dp)
+    serial_loss, serial_grads = serial_step(model, batch)
+    out = []
+    for schedule, chunks, ckpt in configs:
+        p = with_pipeline(plan, ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks,
+                                            checkpoint=ckpt))
+        runner = p.pipeline_runner(rank)
+        loss = runner.step(batch)
+        out.append({"config": (schedule, chunks, ckpt), "loss": loss.item(), "serial": serial_loss.item(),
+                    "errors": grad_errors(p, rank, runner, serial_grads), "names": sorted(runner.params),
+                    "stats": runner.stats})
+    return out
+
+
+def gpt_pipeline_sgd(shape, axes, dp, steps=2, lr=0.1):
+    """Two SGD steps with the runner's parameters; returns the loss curve and serial's."""
+    rank = dist.get_rank()
+    model, plan, _ = _gpt_plan(shape, axes, dp)
+    serial = copy.deepcopy(model)
+    runner = plan.pipeline_runner(rank)
+    opt = torch.optim.SGD(runner.parameters(), lr=lr)
+    sopt = torch.optim.SGD(serial.parameters(), lr=lr)
+    losses, serial_losses = [], []
+    for step in range(steps):
+        batch = gpt_batch(batch=8, seed=step + 10)
+        losses.append(runner.step(batch).item())
+        opt.step()
+        opt.zero_grad()
+        _, sl = serial(*batch)
+        sl.backward()
+        sopt.step()
+        sopt.zero_grad()
+        serial_losses.append(sl.item())
+    worst = 0.0
+    named = dict(serial.named_parameters(remove_duplicate=False))
+    for name, p in runner.params.items():
+        if isinstance(p, nn.Parameter):
+            ref = shard_tensor(named[name].detach(), plan.param_specs[name], plan.mesh, rank)
+            worst = max(worst, ((p.detach() - ref).abs().max() / ref.abs().max()).item())
+    return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
+
+
+def skipnet_matches_serial():
+    """SkipNet on 4 real ranks: skips over stages, a bool mask and two tensors at once."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = SkipNet()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    plan = ap.plan(model, ap.Mesh((4,), ("pp",)), args=(x,), annotations=SKIP_SPLITS,
+                   pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse))
+    serial_loss, serial_grads = serial_step(model, (x,), mse, y)
+    runner = plan.pipeline_runner(rank)
+    loss = runner.step((x,), y)
+    errors = grad_errors(plan, rank, runner, serial_grads)
+    # Another batch size: boundary shapes change between steps (each step's first message of a
+    # value carries its shape; the later ones are received into buffers posted ahead).
+    x2, y2 = torch.randn(12, 16), torch.randn(12, 16)
+    runner.holder.zero_grad(set_to_none=True)
+    loss2 = runner.step((x2,), y2)
+    serial2, grads2 = serial_step(model, (x2,), mse, y2)
+    return {"loss": loss.item(), "serial": serial_loss.item(), "loss2": loss2.item(), "serial2": serial2.item(),
+            "errors": errors + grad_errors(plan, rank, runner, grads2)}

@@ -1,0 +1,38 @@
+"""No hangs on real processes: failed or dead ranks make the others fail fast, naming them; the
+pool recovers; debug=True catches ranks holding different plans (simulated: unit/test_simulator.py)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from autopar.runtime.gloo_pool import JobError
+
+
+def test_world_size_and_debug_consistency(gloo):
+    for out in gloo(2).run("tests.gloo.jobs_failures:debug_checks", timeout=90):
+        assert "2 processes" in out["mesh"] and "4 ranks" in out["mesh"] and "nproc-per-node 4" in out["mesh"]
+        assert "ranks disagree on the plan" in out["mismatch"], out["mismatch"]
+        assert "first differing collective over ranks (0, 1): #0" in out["mismatch"], out["mismatch"]
+        assert out["consistent"] == (4, 8)
+
+
+def test_real_run_rank_dies(gloo):
+    pool = gloo(2)
+    with pytest.raises(JobError) as info:
+        pool.run("tests.gloo.jobs_failures:one_rank_fails", "exit", 2.0, timeout=60)
+    text = str(info.value)
+    assert "rank processes [1] died" in text, text
+    assert "rank 0: all_reduce over ranks (0, 1) failed" in text and "one of ranks [1] died" in text, text
+
+
+def test_real_run_rank_raises_before_collective(gloo):
+    pool = gloo(2)
+    assert pool.run("tests.gloo.jobs:world_info") == [(0, 2), (1, 2)]  # recovered from the dead rank
+    start = time.monotonic()
+    with pytest.raises(JobError) as info:
+        pool.run("tests.gloo.jobs_failures:one_rank_fails", "raise", 2.0, timeout=60)
+    text = str(info.value)
+    assert "rank 0: all_reduce over ranks (0, 1) failed" in text, text
+    assert "rank 1 failed: ValueError: boom on rank 1" in text, text
+    assert time.monotonic() - start < 45

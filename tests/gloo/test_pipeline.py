@@ -1,0 +1,39 @@
+"""Pipeline over real torch.distributed (gloo) processes: numerics against serial training."""
+from __future__ import annotations
+
+import pytest
+
+CONFIGS = [("gpipe", 1, False), ("interleaved", 2, True)]  # 1F1B: the 4-process tests
+
+
+def _check(results):
+    for rank_results in results:
+        for r in rank_results:
+            assert r["loss"] == pytest.approx(r["serial"], rel=1e-5), r["config"]
+            assert not r["errors"], (r["config"], r["errors"][:3])
+
+
+def test_pp2_real_gloo(gloo):
+    results = gloo(2).run("tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial", (2,), ("pp",), None, CONFIGS)
+    _check(results)
+    assert "wte.weight" in results[0][0]["names"] and "lm_head.weight" in results[1][0]["names"]
+
+
+@pytest.mark.parametrize("shape,axes,dp,config", [((2, 2), ("pp", "tp"), None, ("1f1b", 1, True)),
+                                                  ((2, 2), ("dp", "pp"), "dp", ("interleaved", 2, False))])
+def test_2x2_real_gloo(gloo, shape, axes, dp, config):
+    _check(gloo(4).run("tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial", shape, axes, dp, [config]))
+
+
+def test_pp4_sgd_real_gloo(gloo):
+    results = gloo(4).run("tests.gloo.jobs_pipeline:gpt_pipeline_sgd", (4,), ("pp",), None)
+    for r in results:
+        assert r["losses"] == pytest.approx(r["serial"], rel=1e-5)
+        assert r["max_rel_param"] < 1e-5
+
+
+def test_skips_masks_multi_tensor_real_gloo(gloo):
+    for r in gloo(4).run("tests.gloo.jobs_pipeline:skipnet_matches_serial"):
+        assert r["loss"] == pytest.approx(r["serial"], rel=1e-5)
+        assert r["loss2"] == pytest.approx(r["serial2"], rel=1e-5)
+        assert not r["errors"], r["errors"]

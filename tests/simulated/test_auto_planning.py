@@ -1,0 +1,171 @@
+"""Automatic planning (issue 16): ap.plan(..., auto=...) chooses axis roles and layouts with a MILP.
+
+Every automatic plan is checked against the serial model (outputs and every gradient); the
+search's predicted time and memory are held against the plan's own cost model (plan.cost()
+for bytes and memory, ap.predict for time), budgets and annotations are honoured.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar as ap
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.search import Profile
+
+from tests.harness.hf_models import MODELS, inputs
+
+SHAPES = [(2,), (4,), (2, 2)]
+# a device on which splitting pays even for the tiny test models: fast links, slow compute
+SPLIT_PAYS = ap.Auto(alpha=1e-9, beta=1e12, flops_per_s=1e6)
+
+
+def gpt(layers=2, tied=True):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_embd=32, tied=tied))
+    idx = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    return model, (idx, idx)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).sum()
+
+
+def mesh_of(shape):
+    return ap.Mesh(shape, ("a", "b")[:len(shape)])
+
+
+@pytest.mark.parametrize("shape, device", [((2,), SPLIT_PAYS), ((4,), SPLIT_PAYS), ((2, 2), SPLIT_PAYS),
+                                           ((2, 2), "cpu-gloo")])
+def test_gpt_auto_equals_serial(shape, device):
+    model, args = gpt()
+    plan = ap.plan(model, mesh_of(shape), args=args, auto=ap.Auto(device=device) if isinstance(device, str) else device)
+    plan.check(*args)
+    rec = plan.built["auto"]
+    pred = ap.predict(plan, rec_profile(rec))
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-6)
+    assert pred["memory"] == pytest.approx(rec["memory"], rel=1e-6)
+
+
+def rec_profile(rec):
+    p = rec["profile"]
+    return Profile(p["name"], p["flops_per_s"], tuple(p["intra"]), tuple(p["inter"]), p["ranks_per_node"], p["overlap"])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mlp_auto_equals_serial(shape):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 16)
+    plan = ap.plan(model, mesh_of(shape), args=(x,), auto=SPLIT_PAYS)
+    plan.check(x)
+    if len(shape) == 2:  # dp on one axis, the pair split on the other (on one axis dp alone is cheaper)
+        assert [c["choice"] for c in plan.built["auto"]["components"]] == ["split"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hf_auto_equals_serial_and_beats_hand_plan(name, shape):
+    build, _, _ = MODELS[name]
+    model, kw = build(layers=2), inputs(name)
+    mesh = mesh_of(shape)
+    plan = ap.plan(model, mesh, kwargs=kw, auto=SPLIT_PAYS, dynamic=False)
+    plan.check(**kw)
+    if len(shape) == 2:  # the hand plan: Megatron on one axis, data parallel on the other
+        hand = ap.plan(model, mesh, kwargs=kw, annotations=ap.presets.megatron(model, "b", kwargs=kw),
+                       data_parallel="a", dynamic=False)
+        assert ap.predict(plan, SPLIT_PAYS)["time_s"] <= ap.predict(hand, SPLIT_PAYS)["time_s"] * (1 + 1e-9)
+
+
+def test_search_matches_plan_cost_formulas():
+    model, args = gpt(layers=4, tied=False)  # 4 blocks: probes plan two of them, weighted
+    plan = ap.plan(model, mesh_of((2, 2)), args=args, auto=SPLIT_PAYS)
+    cost = plan.cost().at()
+    pred = ap.predict(plan, SPLIT_PAYS)
+    assert pred["memory"] == pytest.approx(sum(cost["memory"].values()), rel=1e-9)
+    acts = {k: v for k, v in pred["comm_bytes"].items()}
+    for axis, b in acts.items():
+        assert b <= cost["comm"][axis] + 1e-6  # the activation part of each axis' bytes
+    assert plan.built["auto"]["time_s"] == pytest.approx(pred["time_s"], rel=1e-9)
+
+
+def test_budget_forces_memory_saving_and_is_met():
+    model, args = gpt()
+    mesh = mesh_of((4,))
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo"))
+    need = ap.predict(free, "cpu-gloo")["memory"]
+    least = min(r["memory"] for r in free.built["auto"]["runners_up"])
+    budget = (need + least) / 2 if least < need else need * 0.99
+    tight = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=budget))
+    got = ap.predict(tight, "cpu-gloo")["memory"]
+    assert got <= budget < need
+    assert tight.built["auto"]["chosen"] != free.built["auto"]["chosen"]
+    tight.check(*args)
+    with pytest.raises(ap.PlanError, match="no plan fits"):
+        ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=1000))
+
+
+def test_annotations_and_data_parallel_are_constraints():
+    model, args = gpt()
+    mesh = mesh_of((2, 2))
+    ann = {"blocks.*.mlp.fc": ap.colwise("a"), "blocks.*.mlp.proj": ap.rowwise("a")}
+    plan = ap.plan(model, mesh, args=args, annotations=ann, data_parallel="b", auto=SPLIT_PAYS)
+    rec = plan.built["auto"]
+    assert rec["chosen"].startswith("a=tp") and "b=dp" in rec["chosen"]
+    assert "blocks.*.mlp" in rec["constrained"]
+    assert plan.param_specs["blocks.0.mlp.fc.weight"][0] == ap.Shard(0)
+    assert plan.data_parallel.axis == "b"
+    plan.check(*args)
+
+
+def test_megatron_on_tp_when_the_cost_model_says_so():
+    """Slow compute, fast links: the (dp, tp) mesh gets dp on one axis and every Megatron pair split on
+    the other - the layouts ap.presets.megatron gives; with a CPU's links, splitting stops paying."""
+    model, args = gpt()
+    mesh = ap.Mesh((2, 2), ("dp", "tp"))
+    plan = ap.plan(model, mesh, args=args, auto=SPLIT_PAYS)
+    rec = plan.built["auto"]
+    assert all(c["choice"] == "split" for c in rec["components"])
+    hand = ap.plan(model, mesh, args=args, annotations=ap.presets.megatron(model, rec_tp(rec, mesh), args=args),
+                   data_parallel=rec_dp(rec, mesh))
+    pairs = [n for n in plan.param_specs if ".attn." in n or ".mlp." in n]
+    assert all(plan.param_specs[n] == hand.param_specs[n] for n in pairs)
+    slow = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", flops_per_s=1e12))
+    assert all(c["choice"] == "R" for c in slow.built["auto"]["components"])
+
+
+def rec_tp(rec, mesh):
+    return next(n for n in mesh.axis_names if f"{n}=tp" in rec["chosen"])
+
+
+def rec_dp(rec, mesh):
+    return next(n for n in mesh.axis_names if f"{n}=dp" in rec["chosen"])
+
+
+def test_explain_save_load(tmp_path):
+    model, args = gpt()
+    plan = ap.plan(model, mesh_of((2, 2)), args=args, auto=SPLIT_PAYS)
+    text = str(plan.explain("auto"))
+    assert "runners-up" in text and "automatic plan" in text
+    assert "automatic plan: blocks.*.mlp chosen" in str(plan.explain("blocks.0.mlp"))
+    plan.save(tmp_path / "p.json")
+    back = ap.load_plan(tmp_path / "p.json", model)
+    assert back.built["auto"]["chosen"] == plan.built["auto"]["chosen"]
+    back.check(*args)
+
+
+def test_calibrate_single_process():
+    prof = ap.calibrate(matmul=128, repeat=3)
+    assert prof.flops_per_s > 1e6 and prof.intra[0] > 0 and prof.intra[1] > 0
+
+
+def test_calibrate_gloo(gloo):
+    res = gloo(2).run("tests.gloo.jobs_auto:calibrate_job")
+    assert all(r == res[0] for r in res)  # every rank gets the same (averaged) profile
+    fps, alpha, beta = res[0]
+    assert fps > 1e6 and alpha > 0 and beta > 1e5

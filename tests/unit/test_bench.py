@@ -1,0 +1,62 @@
+"""The benchmarks run (tiny sizes), the propagation cache changes nothing, owned all-reduces are
+marked only where safe (the gloo benchmarks: gloo/test_bench.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar as ap
+from autopar.sharding.annotations import resolve
+from autopar.sharding.propagate import propagate
+from autopar.trace.export import trace
+from tests.harness.models import MEGATRON, MLP, MLP_TP, gpt_batch, small_gpt
+
+
+def _layouts(traced):
+    return {n.name: n.meta["autopar"] for n in traced.gm.graph.nodes if "autopar" in n.meta}
+
+
+def test_propagate_cache_gives_identical_layouts():
+    model, (idx, tg) = small_gpt(layers=3), gpt_batch()
+    mesh = ap.Mesh((2, 2), ("dp", "tp"))
+    traced = trace(model, (idx, tg))
+    seeds = resolve(MEGATRON, model, mesh, traced.user_inputs, "dp", {n: 2 for n in traced.user_inputs})
+    ctx = propagate(traced, mesh, seeds)
+    cached = _layouts(traced)
+    assert 0 < len(ctx.choices) < len(cached) / 3  # repeated blocks are solved once
+    propagate(traced, mesh, seeds, cache=False)
+    assert _layouts(traced) == cached
+
+
+def test_compile_and_memory_bench_quick(tmp_path):
+    from bench import run
+    out = tmp_path / "r.json"
+    assert run.main(["--quick", "--only", "compile,memory", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if r["metric"] == "FAILED"]
+    mem = {(r["case"], r["metric"]): r["value"] for r in rows if r["benchmark"] == "memory"}
+    assert mem[("gpt tiny, tp=2", "param MiB per rank")] < mem[("gpt tiny, tp=1", "param MiB per rank")]
+    assert any(r["metric"] == "emit 8 ranks / 1 rank" for r in rows)
+    assert run.markdown(rows).count("\n") == len(rows) + 1
+
+
+@pytest.mark.parametrize("quick", [True])
+def test_every_bench_module_has_run(quick):
+    import importlib
+    from bench import run
+    for name in run.modules():
+        assert callable(importlib.import_module(f"bench.{name}").run)
+
+
+def test_owned_all_reduce_only_where_nothing_else_reads():
+    """Row-parallel outputs (fresh matmul results, one use) are reduced in place on real
+    backends; the graph says so with owned=True. Values reused elsewhere are never marked."""
+    import torch
+    model, x = MLP(), torch.randn(4, 16)
+    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), args=(x,), annotations=MLP_TP)
+    reduces = [n for n in plan.module(0).graph.nodes if n.target is torch.ops.autopar.all_reduce.default]
+    assert reduces and all(n.kwargs.get("owned") for n in reduces)
+    for n in reduces:
+        assert len(n.args[0].users) == 1 and "linear" in str(n.args[0].target)
+    plan.check(x)
