@@ -94,7 +94,7 @@ class GradSync:
         self.enabled = True
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
-        if dp is not None and dp.zero:
+        if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
             from autopar.parallel.zero import ZeroShards
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         self._reset()
