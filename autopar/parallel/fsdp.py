@@ -199,8 +199,13 @@ def restored(plan, per_rank: list[dict]) -> list[dict]:
             parts = []
             for r in shard:
                 lo, hi = b.piece(i, shard.index(r))
-                parts.append(per_rank[r][key].reshape(-1)[: hi - lo])
-            new[key] = torch.cat(parts).view(b.shapes[i])
+                piece = per_rank[r].get(key)
+                if hi > lo and piece is None:  # a rank without this gradient: none merged
+                    parts = None
+                    break
+                if hi > lo:
+                    parts.append(piece.reshape(-1)[: hi - lo])
+            new[key] = torch.cat(parts).view(b.shapes[i]) if parts is not None else None
         out.append(new)
     return out
 
@@ -517,10 +522,13 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     window = 1 + dp.prefetch
     gathered = sum(full) if not dp.reshard_after_forward else \
         max((sum(full[i: i + window]) for i in range(len(full))), default=0)
+    # backward of one bucket: autograd's full gradients of it and the flat handed to the reduce-scatter
+    grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
+    reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
     out = dict(mem)
     out.update(params=whole + pieces, grads=whole_trainable + trainable,
                optimizer_state=state_slots * (whole_trainable + trainable), gathered=gathered,
-               params_unsharded=mem["params"], shard_size=k)
+               reduce_buffers=reducing, params_unsharded=mem["params"], shard_size=k)
     return out
 
 

@@ -215,7 +215,9 @@ class GradSync:
             self._write_back(bucket, result)
             self.held.add(i)
             if self.zero is not None and mode == "all_reduce":
-                self.zero.set_grad(i, self.zero.own_slice(i, result), accumulate=False)
+                # a copy of this rank's slice: a view would keep the whole reduced bucket alive
+                # next to the .grad it was written back into, until zero_grad (ZeRO-1's old leak)
+                self.zero.set_grad(i, self.zero.own_slice(i, result).clone(), accumulate=False)
         self._reset()
         if self.zero is not None and self.zero_optimizer is None:
             raise DataParallelError(
