@@ -11,7 +11,7 @@ memory of a LLaMA-70B-shaped model on a (16, 8) dp x tp mesh.
   CPU allocator statistics).
 - LLaMA-70B-shaped (80 layers, hidden 8192, 64 heads, MLP 4x, vocab 128256, untied) on the
   meta device, (16, 8) dp x tp, Megatron tensor parallel + zero=3 with bf16 compute:
-  plan.memory_per_rank(0) plus activations from plan.cost() at batch 1 per dp rank, sequence 4096.
+  plan.memory_per_rank(0) plus activations from plan.cost() at batch 1 per dp rank, sequence 2048 (the cost model's upper bound: every op output kept, bf16).
 
 Example:
     $ PYTHONPATH=. python bench/bench_fsdp.py --quick
@@ -92,7 +92,7 @@ def fsdp_job(size: str, iters: int, warmup: int) -> dict:
     return {"times": times, "peaks": peaks}
 
 
-def llama70b(batch: int = 1, seq: int = 4096) -> dict:
+def llama70b(batch: int = 1, seq: int = 2048) -> dict:
     """Memory per rank (GB) of a LLaMA-70B-shaped model, (16, 8) dp x tp, zero=3, bf16 compute."""
     import torch
     import autopar as ap
@@ -129,7 +129,7 @@ def run(quick: bool) -> list[dict]:
                         round(pk["autopar"] / pk["fsdp2"], 3), "<= 1.00",
                         f"peak live bytes: autopar {pk['autopar']}, fsdp2 {pk['fsdp2']}"))
     m = llama70b()
-    rows.append(row("fsdp", "LLaMA-70B-shaped, (16, 8) dp x tp, zero=3, bf16, batch 1/dp rank, seq 4096",
+    rows.append(row("fsdp", "LLaMA-70B-shaped, (16, 8) dp x tp, zero=3, bf16, batch 1 per dp rank, seq 2048",
                     "memory per rank (GB)", round(m["total"], 1), "<= 80",
                     ", ".join(f"{k} {v:.1f}" for k, v in m.items() if k != "total")))
     return rows
