@@ -78,6 +78,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
         for g in mesh.groups(axis):
             if g not in groups:
                 groups[g] = dist.new_group(list(g), **group_kw) if len(g) < world or group_kw else dist.group.WORLD
+    for technique in p.options.techniques:  # e.g. HSDP's shard and replica groups
+        for g in technique.process_groups(p):
+            if g not in groups:
+                groups[g] = dist.new_group(list(g), **group_kw)
     backend = DistBackend(groups, rank, timeout, groups_timeout=timeout)
     install_backend(backend)
     install_excepthook(rank)
@@ -87,8 +91,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
             spec = p.param_specs.get(name)
+            split = {a for t in p.options.techniques for a in t.stored_axes(p, name)}  # pieces differ there
             for axis in range(mesh.ndim):
-                if spec is None or spec[axis].is_replicate():
+                if (spec is None or spec[axis].is_replicate()) and axis not in split:
                     backend.broadcast(param.data, mesh.group(axis, rank), rank)
     module.autopar_plan = p
     return module

@@ -198,6 +198,9 @@ class Plan:
     def program(self) -> Program:
         """The emitted program every rank runs, its Python code generated once."""
         graph = emit_graph(self)
+        for technique in self.options.techniques:
+            technique.rewrite_program(self, graph)
+        graph.lint()
         t = self.traced
         graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
         return Program(graph)
@@ -212,6 +215,8 @@ class Plan:
             if id(p) not in made:
                 value = state[fqn] if state is not None and fqn in state else p
                 local = shard_tensor(value.detach(), specs.get(fqn, default), self.mesh, rank).clone()
+                for technique in self.options.techniques:
+                    local = technique.stored(self, rank, fqn, local)
                 made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
             owner, leaf = owners.of(fqn)
             owner.register_parameter(leaf, made[id(p)])
@@ -260,11 +265,16 @@ class Plan:
     # ----------------------------------------------------------------------- state dicts
     def merge_state_dicts(self, per_rank: list[dict]) -> dict:
         """Full serial tensors from every rank's dict of parameters (or of their gradients)."""
+        for technique in self.options.techniques:
+            per_rank = technique.restored(self, per_rank)
         return merge_states(per_rank, self.param_specs, self.mesh)
 
     def shard_state_dict(self, full: dict, rank: int) -> dict:
         """This rank's pieces of a full serial state dict (the inverse of merge_state_dicts)."""
-        return shard_state(full, self.param_specs, self.mesh, rank)
+        out = shard_state(full, self.param_specs, self.mesh, rank)
+        for technique in self.options.techniques:
+            out = {k: technique.stored(self, rank, k, v) for k, v in out.items()}
+        return out
 
     def merge_outputs(self, per_rank: list):
         """The global outputs from every rank's outputs (shards concatenated)."""

@@ -145,8 +145,11 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
     dp = plan.data_parallel
     if dp is not None and dp.zero:  # ZeRO shards optimizer state (1) and gradients (2) over dp
         opt = opt / sy.axes[plan.dp_axis]
+        k = sy.axes[plan.dp_axis] if not dp.shard_size else dp.shard_size
         if dp.zero == 2:
             grads = grads / sy.axes[plan.dp_axis]
+        if dp.zero == 3:  # parameters too, over the shard group (HSDP: shard_size ranks)
+            params, grads, opt = params / k, grads / k, opt * sy.axes[plan.dp_axis] / k
     acts = sympy.Integer(0)
     for node in plan.graph.nodes:
         if node.op != "call_function" or op_name(node) in VIEWS or not plan.ctx.needs_grad.get(node):

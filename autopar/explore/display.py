@@ -81,9 +81,12 @@ def plan_rows(plan, comms=None) -> list[Row]:
             continue
         rows.append(Row(node.name, module_path(node), op_name(node),
                         " ".join(fmt_spec(s) for s in lay.outputs), at[node.name]))
+    nodes = {n.name for n in plan.graph.nodes}
     for c in comms:
         if c.phase in ("grad sync", "optimizer"):
             rows.append(Row(c.node, "(grad sync)", "bucket", "-", [c]))
+        elif c.node not in nodes:  # a technique's per-bucket collective (zero=3 gathers)
+            rows.append(Row(c.node, c.module or "(model)", "gather", "-", [c]))
     return rows
 
 

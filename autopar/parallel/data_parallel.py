@@ -14,6 +14,13 @@ option at its default) or a DataParallel naming the axis and the options:
 - ``local_sgd_every=k``: no gradient sync on the axis; each rank steps on its own gradient
   and parameters are averaged every k optimizer steps (``module.autopar_local_sgd``).
 - ``reduce_dtype``: gradients are cast to this dtype for the collective and back after it.
+- ``zero=3`` (fully sharded, parallel/fsdp.py): each rank stores 1/dp of every parameter;
+  per block the pieces are all-gathered right before use (``prefetch`` next blocks in
+  flight), freed after the forward (``reshard_after_forward``) and gathered again for
+  backward; gradients are reduce-scattered into the pieces; a plain torch optimizer steps
+  them. ``shard_size=k`` (HSDP): shard over groups of k dp ranks, replicate across groups.
+- ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
+  inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
 
 Example:
     >>> dp = ap.DataParallel("dp", bucket_mb=4, zero=2, reduce_dtype=torch.bfloat16)
@@ -45,6 +52,11 @@ class DataParallel(Technique):
     local_sgd_every: int | None = None
     reduce_dtype: torch.dtype | None = None
     first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
+    reshard_after_forward: bool = True   # zero=3: free gathered blocks after forward
+    prefetch: int = 1                    # zero=3: blocks whose gather is started ahead
+    shard_size: int | None = None        # zero=3 HSDP: shard group size (None: the dp axis)
+    param_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
 
     name = "data_parallel"
 
@@ -56,9 +68,18 @@ class DataParallel(Technique):
                                     "must be > 0 (DDP's defaults: 25 and 1).")
         if self.bucket_max_params is not None and self.bucket_max_params < 1:
             raise DataParallelError("DataParallel(bucket_max_params=...) must be None or >= 1.")
-        if self.zero not in (0, 1, 2):
+        if self.zero not in (0, 1, 2, 3):
             raise DataParallelError(f"DataParallel(zero={self.zero!r}): use 0 (off), 1 (optimizer state "
-                                    "sharded) or 2 (optimizer state and gradients sharded).")
+                                    "sharded), 2 (optimizer state and gradients sharded) or 3 (parameters too).")
+        if (self.shard_size is not None or not self.reshard_after_forward or self.prefetch != 1) and self.zero != 3:
+            raise DataParallelError("DataParallel(shard_size=, reshard_after_forward=, prefetch=) configure "
+                                    "fully sharded data parallel: give zero=3 with them.")
+        if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
+            raise DataParallelError(f"DataParallel(prefetch={self.prefetch!r}) must be an int >= 0.")
+        for key in ("param_dtype", "output_dtype"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise DataParallelError(f"DataParallel({key}={value!r}) must be a floating torch dtype or None.")
         if self.local_sgd_every is not None and (not isinstance(self.local_sgd_every, int)
                                                  or self.local_sgd_every < 1):
             raise DataParallelError(f"DataParallel(local_sgd_every={self.local_sgd_every!r}) must be None "
@@ -101,17 +122,31 @@ class DataParallel(Technique):
             parts.append(f"reduce_dtype={self.reduce_dtype}")
         if self.first_bucket_mb != DEFAULT_FIRST_BUCKET_MB:
             parts.append(f"first_bucket_mb={self.first_bucket_mb:g}")
+        for key, default in (("reshard_after_forward", True), ("prefetch", 1), ("shard_size", None),
+                             ("param_dtype", None), ("output_dtype", None)):
+            if getattr(self, key) != default:
+                parts.append(f"{key}={getattr(self, key)}")
         return f"DataParallel({', '.join(parts)})"
 
     # ------------------------------------------------------- the technique (technique.py)
     def validate(self, mesh, options, annotations: dict) -> None:
-        mesh.axis_index(self.axis)
+        n = mesh.shape[mesh.axis_index(self.axis)]
+        if self.zero == 3 and options.pipeline is not None:
+            raise DataParallelError("DataParallel(zero=3) inside pipeline stages is not implemented yet (the "
+                                    "stage modules do not gather): use zero=2 with ap.Pipeline.")
+        if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
+            raise DataParallelError(f"DataParallel(shard_size={self.shard_size}) must divide the size of "
+                                    f"the data-parallel axis {self.axis!r} ({n}).")
 
     def data_axis(self) -> str:
         return self.axis
 
     def attach(self, plan, module, rank: int) -> None:
-        """Local SGD's parameter averaging (the gradient buckets are attached for every plan)."""
+        """Local SGD's parameter averaging, or zero=3's gathers (the gradient buckets are
+        attached for every plan)."""
+        if self.zero == 3:
+            from autopar.parallel import fsdp
+            fsdp.attach(plan, module, rank)
         if self.local_sgd_every is not None and hasattr(module, "autopar_grad_sync"):
             from autopar.parallel.local_sgd import LocalSGD
             module.autopar_local_sgd = LocalSGD(module.autopar_grad_sync, self.local_sgd_every)
@@ -122,17 +157,55 @@ class DataParallel(Technique):
             return []  # parameters averaged every k steps instead
         return bucket_sync(self.zero, n, numel * (self.reduce_dtype or dtype).itemsize, numel * dtype.itemsize)
 
+    # zero=3 and the precision policy: parallel/fsdp.py
+    def stored(self, plan, rank, fqn, local):
+        return self._fsdp().stored(plan, rank, fqn, local) if self.zero == 3 else local
+
+    def stored_axes(self, plan, fqn: str) -> tuple:
+        if self.zero != 3:
+            return ()
+        fsdp = self._fsdp()
+        return (plan.dp_axis,) if fsdp.canonical_names(plan).get(fqn, fqn) in fsdp.bucket_index(plan) else ()
+
+    def restored(self, plan, per_rank):
+        return self._fsdp().restored(plan, per_rank) if self.zero == 3 else per_rank
+
+    def rewrite_program(self, plan, graph) -> None:
+        if self.zero == 3 or self.param_dtype is not None or self.output_dtype is not None:
+            self._fsdp().rewrite_program(plan, graph)
+
+    def grad_sync_axes(self, plan, axes):
+        return self._fsdp().sync_axes(plan, axes) if self.zero == 3 else axes
+
+    def memory(self, plan, rank, state_slots, mem):
+        return self._fsdp().memory(plan, rank, state_slots, mem) if self.zero == 3 else mem
+
+    def collectives(self, plan, symbols) -> list:
+        return self._fsdp().collectives(plan, symbols) if self.zero == 3 else []
+
+    def process_groups(self, plan) -> list:
+        return self._fsdp().process_groups(plan) if self.shard_size is not None else []
+
+    @staticmethod
+    def _fsdp():
+        from autopar.parallel import fsdp
+        return fsdp
+
+    _DTYPES = ("reduce_dtype", "param_dtype", "output_dtype")
+
     def fields(self) -> dict:
         out = super().fields()
-        if out["reduce_dtype"] is not None:
-            out["reduce_dtype"] = str(out["reduce_dtype"]).removeprefix("torch.")
+        for key in self._DTYPES:
+            if out[key] is not None:
+                out[key] = str(out[key]).removeprefix("torch.")
         return out
 
     @classmethod
     def from_fields(cls, fields: dict) -> "DataParallel":
         fields = dict(fields)
-        if fields.get("reduce_dtype") is not None:
-            fields["reduce_dtype"] = getattr(torch, fields["reduce_dtype"])
+        for key in cls._DTYPES:
+            if fields.get(key) is not None:
+                fields[key] = getattr(torch, fields[key])
         return cls(**fields)
 
 

@@ -23,6 +23,8 @@ def sync_axes_all_names(plan) -> dict[str, tuple[int, ...]]:
         found = next((axes[n] for n in names if n in axes), None)
         if found is not None:
             axes.update({n: found for n in names})
+    for technique in plan.options.techniques:
+        axes = technique.grad_sync_axes(plan, axes)
     return axes
 
 
@@ -63,9 +65,10 @@ def exact_gradients(plan):
     """The plan with plain fp32 all-reduce on dp (what Plan.check compares with serial):
     ZeRO, local SGD and a reduce dtype change what the optimizer gets, not the layouts."""
     dp = plan.data_parallel
-    if dp is None or (not dp.zero and dp.local_sgd_every is None and dp.reduce_dtype is None):
-        return plan
-    return plan.with_data_parallel(dataclasses.replace(dp, zero=0, local_sgd_every=None, reduce_dtype=None))
+    exact = dataclasses.replace(dp, zero=0, local_sgd_every=None, reduce_dtype=None, reshard_after_forward=True,
+                                prefetch=1, shard_size=None, param_dtype=None, output_dtype=None) \
+        if dp is not None else None
+    return plan if exact == dp else plan.with_data_parallel(exact)
 
 
 def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -102,6 +105,9 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]
             if plan.dp_axis in b.axes:
                 kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
     grads = kept if dp is not None and dp.zero == 2 else trainable
-    return {"params": total, "grads": grads, "optimizer_state": state_slots * kept,
-            "optimizer_state_unsharded": state_slots * trainable, "dp": n,
-            "zero": dp.zero if dp is not None else 0}
+    mem = {"params": total, "grads": grads, "optimizer_state": state_slots * kept,
+           "optimizer_state_unsharded": state_slots * trainable, "dp": n,
+           "zero": dp.zero if dp is not None else 0}
+    for technique in plan.options.techniques:
+        mem = technique.memory(plan, rank, state_slots, mem)
+    return mem

@@ -94,7 +94,7 @@ class GradSync:
         self.enabled = True
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
-        if dp is not None and dp.zero:
+        if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
             from autopar.parallel.zero import ZeroShards
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         self._reset()
@@ -215,7 +215,9 @@ class GradSync:
             self._write_back(bucket, result)
             self.held.add(i)
             if self.zero is not None and mode == "all_reduce":
-                self.zero.set_grad(i, self.zero.own_slice(i, result), accumulate=False)
+                # a copy of this rank's slice: a view would keep the whole reduced bucket alive
+                # next to the .grad it was written back into, until zero_grad (ZeRO-1's old leak)
+                self.zero.set_grad(i, self.zero.own_slice(i, result).clone(), accumulate=False)
         self._reset()
         if self.zero is not None and self.zero_optimizer is None:
             raise DataParallelError(

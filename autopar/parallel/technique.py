@@ -46,6 +46,36 @@ class Technique:
         """The collectives the technique adds per training step (explore/step_collectives.Comm)."""
         return []
 
+    # ---- storage and program: a technique that stores parameters otherwise than it computes
+    # with them (fully sharded data parallel) or rewrites the emitted program (casts)
+    def stored(self, plan, rank: int, fqn: str, local):
+        """What ``rank`` stores of parameter ``fqn``, given its piece in the computed layout."""
+        return local
+
+    def stored_axes(self, plan, fqn: str) -> tuple:
+        """Mesh axes over which ``stored`` gives ranks different pieces of ``fqn``."""
+        return ()
+
+    def restored(self, plan, per_rank: list) -> list:
+        """Every rank's dict of computed-layout pieces from its stored pieces (``stored``'s inverse)."""
+        return per_rank
+
+    def rewrite_program(self, plan, graph) -> None:
+        """Edit the emitted program (every rank's) before its code is generated."""
+
+    def grad_sync_axes(self, plan, axes: dict) -> dict:
+        """The gradient buckets' axes per parameter (a technique reducing some itself drops them)."""
+        return axes
+
+    def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
+        """Memory per rank (parallel/dp_module.memory_per_rank) as this technique changes it."""
+        return mem
+
+    def process_groups(self, plan) -> list:
+        """Rank groups beyond the mesh axes' that the technique's collectives use (ap.parallelize
+        makes them on every rank, in this order)."""
+        return []
+
     def fields(self) -> dict:
         """JSON-able fields for a plan file; ``from_fields`` is the inverse."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -114,7 +114,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sync = getattr(module, "autopar_grad_sync", None)
         if sync is None or sync.zero is None:
             raise DataParallelError("ap.ZeroOptimizer needs a module planned with "
-                                    "data_parallel=ap.DataParallel('dp', zero=1 or 2); for zero=0 use "
+                                    "data_parallel=ap.DataParallel('dp', zero=1 or 2); for zero=0 and zero=3 use "
                                     f"{getattr(optimizer_class, '__name__', optimizer_class)}(module.parameters()).")
         if getattr(optimizer_class, "__name__", "") in WHOLE_TENSOR_OPTIMIZERS:
             raise DataParallelError(f"{optimizer_class.__name__} needs whole parameter tensors; ZeRO gives each "

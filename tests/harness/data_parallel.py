@@ -53,7 +53,7 @@ def loss_of(out):
 
 def make_optimizer(module, opt_name, zero):
     cls, kw = OPTIMIZERS[opt_name]
-    return ap.ZeroOptimizer(module, cls, **kw) if zero else cls(module.parameters(), **kw)
+    return ap.ZeroOptimizer(module, cls, **kw) if zero in (1, 2) else cls(module.parameters(), **kw)
 
 
 def train_rank(plan, rank, opt_name, data=None):

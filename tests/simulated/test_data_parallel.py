@@ -188,7 +188,7 @@ def test_zero_optimizer_state_is_one_dp_th_per_rank():
 
 def test_options_are_checked():
     with pytest.raises(ap.DataParallelError, match="zero"):
-        ap.DataParallel("dp", zero=3)
+        ap.DataParallel("dp", zero=4)  # 3 is fully sharded (test_fsdp.py)
     with pytest.raises(ap.DataParallelError, match="exclude"):
         ap.DataParallel("dp", zero=1, local_sgd_every=2)
     with pytest.raises(ap.DataParallelError, match="reduce_dtype"):

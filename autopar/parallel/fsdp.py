@@ -1,0 +1,556 @@
+"""Fully sharded data parallel (ZeRO-3, HSDP) and mixed precision: ``ap.DataParallel(zero=3)``.
+
+In graph terms a parameter is *stored* split over the data-parallel ranks and *computed*
+replicated on them: the emitted program gets, per block (a flat bucket of parameters, e.g.
+``layers.3``), one gather op written right before the block's first use, whose backward
+reduce-scatters the block's gradient straight into this rank's piece. The layouts the
+planner chose do not change (parameters stay Replicate on dp for the computation); only the
+storage and the program do.
+
+- Storage: the parameters of a bucket are laid end to end in one flat vector (the rank's
+  local, tensor-parallel piece of each); the flat is padded to a multiple of the shard group
+  size k and rank i of the group stores chunk i. Each module parameter is the (1-D, possibly
+  empty) piece of its parameter inside this rank's chunk, a view of one flat chunk buffer:
+  a plain torch optimizer steps the pieces in place (every elementwise optimizer gives the
+  unsharded result, as ZeRO-1/2 in zero.py), and the gather's input is the chunk itself.
+- Gather: ``fsdp_gather(runtime, k, *pieces)`` all-gathers bucket k's chunks (in
+  ``param_dtype`` if given) and returns the bucket's parameters as views of the gathered flat.
+  Before returning it starts the all-gathers of the next ``prefetch`` buckets, so they run
+  while this block computes. Backward: one reduce-scatter over the shard group (in
+  ``reduce_dtype``), then, for HSDP, one all-reduce of the chunk over the replica group.
+- Freeing: ``reshard_after_forward=True`` packs every saved tensor that lives in a gathered
+  flat as (bucket, view) (torch.autograd.graph.saved_tensors_hooks), so the gathered block is
+  freed after its last forward use and gathered again in backward (the next backward bucket
+  prefetched); False keeps the gathered blocks alive until backward.
+- HSDP: ``shard_size=k`` shards each parameter over groups of k consecutive ranks of the dp
+  axis and replicates it across the dp/k groups (reduce-scatter in the group, all-reduce
+  across groups).
+- Mixed precision (any zero level): ``param_dtype`` computes with parameters cast from their
+  fp32 pieces (zero=3: gathered in that dtype) and casts floating inputs to it;
+  ``reduce_dtype`` is the gradient reduction's dtype; ``output_dtype`` casts the outputs.
+
+Example:
+    >>> dp = ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    >>> plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel=dp)
+    >>> module = plan.module(rank); opt = torch.optim.AdamW(module.parameters())   # pieces
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.runtime.collectives import current_backend
+
+RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
+
+
+# ------------------------------------------------------------------------------ layout
+@dataclass
+class FlatBucket:
+    """One gathered unit: parameters (canonical names) laid end to end, padded to k chunks."""
+    key: str
+    names: list[str]
+    shapes: list[tuple]
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    k: int
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.numel // self.k)
+
+    def piece(self, i: int, pos: int) -> tuple[int, int]:
+        """[lo, hi) of parameter ``i`` inside chunk ``pos`` (offsets within the chunk)."""
+        lo, hi = pos * self.chunk, (pos + 1) * self.chunk
+        a, b = max(self.offsets[i], lo), min(self.offsets[i] + _numel(self.shapes[i]), hi)
+        return (a - lo, b - lo) if a < b else (0, 0)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def block_key(name: str) -> str:
+    """The block a parameter belongs to: its path up to the first numbered module
+    (``layers.3.fc1.weight`` -> ``layers.3``), '' for parameters outside repeated blocks."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def canonical_names(plan) -> dict[str, str]:
+    """Every parameter name -> the one name its tensor is stored under (tied weights share)."""
+    out = {n: n for n, _ in plan.model.named_parameters(remove_duplicate=False)}
+    for names in plan.traced.tied.values():
+        out.update({n: names[0] for n in names})
+    return out
+
+
+def first_use_order(plan) -> list[str]:
+    """Canonical parameter names in the order of their first use in the forward graph."""
+    canon, seen, order = canonical_names(plan), set(), []
+    nodes = list(plan.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    firsts = []
+    for node in nodes:
+        fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None and node.users:
+            firsts.append((min(pos[u] for u in node.users), canon.get(fqn, fqn)))
+    for _, name in sorted(firsts):
+        if name not in seen:
+            seen.add(name)
+            order.append(name)
+    return order
+
+
+def buckets(plan) -> list[FlatBucket]:
+    """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
+    parameters of one block and dtype (the embedding and the head are separate buckets)."""
+    from autopar.parallel.dp_module import local_params
+    local, k = local_params(plan), shard_size(plan)
+    out: list[FlatBucket] = []
+    for name in first_use_order(plan):
+        p = local[name]
+        key = (block_key(name), p.dtype)
+        if not out or (out[-1].key, out[-1].dtype) != key:
+            out.append(FlatBucket(key[0], [], [], [], 0, p.dtype, k))
+        b = out[-1]
+        b.names.append(name)
+        b.shapes.append(tuple(p.shape))
+        b.offsets.append(b.numel)
+        b.numel += p.numel()
+    return out
+
+
+def shard_size(plan) -> int:
+    n = plan.mesh.shape[plan.dp_axis]
+    return plan.data_parallel.shard_size or n
+
+
+def groups(plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shard group, replica group) of ``rank``: HSDP splits the dp group into groups of k
+    consecutive ranks (shard) and the ranks at the same position in each (replica)."""
+    dp_group, k = plan.mesh.group(plan.dp_axis, rank), shard_size(plan)
+    i = dp_group.index(rank)
+    shard = dp_group[i - i % k: i - i % k + k]
+    replica = dp_group[i % k::k]
+    return tuple(shard), tuple(replica)
+
+
+def process_groups(plan) -> list[tuple[int, ...]]:
+    """Every HSDP sub-group of every rank (ap.parallelize makes them on every rank in this order)."""
+    out = []
+    for rank in plan.mesh.ranks():
+        for g in groups(plan, rank):
+            if g not in out and len(g) > 1:
+                out.append(g)
+    return out
+
+
+# ------------------------------------------------------------------------------ storage
+def bucket_index(plan) -> dict[str, tuple[int, int]]:
+    cached = plan.built.get("fsdp_index")
+    if cached is None:
+        cached = {n: (bi, i) for bi, b in enumerate(buckets(plan)) for i, n in enumerate(b.names)}
+        plan.built["fsdp_index"] = cached
+    return cached
+
+
+def stored(plan, rank: int, fqn: str, local: torch.Tensor) -> torch.Tensor:
+    """What ``rank`` stores of parameter ``fqn`` given its compute piece: its 1-D piece of the
+    bucket's chunk (parameters used nowhere in the graph stay whole)."""
+    canon = canonical_names(plan).get(fqn, fqn)
+    where = bucket_index(plan).get(canon)
+    if where is None:
+        return local
+    b = buckets_cached(plan)[where[0]]
+    shard, _ = groups(plan, rank)
+    lo, hi = b.piece(where[1], shard.index(rank))
+    start = b.offsets[where[1]]
+    chunk_lo = shard.index(rank) * b.chunk
+    flat = local.reshape(-1)
+    a = chunk_lo + lo - start
+    return flat[a: a + (hi - lo)].clone() if hi > lo else flat.new_zeros(0)
+
+
+def restored(plan, per_rank: list[dict]) -> list[dict]:
+    """Every rank's compute pieces from its stored pieces (inverse of ``stored`` over a shard
+    group): the chunks of the group concatenated, cut to the bucket, split into parameters."""
+    canon, index, bs = canonical_names(plan), bucket_index(plan), buckets_cached(plan)
+    out = []
+    for rank, state in enumerate(per_rank):
+        shard, _ = groups(plan, rank)
+        new = dict(state)
+        for key, value in state.items():
+            where = index.get(canon.get(key, key))
+            if where is None or value is None:
+                continue
+            b, i = bs[where[0]], where[1]
+            parts = []
+            for r in shard:
+                lo, hi = b.piece(i, shard.index(r))
+                piece = per_rank[r].get(key)
+                if hi > lo and piece is None:  # a rank without this gradient: none merged
+                    parts = None
+                    break
+                if hi > lo:
+                    parts.append(piece.reshape(-1)[: hi - lo])
+            new[key] = torch.cat(parts).view(b.shapes[i]) if parts is not None else None
+        out.append(new)
+    return out
+
+
+def buckets_cached(plan) -> list[FlatBucket]:
+    if "fsdp_buckets" not in plan.built:
+        plan.built["fsdp_buckets"] = buckets(plan)
+    return plan.built["fsdp_buckets"]
+
+
+def sync_axes(plan, axes: dict) -> dict:
+    """The gradient sync's axes without dp for the parameters a gather reduces."""
+    index, canon = bucket_index(plan), canonical_names(plan)
+    out = {}
+    for name, ax in axes.items():
+        out[name] = tuple(a for a in ax if a != plan.dp_axis) if canon.get(name, name) in index else ax
+    return out
+
+
+# ------------------------------------------------------------------------------ program
+def rewrite_program(plan, graph: fx.Graph) -> None:
+    """Write the gathers (zero=3) and the precision casts into the emitted program."""
+    dp = plan.data_parallel
+    attrs = _param_attrs(plan, graph)
+    if dp.zero == 3:
+        _insert_gathers(plan, graph, attrs)
+    elif dp.param_dtype is not None:
+        for node in attrs:
+            _cast_uses(graph, node, dp.param_dtype, after=node)
+    if dp.param_dtype is not None:
+        for node in [n for n in graph.nodes if n.op == "placeholder"]:
+            if node.meta.get("val") is None or node.meta["val"].dtype.is_floating_point:
+                _cast_uses(graph, node, dp.param_dtype, after=node, floating_only=True)
+    if dp.output_dtype is not None:
+        out = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(out):
+            cast = graph.call_function(cast_outputs, (out.args[0], dp.output_dtype))
+        out.args = (cast,)
+
+
+def _param_attrs(plan, graph) -> list[fx.Node]:
+    names = set(canonical_names(plan))
+    return [n for n in graph.nodes if n.op == "get_attr" and n.target in names and n.users]
+
+
+def _cast_uses(graph, node, dtype, after, floating_only=False) -> None:
+    with graph.inserting_after(after):
+        cast = graph.call_function(cast_floating if floating_only else _to_dtype, (node, dtype))
+    node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+
+
+def _to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype)
+
+
+def cast_floating(x, dtype):
+    """``x`` in ``dtype`` if it is a floating tensor (an input: token ids stay integers)."""
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def cast_outputs(outs, dtype):
+    import torch.utils._pytree as pytree
+    return pytree.tree_map(lambda v: cast_floating(v, dtype), outs)
+
+
+def _insert_gathers(plan, graph, attrs) -> None:
+    """One gather per bucket, right before the first node that uses one of its parameters."""
+    canon, index, bs = canonical_names(plan), bucket_index(plan), buckets_cached(plan)
+    by_bucket: dict[int, list[fx.Node]] = {}
+    for node in attrs:
+        where = index.get(canon[node.target])
+        if where is not None:
+            by_bucket.setdefault(where[0], []).append(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        runtime = graph.get_attr(RUNTIME_ATTR)
+    for bi, nodes in sorted(by_bucket.items()):
+        b = bs[bi]
+        users = [u for n in nodes for u in n.users]
+        at = min(users, key=order.__getitem__)
+        # the bucket's pieces as the program reads them: one get_attr per canonical name
+        pieces = {canon[n.target]: n for n in nodes}
+        missing = [nm for nm in b.names if nm not in pieces]
+        with graph.inserting_before(at):
+            for nm in missing:
+                pieces[nm] = graph.get_attr(nm)
+            gather = graph.call_function(fsdp_gather, (runtime, bi, *[pieces[nm] for nm in b.names]))
+            items = {nm: graph.call_function(_item, (gather, i)) for i, nm in enumerate(b.names)}
+        for n in nodes:
+            n.replace_all_uses_with(items[canon[n.target]], delete_user_cb=lambda u: u is not gather)
+
+
+def _item(t, i):
+    return t[i]
+
+
+def fsdp_gather(runtime, k: int, *pieces):
+    """Bucket ``k``'s parameters, gathered (see the module docstring); an op of the program."""
+    return _Gather.apply(runtime, k, *pieces)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runtime, k, *pieces):
+        ctx.runtime, ctx.k = runtime, k
+        return tuple(runtime.gathered(k))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.runtime.reduce(ctx.k, grads))
+
+
+# ------------------------------------------------------------------------------ runtime
+@dataclass(frozen=True)
+class _Packed:
+    """A saved tensor that lived in bucket k's gathered flat: gathered again in backward."""
+    k: int
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+class _Done:
+    def __init__(self, out):
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
+class FSDPRuntime:
+    """One rank's flat chunks, gathers in flight, and the saved-tensor hooks of its module."""
+
+    def __init__(self, plan, module: torch.nn.Module, rank: int):
+        dp = plan.data_parallel
+        self.rank, self.buckets = rank, buckets_cached(plan)
+        self.shard, self.replica = groups(plan, rank)
+        self.pos = self.shard.index(rank)
+        self.param_dtype, self.reduce_dtype, self.prefetch = dp.param_dtype, dp.reduce_dtype, dp.prefetch
+        self.reshard = dp.reshard_after_forward
+        sync = plan.grad_sync_axes
+        canon = canonical_names(plan)
+        self.whole = [[plan.dp_axis not in sync.get(canon.get(n, n), ()) for n in b.names] for b in self.buckets]
+        self.flats = [self._flatten(module, b) for b in self.buckets]
+        self.sync_enabled = True
+        self.acc: dict[int, torch.Tensor] = {}
+        self._clear()
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward, always_call=True)
+
+    def _flatten(self, module, b: FlatBucket) -> torch.Tensor:
+        """The bucket's chunk as one buffer; the module's pieces become views of it."""
+        flat = torch.zeros(b.chunk, dtype=b.dtype)
+        with torch.no_grad():
+            for i, name in enumerate(b.names):
+                lo, hi = b.piece(i, self.pos)
+                p = module.get_parameter(name)
+                if hi > lo:
+                    flat[lo:hi].copy_(p.detach().reshape(-1))
+                p.data = flat[lo:hi]
+        return flat
+
+    def _clear(self):
+        self.pending: dict[int, object] = {}
+        self.regather: dict[int, torch.Tensor] = {}
+        self.live: dict[int, tuple[int, weakref.ref]] = {}
+        self.saved_order: list[int] = []
+        self._hooks = None
+
+    # ------------------------------------------------------------------- gathering
+    def _start(self, k: int) -> None:
+        src = self.flats[k]
+        if self.param_dtype is not None:
+            src = src.to(self.param_dtype)
+        out = src.new_empty(src.numel() * len(self.shard))
+        if len(self.shard) == 1:
+            self.pending[k] = _Done(out.copy_(src))
+        else:
+            self.pending[k] = current_backend().all_gather_async(out, src, self.shard, self.rank)
+
+    def _wait(self, k: int) -> torch.Tensor:
+        if k not in self.pending:
+            self._start(k)
+        return self.pending.pop(k).wait()
+
+    def views(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        b = self.buckets[k]
+        return [flat[o: o + _numel(s)].view(s) for o, s in zip(b.offsets, b.shapes)]
+
+    def gathered(self, k: int) -> list[torch.Tensor]:
+        """Bucket k gathered (waiting for its prefetch), the next buckets' gathers started."""
+        flat = self._wait(k)
+        for j in range(k + 1, min(k + 1 + self.prefetch, len(self.buckets))):
+            if j not in self.pending:
+                self._start(j)
+        if self._hooks is not None:
+            self.live[flat.untyped_storage().data_ptr()] = (k, weakref.ref(flat))
+        return self.views(k, flat)
+
+    def _regathered(self, k: int) -> torch.Tensor:
+        """Bucket k gathered again for backward; the buckets backward needs next prefetched."""
+        if k not in self.regather:
+            self.regather[k] = self._wait(k)
+            i = self.saved_order.index(k)
+            for j in self.saved_order[max(0, i - self.prefetch): i][::-1]:
+                if j not in self.regather and j not in self.pending:
+                    self._start(j)
+        return self.regather[k]
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack(self, t):
+        try:
+            hit = self.live.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return t
+        if hit is None or hit[1]() is None:
+            return t
+        if hit[0] not in self.saved_order:
+            self.saved_order.append(hit[0])
+        return _Packed(hit[0], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, x):
+        if not isinstance(x, _Packed):
+            return x
+        return self._regathered(x.k).as_strided(x.size, x.stride, x.offset)
+
+    def _pre_forward(self, module, args):
+        self._clear()
+        if self.reshard and torch.is_grad_enabled():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def _post_forward(self, module, args, output):
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        self.live.clear()
+
+    # ---------------------------------------------------------------------- backward
+    def reduce(self, k: int, grads) -> list:
+        """Bucket k's gradient reduce-scattered (and all-reduced over replicas) into the pieces."""
+        b = self.buckets[k]
+        dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
+        flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype)
+        total = len(self.shard) * len(self.replica)
+        for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):
+            if g is not None:
+                part = flat[o: o + _numel(s)]
+                part.copy_(g.reshape(-1))
+                if whole:  # every rank holds the whole gradient: the sums below count it once
+                    part.div_(total)
+        self.regather.pop(k, None)
+        if not self.sync_enabled:  # no_sync: accumulate the unreduced gradient locally
+            self.acc[k] = flat if k not in self.acc else self.acc[k].add_(flat)
+            return [None] * len(b.names)
+        if k in self.acc:
+            flat.add_(self.acc.pop(k))
+        backend = current_backend()
+        mine = backend.reduce_scatter_async(flat, self.shard, self.rank).wait() if len(self.shard) > 1 else flat
+        if len(self.replica) > 1:
+            mine = backend.all_reduce(mine, self.replica, self.rank, "sum")
+        mine = mine.to(b.dtype)
+        if mine._base is not None:  # a view of the whole bucket (all-reduce fallback): keep only ours
+            mine = mine.clone()
+        out = []
+        for i in range(len(b.names)):
+            lo, hi = b.piece(i, self.pos)
+            out.append(mine[lo:hi] if hi > lo else None)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients unreduced (full buckets, locally); the next backward reduces them."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+
+def attach(plan, module, rank: int) -> None:
+    """The rank module's runtime (zero=3), and a no_sync covering the gathers' reductions."""
+    runtime = FSDPRuntime(plan, module, rank)
+    setattr(module, RUNTIME_ATTR, runtime)
+    grad_sync = getattr(module, "autopar_grad_sync", None)
+
+    @contextlib.contextmanager
+    def no_sync():
+        with runtime.no_sync(), (grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext()):
+            yield
+    module.no_sync = no_sync
+
+
+# ------------------------------------------------------------------------------ the plan shows it
+def _wire(plan, b: FlatBucket, dtype) -> int:
+    return b.chunk * (dtype or b.dtype).itemsize
+
+
+def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
+    """Memory per rank under zero=3: the stored pieces (1/k of each bucket), their gradients and
+    optimizer state, plus ``gathered``: the most gathered bytes alive at once (the bucket in use
+    and the ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward)."""
+    dp, k = plan.data_parallel, shard_size(plan)
+    from autopar.parallel.dp_module import local_params
+    local, index = local_params(plan, rank), bucket_index(plan)
+    bs = buckets_cached(plan)
+    whole = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index)
+    whole_trainable = sum(p.numel() * p.element_size() for n, p in local.items()
+                          if n not in index and p.requires_grad)
+    pieces = sum(b.chunk * b.dtype.itemsize for b in bs)
+    trainable = sum(b.chunk * b.dtype.itemsize for b in bs if any(local[n].requires_grad for n in b.names))
+    full = [b.chunk * k * (dp.param_dtype or b.dtype).itemsize for b in bs]
+    window = 1 + dp.prefetch
+    gathered = sum(full) if not dp.reshard_after_forward else \
+        max((sum(full[i: i + window]) for i in range(len(full))), default=0)
+    # backward of one bucket: autograd's full gradients of it and the flat handed to the reduce-scatter
+    grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
+    reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
+    out = dict(mem)
+    out.update(params=whole + pieces, grads=whole_trainable + trainable,
+               optimizer_state=state_slots * (whole_trainable + trainable), gathered=gathered,
+               reduce_buffers=reducing, params_unsharded=mem["params"], shard_size=k)
+    return out
+
+
+def collectives(plan, sy) -> list:
+    """Per bucket: its forward all-gather, backward all-gather (resharded after forward),
+    backward reduce-scatter and, for HSDP, the all-reduce of the reduced piece across replicas."""
+    import sympy
+    from autopar.explore.step_collectives import _comm
+    from autopar.sharding.redistribute import ring_bytes
+    dp, k = plan.data_parallel, shard_size(plan)
+    r = plan.mesh.shape[plan.dp_axis] // k
+    axis = plan.mesh.axis_names[plan.dp_axis]
+    out = []
+    for i, b in enumerate(buckets_cached(plan)):
+        where = (f"fsdp bucket {i} ({len(b.names)} params)", b.key)
+        gather = sympy.Float(ring_bytes("all_gather", _wire(plan, b, dp.param_dtype), k))
+        grad = _wire(plan, b, dp.reduce_dtype or dp.param_dtype)
+        out.append(_comm(sy, "all_gather", axis, "forward", gather, *where))
+        if dp.reshard_after_forward:
+            out.append(_comm(sy, "all_gather", axis, "backward", gather, *where))
+        out.append(_comm(sy, "reduce_scatter", axis, "grad sync",
+                         sympy.Float(ring_bytes("reduce_scatter", grad * k, k)), *where))
+        if r > 1:
+            out.append(_comm(sy, "all_reduce", axis, "grad sync", sympy.Float(ring_bytes("all_reduce", grad, r)), *where))
+    return out
