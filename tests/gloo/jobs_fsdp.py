@@ -5,15 +5,18 @@ import torch.distributed as dist
 
 import autopar as ap
 from autopar.api import parallelize  # ap.parallelize once exported
-from tests import dp_harness as H
+from tests.harness import data_parallel as H
+from tests.harness.meshes import MESHES
+from tests.harness.models import MLP_TP
+from tests.harness.serial import max_rel_diff
 
 
 def three_steps(mesh_name, options):
     """3 AdamW steps of ap.parallelize(zero=3) on real processes; rank 0 returns the worst
     relative difference from serial and every rank the number of parameter elements it holds."""
-    shape, axes = H.MESHES[mesh_name]
-    ann = H.MLP_TP if "tp" in axes else {}
-    module = parallelize(H.make_model(), ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
+    spec = MESHES[mesh_name]
+    ann = MLP_TP if "tp" in spec.axes else {}
+    module = parallelize(H.make_model(), spec.mesh(), args=(H.batches(1)[0],), annotations=ann,
                             data_parallel=ap.DataParallel("dp", zero=3, **options))
     plan, rank = module.autopar_plan, dist.get_rank()
     mine = H.train_rank(plan, rank, "adamw")
@@ -22,4 +25,4 @@ def three_steps(mesh_name, options):
     held = sum(p.numel() for p in module.parameters())
     if rank != 0:
         return None, held
-    return H.worst_difference(plan.merge_state_dicts(gathered), H.train_serial("adamw")), held
+    return max_rel_diff(plan.merge_state_dicts(gathered), H.train_serial("adamw")), held
