@@ -43,7 +43,7 @@ MULTIPLICATIVE = aten_ops("mul.Tensor", "mul.Scalar", "mul_.Tensor", "mul_.Scala
                           "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "div_.Tensor",
                           "div_.Scalar", "div_.Tensor_mode", "div_.Scalar_mode")
 # Unary and linear: P stays P.
-UNARY_LINEAR = aten_ops("neg", "clone", "contiguous", "alias", "detach", "_to_copy", "to.device",
+UNARY_LINEAR = aten_ops("neg", "clone", "contiguous", "alias", "detach", "_to_copy", "to.device", "to.dtype_layout",
                         "to.dtype", "to.other", "type_as", "zeros_like", "lift_fresh_copy")
 
 
