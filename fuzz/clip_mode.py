@@ -24,7 +24,10 @@ def check_clipping(plan, args, rtol=1e-4, atol=1e-5) -> None:
     serial = copy.deepcopy(plan.model)
     out = serial(*args)
     weights = _weights(plan, out)  # plan.check's objective: per rank it sums to serial's
-    _objective(out, weights).backward()
+    objective = _objective(out, weights)
+    if not objective.requires_grad:
+        return  # nothing to clip (a model without trainable parameters)
+    objective.backward()
     params = [p for p in serial.parameters() if p.grad is not None]
     if not params:
         return
