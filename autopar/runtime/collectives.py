@@ -241,6 +241,10 @@ def _shard_bwd(ctx, g):
 
 
 def _to_partial_bwd(ctx, g):
+    # The pieces of P(avg) carry 1/n of the whole gradient each (all_reduce(avg)'s backward), and
+    # every rank's piece is this replicated value: its whole gradient is n times a piece's.
+    if ctx.op == "avg":
+        g = g * len(ctx.group)
     return g, None, None, None, None
 
 

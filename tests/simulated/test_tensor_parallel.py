@@ -83,3 +83,27 @@ def test_loss_callable_in_check():
     x = torch.randn(8, 16)
     plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x,), annotations=MLP_TP, data_parallel="dp")
     plan.check(x, loss=lambda out: out.pow(2).mean())
+
+
+class _ReplicatedPlusAveraged(torch.nn.Module):
+    """A replicated value (after a row-parallel layer) added to a partial average (a mean over
+    a split dim): the plan lifts the replicated one to P(avg), whose gradient must be whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(8, -1)
+        y = q * k + v
+        return self.proj(y).sum() + y.mean(-1).sum()
+
+
+@pytest.mark.parametrize("shape", [(2,), (4,)])
+def test_replicated_plus_partial_average_gradients(shape):
+    torch.manual_seed(0)
+    model, x = _ReplicatedPlusAveraged(), torch.randn(4, 8)
+    plan = ap.plan(model, ap.Mesh(shape, ("tp",)), args=(x,),
+                   annotations={"qkv": ap.colwise("tp", blocks=3), "proj": ap.rowwise("tp")})
+    assert "to_partial" in plan.module(0).code and "'avg'" in plan.module(0).code
+    plan.check(x)
