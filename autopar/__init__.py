@@ -37,3 +37,5 @@ __all__ += ["load_plan", "PlanFileError", "Cost"]
 from autopar.explore.save_load import PlanFileError, load_plan
 from autopar.explore.cost import Cost
 __all__ += ["vocab_parallel", "sequence_parallel", "comm_stats", "CommStats", "presets"]
+from autopar.rng import manual_seed
+__all__ += ["manual_seed"]

@@ -21,6 +21,7 @@ from autopar.mesh import Mesh
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 from autopar.plan import Plan
 from autopar.sharding.propagate import propagate
+from autopar.rng import check_mode as check_rng_mode
 from autopar.trace.export import trace
 from autopar.parallel.pipeline import api as pipeline_api
 
@@ -28,7 +29,7 @@ from autopar.parallel.pipeline import api as pipeline_api
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel=None, strict: bool = False, dynamic: bool = True, repeat_blocks: bool = True,
          bucket_mb: float = 25.0, bucket_max_params: int | None = None, pipeline=None,
-         debug: bool = False) -> Plan:
+         debug: bool = False, rng: str = "placement", seed: int | None = None) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -40,9 +41,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     ap.compile check that all ranks hold the same plan before the first collective.
     ``repeat_blocks`` traces a long list of identical blocks two deep and copies the rest
     (the same graph, much faster for deep models; see autopar/trace/repeat_blocks.py); False exports all.
+    ``rng`` chooses how dropout masks are drawn (docs/randomness.md): "placement" (default: the
+    same mask on every rank of an axis the tensor is replicated on, its own piece where split)
+    or "serial" (every rank keeps its piece of the serial model's mask: equal to serial bit for
+    bit once seeded alike with ap.manual_seed). ``seed`` starts every rank's dropout generator
+    (default: torch.initial_seed(); ap.compile makes all ranks agree).
     """
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
+    check_rng_mode(rng)
     args = args if isinstance(args, tuple) else (args,)
     dp = DataParallel.of(data_parallel, bucket_mb, bucket_max_params)
     data_parallel = dp.axis if dp is not None else None
@@ -62,7 +69,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     ctx = propagate(traced, mesh, seeds, strict)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
     options = {"bucket_bytes": int(bucket_mb * 2**20), "bucket_max_params": bucket_max_params,
-               "strict": strict, "data_parallel": dp, "debug": debug}
+               "strict": strict, "data_parallel": dp, "debug": debug, "rng": rng,
+               "seed": torch.initial_seed() if seed is None else seed, "training": model.training}
     result = Plan(model, mesh, traced, seeds, flow, ctx, dp_axis, options)
     if pipeline is not None:
         pipeline_api.attach(result, pipeline, splits)

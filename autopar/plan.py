@@ -29,6 +29,7 @@ from autopar.parallel import dp_module as dpplan
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.codegen.program import Program
 from autopar.sharding.propagate import layout_of
+from autopar.rng import attach_state
 from autopar.runtime.simulator import run_ranks
 from autopar.codegen.rank_state import merge_states, set_attr, shard_state
 
@@ -180,6 +181,7 @@ class Plan:
         self._fill_attrs(gm, rank, state)
         for name, value in rank_attrs(self.mesh, rank).items():  # what the program reads per rank
             setattr(gm, name, value)
+        attach_state(gm, self)  # the dropout generator (rng.py)
         if self.grad_sync_axes:
             dpplan.attach(self, gm, rank)  # gradient buckets, ZeRO shards, local SGD (issue 4)
         return gm
