@@ -24,6 +24,7 @@ from autopar.plan import Plan
 from autopar.runtime.comm_stats import CommStats, comm_stats
 from autopar.runtime.failures import CollectiveError
 from autopar.runtime.grad_clip import clip_grad_norm_
+from autopar.runtime.rng import manual_seed
 from autopar.runtime.simulator import SimulationError
 from autopar.search import Auto, calibrate, predict
 from autopar.sharding.rules.batch_norm import sync_batch_norm
@@ -36,7 +37,7 @@ __all__ = [
     "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial", "Pipeline",
     "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions", "Replicate",
     "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "calibrate",
-    "clip_grad_norm_", "colwise", "comm_stats", "compile", "load_plan", "opaque", "parallelize", "place",
-    "plan", "predict", "presets", "replicate", "replicated", "rowwise", "sequence_parallel", "split_before",
-    "sync_batch_norm", "vocab_parallel",
+    "clip_grad_norm_", "colwise", "comm_stats", "compile", "load_plan", "manual_seed", "opaque",
+    "parallelize", "place", "plan", "predict", "presets", "replicate", "replicated", "rowwise",
+    "sequence_parallel", "split_before", "sync_batch_norm", "vocab_parallel",
 ]

@@ -23,7 +23,8 @@ from autopar.runtime.failures import install_excepthook
 
 def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
          data_parallel=None, pipeline=None, strict: bool = False, dynamic: bool = True,
-         repeat_blocks: bool = True, debug: bool = False, auto=None) -> Plan:
+         repeat_blocks: bool = True, debug: bool = False, auto=None, rng: str = "placement",
+         seed: int | None = None) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -37,13 +38,19 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     deep and copies the rest (the same graph, much faster for deep models; see
     autopar/trace/repeat_blocks.py); False exports all. ``auto=True`` or ``auto=ap.Auto(...)``
     lets a solver choose what every mesh axis does and the annotations (see autopar/search/);
-    ``annotations`` and ``data_parallel`` are then constraints. The keyword arguments become one
+    ``annotations`` and ``data_parallel`` are then constraints. ``rng`` chooses how dropout
+    masks are drawn (docs/randomness.md): "placement" (default: the same mask on every rank of an
+    axis the tensor is replicated on, its own piece where split) or "serial" (every rank keeps its
+    piece of the serial model's mask: equal to serial bit for bit once seeded alike with
+    ap.manual_seed). ``seed`` starts every rank's dropout generator (default:
+    torch.initial_seed(); ap.parallelize makes all ranks agree). The keyword arguments become one
     ``ap.PlanOptions`` (``plan.options``).
     """
     annotations, splits = take_splits(annotations)
     options = PlanOptions(data_parallel=data_parallel, pipeline=pipeline, split_before=splits,
                           strict=strict, dynamic=dynamic, repeat_blocks=repeat_blocks, debug=debug,
-                          auto=auto if auto is not False else None)
+                          auto=auto if auto is not False else None, rng=rng,
+                          seed=torch.initial_seed() if seed is None else seed)
     return make_plan(model, mesh, options, args=args, kwargs=kwargs, annotations=annotations)
 
 

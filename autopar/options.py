@@ -29,10 +29,14 @@ class PlanOptions:
     repeat_blocks: bool = True  # trace identical blocks two deep and copy the rest
     debug: bool = False        # ap.parallelize checks that every rank planned alike
     auto: object = None        # True or ap.Auto: the search chooses layouts (search/); None once done
+    rng: str = "placement"     # dropout masks: "placement" or "serial" (runtime/rng.py)
+    seed: int = 0              # every rank's dropout generator starts here
 
     def __post_init__(self):
         object.__setattr__(self, "data_parallel", DataParallel.of(self.data_parallel))
         object.__setattr__(self, "split_before", tuple(self.split_before))
+        from autopar.runtime.rng import check_mode
+        check_mode(self.rng)
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
             raise PipelineError(f"pipeline must be an ap.Pipeline, got {type(self.pipeline).__name__}.")
         if self.split_before and self.pipeline is None:

@@ -29,6 +29,7 @@ from autopar.parallel import dp_module as dpplan
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.codegen.program import Program
 from autopar.sharding.propagate import layout_of
+from autopar.runtime.rng import attach_state
 from autopar.runtime.simulator import run_ranks
 from autopar.codegen.rank_state import merge_states, set_attr, shard_state
 
@@ -188,10 +189,12 @@ class Plan:
             setattr(gm, name, value)
         from autopar.runtime.grad_clip import ParamPlacements  # for whole-model quantities (ap.clip_grad_norm_)
         gm.autopar_placements = ParamPlacements(self.mesh, rank, self.param_specs)
+        attach_state(gm, self)  # the dropout generator (rng.py)
         if self.grad_sync_axes:
             dpplan.attach(self, gm, rank)  # gradient buckets (gradient contract; dp options shape them)
         for technique in self.options.techniques:
             technique.attach(self, gm, rank)
+        gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
         return gm
 
     @cached_property

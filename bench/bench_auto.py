@@ -94,7 +94,7 @@ def spearman(a: dict, b: dict) -> float:
 
 def auto_vs_hand() -> list[dict]:
     import autopar as ap
-    from tests.hf_models import MODELS, inputs
+    from tests.harness.hf_models import MODELS, inputs
     rows = []
     for name in sorted(MODELS):
         build = MODELS[name][0]

@@ -48,21 +48,23 @@ class Attention(nn.Module):
 class Residual(nn.Module):
     """x + fc2(act(fc1(x)))."""
 
-    def __init__(self, d: int, hidden: int, fn: str):
+    def __init__(self, d: int, hidden: int, fn: str, dropout: float = 0.0):
         super().__init__()
         self.fc1, self.fc2, self.fn = nn.Linear(d, hidden), nn.Linear(hidden, d), fn
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x):
-        return x + self.fc2(ACTS[self.fn](self.fc1(x)))
+        return x + self.fc2(self.drop(ACTS[self.fn](self.fc1(x))))
 
 
 class Act(nn.Module):
-    def __init__(self, fn: str):
+    def __init__(self, fn: str, dropout: float = 0.0):
         super().__init__()
         self.fn = fn
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x):
-        return ACTS[self.fn](x)
+        return self.drop(ACTS[self.fn](x))
 
 
 class FuzzModel(nn.Module):
@@ -74,7 +76,7 @@ class FuzzModel(nn.Module):
         self.embed = nn.Embedding(case["vocab"], d) if case["vocab"] else None
         blocks = []
         for spec in case["blocks"]:
-            blocks.append(_block(spec, d))
+            blocks.append(_block(spec, d, case.get("dropout", 0.0)))
             if spec["kind"] == "linear":
                 d = spec["out"]
         self.blocks = nn.ModuleList(blocks)
@@ -87,18 +89,19 @@ class FuzzModel(nn.Module):
         return x
 
 
-def _block(spec: dict, d: int) -> nn.Module:
+def _block(spec: dict, d: int, dropout: float = 0.0) -> nn.Module:
+    """One block; ``dropout`` (the case's, for the dropout and eval modes) after activations."""
     kind = spec["kind"]
     if kind == "linear":
         return nn.Linear(d, spec["out"], bias=spec.get("bias", True))
     if kind == "act":
-        return Act(spec["fn"])
+        return Act(spec["fn"], dropout)
     if kind == "norm":
         return nn.LayerNorm(d)
     if kind == "attn":
         return Attention(d, spec["heads"])
     if kind == "residual":
-        return Residual(d, spec["hidden"], spec["fn"])
+        return Residual(d, spec["hidden"], spec["fn"], dropout)
     raise ValueError(kind)
 
 
@@ -130,12 +133,12 @@ def annotations_of(case: dict) -> dict:
     return out
 
 
-MODEL_KEYS = ("seed", "vocab", "d", "batch", "seq", "blocks")
+MODEL_KEYS = ("seed", "vocab", "d", "batch", "seq", "blocks", "dropout")
 _TRACED: dict[str, tuple] = {}  # model spec -> (model, args, traced): tracing is the slow part
 
 
 def _model_and_trace(case: dict, cache: bool):
-    key = json.dumps({k: case[k] for k in MODEL_KEYS}, sort_keys=True)
+    key = json.dumps({k: case.get(k) for k in MODEL_KEYS}, sort_keys=True)
     if cache and key in _TRACED:
         return _TRACED[key]
     model, args = build_model(case)
@@ -147,7 +150,7 @@ def _model_and_trace(case: dict, cache: bool):
     return model, args, traced
 
 
-def plan_case(case: dict, cache: bool = True):
+def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
     """ap.plan for ``case``; with ``cache`` the model's trace is reused across cases.
 
     Reusing a trace is sound because propagation rewrites every node's layout and the
@@ -157,7 +160,8 @@ def plan_case(case: dict, cache: bool = True):
     shape, names = case["mesh"]
     mesh = ap.Mesh(tuple(shape), tuple(names))
     with mock.patch("autopar.planner.trace", lambda *a, **k: traced):
-        plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"])
+        plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"],
+                       rng=rng)
     return plan, args
 
 
@@ -172,7 +176,11 @@ def run_case(case: dict) -> str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     plan.check(*args, rtol=1e-4, atol=1e-5)
     from .clip_mode import check_clipping
+    from .modes import run_modes
     check_clipping(plan, args)  # clipping mode: ap.clip_grad_norm_ against serial
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_modes(case, plan, args)  # compiled, eval, serial-RNG dropout on a subset (fuzz/modes.py)
     return "ok"
 
 

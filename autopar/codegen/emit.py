@@ -27,8 +27,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.runtime import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
+from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.codegen.lowerings.base import lowering_for
+from autopar.codegen.lowerings.train_modes import MODE_LOWERINGS
 from autopar.placement import Shard, shard_factor
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
@@ -71,6 +73,13 @@ class Emitter:
             self._rank_nodes[name] = self.graph.get_attr(name)
         return self._rank_nodes[name]
 
+    def eager_flag(self) -> fx.Node:
+        """``plain_eager()`` asked once per forward: the ops may alias or work in place only
+        when it is True (never in compiled or traced code, see collectives.plain_eager)."""
+        if "autopar_eager" not in self._rank_nodes:
+            self._rank_nodes["autopar_eager"] = self.graph.call_function(plain_eager, ())
+        return self._rank_nodes["autopar_eager"]
+
     def coord(self, axis: int) -> fx.Node:
         """This rank's position on mesh axis ``axis``, as a value of the program."""
         return self.rank_value(f"autopar_coord_{axis}")
@@ -88,9 +97,11 @@ class Emitter:
         if kind.op is not None:
             op = gather if st.kind == "all_gather" else getattr(ops, kind.op).default
             dims, extra = kind.op_args(st)
+            owned = owned and st.kind == "all_reduce"
+            flag = self.eager_flag() if owned else None  # in place only in plain eager mode
             node = self.collective(op, (x, *dims), st.axis, extra)
-            if owned and st.kind == "all_reduce":
-                node.kwargs = {"owned": True}
+            if owned:
+                node.kwargs = {"owned": flag}
             return node
         n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
@@ -127,7 +138,9 @@ class Emitter:
                     continue
                 x = self._step(x, st, owned=i == 0 and self._owned(src))
             for axis in sorted(f_axes):
+                flag = self.eager_flag()  # Megatron's f returns its input only in plain eager mode
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
+                x.kwargs = {"alias": flag}
             self.edges[key] = x
         return self.edges[key]
 
@@ -196,7 +209,9 @@ class Emitter:
         dp = self.plan.dp_axis
         if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
             n = self.mesh.shape[dp]
-            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n))
+            flag = self.eager_flag()
+            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n),
+                                         {"alias": flag})
         return x
 
     # --------------------------------------------------------------- arguments
@@ -249,6 +264,10 @@ class Emitter:
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
+        if node.target in MODE_LOWERINGS:  # train/eval and dropout randomness (lowerings/train_modes.py)
+            lowered = MODE_LOWERINGS[node.target](self, node, tuple(args), dict(kwargs))
+            if lowered is not None:
+                return lowered
         fused = self._fuse_bias(node, args, kwargs)
         if fused is not None:
             return fused

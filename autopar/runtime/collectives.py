@@ -73,17 +73,38 @@ ops = torch.ops.autopar
 
 
 def _fast(x) -> bool:
-    """Plain eager execution: call the kernel directly, no tracer needs to see the op."""
-    return type(x) is torch.Tensor and torch._C._len_torch_dispatch_stack() == 0
+    """Plain eager execution on a real tensor: call the kernel directly, no tracer needs to
+    see the op (no dispatch mode such as fake tensors or make_fx, no functionalization or
+    functorch wrapper, which are plain ``torch.Tensor`` objects on the Python side)."""
+    return (type(x) is torch.Tensor and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._is_functional_tensor(x) and not _functorch_wrapped(x))
+
+
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def plain_eager() -> bool:
+    """Whether the emitted program runs in plain eager mode (the value of its ``autopar_eager``
+    node, passed to the ops' ``owned`` / ``alias`` arguments).
+
+    Why here and not inside the ops: code that torch.compile produced calls the ops with real
+    tensors and no mode active, exactly like eager code, so an op cannot tell the two apart at
+    run time. The emitted forward asks once, in Python, where Dynamo sees the question: it
+    evaluates ``torch.compiler.is_compiling()`` as True while tracing, so compiled graphs hold
+    ``owned=False, alias=False`` and every op there is functional, as its schema says.
+    """
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
 def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=None) -> None:
     """Define ``autopar::name`` with ``kernel`` (real tensors), ``fake`` (shapes only) and
     ``backward(ctx, grad) -> grads`` reading the ``saved`` argument names from ctx.
 
-    ``eager`` (default: ``kernel``) is what the autograd forward runs in plain eager mode; an
-    identity op may return its input there (an autograd.Function output, as in Megatron's f)
-    where the op itself must return a fresh tensor.
+    ``eager`` (default: ``kernel``) is what the autograd forward runs in plain eager mode. It
+    may work in place or return its input (an autograd.Function output, as in Megatron's f)
+    only where the op's ``owned`` / ``alias`` argument says so, and the emitted program sets
+    that argument from ``plain_eager()``: False in compiled code, where the op must then be
+    exactly what its schema says (a fresh output, no mutation).
     """
     _LIB.define(name + schema)
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
@@ -118,9 +139,10 @@ def all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str,
     """P -> R: sum (or average) over the group.
 
     ``owned``: the emitter saw that nothing else reads ``x`` (the fresh output of a matmul-like
-    op whose backward does not keep it, with this collective as its only use). Plain eager
-    execution may then reduce it in place, as hand-written Megatron does, instead of copying
-    it first; traced or compiled execution ignores the hint (the op stays functional).
+    op whose backward does not keep it, with this collective as its only use) and the program
+    runs in plain eager mode (``plain_eager()``). The eager path may then reduce it in place,
+    as hand-written Megatron does, instead of copying it first. Compiled code passes False,
+    and traced execution never takes the eager path (the op stays functional).
     """
     return current_backend().all_reduce(x, tuple(group), rank, op)
 
@@ -162,7 +184,7 @@ def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str)
     return torch.zeros_like(x)
 
 
-def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int) -> torch.Tensor:
+def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, alias: bool = False) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's "f").
 
     Placed where a replicated tensor feeds computation that is split on ``axis``: each rank's
@@ -171,7 +193,7 @@ def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int) -> 
     return x.clone()
 
 
-def scale_grad(x: torch.Tensor, axis: str, factor: float) -> torch.Tensor:
+def scale_grad(x: torch.Tensor, axis: str, factor: float, alias: bool = False) -> torch.Tensor:
     """Identity forward, gradient times ``factor`` backward.
 
     On outputs left split over the data-parallel axis: each rank's loss is then the mean over
@@ -181,8 +203,14 @@ def scale_grad(x: torch.Tensor, axis: str, factor: float) -> torch.Tensor:
     return x.clone()
 
 
-def _identity(x, *args):
-    return x
+def _grad_all_reduce_eager(x, axis, group, rank, alias=False):
+    """The eager path of an identity op: its input itself where the program allowed it
+    (``alias``, from ``plain_eager()``), else a fresh copy as the schema promises."""
+    return x if alias else x.clone()
+
+
+def _scale_grad_eager(x, axis, factor, alias=False):
+    return x if alias else x.clone()
 
 
 _KERNELS = {f.__name__: f for f in (all_reduce, all_gather, reduce_scatter, all_to_all, shard, to_partial,
@@ -249,11 +277,11 @@ def _to_partial_bwd(ctx, g):
 
 
 def _grad_all_reduce_bwd(ctx, g):
-    return _call("all_reduce", g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None
+    return _call("all_reduce", g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None
 
 
 def _scale_grad_bwd(ctx, g):
-    return g * ctx.factor, None, None
+    return g * ctx.factor, None, None, None
 
 
 _G = "str axis, int[] group, int rank"
@@ -269,10 +297,10 @@ _define("shard", f"(Tensor x, int dim, {_G}) -> Tensor", shard, _split_fake, _sh
         ("dim", "axis", "group", "rank"))
 _define("to_partial", f"(Tensor x, {_G}, str op) -> Tensor", to_partial, _same, _to_partial_bwd,
         ("axis", "group", "rank", "op"))
-_define("grad_all_reduce", f"(Tensor x, {_G}) -> Tensor", grad_all_reduce, _same, _grad_all_reduce_bwd,
-        ("axis", "group", "rank"), eager=_identity)
-_define("scale_grad", "(Tensor x, str axis, float factor) -> Tensor", scale_grad, _same, _scale_grad_bwd,
-        ("axis", "factor"), eager=_identity)
+_define("grad_all_reduce", f"(Tensor x, {_G}, bool alias=False) -> Tensor", grad_all_reduce, _same,
+        _grad_all_reduce_bwd, ("axis", "group", "rank"), eager=_grad_all_reduce_eager)
+_define("scale_grad", "(Tensor x, str axis, float factor, bool alias=False) -> Tensor", scale_grad, _same,
+        _scale_grad_bwd, ("axis", "factor"), eager=_scale_grad_eager)
 
 
 # ---------------------------------------------------------------------------- local math

@@ -48,6 +48,7 @@ class Traced:
     dynamic: bool
     tied: dict[str, list[str]] = field(default_factory=dict)  # canonical param -> all its names
     repeated: object = None            # repeat.Repeated when blocks were copied, not exported
+    training: bool = True              # the model's mode when traced (export bakes it into flags)
 
     def placeholders(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
@@ -88,7 +89,7 @@ def _prepared(ep, used_dynamic: bool, model, found: Repeated | None = None) -> T
         buffer_mutations={}, n_user_outputs=0, in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
         forward_arg_names=list(ep.module_call_graph[0].signature.forward_arg_names or []),
-        dynamic=used_dynamic)
+        dynamic=used_dynamic, training=model.training)
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:

@@ -31,6 +31,7 @@ from autopar.runtime.collectives import current_backend
 from autopar.errors import InputError
 from autopar.parallel.dp_module import bucket_limits
 from autopar.parallel.grad_sync import GradSync
+from autopar.runtime.rng import replayed_rng, rng_state
 from autopar.codegen.rank_state import set_attr
 from autopar.parallel.pipeline import schedules
 from autopar.parallel.pipeline.options import PipelineError
@@ -59,7 +60,7 @@ class _Saved:
     sends: list = field(default_factory=list)
     loss: torch.Tensor | None = None
     nbytes: int = 0
-    rng: torch.Tensor | None = None   # CPU RNG state at the forward, replayed when recomputing
+    rng: tuple | None = None   # CPU and stage dropout RNG states at the forward, replayed when recomputing
 
 
 class PipelineRunner:
@@ -169,6 +170,24 @@ class PipelineRunner:
         return [pytree.tree_map(lambda p: p[i], pieces, is_leaf=lambda x: isinstance(x, list)) for i in range(m)]
 
     # --------------------------------------------------------------------- stepping
+    # ------------------------------------------------------------------ train / eval
+    @property
+    def training(self) -> bool:
+        return all(m.training for m in self.modules.values())
+
+    def train(self, mode: bool = True) -> "PipelineRunner":
+        """Switch every stage module of this rank (dropout, batch norm) as ``nn.Module.train``."""
+        for m in self.modules.values():
+            m.train(mode)
+        return self
+
+    def eval(self) -> "PipelineRunner":
+        return self.train(False)
+
+    @property
+    def stage_modules(self) -> list:
+        return list(self.modules.values())
+
     def step(self, batch, labels=None):
         """One training step over the whole batch; returns the loss (and the metric, if any)."""
         return self._run(batch, labels, train=True)
@@ -237,7 +256,7 @@ class PipelineRunner:
         args, received = self._recv_inputs(a, train)
         keep_graph = train and not self.options.checkpoint
         counter = _SavedBytes(self.holder)
-        rng = torch.get_rng_state() if train and not keep_graph else None
+        rng = (torch.get_rng_state(), rng_state(self.modules[a.stage])) if train and not keep_graph else None
         t0, c0 = time.perf_counter(), time.thread_time()
         with (counter if keep_graph else contextlib.nullcontext()), torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
@@ -306,9 +325,10 @@ class PipelineRunner:
     def _recompute(self, a, st, sv) -> None:
         """Checkpointing: run the stage's forward again, now keeping its graph."""
         counter = _SavedBytes(self.holder)
-        with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(sv.rng)  # the same dropout masks as the forward
-            outs = self.modules[a.stage](*sv.args)
+        module = self.modules[a.stage]
+        with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]), replayed_rng(module, sv.rng[1]):
+            torch.set_rng_state(sv.rng[0])  # the same dropout masks as the forward
+            outs = module(*sv.args)
             sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
         peak = self._held_bytes + counter.bytes
         self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], peak)

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from autopar.codegen.emit import Emitter, rank_attrs
 from autopar.codegen.program import Program
+from autopar.runtime.rng import attach_state
 from autopar.placement import Replicate, shard_tensor
 from autopar.codegen.rank_state import set_attr
 
@@ -63,6 +64,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
         set_attr(gm, fqn, _local(plan, rank, fqn, params), _persistent(plan, fqn))
     for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
         setattr(gm, name, value)
+    attach_state(gm, plan)  # the dropout generator (rng.py)
     gm.autopar_stage = stage
     return gm
 

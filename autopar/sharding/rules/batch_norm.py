@@ -57,9 +57,9 @@ def batch_norm_rule(op: OpInfo) -> list[Strategy]:
     per_channel = [_tensor(op, i, n) for i, n in ((1, "weight"), (2, "bias"), (3, "running_mean"), (4, "running_var"))]
     if x.shape[1] > 1:
         strategies.append(_channel_split(op, per_channel))
-    training = op.arg(5, "use_input_stats" if op.op is aten.instance_norm.default else "training", False)
     if x.shape[0] > 1:
-        lowering = BATCH_NORM_SYNC if training and op.op is aten.batch_norm.default else None
+        # the lowering decides at run time: the module's train()/eval() picks batch or running statistics
+        lowering = BATCH_NORM_SYNC if op.op is aten.batch_norm.default else None
         strategies.append(op.strategy({x: Shard(0)}, Shard(0), lowering=lowering, note="batch split"))
     return strategies
 
@@ -140,8 +140,9 @@ def _group_norm_groups(em, node, args, kwargs):
 
 
 def _batch_norm_sync(em, node, args, kwargs):
-    if not _marked(em.plan.model, node):
-        return em.graph.call_function(node.target, tuple(args), kwargs)
+    from autopar.codegen.lowerings.train_modes import follows_mode, lower_batch_norm, training
+    if not _marked(em.plan.model, node) or len(args) < 8 or not isinstance(args[5], bool):
+        return lower_batch_norm(em, node, args, kwargs)  # each rank's own statistics (as DDP)
     axes: list = []
     ranks = _split_factor(em, node, BATCH_NORM_SYNC, axes)
     g = em.graph
@@ -150,7 +151,8 @@ def _batch_norm_sync(em, node, args, kwargs):
     for a in axes:  # all-reduce forward and backward: every rank's loss uses the global sums
         sums = em.collective(ops.grad_all_reduce.default, (sums,), a)
         sums = em.collective(ops.all_reduce.default, (sums,), a, ("sum",))
-    return g.call_function(_normalise, (x, sums, ranks, w, b, rm, rv, momentum, eps))
+    train = training(em) if follows_mode(em, node, args[5]) else args[5]
+    return g.call_function(_normalise, (x, sums, ranks, w, b, rm, rv, momentum, eps, train))
 
 
 def _local_sums(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +161,9 @@ def _local_sums(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.sum(dims), (x * x).sum(dims)])
 
 
-def _normalise(x, sums, ranks, w, b, rm, rv, momentum, eps):
+def _normalise(x, sums, ranks, w, b, rm, rv, momentum, eps, train=True):
+    if not train and rm is not None:  # eval: running statistics, left unchanged (the sums go unused)
+        return torch.nn.functional.batch_norm(x, rm, rv, w, b, False, momentum, eps)
     count = x.numel() // x.shape[1] * ranks
     mean = sums[0] / count
     var = (sums[1] / count - mean * mean).clamp_min(0)

@@ -1,0 +1,155 @@
+"""Randomness derived from placements: dropout masks that agree where the tensor is one value.
+
+The contract (docs/randomness.md): a tensor replicated on a mesh axis is the same value on
+every rank of that axis, so its dropout mask must be the same there; a tensor split on an
+axis holds a different piece on each rank, so each rank draws its own piece. Two modes:
+
+- ``rng="placement"`` (default): each rank draws a mask of its local shape from a stream
+  keyed by the shared state and by its coordinates on the axes that split the tensor only.
+  Ranks that hold the same piece (they differ on replicated axes only) draw the same mask.
+- ``rng="serial"``: every rank draws the serial model's full-size mask, exactly as
+  ``nn.Dropout`` does on CPU (``empty(shape).bernoulli_(1 - p) / (1 - p)``, one draw of the
+  generator per mask), and keeps its piece of it by the tensor's placements. With the rank
+  modules seeded like the serial model (``ap.manual_seed``), dropout equals serial bit for bit
+  under any plan. It costs a full-size mask per rank.
+
+State: every rank module holds one generator state as a buffer (``autopar_rng_state``, not
+saved in state_dict). All ranks start from the same seed (the plan's ``seed``, default
+``torch.initial_seed()`` when planning; ap.compile broadcasts replicated buffers, so ranks
+that planned with different seeds agree after compile) and advance it identically (one draw
+per dropout call whatever the rank holds), so they agree every step with no communication.
+
+Example:
+    >>> plan = ap.plan(model, mesh, args=(x,), annotations=..., rng="serial")
+    >>> torch.manual_seed(0); serial_out = model(x)
+    >>> ap.manual_seed(plan.module(r), 0)      # per rank: the same masks as the serial model
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from autopar.errors import PlanError
+
+STATE = "autopar_rng_state"
+MODES = ("placement", "serial")
+_SERIAL, _PLACEMENT = 1, 0
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads a rank's key over the seed space
+
+_LIB = torch.library.Library("autopar", "FRAGMENT")  # noqa: TOR901 - a mutating op, see below
+_LIB.define("dropout_mask(Tensor(a!) state, SymInt[] shape, float p, ScalarType dtype, Device device, "
+            "int[] cuts, int kind) -> Tensor")
+
+
+def check_mode(rng: str) -> str:
+    if rng not in MODES:
+        raise PlanError(f"rng={rng!r}: choose 'placement' (masks agree on replicated axes, "
+                        "the default) or 'serial' (masks equal the serial model's).")
+    return rng
+
+
+def initial_state(seed: int) -> torch.Tensor:
+    """The generator state every rank module starts from (torch.manual_seed(seed)'s state)."""
+    return torch.Generator().manual_seed(int(seed)).get_state()
+
+
+def manual_seed(module: torch.nn.Module, seed: int) -> None:
+    """Seed a rank module's dropout (or each stage module of a pipeline runner) like
+    ``torch.manual_seed(seed)`` seeds the serial model's: in ``rng="serial"`` mode the next
+    forward draws the serial model's masks. Call it on every rank with the same seed."""
+    found = False
+    for m in getattr(module, "stage_modules", None) or [module]:
+        for name, buf in m.named_buffers():
+            if name.rsplit(".", 1)[-1] == STATE:
+                buf.copy_(initial_state(seed))
+                found = True
+    if not found:
+        raise PlanError(f"{type(module).__name__} has no dropout randomness (no {STATE} buffer): "
+                        "pass a rank module of a plan whose model uses dropout.")
+
+
+def attach_state(gm: torch.nn.Module, plan) -> None:
+    """Give ``gm`` its generator state if its program draws masks (non-persistent buffer)."""
+    if any(n.op == "get_attr" and n.target == STATE for n in gm.graph.nodes):
+        gm.register_buffer(STATE, initial_state(plan.options.seed), persistent=False)
+
+
+def dropout(x: torch.Tensor, p: float, train: bool, state: torch.Tensor, factors: list[int],
+            cuts: list[int], mode: int) -> torch.Tensor:
+    """What one dropout becomes on a rank (the emitted program calls it; see lowering_modes).
+
+    ``factors[d]``: into how many pieces dim d of the global tensor is cut; ``cuts``: for each
+    axis that splits it, (dim, pieces, this rank's coordinate, blocks), flattened, axis order.
+    """
+    if not train or p == 0.0:
+        return torch.ops.aten.dropout.default(x, p, train)
+    shape = [s * f for s, f in zip(x.shape, factors)] if mode == _SERIAL else list(x.shape)
+    mask = torch.ops.autopar.dropout_mask(state, shape, p, x.dtype, x.device, cuts, mode)
+    return x * mask
+
+
+def _kernel(state, shape, p, dtype, device, cuts, mode):
+    gen = torch.Generator().set_state(state)
+    if mode == _SERIAL:
+        mask = _draw(shape, p, dtype, gen, device)
+        state.copy_(gen.get_state())
+        return _piece(mask, cuts).contiguous()
+    key = int(torch.randint(-2**63, 2**63 - 1, (), generator=gen))
+    state.copy_(gen.get_state())
+    for i in range(0, len(cuts), 4):  # only the axes that split the tensor tell ranks apart
+        key = (key * _MIX + (cuts[i] + 1) * 1009 + cuts[i + 2] + 1) % (2**63)
+    return _draw(shape, p, dtype, torch.Generator().manual_seed(key), device)
+
+
+def _draw(shape, p, dtype, gen, device):
+    """nn.Dropout's CPU mask: bernoulli(1 - p) scaled by 1 / (1 - p) (zeros when p == 1)."""
+    mask = torch.empty(shape, dtype=dtype).bernoulli_(1 - p, generator=gen)
+    mask = mask.div_(1 - p) if p < 1 else mask
+    return mask.to(device)
+
+
+def _piece(full, cuts):
+    """This rank's piece of a full-size tensor, as placement.shard_tensor cuts it."""
+    out = full
+    for i in range(0, len(cuts), 4):
+        dim, n, coord, blocks = cuts[i:i + 4]
+        parts = out.chunk(blocks, dim) if blocks > 1 else [out]
+        size = parts[0].shape[dim] // n
+        parts = [b.narrow(dim, coord * size, size) for b in parts]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return out
+
+
+def _fake(state, shape, p, dtype, device, cuts, mode):
+    out_shape = list(shape)
+    if mode == _SERIAL:
+        for i in range(0, len(cuts), 4):
+            out_shape[cuts[i]] = out_shape[cuts[i]] // cuts[i + 1]
+    return torch.empty(out_shape, dtype=dtype, device=device)
+
+
+_LIB.impl("dropout_mask", _kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("autopar::dropout_mask", _fake, lib=_LIB)
+
+
+def rng_state(module: torch.nn.Module) -> torch.Tensor | None:
+    """A copy of ``module``'s dropout generator state (None if it draws no masks)."""
+    buf = getattr(module, STATE, None)
+    return None if buf is None else buf.clone()
+
+
+@contextlib.contextmanager
+def replayed_rng(module: torch.nn.Module, state: torch.Tensor | None):
+    """Run with ``module``'s generator at ``state`` (activation checkpointing's recompute
+    draws the forward's masks again), then put back the state it had."""
+    buf = getattr(module, STATE, None)
+    if buf is None or state is None:
+        yield
+        return
+    now = buf.clone()
+    buf.copy_(state)
+    try:
+        yield
+    finally:
+        buf.copy_(now)

@@ -1,0 +1,144 @@
+"""The fuzzer's training-loop modes: each case's plan also run compiled, in eval mode, and with
+dropout in the serial RNG mode, against the serial model (one function per mode).
+
+Each mode runs on a deterministic subset of the cases (``selected``): the modes cost more
+than the plain check (a second trace for the dropout variant, an inductor compile per rank),
+and the subset keeps CI's fuzz time bounded; ``make fuzz`` goes through the same subsets of
+many more cases.
+
+Example:
+    >>> compare_with_serial(plan, args, wrap=torch.compile)          # forward and gradients
+    >>> run_modes(case, plan, args)                                 # the modes this case is picked for
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+
+import torch
+import torch.utils._pytree as pytree
+
+import autopar as ap
+from autopar.runtime.serial_check import _compare, _objective, _weights
+from autopar.placement import shard_tensor
+from autopar.runtime.simulator import run_ranks
+
+EVERY = {"eval": 10, "dropout": 8, "compiled": 60}  # one case in N runs the mode
+RTOL, ATOL = 1e-4, 1e-5
+MAX_COMPILED_RANKS = 2
+
+
+def _size(case) -> int:
+    n = 1
+    for s in case["mesh"][0]:
+        n *= s
+    return n
+
+
+def selected(case: dict, mode: str) -> bool:
+    """Whether ``case`` runs ``mode``: a hash of the case, so the same cases every run. Compiled
+    runs take meshes of at most MAX_COMPILED_RANKS ranks (inductor compiles once per rank, several
+    seconds each on a small CPU); tests/test_training_loop.py compiles on larger meshes."""
+    if mode == "compiled" and _size(case) > MAX_COMPILED_RANKS:
+        return False
+    digest = hashlib.sha1((json.dumps(case, sort_keys=True) + mode).encode()).hexdigest()
+    return int(digest[:8], 16) % EVERY[mode] == 0
+
+
+def run_modes(case: dict, plan, args) -> list[str]:
+    """Run the modes ``case`` is selected for; a mismatch raises. Returns the modes run."""
+    done = []
+    for mode, check in (("eval", check_eval), ("dropout", check_dropout_serial), ("compiled", check_compiled)):
+        if selected(case, mode):
+            check(case, plan, args)
+            done.append(mode)
+    return done
+
+
+def check_eval(case, plan, args) -> None:
+    """Eval mode, with dropout in the model: no_grad and inference_mode forwards equal serial's."""
+    plan, args = _dropout_plan(case, "placement") or (plan, args)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        compare_with_serial(plan, args, train=False, ctx=ctx)
+
+
+def check_dropout_serial(case, plan, args) -> None:
+    """Dropout on, rng="serial": forward and gradients equal serial's (same seed)."""
+    found = _dropout_plan(case, "serial")
+    if found is not None:
+        compare_with_serial(*found, seed=1234)
+
+
+def check_compiled(case, plan, args) -> None:
+    """Every rank's module under torch.compile (inductor): forward and gradients, twice."""
+    compare_with_serial(plan, args, wrap=torch.compile, calls=2)
+
+
+def _dropout_plan(case, rng: str):
+    """The case's model with dropout after every activation, planned with ``rng`` (None when
+    the variant is refused with a PlanError)."""
+    from .spec import plan_case
+    variant = dict(case, dropout=0.25)
+    try:
+        return plan_case(variant, rng=rng)
+    except ap.PlanError:
+        return None
+
+
+def compare_with_serial(plan, args, wrap=None, train=True, ctx=contextlib.nullcontext, seed=None,
+                        calls: int = 1) -> None:
+    """Serial model vs every rank (simulated) in one training-loop setting; raises PlanMismatch.
+
+    ``wrap``: applied to each rank module (torch.compile); ``train``: the modules' mode (and a
+    backward when True); ``ctx``: the grad mode of the forward; ``seed``: torch.manual_seed for
+    serial, ap.manual_seed for the ranks, before each call; ``calls``: forwards (and backwards) in
+    a row, every one compared (gradients accumulate on both sides)."""
+    model = plan.model
+    model.train(train)
+    state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    modules = [plan.build_module(r, state).train(train) for r in plan.mesh.ranks()]
+    runs = [wrap(m) if wrap else m for m in modules]
+    inputs = [plan.local_inputs(r, *args) for r in plan.mesh.ranks()]
+    try:
+        for _ in range(calls):
+            _one_call(plan, model, modules, runs, inputs, args, train, ctx, seed)
+    finally:
+        model.train(True)
+        model.zero_grad(set_to_none=True)
+
+
+def _one_call(plan, model, modules, runs, inputs, args, train, ctx, seed):
+    if seed is not None:
+        torch.manual_seed(seed)
+    with ctx():
+        serial_out = model(*args)
+    weights = _weights(plan, serial_out)
+    if train:
+        _objective(serial_out, weights).backward()
+    local_w = [[None if w is None else shard_tensor(w, s, plan.mesh, r)
+                for w, s in zip(weights, plan.output_specs)] for r in plan.mesh.ranks()]
+
+    def step(rank):
+        if seed is not None:
+            with contextlib.suppress(ap.PlanError):  # no dropout in the program: nothing to seed
+                ap.manual_seed(modules[rank], seed)
+        a, k = inputs[rank]
+        with ctx():
+            out = runs[rank](*a, **k)
+        if train:
+            _objective(out, local_w[rank]).backward()
+        return out
+
+    outs = run_ranks(plan.mesh.size, step)
+    merged = plan.merge_outputs(outs)
+    for i, (s, m) in enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged))):
+        if isinstance(s, torch.Tensor):
+            _compare(f"output {i}", s.detach(), m.detach(), RTOL, ATOL)
+    if train:
+        grads = [{n: p.grad for n, p in m.named_parameters(remove_duplicate=False) if p.grad is not None}
+                 for m in modules]
+        merged_g = plan.merge_state_dicts(grads)
+        for name, p in model.named_parameters():
+            if p.grad is not None and name in merged_g:
+                _compare(f"gradient of {name!r}", p.grad, merged_g[name], RTOL, ATOL)
