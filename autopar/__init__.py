@@ -37,3 +37,5 @@ __all__ += ["load_plan", "PlanFileError", "Cost"]
 from autopar.explore.save_load import PlanFileError, load_plan
 from autopar.explore.cost import Cost
 __all__ += ["vocab_parallel", "sequence_parallel", "comm_stats", "CommStats", "presets"]
+__all__ += ["get_state_dict", "set_state_dict", "CheckpointError", "load_pretrained", "save_pretrained"]
+from autopar.checkpoint import CheckpointError, get_state_dict, load_pretrained, save_pretrained, set_state_dict

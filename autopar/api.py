@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.sharding.annotations import replicate, resolve
+from autopar.checkpoint.meta import input_device, meta_names, retarget_meta_device
 from autopar.parallel.data_parallel import DataParallel
 from autopar.errors import AnnotationError, MeshError
 from autopar.sharding.gradient_flow import analyse
@@ -56,6 +57,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     annotations = {p: (replicate() if isinstance(a, opaque) else a) for p, a in (annotations or {}).items()}
     with keep_opaque(model, keep, args, kwargs or {}):
         traced = trace(model, args, kwargs, dynamic=dynamic, repeat_blocks=repeat_blocks)
+    if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
+        traced.materialize_device = input_device(args, kwargs)
+        if traced.materialize_device is not None:
+            retarget_meta_device(traced.gm.graph, traced.materialize_device)
     ndims = _input_ndims(traced, args, kwargs)
     seeds = resolve(annotations, model, mesh, traced.user_inputs, data_parallel, ndims)
     _unify_tied(seeds, traced)
@@ -124,8 +129,11 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
     module = p.module(rank)
     if p.options.get("debug"):
         verify_consistent(p, module, timeout)
+    unset = meta_names(model)  # built on the meta device: nothing to broadcast, ap.load_pretrained fills them
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in unset:
+                continue
             spec = p.param_specs.get(name)
             for axis in range(mesh.ndim):
                 if spec is None or spec[axis].is_replicate():

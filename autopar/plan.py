@@ -26,6 +26,8 @@ from autopar.explore import display
 from autopar.codegen.emit import emit_graph, rank_attrs
 from autopar.errors import InputError
 from autopar.parallel import dp_module as dpplan
+from autopar.checkpoint import guard
+from autopar.checkpoint.meta import materialize
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.codegen.program import Program
 from autopar.sharding.propagate import layout_of
@@ -62,6 +64,10 @@ class Plan:
         self.flow, self.ctx, self.dp_axis, self.options = flow, ctx, dp_axis, options
         self._modules: dict[int, fx.GraphModule] = {}
         self._comms: list | None = None
+
+    def __deepcopy__(self, memo):
+        # A plan does not change once made; a deep-copied rank module (module.autopar_plan) shares it.
+        return self
 
     # ------------------------------------------------------------------ layout queries
     @property
@@ -182,6 +188,8 @@ class Plan:
             setattr(gm, name, value)
         if self.grad_sync_axes:
             dpplan.attach(self, gm, rank)  # gradient buckets, ZeRO shards, local SGD (issue 4)
+        gm.autopar_plan, gm.autopar_rank = self, rank  # what ap.get_state_dict reads (issue 13)
+        guard.install(gm, self)  # a plain state_dict() given to DCP fails loudly (issue 13)
         return gm
 
     @cached_property
@@ -202,16 +210,23 @@ class Plan:
             if id(p) not in made:
                 value = state[fqn] if state is not None and fqn in state else p
                 local = shard_tensor(value.detach(), specs.get(fqn, default), self.mesh, rank).clone()
+                local = materialize(local, self._materialize_on)
                 made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
             owner, leaf = owners.of(fqn)
             owner.register_parameter(leaf, made[id(p)])
         persistent = self._model_tensors["persistent"]
         for fqn, b in self._model_tensors["buffers"]:
             owner, leaf = owners.of(fqn)
-            owner.register_buffer(leaf, shard_tensor(b, specs.get(fqn, default), self.mesh, rank).clone(),
+            local = materialize(shard_tensor(b, specs.get(fqn, default), self.mesh, rank).clone(), self._materialize_on)
+            owner.register_buffer(leaf, local,
                                   persistent=fqn in persistent)
         for fqn, c in self.traced.constants.items():
             set_attr(root, fqn, c.clone(), None)
+
+    @property
+    def _materialize_on(self):
+        """Where the empty pieces of a meta-device model go (None: they stay meta; see checkpoint/meta.py)."""
+        return getattr(self.traced, "materialize_device", None)
 
     @cached_property
     def _model_tensors(self) -> dict:

@@ -22,6 +22,8 @@ from autopar.codegen.emit import Emitter, rank_attrs
 from autopar.codegen.program import Program
 from autopar.placement import Replicate, shard_tensor
 from autopar.codegen.rank_state import set_attr
+from autopar.checkpoint import guard
+from autopar.checkpoint.meta import materialize
 
 
 class StageEmitter(Emitter):
@@ -64,6 +66,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
     for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
         setattr(gm, name, value)
     gm.autopar_stage = stage
+    guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly (issue 13)
     return gm
 
 
@@ -93,7 +96,7 @@ def _local(plan, rank: int, fqn: str, cache: dict):
     spec = plan.param_specs.get(fqn, (Replicate(),) * plan.mesh.ndim)
     if fqn in named:
         p = named[fqn]
-        value = nn.Parameter(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(),
+        value = nn.Parameter(materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on),
                              requires_grad=p.requires_grad)
         for other, q in named.items():  # tied names: one Parameter
             if q is p:
@@ -101,5 +104,5 @@ def _local(plan, rank: int, fqn: str, cache: dict):
         return value
     buffers = dict(model.named_buffers())
     value = buffers[fqn] if fqn in buffers else plan.traced.constants[fqn]
-    cache[fqn] = shard_tensor(value, spec, plan.mesh, rank).clone()
+    cache[fqn] = materialize(shard_tensor(value, spec, plan.mesh, rank).clone(), plan._materialize_on)
     return cache[fqn]
