@@ -10,6 +10,7 @@ Example:
 """
 from autopar import presets
 from autopar.api import compile, parallelize, plan
+from autopar.checkpoint import CheckpointError, get_state_dict, load_pretrained, save_pretrained, set_state_dict
 from autopar.errors import (AnnotationError, InconsistentPlanError, InputError, MeshError, NoRuleError,
                             PlanError, PlanMismatch, ShardingError, TraceError)
 from autopar.explore.cost import Cost
@@ -33,11 +34,12 @@ from autopar.sharding.annotations import (colwise, place, replicate, replicated,
 from autopar.trace.opaque import opaque
 
 __all__ = [
-    "AnnotationError", "Auto", "CollectiveError", "CommStats", "Cost", "DataParallel", "DataParallelError",
-    "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial", "Pipeline",
-    "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions", "Replicate",
-    "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "calibrate",
-    "clip_grad_norm_", "colwise", "comm_stats", "compile", "load_plan", "manual_seed", "opaque",
-    "parallelize", "place", "plan", "predict", "presets", "replicate", "replicated", "rowwise",
-    "sequence_parallel", "split_before", "sync_batch_norm", "vocab_parallel",
+    "AnnotationError", "Auto", "CheckpointError", "CollectiveError", "CommStats", "Cost", "DataParallel",
+    "DataParallelError", "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial",
+    "Pipeline", "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions",
+    "Replicate", "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "calibrate",
+    "clip_grad_norm_", "colwise", "comm_stats", "compile", "get_state_dict", "load_plan", "load_pretrained",
+    "manual_seed", "opaque", "parallelize", "place", "plan", "predict", "presets", "replicate", "replicated",
+    "rowwise", "save_pretrained", "sequence_parallel", "set_state_dict", "split_before", "sync_batch_norm",
+    "vocab_parallel",
 ]

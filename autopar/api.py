@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from autopar.checkpoint.meta import meta_names
 from autopar.errors import MeshError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
@@ -95,8 +96,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     module = p.module(rank)
     if p.options.debug:
         verify_consistent(p, module, timeout)
+    unset = meta_names(model)  # built on the meta device: nothing to broadcast, ap.load_pretrained fills them
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in unset:
+                continue
             spec = p.param_specs.get(name)
             split = {a for t in p.options.techniques for a in t.stored_axes(p, name)}  # pieces differ there
             for axis in range(mesh.ndim):

@@ -26,6 +26,8 @@ from autopar.explore import display
 from autopar.codegen.emit import emit_graph, rank_attrs
 from autopar.errors import InputError
 from autopar.parallel import dp_module as dpplan
+from autopar.checkpoint import guard
+from autopar.checkpoint.meta import materialize
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.codegen.program import Program
 from autopar.sharding.propagate import layout_of
@@ -74,6 +76,10 @@ class Plan:
     def stage_layout(self):
         """The pipeline's StageLayout (parallel/pipeline/split.py), None without a pipeline."""
         return self.built.get("pipeline")
+
+    def __deepcopy__(self, memo):
+        # A plan does not change once made; a deep-copied rank module (module.autopar_plan) shares it.
+        return self
 
     # ------------------------------------------------------------------ layout queries
     @property
@@ -195,6 +201,8 @@ class Plan:
         for technique in self.options.techniques:
             technique.attach(self, gm, rank)
         gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
+        gm.autopar_plan, gm.autopar_rank = self, rank  # what ap.get_state_dict reads
+        guard.install(gm, self)  # a plain state_dict() given to DCP fails loudly
         return gm
 
     @cached_property
@@ -218,6 +226,7 @@ class Plan:
             if id(p) not in made:
                 value = state[fqn] if state is not None and fqn in state else p
                 local = shard_tensor(value.detach(), specs.get(fqn, default), self.mesh, rank).clone()
+                local = materialize(local, self._materialize_on)
                 for technique in self.options.techniques:
                     local = technique.stored(self, rank, fqn, local)
                 made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
@@ -226,10 +235,16 @@ class Plan:
         persistent = self._model_tensors["persistent"]
         for fqn, b in self._model_tensors["buffers"]:
             owner, leaf = owners.of(fqn)
-            owner.register_buffer(leaf, shard_tensor(b, specs.get(fqn, default), self.mesh, rank).clone(),
+            local = materialize(shard_tensor(b, specs.get(fqn, default), self.mesh, rank).clone(), self._materialize_on)
+            owner.register_buffer(leaf, local,
                                   persistent=fqn in persistent)
         for fqn, c in self.traced.constants.items():
             set_attr(root, fqn, c.clone(), None)
+
+    @property
+    def _materialize_on(self):
+        """Where the empty pieces of a meta-device model go (None: they stay meta; see checkpoint/meta.py)."""
+        return self.traced.materialize_device
 
     @cached_property
     def _model_tensors(self) -> dict:

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from autopar.checkpoint.meta import input_device, meta_names, retarget_meta_device
 from autopar.errors import AnnotationError, MeshError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
@@ -49,6 +50,10 @@ def make_plan(model: torch.nn.Module, mesh: Mesh, options: PlanOptions, *, args=
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
     with keep_opaque(model, keep, args, kwargs or {}):
         traced = trace(model, args, kwargs, dynamic=options.dynamic, repeat_blocks=options.repeat_blocks)
+    if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
+        traced.materialize_device = input_device(args, kwargs)
+        if traced.materialize_device is not None:
+            retarget_meta_device(traced.gm.graph, traced.materialize_device)
     ndims = _input_ndims(traced, args, kwargs)
     record = None
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would

@@ -82,6 +82,11 @@ How to read it:
   counter: parameter bytes, and the peak bytes a step allocates (activations kept for backward,
   gradients, temporaries). Embeddings, norms and logits stay replicated under the Megatron
   annotations, hence ratios above 1 to serial/tp.
+- **checkpoint**: a LLaMA-like model on the meta device, planned on (dp=2, tp=2), filled by
+  `ap.load_pretrained` from a sharded HF directory on 4 gloo processes: the peak resident memory
+  the load adds per rank (kernel VmHWM, reset before), against the rank's pieces plus the largest
+  tensor. DCP save/load times (max over ranks) and bytes on disk against `dcp.save` of the serial
+  model's `state_dict()` in one process.
 - Wall-clock figures depend on the machine's load (it is shared); ratios much less so."""
 
 

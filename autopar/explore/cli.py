@@ -5,6 +5,8 @@
                   [--cost] [--sizes H=32,V=64] [--save PLAN.json] [--html PLAN.html]
     autopar check PACKAGE.MODULE:FACTORY --mesh ... (same options): simulate every rank and
                   compare outputs and gradients with the serial model
+    autopar convert DCP_DIR HF_DIR --model PACKAGE.MODULE:FACTORY [--key model]: a DCP checkpoint
+                  saved from any plan to a HuggingFace directory (config.json + safetensors)
 
 FACTORY is called with no arguments and returns ``(model, example_args)`` or
 ``(model, example_args, example_kwargs)``. Annotations: ``colwise:AXIS``, ``rowwise:AXIS``,
@@ -54,8 +56,9 @@ def parse_annotation(text: str):
                      "rowwise:AXIS, replicated or place:S(0),R")
 
 
-def load_factory(target: str):
-    """'pkg.mod:fn' -> (model, args, kwargs) from calling fn()."""
+def load_factory(target: str, model_only: bool = False):
+    """'pkg.mod:fn' -> (model, args, kwargs) from calling fn() (``model_only``: the model; fn may
+    then return just the model)."""
     module_name, _, attr = target.partition(":")
     if not attr:
         raise SystemExit(f"autopar: {target!r}: write PACKAGE.MODULE:FACTORY, e.g. autopar.models.examples:gpt")
@@ -64,6 +67,8 @@ def load_factory(target: str):
     except (ImportError, AttributeError) as e:
         raise SystemExit(f"autopar: cannot load {target!r}: {e}") from None
     made = factory()
+    if model_only:
+        return made[0] if isinstance(made, tuple) else made
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise SystemExit(f"autopar: {target} returned {type(made).__name__}; a factory returns "
                          "(model, example_args) or (model, example_args, example_kwargs).")
@@ -108,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--html", help="write the plan's HTML view")
         s.add_argument("--summary-only", action="store_true", help="print the summary, not the table")
         s.add_argument("--collectives-only", action="store_true", help="table rows only for ops with collectives")
+    c = sub.add_parser("convert", help="a DCP checkpoint (any plan or mesh) to a HuggingFace directory")
+    c.add_argument("dcp_dir")
+    c.add_argument("hf_dir")
+    c.add_argument("--model", required=True, help="PACKAGE.MODULE:FACTORY returning the serial model")
+    c.add_argument("--key", default=None, help="prefix the model's dict was saved under (default: found)")
     return p
 
 
@@ -153,6 +163,9 @@ def run(opts, out=None) -> int:
 def main(argv=None) -> int:
     opts = build_parser().parse_args(argv)
     try:
+        if opts.command == "convert":
+            from autopar.checkpoint.convert import convert_command
+            return convert_command(opts)
         return run(opts)
     except PlanError as e:  # PlanMismatch is an AssertionError: a failed check, also reported here
         print(f"autopar: {type(e).__name__}: {e}", file=sys.stderr)

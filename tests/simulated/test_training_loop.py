@@ -1,8 +1,8 @@
-"""The training loop equals serial wherever a user takes it (issue 12): torch.compile, dropout
+"""The training loop equals serial wherever a user takes it: torch.compile, dropout
 (placement and serial RNG), train()/eval() with batch norm, no_grad and inference_mode.
 
 Every test runs simulated on (2,), (4,) and (2, 2) against the serial model; the real gloo
-runs of compile and dropout are at the end (jobs in tests/dist_jobs_loop.py)."""
+runs of compile and dropout are in tests/gloo/test_training_loop.py."""
 from __future__ import annotations
 
 import warnings

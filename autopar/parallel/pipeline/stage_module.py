@@ -23,6 +23,8 @@ from autopar.codegen.program import Program
 from autopar.runtime.rng import attach_state
 from autopar.placement import Replicate, shard_tensor
 from autopar.codegen.rank_state import set_attr
+from autopar.checkpoint import guard
+from autopar.checkpoint.meta import materialize
 
 
 class StageEmitter(Emitter):
@@ -66,6 +68,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
         setattr(gm, name, value)
     attach_state(gm, plan)  # the dropout generator (rng.py)
     gm.autopar_stage = stage
+    guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly
     return gm
 
 
@@ -95,7 +98,7 @@ def _local(plan, rank: int, fqn: str, cache: dict):
     spec = plan.param_specs.get(fqn, (Replicate(),) * plan.mesh.ndim)
     if fqn in named:
         p = named[fqn]
-        value = nn.Parameter(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(),
+        value = nn.Parameter(materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on),
                              requires_grad=p.requires_grad)
         for other, q in named.items():  # tied names: one Parameter
             if q is p:
@@ -103,5 +106,5 @@ def _local(plan, rank: int, fqn: str, cache: dict):
         return value
     buffers = dict(model.named_buffers())
     value = buffers[fqn] if fqn in buffers else plan.traced.constants[fqn]
-    cache[fqn] = shard_tensor(value, spec, plan.mesh, rank).clone()
+    cache[fqn] = materialize(shard_tensor(value, spec, plan.mesh, rank).clone(), plan._materialize_on)
     return cache[fqn]

@@ -1,0 +1,90 @@
+"""What a checkpoint reads from one rank: its plan, rank, local tensors by serial name, and
+the serial (global) shape and placements of each.
+
+A target is an emitted rank module (ap.compile, plan.module(rank): ``module.autopar_plan``)
+or a pipeline rank's PipelineRunner (its stages' tensors only).
+
+Example:
+    >>> t = Target.of(module)
+    >>> t.tensors["fc1.weight"].shape, t.shape("fc1.weight"), t.spec("fc1.weight")
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from autopar.errors import PlanError
+from autopar.placement import Replicate
+
+
+class CheckpointError(PlanError):
+    """A state dict or checkpoint that does not fit the module it is loaded into."""
+
+
+class Target:
+    def __init__(self, plan, rank: int, tensors: dict, params: dict, module):
+        self.plan, self.rank, self.module = plan, rank, module
+        self.tensors = tensors            # serial name -> local tensor (params, persistent buffers)
+        self.param_names = params         # id(Parameter) -> its first serial name
+
+    @classmethod
+    def of(cls, module) -> "Target":
+        from autopar.parallel.pipeline.runner import PipelineRunner
+        if isinstance(module, PipelineRunner):
+            persistent = module.plan._model_tensors["persistent"]
+            tensors = {n: v for n, v in module.params.items()
+                       if isinstance(v, nn.Parameter) or n in persistent}
+            return cls(module.plan, module.rank, tensors, _first_names(module.holder), module)
+        plan = getattr(module, "autopar_plan", None)
+        if plan is None:
+            raise CheckpointError(f"{type(module).__name__} is not an autopar rank module: pass the module "
+                                  "from ap.compile(...) or plan.module(rank), or a plan.pipeline_runner(rank).")
+        rank = getattr(module, "autopar_rank", None)
+        if rank is None:
+            import torch.distributed as dist
+            rank = dist.get_rank()
+        tensors = dict(module.named_parameters(remove_duplicate=False))
+        persistent = plan._model_tensors["persistent"]
+        tensors.update((n, b) for n, b in module.named_buffers() if n in persistent)
+        return cls(plan, rank, tensors, _first_names(module), module)
+
+    @property
+    def mesh(self):
+        return self.plan.mesh
+
+    def spec(self, fqn: str) -> tuple:
+        return self.plan.param_specs.get(fqn, (Replicate(),) * self.mesh.ndim)
+
+    def shape(self, fqn: str) -> tuple:
+        return tuple(_serial_shapes(self.plan)[fqn])
+
+
+def _first_names(module: nn.Module) -> dict:
+    out = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), n)
+    return out
+
+
+def _serial_shapes(plan) -> dict:
+    shapes = getattr(plan, "_autopar_serial_shapes", None)
+    if shapes is None:
+        m = plan._model_tensors
+        shapes = {n: tuple(t.shape) for n, t in m["params"] + m["buffers"]}
+        plan._autopar_serial_shapes = shapes
+    return shapes
+
+
+def device_mesh(plan):
+    """The plan's torch DeviceMesh, made once per plan (every rank must call: it makes groups)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise CheckpointError("ap.get_state_dict needs an initialised process group (it describes each rank's "
+                              "piece to torch.distributed.checkpoint on the plan's DeviceMesh). Offline, use "
+                              "autopar.checkpoint.convert.shard_full_state / merge_full_states, or "
+                              "ap.set_state_dict(module, model_state_dict=<full serial tensors>).")
+    dm = getattr(plan, "_autopar_device_mesh", None)
+    if dm is None:
+        dm = plan.mesh.to_device_mesh("cpu")
+        plan._autopar_device_mesh = dm
+    return dm
+

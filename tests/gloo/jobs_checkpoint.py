@@ -1,0 +1,159 @@
+"""gloo jobs for the checkpoint tests: train, save through DCP, load into other plans."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import autopar as ap
+from autopar.placement import shard_tensor
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+
+LR, WD, EPS = 0.01, 0.1, 1e-3  # eps well above float noise: AdamW divides by sqrt(v)
+QKV_BLOCKS = dict(MEGATRON, **{"blocks.*.attn.qkv": ap.colwise("tp", blocks=3)})
+TARGETS = {  # name -> (mesh shape, axes, data parallel, annotations, pipeline)
+    "tp2": ((2,), ("tp",), None, MEGATRON, None),
+    "dp2": ((2,), ("dp",), "dp", {}, None),
+    "dp2_zero2": ((2,), ("dp",), ap.DataParallel("dp", zero=2, bucket_max_params=3), {}, None),
+    "dp2xtp2": ((2, 2), ("dp", "tp"), "dp", MEGATRON, None),
+    "tp4_blocks": ((4,), ("tp",), None, QKV_BLOCKS, None),
+    "pp2xtp2": ((2, 2), ("pp", "tp"), None, MEGATRON, ap.Pipeline("pp", microbatches=2)),
+}
+
+
+def _build(target, seed):
+    shape, axes, dp, ann, pipe = TARGETS[target]
+    model = small_gpt(seed=seed)
+    kw = dict(args=gpt_batch(), annotations=ann, data_parallel=dp)
+    if pipe is not None:
+        plan = ap.plan(model, ap.Mesh(shape, axes), pipeline=pipe, **kw)
+        runner = plan.pipeline_runner(dist.get_rank())
+        return plan, runner, torch.optim.AdamW(runner.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    module = ap.compile(model, ap.Mesh(shape, axes), **kw)
+    if dp is not None and getattr(dp, "zero", 0):
+        return module.autopar_plan, module, ap.ZeroOptimizer(module, torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    return module.autopar_plan, module, torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+
+
+def _train(plan, module, opt, steps):
+    for s in steps:
+        batch = gpt_batch(seed=s)
+        if hasattr(module, "step"):  # a PipelineRunner
+            module.step(batch)
+        else:
+            args, kwargs = plan.local_inputs(dist.get_rank(), *batch)
+            module(*args, **kwargs)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def train_and_save(target, path, steps=3, use_async=False):
+    plan, module, opt = _build(target, seed=0)
+    _train(plan, module, opt, range(10, 10 + steps))
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    if use_async:  # staged to CPU copies, written in the background
+        dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path).result()
+    else:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return sorted(model_sd)
+
+
+def load_and_train(target, path, steps=3, first=3):
+    """Load into ``target`` (another init), train ``steps`` more; worst relative difference of
+    this rank's parameter pieces from serial AdamW over first + steps steps."""
+    plan, module, opt = _build(target, seed=7)
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    ap.set_state_dict(module, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _train(plan, module, opt, range(10 + first, 10 + first + steps))
+    return _worst(plan, module, _serial(first + steps))
+
+
+def _serial(steps):
+    model = small_gpt(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    for s in range(10, 10 + steps):
+        model(*gpt_batch(seed=s))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _worst(plan, module, serial):
+    named = dict(serial.named_parameters(remove_duplicate=False))
+    local = module.params if hasattr(module, "step") else dict(module.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, p in local.items():
+        if isinstance(p, torch.nn.Parameter):
+            ref = shard_tensor(named[name].detach(), plan.param_specs[name], plan.mesh, dist.get_rank())
+            worst = max(worst, ((p.detach() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def plain_state_dict_refused(path):
+    """DCP on a split rank module's plain state_dict(): save and load must raise."""
+    plan, module, _ = _build("tp2", seed=0)
+    dcp.save(ap.get_state_dict(module)[0], checkpoint_id=path + "/right")
+    out = []
+    for call in (lambda: dcp.save(module.state_dict(), checkpoint_id=path + "/plain"),
+                 lambda: dcp.load(module.state_dict(), checkpoint_id=path + "/right")):
+        try:
+            call()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - DCP wraps rank errors in a BaseException
+            out.append(str(e))
+    return out
+
+
+# ------------------------------------------------------------------------ HuggingFace
+def _meta_llama(path, shape, axes, dp):
+    from transformers import AutoConfig, LlamaForCausalLM
+    from tests.harness.hf_models import inputs
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(path)).eval()
+    kw = inputs("llama")
+    ann = ap.presets.megatron(model, "tp", kwargs=kw)
+    module = ap.compile(model, ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False)
+    return module, kw
+
+
+def hf_load_matches_serial(path):
+    """Meta LLaMA planned with the Megatron preset, load_pretrained: loss and grads vs serial."""
+    from transformers import LlamaForCausalLM
+    module, kw = _meta_llama(path, (2,), ("tp",), None)
+    ap.load_pretrained(module, path)
+    plan, rank = module.autopar_plan, dist.get_rank()
+    args, kwargs = plan.local_inputs(rank, **kw)
+    out = module(*args, **kwargs)
+    loss = out["loss"] if isinstance(out, dict) else out[0]
+    loss.backward()
+    serial = LlamaForCausalLM.from_pretrained(path).eval()
+    sloss = serial(**kw).loss
+    sloss.backward()
+    named = dict(serial.named_parameters())
+    worst = max(((p.grad - shard_tensor(named[n].grad, plan.param_specs[n], plan.mesh, rank)).abs().max()).item()
+                for n, p in module.named_parameters())
+    return loss.item(), sloss.item(), worst
+
+
+def hf_save_from_plan(path, out_path):
+    """Meta LLaMA on (2, 2) dp x tp, load_pretrained, save_pretrained: rank 0 compares from_pretrained."""
+    from transformers import LlamaForCausalLM
+    module, _ = _meta_llama(path, (2, 2), ("dp", "tp"), "dp")
+    ap.load_pretrained(module, path)
+    ap.save_pretrained(module, out_path)
+    if dist.get_rank() != 0:
+        return None
+    want = LlamaForCausalLM.from_pretrained(path).state_dict()
+    got = LlamaForCausalLM.from_pretrained(out_path).state_dict()
+    return sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def serial_gpt():
+    """Factory for ``autopar convert --model tests.gloo.jobs_checkpoint:serial_gpt``."""
+    return small_gpt(seed=5)
+
+
+def serial_after(steps):
+    return _serial(steps)
+
