@@ -1,4 +1,4 @@
-"""Automatic planning (issue 16): the cost model against measured time, auto vs hand plans, search time.
+"""Automatic planning: the cost model against measured time, auto vs hand plans, search time.
 
 1. **rank correlation**: 8 plans of one GPT on 4 real gloo processes (dp with ZeRO 0/1/2, tp,
    tp + sequence parallel, dp x tp, dp x (tp + sp), ZeRO-2 x tp); each rank calibrates first

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 13): DCP save on one plan, load into others; HF weights into rank shards."""
+"""Checkpoints: DCP save on one plan, load into others; HF weights into rank shards."""
 from __future__ import annotations
 
 import pytest

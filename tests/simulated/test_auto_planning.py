@@ -1,4 +1,4 @@
-"""Automatic planning (issue 16): ap.plan(..., auto=...) chooses axis roles and layouts with a MILP.
+"""Automatic planning: ap.plan(..., auto=...) chooses axis roles and layouts with a MILP.
 
 Every automatic plan is checked against the serial model (outputs and every gradient); the
 search's predicted time and memory are held against the plan's own cost model (plan.cost()
