@@ -69,7 +69,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     collective, at some cost per call). ``debug=True`` checks first that all ranks planned alike.
     """
     import torch.distributed as dist
-    from autopar.runtime.collectives import DistBackend, install_backend
+    from autopar.runtime.backend import install_backend
+    from autopar.runtime.dist_backend import DistBackend
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError("ap.parallelize needs an initialised process group: call "
                         "torch.distributed.init_process_group (torchrun sets the environment).")

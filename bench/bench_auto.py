@@ -20,7 +20,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 from bench.common import alternate, close_pools, pool, row
 
@@ -58,7 +57,7 @@ def correlation_job(cfg, iters, warmup) -> dict:
     rank = dist.get_rank()
     prof = ap.calibrate(matmul=256, repeat=5)
     model, args, plans = _plans(cfg)
-    from autopar.runtime.collectives import current_backend
+    from autopar.runtime.backend import current_backend
     steps, predicted, groups = {}, {}, {}
     for name, (mesh, ann, dp) in plans.items():
         module = ap.compile(model(), mesh, args=args, annotations=ann, data_parallel=dp)

@@ -19,7 +19,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar as ap
-from autopar.runtime.collectives import _pos, all_to_all_local, chunk_of, use_backend
+from autopar.runtime.backend import use_backend
+from autopar.runtime.pieces import _pos, all_to_all_local, chunk_of
 from bench.common import row
 from bench.models import annotations, build, loss_of
 

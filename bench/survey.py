@@ -21,7 +21,6 @@ import sys
 import time
 import traceback
 import warnings
-from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

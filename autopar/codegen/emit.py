@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.runtime import collectives_extra  # noqa: F401  (registers autopar::all_gather_rs)
 from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.codegen.lowerings.base import lowering_for

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 
 RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
 

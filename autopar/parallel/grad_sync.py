@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 from autopar.parallel.data_parallel import DEFAULT_BUCKET_MB, DataParallel, DataParallelError
 
 

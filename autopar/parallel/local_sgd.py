@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 
 
 class LocalSGD:

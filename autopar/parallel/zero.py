@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 from autopar.parallel.data_parallel import DataParallelError
 
 WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor")

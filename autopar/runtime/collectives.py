@@ -7,7 +7,11 @@ rank (an emitted graph passes the group and rank it reads from its module's attr
 (docs/architecture.md, "The gradient contract"): the gradient of a replicated tensor is
 whole on every rank, of a partial tensor whole too, of a shard the matching shard.
 
-Backends: ``DistBackend`` (torch.distributed, gloo or NCCL) and ``simulate.SimBackend``.
+The backends that run them are in runtime/backend.py (the protocol and the active one).
+``all_gather_rs`` is all-gather forward, reduce-scatter backward: Megatron's sequence-parallel
+pair (a sequence-split activation gathered into a column-parallel layer gets, from each rank,
+only its own part of the gathered tensor's gradient; summing the parts and keeping this rank's
+chunk is one reduce-scatter, where the plain all_gather's slice would need an all-reduce first).
 
 Example:
     >>> with use_backend(my_backend):
@@ -15,48 +19,10 @@ Example:
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
-_state = threading.local()
-_GLOBAL: list = []  # the process-wide backend stack (the simulator's threads share it)
-STATS_SINKS: list = []  # open ap.comm_stats() blocks: backends started inside report to the last
-
-
-def current_backend():
-    if not _GLOBAL:
-        raise RuntimeError("No autopar collective backend is active: run a rank's module through "
-                           "plan.simulate(...), or build it with ap.parallelize(...) in a torch.distributed job.")
-    return _GLOBAL[-1]
-
-
-@contextlib.contextmanager
-def use_backend(backend):
-    _GLOBAL.append(backend)
-    attach = STATS_SINKS and getattr(backend, "stats", None) is None
-    if attach:
-        backend.stats = STATS_SINKS[-1]
-    try:
-        yield backend
-    finally:
-        _GLOBAL.remove(backend)
-        if attach:
-            backend.stats = None
-
-
-def install_backend(backend) -> None:
-    """Make ``backend`` the process-wide default (used by ap.parallelize for real runs).
-
-    It replaces an earlier default of the same kind (a second ap.parallelize in one process)."""
-    _GLOBAL[:] = [b for b in _GLOBAL if type(b) is not type(backend)]
-    _GLOBAL.insert(0, backend)
-
-
-def _pos(group, rank) -> int:
-    return list(group).index(rank)
-
+from autopar.runtime.backend import current_backend
+from autopar.runtime.pieces import _pos
 
 # ------------------------------------------------------------------------- op definitions
 # Why not torch.library.custom_op: its Python layers (a generated autograd.Function, default
@@ -149,7 +115,7 @@ def all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str,
 
 def _all_reduce_eager(x, axis, group, rank, op, owned=False):
     backend = current_backend()
-    if owned and hasattr(backend, "all_reduce_"):
+    if owned and backend.supports_in_place:
         return backend.all_reduce_(x, tuple(group), rank, op)
     return backend.all_reduce(x, tuple(group), rank, op)
 
@@ -303,159 +269,16 @@ _define("scale_grad", "(Tensor x, str axis, float factor, bool alias=False) -> T
         _scale_grad_bwd, ("axis", "factor"), eager=_scale_grad_eager)
 
 
-# ---------------------------------------------------------------------------- local math
-def chunk_of(full: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
-    size = full.shape[dim] // n
-    return full.narrow(dim, index * size, size)
+# ------------------------------------------------------- all-gather, reduce-scatter backward
+def all_gather_rs(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
+    """S(dim) -> R forward; the backward reduce-scatters a partial gradient back to S(dim)."""
+    return all_gather(x, dim, axis, group, rank)
 
 
-def all_to_all_local(pieces: list[torch.Tensor], src_dim: int, dst_dim: int, index: int) -> torch.Tensor:
-    """What rank ``index`` of a group gets from all_to_all, given every rank's piece."""
-    n = len(pieces)
-    return torch.cat([chunk_of(p, dst_dim, n, index) for p in pieces], dim=src_dim)
+def _all_gather_rs_bwd(ctx, g):
+    return _call("reduce_scatter", g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank, "sum"), \
+        None, None, None, None
 
 
-# ------------------------------------------------------------------------------ real backend
-class DistBackend:
-    """Collectives over torch.distributed process groups (gloo on CPU, NCCL on GPU).
-
-    ``groups`` maps each group's tuple of global ranks to its ProcessGroup; ap.parallelize makes
-    them all, on every rank in the same order, before the first step.
-    """
-
-    def __init__(self, groups: dict, rank: int, timeout: float | None = None,
-                 groups_timeout: float | None = None):
-        self.groups = groups
-        self.rank = rank
-        self.stats = None
-        self.timeout = timeout  # seconds a collective may wait before failing (None: the group's)
-        self.groups_timeout = groups_timeout  # the timeout the process groups were made with
-
-    def _run(self, kind, group, call):
-        """Run a blocking collective ``call(async_op)``; a failure or a timeout raises
-        CollectiveError naming the rank that failed (see failures.py), never hangs past timeout.
-
-        Why blocking: on gloo, async_op=True plus work.wait() costs about 0.3 ms more per
-        collective than the blocking call, and a wait with a timeout another 0.4 ms, which is
-        most of a small model's step. Where the groups were made with this timeout (ap.parallelize
-        does), the blocking call is bounded by it; otherwise (timeout changed since) the
-        collective waits with the timeout explicitly.
-        """
-        if self.timeout is not None and self.timeout != self.groups_timeout:
-            return self._wait(kind, group, lambda: call(True))
-        from autopar.runtime.failures import explain
-        try:
-            call(False)
-        except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e) from e
-
-    def _wait(self, kind, group, start):
-        """Run ``start()`` (an async collective) and wait for it; a failure or a timeout raises
-        CollectiveError naming the rank that failed (see failures.py), never hangs past timeout."""
-        import datetime
-        from autopar.runtime.failures import explain
-        try:
-            work = start()
-            done = work.wait(datetime.timedelta(seconds=self.timeout)) if self.timeout else work.wait()
-        except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e) from e
-        if done is False:
-            raise explain(kind, group, self.rank, self.timeout, TimeoutError("timed out"))
-
-    def _pg(self, group, rank):
-        if rank != self.rank:
-            raise RuntimeError(f"autopar: a module built for rank {rank} is running on rank {self.rank}; "
-                               "build it with plan.module(dist.get_rank()) or ap.parallelize.")
-        return self.groups[group]
-
-    def _note(self, kind, group, t):
-        if self.stats is not None:
-            self.stats.record(kind, group, t)
-
-    def all_reduce(self, x, group, rank, op, kind="all_reduce"):
-        import torch.distributed as dist
-        y = x.contiguous().clone()
-        self._note(kind, group, y)
-        pg = self._pg(group, rank)
-        self._run(kind, group, lambda a: dist.all_reduce(y, group=pg, async_op=a))
-        return y / len(group) if op == "avg" else y
-
-    def all_reduce_(self, x, group, rank, op):
-        """In place, for inputs nothing else reads (see the ``owned`` hint of autopar::all_reduce)."""
-        import torch.distributed as dist
-        if not x.is_contiguous():
-            return self.all_reduce(x, group, rank, op)
-        self._note("all_reduce", group, x)
-        pg = self._pg(group, rank)
-        self._run("all_reduce", group, lambda a: dist.all_reduce(x, group=pg, async_op=a))
-        return x.div_(len(group)) if op == "avg" else x
-
-    def all_gather(self, x, dim, group, rank, kind="all_gather"):
-        import torch.distributed as dist
-        x = x.contiguous()
-        self._note(kind, group, x)
-        out = [torch.empty_like(x) for _ in group]
-        pg = self._pg(group, rank)
-        self._run(kind, group, lambda a: dist.all_gather(out, x, group=pg, async_op=a))
-        return torch.cat(out, dim=dim)
-
-    def reduce_scatter(self, x, dim, group, rank, op):
-        # gloo has no reduce_scatter: all-reduce, then keep this rank's chunk (noted as what it stands for).
-        full = self.all_reduce(x, group, rank, op, kind="reduce_scatter")
-        return chunk_of(full, dim, len(group), _pos(group, rank)).contiguous()
-
-    def all_to_all(self, x, src_dim, dst_dim, group, rank):
-        pieces = self.all_gather(x, 0, group, rank, kind="all_to_all").chunk(len(group), dim=0) if x.dim() else None
-        return all_to_all_local(list(pieces), src_dim, dst_dim, _pos(group, rank)).contiguous()
-
-    def all_reduce_async(self, flat, group, rank):
-        import torch.distributed as dist
-        self._note("all_reduce", group, flat)
-        pg = self._pg(group, rank)
-        try:
-            work = dist.all_reduce(flat, group=pg, async_op=True)
-        except Exception as e:  # noqa: BLE001 - named like the others
-            from autopar.runtime.failures import explain
-            raise explain("all_reduce", group, rank, self.timeout, e) from e
-        return _Work(work, flat, lambda: self._wait("all_reduce", group, lambda: work))
-
-    def broadcast(self, x, group, rank):
-        import torch.distributed as dist
-        self._note("broadcast", group, x)
-        pg = self._pg(group, rank)
-        self._run("broadcast", group, lambda a: dist.broadcast(x, src=group[0], group=pg, async_op=a))
-
-    # -- used by the data-parallel gradient sync and ZeRO ------------------------------------
-    def reduce_scatter_async(self, flat, group, rank):
-        """Sum ``flat`` (numel divisible by the group size) over the group; wait() gives this
-        rank's contiguous chunk. Falls back to all-reduce + slice where the process group has
-        no reduce-scatter (older gloo)."""
-        import torch.distributed as dist
-        n, pos = len(group), _pos(group, rank)
-        out = flat.new_empty(flat.numel() // n)
-        self._note("reduce_scatter", group, flat)
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        try:
-            return _Work(rs(out, flat, group=self._pg(group, rank), async_op=True), out)
-        except (RuntimeError, NotImplementedError):  # no reduce-scatter in this process group
-            work = dist.all_reduce(flat, group=self._pg(group, rank), async_op=True)
-            return _Work(work, flat.view(n, -1)[pos])
-
-    def all_gather_async(self, out, chunk, group, rank):
-        """Concatenate every rank's ``chunk`` into ``out`` (numel = group size * chunk numel)."""
-        import torch.distributed as dist
-        self._note("all_gather", group, chunk)
-        work = dist.all_gather_into_tensor(out, chunk, group=self._pg(group, rank), async_op=True)
-        return _Work(work, out)
-
-
-class _Work:
-    def __init__(self, work, result, wait=None):
-        self.work, self.result, self._wait = work, result, wait
-
-    def wait(self):
-        if self._wait is not None:
-            self._wait()
-        else:
-            self.work.wait()
-        return self.result
+_define("all_gather_rs", f"(Tensor x, int dim, {_G}) -> Tensor", all_gather_rs, _gather_fake,
+        _all_gather_rs_bwd, ("dim", "axis", "group", "rank"))

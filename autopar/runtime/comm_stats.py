@@ -23,7 +23,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from autopar.runtime import collectives
+from autopar.runtime import backend
 from autopar.sharding.redistribute import Step, step_bytes
 
 
@@ -86,13 +86,13 @@ def _axis(group: tuple, mesh):
 def comm_stats():
     """Record every collective run in this block (simulated or real); yields a CommStats."""
     stats = CommStats()
-    attached = [b for b in collectives._GLOBAL if getattr(b, "stats", None) is None]
+    attached = [b for b in backend._GLOBAL if getattr(b, "stats", None) is None]
     for b in attached:
         b.stats = stats
-    collectives.STATS_SINKS.append(stats)
+    backend.STATS_SINKS.append(stats)
     try:
         yield stats
     finally:
-        collectives.STATS_SINKS.remove(stats)
+        backend.STATS_SINKS.remove(stats)
         for b in attached:
             b.stats = None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 from autopar.errors import PlanError
 from autopar.placement import Shard
 

@@ -16,7 +16,8 @@ from collections import defaultdict
 
 import torch
 
-from autopar.runtime.collectives import _pos, all_to_all_local, chunk_of, use_backend
+from autopar.runtime.backend import use_backend
+from autopar.runtime.pieces import _pos, all_to_all_local, chunk_of
 
 
 class SimulationError(RuntimeError):
@@ -42,6 +43,7 @@ class SimBackend:
         self.calls: dict[tuple, int] = defaultdict(int)  # (group, rank) -> calls so far
         self.failed: dict[int, BaseException] = {}
         self.stats = None
+        self.supports_in_place = False  # ranks exchange their tensors: no reduction in place
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cv:

@@ -6,7 +6,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 import autopar as ap
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 from tests.harness.comm import RING, ByteCounter
 from tests.harness.models import MEGATRON, gpt_batch, small_gpt
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
-from autopar.runtime.collectives import current_backend, use_backend
+from autopar.runtime.backend import current_backend, use_backend
 from tests.harness import data_parallel as H
 from tests.harness.comm import Recorder
 from tests.harness.meshes import MESHES

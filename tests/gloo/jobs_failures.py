@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 from tests.harness.models import MLP
 
 

@@ -5,7 +5,6 @@ explain() lists the linears left replicated."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autopar as ap
 from bench.survey_models import architectures, build

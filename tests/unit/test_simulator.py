@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.runtime.collectives import use_backend
+from autopar.runtime.backend import use_backend
 from autopar.runtime.simulator import SimBackend, SimulationError, run_ranks
 
 ops = torch.ops.autopar

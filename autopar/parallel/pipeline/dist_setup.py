@@ -11,7 +11,8 @@ Example:
 """
 from __future__ import annotations
 
-from autopar.runtime.collectives import DistBackend, install_backend
+from autopar.runtime.backend import install_backend
+from autopar.runtime.dist_backend import DistBackend
 
 
 def tied_rank_groups(plan) -> list[tuple[int, ...]]:
@@ -58,7 +59,7 @@ def setup(plan, rank: int):
 def broadcast_replicated(runner) -> None:
     """Start equal: replicated parameters from the first rank of each non-pipeline group."""
     import torch
-    from autopar.runtime.collectives import current_backend
+    from autopar.runtime.backend import current_backend
     plan, rank = runner.plan, runner.rank
     backend = current_backend()
     with torch.no_grad():

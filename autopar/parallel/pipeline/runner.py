@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.runtime.collectives import current_backend
+from autopar.runtime.backend import current_backend
 from autopar.errors import InputError
 from autopar.parallel.dp_module import bucket_limits
 from autopar.parallel.grad_sync import GradSync
