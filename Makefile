@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean fuzz survey
+.PHONY: demo test lint bench clean fuzz survey
 
 $(STAMP): requirements-test.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,8 +15,14 @@ $(STAMP): requirements-test.txt pyproject.toml
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+# Ruff: lint and format check (the formatter keeps lines to 120; pyproject.toml [tool.ruff]).
+LINTED := autopar tests bench fuzz examples
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 # Benchmarks: one markdown table, results in bench/results.json (bench/RESULTS.md: last figures).
 bench: $(STAMP)

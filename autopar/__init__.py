@@ -8,11 +8,21 @@ Example:
     >>> plan.check(x)
     >>> module = ap.parallelize(model, mesh, args=(x,), ...)   # in a torchrun job: this rank's module
 """
+
 from autopar import presets
 from autopar.api import compile, parallelize, plan
 from autopar.checkpoint import CheckpointError, get_state_dict, load_pretrained, save_pretrained, set_state_dict
-from autopar.errors import (AnnotationError, InconsistentPlanError, InputError, MeshError, NoRuleError,
-                            PlanError, PlanMismatch, ShardingError, TraceError)
+from autopar.errors import (
+    AnnotationError,
+    InconsistentPlanError,
+    InputError,
+    MeshError,
+    NoRuleError,
+    PlanError,
+    PlanMismatch,
+    ShardingError,
+    TraceError,
+)
 from autopar.explore.cost import Cost
 from autopar.explore.save_load import PlanFileError, load_plan
 from autopar.mesh import Mesh
@@ -29,17 +39,67 @@ from autopar.runtime.rng import manual_seed
 from autopar.runtime.simulator import SimulationError
 from autopar.search import Auto, calibrate, predict
 from autopar.sharding.rules.batch_norm import sync_batch_norm
-from autopar.sharding.annotations import (colwise, place, replicate, replicated, rowwise, sequence_parallel,
-                                          vocab_parallel)
+from autopar.sharding.annotations import (
+    colwise,
+    place,
+    replicate,
+    replicated,
+    rowwise,
+    sequence_parallel,
+    vocab_parallel,
+)
 from autopar.trace.opaque import opaque
 
 __all__ = [
-    "AnnotationError", "Auto", "CheckpointError", "CollectiveError", "CommStats", "Cost", "DataParallel",
-    "DataParallelError", "InconsistentPlanError", "InputError", "Mesh", "MeshError", "NoRuleError", "Partial",
-    "Pipeline", "PipelineError", "Plan", "PlanError", "PlanFileError", "PlanMismatch", "PlanOptions",
-    "Replicate", "Shard", "ShardingError", "SimulationError", "TraceError", "ZeroOptimizer", "calibrate",
-    "clip_grad_norm_", "colwise", "comm_stats", "compile", "get_state_dict", "load_plan", "load_pretrained",
-    "manual_seed", "opaque", "parallelize", "place", "plan", "predict", "presets", "replicate", "replicated",
-    "rowwise", "save_pretrained", "sequence_parallel", "set_state_dict", "split_before", "sync_batch_norm",
+    "AnnotationError",
+    "Auto",
+    "CheckpointError",
+    "CollectiveError",
+    "CommStats",
+    "Cost",
+    "DataParallel",
+    "DataParallelError",
+    "InconsistentPlanError",
+    "InputError",
+    "Mesh",
+    "MeshError",
+    "NoRuleError",
+    "Partial",
+    "Pipeline",
+    "PipelineError",
+    "Plan",
+    "PlanError",
+    "PlanFileError",
+    "PlanMismatch",
+    "PlanOptions",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "SimulationError",
+    "TraceError",
+    "ZeroOptimizer",
+    "calibrate",
+    "clip_grad_norm_",
+    "colwise",
+    "comm_stats",
+    "compile",
+    "get_state_dict",
+    "load_plan",
+    "load_pretrained",
+    "manual_seed",
+    "opaque",
+    "parallelize",
+    "place",
+    "plan",
+    "predict",
+    "presets",
+    "replicate",
+    "replicated",
+    "rowwise",
+    "save_pretrained",
+    "sequence_parallel",
+    "set_state_dict",
+    "split_before",
+    "sync_batch_norm",
     "vocab_parallel",
 ]

@@ -4,6 +4,7 @@ Example:
     >>> plan = ap.plan(model, mesh, args=(x,), annotations={"fc1": ap.colwise("tp")}, data_parallel="dp")
     >>> module = ap.parallelize(model, mesh, args=(x,), annotations=..., data_parallel="dp")  # torchrun
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,10 +23,23 @@ from autopar.runtime.consistency import verify_consistent
 from autopar.runtime.failures import install_excepthook
 
 
-def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotations=None,
-         data_parallel=None, pipeline=None, strict: bool = False, dynamic: bool = True,
-         repeat_blocks: bool = True, debug: bool = False, auto=None, rng: str = "placement",
-         seed: int | None = None) -> Plan:
+def plan(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    *,
+    args=(),
+    kwargs=None,
+    annotations=None,
+    data_parallel=None,
+    pipeline=None,
+    strict: bool = False,
+    dynamic: bool = True,
+    repeat_blocks: bool = True,
+    debug: bool = False,
+    auto=None,
+    rng: str = "placement",
+    seed: int | None = None,
+) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
@@ -48,15 +62,22 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, args=(), kwargs=None, annotation
     ``ap.PlanOptions`` (``plan.options``).
     """
     annotations, splits = take_splits(annotations)
-    options = PlanOptions(data_parallel=data_parallel, pipeline=pipeline, split_before=splits,
-                          strict=strict, dynamic=dynamic, repeat_blocks=repeat_blocks, debug=debug,
-                          auto=auto if auto is not False else None, rng=rng,
-                          seed=torch.initial_seed() if seed is None else seed)
+    options = PlanOptions(
+        data_parallel=data_parallel,
+        pipeline=pipeline,
+        split_before=splits,
+        strict=strict,
+        dynamic=dynamic,
+        repeat_blocks=repeat_blocks,
+        debug=debug,
+        auto=auto if auto is not False else None,
+        rng=rng,
+        seed=torch.initial_seed() if seed is None else seed,
+    )
     return make_plan(model, mesh, options, args=args, kwargs=kwargs, annotations=annotations)
 
 
-def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None,
-                **plan_kwargs) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = None, **plan_kwargs) -> torch.nn.Module:
     """This rank's module for a torch.distributed job (world size must equal mesh.size).
 
     Every rank traces and plans the same way, makes the process groups of every mesh axis
@@ -71,13 +92,18 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     import torch.distributed as dist
     from autopar.runtime.backend import install_backend
     from autopar.runtime.dist_backend import DistBackend
+
     if not dist.is_available() or not dist.is_initialized():
-        raise MeshError("ap.parallelize needs an initialised process group: call "
-                        "torch.distributed.init_process_group (torchrun sets the environment).")
+        raise MeshError(
+            "ap.parallelize needs an initialised process group: call "
+            "torch.distributed.init_process_group (torchrun sets the environment)."
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != mesh.size:
-        raise MeshError(f"The world has {world} processes but the mesh {mesh} has {mesh.size} ranks: "
-                        f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh.")
+        raise MeshError(
+            f"The world has {world} processes but the mesh {mesh} has {mesh.size} ranks: "
+            f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
+        )
     p = plan(model, mesh, **plan_kwargs)
     groups = {}
     # With a timeout, every group (the whole world's too) is made with it, so that blocking
@@ -114,6 +140,5 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
 def compile(model: torch.nn.Module, mesh: Mesh, **kwargs) -> torch.nn.Module:
     """Deprecated: ap.compile, the old name of ap.parallelize (it shadowed the builtin and meant something
     other than torch.compile)."""
-    warnings.warn("ap.compile is deprecated: call ap.parallelize (same arguments).", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn("ap.compile is deprecated: call ap.parallelize (same arguments).", DeprecationWarning, stacklevel=2)
     return parallelize(model, mesh, **kwargs)

@@ -6,6 +6,7 @@ Example:
     ... except ap.PlanError as e:
     ...     print(e)
 """
+
 from __future__ import annotations
 
 import difflib

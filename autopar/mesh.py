@@ -7,6 +7,7 @@ Example:
     >>> mesh.group("tp", 5)       # the ranks sharing rank 5's dp coordinate
     (4, 5, 6, 7)
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,8 +26,10 @@ class Mesh:
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         if len(shape) != len(names):
-            raise MeshError(f"Mesh shape {shape} has {len(shape)} axes but {len(names)} names "
-                            f"{names} were given: give one name per axis, e.g. Mesh((2, 2), ('dp', 'tp')).")
+            raise MeshError(
+                f"Mesh shape {shape} has {len(shape)} axes but {len(names)} names "
+                f"{names} were given: give one name per axis, e.g. Mesh((2, 2), ('dp', 'tp'))."
+            )
         if len(set(names)) != len(names):
             raise MeshError(f"Mesh axis names {names} repeat a name: each axis needs its own.")
         if not shape or any(s < 1 for s in shape):
@@ -48,8 +51,10 @@ class Mesh:
             return axis
         if axis in self.axis_names:
             return self.axis_names.index(axis)
-        raise MeshError(f"Unknown mesh axis {axis!r}: this mesh has axes {self.axis_names}. "
-                        f"Did you mean {close_matches(str(axis), self.axis_names)}?")
+        raise MeshError(
+            f"Unknown mesh axis {axis!r}: this mesh has axes {self.axis_names}. "
+            f"Did you mean {close_matches(str(axis), self.axis_names)}?"
+        )
 
     def axis_size(self, axis: str | int) -> int:
         return self.shape[self.axis_index(axis)]
@@ -106,11 +111,14 @@ class Mesh:
         names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
         ranks = device_mesh.mesh.flatten().tolist()
         if ranks != list(range(len(ranks))):
-            raise MeshError(f"DeviceMesh {device_mesh} does not hold ranks 0..{len(ranks) - 1} in "
-                            "row-major order; autopar needs that layout.")
+            raise MeshError(
+                f"DeviceMesh {device_mesh} does not hold ranks 0..{len(ranks) - 1} in "
+                "row-major order; autopar needs that layout."
+            )
         return cls(tuple(device_mesh.mesh.shape), names)
 
     def to_device_mesh(self, device_type: str = "cpu"):
         """A torch DeviceMesh of this shape (needs an initialised process group of this size)."""
         from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.axis_names)

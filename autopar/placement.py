@@ -11,6 +11,7 @@ Example:
     >>> local = shard_tensor(torch.arange(8.).view(4, 2), spec, mesh, rank=2)   # rows 2..3
     >>> merge_tensors([shard_tensor(t, spec, mesh, r) for r in mesh.ranks()], spec, mesh)
 """
+
 from __future__ import annotations
 
 import re
@@ -26,6 +27,7 @@ class Placement:
     ``_parse`` reads it back (None when the text is another kind's); ``parse_placement``
     tries every kind, so plan files, the CLI and printed plans share one definition.
     """
+
     __slots__ = ()
     KINDS: list = []  # the placement classes, filled as each is defined
 
@@ -69,6 +71,7 @@ class Shard(Placement):
     ``c_attn``: q | k | v along its output features) sharded so keeps whole heads of q, k
     and v on every rank, and splitting its output into the 3 blocks gives plain shards.
     """
+
     dim: int
     blocks: int = 1
 
@@ -157,23 +160,29 @@ def check_divisible(shape, placements, mesh, what: str) -> None:
         if not isinstance(p, Shard):
             continue
         if p.dim >= len(shape):
-            raise ShardingError(f"{what}: placement {fmt_spec(placements)} shards dim {p.dim} "
-                                f"but the tensor has only {len(shape)} dims (shape {tuple(shape)}).")
+            raise ShardingError(
+                f"{what}: placement {fmt_spec(placements)} shards dim {p.dim} "
+                f"but the tensor has only {len(shape)} dims (shape {tuple(shape)})."
+            )
         if p.dim in used:
-            raise ShardingError(f"{what}: dim {p.dim} is sharded on two mesh axes "
-                                f"({mesh.axis_names[used[p.dim]]!r} and {mesh.axis_names[axis]!r}); "
-                                "shard each dim on at most one axis.")
+            raise ShardingError(
+                f"{what}: dim {p.dim} is sharded on two mesh axes "
+                f"({mesh.axis_names[used[p.dim]]!r} and {mesh.axis_names[axis]!r}); "
+                "shard each dim on at most one axis."
+            )
         used[p.dim] = axis
         n = shape[p.dim]
         if isinstance(n, int) and p.blocks > 1 and n % (size * p.blocks):
             raise ShardingError(
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}: its {p.blocks} blocks "
-                f"do not divide by the size {size} of mesh axis {mesh.axis_names[axis]!r}.")
+                f"do not divide by the size {size} of mesh axis {mesh.axis_names[axis]!r}."
+            )
         if isinstance(n, int) and n % size:
             raise ShardingError(
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
                 f"by the size {size} of mesh axis {mesh.axis_names[axis]!r}. Choose sizes divisible "
-                f"by {size}, or leave this tensor replicated on {mesh.axis_names[axis]!r}.")
+                f"by {size}, or leave this tensor replicated on {mesh.axis_names[axis]!r}."
+            )
 
 
 def local_shape(shape, placements, mesh) -> tuple:
@@ -199,11 +208,11 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
 
 def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
     """The global tensor from every rank's piece (``pieces[rank]``): cat shards, sum partials."""
+
     def build(axis: int, coords: list[int]) -> torch.Tensor:
         if axis == mesh.ndim:
             return pieces[mesh.rank_of(coords)]
-        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1:])
-                 for k in range(mesh.shape[axis])]
+        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1 :]) for k in range(mesh.shape[axis])]
         p = placements[axis]
         if isinstance(p, Shard) and p.blocks > 1:  # rank k holds chunk k of every block
             per_rank = [t.chunk(p.blocks, p.dim) for t in parts]
@@ -216,4 +225,5 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
                 total = total + t
             return total / len(parts) if p.reduce_op == "avg" else total
         return parts[0]
+
     return build(0, [0] * mesh.ndim)

@@ -12,6 +12,7 @@ Example:
     >>> args, kwargs = plan.local_inputs(3, x)
     >>> plan.check(x)                      # raises ap.PlanMismatch if any rank disagrees with serial
 """
+
 from __future__ import annotations
 
 from functools import cached_property
@@ -58,7 +59,6 @@ class _Owners:
 
 
 class Plan:
-
     """Made by planner.make_plan (ap.plan, ap.load_plan); ``layouts`` is planner.Layouts
     (seeds, every node's layout, gradient flow), ``options`` an ap.PlanOptions."""
 
@@ -136,9 +136,12 @@ class Plan:
         """The layout of each (flattened) user output as the rank's module returns it."""
         out_node = next(n for n in self.graph.nodes if n.op == "output")
         flat = pytree.tree_leaves(out_node.args[0])[: self.traced.n_user_outputs]
-        return [self.output_target(layout_of(v).spec)
-                if isinstance(v, fx.Node) and "autopar" in v.meta and layout_of(v).outputs else None
-                for v in flat]
+        return [
+            self.output_target(layout_of(v).spec)
+            if isinstance(v, fx.Node) and "autopar" in v.meta and layout_of(v).outputs
+            else None
+            for v in flat
+        ]
 
     @cached_property
     def grad_sync_axes(self) -> dict[str, tuple[int, ...]]:
@@ -163,6 +166,7 @@ class Plan:
         Example: ``plan.with_data_parallel(ap.DataParallel("dp", zero=2)).module(rank)``
         """
         from autopar.planner import with_options
+
         return with_options(self, self.options.replace(data_parallel=data_parallel))
 
     def grad_buckets(self, rank: int = 0) -> list:
@@ -176,6 +180,7 @@ class Plan:
     def zero_optimizer(self, module, optimizer_class, **kwargs):
         """ap.ZeroOptimizer(module, optimizer_class, **kwargs) for a module of this plan (zero=1|2)."""
         from autopar.parallel.zero import ZeroOptimizer
+
         return ZeroOptimizer(module, optimizer_class, **kwargs)
 
     # ------------------------------------------------------------------------- modules
@@ -194,6 +199,7 @@ class Plan:
         for name, value in rank_attrs(self.mesh, rank).items():  # what the program reads per rank
             setattr(gm, name, value)
         from autopar.runtime.grad_clip import ParamPlacements  # for whole-model quantities (ap.clip_grad_norm_)
+
         gm.autopar_placements = ParamPlacements(self.mesh, rank, self.param_specs)
         attach_state(gm, self)  # the dropout generator (rng.py)
         if self.grad_sync_axes:
@@ -236,8 +242,7 @@ class Plan:
         for fqn, b in self._model_tensors["buffers"]:
             owner, leaf = owners.of(fqn)
             local = materialize(shard_tensor(b, specs.get(fqn, default), self.mesh, rank).clone(), self._materialize_on)
-            owner.register_buffer(leaf, local,
-                                  persistent=fqn in persistent)
+            owner.register_buffer(leaf, local, persistent=fqn in persistent)
         for fqn, c in self.traced.constants.items():
             set_attr(root, fqn, c.clone(), None)
 
@@ -249,9 +254,11 @@ class Plan:
     @cached_property
     def _model_tensors(self) -> dict:
         """The model's parameters (tied names included), buffers and persistent names, in order."""
-        return {"params": list(self.model.named_parameters(remove_duplicate=False)),
-                "buffers": list(self.model.named_buffers()),
-                "persistent": set(self.model.state_dict().keys())}
+        return {
+            "params": list(self.model.named_parameters(remove_duplicate=False)),
+            "buffers": list(self.model.named_buffers()),
+            "persistent": set(self.model.state_dict().keys()),
+        }
 
     # -------------------------------------------------------------------------- inputs
     def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:
@@ -260,8 +267,10 @@ class Plan:
         flat, spec = pytree.tree_flatten((args, kwargs))
         names = self.traced.user_inputs
         if len(flat) != len(names):
-            raise InputError(f"The plan was traced with {len(names)} inputs ({', '.join(names)}) but "
-                             f"{len(flat)} were given; pass the same structure as the example inputs.")
+            raise InputError(
+                f"The plan was traced with {len(names)} inputs ({', '.join(names)}) but "
+                f"{len(flat)} were given; pass the same structure as the example inputs."
+            )
         local = []
         for name, value, ispec in zip(names, flat, self.input_specs):
             if isinstance(value, torch.Tensor) and ispec is not None:
@@ -278,7 +287,8 @@ class Plan:
                     raise InputError(
                         f"Input {name!r} has shape {tuple(value.shape)}; its dim {p.dim} is split over "
                         f"mesh axis {self.mesh.axis_names[axis]!r} of size {n} and must divide by it. "
-                        f"Use a batch size that is a multiple of {n}.")
+                        f"Use a batch size that is a multiple of {n}."
+                    )
 
     # ----------------------------------------------------------------------- state dicts
     def merge_state_dicts(self, per_rank: list[dict]) -> dict:
@@ -320,6 +330,7 @@ class Plan:
         def run(rank):
             a, k = inputs[rank]
             return step(modules[rank], *a, **k)
+
         return run_ranks(self.mesh.size, run, timeout=timeout)
 
     def check(self, *args, loss=None, rtol: float | None = None, atol: float | None = None, **kwargs) -> dict:
@@ -329,12 +340,14 @@ class Plan:
         ``rtol``/``atol`` default to the model's dtype (check.TOLERANCES: fp32 1e-5/1e-6).
         """
         from autopar.runtime.serial_check import check_plan, default_tolerances
+
         return check_plan(self, args, kwargs, loss, *default_tolerances(self.model, rtol, atol))
 
     # --------------------------------------------------------------------------- display
     def collectives(self) -> list:
         """Every collective one training step runs (forward, backward, gradient sync), per rank."""
         from autopar.explore.step_collectives import collectives
+
         if self._comms is None:  # a plan does not change once made; str(plan) asks twice
             self._comms = collectives(self)
         return list(self._comms)
@@ -343,6 +356,7 @@ class Plan:
         text = display.plan_table(self)
         if self.stage_layout is not None:
             from autopar.parallel.pipeline.split import describe
+
             text += "\n\n" + describe(self.stage_layout, self.graph)
         return text
 
@@ -350,28 +364,34 @@ class Plan:
     def with_pipeline(self, pipeline, split_before=()) -> "Plan":
         """The same plan (same trace and layouts) with other pipeline options."""
         from autopar.parallel.pipeline.api import with_pipeline
+
         return with_pipeline(self, pipeline, split_before)
 
     def pipeline_runner(self, rank: int, **kwargs):
         """This rank's PipelineRunner (see autopar/parallel/pipeline/runner.py): ``runner.step(batch, labels)``."""
         from autopar.parallel.pipeline.api import pipeline_runner
+
         return pipeline_runner(self, rank, **kwargs)
 
     def schedule_table(self, rank: int | None = None) -> str:
         """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
         from autopar.parallel.pipeline.api import require_pipeline
         from autopar.parallel.pipeline.timeline import schedule_table
+
         return schedule_table(require_pipeline(self), rank)
 
     def timeline_figure(self, events_per_rank=None, title: str | None = None):
         """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
         from autopar.parallel.pipeline.api import require_pipeline
         from autopar.parallel.pipeline.timeline import timeline_figure
+
         return timeline_figure(events_per_rank, require_pipeline(self), title)
 
     def __repr__(self) -> str:
-        return (f"<autopar.Plan {type(self.model).__name__} on {self.mesh}: "
-                f"{sum(1 for _ in self.graph.nodes)} nodes, {len(self.collectives())} collectives/step>")
+        return (
+            f"<autopar.Plan {type(self.model).__name__} on {self.mesh}: "
+            f"{sum(1 for _ in self.graph.nodes)} nodes, {len(self.collectives())} collectives/step>"
+        )
 
     def summary(self) -> str:
         return display.summary(self)
@@ -379,39 +399,47 @@ class Plan:
     # ---------------------------------------------------- exploring (display, costs, files)
     def _repr_html_(self) -> str:
         from autopar.explore.html import plan_html
+
         return plan_html(self)
 
     def explain(self, name: str) -> str:
         """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
         from autopar.explore.explain import explain
+
         return explain(self, name)
 
     def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
         """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
         from autopar.explore.cost import Cost
+
         return Cost(self, sizes, names, optimizer_states)
 
     def plot_memory(self, **kw):
         """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""
         from autopar.explore.plots import plot_memory
+
         return plot_memory(self, **kw)
 
     def plot_comm(self, **kw):
         """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
         from autopar.explore.plots import plot_comm
+
         return plot_comm(self, **kw)
 
     def draw(self, rank: int = 0, **kw):
         """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
         from autopar.explore.draw import draw
+
         return draw(self, rank, **kw)
 
     def save(self, path) -> None:
         """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
         from autopar.explore.save_load import save_plan
+
         save_plan(self, path)
 
     def diff(self, other: "Plan"):
         """Nodes whose layout or collectives differ between two plans of one model."""
         from autopar.explore.diff import diff_plans
+
         return diff_plans(self, other)

@@ -7,6 +7,7 @@ Example:
     ...                  annotations={"fc1": ap.colwise("tp")})
     >>> zero2 = with_options(plan, plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,14 +32,23 @@ from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 class Layouts:
     """What propagation decided: the seeds it started from, every node's layout (ctx), and
     the gradient flow derived from them. Shared by the plans that differ only in options."""
+
     seeds: Seeds
     ctx: object
     flow: object
 
 
-def make_plan(model: torch.nn.Module, mesh: Mesh, options: PlanOptions, *, args=(), kwargs=None,
-              annotations: dict | None = None, seeds: Seeds | None = None,
-              enforce: Callable | None = None) -> Plan:
+def make_plan(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    options: PlanOptions,
+    *,
+    args=(),
+    kwargs=None,
+    annotations: dict | None = None,
+    seeds: Seeds | None = None,
+    enforce: Callable | None = None,
+) -> Plan:
     """Trace ``model`` and plan it. ``seeds`` (a plan file's) replace the annotations;
     ``enforce(graph)`` runs right after propagation (a plan file's recorded choices)."""
     if not isinstance(mesh, Mesh):
@@ -58,19 +68,29 @@ def make_plan(model: torch.nn.Module, mesh: Mesh, options: PlanOptions, *, args=
     record = None
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
         from autopar.search.auto import search
-        annotations, dp, record = search(model, mesh, traced, annotations, options.data_parallel, options.auto,
-                                         ndims, options.strict)
+
+        annotations, dp, record = search(
+            model, mesh, traced, annotations, options.data_parallel, options.auto, ndims, options.strict
+        )
         options = options.replace(data_parallel=dp, auto=None)
         _validate(mesh, options, annotations)
-    plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds,
-                       enforce=enforce)
+    plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
     if record is not None:
         plan.built["auto"] = record  # JSON: the search's choice, its reasons and the runners-up
     return plan
 
 
-def plan_traced(model: torch.nn.Module, mesh: Mesh, traced, options: PlanOptions, *, annotations=None,
-                ndims: dict | None = None, seeds: Seeds | None = None, enforce: Callable | None = None) -> Plan:
+def plan_traced(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    traced,
+    options: PlanOptions,
+    *,
+    annotations=None,
+    ndims: dict | None = None,
+    seeds: Seeds | None = None,
+    enforce: Callable | None = None,
+) -> Plan:
     """The stages after tracing: seed -> propagate -> gradient flow -> Plan -> techniques (the
     search plans its probes on one trace with this)."""
     if seeds is None:
@@ -90,8 +110,11 @@ def with_options(plan: Plan, options: PlanOptions) -> Plan:
     old, new = plan.options.data_parallel, options.data_parallel
     if (old and old.axis) != (new and new.axis):
         from autopar.parallel.data_parallel import DataParallelError
-        raise DataParallelError(f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
-                                "split shapes every layout, so plan again (ap.plan) to change the axis.")
+
+        raise DataParallelError(
+            f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
+            "split shapes every layout, so plan again (ap.plan) to change the axis."
+        )
     _validate(plan.mesh, options, {})
     new = _finish(Plan(plan.model, plan.mesh, plan.traced, plan.layouts, options))
     if "auto" in plan.built:
@@ -125,8 +148,10 @@ def _unify_tied(seeds, traced) -> None:
     for names in traced.tied.values():
         given = {n: seeds.params[n] for n in names if n in seeds.params}
         if len(set(given.values())) > 1:
-            raise AnnotationError(f"Tied parameters {names} share one tensor but were annotated "
-                                  f"differently: {given}. Annotate them alike (or only one of them).")
+            raise AnnotationError(
+                f"Tied parameters {names} share one tensor but were annotated "
+                f"differently: {given}. Annotate them alike (or only one of them)."
+            )
         if given:
             spec = next(iter(given.values()))
             for n in names:

@@ -14,6 +14,7 @@
 Example:
     $ PYTHONPATH=. python -m bench.run --only auto
 """
+
 from __future__ import annotations
 
 import json
@@ -31,33 +32,45 @@ def _plans(cfg):
     import autopar as ap
     from autopar.models.gpt import GPT as Model, GPTConfig
     import torch
+
     layers, embd, heads, vocab, seq, batch = cfg
 
     def model():
         torch.manual_seed(0)
         return Model(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=embd))
+
     g = torch.Generator().manual_seed(0)
     idx, tg = torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
     m4, m22 = ap.Mesh((4,), ("dp",)), ap.Mesh((4,), ("tp",))
     m2x2 = ap.Mesh((2, 2), ("dp", "tp"))
     mt = lambda axis, sp=False: ap.presets.megatron(model(), axis, args=(idx, tg), sequence_parallel=sp)  # noqa: E731
-    return model, (idx, tg), {
-        "dp": (m4, None, ap.DataParallel("dp")), "dp zero1": (m4, None, ap.DataParallel("dp", zero=1)),
-        "dp zero2": (m4, None, ap.DataParallel("dp", zero=2)), "tp": (m22, mt("tp"), None),
-        "tp+sp": (m22, mt("tp", True), None), "dp x tp": (m2x2, mt("tp"), ap.DataParallel("dp")),
-        "dp x tp+sp": (m2x2, mt("tp", True), ap.DataParallel("dp")),
-        "dp zero2 x tp": (m2x2, mt("tp"), ap.DataParallel("dp", zero=2))}
+    return (
+        model,
+        (idx, tg),
+        {
+            "dp": (m4, None, ap.DataParallel("dp")),
+            "dp zero1": (m4, None, ap.DataParallel("dp", zero=1)),
+            "dp zero2": (m4, None, ap.DataParallel("dp", zero=2)),
+            "tp": (m22, mt("tp"), None),
+            "tp+sp": (m22, mt("tp", True), None),
+            "dp x tp": (m2x2, mt("tp"), ap.DataParallel("dp")),
+            "dp x tp+sp": (m2x2, mt("tp", True), ap.DataParallel("dp")),
+            "dp zero2 x tp": (m2x2, mt("tp"), ap.DataParallel("dp", zero=2)),
+        },
+    )
 
 
 def correlation_job(cfg, iters, warmup) -> dict:
     import torch
     import torch.distributed as dist
     import autopar as ap
+
     torch.set_num_threads(1)
     rank = dist.get_rank()
     prof = ap.calibrate(matmul=256, repeat=5)
     model, args, plans = _plans(cfg)
     from autopar.runtime.backend import current_backend
+
     steps, predicted, groups = {}, {}, {}
     for name, (mesh, ann, dp) in plans.items():
         module = ap.compile(model(), mesh, args=args, annotations=ann, data_parallel=dp)
@@ -65,19 +78,26 @@ def correlation_job(cfg, iters, warmup) -> dict:
         plan = module.autopar_plan
         predicted[name] = ap.predict(plan, prof)["time_s"]
         a, kw = plan.local_inputs(rank, *args)
-        opt = (ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-4) if dp is not None and dp.zero
-               else torch.optim.AdamW(module.parameters(), lr=1e-4))
+        opt = (
+            ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-4)
+            if dp is not None and dp.zero
+            else torch.optim.AdamW(module.parameters(), lr=1e-4)
+        )
 
         def step(module=module, a=a, kw=kw, opt=opt):
             _, loss = module(*a, **kw)
             loss.backward()
             opt.step()
             opt.zero_grad()
+
         steps[name] = step
     current_backend().groups.update(groups)
     times = alternate(steps, iters, warmup, barrier=dist.barrier)
-    return {"predicted": predicted, "measured": {n: statistics.median(t) for n, t in times.items()},
-            "profile": [prof.flops_per_s, prof.intra[0], prof.intra[1]]}
+    return {
+        "predicted": predicted,
+        "measured": {n: statistics.median(t) for n, t in times.items()},
+        "profile": [prof.flops_per_s, prof.intra[0], prof.intra[1]],
+    }
 
 
 def spearman(a: dict, b: dict) -> float:
@@ -86,6 +106,7 @@ def spearman(a: dict, b: dict) -> float:
     def ranks(d):
         order = sorted(names, key=lambda n: d[n])
         return {n: order.index(n) for n in names}
+
     ra, rb = ranks(a), ranks(b)
     n = len(names)
     return 1 - 6 * sum((ra[x] - rb[x]) ** 2 for x in names) / (n * (n * n - 1))
@@ -94,6 +115,7 @@ def spearman(a: dict, b: dict) -> float:
 def auto_vs_hand() -> list[dict]:
     import autopar as ap
     from tests.harness.hf_models import MODELS, inputs
+
     rows = []
     for name in sorted(MODELS):
         build = MODELS[name][0]
@@ -102,22 +124,53 @@ def auto_vs_hand() -> list[dict]:
         for device in ("cpu-gloo", "h100"):
             auto = ap.plan(model, mesh, kwargs=kw, auto=ap.Auto(device=device), dynamic=False)
             auto.check(**kw)
-            hand = ap.plan(model, mesh, kwargs=kw, annotations=ap.presets.megatron(model, "b", kwargs=kw),
-                           data_parallel="a", dynamic=False)
+            hand = ap.plan(
+                model,
+                mesh,
+                kwargs=kw,
+                annotations=ap.presets.megatron(model, "b", kwargs=kw),
+                data_parallel="a",
+                dynamic=False,
+            )
             ta, th = ap.predict(auto, device), ap.predict(hand, device)
-            rows.append(row("auto", f"{name} x2 on (2,2), {device}", "predicted auto / hand step time",
-                            round(ta["time_s"] / th["time_s"], 4), "<= 1",
-                            f"auto: {auto.built['auto']['chosen']}; equals serial (plan.check)"))
+            rows.append(
+                row(
+                    "auto",
+                    f"{name} x2 on (2,2), {device}",
+                    "predicted auto / hand step time",
+                    round(ta["time_s"] / th["time_s"], 4),
+                    "<= 1",
+                    f"auto: {auto.built['auto']['chosen']}; equals serial (plan.check)",
+                )
+            )
             budget = th["memory"] / 2
             try:
-                tight = ap.plan(model, mesh, kwargs=kw, auto=ap.Auto(device=device, memory_budget=budget), dynamic=False)
+                tight = ap.plan(
+                    model, mesh, kwargs=kw, auto=ap.Auto(device=device, memory_budget=budget), dynamic=False
+                )
                 tight.check(**kw)
                 got = ap.predict(tight, device)["memory"]
-                rows.append(row("auto", f"{name} x2 on (2,2), {device}", "memory / budget (half the hand plan's)",
-                                round(got / budget, 3), "<= 1", tight.built["auto"]["chosen"]))
+                rows.append(
+                    row(
+                        "auto",
+                        f"{name} x2 on (2,2), {device}",
+                        "memory / budget (half the hand plan's)",
+                        round(got / budget, 3),
+                        "<= 1",
+                        tight.built["auto"]["chosen"],
+                    )
+                )
             except ap.PlanError as e:
-                rows.append(row("auto", f"{name} x2 on (2,2), {device}", "memory / budget (half the hand plan's)",
-                                None, "<= 1", f"no plan fits: {str(e)[:120]}"))
+                rows.append(
+                    row(
+                        "auto",
+                        f"{name} x2 on (2,2), {device}",
+                        "memory / budget (half the hand plan's)",
+                        None,
+                        "<= 1",
+                        f"no plan fits: {str(e)[:120]}",
+                    )
+                )
     return rows
 
 
@@ -148,8 +201,13 @@ print(json.dumps({"plan": t1 - t0, "search": rec["search_s"], "emit0": t2 - t1, 
 
 
 def search_time(which: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SEARCH_SCRIPT, which], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", SEARCH_SCRIPT, which],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -160,18 +218,33 @@ def run(quick: bool) -> list[dict]:
     rho = spearman(res["predicted"], res["measured"])
     detail = "; ".join(f"{n} {res['predicted'][n] * 1e3:.1f}/{res['measured'][n] * 1e3:.1f}" for n in res["predicted"])
     fps, alpha, beta = res["profile"]
-    rows = [row("auto", f"GPT {cfg[0]}x{cfg[1]}, 8 plans, 4 gloo ranks", "Spearman rho predicted vs measured",
-                round(rho, 3), ">= 0.8",
-                f"calibrated {fps:.3g} FLOP/s, alpha {alpha:.2g} s, beta {beta:.3g} B/s; ms predicted/measured: {detail}")]
+    rows = [
+        row(
+            "auto",
+            f"GPT {cfg[0]}x{cfg[1]}, 8 plans, 4 gloo ranks",
+            "Spearman rho predicted vs measured",
+            round(rho, 3),
+            ">= 0.8",
+            f"calibrated {fps:.3g} FLOP/s, alpha {alpha:.2g} s, beta {beta:.3g} B/s; ms predicted/measured: {detail}",
+        )
+    ]
     rows += auto_vs_hand()
     if not quick:
         for which, target, mesh in (("8b", "<= 5 s", "(8,8)"), ("70b", "<= 10 s", "(16,8)")):
             t = search_time(which)
             case = f"LLaMA-3-{which.upper()} shape on meta, {mesh}"
-            rows += [row("auto", case, "trace + search + emit all ranks s", round(t["total"], 2), target,
-                         f"plan (trace + search) {t['plan']:.2f} s of which search {t['search']:.2f} s; emit rank 0 "
-                         f"{t['emit0']:.2f} s, all {t['emit_all']:.2f} s; {t['nodes']} nodes; chose {t['chosen']}"),
-                     row("auto", case, "peak RSS MiB", round(t["rss_mib"]), "<= 1024", "fresh process")]
+            rows += [
+                row(
+                    "auto",
+                    case,
+                    "trace + search + emit all ranks s",
+                    round(t["total"], 2),
+                    target,
+                    f"plan (trace + search) {t['plan']:.2f} s of which search {t['search']:.2f} s; emit rank 0 "
+                    f"{t['emit0']:.2f} s, all {t['emit_all']:.2f} s; {t['nodes']} nodes; chose {t['chosen']}",
+                ),
+                row("auto", case, "peak RSS MiB", round(t["rss_mib"]), "<= 1024", "fresh process"),
+            ]
     return rows
 
 

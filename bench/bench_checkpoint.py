@@ -13,6 +13,7 @@ serial model's ``state_dict()`` in one process.
 Example:
     >>> rows = run(quick=True)
 """
+
 from __future__ import annotations
 
 import os
@@ -22,17 +23,28 @@ import time
 
 from bench.common import pool
 
-SLACK = 2 * 2 ** 20  # the interpreter's own first-use allocations during a load (measured ~1.8 MB)
-SIZES = {"quick": dict(vocab=256, hidden=64, inter=128, layers=1),
-         "full": dict(vocab=8192, hidden=512, inter=1408, layers=4)}
+SLACK = 2 * 2**20  # the interpreter's own first-use allocations during a load (measured ~1.8 MB)
+SIZES = {
+    "quick": dict(vocab=256, hidden=64, inter=128, layers=1),
+    "full": dict(vocab=8192, hidden=512, inter=1408, layers=4),
+}
 
 
 def _config(s):
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-                       num_hidden_layers=s["layers"], num_attention_heads=8, num_key_value_heads=4,
-                       max_position_embeddings=128, tie_word_embeddings=False, use_cache=False,
-                       attn_implementation="eager")
+
+    return LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="eager",
+    )
 
 
 class AnonPeak:
@@ -41,6 +53,7 @@ class AnonPeak:
 
     def __init__(self, every: float = 2e-4):
         import threading
+
         self.every, self.peak, self.stop = every, 0, threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -86,16 +99,19 @@ def rank_job(hf_dir: str, ckpt_dir: str):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, LlamaForCausalLM
     import autopar as ap
+
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.from_pretrained(hf_dir)).eval()
     ids = torch.zeros(4, 16, dtype=torch.long)
     kw = {"input_ids": ids, "labels": ids}
     ann = ap.presets.megatron(model, "tp", kwargs=kw)
-    module = ap.compile(model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel="dp",
-                        dynamic=False)
+    module = ap.compile(
+        model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False
+    )
     shard = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     from safetensors import safe_open  # first-use costs (imports, the index) kept out of the peak
     from autopar.checkpoint.hf import checkpoint_files
+
     checkpoint_files(hf_dir)
     del safe_open
     dist.barrier()
@@ -124,6 +140,7 @@ def _dir_bytes(path: str) -> int:
 
 def _serial(model, path: str):
     import torch.distributed.checkpoint as dcp
+
     t0 = time.perf_counter()
     dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
     save_s = time.perf_counter() - t0
@@ -135,6 +152,7 @@ def _serial(model, path: str):
 def run(quick: bool) -> list[dict]:
     import torch
     from transformers import LlamaForCausalLM
+
     s = SIZES["quick" if quick else "full"]
     tmp = tempfile.mkdtemp(prefix="autopar_ckpt_bench")
     try:
@@ -147,30 +165,70 @@ def run(quick: bool) -> list[dict]:
         serial_save, serial_load = _serial(model, os.path.join(tmp, "serial"))
         del model
         res = pool(4).run("bench.bench_checkpoint:rank_job", hf_dir, os.path.join(tmp, "ap"))
-        return _rows(s, res, whole, largest, serial_save, serial_load,
-                     _dir_bytes(os.path.join(tmp, "ap")), _dir_bytes(os.path.join(tmp, "serial")))
+        return _rows(
+            s,
+            res,
+            whole,
+            largest,
+            serial_save,
+            serial_load,
+            _dir_bytes(os.path.join(tmp, "ap")),
+            _dir_bytes(os.path.join(tmp, "serial")),
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _rows(s, res, whole, largest, serial_save, serial_load, ap_bytes, serial_bytes) -> list[dict]:
     case = f"LLaMA h={s['hidden']} L={s['layers']} V={s['vocab']}, (dp=2, tp=2)"
-    mb = 2 ** 20
+    mb = 2**20
     peak = max((r["peak"] for r in res if r["peak"] is not None), default=None)
     shard = max(r["shard"] for r in res)
     target = shard + largest + SLACK
-    rows = [{"benchmark": "checkpoint", "case": case, "metric": "peak private memory added by load_pretrained (MB, max rank)",
-             "value": None if peak is None else round(peak / mb, 2), "target": f"<= {target / mb:.2f} (shard + largest tensor + 2 MB)",
-             "note": (f"{'OK' if peak is not None and peak <= target else 'MISS'}: rank shard "
-                      f"{shard / mb:.2f} MB, largest tensor {largest / mb:.2f} MB, whole model {whole / mb:.2f} MB; "
-                      f"per rank {[round(r['peak'] / mb, 2) for r in res]}; with the safetensors pages mapped "
-                      f"(VmHWM) {[None if r['hwm'] is None else round(r['hwm'] / mb, 2) for r in res]}")}]
+    rows = [
+        {
+            "benchmark": "checkpoint",
+            "case": case,
+            "metric": "peak private memory added by load_pretrained (MB, max rank)",
+            "value": None if peak is None else round(peak / mb, 2),
+            "target": f"<= {target / mb:.2f} (shard + largest tensor + 2 MB)",
+            "note": (
+                f"{'OK' if peak is not None and peak <= target else 'MISS'}: rank shard "
+                f"{shard / mb:.2f} MB, largest tensor {largest / mb:.2f} MB, whole model {whole / mb:.2f} MB; "
+                f"per rank {[round(r['peak'] / mb, 2) for r in res]}; with the safetensors pages mapped "
+                f"(VmHWM) {[None if r['hwm'] is None else round(r['hwm'] / mb, 2) for r in res]}"
+            ),
+        }
+    ]
     save, load = max(r["save_s"] for r in res), max(r["load_s"] for r in res)
-    rows.append({"benchmark": "checkpoint", "case": case, "metric": "DCP save s (ap 4 ranks / serial 1 process)",
-                 "value": round(save, 3), "target": "", "note": f"serial dcp.save {serial_save:.3f} s"})
-    rows.append({"benchmark": "checkpoint", "case": case, "metric": "DCP load s (ap 4 ranks / serial 1 process)",
-                 "value": round(load, 3), "target": "", "note": f"serial dcp.load {serial_load:.3f} s; ap includes get_state_dict and set_state_dict"})
-    rows.append({"benchmark": "checkpoint", "case": case, "metric": "bytes on disk (ap / serial)",
-                 "value": round(ap_bytes / serial_bytes, 3), "target": "~1.0",
-                 "note": f"ap {ap_bytes / mb:.2f} MB, serial {serial_bytes / mb:.2f} MB (replicas written once)"})
+    rows.append(
+        {
+            "benchmark": "checkpoint",
+            "case": case,
+            "metric": "DCP save s (ap 4 ranks / serial 1 process)",
+            "value": round(save, 3),
+            "target": "",
+            "note": f"serial dcp.save {serial_save:.3f} s",
+        }
+    )
+    rows.append(
+        {
+            "benchmark": "checkpoint",
+            "case": case,
+            "metric": "DCP load s (ap 4 ranks / serial 1 process)",
+            "value": round(load, 3),
+            "target": "",
+            "note": f"serial dcp.load {serial_load:.3f} s; ap includes get_state_dict and set_state_dict",
+        }
+    )
+    rows.append(
+        {
+            "benchmark": "checkpoint",
+            "case": case,
+            "metric": "bytes on disk (ap / serial)",
+            "value": round(ap_bytes / serial_bytes, 3),
+            "target": "~1.0",
+            "note": f"ap {ap_bytes / mb:.2f} MB, serial {serial_bytes / mb:.2f} MB (replicas written once)",
+        }
+    )
     return rows

@@ -8,6 +8,7 @@ analysis), emitting rank 0, emitting all 8 ranks. Growth in depth should be line
 Example:
     >>> rows = run(quick=True)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,9 +39,14 @@ def _timed(times: dict):
                 return fn(*a, **k)
             finally:
                 times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+
         return inner
-    planner.trace, planner.propagate, planner.analyse = (wrap("trace", saved[0]), wrap("propagate", saved[1]),
-                                                         wrap("propagate", saved[2]))
+
+    planner.trace, planner.propagate, planner.analyse = (
+        wrap("trace", saved[0]),
+        wrap("propagate", saved[1]),
+        wrap("propagate", saved[2]),
+    )
     try:
         yield times
     finally:
@@ -49,8 +55,11 @@ def _timed(times: dict):
 
 def meta_gpt(layers: int, cfg: dict):
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=1024, n_layer=layers, n_head=cfg["heads"],
-                              n_embd=cfg["hidden"]))
+        model = GPT(
+            GPTConfig(
+                vocab_size=cfg["vocab"], block_size=1024, n_layer=layers, n_head=cfg["heads"], n_embd=cfg["hidden"]
+            )
+        )
     idx = torch.zeros(8, 64, dtype=torch.long, device="meta")
     return model, (idx, idx)
 
@@ -61,8 +70,9 @@ def compile_times(layers: int, cfg: dict, dynamic: bool = True, repeat_blocks: b
     mesh = ap.Mesh((2, 4), ("dp", "tp"))
     with _timed({}) as times:
         t0 = time.perf_counter()
-        plan = ap.plan(model, mesh, args=args, annotations=GPT_TP, data_parallel="dp", dynamic=dynamic,
-                       repeat_blocks=repeat_blocks)
+        plan = ap.plan(
+            model, mesh, args=args, annotations=GPT_TP, data_parallel="dp", dynamic=dynamic, repeat_blocks=repeat_blocks
+        )
         times["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     first = plan.module(0)
@@ -90,25 +100,60 @@ def run(quick: bool) -> list[dict]:
         case = f"gpt h{cfg['hidden']} x{n} on (2,4)"
         target = "<= 3 s" if n == 48 else ""
         runs = f"; median of runs {spread[n]}" if len(spread[n]) > 1 else ""
-        rows += [row("compile", case, "total s (export + autopar)", round(t["total"], 2), target,
-                     f"{t['nodes']} nodes; torch.export of 2 blocks, the others copied{runs}"),
-                 row("compile", case, "torch.export s", round(t["trace"], 2), "", "not autopar's code"),
-                 row("compile", case, "autopar s (propagate + emit 8 ranks)", round(t["autopar"], 2), "",
-                     f"propagate {t['propagate']:.2f} s, emit rank 0 {t['emit_rank0']:.2f} s, "
-                     f"all 8 {t['emit_all']:.2f} s"),
-                 row("compile", case, "emit 8 ranks / 1 rank", round(t["emit_all"] / t["emit_rank0"], 2), "<= 8")]
+        rows += [
+            row(
+                "compile",
+                case,
+                "total s (export + autopar)",
+                round(t["total"], 2),
+                target,
+                f"{t['nodes']} nodes; torch.export of 2 blocks, the others copied{runs}",
+            ),
+            row("compile", case, "torch.export s", round(t["trace"], 2), "", "not autopar's code"),
+            row(
+                "compile",
+                case,
+                "autopar s (propagate + emit 8 ranks)",
+                round(t["autopar"], 2),
+                "",
+                f"propagate {t['propagate']:.2f} s, emit rank 0 {t['emit_rank0']:.2f} s, all 8 {t['emit_all']:.2f} s",
+            ),
+            row("compile", case, "emit 8 ranks / 1 rank", round(t["emit_all"] / t["emit_rank0"], 2), "<= 8"),
+        ]
     hi, lo = max(res), sorted(res)[-2] if len(res) > 1 else None
     if lo:
         for key, what in (("total", "total"), ("autopar", "autopar only"), ("trace", "torch.export only")):
-            rows.append(row("compile", f"{hi}/{lo} layers", f"{what} time ratio", round(res[hi][key] / res[lo][key], 2),
-                            "<= 2.2" if key == "total" else "", "linear growth would read 2.0"))
+            rows.append(
+                row(
+                    "compile",
+                    f"{hi}/{lo} layers",
+                    f"{what} time ratio",
+                    round(res[hi][key] / res[lo][key], 2),
+                    "<= 2.2" if key == "total" else "",
+                    "linear growth would read 2.0",
+                )
+            )
     if not quick:
         full = compile_times(48, cfg, repeat_blocks=False)
-        rows.append(row("compile", "gpt h1600 x48 on (2,4), every block exported", "total s (export + autopar)",
-                        round(full["total"], 2), "",
-                        f"ap.plan(repeat_blocks=False): torch.export {full['trace']:.2f} s, autopar {full['autopar']:.2f} s"))
+        rows.append(
+            row(
+                "compile",
+                "gpt h1600 x48 on (2,4), every block exported",
+                "total s (export + autopar)",
+                round(full["total"], 2),
+                "",
+                f"ap.plan(repeat_blocks=False): torch.export {full['trace']:.2f} s, autopar {full['autopar']:.2f} s",
+            )
+        )
         static = compile_times(48, cfg, dynamic=False)
-        rows.append(row("compile", "gpt h1600 x48 on (2,4), static shapes", "total s (export + autopar)",
-                        round(static["total"], 2), "<= 3 s",
-                        f"ap.plan(dynamic=False): torch.export {static['trace']:.2f} s, autopar {static['autopar']:.2f} s"))
+        rows.append(
+            row(
+                "compile",
+                "gpt h1600 x48 on (2,4), static shapes",
+                "total s (export + autopar)",
+                round(static["total"], 2),
+                "<= 3 s",
+                f"ap.plan(dynamic=False): torch.export {static['trace']:.2f} s, autopar {static['autopar']:.2f} s",
+            )
+        )
     return rows

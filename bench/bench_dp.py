@@ -15,6 +15,7 @@ iterations of the per-iteration ratio, after warm-up. Rank 0's times are reporte
 Example:
     $ PYTHONPATH=. python bench/bench_dp.py          # full size
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,7 @@ BUCKET_MB = 25.0
 def _model(size: str, seed: int = 0):
     import torch
     from autopar.models.gpt import GPT, GPTConfig
+
     layers, embd, heads, vocab, seq, _ = SIZES[size]
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=embd))
@@ -38,14 +40,18 @@ def _model(size: str, seed: int = 0):
 
 def _batch(size: str, world: int):
     import torch
+
     _, _, _, vocab, seq, b = SIZES[size]
     g = torch.Generator().manual_seed(0)
-    return (torch.randint(0, vocab, (b * world, seq), generator=g),
-            torch.randint(0, vocab, (b * world, seq), generator=g))
+    return (
+        torch.randint(0, vocab, (b * world, seq), generator=g),
+        torch.randint(0, vocab, (b * world, seq), generator=g),
+    )
 
 
 def _stepper(module, args, kwargs=None):
     import torch
+
     opt = torch.optim.SGD(module.parameters(), lr=1e-3)
 
     def step():
@@ -54,6 +60,7 @@ def _stepper(module, args, kwargs=None):
         opt.step()
         opt.zero_grad()
         return loss
+
     return step
 
 
@@ -61,6 +68,7 @@ def _contenders(size: str):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import autopar as ap
+
     rank, world = dist.get_rank(), dist.get_world_size()
     idx, tg = _batch(size, world)
     local = (idx.chunk(world)[rank], tg.chunk(world)[rank])
@@ -70,13 +78,17 @@ def _contenders(size: str):
     plan = module.autopar_plan
     per_param = plan.with_data_parallel(ap.DataParallel("dp", bucket_mb=BUCKET_MB, bucket_max_params=1))
     a_args, a_kw = plan.local_inputs(rank, idx, tg)
-    return {"ddp": _stepper(ddp, local), "autopar": _stepper(module, a_args, a_kw),
-            "per_param": _stepper(per_param.build_module(rank), a_args, a_kw)}, len(plan.grad_buckets())
+    return {
+        "ddp": _stepper(ddp, local),
+        "autopar": _stepper(module, a_args, a_kw),
+        "per_param": _stepper(per_param.build_module(rank), a_args, a_kw),
+    }, len(plan.grad_buckets())
 
 
 def dp_job(size: str, iters: int, warmup: int) -> dict:
     """Runs on every rank: build the contenders, check they agree on the loss, time them."""
     import torch
+
     torch.set_num_threads(1)
     steps, n_buckets = _contenders(size)
     losses = {}
@@ -103,11 +115,20 @@ def run(quick: bool) -> list[dict]:
     case = f"GPT {layers}x{embd}, 2 gloo ranks, bucket {BUCKET_MB:g} MB"
     med = {n: ms(v) for n, v in t.items()}
     agree = max(res["losses"].values()) - min(res["losses"].values())
-    note = (f"median step ms: ddp {med['ddp']:.1f}, autopar {med['autopar']:.1f}, per-param "
-            f"{med['per_param']:.1f}; {res['buckets']} bucket(s); first-step losses agree to {agree:.1e}")
-    return [_row(case, "autopar / DDP step time", round(median_ratio(t["autopar"], t["ddp"]), 3), "<= 1.05", note),
-            _row(case, "per-parameter / fused step time",
-                 round(median_ratio(t["per_param"], t["autopar"]), 3), "", f"one all-reduce per parameter; n={iters}")]
+    note = (
+        f"median step ms: ddp {med['ddp']:.1f}, autopar {med['autopar']:.1f}, per-param "
+        f"{med['per_param']:.1f}; {res['buckets']} bucket(s); first-step losses agree to {agree:.1e}"
+    )
+    return [
+        _row(case, "autopar / DDP step time", round(median_ratio(t["autopar"], t["ddp"]), 3), "<= 1.05", note),
+        _row(
+            case,
+            "per-parameter / fused step time",
+            round(median_ratio(t["per_param"], t["autopar"]), 3),
+            "",
+            f"one all-reduce per parameter; n={iters}",
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -16,20 +16,29 @@ memory of a LLaMA-70B-shaped model on a (16, 8) dp x tp mesh.
 Example:
     $ PYTHONPATH=. python bench/bench_fsdp.py --quick
 """
+
 from __future__ import annotations
 
 import sys
 
 from bench.common import alternate, close_pools, median_ratio, ms, pool, row
 
-SIZES = {"quick": (2, 64, 4, 256, 32, 4), "full": (4, 256, 8, 1024, 64, 4)}  # layers, embd, heads, vocab, seq, batch/rank
-MEGATRON = {"blocks.*.attn.qkv": "col", "blocks.*.attn.proj": "row", "blocks.*.mlp.fc": "col",
-            "blocks.*.mlp.proj": "row"}
+SIZES = {
+    "quick": (2, 64, 4, 256, 32, 4),
+    "full": (4, 256, 8, 1024, 64, 4),
+}  # layers, embd, heads, vocab, seq, batch/rank
+MEGATRON = {
+    "blocks.*.attn.qkv": "col",
+    "blocks.*.attn.proj": "row",
+    "blocks.*.mlp.fc": "col",
+    "blocks.*.mlp.proj": "row",
+}
 
 
 def _model(size, seed=0):
     import torch
     from autopar.models.gpt import GPT, GPTConfig
+
     layers, embd, heads, vocab, seq, _ = SIZES[size]
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=embd, tied=False))
@@ -39,6 +48,7 @@ def _fsdp2(size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     import torch.distributed as dist
+
     model = _model(size)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
@@ -49,6 +59,7 @@ def _fsdp2(size):
 
 def _stepper(module, args, kwargs=None):
     import torch
+
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
 
     def step():
@@ -57,11 +68,13 @@ def _stepper(module, args, kwargs=None):
         opt.step()
         opt.zero_grad()
         return loss
+
     return step, opt
 
 
 def _peak(step, module, opt) -> int:
     from autopar.runtime.live_bytes import LiveBytes, bytes_of
+
     step()  # warm-up: optimizer state exists
     state = [t.to_local() if hasattr(t, "to_local") else t for s in opt.state.values() for t in s.values()]
     params = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
@@ -75,6 +88,7 @@ def fsdp_job(size: str, iters: int, warmup: int) -> dict:
     import torch.distributed as dist
     import autopar as ap
     from autopar.api import parallelize
+
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     _, _, _, vocab, seq, b = SIZES[size]
@@ -82,11 +96,14 @@ def fsdp_job(size: str, iters: int, warmup: int) -> dict:
     idx = torch.randint(0, vocab, (b * world, seq), generator=g)
     tg = torch.randint(0, vocab, (b * world, seq), generator=g)
     theirs = _fsdp2(size)
-    ours = parallelize(_model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg),
-                       data_parallel=ap.DataParallel("dp", zero=3))
+    ours = parallelize(
+        _model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg), data_parallel=ap.DataParallel("dp", zero=3)
+    )
     a_args, a_kw = ours.autopar_plan.local_inputs(rank, idx, tg)
-    (s_fsdp, o_fsdp), (s_ap, o_ap) = _stepper(theirs, (idx.chunk(world)[rank], tg.chunk(world)[rank])), \
-        _stepper(ours, a_args, a_kw)
+    (s_fsdp, o_fsdp), (s_ap, o_ap) = (
+        _stepper(theirs, (idx.chunk(world)[rank], tg.chunk(world)[rank])),
+        _stepper(ours, a_args, a_kw),
+    )
     peaks = {"fsdp2": _peak(s_fsdp, theirs, o_fsdp), "autopar": _peak(s_ap, ours, o_ap)}
     times = alternate({"fsdp2": s_fsdp, "autopar": s_ap}, iters, warmup, barrier=dist.barrier)
     return {"times": times, "peaks": peaks}
@@ -97,13 +114,19 @@ def llama70b(batch: int = 1, seq: int = 2048) -> dict:
     import torch
     import autopar as ap
     from autopar.models.gpt import GPT, GPTConfig
+
     cfg = GPTConfig(vocab_size=128256, block_size=seq, n_layer=80, n_head=64, n_embd=8192, tied=False, bias=False)
     with torch.device("meta"):
         model = GPT(cfg)
     ids = torch.zeros(batch * 16, seq, dtype=torch.long, device="meta")
     ann = {k: (ap.colwise("tp") if v == "col" else ap.rowwise("tp")) for k, v in MEGATRON.items()}
-    plan = ap.plan(model, ap.Mesh((16, 8), ("dp", "tp")), args=(ids, ids), annotations=ann,
-                   data_parallel=ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16))
+    plan = ap.plan(
+        model,
+        ap.Mesh((16, 8), ("dp", "tp")),
+        args=(ids, ids),
+        annotations=ann,
+        data_parallel=ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16),
+    )
     mem = plan.memory_per_rank(0)
     acts = plan.cost().at()["memory"]["activations"] / 2  # cost counts fp32 outputs; compute is bf16
     keys = ("params", "grads", "optimizer_state", "gathered", "reduce_buffers")
@@ -123,15 +146,37 @@ def run(quick: bool) -> list[dict]:
         t, pk = res["times"], res["peaks"]
         case = f"GPT {layers}x{embd}, {world} gloo ranks, AdamW"
         note = f"median step ms: fsdp2 {ms(t['fsdp2']):.1f}, autopar {ms(t['autopar']):.1f}; n={iters}"
-        rows.append(row("fsdp", case, "autopar / FSDP2 step time", round(median_ratio(t["autopar"], t["fsdp2"]), 3),
-                        "<= 1.00", note))
-        rows.append(row("fsdp", case, "autopar / FSDP2 peak memory per rank",
-                        round(pk["autopar"] / pk["fsdp2"], 3), "<= 1.00",
-                        f"peak live bytes: autopar {pk['autopar']}, fsdp2 {pk['fsdp2']}"))
+        rows.append(
+            row(
+                "fsdp",
+                case,
+                "autopar / FSDP2 step time",
+                round(median_ratio(t["autopar"], t["fsdp2"]), 3),
+                "<= 1.00",
+                note,
+            )
+        )
+        rows.append(
+            row(
+                "fsdp",
+                case,
+                "autopar / FSDP2 peak memory per rank",
+                round(pk["autopar"] / pk["fsdp2"], 3),
+                "<= 1.00",
+                f"peak live bytes: autopar {pk['autopar']}, fsdp2 {pk['fsdp2']}",
+            )
+        )
     m = llama70b()
-    rows.append(row("fsdp", "LLaMA-70B-shaped, (16, 8) dp x tp, zero=3, bf16, batch 1 per dp rank, seq 2048",
-                    "memory per rank (GB)", round(m["total"], 1), "<= 80",
-                    ", ".join(f"{k} {v:.1f}" for k, v in m.items() if k != "total")))
+    rows.append(
+        row(
+            "fsdp",
+            "LLaMA-70B-shaped, (16, 8) dp x tp, zero=3, bf16, batch 1 per dp rank, seq 2048",
+            "memory per rank (GB)",
+            round(m["total"], 1),
+            "<= 80",
+            ", ".join(f"{k} {v:.1f}" for k, v in m.items() if k != "total"),
+        )
+    )
     return rows
 
 

@@ -10,6 +10,7 @@ serial model under the same counter.
 Example:
     >>> rows = run(quick=True)
 """
+
 from __future__ import annotations
 
 import weakref
@@ -27,6 +28,7 @@ from bench.models import annotations, build, loss_of
 
 class ShapeBackend:
     """Collectives with real output shapes and no communication (this rank's values stand in)."""
+
     stats = None
 
     def all_reduce(self, x, group, rank, op):
@@ -105,10 +107,24 @@ def measure(kind: str, size: str, tps=(1, 2, 4)) -> list[dict]:
             with use_backend(ShapeBackend()):
                 pb, peak = param_bytes(module), step_peak(module, plan.local_inputs(0, *args)[0])
         case = f"{kind} {size}, tp={tp}"
-        rows += [row("memory", case, "param MiB per rank", round(pb / 2**20, 3), "",
-                     f"serial/tp {serial_params / tp / 2**20:.3f} MiB; ratio {pb / (serial_params / tp):.2f}"),
-                 row("memory", case, "peak step MiB per rank", round(peak / 2**20, 3), "",
-                     f"serial {serial_peak / 2**20:.3f} MiB; ratio to serial/tp {peak / (serial_peak / tp):.2f}")]
+        rows += [
+            row(
+                "memory",
+                case,
+                "param MiB per rank",
+                round(pb / 2**20, 3),
+                "",
+                f"serial/tp {serial_params / tp / 2**20:.3f} MiB; ratio {pb / (serial_params / tp):.2f}",
+            ),
+            row(
+                "memory",
+                case,
+                "peak step MiB per rank",
+                round(peak / 2**20, 3),
+                "",
+                f"serial {serial_peak / 2**20:.3f} MiB; ratio to serial/tp {peak / (serial_peak / tp):.2f}",
+            ),
+        ]
     return rows
 
 

@@ -21,6 +21,7 @@ Example:
     $ PYTHONPATH=. python bench/bench_pipeline.py          # full size; --quick for the tiny one
     $ PYTHONPATH=. python bench/bench_pipeline.py --real   # only the real gloo rows
 """
+
 from __future__ import annotations
 
 import sys
@@ -61,6 +62,7 @@ def _model(width: int, hidden: int, blocks: int):
             for b in self.blocks:
                 x = b(x)
             return x
+
     torch.manual_seed(0)
     return Balanced()
 
@@ -69,6 +71,7 @@ def _one(kind: str, chunks: int, p: int, width: int, hidden: int, rows: int, m: 
 
     from autopar.parallel.pipeline import schedules, timeline
     from autopar.runtime.simulator import run_ranks
+
     plan, x, y = _plan(kind, chunks, p, width, hidden, rows, m)
     runners = [plan.pipeline_runner(r) for r in range(p)]
     events: list[list] = [[] for _ in range(p)]
@@ -77,9 +80,12 @@ def _one(kind: str, chunks: int, p: int, width: int, hidden: int, rows: int, m: 
         for r in range(p):
             events[r] += runners[r].timeline if step else []
     wall = timeline.measured_idle([r.timeline for r in runners])
-    return {"replayed": timeline.replayed_idle(plan, events), "wall": wall,
-            "theory": schedules.theoretical_bubble(plan.stage_layout.options.kind, p, m, chunks),
-            "held": [r.stats["max_in_flight"] for r in runners]}
+    return {
+        "replayed": timeline.replayed_idle(plan, events),
+        "wall": wall,
+        "theory": schedules.theoretical_bubble(plan.stage_layout.options.kind, p, m, chunks),
+        "held": [r.stats["max_in_flight"] for r in runners],
+    }
 
 
 def _plan(kind, chunks, p, width, hidden, rows, m):
@@ -87,15 +93,21 @@ def _plan(kind, chunks, p, width, hidden, rows, m):
     import torch.nn.functional as F
 
     import autopar as ap
+
     model = _model(width, hidden, BLOCKS_PER_STAGE * p * chunks)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(rows * m, width, generator=g), torch.randn(rows * m, width, generator=g)
     # The input asks for its gradient so that stage 0's backward does the same work as the others
     # (otherwise its first layer skips the input gradient and the stages are not balanced).
     x.requires_grad_(True)
-    plan = ap.plan(model, ap.Mesh((p,), ("pp",)), args=(x,),
-                   pipeline=ap.Pipeline("pp", microbatches=m, schedule=kind, chunks=chunks,
-                                        loss=lambda out, lab: F.mse_loss(out, lab)))
+    plan = ap.plan(
+        model,
+        ap.Mesh((p,), ("pp",)),
+        args=(x,),
+        pipeline=ap.Pipeline(
+            "pp", microbatches=m, schedule=kind, chunks=chunks, loss=lambda out, lab: F.mse_loss(out, lab)
+        ),
+    )
     return plan, x, y
 
 
@@ -103,6 +115,7 @@ def gloo_job(kind, chunks, width, hidden, rows, m, steps=REAL_STEPS, warmup=WARM
     """One rank of a real run (GlooPool job): its timeline events of each step after the warm-up."""
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)  # one core per rank (the GlooPool worker sets it too)
     plan, x, y = _plan(kind, chunks, dist.get_world_size(), width, hidden, rows, m)
     runner = plan.pipeline_runner(dist.get_rank())
@@ -118,6 +131,7 @@ def gloo_job(kind, chunks, width, hidden, rows, m, steps=REAL_STEPS, warmup=WARM
 def step_idle(events_per_step_per_rank) -> list[list[float]]:
     """Wall-clock idle fraction of every rank in each step (``timeline.measured_idle`` per step)."""
     from autopar.parallel.pipeline import timeline
+
     return [timeline.measured_idle(ranks) for ranks in events_per_step_per_rank]
 
 
@@ -138,6 +152,7 @@ def _real_rows(width, hidden, rows, m) -> list[dict]:
     from autopar.runtime.gloo_pool import GlooPool
     from autopar.parallel.pipeline import schedules, timeline
     from autopar.parallel.pipeline.runner import Event
+
     out = []
     with GlooPool(2, timeout=600) as pool:
         for kind in ("gpipe", "1f1b"):
@@ -147,7 +162,7 @@ def _real_rows(width, hidden, rows, m) -> list[dict]:
             # time as CPU time) measures the machine, not the schedule: left out, and counted.
             shares = [cpu_share(st) for st in steps]
             kept = [st for st, sh in zip(steps, shares) if sh >= SHARE_MIN]
-            disturbed = len(kept) < 3   # then every step counts, and the verdict says so
+            disturbed = len(kept) < 3  # then every step counts, and the verdict says so
             kept = steps if disturbed else kept
             idle = step_idle(kept)
             med = [_median([st[r] for st in idle]) for r in range(2)]
@@ -156,21 +171,31 @@ def _real_rows(width, hidden, rows, m) -> list[dict]:
             theory = schedules.theoretical_bubble(kind, 2, m)
             worst = max(abs(v - theory) / theory for v in med)
             spread = [f"{min(st[r] for st in idle):.3f}-{max(st[r] for st in idle):.3f}" for r in range(2)]
-            out.append({"benchmark": "pipeline", "case": f"{kind} p=2 m={m} real gloo",
-                        "metric": (f"idle fraction per rank (wall clock, median of {len(kept)}/{len(steps)} steps, "
-                                   "max over ranks)"),
-                        "value": round(max(med), 4), "target": f"{theory:.4f} +-10%",
-                        "note": (f"{'OK' if worst <= 0.10 else 'MISS'}{' (DISTURBED: machine busy)' if disturbed else ''}"
-                                 f": worst rel. dev {worst:.1%}; per rank "
-                                 f"{[round(v, 3) for v in med]} (steps {spread}); replayed "
-                                 f"{[round(v, 3) for v in replayed]}; CPU share per step "
-                                 f"{min(shares):.2f}-{max(shares):.2f}; "
-                                 f"model {width}x{hidden}, {rows} rows per micro-batch")})
+            out.append(
+                {
+                    "benchmark": "pipeline",
+                    "case": f"{kind} p=2 m={m} real gloo",
+                    "metric": (
+                        f"idle fraction per rank (wall clock, median of {len(kept)}/{len(steps)} steps, max over ranks)"
+                    ),
+                    "value": round(max(med), 4),
+                    "target": f"{theory:.4f} +-10%",
+                    "note": (
+                        f"{'OK' if worst <= 0.10 else 'MISS'}{' (DISTURBED: machine busy)' if disturbed else ''}"
+                        f": worst rel. dev {worst:.1%}; per rank "
+                        f"{[round(v, 3) for v in med]} (steps {spread}); replayed "
+                        f"{[round(v, 3) for v in replayed]}; CPU share per step "
+                        f"{min(shares):.2f}-{max(shares):.2f}; "
+                        f"model {width}x{hidden}, {rows} rows per micro-batch"
+                    ),
+                }
+            )
     return out
 
 
 def run(quick: bool) -> list[dict]:
     import torch
+
     width, hidden, rows, m, sizes = SIZES["quick" if quick else "full"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core's worth per simulated rank: CPU times stay comparable
@@ -182,15 +207,20 @@ def run(quick: bool) -> list[dict]:
                 worst = max(abs(v - r["theory"]) / r["theory"] for v in r["replayed"])
                 target = f"{r['theory']:.4f} +-10%" if kind != "interleaved" else ""
                 verdict = ("OK" if worst <= 0.10 else "MISS") if target else f"theory {r['theory']:.4f}"
-                rows_out.append({
-                    "benchmark": "pipeline", "case": f"{kind} p={p} m={m}" + (f" v={chunks}" if chunks > 1 else ""),
-                    "metric": "idle fraction per rank (replayed, max over ranks)",
-                    "value": round(max(r["replayed"]), 4),
-                    "target": target,
-                    "note": (f"{verdict}: worst rel. dev {worst:.1%}; per rank "
-                             f"{[round(v, 3) for v in r['replayed']]}; wall-clock "
-                             f"{[round(v, 3) for v in r['wall']]}; max micro-batches held {r['held']}"),
-                    })
+                rows_out.append(
+                    {
+                        "benchmark": "pipeline",
+                        "case": f"{kind} p={p} m={m}" + (f" v={chunks}" if chunks > 1 else ""),
+                        "metric": "idle fraction per rank (replayed, max over ranks)",
+                        "value": round(max(r["replayed"]), 4),
+                        "target": target,
+                        "note": (
+                            f"{verdict}: worst rel. dev {worst:.1%}; per rank "
+                            f"{[round(v, 3) for v in r['replayed']]}; wall-clock "
+                            f"{[round(v, 3) for v in r['wall']]}; max micro-batches held {r['held']}"
+                        ),
+                    }
+                )
     finally:
         torch.set_num_threads(threads)
     if not quick:

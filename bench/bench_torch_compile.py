@@ -10,6 +10,7 @@ Dynamo counted in the rank module (target 0).
 Example:
     $ python -m bench.run --only torch_compile
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,10 @@ from autopar.models.gpt import GPT, GPTConfig
 from bench.common import alternate, median_ratio, ms, pool, row
 from bench.models import GPT_TP
 
-SIZES = {"tiny": dict(n_embd=32, n_head=4, n_layer=2, vocab_size=64, block_size=16, batch=4, seq=16),
-         "small": dict(n_embd=256, n_head=8, n_layer=4, vocab_size=1024, block_size=128, batch=8, seq=128)}
+SIZES = {
+    "tiny": dict(n_embd=32, n_head=4, n_layer=2, vocab_size=64, block_size=16, batch=4, seq=16),
+    "small": dict(n_embd=256, n_head=8, n_layer=4, vocab_size=1024, block_size=128, batch=8, seq=128),
+}
 
 
 def _model(size: str):
@@ -36,6 +39,7 @@ def _model(size: str):
 
 def compile_job(size: str, iters: int, warmup: int) -> dict:
     import torch._dynamo
+
     torch._dynamo.reset()
     model, idx, tg = _model(size)
     serial, _, _ = _model(size)
@@ -45,12 +49,18 @@ def compile_job(size: str, iters: int, warmup: int) -> dict:
     def step(fn):
         def go():
             fn(idx, tg)[1].backward()
+
         return go
+
     torch._dynamo.utils.counters.clear()
     eager_loss, compiled_loss = module(idx, tg)[1].item(), compiled(idx, tg)[1].item()
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # the rank module's compile
-    steps = {"eager": step(module), "compiled": step(compiled), "serial_eager": step(serial),
-             "serial_compiled": step(serial_compiled)}
+    steps = {
+        "eager": step(module),
+        "compiled": step(compiled),
+        "serial_eager": step(serial),
+        "serial_compiled": step(serial_compiled),
+    }
     t = alternate(steps, iters, warmup, barrier=dist.barrier)
     return {"t": t, "loss_diff": abs(eager_loss - compiled_loss), "graph_breaks": breaks}
 
@@ -62,9 +72,21 @@ def run(quick: bool) -> list[dict]:
     case = f"gpt {size}, tp=2"
     note = lambda a, b: f"step ms: {a} {ms(t[a]):.2f}, {b} {ms(t[b]):.2f}; n={len(t[a])}"  # noqa: E731
     return [
-        row("torch_compile", case, "rank module compiled / eager", round(median_ratio(t["compiled"], t["eager"]), 3),
-            "~ serial's ratio", note("compiled", "eager") + f"; |loss diff| {res['loss_diff']:.1e}"),
-        row("torch_compile", "gpt " + size + ", serial", "serial compiled / eager",
-            round(median_ratio(t["serial_compiled"], t["serial_eager"]), 3), "", note("serial_compiled", "serial_eager")),
+        row(
+            "torch_compile",
+            case,
+            "rank module compiled / eager",
+            round(median_ratio(t["compiled"], t["eager"]), 3),
+            "~ serial's ratio",
+            note("compiled", "eager") + f"; |loss diff| {res['loss_diff']:.1e}",
+        ),
+        row(
+            "torch_compile",
+            "gpt " + size + ", serial",
+            "serial compiled / eager",
+            round(median_ratio(t["serial_compiled"], t["serial_eager"]), 3),
+            "",
+            note("serial_compiled", "serial_eager"),
+        ),
         row("torch_compile", case, "graph breaks compiling the rank module", res["graph_breaks"], "0", ""),
     ]

@@ -8,6 +8,7 @@ Sanity row: two identical hand-written modules timed against each other must rea
 Example:
     >>> rows = run(quick=True)
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,12 @@ from bench.common import alternate, median_ratio, ms, pool, row
 from bench.megatron import GPT_STYLES, MLP_STYLES, max_grad_error, megatronize
 from bench.models import annotations, build, loss_of
 
-TARGETS = {("megatron", "small"): "<= 1.03", ("megatron", "large"): "<= 1.03",
-           ("dtensor", "small"): "<= 0.50", ("dtensor", "large"): "<= 0.88"}
+TARGETS = {
+    ("megatron", "small"): "<= 1.03",
+    ("megatron", "large"): "<= 1.03",
+    ("dtensor", "small"): "<= 0.50",
+    ("dtensor", "large"): "<= 0.88",
+}
 
 
 ITERS = {"small": 100, "large": 60}  # pairs per case (BENCH_ITERS overrides)
@@ -42,12 +47,14 @@ def _step(module, args):
         for p in params:
             p.grad = None
         return loss
+
     return step
 
 
 def _dtensor(model, world, kind):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     mesh = init_device_mesh("cpu", (world,))
     plan = {pat: ColwiseParallel() if s == "col" else RowwiseParallel() for pat, s in _styles(kind).items()}
     model = copy.deepcopy(model)
@@ -62,10 +69,15 @@ def _tp_transform(model, args, rank, world, kind):
     import fnmatch
     from torch.distributed.tensor.experimental._tp_transform import tensor_parallel_transformation
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     model = copy.deepcopy(model)
     names = [n for n, _ in model.named_modules()]
-    strategies = {n: ColwiseParallel() if s == "col" else RowwiseParallel()
-                  for pat, s in _styles(kind).items() for n in names if fnmatch.fnmatchcase(n, pat)}
+    strategies = {
+        n: ColwiseParallel() if s == "col" else RowwiseParallel()
+        for pat, s in _styles(kind).items()
+        for n in names
+        if fnmatch.fnmatchcase(n, pat)
+    }
     try:
         ep = torch.export.export(model, args, strict=False)
         module = tensor_parallel_transformation(ep, rank, world, "cpu", strategies).module()
@@ -83,8 +95,12 @@ def contenders(kind, size, rank, world):
     t0 = time.perf_counter()
     out = {"autopar": (ap.parallelize(model, mesh, args=args, annotations=annotations(kind)), args)}
     t1 = time.perf_counter()
-    out.update({"megatron": (megatronize(model, rank, world, _styles(kind)), args),
-                "megatron_copy": (megatronize(model, rank, world, _styles(kind)), args)})
+    out.update(
+        {
+            "megatron": (megatronize(model, rank, world, _styles(kind)), args),
+            "megatron_copy": (megatronize(model, rank, world, _styles(kind)), args),
+        }
+    )
     t2 = time.perf_counter()
     out["dtensor"] = (_dtensor(model, world, kind), args)
     t3 = time.perf_counter()
@@ -110,31 +126,61 @@ def tp_job(kind: str, size: str, iters: int, warmup: int) -> dict:
     megatron_error = max_grad_error(model, built["megatron"][0], args, loss_of, rank, world)
     steps = {n: _step(m, a) for n, (m, a) in built.items()}
     times = alternate(steps, iters, warmup, barrier=dist.barrier)
-    return {"times": times, "notes": notes, "losses": losses, "serial": serial, "megatron_error": megatron_error,
-            "job_s": time.perf_counter() - t0}
+    return {
+        "times": times,
+        "notes": notes,
+        "losses": losses,
+        "serial": serial,
+        "megatron_error": megatron_error,
+        "job_s": time.perf_counter() - t0,
+    }
 
 
 def _rows(kind, size, res) -> list[dict]:
     t, case = res["times"], f"{kind} {size}"
-    bad = {n: l for n, l in res["losses"].items() if abs(l - res["serial"]) > 1e-4 * max(1.0, abs(res["serial"]))}
+    bad = {n: v for n, v in res["losses"].items() if abs(v - res["serial"]) > 1e-4 * max(1.0, abs(res["serial"]))}
     wrong = f"; LOSS DIFFERS from serial: {bad}" if bad else ""
-    rows = [row("tp_step", case, "megatron / megatron (sanity)", round(median_ratio(t["megatron_copy"], t["megatron"]), 3),
-                "1.00 +- 0.05", f"identical modules{wrong}"),
-            row("tp_step", case, "megatron grad error vs serial", float(f"{res['megatron_error']:.2g}"), "< 1e-4",
-                f"max relative difference of the reference's gradients (rank 0); build s: {res['notes']['build_s']}")]
+    rows = [
+        row(
+            "tp_step",
+            case,
+            "megatron / megatron (sanity)",
+            round(median_ratio(t["megatron_copy"], t["megatron"]), 3),
+            "1.00 +- 0.05",
+            f"identical modules{wrong}",
+        ),
+        row(
+            "tp_step",
+            case,
+            "megatron grad error vs serial",
+            float(f"{res['megatron_error']:.2g}"),
+            "< 1e-4",
+            f"max relative difference of the reference's gradients (rank 0); build s: {res['notes']['build_s']}",
+        ),
+    ]
     for other in ("megatron", "dtensor", "tp_transform"):
         if other not in t:
             rows.append(row("tp_step", case, f"autopar / {other}", None, "", f"{other} fails: {res['notes'][other]}"))
             continue
-        rows.append(row("tp_step", case, f"autopar / {other}", round(median_ratio(t["autopar"], t[other]), 3),
-                        TARGETS.get((other, size), ""),
-                        f"step ms: autopar {ms(t['autopar']):.2f}, {other} {ms(t[other]):.2f}; n={len(t[other])}"))
+        rows.append(
+            row(
+                "tp_step",
+                case,
+                f"autopar / {other}",
+                round(median_ratio(t["autopar"], t[other]), 3),
+                TARGETS.get((other, size), ""),
+                f"step ms: autopar {ms(t['autopar']):.2f}, {other} {ms(t[other]):.2f}; n={len(t[other])}",
+            )
+        )
     return rows
 
 
 def run(quick: bool) -> list[dict]:
-    cases = [("gpt", "tiny")] if quick else \
-        [(k, s) for s in os.environ.get("BENCH_SIZES", "small,large").split(",") for k in ("gpt", "mlp")]
+    cases = (
+        [("gpt", "tiny")]
+        if quick
+        else [(k, s) for s in os.environ.get("BENCH_SIZES", "small,large").split(",") for k in ("gpt", "mlp")]
+    )
     rows = []
     for kind, size in cases:
         iters, warmup = (3, 1) if quick else (int(os.environ.get("BENCH_ITERS", ITERS[size])), 5)

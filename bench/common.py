@@ -10,6 +10,7 @@ Example:
     >>> times = alternate({"a": step_a, "b": step_b}, iters=30, warmup=5)
     >>> ratio = median_ratio(times["a"], times["b"])
 """
+
 from __future__ import annotations
 
 import random
@@ -40,8 +41,7 @@ def close_pools() -> None:
 
 
 def row(benchmark: str, case: str, metric: str, value, target: str = "", note: str = "") -> dict:
-    return {"benchmark": benchmark, "case": case, "metric": metric, "value": value, "target": target,
-            "note": note}
+    return {"benchmark": benchmark, "case": case, "metric": metric, "value": value, "target": target, "note": note}
 
 
 def alternate(steps: dict, iters: int, warmup: int, barrier=None) -> dict[str, list[float]]:

@@ -11,6 +11,7 @@ Example:
     >>> tp = megatronize(serial_gpt, rank, world, {"qkv": "col", "proj": "row"}, heads=True)
     >>> logits, loss = tp(idx, targets)       # under an initialised process group
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,8 +57,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int):
         super().__init__()
         n = full.out_features // world
-        self.weight = nn.Parameter(full.weight.detach()[rank * n:(rank + 1) * n].clone())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rank * n:(rank + 1) * n].clone())
+        self.weight = nn.Parameter(full.weight.detach()[rank * n : (rank + 1) * n].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rank * n : (rank + 1) * n].clone())
 
     def forward(self, x):
         return F.linear(_CopyToParallel.apply(x), self.weight, self.bias)
@@ -69,7 +70,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int):
         super().__init__()
         n = full.in_features // world
-        self.weight = nn.Parameter(full.weight.detach()[:, rank * n:(rank + 1) * n].clone())
+        self.weight = nn.Parameter(full.weight.detach()[:, rank * n : (rank + 1) * n].clone())
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x):
@@ -95,8 +96,12 @@ def megatronize(model: nn.Module, rank: int, world: int, styles: dict[str, str])
     return model
 
 
-GPT_STYLES = {"blocks.*.attn.qkv": "col", "blocks.*.attn.proj": "row",
-              "blocks.*.mlp.fc": "col", "blocks.*.mlp.proj": "row"}
+GPT_STYLES = {
+    "blocks.*.attn.qkv": "col",
+    "blocks.*.attn.proj": "row",
+    "blocks.*.mlp.fc": "col",
+    "blocks.*.mlp.proj": "row",
+}
 MLP_STYLES = {"layers.*.fc1": "col", "layers.*.fc2": "row"}
 
 
@@ -114,10 +119,10 @@ def max_grad_error(serial: nn.Module, tp: nn.Module, args, loss_of, rank: int, w
         m = owners[name]
         if isinstance(m, ColumnParallelLinear):
             n = g.shape[0] // world
-            g = g[rank * n:(rank + 1) * n]
+            g = g[rank * n : (rank + 1) * n]
         elif isinstance(m, RowParallelLinear) and name.endswith("weight"):
             n = g.shape[1] // world
-            g = g[:, rank * n:(rank + 1) * n]
+            g = g[:, rank * n : (rank + 1) * n]
         worst = max(worst, ((p.grad - g).abs().max() / g.abs().max().clamp_min(1e-12)).item())
         p.grad = None
     return worst

@@ -4,6 +4,7 @@ Example:
     >>> model, args = build("gpt", "small", seed=0)
     >>> logits, loss = model(*args)
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ class MLPStack(nn.Module):
 
     def __init__(self, d: int, hidden: int, layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(nn.ModuleDict({"fc1": nn.Linear(d, hidden), "fc2": nn.Linear(hidden, d)})
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"fc1": nn.Linear(d, hidden), "fc2": nn.Linear(hidden, d)}) for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x, y):
@@ -33,8 +35,12 @@ class MLPStack(nn.Module):
 SIZES = {"small": (128, 512, 2, 4, 8, 64), "large": (512, 2048, 2, 8, 4, 64), "tiny": (32, 64, 1, 4, 2, 8)}
 VOCAB = 512
 
-GPT_TP = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp"),
-          "blocks.*.mlp.fc": ap.colwise("tp"), "blocks.*.mlp.proj": ap.rowwise("tp")}
+GPT_TP = {
+    "blocks.*.attn.qkv": ap.colwise("tp"),
+    "blocks.*.attn.proj": ap.rowwise("tp"),
+    "blocks.*.mlp.fc": ap.colwise("tp"),
+    "blocks.*.mlp.proj": ap.rowwise("tp"),
+}
 MLP_TP = {"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")}
 
 
@@ -44,8 +50,9 @@ def build(kind: str, size: str, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     if kind == "gpt":
-        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=d,
-                              mlp_ratio=hidden // d))
+        model = GPT(
+            GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=d, mlp_ratio=hidden // d)
+        )
         args = (torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
     else:
         model = MLPStack(d, hidden, layers * 2)

@@ -8,6 +8,7 @@ Example:
     $ make bench                         # = python -m bench.run
     $ python -m bench.run --only compile
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,23 +39,36 @@ def run_all(quick: bool, only: list[str] | None = None) -> list[dict]:
             rows += importlib.import_module(f"bench.{name}").run(quick)
         except Exception as e:  # noqa: BLE001 - reported in the table
             traceback.print_exc()
-            rows.append({"benchmark": name, "case": "-", "metric": "FAILED", "value": None, "target": "",
-                         "note": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"})
+            rows.append(
+                {
+                    "benchmark": name,
+                    "case": "-",
+                    "metric": "FAILED",
+                    "value": None,
+                    "target": "",
+                    "note": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}",
+                }
+            )
         print(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     head = "| benchmark | case | metric | value | target | note |\n|---|---|---|---|---|---|"
-    lines = [f"| {r['benchmark']} | {r['case']} | {r['metric']} | {'-' if r['value'] is None else r['value']} "
-             f"| {r['target'] or ''} | {r['note'] or ''} |" for r in rows]
+    lines = [
+        f"| {r['benchmark']} | {r['case']} | {r['metric']} | {'-' if r['value'] is None else r['value']} "
+        f"| {r['target'] or ''} | {r['note'] or ''} |"
+        for r in rows
+    ]
     return "\n".join([head, *lines])
 
 
 def results_md(data: dict) -> str:
     """bench/RESULTS.md: the table of a full run, the machine it ran on, and the command."""
-    return (f"# autopar benchmark results\n\nCommand: `make bench` (= `OMP_NUM_THREADS=1 python -m bench.run`), "
-            f"run {data['started']} on {data['machine']}.\n\n{RESULTS_NOTES}\n\n{markdown(data['rows'])}\n")
+    return (
+        f"# autopar benchmark results\n\nCommand: `make bench` (= `OMP_NUM_THREADS=1 python -m bench.run`), "
+        f"run {data['started']} on {data['machine']}.\n\n{RESULTS_NOTES}\n\n{markdown(data['rows'])}\n"
+    )
 
 
 RESULTS_NOTES = """\
@@ -92,8 +106,11 @@ How to read it:
 
 def machine() -> str:
     import torch
-    return (f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}")
+
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, Python "
+        f"{platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def main(argv=None) -> int:
@@ -103,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args(argv)
     from bench.common import close_pools
+
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     try:
         rows = run_all(args.quick, [s for s in args.only.split(",") if s] or None)

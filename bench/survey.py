@@ -10,6 +10,7 @@ Example:
     $ python -m bench.survey -j 2 --limit 120            # writes bench/SURVEY.md
     $ python -m bench.survey --only LlamaForCausalLM     # one model, result printed
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,14 @@ MESHES = ((2,), (2, 2))
 
 def _mesh(shape, preset: bool):
     import autopar as ap
+
     if shape == (2,):
         return ap.Mesh(shape, ("tp",) if preset else ("dp",))
     return ap.Mesh(shape, ("dp", "tp"))
 
 
 def _fallbacks(plan) -> list[str]:
-    return sorted({str(n.target) for n in plan.graph.nodes
-                   if getattr(n.meta.get("autopar"), "fallback", False)})
+    return sorted({str(n.target) for n in plan.graph.nodes if getattr(n.meta.get("autopar"), "fallback", False)})
 
 
 def _param_fraction(plan) -> float:
@@ -55,9 +56,21 @@ def run_one(name: str) -> dict:
     """Build, plan and check one architecture; every failure recorded with its cause."""
     import autopar as ap
     from bench.survey_models import architectures, build
+
     arch = next(a for a in architectures() if a.name == name)
-    row = {"name": name, "model_type": arch.model_type, "head": arch.head, "built": False, "planned": False,
-           "equal": False, "fallback": [], "params_per_rank": None, "plan": "", "cause": "", "seconds": 0.0}
+    row = {
+        "name": name,
+        "model_type": arch.model_type,
+        "head": arch.head,
+        "built": False,
+        "planned": False,
+        "equal": False,
+        "fallback": [],
+        "params_per_rank": None,
+        "plan": "",
+        "cause": "",
+        "seconds": 0.0,
+    }
     t0 = time.time()
     try:
         model, kwargs = build(arch)
@@ -78,8 +91,9 @@ def run_one(name: str) -> dict:
                 stage = f"plan {shape}"
                 mesh = _mesh(shape, preset is not None)
                 dp = "dp" if "dp" in mesh.axis_names else None
-                plan = ap.plan(model, mesh, kwargs=kwargs, annotations=dict(preset or {}), data_parallel=dp,
-                               dynamic=False)
+                plan = ap.plan(
+                    model, mesh, kwargs=kwargs, annotations=dict(preset or {}), data_parallel=dp, dynamic=False
+                )
                 fallback |= set(_fallbacks(plan))
                 fractions.append(_param_fraction(plan))
                 row["planned"] = shape == MESHES[-1]
@@ -97,8 +111,10 @@ def run_one(name: str) -> dict:
 
 def _worker(names: list[str], out: Path, limit: int) -> None:
     """Run ``names`` one after another, one JSON line each; SIGALRM ends a model over the limit."""
+
     def alarm(*_):
         raise TimeoutError(f"over the {limit} s limit")
+
     signal.signal(signal.SIGALRM, alarm)
     with out.open("a") as f:
         for name in names:
@@ -165,8 +181,12 @@ def _append(path: Path, row: dict) -> None:
 
 def _spawn(names, out: Path, limit: int):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    return subprocess.Popen([sys.executable, "-m", "bench.survey", "--worker", str(out), "--limit", str(limit),
-                             *names], cwd=HERE.parent, env=env, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.survey", "--worker", str(out), "--limit", str(limit), *names],
+        cwd=HERE.parent,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def main(argv=None) -> None:
@@ -187,6 +207,7 @@ def main(argv=None) -> None:
         return
     from bench.survey_models import architectures
     from bench.survey_report import write
+
     if args.report:
         rows = {}
         for p in sorted(Path(args.report).glob("w*.jsonl")):

@@ -8,6 +8,7 @@ Example:
     >>> arch = architectures()[0]          # Arch('LlamaForCausalLM', 'llama', 'causal-lm')
     >>> model, kwargs = build(arch)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,16 +25,57 @@ VOCAB, HIDDEN, FFN, LAYERS, HEADS_N, KV_HEADS, IMAGE, BATCH, SEQ = 128, 32, 64, 
 
 # config field -> tiny value; matched on the exact name in the config and every sub-config
 SIZES = {
-    **dict.fromkeys(["hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim",
-                     "embedding_size", "text_embed_dim", "projection_dim", "d_embed"], HIDDEN),
-    **dict.fromkeys(["intermediate_size", "d_ff", "ffn_dim", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
-                     "hidden_dim", "ffn_hidden_size", "inner_hidden_size", "mlp_dim"], FFN),
-    **dict.fromkeys(["moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
-                     "moe_ffn_hidden_size"], FFN // 2),
-    **dict.fromkeys(["num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
-                     "num_decoder_layers", "n_layers", "num_encoder_layers"], LAYERS),
-    **dict.fromkeys(["num_attention_heads", "n_head", "encoder_attention_heads", "decoder_attention_heads",
-                     "num_heads", "n_heads"], HEADS_N),
+    **dict.fromkeys(
+        [
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "embed_dim",
+            "dim",
+            "word_embed_proj_dim",
+            "embedding_size",
+            "text_embed_dim",
+            "projection_dim",
+            "d_embed",
+        ],
+        HIDDEN,
+    ),
+    **dict.fromkeys(
+        [
+            "intermediate_size",
+            "d_ff",
+            "ffn_dim",
+            "n_inner",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "hidden_dim",
+            "ffn_hidden_size",
+            "inner_hidden_size",
+            "mlp_dim",
+        ],
+        FFN,
+    ),
+    **dict.fromkeys(
+        ["moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size", "moe_ffn_hidden_size"],
+        FFN // 2,
+    ),
+    **dict.fromkeys(
+        [
+            "num_hidden_layers",
+            "n_layer",
+            "num_layers",
+            "encoder_layers",
+            "decoder_layers",
+            "num_decoder_layers",
+            "n_layers",
+            "num_encoder_layers",
+        ],
+        LAYERS,
+    ),
+    **dict.fromkeys(
+        ["num_attention_heads", "n_head", "encoder_attention_heads", "decoder_attention_heads", "num_heads", "n_heads"],
+        HEADS_N,
+    ),
     **dict.fromkeys(["num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"], KV_HEADS),
     **dict.fromkeys(["head_dim", "kv_channels", "attention_head_size", "d_kv"], HIDDEN // HEADS_N),
     **dict.fromkeys(["vocab_size", "n_vocab"], VOCAB),
@@ -42,24 +84,33 @@ SIZES = {
     **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k"], 2),
     "image_size": IMAGE,
 }
-TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-             "cls_token_id", "mask_token_id", "unk_token_id")
+TOKEN_IDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "unk_token_id",
+)
 
 
 @dataclass(frozen=True)
 class Arch:
-    name: str        # the model class, e.g. 'LlamaForCausalLM'
+    name: str  # the model class, e.g. 'LlamaForCausalLM'
     model_type: str  # the config's model_type, e.g. 'llama'
-    head: str        # one of HEADS
+    head: str  # one of HEADS
 
 
 def architectures() -> list[Arch]:
     """Every (model class, model type, head) of the installed transformers' auto mappings."""
     from transformers.models.auto import modeling_auto
+
     found: dict[str, Arch] = {}
     for head, mapping in HEADS.items():
         for model_type, name in getattr(modeling_auto, mapping).items():
-            for n in (name if isinstance(name, (tuple, list)) else (name,)):
+            for n in name if isinstance(name, (tuple, list)) else (name,):
                 if n not in found or _own_type(n) == model_type:  # a class shared by several types: its own
                     found[n] = Arch(n, model_type, head if n not in found else found[n].head)
     return list(found.values())
@@ -67,6 +118,7 @@ def architectures() -> list[Arch]:
 
 def _own_type(name: str) -> str | None:
     import transformers
+
     try:
         return getattr(transformers, name).config_class.model_type
     except Exception:  # noqa: BLE001 - a class that does not import is reported by build()
@@ -76,6 +128,7 @@ def _own_type(name: str) -> str | None:
 def _sub_configs(cfg):
     """The config and every config nested in it (text_config, vision_config, encoder, ...)."""
     from transformers import PretrainedConfig
+
     out, todo = [], [cfg]
     while todo:
         c = todo.pop()
@@ -95,8 +148,10 @@ def _shrink(c) -> None:
         v = fields.get(key)
         if isinstance(v, (list, tuple)) and v and all(isinstance(x, int) for x in v):
             small = {"depths": 1, "num_heads": 2}.get(key)
-            setattr(c, key, [small or min(x, 16 * 2 ** i) for i, x in enumerate(v)])
-    layers = next((fields[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if isinstance(fields.get(k), int)), None)
+            setattr(c, key, [small or min(x, 16 * 2**i) for i, x in enumerate(v)])
+    layers = next(
+        (fields[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if isinstance(fields.get(k), int)), None
+    )
     for key in ("layer_types", "block_types", "attention_layers", "mlp_only_layers"):
         v = fields.get(key)
         if isinstance(v, list) and layers is not None and len(v) > layers and key != "mlp_only_layers":
@@ -108,14 +163,24 @@ def _shrink(c) -> None:
     for key in ("use_cache", "tie_word_embeddings"):
         if key in fields and key == "use_cache":
             setattr(c, key, False)
-    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout",
-                "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "activation_dropout"):
+    for key in (
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "dropout",
+        "attention_dropout",
+        "hidden_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "activation_dropout",
+    ):
         if isinstance(fields.get(key), float):
             setattr(c, key, 0.0)
 
 
 def tiny_config(arch: Arch):
     from transformers import CONFIG_MAPPING
+
     cfg = CONFIG_MAPPING[arch.model_type]()
     for c in _sub_configs(cfg):
         _shrink(c)
@@ -125,6 +190,7 @@ def tiny_config(arch: Arch):
 def build(arch: Arch, seed: int = 0):
     """(model in eval mode, example kwargs) for one architecture; raises if it cannot be built."""
     import transformers
+
     cls = getattr(transformers, arch.name)
     cfg = tiny_config(arch)
     torch.manual_seed(seed)

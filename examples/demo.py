@@ -3,6 +3,7 @@ in the simulator and for real with 4 gloo processes, and check both against the 
 
     make demo        (or: python examples/demo.py)
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,10 @@ def main():
 
     section("simulated: all 4 ranks in this process vs the serial model")
     report = plan.check(idx, targets)
-    print(f"outputs and all {report['grads']} parameter gradients equal serial "
-          f"(max relative difference {report['max_rel']:.1e})")
+    print(
+        f"outputs and all {report['grads']} parameter gradients equal serial "
+        f"(max relative difference {report['max_rel']:.1e})"
+    )
 
     section("real: 4 gloo processes, 3 SGD steps vs serial training")
     with GlooPool(4) as pool:
@@ -59,8 +62,10 @@ def main():
     for step, (a, s) in enumerate(zip(r["losses"], r["serial"])):
         print(f"  step {step}: autopar loss {a:.6f}   serial loss {s:.6f}")
     ok = all(x["max_rel_param"] < 1e-5 for x in results)
-    print(f"parameters after training: max relative difference {max(x['max_rel_param'] for x in results):.1e} "
-          f"-> {'OK' if ok else 'MISMATCH'}")
+    print(
+        f"parameters after training: max relative difference {max(x['max_rel_param'] for x in results):.1e} "
+        f"-> {'OK' if ok else 'MISMATCH'}"
+    )
     if not ok:
         sys.exit(1)
 

@@ -5,6 +5,7 @@
 
 Rank 0 also trains the serial model on the same global batches and prints both loss curves.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,12 @@ import torch.distributed as dist
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 
-MEGATRON = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp"),
-            "blocks.*.mlp.fc": ap.colwise("tp"), "blocks.*.mlp.proj": ap.rowwise("tp")}
+MEGATRON = {
+    "blocks.*.attn.qkv": ap.colwise("tp"),
+    "blocks.*.attn.proj": ap.rowwise("tp"),
+    "blocks.*.mlp.fc": ap.colwise("tp"),
+    "blocks.*.mlp.proj": ap.rowwise("tp"),
+}
 
 
 def batches(steps, batch, seq, vocab, seed=0):
@@ -62,8 +67,11 @@ def main():
             sloss.backward()
             sopt.step()
             sopt.zero_grad()
-            print(f"step {step:3d}  autopar loss {loss.item():.6f}  serial loss {sloss.item():.6f}  "
-                  f"diff {abs(loss.item() - sloss.item()):.2e}", flush=True)
+            print(
+                f"step {step:3d}  autopar loss {loss.item():.6f}  serial loss {sloss.item():.6f}  "
+                f"diff {abs(loss.item() - sloss.item()):.2e}",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ equal serial's. Raises AssertionError on a wrong number.
 Example:
     >>> check_clipping(plan, args)
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,18 +37,22 @@ def check_clipping(plan, args, rtol=1e-4, atol=1e-5) -> None:
     s_total = torch.nn.utils.clip_grad_norm_(params, max_norm)
     modules = [plan.build_module(r) for r in plan.mesh.ranks()]
     inputs = [plan.local_inputs(r, *args) for r in plan.mesh.ranks()]
-    local_w = [[None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
-               for r in plan.mesh.ranks()]
+    local_w = [
+        [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
+        for r in plan.mesh.ranks()
+    ]
 
     def step(r):
         a, k = inputs[r]
         _objective(modules[r](*a, **k), local_w[r]).backward()
         return ap.clip_grad_norm_(modules[r], max_norm)
+
     totals = run_ranks(plan.mesh.size, step)
     assert all(torch.equal(t, totals[0]) for t in totals), f"ranks disagree on the norm: {totals}"
     torch.testing.assert_close(totals[0], s_total, rtol=rtol, atol=atol)
-    grads = plan.merge_state_dicts([{n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-                                    for m in modules])
+    grads = plan.merge_state_dicts(
+        [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in modules]
+    )
     for name, p in serial.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=rtol, atol=atol, msg=f"clipped grad {name}")

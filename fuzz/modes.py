@@ -10,6 +10,7 @@ Example:
     >>> compare_with_serial(plan, args, wrap=torch.compile)          # forward and gradients
     >>> run_modes(case, plan, args)                                 # the modes this case is picked for
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,6 +80,7 @@ def _dropout_plan(case, rng: str):
     """The case's model with dropout after every activation, planned with ``rng`` (None when
     the variant is refused with a PlanError)."""
     from .spec import plan_case
+
     variant = dict(case, dropout=0.25)
     try:
         return plan_case(variant, rng=rng)
@@ -86,8 +88,9 @@ def _dropout_plan(case, rng: str):
         return None
 
 
-def compare_with_serial(plan, args, wrap=None, train=True, ctx=contextlib.nullcontext, seed=None,
-                        calls: int = 1) -> None:
+def compare_with_serial(
+    plan, args, wrap=None, train=True, ctx=contextlib.nullcontext, seed=None, calls: int = 1
+) -> None:
     """Serial model vs every rank (simulated) in one training-loop setting; raises PlanMismatch.
 
     ``wrap``: applied to each rank module (torch.compile); ``train``: the modules' mode (and a
@@ -116,8 +119,10 @@ def _one_call(plan, model, modules, runs, inputs, args, train, ctx, seed):
     weights = _weights(plan, serial_out)
     if train:
         _objective(serial_out, weights).backward()
-    local_w = [[None if w is None else shard_tensor(w, s, plan.mesh, r)
-                for w, s in zip(weights, plan.output_specs)] for r in plan.mesh.ranks()]
+    local_w = [
+        [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
+        for r in plan.mesh.ranks()
+    ]
 
     def step(rank):
         if seed is not None:
@@ -136,8 +141,9 @@ def _one_call(plan, model, modules, runs, inputs, args, train, ctx, seed):
         if isinstance(s, torch.Tensor):
             _compare(f"output {i}", s.detach(), m.detach(), RTOL, ATOL)
     if train:
-        grads = [{n: p.grad for n, p in m.named_parameters(remove_duplicate=False) if p.grad is not None}
-                 for m in modules]
+        grads = [
+            {n: p.grad for n, p in m.named_parameters(remove_duplicate=False) if p.grad is not None} for m in modules
+        ]
         merged_g = plan.merge_state_dicts(grads)
         for name, p in model.named_parameters():
             if p.grad is not None and name in merged_g:

@@ -2,6 +2,7 @@
 
 Prints the plan and the outcome ('ok', a PlanError, or the traceback of the failure).
 """
+
 from __future__ import annotations
 
 import json

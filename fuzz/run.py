@@ -8,6 +8,7 @@ Example:
     $ .venv/bin/python -m fuzz.run --examples 2000 --seed 7
     $ .venv/bin/python -m fuzz.replay fuzz/failures/3f2a9c1b.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,16 @@ def save_failure(case: dict, error: BaseException) -> str:
     path = os.path.join(FAILURES, f"{digest}.json")
     rel = os.path.relpath(path)
     with open(path, "w") as f:
-        json.dump({"case": case, "error": f"{type(error).__name__}: {error}"[:4000],
-                   "traceback": traceback.format_exc()[-4000:], "replay": replay_command(rel)}, f, indent=1)
+        json.dump(
+            {
+                "case": case,
+                "error": f"{type(error).__name__}: {error}"[:4000],
+                "traceback": traceback.format_exc()[-4000:],
+                "replay": replay_command(rel),
+            },
+            f,
+            indent=1,
+        )
     return rel
 
 
@@ -47,8 +56,7 @@ def main(argv=None) -> int:
     saved: list[str] = []
 
     @seed(opts.seed)
-    @settings(max_examples=opts.examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=opts.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(cases(pool=opts.pool))
     def explore(case):
         try:
@@ -56,6 +64,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - every non-PlanError outcome is a finding
             counts["FAILURE"] += 1
             saved.append(save_failure(case, e))
+
     explore()
     print(f"fuzz seed {opts.seed}: {dict(counts)}")
     for path in saved:

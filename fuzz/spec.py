@@ -11,6 +11,7 @@ Example:
     >>> model, args = build_model(case)
     >>> outcome = run_case(case)          # "ok", or "PlanError: ..." -- anything else raises
 """
+
 from __future__ import annotations
 
 import json
@@ -160,14 +161,14 @@ def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
     shape, names = case["mesh"]
     mesh = ap.Mesh(tuple(shape), tuple(names))
     with mock.patch("autopar.planner.trace", lambda *a, **k: traced):
-        plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"],
-                       rng=rng)
+        plan = ap.plan(model, mesh, args=args, annotations=annotations_of(case), data_parallel=case["dp"], rng=rng)
     return plan, args
 
 
 def run_case(case: dict) -> str:
     """'ok' when the plan matches serial, 'PlanError ...' when refused; anything else raises."""
     import warnings
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -177,6 +178,7 @@ def run_case(case: dict) -> str:
     plan.check(*args, rtol=1e-4, atol=1e-5)
     from .clip_mode import check_clipping
     from .modes import run_modes
+
     check_clipping(plan, args)  # clipping mode: ap.clip_grad_norm_ against serial
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,6 +9,7 @@ Example:
     >>> @given(cases(pool=12))
     ... def test(case): run_case(case)
 """
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,14 @@ def model_spec(k: int) -> dict:
     """Model number ``k``: an optional embedding and 1-4 blocks of tiny sizes."""
     rng = random.Random(k)
     d = rng.choice(DIMS)
-    spec = {"seed": k, "vocab": rng.choice((0, 0, 8, 12)), "d": d,
-            "batch": rng.choice((2, 4, 6, 8)), "seq": rng.choice((2, 4)), "blocks": []}
+    spec = {
+        "seed": k,
+        "vocab": rng.choice((0, 0, 8, 12)),
+        "d": d,
+        "batch": rng.choice((2, 4, 6, 8)),
+        "seq": rng.choice((2, 4)),
+        "blocks": [],
+    }
     for _ in range(rng.randint(1, 4)):
         kind = rng.choice(KINDS)
         if kind == "linear":
@@ -64,8 +71,11 @@ def layer_paths(case: dict) -> list[str]:
     """Module paths that colwise / rowwise may name (Linear and Embedding modules)."""
     paths = ["embed"] if case["vocab"] else []
     for i, b in enumerate(case["blocks"]):
-        paths += {"linear": [f"blocks.{i}"], "attn": [f"blocks.{i}.qkv", f"blocks.{i}.proj"],
-                  "residual": [f"blocks.{i}.fc1", f"blocks.{i}.fc2"]}.get(b["kind"], [])
+        paths += {
+            "linear": [f"blocks.{i}"],
+            "attn": [f"blocks.{i}.qkv", f"blocks.{i}.proj"],
+            "residual": [f"blocks.{i}.fc1", f"blocks.{i}.fc2"],
+        }.get(b["kind"], [])
     return paths
 
 
@@ -77,8 +87,7 @@ def annotations(draw, case: dict) -> list:
     if paths:
         chosen = draw(st.lists(st.sampled_from(paths), max_size=min(4, len(paths)), unique=True))
         for p in chosen:
-            out.append([p, draw(st.sampled_from(("colwise", "rowwise", "replicate"))),
-                        draw(st.sampled_from(names))])
+            out.append([p, draw(st.sampled_from(("colwise", "rowwise", "replicate"))), draw(st.sampled_from(names))])
     if draw(st.integers(0, 5)) == 0:  # an explicit input layout now and then
         ndim = 2 if case["vocab"] else 3
         out.append(["x", "place", [draw(st.sampled_from([None] + list(range(ndim)))) for _ in names]])

@@ -1,4 +1,5 @@
 """Shared fixtures: small models, and gloo worker pools started once per test session."""
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,12 @@ _POOLS: dict[int, GlooPool] = {}
 @pytest.fixture(scope="session")
 def gloo():
     """gloo(world_size) -> a started GlooPool of that size, shared by the whole session."""
+
     def get(world_size: int) -> GlooPool:
         if world_size not in _POOLS:
             _POOLS[world_size] = GlooPool(world_size).start()
         return _POOLS[world_size]
+
     yield get
     for pool in _POOLS.values():
         pool.close()

@@ -6,6 +6,7 @@ Example:
     >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt/step100")
     >>> ap.load_pretrained(module, "hf_dir")       # a model planned on the meta device
 """
+
 from autopar.checkpoint.hf import load_pretrained, save_pretrained
 from autopar.checkpoint.state_dict import get_state_dict, set_state_dict
 from autopar.checkpoint.target import CheckpointError

@@ -12,6 +12,7 @@ Example:
     >>> [(off, size) for off, size, _ in boxes]     # rows 2-3 and 6-7
     [((2, 0), (2, 4)), ((6, 0), (2, 4))]
 """
+
 from __future__ import annotations
 
 import itertools
@@ -68,7 +69,7 @@ def flat_range_boxes(shape, spec, mesh, rank, start: int, flat: torch.Tensor):
     lshape = tuple(sum(r[2] for r in runs) for runs in segs)
     out = []
     for lo, sizes, a in _range_regions(lshape, start, start + flat.numel()):
-        region = flat[a - start: a - start + _prod(sizes)].view(sizes)
+        region = flat[a - start : a - start + _prod(sizes)].view(sizes)
         out += region_boxes(segs, lo, sizes, region)
     return out
 

@@ -10,6 +10,7 @@ Example:
     >>> missing_buffers(meta_llama, ["model.rotary_emb.inv_freq"])["model.rotary_emb.inv_freq"].shape
     torch.Size([4])
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,10 @@ def missing_buffers(model: nn.Module, names: list[str]) -> dict[str, torch.Tenso
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     bad = [n for n in names if n in params]
     if bad:
-        raise CheckpointError(f"load_pretrained: parameters {bad[:5]} are not in the checkpoint; it was saved "
-                              "for another model (or with other names).")
+        raise CheckpointError(
+            f"load_pretrained: parameters {bad[:5]} are not in the checkpoint; it was saved "
+            "for another model (or with other names)."
+        )
     out, rest = {}, []
     for name in names:
         path, _, leaf = name.rpartition(".")
@@ -39,8 +42,10 @@ def missing_buffers(model: nn.Module, names: list[str]) -> dict[str, torch.Tenso
     if rest:
         whole = _rebuild(model, getattr(model, "config", None))
         if whole is None:
-            raise CheckpointError(f"load_pretrained: buffers {rest[:5]} are not in the checkpoint and the model "
-                                  "has no config to rebuild them from; pass buffers={name: tensor}.")
+            raise CheckpointError(
+                f"load_pretrained: buffers {rest[:5]} are not in the checkpoint and the model "
+                "has no config to rebuild them from; pass buffers={name: tensor}."
+            )
         found = dict(whole.named_buffers())
         out.update({n: found[n] for n in rest if n in found})
     return out
@@ -66,6 +71,7 @@ def params_on_meta():
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(self, name, param)
+
     nn.Module.register_parameter = register
     try:
         yield

@@ -12,6 +12,7 @@ Example:
     >>> sd, optim = merge_full_states(plan, [p[0] for p in pieces], [p[1] for p in pieces])
     >>> dcp_to_hf("ckpt/step100", "hf_out", model)                  # autopar convert ...
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,11 +29,17 @@ def named_optimizer_state(module: torch.nn.Module, optimizer) -> dict:
     state = {}
     for p, s in optimizer.state.items():
         if id(p) not in names:
-            raise CheckpointError("named_optimizer_state: the optimizer steps a tensor that is not a parameter "
-                                  "of the module (a ZeroOptimizer's flat pieces: use ap.get_state_dict).")
+            raise CheckpointError(
+                "named_optimizer_state: the optimizer steps a tensor that is not a parameter "
+                "of the module (a ZeroOptimizer's flat pieces: use ap.get_state_dict)."
+            )
         state[names[id(p)]] = dict(s)
-    groups = [dict({k: v for k, v in g.items() if k != "params"},
-                   params=[names[id(p)] for p in g["params"] if id(p) in names]) for g in optimizer.param_groups]
+    groups = [
+        dict(
+            {k: v for k, v in g.items() if k != "params"}, params=[names[id(p)] for p in g["params"] if id(p) in names]
+        )
+        for g in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -44,8 +51,10 @@ def load_named_optimizer_state(module: torch.nn.Module, optimizer, named: dict) 
             index[id(p)] = len(index)
     names = dict(module.named_parameters(remove_duplicate=False))
     state = {index[id(names[n])]: dict(s) for n, s in named["state"].items() if n in names}
-    groups = [dict(saved, params=[index[id(p)] for p in g["params"]])
-              for g, saved in zip(optimizer.param_groups, named["param_groups"])]
+    groups = [
+        dict(saved, params=[index[id(p)] for p in g["params"]])
+        for g, saved in zip(optimizer.param_groups, named["param_groups"])
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -63,8 +72,10 @@ def shard_full_state(plan, rank: int, model_sd: dict, optim_sd: dict | None = No
     state = {}
     for name, s in optim_sd["state"].items():
         spec = plan.param_specs.get(name, default)
-        state[name] = {k: shard_tensor(v, spec, plan.mesh, rank).clone() if _elementwise(v, shapes.get(name, ()))
-                       else v for k, v in s.items()}
+        state[name] = {
+            k: shard_tensor(v, spec, plan.mesh, rank).clone() if _elementwise(v, shapes.get(name, ())) else v
+            for k, v in s.items()
+        }
     return pieces, {"state": state, "param_groups": optim_sd["param_groups"]}
 
 
@@ -78,8 +89,12 @@ def merge_full_states(plan, model_pieces: list[dict], optim_pieces: list[dict] |
     for name, s in optim_pieces[0]["state"].items():
         spec = plan.param_specs.get(name, default)
         local_shape = tuple(plan.shard_state_dict({name: full[name]}, 0)[name].shape) if name in full else ()
-        state[name] = {k: merge_tensors([o["state"][name][k] for o in optim_pieces], spec, plan.mesh)
-                       if _elementwise(v, local_shape) else v for k, v in s.items()}
+        state[name] = {
+            k: merge_tensors([o["state"][name][k] for o in optim_pieces], spec, plan.mesh)
+            if _elementwise(v, local_shape)
+            else v
+            for k, v in s.items()
+        }
     return full, {"state": state, "param_groups": optim_pieces[0]["param_groups"]}
 
 
@@ -92,6 +107,7 @@ def dcp_to_hf(dcp_dir: str, hf_dir: str, model: torch.nn.Module, key: str | None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     saved = set(FileSystemReader(dcp_dir).read_metadata().state_dict_metadata)
     sd = model.state_dict()
     if key is None:
@@ -99,8 +115,10 @@ def dcp_to_hf(dcp_dir: str, hf_dir: str, model: torch.nn.Module, key: str | None
     wrapped = {key: sd} if key else sd
     missing = [k for k in sd if (f"{key}.{k}" if key else k) not in saved]
     if missing:
-        raise CheckpointError(f"{dcp_dir} lacks {missing[:5]} for {type(model).__name__} (prefix {key!r}): "
-                              "give the model it was saved from, or --key for the prefix it was saved under.")
+        raise CheckpointError(
+            f"{dcp_dir} lacks {missing[:5]} for {type(model).__name__} (prefix {key!r}): "
+            "give the model it was saved from, or --key for the prefix it was saved under."
+        )
     dcp.load(wrapped, checkpoint_id=dcp_dir, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     model.load_state_dict(sd)
     if hasattr(model, "save_pretrained"):
@@ -108,6 +126,7 @@ def dcp_to_hf(dcp_dir: str, hf_dir: str, model: torch.nn.Module, key: str | None
     else:
         import os
         from safetensors.torch import save_file
+
         os.makedirs(hf_dir, exist_ok=True)
         seen, out = set(), {}
         for k, v in sd.items():  # tied weights: safetensors refuses shared storage, so copy the second
@@ -120,6 +139,7 @@ def dcp_to_hf(dcp_dir: str, hf_dir: str, model: torch.nn.Module, key: str | None
 def convert_command(opts) -> int:
     """``autopar convert DCP_DIR HF_DIR --model PACKAGE.MODULE:FACTORY [--key model]``."""
     from autopar.explore.cli import load_factory
+
     model = load_factory(opts.model, model_only=True)
     names = dcp_to_hf(opts.dcp_dir, opts.hf_dir, model, opts.key)
     print(f"wrote {len(names)} tensors of {type(model).__name__} to {opts.hf_dir}")

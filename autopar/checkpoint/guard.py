@@ -13,6 +13,7 @@ Example:
     >>> dcp.save(module.state_dict(), checkpoint_id=path)
     CheckpointError: 'fc1.weight' is this rank's piece (split (S(0),)) ... ap.get_state_dict(module)
 """
+
 from __future__ import annotations
 
 from autopar.placement import fmt_spec
@@ -31,7 +32,8 @@ class RefuseDCP:
             f"state_dict(): it is this rank's piece (layout {self.spec_text}), not the whole tensor, and "
             "DCP would save or load it as if it were. Use model_sd, optim_sd = ap.get_state_dict(module, "
             "optimizer) for dcp.save / dcp.load, then ap.set_state_dict(module, optimizer, "
-            "model_state_dict=model_sd, optim_state_dict=optim_sd).")
+            "model_state_dict=model_sd, optim_state_dict=optim_sd)."
+        )
 
 
 class StateDictGuard:
@@ -42,7 +44,7 @@ class StateDictGuard:
 
     def __call__(self, module, state_dict, prefix, local_metadata):
         for key, value in state_dict.items():
-            text = self.split.get(key[len(prefix):] if key.startswith(prefix) else key)
+            text = self.split.get(key[len(prefix) :] if key.startswith(prefix) else key)
             if text is not None and hasattr(value, "__dict__"):
                 refuse = RefuseDCP(key, text)
                 value.__create_write_items__ = refuse

@@ -15,6 +15,7 @@ Example:
     >>> ap.load_pretrained(module, "llama_dir")
     >>> ap.save_pretrained(module, "out_dir")      # transformers' from_pretrained reads it
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,12 @@ def checkpoint_files(path: str) -> dict[str, str]:
             return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
     single = os.path.join(path, SINGLE)
     if not os.path.exists(single):
-        raise CheckpointError(f"{path} has neither {SINGLE} nor {INDEX}: give a HuggingFace checkpoint "
-                              "directory (save_pretrained's output) with safetensors weights.")
+        raise CheckpointError(
+            f"{path} has neither {SINGLE} nor {INDEX}: give a HuggingFace checkpoint "
+            "directory (save_pretrained's output) with safetensors weights."
+        )
     from safetensors import safe_open
+
     with safe_open(single, "pt") as f:
         return {k: single for k in f.keys()}
 
@@ -51,6 +55,7 @@ def load_pretrained(module, path: str, *, buffers: dict | None = None) -> None:
     ``buffers`` (optional): serial name -> full tensor for buffers neither in the checkpoint
     nor computable from the model's config."""
     from safetensors import safe_open
+
     t = Target.of(module)
     files = checkpoint_files(path)
     tied = _tied_sources(t.plan)
@@ -78,8 +83,10 @@ def load_pretrained(module, path: str, *, buffers: dict | None = None) -> None:
 
 def _fill_from_full(boxes, computed, fqn):
     if fqn not in computed:
-        raise CheckpointError(f"load_pretrained: {fqn!r} is not in the checkpoint and could not be "
-                              "computed from the model; pass buffers={name: tensor} (the full tensor).")
+        raise CheckpointError(
+            f"load_pretrained: {fqn!r} is not in the checkpoint and could not be "
+            "computed from the model; pass buffers={name: tensor} (the full tensor)."
+        )
     full = computed[fqn]
     for off, size, view in boxes:
         src = full
@@ -127,10 +134,13 @@ def save_pretrained(module, path: str) -> None:
     Every rank calls it; each tensor is gathered whole only on the rank that writes it."""
     import torch.distributed as dist
     from safetensors.torch import save_file
+
     t = Target.of(module)
     if not hasattr(t.module, "named_buffers"):
-        raise CheckpointError("save_pretrained takes an emitted rank module; for a pipeline, save with "
-                              "ap.get_state_dict + dcp.save and convert: autopar convert DCP_DIR HF_DIR --model ...")
+        raise CheckpointError(
+            "save_pretrained takes an emitted rank module; for a pipeline, save with "
+            "ap.get_state_dict + dcp.save and convert: autopar convert DCP_DIR HF_DIR --model ..."
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     names = _save_names(t)
     files = {n: _file_name(i % world, world) for i, n in enumerate(names)}
@@ -142,8 +152,9 @@ def save_pretrained(module, path: str) -> None:
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    save_file(mine, os.path.join(path, files[names[0]] if world == 1 else _file_name(rank, world)),
-              metadata={"format": "pt"})
+    save_file(
+        mine, os.path.join(path, files[names[0]] if world == 1 else _file_name(rank, world)), metadata={"format": "pt"}
+    )
     if rank == 0:
         _write_meta(t, path, files, world)
     dist.barrier()
@@ -168,6 +179,7 @@ def _gather(t: Target, fqn: str, dst: int):
     """The whole tensor on rank ``dst`` (None elsewhere), from every rank's piece."""
     import torch.distributed as dist
     from autopar.placement import merge_tensors
+
     local = t.tensors[fqn].detach().contiguous()
     pieces = [torch.empty_like(local) for _ in range(t.mesh.size)] if t.rank == dst else None
     dist.gather(local, pieces, dst=dst)

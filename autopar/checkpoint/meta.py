@@ -12,6 +12,7 @@ Example:
     >>> module = ap.compile(model, mesh, kwargs=..., annotations=...)
     >>> ap.load_pretrained(module, "llama_dir")
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,6 +47,7 @@ def retarget_meta_device(graph, device) -> int:
         if isinstance(v, (list, tuple)):
             return type(v)(fix(x) for x in v)
         return v
+
     for node in graph.nodes:
         node.args = tuple(fix(a) for a in node.args)
         node.kwargs = {k: fix(v) for k, v in node.kwargs.items()}
@@ -56,6 +58,7 @@ def input_device(args, kwargs) -> torch.device | None:
     """The device of the first real tensor among example inputs (cpu if there is no tensor,
     None if they are all on the meta device: a shapes-only plan, e.g. to time planning)."""
     import torch.utils._pytree as pytree
+
     tensors = [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
     real = [x for x in tensors if x.device.type != "meta"]
     if real:

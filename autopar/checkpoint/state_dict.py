@@ -16,6 +16,7 @@ Example:
     >>> dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     >>> ap.set_state_dict(module2, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd)
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,6 +29,7 @@ from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
 def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
     """(model state dict, optimizer state dict) of this rank, for dcp.save / dcp.load."""
     import torch.distributed as dist
+
     t = Target.of(module)
     dm, world = device_mesh(t.plan), dist.get_world_size()
     model_sd = {}
@@ -43,8 +45,7 @@ def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
         for name, v in optimizer.state.get(key, {}).items():
             if _elementwise(v, key):
                 boxes = _boxes(t, fqn, start, v)
-                value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world,
-                                      v if start is None else None)
+                value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, v if start is None else None)
                 if value is not None:  # None: an empty piece (nothing of it on this rank)
                     out[name] = value
             else:
@@ -59,8 +60,10 @@ def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_stat
     t = Target.of(module)
     missing = sorted(set(t.tensors) - set(model_state_dict))
     if missing:
-        raise CheckpointError(f"set_state_dict: the model state dict lacks {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''}; it was saved for another model.")
+        raise CheckpointError(
+            f"set_state_dict: the model state dict lacks {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; it was saved for another model."
+        )
     with torch.no_grad():
         for fqn, local in t.tensors.items():
             boxes = local_boxes(t.shape(fqn), t.spec(fqn), t.mesh, t.rank, local.detach())
@@ -79,8 +82,10 @@ def _set_optim(t, optimizer, sd: dict) -> None:
         for name, v in list(mine.items()):
             src = saved[fqn].get(name)
             if src is None and v is not None:
-                raise CheckpointError(f"set_state_dict: optimizer state {fqn!r}[{name!r}] is missing; the "
-                                      f"checkpoint has {sorted(saved[fqn])} (another optimizer?).")
+                raise CheckpointError(
+                    f"set_state_dict: optimizer state {fqn!r}[{name!r}] is missing; the "
+                    f"checkpoint has {sorted(saved[fqn])} (another optimizer?)."
+                )
             if _elementwise(v, key):
                 copy_boxes(_boxes(t, fqn, start, v), src, f"{fqn}.{name}", t.shape(fqn))
             elif isinstance(v, torch.Tensor):
@@ -95,6 +100,7 @@ def _set_optim(t, optimizer, sd: dict) -> None:
 
 def _whole(v):
     from torch.distributed.tensor import DTensor
+
     return v.full_tensor() if isinstance(v, DTensor) else v
 
 
@@ -113,6 +119,7 @@ def entries(t: Target, optimizer) -> dict:
     """Each tensor the optimizer steps -> (serial name, None | start in the flattened local
     parameter for a ZeRO piece)."""
     from autopar.parallel.zero import ZeroOptimizer
+
     out = {}
     if isinstance(optimizer, ZeroOptimizer):
         params = optimizer.module.autopar_grad_sync.params
@@ -124,8 +131,10 @@ def entries(t: Target, optimizer) -> dict:
             if p in out or p.numel() == 0:
                 continue
             if id(p) not in t.param_names:
-                raise CheckpointError("the optimizer steps a tensor that is not a parameter of the module "
-                                      "given: pass the module the optimizer was made for.")
+                raise CheckpointError(
+                    "the optimizer steps a tensor that is not a parameter of the module "
+                    "given: pass the module the optimizer was made for."
+                )
             out[p] = (t.param_names[id(p)], None)
     return out
 

@@ -8,6 +8,7 @@ Example:
     >>> t = Target.of(module)
     >>> t.tensors["fc1.weight"].shape, t.shape("fc1.weight"), t.spec("fc1.weight")
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -23,24 +24,27 @@ class CheckpointError(PlanError):
 class Target:
     def __init__(self, plan, rank: int, tensors: dict, params: dict, module):
         self.plan, self.rank, self.module = plan, rank, module
-        self.tensors = tensors            # serial name -> local tensor (params, persistent buffers)
-        self.param_names = params         # id(Parameter) -> its first serial name
+        self.tensors = tensors  # serial name -> local tensor (params, persistent buffers)
+        self.param_names = params  # id(Parameter) -> its first serial name
 
     @classmethod
     def of(cls, module) -> "Target":
         from autopar.parallel.pipeline.runner import PipelineRunner
+
         if isinstance(module, PipelineRunner):
             persistent = module.plan._model_tensors["persistent"]
-            tensors = {n: v for n, v in module.params.items()
-                       if isinstance(v, nn.Parameter) or n in persistent}
+            tensors = {n: v for n, v in module.params.items() if isinstance(v, nn.Parameter) or n in persistent}
             return cls(module.plan, module.rank, tensors, _first_names(module.holder), module)
         plan = getattr(module, "autopar_plan", None)
         if plan is None:
-            raise CheckpointError(f"{type(module).__name__} is not an autopar rank module: pass the module "
-                                  "from ap.compile(...) or plan.module(rank), or a plan.pipeline_runner(rank).")
+            raise CheckpointError(
+                f"{type(module).__name__} is not an autopar rank module: pass the module "
+                "from ap.compile(...) or plan.module(rank), or a plan.pipeline_runner(rank)."
+            )
         rank = getattr(module, "autopar_rank", None)
         if rank is None:
             import torch.distributed as dist
+
             rank = dist.get_rank()
         tensors = dict(module.named_parameters(remove_duplicate=False))
         persistent = plan._model_tensors["persistent"]
@@ -77,14 +81,16 @@ def _serial_shapes(plan) -> dict:
 def device_mesh(plan):
     """The plan's torch DeviceMesh, made once per plan (every rank must call: it makes groups)."""
     import torch.distributed as dist
+
     if not dist.is_available() or not dist.is_initialized():
-        raise CheckpointError("ap.get_state_dict needs an initialised process group (it describes each rank's "
-                              "piece to torch.distributed.checkpoint on the plan's DeviceMesh). Offline, use "
-                              "autopar.checkpoint.convert.shard_full_state / merge_full_states, or "
-                              "ap.set_state_dict(module, model_state_dict=<full serial tensors>).")
+        raise CheckpointError(
+            "ap.get_state_dict needs an initialised process group (it describes each rank's "
+            "piece to torch.distributed.checkpoint on the plan's DeviceMesh). Offline, use "
+            "autopar.checkpoint.convert.shard_full_state / merge_full_states, or "
+            "ap.set_state_dict(module, model_state_dict=<full serial tensors>)."
+        )
     dm = getattr(plan, "_autopar_device_mesh", None)
     if dm is None:
         dm = plan.mesh.to_device_mesh("cpu")
         plan._autopar_device_mesh = dm
     return dm
-

@@ -17,6 +17,7 @@ The program is the same on every rank: what differs (the rank, its groups, its p
 each axis) is read from attributes of the rank's module (``rank_attrs``). The Python code is
 therefore generated once per plan, not once per rank, which is most of emission's cost.
 """
+
 from __future__ import annotations
 
 import functools
@@ -209,8 +210,9 @@ class Emitter:
         if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
             n = self.mesh.shape[dp]
             flag = self.eager_flag()
-            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n),
-                                         {"alias": flag})
+            x = self.graph.call_function(
+                ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n), {"alias": flag}
+            )
         return x
 
     # --------------------------------------------------------------- arguments
@@ -219,6 +221,7 @@ class Emitter:
         # node once per rank, and pytree's generic walk was a fifth of the emission time.
         def conv(a):
             return self.env[a] if isinstance(a, fx.Node) else a
+
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
         return tuple(args), dict(kwargs)
 
@@ -244,8 +247,10 @@ class Emitter:
     def _compute(self, node):
         lay = layout_of(node)
         f_edges = self.plan.flow.f_edges
-        local_inputs = [self.edge(inp, tgt, f_edges.get((node.name, i), ()))
-                        for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets))]
+        local_inputs = [
+            self.edge(inp, tgt, f_edges.get((node.name, i), ()))
+            for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets))
+        ]
         it = iter(local_inputs)
         tensors = set(lay.inputs)
 
@@ -253,13 +258,15 @@ class Emitter:
             if isinstance(a, fx.Node):
                 return next(it) if a in tensors else self.env[a]
             return a
+
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
         args = list(args)
         shape_idx = SHAPE_ARGS.get(getattr(node.target, "overloadpacket", None))
         if shape_idx is not None and shape_idx < len(args):
             spec = lay.spec
-            args[shape_idx] = [self._local_size(s, shard_factor(spec, self.mesh, d))
-                               for d, s in enumerate(args[shape_idx])]
+            args[shape_idx] = [
+                self._local_size(s, shard_factor(spec, self.mesh, d)) for d, s in enumerate(args[shape_idx])
+            ]
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
@@ -284,11 +291,22 @@ class Emitter:
             return None
         lin, bias = args
         src, bias_src = node.args
-        if not (isinstance(lin, fx.Node) and lin.target is aten.linear.default and len(lin.args) == 2
-                and not lin.users and len(src.users) == 1 and self.env.get(src) is lin):
+        if not (
+            isinstance(lin, fx.Node)
+            and lin.target is aten.linear.default
+            and len(lin.args) == 2
+            and not lin.users
+            and len(src.users) == 1
+            and self.env.get(src) is lin
+        ):
             return None  # not a bare linear, used elsewhere, or a collective in between
-        if not (isinstance(bias, fx.Node) and bias.op == "get_attr" and isinstance(bias_src, fx.Node)
-                and bias_src.meta["val"].dim() == 1 and bias_src.meta["val"].dtype == src.meta["val"].dtype):
+        if not (
+            isinstance(bias, fx.Node)
+            and bias.op == "get_attr"
+            and isinstance(bias_src, fx.Node)
+            and bias_src.meta["val"].dim() == 1
+            and bias_src.meta["val"].dtype == src.meta["val"].dtype
+        ):
             return None
         lin.args = (*lin.args, bias)
         return lin

@@ -22,6 +22,7 @@ Example:
     >>> gm(x)                   # x is the global batch
     autopar.errors.InputError: rank 1's module got input 'x' of shape (8, 6) ... pass plan.local_inputs(1, ...)
 """
+
 from __future__ import annotations
 
 import math
@@ -54,6 +55,7 @@ def symbol_divisors(graph, mesh) -> tuple:
     the runtime size must then divide by the pieces, or a rank would hold a ragged piece.
     """
     from autopar.sharding.propagate import tensor_outputs
+
     found: dict[str, tuple[int, str]] = {}
     for node in graph.nodes:
         lay = node.meta.get("autopar")
@@ -103,30 +105,60 @@ def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple 
         shape = tuple(value.shape)
         expected = tuple(n if n is not None else "*" for n, _, _ in dims)
         if len(shape) != len(dims):
-            _fail(rank, name, shape, expected, spec, global_shape,
-                  f"it has {len(shape)} dims, the plan expects {len(dims)}")
+            _fail(
+                rank,
+                name,
+                shape,
+                expected,
+                spec,
+                global_shape,
+                f"it has {len(shape)} dims, the plan expects {len(dims)}",
+            )
         for d, (n, f, sym) in enumerate(dims):
             if n is not None and shape[d] != n:
                 is_global = shape[d] == n * f and f > 1
-                _fail(rank, name, shape, expected, spec, global_shape,
-                      "it looks like the global input was passed where the local piece was expected"
-                      if is_global else f"dim {d} has size {shape[d]}, the plan expects {n}")
+                _fail(
+                    rank,
+                    name,
+                    shape,
+                    expected,
+                    spec,
+                    global_shape,
+                    "it looks like the global input was passed where the local piece was expected"
+                    if is_global
+                    else f"dim {d} has size {shape[d]}, the plan expects {n}",
+                )
             if sym is not None:
                 full = shape[d] * f
                 k, where = need.get(sym, (1, ""))
                 if full % k:
-                    _fail(rank, name, shape, expected, spec, global_shape,
-                          f"dim {d} means a global size {full}, but the plan splits that size into "
-                          f"{k} pieces (at node {where!r}): use sizes divisible by {k}")
+                    _fail(
+                        rank,
+                        name,
+                        shape,
+                        expected,
+                        spec,
+                        global_shape,
+                        f"dim {d} means a global size {full}, but the plan splits that size into "
+                        f"{k} pieces (at node {where!r}): use sizes divisible by {k}",
+                    )
                 seen = sizes.setdefault(sym, (full, name))
                 if seen[0] != full:
-                    _fail(rank, name, shape, expected, spec, global_shape,
-                          f"dim {d} means a global size {full}, but input {seen[1]!r} means {seen[0]} "
-                          "for the same dim: one of them is global and the other local?")
+                    _fail(
+                        rank,
+                        name,
+                        shape,
+                        expected,
+                        spec,
+                        global_shape,
+                        f"dim {d} means a global size {full}, but input {seen[1]!r} means {seen[0]} "
+                        "for the same dim: one of them is global and the other local?",
+                    )
 
 
 def _fail(rank, name, shape, expected, spec, global_shape, why):
     raise InputError(
         f"rank {rank}'s module got input {name!r} of shape {shape}, but expects its local piece "
         f"{expected} (layout {spec} of the global shape {global_shape}; '*' is any size): {why}. "
-        f"Pass plan.local_inputs({rank}, *args, **kwargs) to the module, not the global batch.")
+        f"Pass plan.local_inputs({rank}, *args, **kwargs) to the module, not the global batch."
+    )

@@ -17,6 +17,7 @@ Example:
     >>> gm = prog.instance("Rank3Module")          # no parameters yet
     >>> set_attr(gm, "fc.weight", nn.Parameter(w)); gm.autopar_rank = 3
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -32,8 +33,7 @@ class Program:
         # fx's own state of a GraphModule (graph, generated code, line maps, codegen specs),
         # not the placeholders the carrier holds for the program's attributes:
         attrs = {t.split(".")[0] for t in root}
-        self._fx_state = {k: v for k, v in self.carrier.__dict__.items()
-                          if k not in _MODULE_KEYS and k not in attrs}
+        self._fx_state = {k: v for k, v in self.carrier.__dict__.items() if k not in _MODULE_KEYS and k not in attrs}
 
     @property
     def graph(self) -> fx.Graph:

@@ -4,6 +4,7 @@ Example:
     >>> pieces = [shard_state(full, specs, mesh, r) for r in mesh.ranks()]
     >>> merged = merge_states(pieces, specs, mesh)        # equal to full again
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,10 @@ def merge_states(per_rank: list[dict], specs: dict, mesh) -> dict:
     out = {}
     for key in per_rank[0]:
         if key not in specs:
-            raise InputError(f"merge_state_dicts: {key!r} is not a parameter or buffer of the plan; "
-                             f"did you mean {close_matches(key, specs)}?")
+            raise InputError(
+                f"merge_state_dicts: {key!r} is not a parameter or buffer of the plan; "
+                f"did you mean {close_matches(key, specs)}?"
+            )
         pieces = [d[key] for d in per_rank]
         if any(p is None for p in pieces):
             out[key] = None
@@ -35,8 +38,10 @@ def shard_state(full: dict, specs: dict, mesh, rank: int) -> dict:
     out = {}
     for key, value in full.items():
         if key not in specs:
-            raise InputError(f"shard_state_dict: {key!r} is not a parameter or buffer of the plan; "
-                             f"did you mean {close_matches(key, specs)}?")
+            raise InputError(
+                f"shard_state_dict: {key!r} is not a parameter or buffer of the plan; "
+                f"did you mean {close_matches(key, specs)}?"
+            )
         out[key] = shard_tensor(value.detach(), specs[key], mesh, rank).clone()
     return out
 

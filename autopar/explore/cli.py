@@ -16,6 +16,7 @@ Example:
     $ autopar plan autopar.models.examples:gpt --mesh dp=2,tp=2 \\
         --annotate 'blocks.*.attn.qkv=colwise:tp' --annotate 'blocks.*.attn.proj=rowwise:tp'
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ from autopar.explore.progress import progress
 def parse_mesh(text: str):
     """'dp=2,tp=2' -> Mesh((2, 2), ('dp', 'tp'))."""
     from autopar.mesh import Mesh
+
     try:
         pairs = [item.split("=") for item in text.split(",") if item]
         return Mesh(tuple(int(n) for _, n in pairs), tuple(a.strip() for a, _ in pairs))
@@ -41,19 +43,23 @@ def parse_annotation(text: str):
     """'blocks.*.mlp.fc=colwise:tp' -> ('blocks.*.mlp.fc', ap.colwise('tp'))."""
     from autopar.sharding import annotations as annotate
     from autopar.explore.save_load import parse_placement
+
     pattern, sep, spec = text.rpartition("=")
     kind, _, arg = spec.partition(":")
     if not sep or not pattern:
-        raise SystemExit(f"autopar: --annotate {text!r}: write PATTERN=colwise:AXIS (or rowwise:AXIS, "
-                         "replicated, place:S(0),R)")
+        raise SystemExit(
+            f"autopar: --annotate {text!r}: write PATTERN=colwise:AXIS (or rowwise:AXIS, replicated, place:S(0),R)"
+        )
     if kind in ("colwise", "rowwise") and arg:
         return pattern, getattr(annotate, kind)(arg)
     if kind in ("replicated", "replicate"):  # the old spelling still accepted here
         return pattern, annotate.replicated()
     if kind == "place" and arg:
         return pattern, annotate.place(*(parse_placement(p.strip()) for p in arg.split(",")))
-    raise SystemExit(f"autopar: --annotate {text!r}: unknown annotation {spec!r}; use colwise:AXIS, "
-                     "rowwise:AXIS, replicated or place:S(0),R")
+    raise SystemExit(
+        f"autopar: --annotate {text!r}: unknown annotation {spec!r}; use colwise:AXIS, "
+        "rowwise:AXIS, replicated or place:S(0),R"
+    )
 
 
 def load_factory(target: str, model_only: bool = False):
@@ -70,8 +76,10 @@ def load_factory(target: str, model_only: bool = False):
     if model_only:
         return made[0] if isinstance(made, tuple) else made
     if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise SystemExit(f"autopar: {target} returned {type(made).__name__}; a factory returns "
-                         "(model, example_args) or (model, example_args, example_kwargs).")
+        raise SystemExit(
+            f"autopar: {target} returned {type(made).__name__}; a factory returns "
+            "(model, example_args) or (model, example_args, example_kwargs)."
+        )
     model, args = made[0], made[1]
     return model, args if isinstance(args, tuple) else (args,), (made[2] if len(made) == 3 else {})
 
@@ -86,8 +94,9 @@ def preset_annotations(spec: str, model, mesh, args, kwargs, sequence_parallel: 
     try:
         preset = getattr(importlib.import_module("autopar.presets"), name)
     except (ImportError, AttributeError):
-        raise SystemExit(f"autopar: no preset {name!r} in autopar.presets; annotate with "
-                         "--annotate PATTERN=colwise:AXIS instead.") from None
+        raise SystemExit(
+            f"autopar: no preset {name!r} in autopar.presets; annotate with --annotate PATTERN=colwise:AXIS instead."
+        ) from None
     extra = {"sequence_parallel": True} if sequence_parallel else {}
     with progress(f"finding the {name} annotations"):
         return dict(preset(model, axis, args=args, kwargs=kwargs, **extra))
@@ -96,16 +105,19 @@ def preset_annotations(spec: str, model, mesh, args, kwargs, sequence_parallel: 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description="Plan a PyTorch model over a process mesh.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, what in (("plan", "print the plan table and summary"),
-                       ("check", "simulate every rank and compare with the serial model")):
+    for name, what in (
+        ("plan", "print the plan table and summary"),
+        ("check", "simulate every rank and compare with the serial model"),
+    ):
         s = sub.add_parser(name, help=what)
         s.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning (model, example_args)")
         s.add_argument("--mesh", required=True, help="axis sizes, e.g. dp=2,tp=2")
         s.add_argument("--preset", help="annotations from autopar.presets: NAME or NAME:AXIS (e.g. megatron)")
         s.add_argument("--sequence-parallel", action="store_true", help="ask the preset for sequence parallelism")
         s.add_argument("--annotate", action="append", default=[], metavar="PATTERN=KIND[:ARG]")
-        s.add_argument("--dp", default="auto", help="data-parallel axis ('none' for none; default: "
-                                                    "the axis named dp, if any)")
+        s.add_argument(
+            "--dp", default="auto", help="data-parallel axis ('none' for none; default: the axis named dp, if any)"
+        )
         s.add_argument("--explain", action="append", default=[], metavar="NAME")
         s.add_argument("--cost", action="store_true", help="print costs as formulas")
         s.add_argument("--sizes", default="", help="names for static sizes in formulas, e.g. H=32,V=64")
@@ -123,13 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_plan(opts):
     from autopar.api import plan as make
+
     mesh = parse_mesh(opts.mesh)
     model, args, kwargs = load_factory(opts.factory)
-    annotations = preset_annotations(opts.preset, model, mesh, args, kwargs, opts.sequence_parallel) \
-        if opts.preset else {}
+    annotations = (
+        preset_annotations(opts.preset, model, mesh, args, kwargs, opts.sequence_parallel) if opts.preset else {}
+    )
     annotations.update(dict(parse_annotation(a) for a in opts.annotate))
-    dp = ("dp" if "dp" in mesh.axis_names else None) if opts.dp == "auto" else \
-        (None if opts.dp == "none" else opts.dp)
+    dp = ("dp" if "dp" in mesh.axis_names else None) if opts.dp == "auto" else (None if opts.dp == "none" else opts.dp)
     with progress(f"tracing and planning {type(model).__name__} on {mesh}"):
         plan = make(model, mesh, args=args, kwargs=kwargs, annotations=annotations, data_parallel=dp)
     return plan, args, kwargs
@@ -155,8 +168,11 @@ def run(opts, out=None) -> int:
     if opts.command == "check":
         with progress(f"simulating {plan.mesh.size} ranks against the serial model"):
             report = plan.check(*args, **kwargs)
-        print(f"\ncheck passed: {report['outputs']} outputs and {report['grads']} gradients match "
-              f"the serial model (max relative difference {report['max_rel']:.2e})", file=out)
+        print(
+            f"\ncheck passed: {report['outputs']} outputs and {report['grads']} gradients match "
+            f"the serial model (max relative difference {report['max_rel']:.2e})",
+            file=out,
+        )
     return 0
 
 
@@ -165,6 +181,7 @@ def main(argv=None) -> int:
     try:
         if opts.command == "convert":
             from autopar.checkpoint.convert import convert_command
+
             return convert_command(opts)
         return run(opts)
     except PlanError as e:  # PlanMismatch is an AssertionError: a failed check, also reported here

@@ -18,6 +18,7 @@ Example:
     >>> c.at(B=64)["comm"]["tp"]     # a number
     >>> c.time(alpha=5e-6, beta=25e9, flops_per_s=1e12)["total"]
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -28,9 +29,29 @@ from autopar.explore.step_collectives import collectives
 from autopar.explore.formulas import PlanSymbols, ring_steps, simplify
 from autopar.sharding.propagate import layout_of, tensor_outputs
 
-VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze",
-         "squeeze", "alias", "slice", "select", "unbind", "split", "split_with_sizes", "chunk",
-         "detach", "getitem", "as_strided", "lift_fresh_copy", "sym_size"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "permute",
+    "transpose",
+    "t",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "alias",
+    "slice",
+    "select",
+    "unbind",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "detach",
+    "getitem",
+    "as_strided",
+    "lift_fresh_copy",
+    "sym_size",
+}
 MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
 
 
@@ -55,15 +76,15 @@ def op_name(node) -> str:
 class Cost:
     """Formulas for one plan (see the module docstring); ``at(**dims)`` gives numbers."""
 
-    def __init__(self, plan, sizes: dict | None = None, names: dict | None = None,
-                 optimizer_states: int = 2):
+    def __init__(self, plan, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
         self.plan = plan
         self.sy = PlanSymbols.of(plan, sizes, names)
         self.comms = collectives(plan, self.sy)
         self.comm = _sum_by(self.comms, lambda c: c.axis)
         self.comm_by_phase = _sum_by(self.comms, lambda c: (c.axis, c.phase))
-        self.comm_by_layer = _sum_by(self.comms, lambda c: (layer_of(c.module) if c.phase != "grad sync"
-                                                             else "(grad sync)", c.axis))
+        self.comm_by_layer = _sum_by(
+            self.comms, lambda c: (layer_of(c.module) if c.phase != "grad sync" else "(grad sync)", c.axis)
+        )
         self.memory = memory_formulas(plan, self.sy, optimizer_states)
         self.flops = flops_formula(plan, self.sy)
 
@@ -78,16 +99,19 @@ class Cost:
     def at(self, **values) -> dict:
         """Every formula as a number at the example, with ``values`` (by name) replacing some."""
         ev = lambda e: self.sy.value(e, **values)  # noqa: E731
-        return {"comm": {k: ev(v) for k, v in self.comm.items()},
-                "memory": {k: ev(v) for k, v in self.memory.items()},
-                "flops": ev(self.flops)}
+        return {
+            "comm": {k: ev(v) for k, v in self.comm.items()},
+            "memory": {k: ev(v) for k, v in self.memory.items()},
+            "flops": ev(self.flops),
+        }
 
     def time(self, alpha=5e-6, beta=25e9, flops_per_s=1e12) -> dict:
         """Seconds per step as formulas (alpha-beta per collective, FLOPs / flops_per_s).
 
         Pass a string (e.g. ``alpha="alpha"``) to keep that parameter a symbol."""
-        alpha, beta, fps = (sympy.Symbol(v, positive=True) if isinstance(v, str) else v
-                            for v in (alpha, beta, flops_per_s))
+        alpha, beta, fps = (
+            sympy.Symbol(v, positive=True) if isinstance(v, str) else v for v in (alpha, beta, flops_per_s)
+        )
         comm = defaultdict(lambda: sympy.Integer(0))
         for c in self.comms:
             n = self.sy.axis(c.axis)
@@ -157,8 +181,9 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         lay = layout_of(node)
         for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
             acts += sy.numel(val.shape, spec) * val.dtype.itemsize
-    return {k: simplify(v) for k, v in
-            (("params", params), ("grads", grads), ("optimizer", opt), ("activations", acts))}
+    return {
+        k: simplify(v) for k, v in (("params", params), ("grads", grads), ("optimizer", opt), ("activations", acts))
+    }
 
 
 def node_flops(node, sy: PlanSymbols) -> sympy.Expr:

@@ -9,6 +9,7 @@ Example:
     >>> print(d)          # 'linear_default: (R, S(2)) -> (S(0), R); all_reduce(tp, bwd) -> -'
     >>> len(d), bool(d)
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -33,8 +34,11 @@ class PlanDiff:
         self.a, self.b = a, b
         ca, cb = a.collectives(), b.collectives()
         self.nodes = _node_diffs(a, b, ca, cb)
-        self.params = {n: (fmt_spec(s), fmt_spec(b.param_specs.get(n, ())))
-                       for n, s in a.param_specs.items() if b.param_specs.get(n) != s}
+        self.params = {
+            n: (fmt_spec(s), fmt_spec(b.param_specs.get(n, ())))
+            for n, s in a.param_specs.items()
+            if b.param_specs.get(n) != s
+        }
         self.totals = (comm_totals(ca), comm_totals(cb))
 
     def __len__(self) -> int:
@@ -46,11 +50,12 @@ class PlanDiff:
     def __str__(self) -> str:
         if not self:
             return "plans agree: same layouts and collectives"
-        lines = [f"{len(self.nodes)} nodes and {len(self.params)} parameters differ ("
-                 f"{self.a.mesh} vs {self.b.mesh})"]
+        lines = [f"{len(self.nodes)} nodes and {len(self.params)} parameters differ ({self.a.mesh} vs {self.b.mesh})"]
         for d in self.nodes:
-            lines.append(f"  {d.node} ({d.module or '<top>'}): {d.layout[0]} -> {d.layout[1]}"
-                         + (f"; {d.comms[0] or '-'} -> {d.comms[1] or '-'}" if d.comms[0] != d.comms[1] else ""))
+            lines.append(
+                f"  {d.node} ({d.module or '<top>'}): {d.layout[0]} -> {d.layout[1]}"
+                + (f"; {d.comms[0] or '-'} -> {d.comms[1] or '-'}" if d.comms[0] != d.comms[1] else "")
+            )
         for n, (x, y) in self.params.items():
             lines.append(f"  parameter {n}: {x} -> {y}")
         for axis in sorted(set(self.totals[0]) | set(self.totals[1])):
@@ -62,9 +67,11 @@ class PlanDiff:
         return str(self)
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{escape(d.node)}</td><td>{escape(d.module)}</td><td>{escape(d.layout[0])}</td>"
-                       f"<td>{escape(d.layout[1])}</td><td>{escape(d.comms[0])}</td><td>{escape(d.comms[1])}</td></tr>"
-                       for d in self.nodes)
+        rows = "".join(
+            f"<tr><td>{escape(d.node)}</td><td>{escape(d.module)}</td><td>{escape(d.layout[0])}</td>"
+            f"<td>{escape(d.layout[1])}</td><td>{escape(d.comms[0])}</td><td>{escape(d.comms[1])}</td></tr>"
+            for d in self.nodes
+        )
         head = "<tr><th>node</th><th>module</th><th>layout</th><th>other</th><th>collectives</th><th>other</th></tr>"
         return f"<pre>{escape(str(self).splitlines()[0])}</pre><table>{head}{rows}</table>"
 
@@ -93,6 +100,3 @@ def _node_diffs(a, b, ca, cb) -> list[NodeDiff]:
 
 def diff_plans(a, b) -> PlanDiff:
     return PlanDiff(a, b)
-
-
-

@@ -10,6 +10,7 @@ Example:
     blocks.0.attn.qkv  linear_default  linear     (S(0), S(2))  all_reduce(tp, bwd)      4.0 KiB
     >>> print(plan.summary())
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -29,6 +30,7 @@ class Text(str):
 
     def _repr_html_(self) -> str:
         import html
+
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
@@ -79,8 +81,9 @@ def plan_rows(plan, comms=None) -> list[Row]:
         lay = layout_of(node)
         if not lay.outputs:
             continue
-        rows.append(Row(node.name, module_path(node), op_name(node),
-                        " ".join(fmt_spec(s) for s in lay.outputs), at[node.name]))
+        rows.append(
+            Row(node.name, module_path(node), op_name(node), " ".join(fmt_spec(s) for s in lay.outputs), at[node.name])
+        )
     nodes = {n.name for n in plan.graph.nodes}
     for c in comms:
         if c.phase in ("grad sync", "optimizer"):
@@ -94,9 +97,18 @@ def plan_table(plan, width: int = 32, only_collectives: bool = False) -> str:
     """Summary, then one line per op (``only_collectives``: only the ops with collectives)."""
     comms = plan.collectives()
     head = ("module", "node", "op", "layout", "collectives", "bytes")
-    body = [(r.module, r.node, r.op, r.layout, ", ".join(comm_label(c) for c in r.comms),
-             fmt_bytes(r.bytes) if r.comms else "") for r in plan_rows(plan, comms)
-            if r.comms or not only_collectives]
+    body = [
+        (
+            r.module,
+            r.node,
+            r.op,
+            r.layout,
+            ", ".join(comm_label(c) for c in r.comms),
+            fmt_bytes(r.bytes) if r.comms else "",
+        )
+        for r in plan_rows(plan, comms)
+        if r.comms or not only_collectives
+    ]
     table = [head] + body
     widths = [min(max(len(r[i]) for r in table), width if i < 4 else 200) for i in range(5)]
     lines = [summary(plan, comms), ""]
@@ -114,8 +126,9 @@ def comm_totals(comms) -> dict:
     """axis -> {"count": int, "bytes": float, "forward"/"backward"/"grad sync": bytes}."""
     out: dict = {}
     for c in comms:
-        t = out.setdefault(c.axis, {"count": 0, "bytes": 0.0, "forward": 0.0, "backward": 0.0,
-                                    "grad sync": 0.0, "optimizer": 0.0})
+        t = out.setdefault(
+            c.axis, {"count": 0, "bytes": 0.0, "forward": 0.0, "backward": 0.0, "grad sync": 0.0, "optimizer": 0.0}
+        )
         t["count"] += 1
         t["bytes"] += c.bytes
         t[c.phase] += c.bytes
@@ -125,6 +138,7 @@ def comm_totals(comms) -> dict:
 def memory_numbers(plan) -> dict:
     """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params."""
     from autopar.explore.cost import Cost
+
     num = Cost(plan).at()["memory"]
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))
     return num
@@ -134,15 +148,17 @@ def summary(plan, comms=None) -> str:
     """Mesh, ranks, memory per rank, and bytes per step and rank by axis."""
     comms = plan.collectives() if comms is None else comms
     mem = memory_numbers(plan)
-    lines = [f"autopar plan for {type(plan.model).__name__} on {plan.mesh} ({plan.mesh.size} ranks)",
-             f"  parameters per rank: {fmt_bytes(mem['params'])} (serial {fmt_bytes(mem['serial params'])})",
-             f"  activations per rank: {fmt_bytes(mem['activations'])} (outputs kept for backward, "
-             "upper bound)"]
+    lines = [
+        f"autopar plan for {type(plan.model).__name__} on {plan.mesh} ({plan.mesh.size} ranks)",
+        f"  parameters per rank: {fmt_bytes(mem['params'])} (serial {fmt_bytes(mem['serial params'])})",
+        f"  activations per rank: {fmt_bytes(mem['activations'])} (outputs kept for backward, upper bound)",
+    ]
     totals = comm_totals(comms)
     if not totals:
         lines.append("  communication per step and rank: none")
     for axis, t in totals.items():
         parts = ", ".join(f"{k} {fmt_bytes(t[k])}" for k in ("forward", "backward", "grad sync", "optimizer") if t[k])
-        lines.append(f"  communication on {axis}: {t['count']} collectives, {fmt_bytes(t['bytes'])} "
-                     f"per step and rank ({parts})")
+        lines.append(
+            f"  communication on {axis}: {t['count']} collectives, {fmt_bytes(t['bytes'])} per step and rank ({parts})"
+        )
     return Text("\n".join(lines))

@@ -11,6 +11,7 @@ Example:
     >>> d.save("rank0.svg")     # or rank0.dot when dot is missing
     >>> print(d.dot[:200])
 """
+
 from __future__ import annotations
 
 import operator
@@ -21,9 +22,16 @@ from collections import defaultdict
 from autopar.explore.cost import layer_of
 from autopar.sharding.propagate import module_path
 
-COLLECTIVE_COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a",
-                     "all_to_all": "#c6a3f4", "grad_all_reduce": "#fbd9d9", "shard": "#e0ecfa",
-                     "to_partial": "#eeeeee", "scale_grad": "#eeeeee"}
+COLLECTIVE_COLORS = {
+    "all_reduce": "#f4a3a3",
+    "all_gather": "#a3c8f4",
+    "reduce_scatter": "#f4d28a",
+    "all_to_all": "#c6a3f4",
+    "grad_all_reduce": "#fbd9d9",
+    "shard": "#e0ecfa",
+    "to_partial": "#eeeeee",
+    "scale_grad": "#eeeeee",
+}
 
 
 SIZE_OPS = {operator.mul, operator.floordiv, operator.add, operator.sub, operator.truediv}
@@ -96,13 +104,15 @@ def to_dot(graph, title: str, params: bool = False) -> str:
             continue
         label, fill = _label(node)
         style = f', style=filled, fillcolor="{fill}"' if fill else ""
-        clusters[_layer(node)].append(
-            f'  "{node.name}" [label="{label}"{style}];')
+        clusters[_layer(node)].append(f'  "{node.name}" [label="{label}"{style}];')
         for inp in node.all_input_nodes:
             if (inp.op != "get_attr" or params) and not _is_size(inp):
                 edges.append(f'  "{inp.name}" -> "{node.name}";')
-    lines = [f'digraph "{title}" {{', '  rankdir=TB; node [shape=box, fontsize=10, fontname="monospace"];',
-             f'  label="{title}"; labelloc=t;']
+    lines = [
+        f'digraph "{title}" {{',
+        '  rankdir=TB; node [shape=box, fontsize=10, fontname="monospace"];',
+        f'  label="{title}"; labelloc=t;',
+    ]
     for i, (layer, items) in enumerate(clusters.items()):
         if layer and layer != "(top)":
             lines += [f"  subgraph cluster_{i} {{", f'  label="{layer}"; color="#bbbbbb";', *items, "  }"]

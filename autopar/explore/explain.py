@@ -11,6 +11,7 @@ Example:
     >>> print(plan.explain("linear_default_2"))
     >>> print(plan.explain("blocks.0.mlp.fc.weight"))
 """
+
 from __future__ import annotations
 
 from autopar.codegen.lowerings.base import lowering_for
@@ -27,6 +28,7 @@ def explain(plan, name: str) -> Text:
     rec = plan.built.get("auto")
     if name == "auto" and rec:
         from autopar.search.explain import search_text
+
         return Text(search_text(rec))
     nodes = {n.name: n for n in plan.graph.nodes if "autopar" in n.meta}
     params = dict(plan.model.named_parameters(remove_duplicate=False))
@@ -39,8 +41,10 @@ def explain(plan, name: str) -> Text:
     if name in modules or name in dict(plan.model.named_modules()):
         return Text(_explain_module(plan, name, comms))
     known = list(nodes) + list(params) + sorted(modules)
-    raise PlanError(f"plan.explain: {name!r} is not a node, parameter, input or module path of this "
-                    f"plan. Closest: {close_matches(name, known)}.")
+    raise PlanError(
+        f"plan.explain: {name!r} is not a node, parameter, input or module path of this "
+        f"plan. Closest: {close_matches(name, known)}."
+    )
 
 
 def _axis(plan, a: int) -> str:
@@ -50,9 +54,11 @@ def _axis(plan, a: int) -> str:
 def comm_reason(plan, c) -> str:
     """One sentence on why collective ``c`` runs."""
     if c.phase == "grad sync":
-        return ("gradient sync: these parameters' gradients arrive in parts on "
-                f"{c.axis} (each rank computed with its own piece of the data); one bucketed "
-                "all-reduce sums them after backward")
+        return (
+            "gradient sync: these parameters' gradients arrive in parts on "
+            f"{c.axis} (each rank computed with its own piece of the data); one bucketed "
+            "all-reduce sums them after backward"
+        )
     nodes = {n.name: n for n in plan.graph.nodes}
     src, dst = nodes.get(c.src), nodes.get(c.node)
     lowering = lowering_for(layout_of(dst).strategies) if dst is not None and "autopar" in dst.meta else None
@@ -63,8 +69,10 @@ def comm_reason(plan, c) -> str:
     have = fmt_spec(layout_of(src).spec)
     need = _target_of(plan, src, dst)
     if c.phase == "backward" and c.kind == "all_reduce" and (need is None or fmt_spec(need) == have):
-        return (f"Megatron's f: {src.name} {have} is replicated on {c.axis} and feeds computation split "
-                f"on {c.axis}, so each rank's gradient is only its part; all-reduced in backward")
+        return (
+            f"Megatron's f: {src.name} {have} is replicated on {c.axis} and feeds computation split "
+            f"on {c.axis}, so each rank's gradient is only its part; all-reduced in backward"
+        )
     why = f"{src.name} is {have} but {dst.name} needs {fmt_spec(need)}"
     if c.phase == "backward":
         return f"backward of that redistribution ({why})"
@@ -83,9 +91,11 @@ def _target_of(plan, src, dst):
 
 def _explain_node(plan, node, comms) -> str:
     lay = layout_of(node)
-    lines = [f"node {node.name} ({op_name(node)}, module {module_path(node) or '<top>'}) -> "
-             f"{' '.join(fmt_spec(s) for s in lay.outputs) or 'no tensor output'}",
-             f"  why: {lay.reason or '-'}"]
+    lines = [
+        f"node {node.name} ({op_name(node)}, module {module_path(node) or '<top>'}) -> "
+        f"{' '.join(fmt_spec(s) for s in lay.outputs) or 'no tensor output'}",
+        f"  why: {lay.reason or '-'}",
+    ]
     if node.op == "placeholder":
         return "\n".join(lines + _consumers(plan, node, comms))
     if lay.alternatives:
@@ -96,15 +106,21 @@ def _explain_node(plan, node, comms) -> str:
     for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets)):
         cur = layout_of(inp).spec
         steps = [s for s in plan_steps(cur, tgt) if s.communicates] if cur else []
-        how = "as is" if cur == tgt else f"redistributed to {fmt_spec(tgt)}" + (
-            f" ({', '.join(s.kind + ' on ' + _axis(plan, s.axis) for s in steps)})" if steps else " (local)")
+        how = (
+            "as is"
+            if cur == tgt
+            else f"redistributed to {fmt_spec(tgt)}"
+            + (f" ({', '.join(s.kind + ' on ' + _axis(plan, s.axis) for s in steps)})" if steps else " (local)")
+        )
         lines.append(f"  input {i}: {inp.name} {fmt_spec(cur) if cur else '-'} used {how}")
     here = [c for c in comms if c.node == node.name]
     if here:
         lines.append("  collectives on its inputs:")
-        lines += [f"    {comm_label(c)} {fmt_bytes(c.bytes)}{'' if c.formula is None else f' = {c.formula}'}: "
-                  f"{comm_reason(plan, c)}"
-                  for c in here]
+        lines += [
+            f"    {comm_label(c)} {fmt_bytes(c.bytes)}{'' if c.formula is None else f' = {c.formula}'}: "
+            f"{comm_reason(plan, c)}"
+            for c in here
+        ]
     lines += _consumers(plan, node, comms)
     lines += _origins(plan, node)
     return "\n".join(lines)
@@ -136,8 +152,11 @@ def _origins(plan, node) -> list[str]:
         while cur.op != "placeholder" and len(chain) < 200:
             lay = layout_of(cur)
             targets = lay.input_targets or [layout_of(i).spec for i in lay.inputs]  # getitem: as is
-            nxt = [i for i, t in zip(lay.inputs, targets)
-                   if layout_of(i).spec and not layout_of(i).spec[a].is_replicate() and t[a] == layout_of(i).spec[a]]
+            nxt = [
+                i
+                for i, t in zip(lay.inputs, targets)
+                if layout_of(i).spec and not layout_of(i).spec[a].is_replicate() and t[a] == layout_of(i).spec[a]
+            ]
             if not nxt:
                 break
             cur = nxt[0]
@@ -145,8 +164,11 @@ def _origins(plan, node) -> list[str]:
         if len(chain) == 1 and cur.op != "placeholder":
             out.append(f"    {_axis(plan, a)}: {p!r} is created here by the chosen strategy")
             continue
-        path = " <- ".join(n.name for n in chain[:4]) + (f" <- ... ({len(chain) - 5} more) <- {chain[-1].name}"
-                                                       if len(chain) > 5 else "".join(f" <- {n.name}" for n in chain[4:]))
+        path = " <- ".join(n.name for n in chain[:4]) + (
+            f" <- ... ({len(chain) - 5} more) <- {chain[-1].name}"
+            if len(chain) > 5
+            else "".join(f" <- {n.name}" for n in chain[4:])
+        )
         seed = layout_of(cur).reason if cur.op == "placeholder" else "created by its strategy"
         out.append(f"    {_axis(plan, a)}: {p!r} comes from {path}: {seed}")
     return ["  where the split comes from:"] + out if out else []
@@ -159,24 +181,31 @@ def _explain_param(plan, fqn, comms) -> str:
     same = set(tied[0]) if tied else {fqn}
     phs = [n for n in plan.graph.nodes if n.op == "placeholder" and plan.attr_name(n.name) in same]
     reason = plan.seeds.reasons.get(fqn) or next((layout_of(n).reason for n in phs), "replicated (no annotation)")
-    lines = [f"parameter {fqn} {tuple(p.shape)} -> {fmt_spec(spec)}, local shape "
-             f"{local_shape(tuple(p.shape), spec, plan.mesh)} on every rank",
-             f"  why: {reason}"]
+    lines = [
+        f"parameter {fqn} {tuple(p.shape)} -> {fmt_spec(spec)}, local shape "
+        f"{local_shape(tuple(p.shape), spec, plan.mesh)} on every rank",
+        f"  why: {reason}",
+    ]
     if tied:
         lines.append(f"  tied with {', '.join(n for n in tied[0] if n != fqn)}: one tensor, one layout")
-    axes = plan.grad_sync_axes.get(fqn) or next((v for k, v in plan.grad_sync_axes.items()
-                                                 if tied and k in tied[0]), ())
+    axes = plan.grad_sync_axes.get(fqn) or next(
+        (v for k, v in plan.grad_sync_axes.items() if tied and k in tied[0]), ()
+    )
     if axes:
         names = ", ".join(_axis(plan, a) for a in axes)
-        lines.append(f"  gradient summed over {names} by the gradient sync: it arrives in parts there "
-                     "(each rank used its own piece of the activations)")
+        lines.append(
+            f"  gradient summed over {names} by the gradient sync: it arrives in parts there "
+            "(each rank used its own piece of the activations)"
+        )
     elif p.requires_grad:
         lines.append("  gradient complete on each rank: no sync needed")
     for ph in phs:
         for user in ph.users:
             if "autopar" in user.meta and layout_of(user).outputs:  # a tied name's users too
-                lines.append(f"  used by {user.name} ({op_name(user)}, {module_path(user) or '<top>'}) "
-                             f"-> {fmt_spec(layout_of(user).spec)}")
+                lines.append(
+                    f"  used by {user.name} ({op_name(user)}, {module_path(user) or '<top>'}) "
+                    f"-> {fmt_spec(layout_of(user).spec)}"
+                )
     return "\n".join(lines)
 
 
@@ -189,14 +218,17 @@ def _explain_module(plan, path, comms) -> str:
         wanted = ", ".join(f"{_axis(plan, a)}: {p!r}" for a, p in plan.seeds.module_outputs[path].items())
         lines.append(f"  its output must leave as {wanted} (the annotation's output layout)")
     for n in own:
-        lines.append(f"  parameter {n} {fmt_spec(plan.param_specs.get(n, ()))}: "
-                     f"{plan.seeds.reasons.get(n, 'replicated (no annotation)')}")
+        lines.append(
+            f"  parameter {n} {fmt_spec(plan.param_specs.get(n, ()))}: "
+            f"{plan.seeds.reasons.get(n, 'replicated (no annotation)')}"
+        )
     inside = [c for c in comms if c.module == path or c.module.startswith(path + ".")]
     total = sum(c.bytes for c in inside)
     lines.append(f"  collectives: {len(inside)}, {fmt_bytes(total)} per step and rank")
     lines += [f"    {c.node}: {comm_label(c)} {fmt_bytes(c.bytes)}: {comm_reason(plan, c)}" for c in inside]
     if plan.built.get("auto"):
         from autopar.search.explain import module_reason
+
         why = module_reason(plan.built["auto"], path)
         lines += [why] if why else []
     return "\n".join(lines)

@@ -13,6 +13,7 @@ Example:
     >>> sy.local_bytes(node, (Shard(0), Shard(2)))       # 4*B*S*H/(dp*tp) for a float32 (B, S, H)
     >>> sy.value(4*sy["B"]*sy["S"])                        # 256.0 at B=8, S=8
 """
+
 from __future__ import annotations
 
 import re
@@ -32,9 +33,9 @@ class PlanSymbols:
 
     def __init__(self, mesh, dims: dict, example: dict, sizes: dict):
         self.mesh = mesh
-        self.dims = dims          # torch's own symbol (s0) -> named symbol (B)
-        self.example = example    # named symbol -> example value
-        self.sizes = sizes        # named static size symbol -> value (H -> 32)
+        self.dims = dims  # torch's own symbol (s0) -> named symbol (B)
+        self.example = example  # named symbol -> example value
+        self.sizes = sizes  # named static size symbol -> value (H -> 32)
         self.axes = [_sym(a) for a in mesh.axis_names]
         for a, n in zip(self.axes, mesh.shape):
             self.example[a] = n

@@ -11,6 +11,7 @@ Example:
     >>> plan            # in a notebook cell
     >>> from autopar.explore.html import plan_html; open("plan.html", "w").write(plan_html(plan))
 """
+
 from __future__ import annotations
 
 from html import escape
@@ -19,8 +20,7 @@ from itertools import groupby
 from autopar.explore.display import comm_label, comm_totals, fmt_bytes, memory_numbers, plan_rows
 from autopar.explore.cost import layer_of
 
-COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a",
-          "all_to_all": "#c6a3f4"}
+COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a", "all_to_all": "#c6a3f4"}
 
 STYLE = """<style>
 .autopar-plan table {border-collapse: collapse; font-family: monospace; font-size: 12px;}
@@ -42,35 +42,49 @@ def _badge(c) -> str:
 def summary_html(plan, comms) -> str:
     mem = memory_numbers(plan)
     mesh = plan.mesh
-    items = [f"<b>{escape(type(plan.model).__name__)}</b> on mesh "
-             f"{escape(', '.join(f'{a}={n}' for a, n in zip(mesh.axis_names, mesh.shape)))}"
-             f" ({mesh.size} ranks)",
-             "memory per rank: " + ", ".join(f"{k} {fmt_bytes(mem[k])}" for k in
-                                             ("params", "grads", "optimizer", "activations"))
-             + f" (serial params {fmt_bytes(mem['serial params'])})"]
+    items = [
+        f"<b>{escape(type(plan.model).__name__)}</b> on mesh "
+        f"{escape(', '.join(f'{a}={n}' for a, n in zip(mesh.axis_names, mesh.shape)))}"
+        f" ({mesh.size} ranks)",
+        "memory per rank: "
+        + ", ".join(f"{k} {fmt_bytes(mem[k])}" for k in ("params", "grads", "optimizer", "activations"))
+        + f" (serial params {fmt_bytes(mem['serial params'])})",
+    ]
     for axis, t in comm_totals(comms).items():
         parts = ", ".join(f"{k} {fmt_bytes(t[k])}" for k in ("forward", "backward", "grad sync") if t[k])
-        items.append(f"communication on <b>{escape(axis)}</b>: {t['count']} collectives, "
-                     f"{fmt_bytes(t['bytes'])} per step and rank ({parts})")
+        items.append(
+            f"communication on <b>{escape(axis)}</b>: {t['count']} collectives, "
+            f"{fmt_bytes(t['bytes'])} per step and rank ({parts})"
+        )
     return "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 
 
 def plan_html(plan) -> str:
     comms = plan.collectives()
     rows = plan_rows(plan, comms)
-    out = [STYLE, '<div class="autopar-plan">', summary_html(plan, comms), "<table>",
-           "<tr>" + "".join(f"<th>{h} &#x25BE;</th>" for h in
-                            ("module", "node", "op", "layout", "collectives", "bytes")) + "</tr>"]
+    out = [
+        STYLE,
+        '<div class="autopar-plan">',
+        summary_html(plan, comms),
+        "<table>",
+        "<tr>"
+        + "".join(f"<th>{h} &#x25BE;</th>" for h in ("module", "node", "op", "layout", "collectives", "bytes"))
+        + "</tr>",
+    ]
     for layer, group in groupby(rows, key=lambda r: layer_of(r.module)):
         group = list(group)
         total = sum(r.bytes for r in group)
-        out.append(f'<tr class="group"><td colspan="5">{escape(layer)}</td>'
-                   f'<td class="num">{fmt_bytes(total) if total else ""}</td></tr>')
+        out.append(
+            f'<tr class="group"><td colspan="5">{escape(layer)}</td>'
+            f'<td class="num">{fmt_bytes(total) if total else ""}</td></tr>'
+        )
         for r in group:
             cls = ' class="comm"' if r.comms else ""
-            sub = r.module[len(layer) + 1:] if r.module.startswith(layer + ".") else ""
-            out.append(f"<tr{cls}><td>{escape(sub)}</td><td>{escape(r.node)}</td><td>{escape(r.op)}</td>"
-                       f"<td>{escape(r.layout)}</td><td>{''.join(_badge(c) for c in r.comms)}</td>"
-                       f'<td class="num">{fmt_bytes(r.bytes) if r.comms else ""}</td></tr>')
+            sub = r.module[len(layer) + 1 :] if r.module.startswith(layer + ".") else ""
+            out.append(
+                f"<tr{cls}><td>{escape(sub)}</td><td>{escape(r.node)}</td><td>{escape(r.op)}</td>"
+                f"<td>{escape(r.layout)}</td><td>{''.join(_badge(c) for c in r.comms)}</td>"
+                f'<td class="num">{fmt_bytes(r.bytes) if r.comms else ""}</td></tr>'
+            )
     out += ["</table>", "</div>"]
     return "\n".join(out)

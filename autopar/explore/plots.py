@@ -5,6 +5,7 @@ Example:
     >>> fig = plan.plot_memory()          # stacked bars: params, grads, optimizer, activations
     >>> fig = plan.plot_comm(B=64)        # bytes per step per layer and axis, at batch 64
 """
+
 from __future__ import annotations
 
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -19,9 +20,11 @@ def _figure(w=7.0, h=3.5):
 
         def _repr_png_(self) -> bytes:
             import io
+
             buf = io.BytesIO()
             self.savefig(buf, format="png", dpi=90)
             return buf.getvalue()
+
     return PlanFigure(figsize=(w, h), layout="constrained")
 
 

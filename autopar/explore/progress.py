@@ -8,6 +8,7 @@ Example:
     ...     plan = ap.plan(...)
     autopar: planning GPT on Mesh(dp=2, tp=2)... done in 4.1 s
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -14,6 +14,7 @@ Example:
     >>> again = ap.load_plan("gpt_dp2_tp2.json", model)
     >>> assert not plan.diff(again)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,10 @@ def _spec_in(items):
 
 # -------------------------------------------------------------------------------------- save
 def model_params(model) -> list:
-    return [[n, list(p.shape), str(p.dtype).replace("torch.", "")]
-            for n, p in model.named_parameters(remove_duplicate=False)]
+    return [
+        [n, list(p.shape), str(p.dtype).replace("torch.", "")]
+        for n, p in model.named_parameters(remove_duplicate=False)
+    ]
 
 
 def _input_meta(node):
@@ -79,25 +82,38 @@ def plan_record(plan) -> dict:
         if "autopar" not in n.meta:
             continue
         lay = layout_of(n)
-        nodes.append({"name": n.name, "target": str(n.target),
-                      "outputs": [_spec_out(s) for s in lay.outputs],
-                      "strategies": [None if s is None else repr(s) for s in lay.strategies],
-                      "reason": lay.reason})
+        nodes.append(
+            {
+                "name": n.name,
+                "target": str(n.target),
+                "outputs": [_spec_out(s) for s in lay.outputs],
+                "strategies": [None if s is None else repr(s) for s in lay.strategies],
+                "reason": lay.reason,
+            }
+        )
     return {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "model": {"class": type(plan.model).__name__, "params": model_params(plan.model)},
         "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
         "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
-        "autopar_version": _version(), "options": _options_out(plan.options), "dynamic": plan.traced.dynamic,
+        "autopar_version": _version(),
+        "options": _options_out(plan.options),
+        "dynamic": plan.traced.dynamic,
         "auto": plan.built.get("auto"),  # the search's record (ap.plan(auto=...)), JSON
-        "inputs": {"names": list(plan.traced.user_inputs),
-                   "metas": [_input_meta(phs[name]) for name in plan.traced.user_inputs],
-                   "spec": pytree.treespec_dumps(plan.traced.in_spec)},
-        "seeds": {"params": {k: _spec_out(v) for k, v in seeds.params.items()},
-                  "inputs": {k: _spec_out(v) for k, v in seeds.inputs.items()},
-                  "module_outputs": {k: {str(a): placement_text(p) for a, p in v.items()}
-                                     for k, v in seeds.module_outputs.items()},
-                  "reasons": dict(seeds.reasons)},
+        "inputs": {
+            "names": list(plan.traced.user_inputs),
+            "metas": [_input_meta(phs[name]) for name in plan.traced.user_inputs],
+            "spec": pytree.treespec_dumps(plan.traced.in_spec),
+        },
+        "seeds": {
+            "params": {k: _spec_out(v) for k, v in seeds.params.items()},
+            "inputs": {k: _spec_out(v) for k, v in seeds.inputs.items()},
+            "module_outputs": {
+                k: {str(a): placement_text(p) for a, p in v.items()} for k, v in seeds.module_outputs.items()
+            },
+            "reasons": dict(seeds.reasons),
+        },
         "nodes": nodes,
     }
 
@@ -105,6 +121,7 @@ def plan_record(plan) -> dict:
 def _version() -> str:
     try:
         from importlib.metadata import version
+
         return version("autopar")
     except Exception:  # noqa: BLE001 - not installed (running from a checkout)
         return "unknown"
@@ -112,8 +129,11 @@ def _version() -> str:
 
 def _options_out(options) -> dict:
     """ap.PlanOptions as JSON: plain fields as they are, each technique by its own fields()."""
-    out = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-           if f.name not in ("data_parallel", "pipeline", "split_before", "auto")}  # auto: done, see "auto"
+    out = {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)
+        if f.name not in ("data_parallel", "pipeline", "split_before", "auto")
+    }  # auto: done, see "auto"
     dp = options.data_parallel
     out["data_parallel"] = None if dp is None else {"__DataParallel__": dp.fields()}
     return out
@@ -124,6 +144,7 @@ def _options_in(options: dict, path):
     import warnings
     from autopar.options import PlanOptions
     from autopar.parallel.data_parallel import DataParallel
+
     known = {f.name for f in dataclasses.fields(PlanOptions)}
     kept = {}
     for k, v in options.items():
@@ -132,8 +153,9 @@ def _options_in(options: dict, path):
         if k in known:
             kept[k] = v
         elif k not in ("bucket_bytes", "bucket_max_params"):  # version-1 files: now DataParallel's
-            warnings.warn(f"autopar: plan option {k!r} in {path} is not an option of this autopar; ignored.",
-                          stacklevel=3)
+            warnings.warn(
+                f"autopar: plan option {k!r} in {path} is not an option of this autopar; ignored.", stacklevel=3
+            )
     return PlanOptions(**kept)
 
 
@@ -159,8 +181,10 @@ def load_plan(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=No
     _check_model(rec, model, path)
     saved_mesh = Mesh(tuple(rec["mesh"]["shape"]), tuple(rec["mesh"]["axes"]))
     if mesh is not None and (tuple(mesh.shape) != saved_mesh.shape or tuple(mesh.axis_names) != saved_mesh.axis_names):
-        raise PlanFileError(f"{path} was saved for mesh {saved_mesh}, not {mesh}: plan again with "
-                            "ap.plan(...) on the new mesh (layouts depend on the mesh).")
+        raise PlanFileError(
+            f"{path} was saved for mesh {saved_mesh}, not {mesh}: plan again with "
+            "ap.plan(...) on the new mesh (layouts depend on the mesh)."
+        )
     if args is None and kwargs is None:
         args, kwargs = example_inputs(rec)
     return _rebuild(rec, model, saved_mesh, args if isinstance(args, tuple) else (args,), kwargs, path)
@@ -170,8 +194,9 @@ def _check_header(rec, path) -> None:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise PlanFileError(f"{path} is not an autopar plan file (no 'format': {FORMAT!r}).")
     if rec.get("version", 0) > VERSION:
-        raise PlanFileError(f"{path} has plan format version {rec['version']}; this autopar reads "
-                            f"up to {VERSION}. Upgrade autopar.")
+        raise PlanFileError(
+            f"{path} has plan format version {rec['version']}; this autopar reads up to {VERSION}. Upgrade autopar."
+        )
 
 
 def _check_model(rec, model, path) -> None:
@@ -187,7 +212,8 @@ def _check_model(rec, model, path) -> None:
                 f"{path} was saved for another {saved['class']}: parameter {name!r} is "
                 f"{'missing' if h is None else f'shape {h[0]} {h[1]}'} in this model but "
                 f"{'absent' if w is None else f'shape {w[0]} {w[1]}'} in the plan. Load it with the "
-                "model configuration it was planned for, or plan this model anew.")
+                "model configuration it was planned for, or plan this model anew."
+            )
 
 
 def example_inputs(rec) -> tuple[tuple, dict]:
@@ -208,16 +234,26 @@ def example_inputs(rec) -> tuple[tuple, dict]:
 def _rebuild(rec, model, mesh, args, kwargs, path):
     from autopar.planner import make_plan
     from autopar.sharding.annotations import Seeds
+
     s = rec["seeds"]
-    seeds = Seeds({k: _spec_in(v) for k, v in s["params"].items()},
-                  {k: _spec_in(v) for k, v in s["inputs"].items()},
-                  {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
-                  dict(s["reasons"]))
+    seeds = Seeds(
+        {k: _spec_in(v) for k, v in s["params"].items()},
+        {k: _spec_in(v) for k, v in s["inputs"].items()},
+        {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
+        dict(s["reasons"]),
+    )
     options = _options_in(rec["options"], path)
     if "dynamic" in rec:
         options = options.replace(dynamic=rec["dynamic"])
-    plan = make_plan(model, mesh, options, args=args, kwargs=kwargs, seeds=seeds,
-                     enforce=lambda graph: _enforce(graph, rec["nodes"], mesh, path))
+    plan = make_plan(
+        model,
+        mesh,
+        options,
+        args=args,
+        kwargs=kwargs,
+        seeds=seeds,
+        enforce=lambda graph: _enforce(graph, rec["nodes"], mesh, path),
+    )
     if rec.get("auto") is not None:
         plan.built["auto"] = rec["auto"]
     return plan
@@ -226,24 +262,34 @@ def _rebuild(rec, model, mesh, args, kwargs, path):
 def _enforce(graph, saved_nodes, mesh, path) -> None:
     """Give every node its recorded strategies; then require the recorded layouts exactly."""
     from autopar.sharding.rules import get_rule
+
     nodes = {n.name: n for n in graph.nodes if "autopar" in n.meta}
     if set(nodes) != {r["name"] for r in saved_nodes}:
         extra = sorted(set(nodes) ^ {r["name"] for r in saved_nodes})[:5]
-        raise PlanFileError(f"{path}: the model traces to another graph than the saved plan's "
-                            f"(nodes {extra} differ): its code changed since the plan was saved. Plan it anew.")
+        raise PlanFileError(
+            f"{path}: the model traces to another graph than the saved plan's "
+            f"(nodes {extra} differ): its code changed since the plan was saved. Plan it anew."
+        )
     for r in saved_nodes:
         node = nodes[r["name"]]
         if str(node.target) != r["target"]:
-            raise PlanFileError(f"{path}: node {node.name!r} is {node.target} now but was {r['target']} "
-                                "when the plan was saved; plan the model anew.")
+            raise PlanFileError(
+                f"{path}: node {node.name!r} is {node.target} now but was {r['target']} "
+                "when the plan was saved; plan the model anew."
+            )
         lay = layout_of(node)
         recorded = r["strategies"]
-        if node.op == "call_function" and any(recorded) and [
-                None if x is None else repr(x) for x in lay.strategies] != recorded:
+        if (
+            node.op == "call_function"
+            and any(recorded)
+            and [None if x is None else repr(x) for x in lay.strategies] != recorded
+        ):
             node.meta["autopar"] = _forced_layout(node, lay, recorded, get_rule(node.target), mesh, r["reason"])
         if [_spec_out(o) for o in layout_of(node).outputs] != r["outputs"]:
-            raise PlanFileError(f"{path}: node {node.name!r} comes out {layout_of(node).outputs} but the plan "
-                                f"recorded {r['outputs']}; plan the model anew.")
+            raise PlanFileError(
+                f"{path}: node {node.name!r} comes out {layout_of(node).outputs} but the plan "
+                f"recorded {r['outputs']}; plan the model anew."
+            )
 
 
 def _forced_layout(node, lay, recorded, rule, mesh, reason) -> Layout:
@@ -251,11 +297,12 @@ def _forced_layout(node, lay, recorded, rule, mesh, reason) -> Layout:
     chosen = []
     for axis, text in enumerate(recorded):
         if text not in offered:
-            raise PlanFileError(f"node {node.name!r}: the saved strategy {text} on axis "
-                                f"{mesh.axis_names[axis]!r} is no longer offered by {getattr(rule, '__name__', rule)}.")
+            raise PlanFileError(
+                f"node {node.name!r}: the saved strategy {text} on axis "
+                f"{mesh.axis_names[axis]!r} is no longer offered by {getattr(rule, '__name__', rule)}."
+            )
         chosen.append(offered[text])
     ins = tensor_inputs(node)
     outputs = [tuple(chosen[a].outputs[j] for a in range(mesh.ndim)) for j in range(len(lay.outputs))]
     targets = [tuple(chosen[a].inputs[i] for a in range(mesh.ndim)) for i in range(len(ins))]
-    return Layout(outputs, ins, targets, tuple(chosen), f"restored from the plan file: {reason}",
-                  lay.alternatives)
+    return Layout(outputs, ins, targets, tuple(chosen), f"restored from the plan file: {reason}", lay.alternatives)

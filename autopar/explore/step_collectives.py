@@ -10,6 +10,7 @@ Example:
     >>> for c in plan.collectives(): print(c)
     Comm(all_reduce on tp, forward, 2048 B, at add_tensor_1 (blocks.0.attn.proj))
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,12 +28,12 @@ from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps
 class Comm:
     kind: str
     axis: str
-    phase: str       # forward | backward | grad sync
-    bytes: float     # per rank
+    phase: str  # forward | backward | grad sync
+    bytes: float  # per rank
     node: str
     module: str
     formula: sympy.Expr | None = field(default=None, compare=False)  # bytes in B, S, ..., dp, tp
-    src: str = ""    # the value moved (a node name), "" for gradient buckets
+    src: str = ""  # the value moved (a node name), "" for gradient buckets
 
     def __str__(self) -> str:
         where = f"{self.node} ({self.module})" if self.module else self.node
@@ -58,8 +59,11 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
         back = STEP_KINDS[st.kind].backward
         if st.kind == "all_gather" and st.axis in f_axes:  # emitted as all_gather_rs
             f_axes.discard(st.axis)
-            out.append(_comm(sy, "reduce_scatter", axis, "backward", ring_bytes("reduce_scatter", n * local, n),
-                             *where, src.name))
+            out.append(
+                _comm(
+                    sy, "reduce_scatter", axis, "backward", ring_bytes("reduce_scatter", n * local, n), *where, src.name
+                )
+            )
             back = None
         if back and layout_of(src).outputs and plan.ctx.needs_grad.get(src):
             out.append(_comm(sy, back, axis, "backward", backward_bytes(st, local, n), *where, src.name))
@@ -67,8 +71,11 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
     for a in sorted(f_axes):
         n = sy.axes[a]
         local = sy.local_bytes(src, tuple(cur))
-        out.append(_comm(sy, "all_reduce", mesh.axis_names[a], "backward", ring_bytes("all_reduce", local, n),
-                         *where, src.name))
+        out.append(
+            _comm(
+                sy, "all_reduce", mesh.axis_names[a], "backward", ring_bytes("all_reduce", local, n), *where, src.name
+            )
+        )
 
 
 def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
@@ -108,8 +115,10 @@ def _lowering_comms(plan, node, sy) -> list[Comm]:
         return []
     lowering, axis = found
     where = (node.name, module_path(node))
-    return [_comm(sy, kind, plan.mesh.axis_names[a], phase, b, *where)
-            for kind, a, phase, b in lowering.comms(plan, node, axis, sy)]
+    return [
+        _comm(sy, kind, plan.mesh.axis_names[a], phase, b, *where)
+        for kind, a, phase, b in lowering.comms(plan, node, axis, sy)
+    ]
 
 
 def _sync_comms(plan, sy) -> list[Comm]:
@@ -124,11 +133,21 @@ def _sync_comms(plan, sy) -> list[Comm]:
         for a in b.axes:
             n, axis = sy.axes[a], mesh.axis_names[a]
             if a == plan.dp_axis and dp is not None:
-                out += [_comm(sy, kind, axis, phase, nbytes, *where)
-                        for kind, phase, nbytes in dp.bucket_comms(numel, b.dtype, n)]
+                out += [
+                    _comm(sy, kind, axis, phase, nbytes, *where)
+                    for kind, phase, nbytes in dp.bucket_comms(numel, b.dtype, n)
+                ]
             else:
-                out.append(_comm(sy, "all_reduce", axis, "grad sync",
-                                 ring_bytes("all_reduce", numel * b.dtype.itemsize, n), *where))
+                out.append(
+                    _comm(
+                        sy,
+                        "all_reduce",
+                        axis,
+                        "grad sync",
+                        ring_bytes("all_reduce", numel * b.dtype.itemsize, n),
+                        *where,
+                    )
+                )
     return out
 
 

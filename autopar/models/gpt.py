@@ -9,6 +9,7 @@ Example:
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
     >>> logits, loss = model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
 """
+
 from __future__ import annotations
 
 import math

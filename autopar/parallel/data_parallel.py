@@ -26,6 +26,7 @@ Example:
     >>> dp = ap.DataParallel("dp", bucket_mb=4, zero=2, reduce_dtype=torch.bfloat16)
     >>> plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel=dp)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.parallel.technique import Technique
 
-DEFAULT_BUCKET_MB = 25.0      # DDP's bucket_cap_mb
+DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
 DEFAULT_FIRST_BUCKET_MB = 1.0  # as DDP: a small first bucket starts communication early
 
 
@@ -52,9 +53,9 @@ class DataParallel(Technique):
     local_sgd_every: int | None = None
     reduce_dtype: torch.dtype | None = None
     first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
-    reshard_after_forward: bool = True   # zero=3: free gathered blocks after forward
-    prefetch: int = 1                    # zero=3: blocks whose gather is started ahead
-    shard_size: int | None = None        # zero=3 HSDP: shard group size (None: the dp axis)
+    reshard_after_forward: bool = True  # zero=3: free gathered blocks after forward
+    prefetch: int = 1  # zero=3: blocks whose gather is started ahead
+    shard_size: int | None = None  # zero=3 HSDP: shard group size (None: the dp axis)
     param_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
 
@@ -64,33 +65,45 @@ class DataParallel(Technique):
         if not isinstance(self.axis, str):
             raise DataParallelError(f"DataParallel axis must be a mesh axis name, got {self.axis!r}.")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
-            raise DataParallelError(f"DataParallel(bucket_mb={self.bucket_mb}, first_bucket_mb={self.first_bucket_mb}) "
-                                    "must be > 0 (DDP's defaults: 25 and 1).")
+            raise DataParallelError(
+                f"DataParallel(bucket_mb={self.bucket_mb}, first_bucket_mb={self.first_bucket_mb}) "
+                "must be > 0 (DDP's defaults: 25 and 1)."
+            )
         if self.bucket_max_params is not None and self.bucket_max_params < 1:
             raise DataParallelError("DataParallel(bucket_max_params=...) must be None or >= 1.")
         if self.zero not in (0, 1, 2, 3):
-            raise DataParallelError(f"DataParallel(zero={self.zero!r}): use 0 (off), 1 (optimizer state "
-                                    "sharded), 2 (optimizer state and gradients sharded) or 3 (parameters too).")
+            raise DataParallelError(
+                f"DataParallel(zero={self.zero!r}): use 0 (off), 1 (optimizer state "
+                "sharded), 2 (optimizer state and gradients sharded) or 3 (parameters too)."
+            )
         if (self.shard_size is not None or not self.reshard_after_forward or self.prefetch != 1) and self.zero != 3:
-            raise DataParallelError("DataParallel(shard_size=, reshard_after_forward=, prefetch=) configure "
-                                    "fully sharded data parallel: give zero=3 with them.")
+            raise DataParallelError(
+                "DataParallel(shard_size=, reshard_after_forward=, prefetch=) configure "
+                "fully sharded data parallel: give zero=3 with them."
+            )
         if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
             raise DataParallelError(f"DataParallel(prefetch={self.prefetch!r}) must be an int >= 0.")
         for key in ("param_dtype", "output_dtype"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise DataParallelError(f"DataParallel({key}={value!r}) must be a floating torch dtype or None.")
-        if self.local_sgd_every is not None and (not isinstance(self.local_sgd_every, int)
-                                                 or self.local_sgd_every < 1):
-            raise DataParallelError(f"DataParallel(local_sgd_every={self.local_sgd_every!r}) must be None "
-                                    "or a positive number of optimizer steps.")
+        if self.local_sgd_every is not None and (not isinstance(self.local_sgd_every, int) or self.local_sgd_every < 1):
+            raise DataParallelError(
+                f"DataParallel(local_sgd_every={self.local_sgd_every!r}) must be None "
+                "or a positive number of optimizer steps."
+            )
         if self.zero and self.local_sgd_every is not None:
-            raise DataParallelError("DataParallel: zero and local_sgd_every exclude each other (local SGD "
-                                    "steps every rank on its own full optimizer state); pick one.")
-        if self.reduce_dtype is not None and not (isinstance(self.reduce_dtype, torch.dtype)
-                                                  and self.reduce_dtype.is_floating_point):
-            raise DataParallelError(f"DataParallel(reduce_dtype={self.reduce_dtype!r}) must be a floating "
-                                    "torch dtype such as torch.bfloat16, or None.")
+            raise DataParallelError(
+                "DataParallel: zero and local_sgd_every exclude each other (local SGD "
+                "steps every rank on its own full optimizer state); pick one."
+            )
+        if self.reduce_dtype is not None and not (
+            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
+        ):
+            raise DataParallelError(
+                f"DataParallel(reduce_dtype={self.reduce_dtype!r}) must be a floating "
+                "torch dtype such as torch.bfloat16, or None."
+            )
 
     @property
     def bucket_bytes(self) -> int:
@@ -107,8 +120,7 @@ class DataParallel(Technique):
             return value
         if isinstance(value, str):
             return cls(value)
-        raise DataParallelError(f"data_parallel={value!r}: give a mesh axis name ('dp') or "
-                                "ap.DataParallel('dp', ...).")
+        raise DataParallelError(f"data_parallel={value!r}: give a mesh axis name ('dp') or ap.DataParallel('dp', ...).")
 
     def __str__(self) -> str:
         parts = [repr(self.axis), f"bucket_mb={self.bucket_mb:g}"]
@@ -122,8 +134,13 @@ class DataParallel(Technique):
             parts.append(f"reduce_dtype={self.reduce_dtype}")
         if self.first_bucket_mb != DEFAULT_FIRST_BUCKET_MB:
             parts.append(f"first_bucket_mb={self.first_bucket_mb:g}")
-        for key, default in (("reshard_after_forward", True), ("prefetch", 1), ("shard_size", None),
-                             ("param_dtype", None), ("output_dtype", None)):
+        for key, default in (
+            ("reshard_after_forward", True),
+            ("prefetch", 1),
+            ("shard_size", None),
+            ("param_dtype", None),
+            ("output_dtype", None),
+        ):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")
         return f"DataParallel({', '.join(parts)})"
@@ -132,11 +149,15 @@ class DataParallel(Technique):
     def validate(self, mesh, options, annotations: dict) -> None:
         n = mesh.shape[mesh.axis_index(self.axis)]
         if self.zero == 3 and options.pipeline is not None:
-            raise DataParallelError("DataParallel(zero=3) inside pipeline stages is not implemented yet (the "
-                                    "stage modules do not gather): use zero=2 with ap.Pipeline.")
+            raise DataParallelError(
+                "DataParallel(zero=3) inside pipeline stages is not implemented yet (the "
+                "stage modules do not gather): use zero=2 with ap.Pipeline."
+            )
         if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
-            raise DataParallelError(f"DataParallel(shard_size={self.shard_size}) must divide the size of "
-                                    f"the data-parallel axis {self.axis!r} ({n}).")
+            raise DataParallelError(
+                f"DataParallel(shard_size={self.shard_size}) must divide the size of "
+                f"the data-parallel axis {self.axis!r} ({n})."
+            )
 
     def data_axis(self) -> str:
         return self.axis
@@ -146,9 +167,11 @@ class DataParallel(Technique):
         attached for every plan)."""
         if self.zero == 3:
             from autopar.parallel import fsdp
+
             fsdp.attach(plan, module, rank)
         if self.local_sgd_every is not None and hasattr(module, "autopar_grad_sync"):
             from autopar.parallel.local_sgd import LocalSGD
+
             module.autopar_local_sgd = LocalSGD(module.autopar_grad_sync, self.local_sgd_every)
 
     def bucket_comms(self, numel, dtype: torch.dtype, n) -> list[tuple]:
@@ -189,6 +212,7 @@ class DataParallel(Technique):
     @staticmethod
     def _fsdp():
         from autopar.parallel import fsdp
+
         return fsdp
 
     _DTYPES = ("reduce_dtype", "param_dtype", "output_dtype")
@@ -214,7 +238,11 @@ def bucket_sync(zero: int, n, wire_bytes, param_bytes) -> list[tuple]:
     ``wire_bytes`` of gradient on the wire, ``param_bytes`` of parameters (ZeRO all-gathers them
     after the step). The one definition the plan's collectives and the search's costs share."""
     from autopar.sharding.redistribute import ring_bytes
-    sync = ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire_bytes, n)) if zero == 2 else \
-        ("all_reduce", "grad sync", ring_bytes("all_reduce", wire_bytes, n))
+
+    sync = (
+        ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire_bytes, n))
+        if zero == 2
+        else ("all_reduce", "grad sync", ring_bytes("all_reduce", wire_bytes, n))
+    )
     gather = [("all_gather", "optimizer", ring_bytes("all_gather", param_bytes / n, n))] if zero else []
     return [sync] + gather

@@ -5,6 +5,7 @@ Example:
     >>> for b in plan.grad_buckets(): print(b.names, b.nbytes)
     >>> plan.memory_per_rank(state_slots=2)["optimizer_state"]   # bytes on rank 0 (Adam: 2 slots)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,16 @@ def param_order(plan) -> list[str]:
 
 def attach(plan, gm: torch.nn.Module, rank: int) -> None:
     """Give ``gm`` its gradient sync (and local SGD, if asked) as plan.build_module does."""
-    sync = GradSync(gm, sync_axes_all_names(plan), plan.mesh, rank, *bucket_limits(plan)[:2],
-                    dp=plan.data_parallel, dp_axis=plan.dp_axis, order=param_order(plan))
+    sync = GradSync(
+        gm,
+        sync_axes_all_names(plan),
+        plan.mesh,
+        rank,
+        *bucket_limits(plan)[:2],
+        dp=plan.data_parallel,
+        dp_axis=plan.dp_axis,
+        order=param_order(plan),
+    )
     gm.autopar_grad_sync = sync
     gm.no_sync = sync.no_sync
 
@@ -65,9 +74,21 @@ def exact_gradients(plan):
     """The plan with plain fp32 all-reduce on dp (what Plan.check compares with serial):
     ZeRO, local SGD and a reduce dtype change what the optimizer gets, not the layouts."""
     dp = plan.data_parallel
-    exact = dataclasses.replace(dp, zero=0, local_sgd_every=None, reduce_dtype=None, reshard_after_forward=True,
-                                prefetch=1, shard_size=None, param_dtype=None, output_dtype=None) \
-        if dp is not None else None
+    exact = (
+        dataclasses.replace(
+            dp,
+            zero=0,
+            local_sgd_every=None,
+            reduce_dtype=None,
+            reshard_after_forward=True,
+            prefetch=1,
+            shard_size=None,
+            param_dtype=None,
+            output_dtype=None,
+        )
+        if dp is not None
+        else None
+    )
     return plan if exact == dp else plan.with_data_parallel(exact)
 
 
@@ -105,9 +126,14 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]
             if plan.dp_axis in b.axes:
                 kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
     grads = kept if dp is not None and dp.zero == 2 else trainable
-    mem = {"params": total, "grads": grads, "optimizer_state": state_slots * kept,
-           "optimizer_state_unsharded": state_slots * trainable, "dp": n,
-           "zero": dp.zero if dp is not None else 0}
+    mem = {
+        "params": total,
+        "grads": grads,
+        "optimizer_state": state_slots * kept,
+        "optimizer_state_unsharded": state_slots * trainable,
+        "dp": n,
+        "zero": dp.zero if dp is not None else 0,
+    }
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
     return mem

@@ -34,6 +34,7 @@ Example:
     >>> plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel=dp)
     >>> module = plan.module(rank); opt = torch.optim.AdamW(module.parameters())   # pieces
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,6 +53,7 @@ RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the prog
 @dataclass
 class FlatBucket:
     """One gathered unit: parameters (canonical names) laid end to end, padded to k chunks."""
+
     key: str
     names: list[str]
     shapes: list[tuple]
@@ -117,6 +119,7 @@ def buckets(plan) -> list[FlatBucket]:
     """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
     parameters of one block and dtype (the embedding and the head are separate buckets)."""
     from autopar.parallel.dp_module import local_params
+
     local, k = local_params(plan), shard_size(plan)
     out: list[FlatBucket] = []
     for name in first_use_order(plan):
@@ -142,8 +145,8 @@ def groups(plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     consecutive ranks (shard) and the ranks at the same position in each (replica)."""
     dp_group, k = plan.mesh.group(plan.dp_axis, rank), shard_size(plan)
     i = dp_group.index(rank)
-    shard = dp_group[i - i % k: i - i % k + k]
-    replica = dp_group[i % k::k]
+    shard = dp_group[i - i % k : i - i % k + k]
+    replica = dp_group[i % k :: k]
     return tuple(shard), tuple(replica)
 
 
@@ -180,7 +183,7 @@ def stored(plan, rank: int, fqn: str, local: torch.Tensor) -> torch.Tensor:
     chunk_lo = shard.index(rank) * b.chunk
     flat = local.reshape(-1)
     a = chunk_lo + lo - start
-    return flat[a: a + (hi - lo)].clone() if hi > lo else flat.new_zeros(0)
+    return flat[a : a + (hi - lo)].clone() if hi > lo else flat.new_zeros(0)
 
 
 def restored(plan, per_rank: list[dict]) -> list[dict]:
@@ -268,6 +271,7 @@ def cast_floating(x, dtype):
 
 def cast_outputs(outs, dtype):
     import torch.utils._pytree as pytree
+
     return pytree.tree_map(lambda v: cast_floating(v, dtype), outs)
 
 
@@ -323,6 +327,7 @@ class _Gather(torch.autograd.Function):
 @dataclass(frozen=True)
 class _Packed:
     """A saved tensor that lived in bucket k's gathered flat: gathered again in backward."""
+
     k: int
     offset: int
     size: tuple
@@ -394,7 +399,7 @@ class FSDPRuntime:
 
     def views(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.buckets[k]
-        return [flat[o: o + _numel(s)].view(s) for o, s in zip(b.offsets, b.shapes)]
+        return [flat[o : o + _numel(s)].view(s) for o, s in zip(b.offsets, b.shapes)]
 
     def gathered(self, k: int) -> list[torch.Tensor]:
         """Bucket k gathered (waiting for its prefetch), the next buckets' gathers started."""
@@ -411,7 +416,7 @@ class FSDPRuntime:
         if k not in self.regather:
             self.regather[k] = self._wait(k)
             i = self.saved_order.index(k)
-            for j in self.saved_order[max(0, i - self.prefetch): i][::-1]:
+            for j in self.saved_order[max(0, i - self.prefetch) : i][::-1]:
                 if j not in self.regather and j not in self.pending:
                     self._start(j)
         return self.regather[k]
@@ -454,7 +459,7 @@ class FSDPRuntime:
         total = len(self.shard) * len(self.replica)
         for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):
             if g is not None:
-                part = flat[o: o + _numel(s)]
+                part = flat[o : o + _numel(s)]
                 part.copy_(g.reshape(-1))
                 if whole:  # every rank holds the whole gradient: the sums below count it once
                     part.div_(total)
@@ -495,8 +500,9 @@ def attach(plan, module, rank: int) -> None:
 
     @contextlib.contextmanager
     def no_sync():
-        with runtime.no_sync(), (grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext()):
+        with runtime.no_sync(), grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext():
             yield
+
     module.no_sync = no_sync
 
 
@@ -511,24 +517,33 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     and the ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward)."""
     dp, k = plan.data_parallel, shard_size(plan)
     from autopar.parallel.dp_module import local_params
+
     local, index = local_params(plan, rank), bucket_index(plan)
     bs = buckets_cached(plan)
     whole = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index)
-    whole_trainable = sum(p.numel() * p.element_size() for n, p in local.items()
-                          if n not in index and p.requires_grad)
+    whole_trainable = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index and p.requires_grad)
     pieces = sum(b.chunk * b.dtype.itemsize for b in bs)
     trainable = sum(b.chunk * b.dtype.itemsize for b in bs if any(local[n].requires_grad for n in b.names))
     full = [b.chunk * k * (dp.param_dtype or b.dtype).itemsize for b in bs]
     window = 1 + dp.prefetch
-    gathered = sum(full) if not dp.reshard_after_forward else \
-        max((sum(full[i: i + window]) for i in range(len(full))), default=0)
+    gathered = (
+        sum(full)
+        if not dp.reshard_after_forward
+        else max((sum(full[i : i + window]) for i in range(len(full))), default=0)
+    )
     # backward of one bucket: autograd's full gradients of it and the flat handed to the reduce-scatter
     grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
     reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
     out = dict(mem)
-    out.update(params=whole + pieces, grads=whole_trainable + trainable,
-               optimizer_state=state_slots * (whole_trainable + trainable), gathered=gathered,
-               reduce_buffers=reducing, params_unsharded=mem["params"], shard_size=k)
+    out.update(
+        params=whole + pieces,
+        grads=whole_trainable + trainable,
+        optimizer_state=state_slots * (whole_trainable + trainable),
+        gathered=gathered,
+        reduce_buffers=reducing,
+        params_unsharded=mem["params"],
+        shard_size=k,
+    )
     return out
 
 
@@ -538,6 +553,7 @@ def collectives(plan, sy) -> list:
     import sympy
     from autopar.explore.step_collectives import _comm
     from autopar.sharding.redistribute import ring_bytes
+
     dp, k = plan.data_parallel, shard_size(plan)
     r = plan.mesh.shape[plan.dp_axis] // k
     axis = plan.mesh.axis_names[plan.dp_axis]
@@ -549,8 +565,13 @@ def collectives(plan, sy) -> list:
         out.append(_comm(sy, "all_gather", axis, "forward", gather, *where))
         if dp.reshard_after_forward:
             out.append(_comm(sy, "all_gather", axis, "backward", gather, *where))
-        out.append(_comm(sy, "reduce_scatter", axis, "grad sync",
-                         sympy.Float(ring_bytes("reduce_scatter", grad * k, k)), *where))
+        out.append(
+            _comm(
+                sy, "reduce_scatter", axis, "grad sync", sympy.Float(ring_bytes("reduce_scatter", grad * k, k)), *where
+            )
+        )
         if r > 1:
-            out.append(_comm(sy, "all_reduce", axis, "grad sync", sympy.Float(ring_bytes("all_reduce", grad, r)), *where))
+            out.append(
+                _comm(sy, "all_reduce", axis, "grad sync", sympy.Float(ring_bytes("all_reduce", grad, r)), *where)
+            )
     return out

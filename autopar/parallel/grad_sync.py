@@ -22,6 +22,7 @@ Example:
     >>> loss.backward()      # gradients of fc.weight are now summed over axis 0
     >>> with sync.no_sync(): loss2.backward()   # accumulate locally, sync on the next backward
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,14 @@ class Bucket:
         return self.numel * self.dtype.itemsize
 
 
-def make_buckets(params: dict[str, torch.nn.Parameter], sync_axes: dict[str, tuple[int, ...]],
-                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20), bucket_max_params: int | None = None,
-                 order: list[str] | None = None, first_bucket_bytes: int | None = None) -> list[Bucket]:
+def make_buckets(
+    params: dict[str, torch.nn.Parameter],
+    sync_axes: dict[str, tuple[int, ...]],
+    bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
+    bucket_max_params: int | None = None,
+    order: list[str] | None = None,
+    first_bucket_bytes: int | None = None,
+) -> list[Bucket]:
     """Deterministic buckets (same on every rank) for the parameters that need a sync.
 
     ``order``: parameter names in the order their gradients become ready (default: reverse
@@ -81,9 +87,18 @@ def make_buckets(params: dict[str, torch.nn.Parameter], sync_axes: dict[str, tup
 class GradSync:
     """Hooks on a module's parameters that sum their gradients over the given mesh axes."""
 
-    def __init__(self, module: torch.nn.Module, sync_axes: dict[str, tuple[int, ...]], mesh, rank: int,
-                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20), bucket_max_params: int | None = None,
-                 dp: DataParallel | None = None, dp_axis: int | None = None, order: list[str] | None = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        sync_axes: dict[str, tuple[int, ...]],
+        mesh,
+        rank: int,
+        bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
+        bucket_max_params: int | None = None,
+        dp: DataParallel | None = None,
+        dp_axis: int | None = None,
+        order: list[str] | None = None,
+    ):
         self.mesh, self.rank, self.dp, self.dp_axis = mesh, rank, dp, dp_axis
         first = None
         if dp is not None:
@@ -96,6 +111,7 @@ class GradSync:
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
         if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
             from autopar.parallel.zero import ZeroShards
+
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         self._reset()
         self.held: set[int] = set()  # buckets whose .grad hold synced sums (no zero_grad since)
@@ -166,6 +182,7 @@ class GradSync:
             while self.next < len(self.buckets) and self.ready[self.next] >= len(self.buckets[self.next].names):
                 self._launch(self.next)
                 self.next += 1
+
         return hook
 
     # ------------------------------------------------------------------------ launching
@@ -223,13 +240,17 @@ class GradSync:
             raise DataParallelError(
                 f"DataParallel(zero={self.dp.zero}): gradients are sharded over the ranks, so a plain optimizer "
                 "would step on partial or missing gradients. Make the optimizer with "
-                "ap.ZeroOptimizer(module, torch.optim.AdamW, lr=...) (or plan.zero_optimizer(...)) before backward.")
+                "ap.ZeroOptimizer(module, torch.optim.AdamW, lr=...) (or plan.zero_optimizer(...)) before backward."
+            )
 
     def _write_back(self, bucket: Bucket, flat: torch.Tensor) -> None:
         params = [self.params[n] for n in bucket.names]
         pieces = flat[: bucket.numel].split([p.numel() for p in params])  # views, one C++ call
-        have = [(p.grad.view(-1), piece) for p, piece in zip(params, pieces)
-                if p.grad is not None and p.grad.is_contiguous()]
+        have = [
+            (p.grad.view(-1), piece)
+            for p, piece in zip(params, pieces)
+            if p.grad is not None and p.grad.is_contiguous()
+        ]
         if have:  # one fused copy for the bucket (per-parameter copies cost ~10 us each in Python)
             torch._foreach_copy_([g for g, _ in have], [piece for _, piece in have])
         for p, piece in zip(params, pieces):

@@ -12,6 +12,7 @@ Example:
     >>> module.autopar_local_sgd.attach(opt)      # opt.step() now averages every k steps
     >>> for x in batches: loss = module(x).mean(); loss.backward(); opt.step(); opt.zero_grad()
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,5 +51,5 @@ class LocalSGD:
             offset = 0
             for n in b.names:
                 p = sync.params[n]
-                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()

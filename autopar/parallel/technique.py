@@ -17,6 +17,7 @@ Example (the shape of a new technique):
     ...     def validate(self, mesh, options, annotations): mesh.axis_index(self.axis)
     ...     def attach(self, plan, module, rank): module.my_hook = ...
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -17,6 +17,7 @@ Example:
     >>> loss.backward(); opt.step(); opt.zero_grad()
     >>> opt.state_bytes()                        # this rank's optimizer-state bytes (1/dp)
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -32,9 +33,9 @@ WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor")
 
 @dataclass
 class Piece:
-    name: str             # the parameter this piece belongs to
+    name: str  # the parameter this piece belongs to
     tensor: torch.Tensor  # 1-D view of the bucket's flat buffer: what the optimizer steps
-    lo: int               # offsets within this rank's slice of the bucket
+    lo: int  # offsets within this rank's slice of the bucket
     hi: int
 
 
@@ -63,8 +64,8 @@ class ZeroShards:
             for name in bucket.names:
                 p = params[name]
                 k = p.numel()
-                flat[offset: offset + k].copy_(p.detach().reshape(-1))
-                p.data = flat[offset: offset + k].view_as(p)  # the parameter now lives in the flat
+                flat[offset : offset + k].copy_(p.detach().reshape(-1))
+                p.data = flat[offset : offset + k].view_as(p)  # the parameter now lives in the flat
                 a, b = max(offset, lo), min(offset + k, hi)
                 if a < b:
                     pieces.append(Piece(name, flat[a:b], a - lo, b - lo))
@@ -74,13 +75,13 @@ class ZeroShards:
     def own_slice(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a bucket-sized flat tensor (the padding left out)."""
         c = self.chunk(i)
-        return full[self.pos * c: min((self.pos + 1) * c, full.numel())]
+        return full[self.pos * c : min((self.pos + 1) * c, full.numel())]
 
     def set_grad(self, i: int, chunk: torch.Tensor, accumulate: bool = True) -> None:
         """Hand this rank's reduced gradient slice of bucket ``i`` to its pieces (ZeRO-2 adds it
         to what they hold: backwards without zero_grad accumulate, as parameters' .grad do)."""
         for piece in self.pieces[i]:
-            g = chunk[piece.lo: piece.hi]
+            g = chunk[piece.lo : piece.hi]
             held = piece.tensor.grad
             piece.tensor.grad = held.add_(g) if accumulate and held is not None else g
 
@@ -92,7 +93,7 @@ class ZeroShards:
         backend, group, works = current_backend(), self.sync.dp_group(), []
         for i in self.bucket_ids:
             c = self.chunk(i)
-            mine = self.flats[i][self.pos * c: (self.pos + 1) * c].clone()
+            mine = self.flats[i][self.pos * c : (self.pos + 1) * c].clone()
             works.append(backend.all_gather_async(self.flats[i], mine, group, self.sync.rank))
         for w in works:
             w.wait()
@@ -109,17 +110,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         >>> opt = ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-3)
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer_class, param_groups: list[dict] | None = None,
-                 **defaults):
+    def __init__(self, module: torch.nn.Module, optimizer_class, param_groups: list[dict] | None = None, **defaults):
         sync = getattr(module, "autopar_grad_sync", None)
         if sync is None or sync.zero is None:
-            raise DataParallelError("ap.ZeroOptimizer needs a module planned with "
-                                    "data_parallel=ap.DataParallel('dp', zero=1 or 2); for zero=0 and zero=3 use "
-                                    f"{getattr(optimizer_class, '__name__', optimizer_class)}(module.parameters()).")
+            raise DataParallelError(
+                "ap.ZeroOptimizer needs a module planned with "
+                "data_parallel=ap.DataParallel('dp', zero=1 or 2); for zero=0 and zero=3 use "
+                f"{getattr(optimizer_class, '__name__', optimizer_class)}(module.parameters())."
+            )
         if getattr(optimizer_class, "__name__", "") in WHOLE_TENSOR_OPTIMIZERS:
-            raise DataParallelError(f"{optimizer_class.__name__} needs whole parameter tensors; ZeRO gives each "
-                                    "rank a flat slice. Use an elementwise optimizer (SGD, Adam, AdamW, ...) "
-                                    "or zero=0.")
+            raise DataParallelError(
+                f"{optimizer_class.__name__} needs whole parameter tensors; ZeRO gives each "
+                "rank a flat slice. Use an elementwise optimizer (SGD, Adam, AdamW, ...) "
+                "or zero=0."
+            )
         self.module, self.shards = module, sync.zero
         groups = self._groups(sync, param_groups or [])
         self.optim = optimizer_class(groups, **defaults)
@@ -134,8 +138,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         tensors += [(n, p) for n, p in sync.params.items() if p.requires_grad and n not in sharded]
         out = [dict(g, params=[]) for g in spec] + [{"params": []}]
         for name, t in tensors:
-            k = next((j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])),
-                     len(spec))
+            k = next(
+                (j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])), len(spec)
+            )
             out[k]["params"].append(t)
         if not out[-1]["params"]:  # a rank may own only padding: keep the group non-empty
             out[-1]["params"].append(torch.zeros(0))
@@ -170,5 +175,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in an optimizer's state (any optimizer)."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )

@@ -20,6 +20,7 @@ Example:
     >>> print(ann.explain())
     >>> plan = ap.plan(model, mesh, kwargs={"input_ids": ids}, annotations=ann)
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,15 +34,35 @@ from autopar.trace.export import trace
 
 aten = torch.ops.aten
 MATMULS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default}
-SIZE_ONLY = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-             aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-             aten.sym_size.int}
-RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
-            aten.clone.default, aten.alias.default}
+SIZE_ONLY = {
+    aten.new_ones.default,
+    aten.new_zeros.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.sym_size.int,
+}
+RESHAPES = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.alias.default,
+}
 TRANSPOSES = {aten.t.default, aten.numpy_T.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-PASS_THROUGH = {aten.view.default, aten.reshape.default, aten.add.Tensor, aten.alias.default,
-                aten._unsafe_view.default, aten.contiguous.default}
+PASS_THROUGH = {
+    aten.view.default,
+    aten.reshape.default,
+    aten.add.Tensor,
+    aten.alias.default,
+    aten._unsafe_view.default,
+    aten.contiguous.default,
+}
 
 
 class Preset(dict):
@@ -55,8 +76,15 @@ class Preset(dict):
         return "\n".join(self.matches)
 
 
-def megatron(model: torch.nn.Module, axis: str = "tp", *, args=(), kwargs=None,
-             sequence_parallel: bool = False, vocab: bool = True) -> Preset:
+def megatron(
+    model: torch.nn.Module,
+    axis: str = "tp",
+    *,
+    args=(),
+    kwargs=None,
+    sequence_parallel: bool = False,
+    vocab: bool = True,
+) -> Preset:
     """The Megatron tensor-parallel annotations for ``model`` on mesh axis ``axis``.
 
     ``args``/``kwargs`` are example inputs to trace with (default: the model's
@@ -65,16 +93,20 @@ def megatron(model: torch.nn.Module, axis: str = "tp", *, args=(), kwargs=None,
     if not args and not kwargs:
         kwargs = dict(getattr(model, "dummy_inputs", None) or {})
         if not kwargs:
-            raise AnnotationError(f"presets.megatron({type(model).__name__}): pass example inputs "
-                                  "(args=... or kwargs=...) to trace the model with.")
+            raise AnnotationError(
+                f"presets.megatron({type(model).__name__}): pass example inputs "
+                "(args=... or kwargs=...) to trace the model with."
+            )
     traced = trace(model, args if isinstance(args, tuple) else (args,), kwargs, dynamic=False)
     g = _Graph(model, traced)
     ann, why = {}, []
     pairs = g.pairs()
     if not pairs:
-        raise AnnotationError(f"presets.megatron({type(model).__name__}): found no column/row-parallel "
-                              "pair of linear layers (a linear feeding another through attention or "
-                              "an activation); annotate with ap.colwise / ap.rowwise by hand.")
+        raise AnnotationError(
+            f"presets.megatron({type(model).__name__}): found no column/row-parallel "
+            "pair of linear layers (a linear feeding another through attention or "
+            "an activation); annotate with ap.colwise / ap.rowwise by hand."
+        )
     sp_out = Shard(1) if sequence_parallel else None
     for row, cols in pairs:
         for c in cols:
@@ -118,7 +150,7 @@ class _Graph:
         self.model, self.traced = model, traced
         self.modules = dict(model.named_modules())
         self.params = set(traced.param_fqn)
-        self.layer_of: dict[fx.Node, str] = {}   # matmul/embedding node -> module path
+        self.layer_of: dict[fx.Node, str] = {}  # matmul/embedding node -> module path
         for node in traced.gm.graph.nodes:
             path = self._weight_owner(node)
             if path is not None:
@@ -195,8 +227,13 @@ class _Graph:
     def _per_head(self, val, own: str) -> bool:
         """A 1-D weight smaller than the layer's input: a norm over one head's dim (qk-norm)."""
         w = getattr(self.modules.get(own), "weight", None)
-        return isinstance(val, torch.Tensor) and val.dim() == 1 and w is not None and w.dim() == 2 \
+        return (
+            isinstance(val, torch.Tensor)
+            and val.dim() == 1
+            and w is not None
+            and w.dim() == 2
             and val.shape[0] < min(w.shape)
+        )
 
     def _side_embedding(self, node) -> bool:
         """An embedding looked up from computed positions (no user input upstream)."""
@@ -267,8 +304,14 @@ class _Graph:
         out = []
         for path, mod in self.modules.items():
             own = list(mod.parameters(recurse=False))
-            if path and own and all(p.dim() == 1 for p in own) and _layer_kind(mod) == "linear" \
-                    and not hasattr(mod, "in_features") and path not in self.linears():
+            if (
+                path
+                and own
+                and all(p.dim() == 1 for p in own)
+                and _layer_kind(mod) == "linear"
+                and not hasattr(mod, "in_features")
+                and path not in self.linears()
+            ):
                 out.append(path)
         return out
 

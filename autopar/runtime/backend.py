@@ -10,6 +10,7 @@ Example:
     >>> with use_backend(SimBackend(world_size=4)):
     ...     y = torch.ops.autopar.all_reduce(x, "tp", [0, 1], 0, "sum")
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +27,14 @@ class Backend(Protocol):
     emitted program uses it in plain eager mode, for a tensor nobody else reads). ``stats``: an ap.comm_stats() sink or None.
     The ``*_async`` forms return a work object with ``wait()`` (the gradient buckets overlap them
     with the backward pass)."""
+
     supports_in_place: bool
     stats: object
 
     def all_reduce(self, x: torch.Tensor, group: tuple, rank: int, op: str) -> torch.Tensor: ...
-    def all_reduce_(self, x: torch.Tensor, group: tuple, rank: int, op: str) -> torch.Tensor: ...  # if supports_in_place
+    def all_reduce_(
+        self, x: torch.Tensor, group: tuple, rank: int, op: str
+    ) -> torch.Tensor: ...  # if supports_in_place
     def all_gather(self, x: torch.Tensor, dim: int, group: tuple, rank: int) -> torch.Tensor: ...
     def reduce_scatter(self, x: torch.Tensor, dim: int, group: tuple, rank: int, op: str) -> torch.Tensor: ...
     def all_to_all(self, x: torch.Tensor, src_dim: int, dst_dim: int, group: tuple, rank: int) -> torch.Tensor: ...
@@ -47,8 +51,10 @@ STATS_SINKS: list = []  # open ap.comm_stats() blocks: backends started inside r
 
 def current_backend():
     if not _GLOBAL:
-        raise RuntimeError("No autopar collective backend is active: run a rank's module through "
-                           "plan.simulate(...), or build it with ap.parallelize(...) in a torch.distributed job.")
+        raise RuntimeError(
+            "No autopar collective backend is active: run a rank's module through "
+            "plan.simulate(...), or build it with ap.parallelize(...) in a torch.distributed job."
+        )
     return _GLOBAL[-1]
 
 

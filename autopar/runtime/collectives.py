@@ -17,6 +17,7 @@ Example:
     >>> with use_backend(my_backend):
     ...     y = torch.ops.autopar.all_reduce(x, "tp", [0, 1], 0, "sum")
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,12 @@ def _fast(x) -> bool:
     """Plain eager execution on a real tensor: call the kernel directly, no tracer needs to
     see the op (no dispatch mode such as fake tensors or make_fx, no functionalization or
     functorch wrapper, which are plain ``torch.Tensor`` objects on the Python side)."""
-    return (type(x) is torch.Tensor and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._is_functional_tensor(x) and not _functorch_wrapped(x))
+    return (
+        type(x) is torch.Tensor
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._is_functional_tensor(x)
+        and not _functorch_wrapped(x)
+    )
 
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -86,8 +91,11 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
-    fn = type(f"{name}_autograd", (torch.autograd.Function,),
-              {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    fn = type(
+        f"{name}_autograd",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
     _LIB.impl(name, fn.apply, "Autograd")
 
 
@@ -130,8 +138,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: str, group: list[int], rank:
     return current_backend().reduce_scatter(x, dim, tuple(group), rank, op)
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, group: list[int],
-               rank: int) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """S(src_dim) -> S(dst_dim): regroup the pieces."""
     return current_backend().all_to_all(x, src_dim, dst_dim, tuple(group), rank)
 
@@ -179,8 +186,10 @@ def _scale_grad_eager(x, axis, factor, alias=False):
     return x if alias else x.clone()
 
 
-_KERNELS = {f.__name__: f for f in (all_reduce, all_gather, reduce_scatter, all_to_all, shard, to_partial,
-                                    grad_all_reduce, scale_grad)}
+_KERNELS = {
+    f.__name__: f
+    for f in (all_reduce, all_gather, reduce_scatter, all_to_all, shard, to_partial, grad_all_reduce, scale_grad)
+}
 
 
 # ----------------------------------------------------------------------------- fake impls
@@ -251,22 +260,68 @@ def _scale_grad_bwd(ctx, g):
 
 
 _G = "str axis, int[] group, int rank"
-_define("all_reduce", f"(Tensor x, {_G}, str op, bool owned=False) -> Tensor", all_reduce, _same,
-        _all_reduce_bwd, ("axis", "group", "rank", "op"), eager=_all_reduce_eager)
-_define("all_gather", f"(Tensor x, int dim, {_G}) -> Tensor", all_gather, _gather_fake, _all_gather_bwd,
-        ("dim", "axis", "group", "rank"))
-_define("reduce_scatter", f"(Tensor x, int dim, {_G}, str op) -> Tensor", reduce_scatter, _split_fake,
-        _reduce_scatter_bwd, ("dim", "axis", "group", "rank", "op"))
-_define("all_to_all", f"(Tensor x, int src_dim, int dst_dim, {_G}) -> Tensor", all_to_all, _all_to_all_fake,
-        _all_to_all_bwd, ("src_dim", "dst_dim", "axis", "group", "rank"))
-_define("shard", f"(Tensor x, int dim, {_G}) -> Tensor", shard, _split_fake, _shard_bwd,
-        ("dim", "axis", "group", "rank"))
-_define("to_partial", f"(Tensor x, {_G}, str op) -> Tensor", to_partial, _same, _to_partial_bwd,
-        ("axis", "group", "rank", "op"))
-_define("grad_all_reduce", f"(Tensor x, {_G}, bool alias=False) -> Tensor", grad_all_reduce, _same,
-        _grad_all_reduce_bwd, ("axis", "group", "rank"), eager=_grad_all_reduce_eager)
-_define("scale_grad", "(Tensor x, str axis, float factor, bool alias=False) -> Tensor", scale_grad, _same,
-        _scale_grad_bwd, ("axis", "factor"), eager=_scale_grad_eager)
+_define(
+    "all_reduce",
+    f"(Tensor x, {_G}, str op, bool owned=False) -> Tensor",
+    all_reduce,
+    _same,
+    _all_reduce_bwd,
+    ("axis", "group", "rank", "op"),
+    eager=_all_reduce_eager,
+)
+_define(
+    "all_gather",
+    f"(Tensor x, int dim, {_G}) -> Tensor",
+    all_gather,
+    _gather_fake,
+    _all_gather_bwd,
+    ("dim", "axis", "group", "rank"),
+)
+_define(
+    "reduce_scatter",
+    f"(Tensor x, int dim, {_G}, str op) -> Tensor",
+    reduce_scatter,
+    _split_fake,
+    _reduce_scatter_bwd,
+    ("dim", "axis", "group", "rank", "op"),
+)
+_define(
+    "all_to_all",
+    f"(Tensor x, int src_dim, int dst_dim, {_G}) -> Tensor",
+    all_to_all,
+    _all_to_all_fake,
+    _all_to_all_bwd,
+    ("src_dim", "dst_dim", "axis", "group", "rank"),
+)
+_define(
+    "shard", f"(Tensor x, int dim, {_G}) -> Tensor", shard, _split_fake, _shard_bwd, ("dim", "axis", "group", "rank")
+)
+_define(
+    "to_partial",
+    f"(Tensor x, {_G}, str op) -> Tensor",
+    to_partial,
+    _same,
+    _to_partial_bwd,
+    ("axis", "group", "rank", "op"),
+)
+_define(
+    "grad_all_reduce",
+    f"(Tensor x, {_G}, bool alias=False) -> Tensor",
+    grad_all_reduce,
+    _same,
+    _grad_all_reduce_bwd,
+    ("axis", "group", "rank"),
+    eager=_grad_all_reduce_eager,
+)
+_define(
+    "scale_grad",
+    "(Tensor x, str axis, float factor, bool alias=False) -> Tensor",
+    scale_grad,
+    _same,
+    _scale_grad_bwd,
+    ("axis", "factor"),
+    eager=_scale_grad_eager,
+)
 
 
 # ------------------------------------------------------- all-gather, reduce-scatter backward
@@ -276,9 +331,20 @@ def all_gather_rs(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: 
 
 
 def _all_gather_rs_bwd(ctx, g):
-    return _call("reduce_scatter", g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank, "sum"), \
-        None, None, None, None
+    return (
+        _call("reduce_scatter", g.contiguous(), ctx.dim, ctx.axis, ctx.group, ctx.rank, "sum"),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
-_define("all_gather_rs", f"(Tensor x, int dim, {_G}) -> Tensor", all_gather_rs, _gather_fake,
-        _all_gather_rs_bwd, ("dim", "axis", "group", "rank"))
+_define(
+    "all_gather_rs",
+    f"(Tensor x, int dim, {_G}) -> Tensor",
+    all_gather_rs,
+    _gather_fake,
+    _all_gather_rs_bwd,
+    ("dim", "axis", "group", "rank"),
+)

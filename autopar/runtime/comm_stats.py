@@ -16,6 +16,7 @@ Example:
     ...     plan.simulate(lambda m, *a, **k: m(*a, **k)[0].backward(), ids, labels)
     >>> stats.counts(rank=0, mesh=plan.mesh)     # {('all_reduce', 'tp'): 4, ...}
 """
+
 from __future__ import annotations
 
 import contextlib

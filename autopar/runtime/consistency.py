@@ -12,6 +12,7 @@ Example:
     autopar.errors.InconsistentPlanError: ranks disagree on the plan: rank 1 has 5c1e..., rank 0 has 9a0f...;
     first differing collective over ranks (0, 1): #0 is all_reduce(...) on rank 0, all_gather(...) on rank 1 ...
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,14 @@ def plan_hash(plan) -> str:
         lay = node.meta.get("autopar")
         text = f"{node.name}|{node.target}"
         if lay is not None:
-            text += "|" + ";".join(fmt_spec(s) for s in lay.outputs) + "|" + \
-                ";".join(fmt_spec(s) for s in lay.input_targets) + "|" + repr(lay.strategies)
+            text += (
+                "|"
+                + ";".join(fmt_spec(s) for s in lay.outputs)
+                + "|"
+                + ";".join(fmt_spec(s) for s in lay.input_targets)
+                + "|"
+                + repr(lay.strategies)
+            )
         h.update(text.encode())
     h.update(repr(sorted((k, sorted(v)) for k, v in plan.flow.f_edges.items())).encode())
     h.update(repr(sorted(plan.grad_sync_axes.items())).encode())
@@ -43,17 +50,17 @@ def collective_sequence(module: fx.GraphModule) -> list[tuple]:
     out = []
     for node in module.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
-                or target.namespace != "autopar":
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "autopar":
             continue
         args = [_resolved(module, a) for a in node.args]
         args = [a for a in args if not isinstance(a, fx.Node)]
-        at = next((i for i, a in enumerate(args) if isinstance(a, (list, tuple))
-                   and all(isinstance(r, int) for r in a)), None)  # the group: a list of ranks
+        at = next(
+            (i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and all(isinstance(r, int) for r in a)), None
+        )  # the group: a list of ranks
         if at is None:  # not a collective (scale_grad, opaque_call: local ops)
             continue
         group = tuple(args[at])
-        rest = tuple(args[:at] + args[at + 2:])
+        rest = tuple(args[:at] + args[at + 2 :])
         out.append((target._opname, group, rest))  # rest: dims, axis name, op (the group and rank dropped)
     return out
 
@@ -81,7 +88,8 @@ def compare(signatures: list[tuple[str, list]]) -> None:
     if problems:
         raise InconsistentPlanError(
             ". ".join(problems) + ". Every rank must call ap.parallelize / ap.plan with the same model "
-            "(architecture and config), annotations, mesh, data_parallel axis and example input shapes.")
+            "(architecture and config), annotations, mesh, data_parallel axis and example input shapes."
+        )
 
 
 def _first_collective_difference(signatures) -> str:
@@ -98,8 +106,10 @@ def _first_collective_difference(signatures) -> str:
                 x = a[i] if i < len(a) else None
                 y = b[i] if i < len(b) else None
                 if x != y:
-                    return (f"first differing collective over ranks {group}: #{i} is {_fmt(x)} on rank "
-                            f"{ref_rank} but {_fmt(y)} on rank {r}")
+                    return (
+                        f"first differing collective over ranks {group}: #{i} is {_fmt(x)} on rank "
+                        f"{ref_rank} but {_fmt(y)} on rank {r}"
+                    )
     return ""
 
 
@@ -120,6 +130,7 @@ def verify_consistent(plan, module: fx.GraphModule, timeout: float | None = None
 
     import torch.distributed as dist
     from autopar.runtime.failures import explain
+
     rank, world = dist.get_rank(), dist.get_world_size()
     if dist.get_backend() == "gloo":
         try:

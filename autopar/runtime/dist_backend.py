@@ -4,6 +4,7 @@ Example:
     >>> backend = DistBackend(groups, rank, timeout=30.0)   # ap.parallelize makes the groups
     >>> install_backend(backend)
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,7 @@ class DistBackend:
     them all, on every rank in the same order, before the first step.
     """
 
-    def __init__(self, groups: dict, rank: int, timeout: float | None = None,
-                 groups_timeout: float | None = None):
+    def __init__(self, groups: dict, rank: int, timeout: float | None = None, groups_timeout: float | None = None):
         self.groups = groups
         self.rank = rank
         self.stats = None
@@ -40,6 +40,7 @@ class DistBackend:
         if self.timeout is not None and self.timeout != self.groups_timeout:
             return self._wait(kind, group, lambda: call(True))
         from autopar.runtime.failures import explain
+
         try:
             call(False)
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
@@ -50,6 +51,7 @@ class DistBackend:
         CollectiveError naming the rank that failed (see failures.py), never hangs past timeout."""
         import datetime
         from autopar.runtime.failures import explain
+
         try:
             work = start()
             done = work.wait(datetime.timedelta(seconds=self.timeout)) if self.timeout else work.wait()
@@ -60,8 +62,10 @@ class DistBackend:
 
     def _pg(self, group, rank):
         if rank != self.rank:
-            raise RuntimeError(f"autopar: a module built for rank {rank} is running on rank {self.rank}; "
-                               "build it with plan.module(dist.get_rank()) or ap.parallelize.")
+            raise RuntimeError(
+                f"autopar: a module built for rank {rank} is running on rank {self.rank}; "
+                "build it with plan.module(dist.get_rank()) or ap.parallelize."
+            )
         return self.groups[group]
 
     def _note(self, kind, group, t):
@@ -70,6 +74,7 @@ class DistBackend:
 
     def all_reduce(self, x, group, rank, op, kind="all_reduce"):
         import torch.distributed as dist
+
         y = x.contiguous().clone()
         self._note(kind, group, y)
         pg = self._pg(group, rank)
@@ -79,6 +84,7 @@ class DistBackend:
     def all_reduce_(self, x, group, rank, op):
         """In place, for inputs nothing else reads (see the ``owned`` hint of autopar::all_reduce)."""
         import torch.distributed as dist
+
         if not x.is_contiguous():
             return self.all_reduce(x, group, rank, op)
         self._note("all_reduce", group, x)
@@ -88,6 +94,7 @@ class DistBackend:
 
     def all_gather(self, x, dim, group, rank, kind="all_gather"):
         import torch.distributed as dist
+
         x = x.contiguous()
         self._note(kind, group, x)
         out = [torch.empty_like(x) for _ in group]
@@ -106,17 +113,20 @@ class DistBackend:
 
     def all_reduce_async(self, flat, group, rank):
         import torch.distributed as dist
+
         self._note("all_reduce", group, flat)
         pg = self._pg(group, rank)
         try:
             work = dist.all_reduce(flat, group=pg, async_op=True)
         except Exception as e:  # noqa: BLE001 - named like the others
             from autopar.runtime.failures import explain
+
             raise explain("all_reduce", group, rank, self.timeout, e) from e
         return _Work(work, flat, lambda: self._wait("all_reduce", group, lambda: work))
 
     def broadcast(self, x, group, rank):
         import torch.distributed as dist
+
         self._note("broadcast", group, x)
         pg = self._pg(group, rank)
         self._run("broadcast", group, lambda a: dist.broadcast(x, src=group[0], group=pg, async_op=a))
@@ -127,6 +137,7 @@ class DistBackend:
         rank's contiguous chunk. Falls back to all-reduce + slice where the process group has
         no reduce-scatter (older gloo)."""
         import torch.distributed as dist
+
         n, pos = len(group), _pos(group, rank)
         out = flat.new_empty(flat.numel() // n)
         self._note("reduce_scatter", group, flat)
@@ -140,6 +151,7 @@ class DistBackend:
     def all_gather_async(self, out, chunk, group, rank):
         """Concatenate every rank's ``chunk`` into ``out`` (numel = group size * chunk numel)."""
         import torch.distributed as dist
+
         self._note("all_gather", group, chunk)
         work = dist.all_gather_into_tensor(out, chunk, group=self._pg(group, rank), async_op=True)
         return _Work(work, out)

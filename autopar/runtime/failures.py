@@ -12,6 +12,7 @@ Example:
     autopar.runtime.failures.CollectiveError: rank 0: all_reduce over ranks (0, 1) failed after 30 s:
     rank 1 failed: ValueError: boom
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,6 +26,7 @@ class CollectiveError(RuntimeError):
 
 def _store():
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
@@ -63,6 +65,7 @@ def failed_ranks(world_size: int) -> dict[int, str]:
 def explain(kind: str, group, rank: int, timeout, error: BaseException) -> CollectiveError:
     """The CollectiveError for a collective of ``rank`` over ``group`` that failed with ``error``."""
     import torch.distributed as dist
+
     world = dist.get_world_size() if dist.is_initialized() else max(group) + 1
     failed = {r: m for r, m in failed_ranks(world).items() if r != rank}
     waited = f" after waiting up to {timeout:g} s" if timeout else ""
@@ -74,7 +77,8 @@ def explain(kind: str, group, rank: int, timeout, error: BaseException) -> Colle
     return CollectiveError(
         f"{head}: no rank reported an error, so one of ranks {others} died, hung, or runs a "
         f"different plan (ap.parallelize(..., debug=True) checks plans agree). "
-        f"Underlying error: {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
+        f"Underlying error: {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    )
 
 
 def install_excepthook(rank: int) -> None:
@@ -86,5 +90,6 @@ def install_excepthook(rank: int) -> None:
     def hook(kind, value, tb):
         report_failure(rank, value)
         previous(kind, value, tb)
+
     hook._autopar_rank = rank
     sys.excepthook = hook

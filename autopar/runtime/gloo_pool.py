@@ -12,6 +12,7 @@ Example:
     >>> with GlooPool(world_size=2) as pool:
     ...     results = pool.run("tests.gloo.jobs:gpt_step_matches_serial", (2, 2), ("dp", "tp"), "dp")
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,14 +33,20 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: float) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      GLOO_SOCKET_IFNAME="lo", RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
     sys.path[:0] = [p for p in paths if p not in sys.path]
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
     while True:
         job = jobs.get()
         if job is None:
@@ -51,6 +58,7 @@ def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: 
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - sent back to the parent with the rank
             from autopar.runtime.failures import report_failure
+
             report_failure(rank, e)  # so that ranks waiting on this one can say who failed
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
@@ -71,10 +79,15 @@ class GlooPool:
         self.jobs = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
         paths = [p for p in sys.path if p]
-        self.procs = [ctx.Process(target=_worker, daemon=True, name=f"gloo-rank{r}",
-                                  args=(r, self.world_size, port, self.jobs[r], self.results, paths,
-                                        self.pg_timeout))
-                      for r in range(self.world_size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                name=f"gloo-rank{r}",
+                args=(r, self.world_size, port, self.jobs[r], self.results, paths, self.pg_timeout),
+            )
+            for r in range(self.world_size)
+        ]
         for p in self.procs:
             p.start()
         return self

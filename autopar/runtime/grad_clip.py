@@ -26,6 +26,7 @@ Example:
     >>> total = ap.clip_grad_norm_(module, max_norm=1.0)   # module: plan.module(r), ap.compile(...),
     >>> opt.step()                                         # or a plan.pipeline_runner(r)
 """
+
 from __future__ import annotations
 
 import math
@@ -41,6 +42,7 @@ from autopar.placement import Shard
 @dataclass(frozen=True)
 class ParamPlacements:
     """What a rank's module needs to know for whole-model quantities: mesh, rank, specs."""
+
     mesh: object
     rank: int
     specs: dict  # serial parameter name -> placements (one per mesh axis)
@@ -50,8 +52,9 @@ class ClipError(PlanError):
     """clip_grad_norm_ cannot compute the serial norm for this module or at this moment."""
 
 
-def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+) -> torch.Tensor:
     """Clip every rank's gradients by the serial model's total norm; return that norm.
 
     ``module``: a rank's module (``plan.module(rank)``, ``ap.compile(...)``) or a pipeline
@@ -68,9 +71,11 @@ def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0, error_if_no
     total = _over_mesh(local, mesh, rank, norm_type)
     total = (total if norm_type == math.inf else total ** (1.0 / norm_type)).to(dtype)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
-                           "non-finite, so it cannot be clipped. To disable this error and scale the "
-                           "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     _scale([g for g, _ in pieces], coef, foreach)
     return total
@@ -122,13 +127,16 @@ def _scale(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) 
 def _pieces(module) -> tuple[list[tuple[torch.Tensor, bool]], object, int]:
     """(gradient tensor, counted by this rank) for every gradient this rank holds."""
     from autopar.parallel.pipeline.runner import PipelineRunner
+
     if isinstance(module, PipelineRunner):
         return _runner_pieces(module), module.plan.mesh, module.rank
     info = getattr(module, "autopar_placements", None)
     if info is None:
-        raise ClipError("clip_grad_norm_ needs a rank's module from plan.module(rank), plan.build_module, "
-                        "ap.compile or plan.pipeline_runner; for a plain nn.Module use "
-                        "torch.nn.utils.clip_grad_norm_.")
+        raise ClipError(
+            "clip_grad_norm_ needs a rank's module from plan.module(rank), plan.build_module, "
+            "ap.compile or plan.pipeline_runner; for a plain nn.Module use "
+            "torch.nn.utils.clip_grad_norm_."
+        )
     sync = getattr(module, "autopar_grad_sync", None)
     _refuse_unsynced(sync)
     return _module_pieces(module, info, sync), info.mesh, info.rank
@@ -136,19 +144,22 @@ def _pieces(module) -> tuple[list[tuple[torch.Tensor, bool]], object, int]:
 
 def _refuse_unsynced(sync) -> None:
     if sync is not None and not sync.enabled:
-        raise ClipError("clip_grad_norm_ inside no_sync(): the gradients are still this rank's parts "
-                        "of the sums, so no rank knows the norm. Clip after the backward that syncs.")
+        raise ClipError(
+            "clip_grad_norm_ inside no_sync(): the gradients are still this rank's parts "
+            "of the sums, so no rank knows the norm. Clip after the backward that syncs."
+        )
     if sync is not None and sync.dp is not None and sync.dp.local_sgd_every is not None:
-        raise ClipError("clip_grad_norm_ with local SGD: each rank steps on its own gradient, there is "
-                        "no serial gradient to take the norm of. Clip each rank with "
-                        "torch.nn.utils.clip_grad_norm_ instead.")
+        raise ClipError(
+            "clip_grad_norm_ with local SGD: each rank steps on its own gradient, there is "
+            "no serial gradient to take the norm of. Clip each rank with "
+            "torch.nn.utils.clip_grad_norm_ instead."
+        )
 
 
 def _counts(spec, coords, skip_axes=()) -> bool:
     """Whether this rank counts a piece of placements ``spec``: coordinate 0 on every axis that
     does not split it (those ranks hold the same values)."""
-    return all(isinstance(p, Shard) or coords[a] == 0 or a in skip_axes
-               for a, p in enumerate(spec))
+    return all(isinstance(p, Shard) or coords[a] == 0 or a in skip_axes for a, p in enumerate(spec))
 
 
 def _module_pieces(module, info: ParamPlacements, sync) -> list:
@@ -182,7 +193,8 @@ def _runner_pieces(runner) -> list:
     for name, p in runner.named_parameters():
         if p.grad is None:
             continue
-        counted = first_holder.get(id(p), True) and \
-            _counts(runner.plan.param_specs.get(name, (None,) * len(coords)), coords, (lay.axis,))
+        counted = first_holder.get(id(p), True) and _counts(
+            runner.plan.param_specs.get(name, (None,) * len(coords)), coords, (lay.axis,)
+        )
         out.append((p.grad, counted))
     return out

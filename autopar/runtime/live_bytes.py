@@ -12,6 +12,7 @@ Example:
     ...     loss_fn(module(x)).backward(); opt.step()
     >>> mem.peak
 """
+
 from __future__ import annotations
 
 import weakref

@@ -4,6 +4,7 @@ tensor, and what all-to-all hands it.
 Example:
     >>> chunk_of(torch.arange(8), 0, 4, 1)          # tensor([2, 3])
 """
+
 from __future__ import annotations
 
 import torch

@@ -24,6 +24,7 @@ Example:
     >>> torch.manual_seed(0); serial_out = model(x)
     >>> ap.manual_seed(plan.module(r), 0)      # per rank: the same masks as the serial model
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,14 +39,18 @@ _SERIAL, _PLACEMENT = 1, 0
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads a rank's key over the seed space
 
 _LIB = torch.library.Library("autopar", "FRAGMENT")  # noqa: TOR901 - a mutating op, see below
-_LIB.define("dropout_mask(Tensor(a!) state, SymInt[] shape, float p, ScalarType dtype, Device device, "
-            "int[] cuts, int kind) -> Tensor")
+_LIB.define(
+    "dropout_mask(Tensor(a!) state, SymInt[] shape, float p, ScalarType dtype, Device device, "
+    "int[] cuts, int kind) -> Tensor"
+)
 
 
 def check_mode(rng: str) -> str:
     if rng not in MODES:
-        raise PlanError(f"rng={rng!r}: choose 'placement' (masks agree on replicated axes, "
-                        "the default) or 'serial' (masks equal the serial model's).")
+        raise PlanError(
+            f"rng={rng!r}: choose 'placement' (masks agree on replicated axes, "
+            "the default) or 'serial' (masks equal the serial model's)."
+        )
     return rng
 
 
@@ -65,8 +70,10 @@ def manual_seed(module: torch.nn.Module, seed: int) -> None:
                 buf.copy_(initial_state(seed))
                 found = True
     if not found:
-        raise PlanError(f"{type(module).__name__} has no dropout randomness (no {STATE} buffer): "
-                        "pass a rank module of a plan whose model uses dropout.")
+        raise PlanError(
+            f"{type(module).__name__} has no dropout randomness (no {STATE} buffer): "
+            "pass a rank module of a plan whose model uses dropout."
+        )
 
 
 def attach_state(gm: torch.nn.Module, plan) -> None:
@@ -75,8 +82,9 @@ def attach_state(gm: torch.nn.Module, plan) -> None:
         gm.register_buffer(STATE, initial_state(plan.options.seed), persistent=False)
 
 
-def dropout(x: torch.Tensor, p: float, train: bool, state: torch.Tensor, factors: list[int],
-            cuts: list[int], mode: int) -> torch.Tensor:
+def dropout(
+    x: torch.Tensor, p: float, train: bool, state: torch.Tensor, factors: list[int], cuts: list[int], mode: int
+) -> torch.Tensor:
     """What one dropout becomes on a rank (the emitted program calls it; see lowering_modes).
 
     ``factors[d]``: into how many pieces dim d of the global tensor is cut; ``cuts``: for each
@@ -95,7 +103,7 @@ def _kernel(state, shape, p, dtype, device, cuts, mode):
         mask = _draw(shape, p, dtype, gen, device)
         state.copy_(gen.get_state())
         return _piece(mask, cuts).contiguous()
-    key = int(torch.randint(-2**63, 2**63 - 1, (), generator=gen))
+    key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=gen))
     state.copy_(gen.get_state())
     for i in range(0, len(cuts), 4):  # only the axes that split the tensor tell ranks apart
         key = (key * _MIX + (cuts[i] + 1) * 1009 + cuts[i + 2] + 1) % (2**63)
@@ -113,7 +121,7 @@ def _piece(full, cuts):
     """This rank's piece of a full-size tensor, as placement.shard_tensor cuts it."""
     out = full
     for i in range(0, len(cuts), 4):
-        dim, n, coord, blocks = cuts[i:i + 4]
+        dim, n, coord, blocks = cuts[i : i + 4]
         parts = out.chunk(blocks, dim) if blocks > 1 else [out]
         size = parts[0].shape[dim] // n
         parts = [b.narrow(dim, coord * size, size) for b in parts]

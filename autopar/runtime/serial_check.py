@@ -16,6 +16,7 @@ must not read as a relative error near or above 1.
 Example:
     >>> plan.check(x)                       # returns {'outputs': 2, 'grads': 17, 'max_rel': 3e-7, ...}
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,15 +42,13 @@ def default_tolerances(model, rtol=None, atol=None) -> tuple[float, float]:
     """(rtol, atol) for ``model``: the loosest entry of TOLERANCES over its floating tensors."""
     dtypes = {t.dtype for t in (*model.parameters(), *model.buffers()) if t.dtype.is_floating_point}
     table = [TOLERANCES[d] for d in dtypes if d in TOLERANCES] or [TOLERANCES[torch.float32]]
-    return (max(r for r, _ in table) if rtol is None else rtol,
-            max(a for _, a in table) if atol is None else atol)
+    return (max(r for r, _ in table) if rtol is None else rtol, max(a for _, a in table) if atol is None else atol)
 
 
 def _weights(plan, outputs, seed=1234):
     gen = torch.Generator().manual_seed(seed)
     flat = pytree.tree_leaves(outputs)
-    return [torch.randn(o.shape, generator=gen, dtype=o.dtype) if _float(o) and o.dim() else None
-            for o in flat]
+    return [torch.randn(o.shape, generator=gen, dtype=o.dtype) if _float(o) and o.dim() else None for o in flat]
 
 
 def _float(t) -> bool:
@@ -67,23 +66,29 @@ def _objective(outputs, weights):
 
 def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     model = plan.model
-    params = {n: p.detach().clone().requires_grad_(p.requires_grad)
-              for n, p in model.named_parameters()}  # one name per tied tensor
+    params = {
+        n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()
+    }  # one name per tied tensor
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     serial_out = functional_call(model, {**params, **buffers}, args, kwargs, tie_weights=True)
     weights = _weights(plan, serial_out)
     serial_obj = loss(serial_out) if loss is not None else _objective(serial_out, weights)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
-    grads = torch.autograd.grad(serial_obj, list(trainable.values()), allow_unused=True) \
-        if trainable and serial_obj.requires_grad else [None] * len(trainable)
+    grads = (
+        torch.autograd.grad(serial_obj, list(trainable.values()), allow_unused=True)
+        if trainable and serial_obj.requires_grad
+        else [None] * len(trainable)
+    )
     serial_grads = dict(zip(trainable, grads))
 
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     plan = dpplan.exact_gradients(plan)  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
     inputs = [plan.local_inputs(r, *args, **kwargs) for r in plan.mesh.ranks()]
-    local_weights = [[None if w is None else shard_tensor(w, s, plan.mesh, r)
-                      for w, s in zip(weights, plan.output_specs)] for r in plan.mesh.ranks()]
+    local_weights = [
+        [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
+        for r in plan.mesh.ranks()
+    ]
 
     def step(rank):
         a, k = inputs[rank]
@@ -95,15 +100,17 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         return out, g
 
     from autopar.runtime.simulator import run_ranks
+
     results = run_ranks(plan.mesh.size, step)
     merged_out = plan.merge_outputs([r[0] for r in results])
-    outs = [(f"output {i}", s.detach(), m) for i, (s, m) in
-            enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged_out)))
-            if isinstance(s, torch.Tensor)]
+    outs = [
+        (f"output {i}", s.detach(), m)
+        for i, (s, m) in enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged_out)))
+        if isinstance(s, torch.Tensor)
+    ]
     worst_out = _compare_all(outs, rtol, atol)
     per_rank_grads = [r[1] for r in results]
-    merged_grads = plan.merge_state_dicts([{n: g[n] for n in serial_grads if n in g}
-                                           for g in per_rank_grads])
+    merged_grads = plan.merge_state_dicts([{n: g[n] for n in serial_grads if n in g} for g in per_rank_grads])
     grads = []
     for name, sg in serial_grads.items():
         mg = merged_grads.get(name)
@@ -115,8 +122,13 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
             raise PlanMismatch(f"gradient of {name!r}: the serial model has one, the ranks have none.")
         grads.append((f"gradient of {name!r}", sg, mg))
     worst_grad = _compare_all(grads, rtol, atol)
-    return {"outputs": len(pytree.tree_leaves(serial_out)), "grads": len(serial_grads),
-            "max_rel": max(worst_out, worst_grad), "rtol": rtol, "atol": atol}
+    return {
+        "outputs": len(pytree.tree_leaves(serial_out)),
+        "grads": len(serial_grads),
+        "max_rel": max(worst_out, worst_grad),
+        "rtol": rtol,
+        "atol": atol,
+    }
 
 
 def _magnitude(t: torch.Tensor) -> float:
@@ -129,8 +141,9 @@ def _compare_all(items, rtol: float, atol: float) -> float:
     return max((_compare(what, s, m, rtol, atol, floor) for what, s, m in items), default=0.0)
 
 
-def _compare(what: str, serial: torch.Tensor, merged: torch.Tensor, rtol: float, atol: float,
-             floor: float = 0.0) -> float:
+def _compare(
+    what: str, serial: torch.Tensor, merged: torch.Tensor, rtol: float, atol: float, floor: float = 0.0
+) -> float:
     if serial.shape != merged.shape:
         raise PlanMismatch(f"{what}: serial shape {tuple(serial.shape)}, ranks give {tuple(merged.shape)}.")
     if serial.dtype.is_floating_point:
@@ -140,7 +153,8 @@ def _compare(what: str, serial: torch.Tensor, merged: torch.Tensor, rtol: float,
             idx = tuple(int(i) for i in bad.nonzero()[0])
             raise PlanMismatch(
                 f"{what} differs from serial: max |diff| {diff.max().item():.3g} (rtol {rtol}, atol {atol}); "
-                f"first at index {idx}: serial {serial[idx].item():.6g}, ranks {merged[idx].item():.6g}.")
+                f"first at index {idx}: serial {serial[idx].item():.6g}, ranks {merged[idx].item():.6g}."
+            )
         scale = max(_magnitude(serial), floor) or 1.0
         return diff.max().item() / scale if diff.numel() else 0.0
     if not torch.equal(serial, merged):

@@ -9,6 +9,7 @@ collective that waits longer than ``timeout`` seconds fails naming the missing r
 Example:
     >>> results = run_ranks(world_size=4, fn=lambda rank: modules[rank](*inputs[rank]))
 """
+
 from __future__ import annotations
 
 import threading
@@ -61,12 +62,15 @@ class SimBackend:
             self.cv.notify_all()
             if not self.cv.wait_for(lambda: len(rnd.pieces) == len(group) or self.failed, self.timeout):
                 missing = sorted(set(group) - set(rnd.pieces))
-                raise SimulationError(f"rank {rank}: {kind} on group {list(group)} waited "
-                                      f"{self.timeout:.0f} s for ranks {missing}, which never arrived.")
+                raise SimulationError(
+                    f"rank {rank}: {kind} on group {list(group)} waited "
+                    f"{self.timeout:.0f} s for ranks {missing}, which never arrived."
+                )
             if len(rnd.pieces) < len(group):
                 r, err = next(iter(self.failed.items()))
-                raise SimulationError(f"rank {rank}: stopped at {kind} because rank {r} failed: "
-                                      f"{type(err).__name__}: {err}")
+                raise SimulationError(
+                    f"rank {rank}: stopped at {kind} because rank {r} failed: {type(err).__name__}: {err}"
+                )
             rnd.taken += 1
             if rnd.taken == len(group):
                 del self.rounds[(group, seq)]
@@ -150,16 +154,20 @@ def run_ranks(world_size: int, fn, timeout: float = 60.0, backend: SimBackend | 
             errors[rank] = e
             backend.fail(rank, e)
 
-    threads = [threading.Thread(target=worker, args=(r,), name=f"autopar-rank{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [
+        threading.Thread(target=worker, args=(r,), name=f"autopar-rank{r}", daemon=True) for r in range(world_size)
+    ]
     with use_backend(backend):
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     if errors:
-        first = min(r for r, e in errors.items() if not isinstance(e, SimulationError)) \
-            if any(not isinstance(e, SimulationError) for e in errors.values()) else min(errors)
+        first = (
+            min(r for r, e in errors.items() if not isinstance(e, SimulationError))
+            if any(not isinstance(e, SimulationError) for e in errors.values())
+            else min(errors)
+        )
         err = errors[first]
         if isinstance(err, SimulationError):
             raise err

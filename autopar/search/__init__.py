@@ -10,6 +10,7 @@ Example:
     >>> print(plan.explain("auto"))
     >>> ap.predict(plan)["time_s"]
 """
+
 from autopar.search.calibrate import calibrate
 from autopar.search.options import Auto
 from autopar.search.predict import predict

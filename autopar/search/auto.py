@@ -16,6 +16,7 @@ Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30))
     >>> print(plan.explain("auto"))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict):
     param_comp = {p: c.key for c in free for p in c.params}
     user_axes = {a.axis for a in user.values() if getattr(a, "axis", None) is not None}
     if len(user_axes) > 1:
-        raise PlanError(f"ap.plan(auto=...): the annotations name the axes {sorted(user_axes)}; the search "
-                        "uses one tensor-parallel axis. Annotate one axis, or plan without auto.")
+        raise PlanError(
+            f"ap.plan(auto=...): the annotations name the axes {sorted(user_axes)}; the search "
+            "uses one tensor-parallel axis. Annotate one axis, or plan without auto."
+        )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
     structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True)
@@ -70,9 +73,22 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict):
                         ann.update(c.annotations(name, sp))
                 if sp:
                     ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
-            probes[key] = _probe(model, mesh, graph_for, ann, dp_axis, ndims, strict,
-                                 comp_of, param_comp, profile, auto.optimizer_states, weights)
+            probes[key] = _probe(
+                model,
+                mesh,
+                graph_for,
+                ann,
+                dp_axis,
+                ndims,
+                strict,
+                comp_of,
+                param_comp,
+                profile,
+                auto.optimizer_states,
+                weights,
+            )
         return probes[key]
+
     options = []
     for s in structs:
         split = probe(s.dp, s.tp, s.sp) if s.tp is not None else None
@@ -83,14 +99,18 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict):
         for z in _zeros(s, dp, auto):
             options.append(_option(s, z, base, free, split, rep, mesh, profile))
     if not options:
-        raise NoPlanError(f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
-                          "(batch or layer sizes not divisible by the axes?). Plan by hand.")
+        raise NoPlanError(
+            f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
+            "(batch or layer sizes not divisible by the axes?). Plan by hand."
+        )
     best = solve(options, auto.memory_budget, profile.overlap)
     if best is None:
         least = min(_least_memory(o) for o in options)
-        raise NoPlanError(f"ap.plan(auto=ap.Auto(memory_budget={auto.memory_budget:.4g})): no plan fits; the "
-                          f"least memory per rank any option needs is {least:.4g} B. Raise the budget, "
-                          "use a larger mesh or a smaller batch.")
+        raise NoPlanError(
+            f"ap.plan(auto=ap.Auto(memory_budget={auto.memory_budget:.4g})): no plan fits; the "
+            f"least memory per rank any option needs is {least:.4g} B. Raise the budget, "
+            "use a larger mesh or a smaller batch."
+        )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
     s, zero = best.option
     if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
@@ -116,7 +136,8 @@ def _touched(comp, user, model) -> bool:
     pats = [*comp.cols, *comp.rows, *([comp.embedding] if comp.embedding else []), *comp.heads]
     paths = [p for p, _ in model.named_modules() if any(fnmatch.fnmatchcase(p, q) for q in pats)]
     return any(fnmatch.fnmatchcase(p, u) for p in paths for u in user) or any(
-        fnmatch.fnmatchcase(n, u) for n in comp.params for u in user)
+        fnmatch.fnmatchcase(n, u) for n in comp.params for u in user
+    )
 
 
 def _zeros(s, dp, auto) -> tuple:
@@ -169,18 +190,34 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
     runners = []
     for o in options:  # each option's own optimum: what choosing it instead would cost
         sol = solve([o], auto.memory_budget, profile.overlap)
-        runners.append({"option": _label(mesh, o.label), "time_s": sol.time if sol else None,
-                        "memory": sol.memory if sol else _least_memory(o),
-                        "fits": sol is not None})
+        runners.append(
+            {
+                "option": _label(mesh, o.label),
+                "time_s": sol.time if sol else None,
+                "memory": sol.memory if sol else _least_memory(o),
+                "fits": sol is not None,
+            }
+        )
     runners.sort(key=lambda r: (r["time_s"] is None, r["time_s"] or 0.0))
     chosen = next(o for o in options if o.label == best.option)
     comps = []
     for c in free:
         opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
         pats = sorted({*c.cols, *c.rows, *c.heads, *([c.embedding] if c.embedding else [])})
-        comps.append({"key": c.key, "what": c.describe(), "choice": best.choices[c.key], "options": opts,
-                      "patterns": pats})
-    return {"chosen": _label(mesh, best.option), "time_s": best.time, "memory": best.memory,
-            "budget": auto.memory_budget, "profile": dataclasses.asdict(profile), "components": comps,
-            "constrained": sorted(touched), "runners_up": runners[:12], "solver": "scipy.optimize.milp (HiGHS)",
-            "search_s": seconds, "probes": n_probes, "options": len(options)}
+        comps.append(
+            {"key": c.key, "what": c.describe(), "choice": best.choices[c.key], "options": opts, "patterns": pats}
+        )
+    return {
+        "chosen": _label(mesh, best.option),
+        "time_s": best.time,
+        "memory": best.memory,
+        "budget": auto.memory_budget,
+        "profile": dataclasses.asdict(profile),
+        "components": comps,
+        "constrained": sorted(touched),
+        "runners_up": runners[:12],
+        "solver": "scipy.optimize.milp (HiGHS)",
+        "search_s": seconds,
+        "probes": n_probes,
+        "options": len(options),
+    }

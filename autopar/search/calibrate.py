@@ -10,6 +10,7 @@ Example:
     >>> prof = ap.calibrate()                        # single process: FLOP/s measured
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(device=prof))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +22,12 @@ import torch
 from autopar.search.profiles import PROFILES, Profile
 
 
-def calibrate(matmul: int = 256, small: int = 64, large: int = 1 << 20, repeat: int = 5,
-              fallback: str = "cpu-gloo", group=None) -> Profile:
+def calibrate(
+    matmul: int = 256, small: int = 64, large: int = 1 << 20, repeat: int = 5, fallback: str = "cpu-gloo", group=None
+) -> Profile:
     """A Profile measured here (name "calibrated"); collective in a torch.distributed job."""
     import torch.distributed as dist
+
     base = PROFILES[fallback]
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
@@ -52,11 +55,12 @@ def _flops(m: int, repeat: int) -> float:
         for _ in range(4):
             a @ b
         times.append((time.perf_counter() - t0) / 4)
-    return 2 * m ** 3 / statistics.median(times)
+    return 2 * m**3 / statistics.median(times)
 
 
 def _allreduce(nbytes: int, repeat: int, group) -> float:
     import torch.distributed as dist
+
     x = torch.zeros(max(nbytes // 4, 1))
     dist.all_reduce(x, group=group)
     times = []

@@ -21,6 +21,7 @@ Example:
     >>> comps = components(model, traced)
     >>> [c.key for c in comps]                     # ['blocks.*.attn', 'blocks.*.mlp', 'vocab']
 """
+
 from __future__ import annotations
 
 import re
@@ -42,13 +43,13 @@ def pattern(path: str) -> str:
 @dataclass
 class Component:
     key: str
-    kind: str                       # "pair" | "vocab"
-    cols: dict = field(default_factory=dict)   # pattern -> blocks (pair: column-parallel layers)
-    rows: set = field(default_factory=set)     # patterns (pair: row-parallel layers)
-    embedding: str | None = None               # pattern (vocab)
-    heads: set = field(default_factory=set)    # patterns (vocab)
-    nodes: set = field(default_factory=set)    # node names of every instance (its region)
-    params: set = field(default_factory=set)   # parameter names of every instance
+    kind: str  # "pair" | "vocab"
+    cols: dict = field(default_factory=dict)  # pattern -> blocks (pair: column-parallel layers)
+    rows: set = field(default_factory=set)  # patterns (pair: row-parallel layers)
+    embedding: str | None = None  # pattern (vocab)
+    heads: set = field(default_factory=set)  # patterns (vocab)
+    nodes: set = field(default_factory=set)  # node names of every instance (its region)
+    params: set = field(default_factory=set)  # parameter names of every instance
     instances: int = 0
 
     def annotations(self, axis: str, sp: bool) -> dict:
@@ -87,8 +88,9 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
     comps = list(by_key.values())
     emb = g.word_embedding()
     if emb is not None:
-        heads = [h for h in g.heads(emb[1], emb[0]) if not any(pattern(h) in c.cols or pattern(h) in c.rows
-                                                                for c in comps)]
+        heads = [
+            h for h in g.heads(emb[1], emb[0]) if not any(pattern(h) in c.cols or pattern(h) in c.rows for c in comps)
+        ]
         comp = Component("vocab", "vocab", embedding=pattern(emb[0]), heads={pattern(h) for h in heads}, instances=1)
         own = {emb[0], *heads}
         comp.nodes = {n.name for n in nodes if module_path(n) in own}
@@ -155,6 +157,7 @@ def _params_of(model, paths) -> set:
 @dataclass(frozen=True)
 class Structure:
     """What each axis does: the dp axis, the tp axis, sequence parallel on tp."""
+
     dp: int | None
     tp: int | None
     sp: bool
@@ -179,7 +182,7 @@ def structures(mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None,
                 continue
             if fixed_tp is not None and tp != fixed_tp:
                 continue
-            for sp in ((False, True) if tp is not None and allow_sp else (False,)):
+            for sp in (False, True) if tp is not None and allow_sp else (False,):
                 out.append(Structure(dp, tp, sp))
     return out
 

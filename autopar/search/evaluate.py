@@ -22,6 +22,7 @@ Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]
     >>> t.time(plan.mesh, PROFILES["cpu-gloo"], dp_axis=0, zero=1)
 """
+
 from __future__ import annotations
 
 import math
@@ -58,15 +59,16 @@ class Numbers(PlanSymbols):
 @dataclass
 class Terms:
     """Additive pieces of one part of a plan (numbers per rank and step)."""
-    compute: float = 0.0      # s, forward + backward
-    backward: float = 0.0     # s of backward compute (what the gradient sync can hide behind)
-    comm: float = 0.0         # s of activation collectives
-    sync_other: float = 0.0   # s of gradient sync on axes other than dp
-    dp_grad: float = 0.0      # local gradient bytes summed over the dp axis
+
+    compute: float = 0.0  # s, forward + backward
+    backward: float = 0.0  # s of backward compute (what the gradient sync can hide behind)
+    comm: float = 0.0  # s of activation collectives
+    sync_other: float = 0.0  # s of gradient sync on axes other than dp
+    dp_grad: float = 0.0  # local gradient bytes summed over the dp axis
     params: float = 0.0
     grads_other: float = 0.0  # gradient bytes not synced on dp (ZeRO does not shard them)
     opt_other: float = 0.0
-    opt_dp: float = 0.0       # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
+    opt_dp: float = 0.0  # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
     acts: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
 
@@ -105,8 +107,9 @@ class Terms:
         return self.compute + self.comm + exposed + gather
 
 
-def plan_terms(plan, comp_of: dict, profile, states: int = 2, node_weight=None, param_weight=None,
-               param_comp: dict | None = None) -> dict[str, Terms]:
+def plan_terms(
+    plan, comp_of: dict, profile, states: int = 2, node_weight=None, param_weight=None, param_comp: dict | None = None
+) -> dict[str, Terms]:
     """Terms per component key ("base" for the rest) of ``plan``; ``comp_of`` maps node names to
     component keys, ``param_comp`` parameter names; weights count a node / parameter that stands
     for several (the blocks of a repeated stack)."""
@@ -116,6 +119,7 @@ def plan_terms(plan, comp_of: dict, profile, states: int = 2, node_weight=None, 
 
     def terms(key):
         return out.setdefault(key, Terms())
+
     for node in plan.graph.nodes:
         if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
             continue
@@ -162,5 +166,6 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
                 continue
             n = mesh.shape[a]
             alpha, beta = profile.link(mesh, a)
-            t.sync_other += w * (alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES
-                                 + 2 * (n - 1) / n * local / beta)
+            t.sync_other += w * (
+                alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + 2 * (n - 1) / n * local / beta
+            )

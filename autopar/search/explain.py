@@ -4,6 +4,7 @@ Example:
     >>> print(plan.explain("auto"))          # the whole search
     >>> print(plan.explain("blocks.0.mlp"))  # ... ends with the search's reason for this module
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -15,26 +16,31 @@ def _ms(t) -> str:
 
 def _gib(b) -> str:
     from autopar.explore.display import fmt_bytes
+
     return fmt_bytes(b)
 
 
 def search_text(rec: dict) -> str:
     prof = rec["profile"]
     budget = "none" if rec["budget"] is None else _gib(rec["budget"])
-    lines = [f"automatic plan: {rec['chosen']}",
-             f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})",
-             f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s, intra-node alpha "
-             f"{prof['intra'][0]:.2g} s beta {prof['intra'][1]:.3g} B/s, inter-node alpha {prof['inter'][0]:.2g} s "
-             f"beta {prof['inter'][1]:.3g} B/s, gradient sync overlap {prof['overlap']}",
-             f"  solver {rec['solver']}: {rec['options']} options from {rec['probes']} probe plans "
-             f"in {rec['search_s']:.2f} s"]
+    lines = [
+        f"automatic plan: {rec['chosen']}",
+        f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})",
+        f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s, intra-node alpha "
+        f"{prof['intra'][0]:.2g} s beta {prof['intra'][1]:.3g} B/s, inter-node alpha {prof['inter'][0]:.2g} s "
+        f"beta {prof['inter'][1]:.3g} B/s, gradient sync overlap {prof['overlap']}",
+        f"  solver {rec['solver']}: {rec['options']} options from {rec['probes']} probe plans "
+        f"in {rec['search_s']:.2f} s",
+    ]
     if rec["constrained"]:
         lines.append(f"  fixed by your annotations (not searched): {', '.join(rec['constrained'])}")
     lines.append("  components (time and memory per rank of each choice under the chosen axis roles):")
     for c in rec["components"]:
         lines.append(f"    {c['key']}: {c['choice']}  ({c['what']})")
-        lines += [f"      {k}: {_ms(v['time_s'])} + sync {_ms(v['sync_s'])}, {_gib(v['memory'])}"
-                  for k, v in c["options"].items()]
+        lines += [
+            f"      {k}: {_ms(v['time_s'])} + sync {_ms(v['sync_s'])}, {_gib(v['memory'])}"
+            for k, v in c["options"].items()
+        ]
     lines.append("  runners-up (each option with its best component choices):")
     for r in rec["runners_up"]:
         fit = "" if r["fits"] else "  (over budget)"

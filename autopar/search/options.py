@@ -12,6 +12,7 @@ Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
     >>> print(plan.explain("auto"))
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Auto:
         if value is True:
             return cls()
         from autopar.errors import PlanError
+
         raise PlanError(f"ap.plan(auto={value!r}): pass auto=True or auto=ap.Auto(...).")
 
     def profile(self) -> Profile:

@@ -3,6 +3,7 @@
 Example:
     >>> ap.predict(plan, "cpu-gloo")     # {'time_s': 0.0021, 'memory': 433668.0, ...}
 """
+
 from __future__ import annotations
 
 from autopar.search.evaluate import Terms, plan_terms
@@ -20,7 +21,12 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     dp = plan.data_parallel
     zero = dp.zero if dp is not None else 0
     sync, gather = total.dp_sync(plan.mesh, profile, plan.dp_axis, zero)
-    return {"time_s": total.time(plan.mesh, profile, plan.dp_axis, zero),
-            "memory": total.memory(plan.mesh, plan.dp_axis, zero),
-            "compute_s": total.compute, "comm_s": total.comm, "sync_s": sync + total.sync_other,
-            "zero_gather_s": gather, "comm_bytes": dict(total.comm_bytes)}
+    return {
+        "time_s": total.time(plan.mesh, profile, plan.dp_axis, zero),
+        "memory": total.memory(plan.mesh, plan.dp_axis, zero),
+        "compute_s": total.compute,
+        "comm_s": total.comm,
+        "sync_s": sync + total.sync_other,
+        "zero_gather_s": gather,
+        "comm_bytes": dict(total.comm_bytes),
+    }

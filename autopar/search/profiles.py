@@ -17,6 +17,7 @@ loopback TCP); ``ap.calibrate()`` measures the real one.
 Example:
     >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand
 """
+
 from __future__ import annotations
 
 import math
@@ -27,10 +28,10 @@ from dataclasses import dataclass, replace
 class Profile:
     name: str
     flops_per_s: float
-    intra: tuple[float, float]      # (alpha s, beta B/s) inside a node
-    inter: tuple[float, float]      # between nodes
+    intra: tuple[float, float]  # (alpha s, beta B/s) inside a node
+    inter: tuple[float, float]  # between nodes
     ranks_per_node: int = 8
-    overlap: float = 1.0            # fraction of backward compute that hides the gradient sync
+    overlap: float = 1.0  # fraction of backward compute that hides the gradient sync
 
     def link(self, mesh, axis: int) -> tuple[float, float]:
         """(alpha, beta) of mesh axis ``axis`` (inner axes first fill a node)."""
@@ -39,10 +40,16 @@ class Profile:
 
     def with_values(self, alpha=None, beta=None, flops_per_s=None) -> "Profile":
         """The same profile with alpha / beta (both links) / FLOP/s replaced where given."""
+
         def link(lk):
             return (lk[0] if alpha is None else alpha, lk[1] if beta is None else beta)
-        return replace(self, intra=link(self.intra), inter=link(self.inter),
-                       flops_per_s=self.flops_per_s if flops_per_s is None else flops_per_s)
+
+        return replace(
+            self,
+            intra=link(self.intra),
+            inter=link(self.inter),
+            flops_per_s=self.flops_per_s if flops_per_s is None else flops_per_s,
+        )
 
 
 PROFILES = {
@@ -56,11 +63,14 @@ DEFAULT = "h100"
 def profile_of(device) -> Profile:
     """A Profile from a name ("h100", "a100", "cpu-gloo"), a Profile, or None (the default)."""
     from autopar.errors import PlanError
+
     if device is None:
         return PROFILES[DEFAULT]
     if isinstance(device, Profile):
         return device
     if isinstance(device, str) and device.lower() in PROFILES:
         return PROFILES[device.lower()]
-    raise PlanError(f"ap.Auto(device={device!r}): use one of {sorted(PROFILES)}, an ap.calibrate() "
-                    "result, or give alpha=, beta=, flops_per_s= directly.")
+    raise PlanError(
+        f"ap.Auto(device={device!r}): use one of {sorted(PROFILES)}, an ap.calibrate() "
+        "result, or give alpha=, beta=, flops_per_s= directly."
+    )

@@ -11,6 +11,7 @@ once: the same totals as the full graph. The cost of a probe no longer grows wit
 Example:
     >>> short, node_w, param_w = shortened(traced)     # None when the model has no copied stack
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,20 +40,30 @@ def shortened(traced):
         return None
     last = [node for node, k in where.items() if k == n - 1]
     to_b1 = dict(zip(last, b1))
-    dropped = {name for table in (traced.param_fqn, traced.buffer_fqn, traced.constant_fqn)
-               for name, fqn in table.items() if _index(fqn, prefix) not in (None, 0, 1)}
+    dropped = {
+        name
+        for table in (traced.param_fqn, traced.buffer_fqn, traced.constant_fqn)
+        for name, fqn in table.items()
+        if _index(fqn, prefix) not in (None, 0, 1)
+    }
     new, env = fx.Graph(), {}
 
     def arg(a):
         return env[a] if a in env else env[to_b1[a]]
+
     for node in graph.nodes:
         if node.name in dropped or where.get(node, 0) >= 2:
             continue
         env[node] = new.node_copy(node, arg)
     keep = lambda table: {k: v for k, v in table.items() if k not in dropped}  # noqa: E731
-    short = dataclasses.replace(traced, gm=fx.GraphModule(traced.gm, new), param_fqn=keep(traced.param_fqn),
-                                buffer_fqn=keep(traced.buffer_fqn), constant_fqn=keep(traced.constant_fqn),
-                                repeated=None)
+    short = dataclasses.replace(
+        traced,
+        gm=fx.GraphModule(traced.gm, new),
+        param_fqn=keep(traced.param_fqn),
+        buffer_fqn=keep(traced.buffer_fqn),
+        constant_fqn=keep(traced.constant_fqn),
+        repeated=None,
+    )
     node_w = {node.name: float(n - 1) for node in b1}
     param_w = {}
     for fqn in traced.param_fqn.values():
@@ -65,7 +76,7 @@ def shortened(traced):
 def _index(fqn: str, prefix: str) -> int | None:
     if not fqn.startswith(prefix + "."):
         return None
-    head = fqn[len(prefix) + 1:].split(".", 1)[0]
+    head = fqn[len(prefix) + 1 :].split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
 

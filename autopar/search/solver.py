@@ -21,6 +21,7 @@ Example:
     >>> best = solve(options, budget=8 * 2**30)
     >>> best.option, best.choices, best.time
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ EXACT = {"mip_rel_gap": 1e-12}  # HiGHS stops at a 1e-4 gap by default; these pr
 @dataclass
 class Option:
     """One x_g: its base coefficients and, per component, per choice, the same four numbers."""
+
     label: object
-    base: tuple                       # (time, sync, backward, memory)
-    comps: dict                       # component key -> {choice: (time, sync, backward, memory)}
+    base: tuple  # (time, sync, backward, memory)
+    comps: dict  # component key -> {choice: (time, sync, backward, memory)}
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Solution:
 
 def solve(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
     """The best option and choices (None when nothing fits the budget)."""
-    cols = []   # (kind, g, comp, choice)
+    cols = []  # (kind, g, comp, choice)
     for g, opt in enumerate(options):
         cols.append(("x", g, None, None))
         cols.append(("e", g, None, None))
@@ -65,6 +67,7 @@ def solve(options: list[Option], budget: float | None, overlap: float) -> Soluti
     def coef(col):
         _, g, c, k = col
         return options[g].base if c is None else options[g].comps[c][k]
+
     one = np.zeros(n)
     for col, i in idx.items():
         if col[0] == "e":
@@ -74,7 +77,9 @@ def solve(options: list[Option], budget: float | None, overlap: float) -> Soluti
         cost[i], mem[i] = t, m
         if col[0] == "x":
             one[i] = 1.0
-    rows.append(one); lo.append(1); hi.append(1)
+    rows.append(one)
+    lo.append(1)
+    hi.append(1)
     # Seconds are tiny numbers: HiGHS's absolute tolerances (1e-6 gap, 1e-7 feasibility) would
     # blur them, so time is measured in units that make the largest coefficient 1e6.
     scale = 1e6 / max(float(np.abs(cost).max()), 1e-30)
@@ -85,25 +90,44 @@ def solve(options: list[Option], budget: float | None, overlap: float) -> Soluti
         for col in [("x", g, None, None)] + [("w", g, c, k) for c, ch in opt.comps.items() for k in ch]:
             _, s, b, _ = coef(col)
             sync[idx[col]] = (s - overlap * b) * scale
-        rows.append(sync); lo.append(-np.inf); hi.append(0.0)
+        rows.append(sync)
+        lo.append(-np.inf)
+        hi.append(0.0)
         for c, ch in opt.comps.items():
             r = np.zeros(n)
             r[idx[("x", g, None, None)]] = -1.0
             for k in ch:
                 r[idx[("w", g, c, k)]] = 1.0
-            rows.append(r); lo.append(0); hi.append(0)
+            rows.append(r)
+            lo.append(0)
+            hi.append(0)
     if budget is not None:
-        rows.append(mem); lo.append(-np.inf); hi.append(float(budget))
+        rows.append(mem)
+        lo.append(-np.inf)
+        hi.append(float(budget))
     integrality = np.array([0 if col[0] == "e" else 1 for col in cols])
     upper = np.array([np.inf if col[0] == "e" else 1.0 for col in cols])
     bounds = Bounds(np.zeros(n), upper)
-    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality, bounds=bounds, options=EXACT)
+    res = milp(
+        cost,
+        constraints=LinearConstraint(np.array(rows), lo, hi),
+        integrality=integrality,
+        bounds=bounds,
+        options=EXACT,
+    )
     if res.x is not None:
         # Ties (ZeRO-2 costs what ZeRO-0 costs when the sync hides behind backward) go to the least
         # memory: a second solve, the time held within 1e-9 of the optimum (lexicographic).
-        rows.append(cost); lo.append(-np.inf); hi.append(res.fun * (1 + 1e-9) + 1e-6)
-        second = milp(mem + 1e-12 * cost, constraints=LinearConstraint(np.array(rows), lo, hi),
-                      integrality=integrality, bounds=bounds, options=EXACT)
+        rows.append(cost)
+        lo.append(-np.inf)
+        hi.append(res.fun * (1 + 1e-9) + 1e-6)
+        second = milp(
+            mem + 1e-12 * cost,
+            constraints=LinearConstraint(np.array(rows), lo, hi),
+            integrality=integrality,
+            bounds=bounds,
+            options=EXACT,
+        )
         res = second if second.x is not None else res
     if res.x is None:
         return None

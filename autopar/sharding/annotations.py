@@ -9,6 +9,7 @@ Example:
     >>> annotations = {"blocks.*.attn.qkv": colwise("tp"), "blocks.*.attn.proj": rowwise("tp"),
     ...                "pos_ids": place(Replicate(), Replicate())}
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -39,6 +40,7 @@ class colwise(Annotation):
     ``blocks=k`` is for fused layers whose output features are k equal blocks (GPT-2's
     ``c_attn``, q | k | v): each block is split, so every rank keeps whole heads of each.
     """
+
     axis: str
     output: Placement | None = None
     blocks: int = 1
@@ -55,6 +57,7 @@ class rowwise(Annotation):
     output is replicated (all-reduced) unless ``output`` says otherwise. On an Embedding this
     splits the vocabulary (masked lookup, partial results reduced).
     """
+
     axis: str
     output: Placement | None = R
 
@@ -77,6 +80,7 @@ class replicated(Annotation):
 def replicate() -> replicated:
     """Deprecated spelling of ap.replicated() (it differed from the placement ap.Replicate only by case)."""
     import warnings
+
     warnings.warn("ap.replicated() is deprecated: use ap.replicated().", DeprecationWarning, stacklevel=2)
     return replicated()
 
@@ -84,6 +88,7 @@ def replicate() -> replicated:
 @dataclass(frozen=True)
 class place(Annotation):
     """An explicit layout, one placement per mesh axis, for a parameter or an input by name."""
+
     placements: tuple
 
     def __init__(self, *placements: Placement):
@@ -100,6 +105,7 @@ class vocab_parallel(Annotation):
     or an LM head's output features (logits stay split by class; a cross-entropy on them
     runs vocab-parallel and never gathers a full row).
     """
+
     axis: str
     output: Placement | None = R
 
@@ -115,6 +121,7 @@ class sequence_parallel(Annotation):
     Pair with rowwise(axis, output=Shard(dim)) and vocab_parallel(axis, output=Shard(dim))
     so that the residual stream stays split: presets.megatron(..., sequence_parallel=True).
     """
+
     axis: str
     dim: int = 1
 
@@ -125,10 +132,11 @@ class sequence_parallel(Annotation):
 @dataclass
 class Seeds:
     """What the annotations resolve to."""
-    params: dict[str, tuple] = field(default_factory=dict)        # fqn -> placements
-    inputs: dict[str, tuple] = field(default_factory=dict)        # input name -> placements
+
+    params: dict[str, tuple] = field(default_factory=dict)  # fqn -> placements
+    inputs: dict[str, tuple] = field(default_factory=dict)  # input name -> placements
     module_outputs: dict[str, dict[int, Placement]] = field(default_factory=dict)  # path -> {axis: p}
-    reasons: dict[str, str] = field(default_factory=dict)          # fqn / input / path -> why
+    reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
 
 
 def _layer_kind(module: nn.Module) -> str:
@@ -153,8 +161,14 @@ SPLITS = {
 }
 
 
-def resolve(annotations: dict | None, model: nn.Module, mesh, input_names: list[str],
-            data_parallel: str | None = None, input_ndims: dict | None = None) -> Seeds:
+def resolve(
+    annotations: dict | None,
+    model: nn.Module,
+    mesh,
+    input_names: list[str],
+    data_parallel: str | None = None,
+    input_ndims: dict | None = None,
+) -> Seeds:
     """Turn ``{pattern: annotation}`` into placements for parameters and inputs."""
     seeds = Seeds()
     params = dict(model.named_parameters())
@@ -166,13 +180,15 @@ def resolve(annotations: dict | None, model: nn.Module, mesh, input_names: list[
         if prev is not None and prev[0] != p:
             raise AnnotationError(
                 f"Conflicting annotations for {fqn!r} on axis {mesh.axis_names[axis]!r}: "
-                f"{prev[1]} gives {prev[0]!r}, {why} gives {p!r}. Make the patterns disjoint.")
+                f"{prev[1]} gives {prev[0]!r}, {why} gives {p!r}. Make the patterns disjoint."
+            )
         per_axis[fqn][axis] = (p, why)
 
     for pattern, ann in (annotations or {}).items():
         if not isinstance(ann, Annotation):
-            raise AnnotationError(f"Annotation for {pattern!r} is {ann!r}; use ap.colwise, ap.rowwise, "
-                                  "ap.replicated or ap.place.")
+            raise AnnotationError(
+                f"Annotation for {pattern!r} is {ann!r}; use ap.colwise, ap.rowwise, ap.replicated or ap.place."
+            )
         why = f"{ann!r} from pattern {pattern!r}"
         if isinstance(ann, place):
             _apply_place(pattern, ann, params, input_names, mesh, put, why)
@@ -201,15 +217,18 @@ def resolve(annotations: dict | None, model: nn.Module, mesh, input_names: list[
 def _matching(pattern: str, names, what: str) -> list[str]:
     hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
     if not hits:
-        raise AnnotationError(f"Annotation pattern {pattern!r} matches no {what}. "
-                              f"Closest {what}s: {close_matches(pattern, names)}.")
+        raise AnnotationError(
+            f"Annotation pattern {pattern!r} matches no {what}. Closest {what}s: {close_matches(pattern, names)}."
+        )
     return hits
 
 
 def _apply_place(pattern, ann, params, input_names, mesh, put, why):
     if len(ann.placements) != mesh.ndim:
-        raise AnnotationError(f"{ann!r} for {pattern!r} gives {len(ann.placements)} placements but the "
-                              f"mesh {mesh} has {mesh.ndim} axes: give one per axis.")
+        raise AnnotationError(
+            f"{ann!r} for {pattern!r} gives {len(ann.placements)} placements but the "
+            f"mesh {mesh} has {mesh.ndim} axes: give one per axis."
+        )
     for name in _matching(pattern, list(params) + list(input_names), "parameter or input name"):
         for axis, p in enumerate(ann.placements):
             if p.is_partial():
@@ -220,8 +239,7 @@ def _apply_place(pattern, ann, params, input_names, mesh, put, why):
 def _apply_replicate(pattern, modules, params, mesh, put, why):
     names = [n for n in list(modules) + list(params) if n]
     for name in _matching(pattern, names, "module path or parameter name"):
-        targets = [name] if name in params else [f"{name}.{p}" for p, _ in
-                                                 modules[name].named_parameters()]
+        targets = [name] if name in params else [f"{name}.{p}" for p, _ in modules[name].named_parameters()]
         for fqn in targets:
             for axis in range(mesh.ndim):
                 put(fqn, axis, R, why)
@@ -238,12 +256,14 @@ def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):
             raise AnnotationError(
                 f"{ann!r} on module {path!r} ({type(module).__name__}): it has no 'weight' parameter "
                 "to split. Annotate its Linear/Embedding submodules instead, e.g. "
-                f"{path + '.*'!r}, or use ap.place on parameter names.")
+                f"{path + '.*'!r}, or use ap.place on parameter names."
+            )
         if own["weight"].dim() != 2:  # a norm's or a conv's weight: colwise/rowwise mean nothing there
             raise AnnotationError(
                 f"{ann!r} on module {path!r} ({type(module).__name__}): its weight has shape "
                 f"{tuple(own['weight'].shape)}, but {type(ann).__name__} splits the 2-D weight of a "
-                "Linear or Embedding. Annotate a Linear/Embedding, or use ap.place on parameter names.")
+                "Linear or Embedding. Annotate a Linear/Embedding, or use ap.place on parameter names."
+            )
         for pname, p in own.items():
             fqn = f"{path}.{pname}"
             dim = split.get(pname)

@@ -14,6 +14,7 @@ Example:
     >>> with_blocks([Strategy((Shard(1), Shard(0)), (Shard(1),))], info, [(Shard(1, blocks=3),), (R,)])
     [..., [S(1,blocks=3), S(0)] -> [S(1,blocks=3)]]   # when the weight's dim 0 has the same extent
 """
+
 from __future__ import annotations
 
 from dataclasses import replace

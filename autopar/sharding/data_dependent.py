@@ -9,6 +9,7 @@ Example:
     >>> h * h.detach().abs().max().item()     # in a model's forward
     ShardingError: node 'mul' (aten.mul.Tensor) in module 'mlp' uses a number computed from tensor data ...
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -51,4 +52,5 @@ def data_dependent_error(node: fx.Node, err: BaseException, module: str) -> Shar
         f"(made by {made}): its value is known only at run time, so autopar cannot plan the op "
         f"({type(err).__name__}). Keep it a tensor (e.g. h * h.abs().amax() instead of "
         f"h * h.abs().max().item()), or run the submodule whole and unplanned with "
-        f"annotations={{{(module or 'path.to.submodule')!r}: ap.opaque()}}.")
+        f"annotations={{{(module or 'path.to.submodule')!r}: ap.opaque()}}."
+    )

@@ -13,6 +13,7 @@ Example:
     >>> flow.param_sync_axes["p_fc_weight"]        # the fc weight's gradient is summed over dp
     (0,)
 """
+
 from __future__ import annotations
 
 import operator
@@ -96,8 +97,7 @@ def _eligible(node: fx.Node, axis: int, param_derived: dict) -> bool:
     if node.op == "placeholder":
         return True
     lay = layout_of(node)
-    return all(t[axis] == layout_of(i).spec[axis] for i, t in zip(lay.inputs, lay.input_targets)) \
-        and not lay.fallback
+    return all(t[axis] == layout_of(i).spec[axis] for i, t in zip(lay.inputs, lay.input_targets)) and not lay.fallback
 
 
 def _decide(node, axis, flow, param_derived, param_nodes) -> None:

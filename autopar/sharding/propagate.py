@@ -14,6 +14,7 @@ Example:
     >>> layout_of(node).spec
     (R, S(2))
 """
+
 from __future__ import annotations
 
 import operator
@@ -38,8 +39,9 @@ PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
 @dataclass
 class Layout:
     """What propagation decided for one node (kept in node.meta["autopar"])."""
-    outputs: list[tuple[Placement, ...]]          # placements per tensor output; [] for scalars
-    inputs: list[fx.Node] = field(default_factory=list)                # tensor inputs, flatten order
+
+    outputs: list[tuple[Placement, ...]]  # placements per tensor output; [] for scalars
+    inputs: list[fx.Node] = field(default_factory=list)  # tensor inputs, flatten order
     input_targets: list[tuple[Placement, ...]] = field(default_factory=list)  # placements each needs
     strategies: tuple[Strategy | None, ...] = ()  # one per mesh axis
     reason: str = ""
@@ -100,6 +102,7 @@ def op_info(node: fx.Node) -> OpInfo:
                 return m
             return _scalar_hint(val)
         return a
+
     args, kwargs = _map_leaves((node.args, node.kwargs), conv)
     outs = [TensorMeta.of(v) for v in tensor_outputs(node) if v is not None]
     return OpInfo(node.target, tuple(args), dict(kwargs), metas, outs, index)
@@ -132,8 +135,8 @@ class Context:
     seeds: object
     strict: bool
     param_nodes: set
-    needs_grad: dict          # node -> bool
-    param_derived: dict       # node -> bool
+    needs_grad: dict  # node -> bool
+    param_derived: dict  # node -> bool
     output_constraints: dict  # node -> {axis: Placement}
     warned: set = field(default_factory=set)
     choices: dict | None = field(default_factory=dict)  # choice cache (see _choice_key); None: off
@@ -206,8 +209,9 @@ def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
     boundary.meta["autopar_boundary"] = True
     for u in users:
         u.replace_input_with(node, boundary)
-    boundary.meta["autopar"] = Layout([target], [node], [target], (None,) * ctx.mesh.ndim,
-                                      reason=f"module output constraint {fmt_spec(target)}")
+    boundary.meta["autopar"] = Layout(
+        [target], [node], [target], (None,) * ctx.mesh.ndim, reason=f"module output constraint {fmt_spec(target)}"
+    )
     ctx.param_derived[boundary] = ctx.param_derived.get(node, False)
     ctx.needs_grad[boundary] = ctx.needs_grad.get(node, False)
 
@@ -307,6 +311,7 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
     computed from parameters alone, and the node's module-output constraint: exactly what the
     rule (a pure function of OpInfo) and _cost look at.
     """
+
     def freeze(a):
         if isinstance(a, TensorMeta):
             return ("T", a.shape, a.dtype, a.dynamic)
@@ -317,11 +322,17 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
         if isinstance(a, torch.SymInt):
             raise TypeError("symbolic size without a hint")
         return (type(a).__name__, a)
+
     try:
-        key = (node.target, freeze(info.args), freeze(info.kwargs), freeze(info.outputs), tuple(cur),
-               tuple((i in ctx.param_nodes, bool(ctx.needs_grad.get(i)), bool(ctx.param_derived.get(i)))
-                     for i in ins),
-               tuple(sorted(ctx.output_constraints.get(node, {}).items())))
+        key = (
+            node.target,
+            freeze(info.args),
+            freeze(info.kwargs),
+            freeze(info.outputs),
+            tuple(cur),
+            tuple((i in ctx.param_nodes, bool(ctx.needs_grad.get(i)), bool(ctx.param_derived.get(i))) for i in ins),
+            tuple(sorted(ctx.output_constraints.get(node, {}).items())),
+        )
         hash(key)
     except TypeError:
         return None
@@ -348,14 +359,17 @@ def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
     targets = [tuple(chosen[a].inputs[i] for a in range(mesh.ndim)) for i in range(len(ins))]
     reason = f"rule {rule.__name__}: " + "; ".join(
         f"{mesh.axis_names[a]}: {chosen[a]!r}" + (f" ({chosen[a].note})" if chosen[a].note else "")
-        for a in range(mesh.ndim))
+        for a in range(mesh.ndim)
+    )
     return tuple(outputs), tuple(targets), tuple(chosen), reason, tuple(alternatives)
 
 
 def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:
     n = mesh.shape[axis]
-    for metas, places, prior in ((info.tensors, s.inputs, [c.inputs for c in chosen]),
-                                 (info.outputs, s.outputs, [c.outputs for c in chosen])):
+    for metas, places, prior in (
+        (info.tensors, s.inputs, [c.inputs for c in chosen]),
+        (info.outputs, s.outputs, [c.outputs for c in chosen]),
+    ):
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
@@ -382,8 +396,12 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
             total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
             comm_steps += sum(st.communicates for st in steps)
             local_steps += sum(not st.communicates for st in steps)
-        needs_f = s.inputs[i].is_replicate() and out_split and ctx.needs_grad.get(inp) and (
-            src != s.inputs[i] or not ctx.param_derived.get(inp))
+        needs_f = (
+            s.inputs[i].is_replicate()
+            and out_split
+            and ctx.needs_grad.get(inp)
+            and (src != s.inputs[i] or not ctx.param_derived.get(inp))
+        )
         if needs_f:  # Megatron's "f": an all-reduce of the gradient (see gradflow.py)
             n = mesh.shape[axis]
             total += 2 * (n - 1) / n * nbytes
@@ -428,7 +446,8 @@ def _no_rule(node, ins, info, cur, ctx) -> Layout:
             f"No sharding rule for {node.target} at {where}, and its input(s) "
             f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are split. "
             "Annotate so that this op sees replicated inputs, add a rule with "
-            "autopar.sharding.rules.register, or pass strict=False to gather the inputs and run it replicated.")
+            "autopar.sharding.rules.register, or pass strict=False to gather the inputs and run it replicated."
+        )
     if split and node.target not in ctx.warned:
         ctx.warned.add(node.target)
         fwd = bwd = 0.0
@@ -436,15 +455,23 @@ def _no_rule(node, ins, info, cur, ctx) -> Layout:
             if c != replicated:
                 f, b = steps_cost(plan_steps(c, replicated), c, mesh, _bytes(meta))
                 fwd, bwd = fwd + f, bwd + (b if ctx.needs_grad.get(i) else 0.0)
-        warnings.warn(f"autopar: no sharding rule for {node.target} at {where}: its inputs "
-                      f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are gathered "
-                      f"and it runs replicated on every rank (correct, but it costs {fwd:.0f} bytes "
-                      f"of communication per rank forward, {bwd:.0f} backward, and replicated memory "
-                      "and compute). Add a rule (autopar.sharding.rules.register) to keep it split.", stacklevel=4)
+        warnings.warn(
+            f"autopar: no sharding rule for {node.target} at {where}: its inputs "
+            f"{', '.join(f'{i.name} {fmt_spec(_current(i))}' for i in split)} are gathered "
+            f"and it runs replicated on every rank (correct, but it costs {fwd:.0f} bytes "
+            f"of communication per rank forward, {bwd:.0f} backward, and replicated memory "
+            "and compute). Add a rule (autopar.sharding.rules.register) to keep it split.",
+            stacklevel=4,
+        )
     n_out = len(info.outputs)
-    return Layout([replicated] * n_out, ins, [replicated] * len(ins), (None,) * mesh.ndim,
-                  reason="no rule: replicated" + (" (inputs gathered)" if split else ""),
-                  fallback=bool(split))
+    return Layout(
+        [replicated] * n_out,
+        ins,
+        [replicated] * len(ins),
+        (None,) * mesh.ndim,
+        reason="no rule: replicated" + (" (inputs gathered)" if split else ""),
+        fallback=bool(split),
+    )
 
 
 def check_layouts(graph: fx.Graph, mesh) -> None:

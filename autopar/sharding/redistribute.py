@@ -13,6 +13,7 @@ Example:
     >>> plan_steps((Shard(0), Partial()), (Replicate(), Replicate()))
     [Step('all_gather', axis=0, dim=0), Step('all_reduce', axis=1, op='sum')]
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,16 +25,17 @@ R = Replicate()
 
 @dataclass(frozen=True)
 class Step:
-    kind: str            # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial | partial_cast
+    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial | partial_cast
     axis: int
     dim: int | None = None
-    dim2: int | None = None   # all_to_all: the dim that becomes split
-    op: str | None = None     # reduce op for partial kinds
-    blocks: int = 1           # all_gather / slice of a blocked shard (Shard.blocks)
+    dim2: int | None = None  # all_to_all: the dim that becomes split
+    op: str | None = None  # reduce op for partial kinds
+    blocks: int = 1  # all_gather / slice of a blocked shard (Shard.blocks)
 
     def __repr__(self) -> str:
-        extra = "".join(f", {k}={v}" for k, v in (("dim", self.dim), ("dim2", self.dim2), ("op", self.op))
-                        if v is not None)
+        extra = "".join(
+            f", {k}={v}" for k, v in (("dim", self.dim), ("dim2", self.dim2), ("op", self.op)) if v is not None
+        )
         return f"Step({self.kind!r}, axis={self.axis}{extra})"
 
     @property
@@ -99,8 +101,9 @@ class StepKind:
     """What one redistribution step is: whether it communicates, the collective its backward
     runs (None: local or identity), the emitted op (torch.ops.autopar) and where it leaves the
     axis's placement. The one table that emit, the cost model and explain read."""
+
     name: str
-    op: str | None               # torch.ops.autopar.<op>; None: a local aten rescale
+    op: str | None  # torch.ops.autopar.<op>; None: a local aten rescale
     communicates: bool
     backward: str | None
     backward_input: float = 1.0  # the backward collective's input, as a fraction of the step's input (1/n: a shard)
@@ -116,8 +119,12 @@ class StepKind:
 
     def op_args(self, step: "Step") -> tuple[tuple, tuple]:
         """(dims after the tensor, trailing arguments) of the emitted op for ``step``."""
-        dims = {"all_gather": (step.dim,), "reduce_scatter": (step.dim,), "slice": (step.dim,),
-                "all_to_all": (step.dim, step.dim2)}.get(self.name, ())
+        dims = {
+            "all_gather": (step.dim,),
+            "reduce_scatter": (step.dim,),
+            "slice": (step.dim,),
+            "all_to_all": (step.dim, step.dim2),
+        }.get(self.name, ())
         return dims, ((step.op,) if self.name in ("all_reduce", "reduce_scatter", "to_partial") else ())
 
     def next_placement(self, step: "Step"):
@@ -130,15 +137,18 @@ class StepKind:
         return Partial(step.op.split("->")[-1])  # to_partial, partial_cast
 
 
-STEP_KINDS = {k.name: k for k in (
-    StepKind("all_gather", "all_gather", True, None),          # backward: the rank's slice, free
-    StepKind("all_reduce", "all_reduce", True, None),          # backward: identity
-    StepKind("reduce_scatter", "reduce_scatter", True, "all_gather", backward_input=0),
-    StepKind("all_to_all", "all_to_all", True, "all_to_all"),
-    StepKind("slice", "shard", False, "all_gather", backward_input=0),
-    StepKind("to_partial", "to_partial", False, None),
-    StepKind("partial_cast", None, False, None),               # sum <-> avg: a local rescale
-)}
+STEP_KINDS = {
+    k.name: k
+    for k in (
+        StepKind("all_gather", "all_gather", True, None),  # backward: the rank's slice, free
+        StepKind("all_reduce", "all_reduce", True, None),  # backward: identity
+        StepKind("reduce_scatter", "reduce_scatter", True, "all_gather", backward_input=0),
+        StepKind("all_to_all", "all_to_all", True, "all_to_all"),
+        StepKind("slice", "shard", False, "all_gather", backward_input=0),
+        StepKind("to_partial", "to_partial", False, None),
+        StepKind("partial_cast", None, False, None),  # sum <-> avg: a local rescale
+    )
+}
 
 
 def step_bytes(step: Step, local_bytes: float, n: int) -> float:

@@ -10,6 +10,7 @@ Example:
     >>> traced.param_fqn["p_fc_weight"]
     'fc.weight'
 """
+
 from __future__ import annotations
 
 import inspect
@@ -34,29 +35,35 @@ aten = torch.ops.aten
 @dataclass
 class Traced:
     """A traced model: the graph plus what each placeholder and output stands for."""
+
     gm: fx.GraphModule
-    param_fqn: dict[str, str]          # placeholder name -> parameter name in the model
-    buffer_fqn: dict[str, str]         # placeholder name -> buffer name
-    constant_fqn: dict[str, str]       # placeholder name -> lifted constant name
+    param_fqn: dict[str, str]  # placeholder name -> parameter name in the model
+    buffer_fqn: dict[str, str]  # placeholder name -> buffer name
+    constant_fqn: dict[str, str]  # placeholder name -> lifted constant name
     constants: dict[str, torch.Tensor]  # lifted constant name -> value
-    user_inputs: list[str]             # placeholder names of the user's inputs, in order
-    buffer_mutations: dict[int, str]   # output position -> buffer name it writes
+    user_inputs: list[str]  # placeholder names of the user's inputs, in order
+    buffer_mutations: dict[int, str]  # output position -> buffer name it writes
     n_user_outputs: int
     in_spec: object
     out_spec: object
     forward_arg_names: list[str]
     dynamic: bool
     tied: dict[str, list[str]] = field(default_factory=dict)  # canonical param -> all its names
-    repeated: object = None            # repeat.Repeated when blocks were copied, not exported
-    training: bool = True              # the model's mode when traced (export bakes it into flags)
+    repeated: object = None  # repeat.Repeated when blocks were copied, not exported
+    training: bool = True  # the model's mode when traced (export bakes it into flags)
     materialize_device: object = None  # a meta-device model's rank pieces go here (checkpoint/meta.py)
 
     def placeholders(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
 
 
-def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
-          dynamic: bool = True, repeat_blocks: bool = True) -> Traced:
+def trace(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    dynamic: bool = True,
+    repeat_blocks: bool = True,
+) -> Traced:
     """Export ``model`` at ``args``/``kwargs`` and prepare the graph for propagation.
 
     With ``repeat_blocks``, a long list of identical blocks is exported two blocks deep and
@@ -86,11 +93,20 @@ def _prepared(ep, used_dynamic: bool, model, found: Repeated | None = None) -> T
     gm = ep.graph_module
     sig = ep.graph_signature
     traced = Traced(
-        gm=gm, param_fqn={}, buffer_fqn={}, constant_fqn={}, constants={}, user_inputs=[],
-        buffer_mutations={}, n_user_outputs=0, in_spec=ep.call_spec.in_spec,
+        gm=gm,
+        param_fqn={},
+        buffer_fqn={},
+        constant_fqn={},
+        constants={},
+        user_inputs=[],
+        buffer_mutations={},
+        n_user_outputs=0,
+        in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
         forward_arg_names=list(ep.module_call_graph[0].signature.forward_arg_names or []),
-        dynamic=used_dynamic, training=model.training)
+        dynamic=used_dynamic,
+        training=model.training,
+    )
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
@@ -110,8 +126,10 @@ def _prepared(ep, used_dynamic: bool, model, found: Repeated | None = None) -> T
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             traced.buffer_mutations[i] = spec.target
         else:
-            raise TraceError(f"Output {spec.arg} of kind {spec.kind.name} (the model mutates its "
-                             "inputs in place?) is not supported by autopar: return a new tensor.")
+            raise TraceError(
+                f"Output {spec.arg} of kind {spec.kind.name} (the model mutates its "
+                "inputs in place?) is not supported by autopar: return a new tensor."
+            )
     traced.tied = _tied_parameters(model)
     _check_outputs(traced)
     inline_wrappers(gm)
@@ -132,6 +150,7 @@ def _lazily_compiled(gm: fx.GraphModule) -> fx.GraphModule:
     """
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule
+
         return _LazyGraphModule(gm, gm.graph)
     except Exception:  # noqa: BLE001 - a torch without it: compile now
         gm.recompile()
@@ -143,6 +162,7 @@ def _dynamic_shapes(model, args, kwargs):
         if isinstance(x, torch.Tensor):
             return {d: Dim.AUTO for d in range(x.dim())}
         return None
+
     if not kwargs:
         return pytree.tree_map(spec, args)
     # With keyword inputs export wants the specs keyed by the forward's parameter names.
@@ -153,16 +173,19 @@ def _dynamic_shapes(model, args, kwargs):
 def _export(model, args, kwargs, dynamic):
     """torch.export, dynamic first; static shapes as a fallback (with a warning)."""
     errors = []
-    for use_dynamic in ([True, False] if dynamic else [False]):
+    for use_dynamic in [True, False] if dynamic else [False]:
         shapes = _dynamic_shapes(model, args, kwargs) if use_dynamic else None
         try:
             with warnings.catch_warnings(), _no_fake_tensor_cache():
                 warnings.simplefilter("ignore")
                 ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
             if use_dynamic is False and dynamic:
-                warnings.warn(f"autopar: {type(model).__name__} traced with static shapes only "
-                              f"(dynamic export failed: {_first_line(errors[0])}); its modules then "
-                              "accept only the example's sizes.", stacklevel=3)
+                warnings.warn(
+                    f"autopar: {type(model).__name__} traced with static shapes only "
+                    f"(dynamic export failed: {_first_line(errors[0])}); its modules then "
+                    "accept only the example's sizes.",
+                    stacklevel=3,
+                )
             return ep, use_dynamic
         except Exception as e:  # noqa: BLE001 - export raises many kinds; we re-raise as TraceError
             errors.append(e)
@@ -179,9 +202,11 @@ def _no_fake_tensor_cache():
     """
     try:
         import torch._dynamo.config as dynamo_config
+
         return dynamo_config.patch(fake_tensor_cache_enabled=False)
     except (ImportError, AttributeError):  # a torch without the switch: nothing to change
         import contextlib
+
         return contextlib.nullcontext()
 
 
@@ -196,15 +221,19 @@ def _explain_export_failure(model, e: BaseException) -> str:
     where = _user_frame(e, text)
     data_dep = "data-dependent" in text.lower() or "GuardOnDataDependent" in type(e).__name__
     if "in output" in text and "Found <class" in text:
-        return (f"{type(model).__name__} returns a value autopar cannot handle: {_first_line(e)}\n"
-                "autopar needs tensors or (nested) tuples/lists/dicts of tensors as outputs.")
-    hint = ("The model branches on tensor values (data-dependent control flow): replace "
-            "`if tensor...` with torch.where / torch.cond, or keep the submodule that does it out of "
-            "the plan: annotations={'path.to.submodule': ap.opaque()} runs it replicated, untraced." if data_dep else
-            "Make the model exportable with torch.export.export(model, args, strict=False) first; "
-            "see https://pytorch.org/docs/stable/export.html for what it supports.")
-    return (f"torch.export could not trace {type(model).__name__}{where}: "
-            f"{type(e).__name__}: {_first_line(e)}\n{hint}")
+        return (
+            f"{type(model).__name__} returns a value autopar cannot handle: {_first_line(e)}\n"
+            "autopar needs tensors or (nested) tuples/lists/dicts of tensors as outputs."
+        )
+    hint = (
+        "The model branches on tensor values (data-dependent control flow): replace "
+        "`if tensor...` with torch.where / torch.cond, or keep the submodule that does it out of "
+        "the plan: annotations={'path.to.submodule': ap.opaque()} runs it replicated, untraced."
+        if data_dep
+        else "Make the model exportable with torch.export.export(model, args, strict=False) first; "
+        "see https://pytorch.org/docs/stable/export.html for what it supports."
+    )
+    return f"torch.export could not trace {type(model).__name__}{where}: {type(e).__name__}: {_first_line(e)}\n{hint}"
 
 
 def _user_frame(e: BaseException, text: str) -> str:
@@ -212,9 +241,11 @@ def _user_frame(e: BaseException, text: str) -> str:
     frames = [(f, int(n)) for f, n in m if "site-packages" not in f and "/torch/" not in f]
     if not frames:
         tb = traceback.extract_tb(e.__traceback__)
-        frames = [(f.filename, f.lineno) for f in tb
-                  if "site-packages" not in f.filename and "/torch/" not in f.filename
-                  and "autopar/" not in f.filename]
+        frames = [
+            (f.filename, f.lineno)
+            for f in tb
+            if "site-packages" not in f.filename and "/torch/" not in f.filename and "autopar/" not in f.filename
+        ]
     if not frames:
         return ""
     f, n = frames[-1]
@@ -232,12 +263,16 @@ def _check_outputs(traced: Traced) -> None:
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     for v in pytree.tree_leaves(out.args[0])[: traced.n_user_outputs]:
         if not isinstance(v, (fx.Node, int, float, bool, type(None))):  # a str, an object, ...
-            raise TraceError(f"The model returns {type(v).__name__} {v!r:.40} among its outputs; autopar "
-                             "needs tensors or (nested) tuples/lists/dicts of tensors: drop it from "
-                             "forward's result.")
+            raise TraceError(
+                f"The model returns {type(v).__name__} {v!r:.40} among its outputs; autopar "
+                "needs tensors or (nested) tuples/lists/dicts of tensors: drop it from "
+                "forward's result."
+            )
         if isinstance(v, fx.Node) and not isinstance(v.meta.get("val"), (torch.Tensor, torch.SymInt)):
-            raise TraceError(f"The model returns {type(v.meta.get('val')).__name__} at output "
-                             f"{v.name!r}; autopar needs tensors or (nested) tuples/dicts of tensors.")
+            raise TraceError(
+                f"The model returns {type(v.meta.get('val')).__name__} at output "
+                f"{v.name!r}; autopar needs tensors or (nested) tuples/dicts of tensors."
+            )
 
 
 def split_biases(graph: fx.Graph) -> None:

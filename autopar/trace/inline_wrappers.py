@@ -11,6 +11,7 @@ is the identity on dtypes, so splicing it changes nothing.
 Example:
     >>> inline_wrappers(ep.graph_module)   # no call of wrap_with_set_grad_enabled is left
 """
+
 from __future__ import annotations
 
 import operator

@@ -19,6 +19,7 @@ Example:
     >>> plan = ap.plan(model, mesh, args=(x,), annotations={"encoder.weird": ap.opaque(),
     ...                                                   "head": ap.colwise("tp")})
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,14 +52,15 @@ TENSOR = object()
 @dataclass
 class _Site:
     """One traced call of an opaque submodule."""
+
     module: torch.nn.Module
     path: str
-    names: list[str]            # parameter and buffer names, in the order they are passed
+    names: list[str]  # parameter and buffer names, in the order they are passed
     in_spec: object = None
-    consts: list = field(default_factory=list)   # non-tensor input leaves (TENSOR where a tensor goes)
+    consts: list = field(default_factory=list)  # non-tensor input leaves (TENSOR where a tensor goes)
     out_spec: object = None
     example_outputs: list = field(default_factory=list)  # (shape, dtype) per output, recorded
-    example_inputs: list = field(default_factory=list)   # shapes of the tensor inputs, recorded
+    example_inputs: list = field(default_factory=list)  # shapes of the tensor inputs, recorded
 
     def run(self, tensors):
         n = len(self.names)
@@ -92,10 +94,13 @@ def opaque_call(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 @opaque_call.register_fake
 def _(key, tensors):
     site = _SITES[key]
-    inputs = list(tensors)[len(site.names):]
-    return [torch.empty(_fake_shape(shape, inputs, site.example_inputs), dtype=dtype,
-                        device=tensors[0].device if tensors else "cpu")
-            for shape, dtype in site.example_outputs]
+    inputs = list(tensors)[len(site.names) :]
+    return [
+        torch.empty(
+            _fake_shape(shape, inputs, site.example_inputs), dtype=dtype, device=tensors[0].device if tensors else "cpu"
+        )
+        for shape, dtype in site.example_outputs
+    ]
 
 
 def _fake_shape(shape, inputs, example_inputs):
@@ -103,11 +108,17 @@ def _fake_shape(shape, inputs, example_inputs):
     out = []
     for d, size in enumerate(shape):
         found = size
-        candidates = [(i, d) for i in range(len(inputs))] + \
-            [(i, k) for i, s in enumerate(example_inputs) for k in range(len(s))]
+        candidates = [(i, d) for i in range(len(inputs))] + [
+            (i, k) for i, s in enumerate(example_inputs) for k in range(len(s))
+        ]
         for i, k in candidates:
-            if i < len(example_inputs) and i < len(inputs) and k < len(example_inputs[i]) \
-                    and example_inputs[i][k] == size and k < inputs[i].dim():
+            if (
+                i < len(example_inputs)
+                and i < len(inputs)
+                and k < len(example_inputs[i])
+                and example_inputs[i][k] == size
+                and k < inputs[i].dim()
+            ):
                 found = inputs[i].shape[k]
                 break
         out.append(found)
@@ -125,8 +136,11 @@ def _backward(ctx, grads):
         outs = pytree.tree_leaves(site.run(leaves))
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wanted = [t for t in leaves if t.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                  allow_unused=True) if pairs and wanted else [None] * len(wanted)
+        got = (
+            torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+            if pairs and wanted
+            else [None] * len(wanted)
+        )
     it = iter(got)
     return None, [next(it) if t.requires_grad else None for t in leaves]
 
@@ -142,8 +156,10 @@ def opaque_paths(annotations: dict | None, model: torch.nn.Module) -> list[str]:
         if isinstance(ann, opaque):
             hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not hits:
-                raise AnnotationError(f"ap.opaque() pattern {pattern!r} matches no submodule. "
-                                      f"Closest module paths: {close_matches(pattern, names)}.")
+                raise AnnotationError(
+                    f"ap.opaque() pattern {pattern!r} matches no submodule. "
+                    f"Closest module paths: {close_matches(pattern, names)}."
+                )
             paths += [h for h in hits if not any(h.startswith(p + ".") for p in paths)]
     return sorted(set(paths))
 
@@ -173,11 +189,14 @@ def _record(model, modules, args, kwargs) -> dict:
         ins = [tuple(t.shape) for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor)]
         leaves = pytree.tree_leaves(out)
         if not all(isinstance(o, torch.Tensor) for o in leaves):
-            raise AnnotationError(f"ap.opaque(): {type(module).__name__} returns non-tensor values "
-                                  f"({[type(o).__name__ for o in leaves]}); an opaque submodule must "
-                                  "return tensors or (nested) tuples/lists/dicts of tensors.")
+            raise AnnotationError(
+                f"ap.opaque(): {type(module).__name__} returns non-tensor values "
+                f"({[type(o).__name__ for o in leaves]}); an opaque submodule must "
+                "return tensors or (nested) tuples/lists/dicts of tensors."
+            )
         spec = pytree.tree_structure(out)
         records[id(module)].append((ins, [(tuple(o.shape), o.dtype) for o in leaves], spec))
+
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         with torch.no_grad():
@@ -198,13 +217,21 @@ def _wrapper(module, path, records):
         ins, outs, out_spec = records[n % len(records)]
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        site = _Site(module, path, names, in_spec,
-                     [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
-                     out_spec=out_spec, example_outputs=outs, example_inputs=ins)
+        site = _Site(
+            module,
+            path,
+            names,
+            in_spec,
+            [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
+            out_spec=out_spec,
+            example_outputs=outs,
+            example_inputs=ins,
+        )
         state = dict(module.named_parameters())
         state.update(module.named_buffers())
         key = f"{path}#{next(_COUNTER)}"
         _SITES[key] = site
         result = torch.ops.autopar.opaque_call(key, [state[n] for n in names] + tensors)
         return pytree.tree_unflatten(list(result), site.out_spec)
+
     return forward

@@ -25,6 +25,7 @@ Example:
     >>> with truncated(model, found): ep = torch.export.export(model, args)
     >>> copy_blocks(traced, found)                 # traced: the 2-block graph -> 48 blocks
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +43,7 @@ POSITION_ATTRS = frozenset({"layer_idx", "layer_id", "layer_number", "block_idx"
 @dataclass(frozen=True)
 class Repeated:
     """A list of ``count`` identical blocks at module path ``prefix``."""
+
     prefix: str
     count: int
 
@@ -110,7 +112,7 @@ def copy_blocks(traced, found: Repeated) -> bool:
     graph = traced.gm.graph
     b1, to_b1, carried_from, par = shape
     anchors = _placeholder_anchors(traced, par)
-    prev = {n: n for n in b1}   # block 1 node -> the same node in the block before the one being made
+    prev = {n: n for n in b1}  # block 1 node -> the same node in the block before the one being made
     copies: set[fx.Node] = set()
     tail = b1[-1].next  # blocks 2.. go between block 1 and the rest, in order
     for k in range(2, found.count):
@@ -122,13 +124,15 @@ def copy_blocks(traced, found: Repeated) -> bool:
                 return made[a]
             if a in params:
                 return params[a]
-            if a in carried_from:        # a block-0 value block 1 reads: the previous block's
+            if a in carried_from:  # a block-0 value block 1 reads: the previous block's
                 return prev[to_b1[a]]
             return a
+
         with graph.inserting_before(tail):
             for node in b1:
-                new = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg),
-                                        fx.map_arg(node.kwargs, arg), type_expr=node.type)
+                new = graph.create_node(
+                    node.op, node.target, fx.map_arg(node.args, arg), fx.map_arg(node.kwargs, arg), type_expr=node.type
+                )
                 new.meta = _renumbered(node.meta, found.prefix, k)
                 made[node] = new
         copies.update(made.values())
@@ -162,8 +166,7 @@ def _signature(block: nn.Module):
     """What must be equal for two blocks to compute the same function of their weights."""
     out = []
     for name, m in block.named_modules():
-        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None)):
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
             return None
         attrs = []
         for key, value in sorted(vars(m).items()):
@@ -173,8 +176,9 @@ def _signature(block: nn.Module):
                 return None  # a plain tensor attribute: may differ from block to block
             attrs.append((key, _Same(value)))
         params = [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False)]
-        bufs = [(n, tuple(b.shape), b.dtype, n in m._non_persistent_buffers_set)
-                for n, b in m.named_buffers(recurse=False)]
+        bufs = [
+            (n, tuple(b.shape), b.dtype, n in m._non_persistent_buffers_set) for n, b in m.named_buffers(recurse=False)
+        ]
         out.append((name, type(m), tuple(attrs), tuple(params), tuple(bufs)))
     return tuple(out)
 
@@ -202,7 +206,7 @@ class _Same:
 def _block_index(node: fx.Node, prefix: str) -> int | None:
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         if path.startswith(prefix + "."):
-            head = path[len(prefix) + 1:].split(".", 1)[0]
+            head = path[len(prefix) + 1 :].split(".", 1)[0]
             if head.isdigit():
                 return int(head)
     return None
@@ -218,8 +222,12 @@ def _two_blocks(traced, prefix: str):
         return None
     pos0 = [i for i, b in enumerate(where) if b == 0]
     pos1 = [i for i, b in enumerate(where) if b == 1]
-    if not pos0 or len(pos0) != len(pos1) or pos0 != list(range(pos0[0], pos0[-1] + 1)) \
-            or pos1 != list(range(pos0[-1] + 1, pos0[-1] + 1 + len(pos0))):
+    if (
+        not pos0
+        or len(pos0) != len(pos1)
+        or pos0 != list(range(pos0[0], pos0[-1] + 1))
+        or pos1 != list(range(pos0[-1] + 1, pos0[-1] + 1 + len(pos0)))
+    ):
         return None  # not two consecutive runs of the same length
     b0, b1 = [body[i] for i in pos0], [body[i] for i in pos1]
     par0, par1 = _block_placeholders(traced, nodes, prefix, 0), _block_placeholders(traced, nodes, prefix, 1)
@@ -227,12 +235,16 @@ def _two_blocks(traced, prefix: str):
         return None
     iso = _Iso(set(b0), {v: k for k, v in par0.items()}, par1)
     for n0, n1 in zip(b0, b1):
-        if n0.op != n1.op or n0.target != n1.target or not iso.same(n0.args, n1.args) \
-                or not iso.same(n0.kwargs, n1.kwargs):
+        if (
+            n0.op != n1.op
+            or n0.target != n1.target
+            or not iso.same(n0.args, n1.args)
+            or not iso.same(n0.kwargs, n1.kwargs)
+        ):
             return None
         iso.map[n0] = n1
     b0_set, b1_set = set(b0), set(b1)
-    for n in body[pos1[-1] + 1:] + [nodes[-1]]:  # after block 1: nothing reads block 0
+    for n in body[pos1[-1] + 1 :] + [nodes[-1]]:  # after block 1: nothing reads block 0
         if any(a in b0_set for a in n.all_input_nodes):
             return None
     if any(u not in b1_set for n in b0 for u in n.users if u not in b0_set):
@@ -251,7 +263,7 @@ def _block_placeholders(traced, nodes, prefix: str, k: int) -> dict[str, fx.Node
             continue
         fqn = traced.param_fqn.get(n.name) or traced.buffer_fqn.get(n.name) or traced.constant_fqn.get(n.name)
         if fqn and fqn.startswith(head):
-            out[fqn[len(head):]] = n
+            out[fqn[len(head) :]] = n
     return out
 
 
@@ -272,15 +284,14 @@ class _Iso:
             if a0 in self.par0_names:
                 return self.par1.get(self.par0_names[a0]) is a1
             if a1 is a0:
-                return True      # both blocks read the same outside value (a mask, rotary tables)
-            if a1 in self.b0:    # block 1 reads block 0's output where block 0 read its input
+                return True  # both blocks read the same outside value (a mask, rotary tables)
+            if a1 in self.b0:  # block 1 reads block 0's output where block 0 read its input
                 return self.carried.setdefault(a0, a1) is a1
             return False
         if isinstance(a0, (list, tuple)):
             return type(a0) is type(a1) and len(a0) == len(a1) and all(map(self.same, a0, a1))
         if isinstance(a0, dict):
-            return (isinstance(a1, dict) and a0.keys() == a1.keys()
-                    and all(self.same(a0[k], a1[k]) for k in a0))
+            return isinstance(a1, dict) and a0.keys() == a1.keys() and all(self.same(a0[k], a1[k]) for k in a0)
         if isinstance(a0, float) and math.isnan(a0):
             return isinstance(a1, float) and math.isnan(a1)
         return type(a0) is type(a1) and a0 == a1
@@ -330,10 +341,9 @@ def _renumbered(meta: dict, prefix: str, k: int) -> dict:
         fresh = {}
         for key, (path, cls) in stack.items():
             if path == one or path.startswith(one + "."):
-                npath = new + path[len(one):]
+                npath = new + path[len(one) :]
                 key = key[: len(key) - len(path)] + npath if key.endswith(path) else f"{key}@{k}"
                 path = npath
             fresh[key] = (path, cls)
         out["nn_module_stack"] = fresh
     return out
-

@@ -1,4 +1,5 @@
 """Every notebook in notebooks/ runs top to bottom (nbclient + ipykernel, pinned)."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 def run_notebook(path: Path, timeout: int = 300):
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute()
     return nb
 

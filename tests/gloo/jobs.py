@@ -1,4 +1,5 @@
 """Jobs for gloo/test_compile.py and gloo/test_bench.py (each worker runs the job as its rank)."""
+
 from __future__ import annotations
 
 import torch

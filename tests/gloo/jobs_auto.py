@@ -3,5 +3,6 @@
 
 def calibrate_job():
     import autopar as ap
+
     prof = ap.calibrate(matmul=64, small=64, large=1 << 16, repeat=3)
     return prof.flops_per_s, prof.intra[0], prof.intra[1]

@@ -1,4 +1,5 @@
 """gloo jobs for the checkpoint tests: train, save through DCP, load into other plans."""
+
 from __future__ import annotations
 
 import torch
@@ -95,8 +96,10 @@ def plain_state_dict_refused(path):
     plan, module, _ = _build("tp2", seed=0)
     dcp.save(ap.get_state_dict(module)[0], checkpoint_id=path + "/right")
     out = []
-    for call in (lambda: dcp.save(module.state_dict(), checkpoint_id=path + "/plain"),
-                 lambda: dcp.load(module.state_dict(), checkpoint_id=path + "/right")):
+    for call in (
+        lambda: dcp.save(module.state_dict(), checkpoint_id=path + "/plain"),
+        lambda: dcp.load(module.state_dict(), checkpoint_id=path + "/right"),
+    ):
         try:
             call()
             out.append(None)
@@ -109,6 +112,7 @@ def plain_state_dict_refused(path):
 def _meta_llama(path, shape, axes, dp):
     from transformers import AutoConfig, LlamaForCausalLM
     from tests.harness.hf_models import inputs
+
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.from_pretrained(path)).eval()
     kw = inputs("llama")
@@ -120,6 +124,7 @@ def _meta_llama(path, shape, axes, dp):
 def hf_load_matches_serial(path):
     """Meta LLaMA planned with the Megatron preset, load_pretrained: loss and grads vs serial."""
     from transformers import LlamaForCausalLM
+
     module, kw = _meta_llama(path, (2,), ("tp",), None)
     ap.load_pretrained(module, path)
     plan, rank = module.autopar_plan, dist.get_rank()
@@ -131,14 +136,17 @@ def hf_load_matches_serial(path):
     sloss = serial(**kw).loss
     sloss.backward()
     named = dict(serial.named_parameters())
-    worst = max(((p.grad - shard_tensor(named[n].grad, plan.param_specs[n], plan.mesh, rank)).abs().max()).item()
-                for n, p in module.named_parameters())
+    worst = max(
+        ((p.grad - shard_tensor(named[n].grad, plan.param_specs[n], plan.mesh, rank)).abs().max()).item()
+        for n, p in module.named_parameters()
+    )
     return loss.item(), sloss.item(), worst
 
 
 def hf_save_from_plan(path, out_path):
     """Meta LLaMA on (2, 2) dp x tp, load_pretrained, save_pretrained: rank 0 compares from_pretrained."""
     from transformers import LlamaForCausalLM
+
     module, _ = _meta_llama(path, (2, 2), ("dp", "tp"), "dp")
     ap.load_pretrained(module, path)
     ap.save_pretrained(module, out_path)
@@ -156,4 +164,3 @@ def serial_gpt():
 
 def serial_after(steps):
     return _serial(steps)
-

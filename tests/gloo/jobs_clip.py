@@ -1,4 +1,5 @@
 """gloo jobs for ap.clip_grad_norm_ (each worker runs the job as its rank)."""
+
 from __future__ import annotations
 
 import copy
@@ -31,14 +32,21 @@ def clip_step_matches_serial(shape, axes, zero, norm_type):
         for p in serial.parameters():
             p -= LR * p.grad
     dp = ap.DataParallel("dp", zero=zero, bucket_max_params=3) if "dp" in axes else None
-    module = ap.parallelize(model, ap.Mesh(tuple(shape), tuple(axes)), args=(x,),
-                        annotations=MLP_TP if "tp" in axes else {}, data_parallel=dp)
+    module = ap.parallelize(
+        model,
+        ap.Mesh(tuple(shape), tuple(axes)),
+        args=(x,),
+        annotations=MLP_TP if "tp" in axes else {},
+        data_parallel=dp,
+    )
     plan, rank = module.autopar_plan, dist.get_rank()
     opt = ap.ZeroOptimizer(module, torch.optim.SGD, lr=LR) if zero else torch.optim.SGD(module.parameters(), lr=LR)
     args, _ = plan.local_inputs(rank, x)
     _loss(module(*args)).backward()
     total = ap.clip_grad_norm_(module, 0.3 * full, norm_type)
     opt.step()
-    worst = max((module.get_parameter(n) - shard_tensor(p.detach(), plan.param_specs[n], plan.mesh, rank))
-                .abs().max().item() for n, p in serial.named_parameters())
+    worst = max(
+        (module.get_parameter(n) - shard_tensor(p.detach(), plan.param_specs[n], plan.mesh, rank)).abs().max().item()
+        for n, p in serial.named_parameters()
+    )
     return float(total), float(s_total), worst

@@ -1,4 +1,5 @@
 """Gloo job for gloo/test_comm_bytes.py: planned bytes vs what DistBackend sends."""
+
 from __future__ import annotations
 
 from collections import defaultdict

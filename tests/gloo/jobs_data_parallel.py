@@ -1,4 +1,5 @@
 """gloo jobs for the data-parallel tests (each worker runs the job as its rank)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,13 @@ def _compiled_plan(mesh_name, seed_per_rank=False, zero=0):
     spec = MESHES[mesh_name]
     model = H.make_model(seed=100 + dist.get_rank() if seed_per_rank else 0)
     ann = H.MLP_TP if "tp" in spec.axes else {}
-    module = ap.parallelize(model, spec.mesh(), args=(H.batches(1)[0],), annotations=ann,
-                        data_parallel=ap.DataParallel("dp", zero=zero, bucket_max_params=3))
+    module = ap.parallelize(
+        model,
+        spec.mesh(),
+        args=(H.batches(1)[0],),
+        annotations=ann,
+        data_parallel=ap.DataParallel("dp", zero=zero, bucket_max_params=3),
+    )
     return module, module.autopar_plan
 
 
@@ -33,8 +39,7 @@ def numerics(mesh_name, options):
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
             if rank == 0:
-                out[(option, opt_name)] = max_rel_diff(p.merge_state_dicts(gathered),
-                                                             H.reference(p, opt_name))
+                out[(option, opt_name)] = max_rel_diff(p.merge_state_dicts(gathered), H.reference(p, opt_name))
     return out
 
 
@@ -62,9 +67,11 @@ def broadcast_from_first_rank(mesh_name, zero=0):
     dist.all_gather_object(gathered, mine)
     first = gathered[plan.mesh.group("dp", dist.get_rank())[0]]
     same_in_group = all(torch.equal(mine[n], first[n]) for n in mine)
-    differs_from_own_init = any(not torch.equal(mine[n], p.detach())
-                                for n, p in H.make_model(seed=100 + dist.get_rank()).named_parameters()
-                                if n in mine and mine[n].shape == p.shape)
+    differs_from_own_init = any(
+        not torch.equal(mine[n], p.detach())
+        for n, p in H.make_model(seed=100 + dist.get_rank()).named_parameters()
+        if n in mine and mine[n].shape == p.shape
+    )
     return same_in_group, differs_from_own_init or plan.mesh.group("dp", dist.get_rank())[0] == dist.get_rank()
 
 
@@ -76,7 +83,8 @@ def overlap(mesh_name):
     rank, events = dist.get_rank(), []
     module = p.build_module(rank)
     module.get_parameter("layers.0.fc1.weight").register_post_accumulate_grad_hook(
-        lambda _: events.append(("first layer grad", rank, "")))
+        lambda _: events.append(("first layer grad", rank, ""))
+    )
     (x,), _ = p.local_inputs(rank, H.batches(1)[0])
     with use_backend(Recorder(current_backend(), events)):
         H.loss_of(module(x)).backward()

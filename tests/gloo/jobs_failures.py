@@ -1,4 +1,5 @@
 """gloo jobs for the robustness tests: failing ranks, dead ranks, mismatched plans."""
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,10 @@ from tests.harness.models import MLP
 def _compiled(timeout, annotations=None, debug=False, hidden=32):
     torch.manual_seed(0)
     model, x = MLP(d=8, hidden=hidden, layers=1), torch.randn(4, 8)
-    ann = {"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")} if annotations is None \
-        else annotations
-    module = ap.parallelize(model, ap.Mesh((dist.get_world_size(),), ("tp",)), args=(x,), annotations=ann,
-                        timeout=timeout, debug=debug)
+    ann = {"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")} if annotations is None else annotations
+    module = ap.parallelize(
+        model, ap.Mesh((dist.get_world_size(),), ("tp",)), args=(x,), annotations=ann, timeout=timeout, debug=debug
+    )
     return module, x
 
 

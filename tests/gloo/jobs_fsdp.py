@@ -1,4 +1,5 @@
 """gloo jobs for the fully sharded data-parallel tests (each worker runs the job as its rank)."""
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -16,8 +17,13 @@ def three_steps(mesh_name, options):
     relative difference from serial and every rank the number of parameter elements it holds."""
     spec = MESHES[mesh_name]
     ann = MLP_TP if "tp" in spec.axes else {}
-    module = parallelize(H.make_model(), spec.mesh(), args=(H.batches(1)[0],), annotations=ann,
-                            data_parallel=ap.DataParallel("dp", zero=3, **options))
+    module = parallelize(
+        H.make_model(),
+        spec.mesh(),
+        args=(H.batches(1)[0],),
+        annotations=ann,
+        data_parallel=ap.DataParallel("dp", zero=3, **options),
+    )
     plan, rank = module.autopar_plan, dist.get_rank()
     mine = H.train_rank(plan, rank, "adamw")
     gathered = [None] * dist.get_world_size()

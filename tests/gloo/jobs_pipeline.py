@@ -1,4 +1,5 @@
 """Pipeline jobs for the gloo pools (gloo/test_pipeline.py); each worker runs a job as its rank."""
+
 from __future__ import annotations
 
 import copy
@@ -14,10 +15,15 @@ from tests.harness.meshes import MeshSpec
 from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan, mse, small_gpt
 from tests.harness.serial import grad_errors, serial_step
 
+
 def _gpt_plan(shape, axes, dp, layers=4):
     batch = gpt_batch(batch=8)
-    plan = gpt_plan(MeshSpec(shape, axes, dp), model=small_gpt(layers=layers), batch=batch,
-                    pipeline=ap.Pipeline("pp", microbatches=4))
+    plan = gpt_plan(
+        MeshSpec(shape, axes, dp),
+        model=small_gpt(layers=layers),
+        batch=batch,
+        pipeline=ap.Pipeline("pp", microbatches=4),
+    )
     return plan.model, plan, batch
 
 
@@ -28,13 +34,19 @@ def gpt_pipeline_matches_serial(shape, axes, dp, configs):
     serial_loss, serial_grads = serial_step(model, batch)
     out = []
     for schedule, chunks, ckpt in configs:
-        p = with_pipeline(plan, ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks,
-                                            checkpoint=ckpt))
+        p = with_pipeline(plan, ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks, checkpoint=ckpt))
         runner = p.pipeline_runner(rank)
         loss = runner.step(batch)
-        out.append({"config": (schedule, chunks, ckpt), "loss": loss.item(), "serial": serial_loss.item(),
-                    "errors": grad_errors(p, rank, runner, serial_grads), "names": sorted(runner.params),
-                    "stats": runner.stats})
+        out.append(
+            {
+                "config": (schedule, chunks, ckpt),
+                "loss": loss.item(),
+                "serial": serial_loss.item(),
+                "errors": grad_errors(p, rank, runner, serial_grads),
+                "names": sorted(runner.params),
+                "stats": runner.stats,
+            }
+        )
     return out
 
 
@@ -72,8 +84,13 @@ def skipnet_matches_serial():
     torch.manual_seed(0)
     model = SkipNet()
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    plan = ap.plan(model, ap.Mesh((4,), ("pp",)), args=(x,), annotations=SKIP_SPLITS,
-                   pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse))
+    plan = ap.plan(
+        model,
+        ap.Mesh((4,), ("pp",)),
+        args=(x,),
+        annotations=SKIP_SPLITS,
+        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse),
+    )
     serial_loss, serial_grads = serial_step(model, (x,), mse, y)
     runner = plan.pipeline_runner(rank)
     loss = runner.step((x,), y)
@@ -84,5 +101,10 @@ def skipnet_matches_serial():
     runner.holder.zero_grad(set_to_none=True)
     loss2 = runner.step((x2,), y2)
     serial2, grads2 = serial_step(model, (x2,), mse, y2)
-    return {"loss": loss.item(), "serial": serial_loss.item(), "loss2": loss2.item(), "serial2": serial2.item(),
-            "errors": errors + grad_errors(plan, rank, runner, grads2)}
+    return {
+        "loss": loss.item(),
+        "serial": serial_loss.item(),
+        "loss2": loss2.item(),
+        "serial2": serial2.item(),
+        "errors": errors + grad_errors(plan, rank, runner, grads2),
+    }

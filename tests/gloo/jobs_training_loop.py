@@ -1,5 +1,6 @@
 """gloo jobs for the training-loop contracts (tests/gloo/test_training_loop.py): torch.compile and
 dropout on real processes, against the serial model trained in the same process."""
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,12 @@ def compiled_gpt_matches_serial(shape, axes, dp, steps=3):
         sopt.zero_grad()
         losses.append(loss.item())
         serial_losses.append(sl.item())
-    return {"repeated": repeated, "losses": losses, "serial": serial_losses,
-            "max_rel_param": _max_rel(plan, module, serial)}
+    return {
+        "repeated": repeated,
+        "losses": losses,
+        "serial": serial_losses,
+        "max_rel_param": _max_rel(plan, module, serial),
+    }
 
 
 def dropout_training_matches_serial(shape, axes, dp, rng, steps=3):
@@ -50,8 +55,9 @@ def dropout_training_matches_serial(shape, axes, dp, rng, steps=3):
     model, x = Net(0.4), torch.randn(8, 16)
     serial = Net(0.4)
     serial.load_state_dict(model.state_dict())
-    module = ap.compile(model, ap.Mesh(shape, axes), args=(x,), annotations=ANN, data_parallel=dp,
-                        rng=rng, seed=dist.get_rank() + 11)  # different seeds: compile makes them agree
+    module = ap.compile(
+        model, ap.Mesh(shape, axes), args=(x,), annotations=ANN, data_parallel=dp, rng=rng, seed=dist.get_rank() + 11
+    )  # different seeds: compile makes them agree
     plan, rank = module.autopar_plan, dist.get_rank()
     opt, sopt = torch.optim.SGD(module.parameters(), lr=0.1), torch.optim.SGD(serial.parameters(), lr=0.1)
     for step in range(steps):
@@ -70,8 +76,12 @@ def dropout_training_matches_serial(shape, axes, dp, rng, steps=3):
     pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, pieces)
-    replicas_equal = all(torch.equal(g[n], gathered[0][n]) for g in gathered for n, spec in plan.param_specs.items()
-                         if all(p.is_replicate() for p in spec) and n in g)
+    replicas_equal = all(
+        torch.equal(g[n], gathered[0][n])
+        for g in gathered
+        for n, spec in plan.param_specs.items()
+        if all(p.is_replicate() for p in spec) and n in g
+    )
     return {"replicas_equal": replicas_equal, "max_rel_param": _max_rel(plan, module, serial)}
 
 
@@ -80,5 +90,8 @@ def _max_rel(plan, module, serial):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, pieces)
     merged = plan.merge_state_dicts(gathered)
-    return max(((merged[n] - p.detach()).abs().max() / p.abs().max()).item()
-               for n, p in serial.named_parameters() if n in merged)
+    return max(
+        ((merged[n] - p.detach()).abs().max() / p.abs().max()).item()
+        for n, p in serial.named_parameters()
+        if n in merged
+    )

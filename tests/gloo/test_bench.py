@@ -1,5 +1,6 @@
 """The benchmarks on real gloo processes (tiny sizes): the Megatron reference is exact, and
 training with the fast (in-place) collectives matches serial."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 
 def test_tp_bench_quick_and_megatron_reference_exact(gloo):
     from bench import bench_tp, common
+
     common.use_pool(gloo(2))
     rows = {r["metric"]: r for r in bench_tp.run(quick=True)}
     assert rows["megatron grad error vs serial"]["value"] < 1e-4

@@ -1,4 +1,5 @@
 """Checkpoints: DCP save on one plan, load into others; HF weights into rank shards."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,7 @@ def test_plain_state_dict_to_dcp_fails_loudly(gloo, tmp_path):
 def llama_dir(tmp_path_factory):
     """A tiny LLaMA saved by transformers, sharded into several files (index json)."""
     from tests.harness.hf_models import llama
+
     path = str(tmp_path_factory.mktemp("hf") / "llama")
     llama(layers=1).save_pretrained(path, max_shard_size="20KB")
     return path
@@ -44,6 +46,7 @@ def llama_dir(tmp_path_factory):
 
 def test_load_pretrained_on_meta_model_matches_serial(gloo, llama_dir):
     import os
+
     assert os.path.exists(os.path.join(llama_dir, "model.safetensors.index.json"))
     for loss, serial, worst_grad in gloo(2).run(f"{JOBS}:hf_load_matches_serial", llama_dir):
         assert abs(loss - serial) < 1e-5 * max(1.0, abs(serial))
@@ -59,6 +62,7 @@ def test_cli_converts_dcp_to_hf_dir(tp2_checkpoint, tmp_path):
     from safetensors.torch import load_file
     from autopar.explore.cli import main
     from tests.gloo.jobs_checkpoint import serial_after
+
     out = str(tmp_path / "hf")
     assert main(["convert", tp2_checkpoint, out, "--model", "tests.gloo.jobs_checkpoint:serial_gpt"]) == 0
     got, want = load_file(f"{out}/model.safetensors"), serial_after(3).state_dict()
@@ -71,9 +75,10 @@ def test_offline_conversion_with_optimizer_state_trains_like_serial():
     blocked shard -> back equal; loaded into simulated ranks, one more step equals serial."""
     import torch
     import autopar as ap
-    from autopar.checkpoint.convert import (merge_full_states, named_optimizer_state, shard_full_state)
+    from autopar.checkpoint.convert import merge_full_states, named_optimizer_state, shard_full_state
     from tests.gloo.jobs_checkpoint import QKV_BLOCKS
     from tests.harness.models import gpt_batch, small_gpt
+
     serial = small_gpt(seed=0)
     opt = torch.optim.AdamW(serial.parameters(), lr=0.01, eps=1e-3)
     for s in (10, 11):
@@ -81,8 +86,9 @@ def test_offline_conversion_with_optimizer_state_trains_like_serial():
         opt.step()
         opt.zero_grad()
     full, named = serial.state_dict(), named_optimizer_state(serial, opt)
-    plan = ap.plan(small_gpt(seed=3), ap.Mesh((2, 2), ("dp", "tp")), args=gpt_batch(), annotations=QKV_BLOCKS,
-                   data_parallel="dp")
+    plan = ap.plan(
+        small_gpt(seed=3), ap.Mesh((2, 2), ("dp", "tp")), args=gpt_batch(), annotations=QKV_BLOCKS, data_parallel="dp"
+    )
     pieces = [shard_full_state(plan, r, full, named) for r in plan.mesh.ranks()]
     back, back_optim = merge_full_states(plan, [p[0] for p in pieces], [p[1] for p in pieces])
     assert all(torch.equal(back[k], full[k]) for k in full)
@@ -106,13 +112,14 @@ def test_state_dict_guard_tags_only_split_pieces_and_pickles(tmp_path):
     import torch
     import autopar as ap
     from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+
     plan = ap.plan(small_gpt(), ap.Mesh((2,), ("tp",)), args=gpt_batch(), annotations=MEGATRON)
     sd = plan.module(0).state_dict()
-    assert hasattr(sd["blocks.0.mlp.fc.weight"], "__create_write_items__")      # split: refused by DCP
-    assert not hasattr(sd["blocks.0.ln_1.weight"], "__create_write_items__")    # replicated: whole
+    assert hasattr(sd["blocks.0.mlp.fc.weight"], "__create_write_items__")  # split: refused by DCP
+    assert not hasattr(sd["blocks.0.ln_1.weight"], "__create_write_items__")  # replicated: whole
     with pytest.raises(ap.CheckpointError, match="ap.get_state_dict"):
         sd["blocks.0.mlp.fc.weight"].__create_write_items__("blocks.0.mlp.fc.weight", None)
-    torch.save(sd, tmp_path / "rank0.pt")                                       # per-rank files still work
+    torch.save(sd, tmp_path / "rank0.pt")  # per-rank files still work
     again = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert torch.equal(again["blocks.0.mlp.fc.weight"], sd["blocks.0.mlp.fc.weight"])
 
@@ -120,6 +127,7 @@ def test_state_dict_guard_tags_only_split_pieces_and_pickles(tmp_path):
 def test_get_state_dict_without_process_group_says_what_to_use():
     import autopar as ap
     from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+
     plan = ap.plan(small_gpt(), ap.Mesh((2,), ("tp",)), args=gpt_batch(), annotations=MEGATRON)
     with pytest.raises(ap.CheckpointError, match="shard_full_state"):
         ap.get_state_dict(plan.module(0))
@@ -132,13 +140,20 @@ def test_load_pretrained_gpt2_blocked_qkv_and_tied_head_simulated(tmp_path):
     from transformers import AutoConfig, GPT2LMHeadModel
     import autopar as ap
     from tests.harness.hf_models import GPT2_TP, GPT2_VOCAB, gpt2, inputs
+
     path = str(tmp_path / "gpt2")
     gpt2(layers=1).save_pretrained(path)
     with torch.device("meta"):
         model = GPT2LMHeadModel(AutoConfig.from_pretrained(path)).eval()
     kw = inputs("gpt2")
-    plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations={**GPT2_TP, **GPT2_VOCAB},
-                   data_parallel="dp", dynamic=False)
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("dp", "tp")),
+        kwargs=kw,
+        annotations={**GPT2_TP, **GPT2_VOCAB},
+        data_parallel="dp",
+        dynamic=False,
+    )
     for r in plan.mesh.ranks():
         ap.load_pretrained(plan.module(r), path)
     losses = plan.simulate(lambda m, **k: m(**k)["loss"].item(), **kw)

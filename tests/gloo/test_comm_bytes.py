@@ -1,4 +1,5 @@
 """Real processes send the planned bytes: what DistBackend moves equals plan.collectives()."""
+
 from __future__ import annotations
 
 import pytest

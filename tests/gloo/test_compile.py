@@ -1,11 +1,11 @@
 """ap.parallelize on real torch.distributed processes: gloo workers (started once per session) train
 the GPT on tp, dp and dp x tp meshes and must match serial training; mesh checks and DeviceMesh."""
+
 from __future__ import annotations
 
 import pytest
 
-CASES = [(2, (2,), ("tp",), None), (2, (2,), ("dp",), "dp"),
-         (4, (2, 2), ("dp", "tp"), "dp"), (4, (4,), ("tp",), None)]
+CASES = [(2, (2,), ("tp",), None), (2, (2,), ("dp",), "dp"), (4, (2, 2), ("dp", "tp"), "dp"), (4, (4,), ("tp",), None)]
 
 
 @pytest.mark.parametrize("world,shape,axes,dp", CASES)

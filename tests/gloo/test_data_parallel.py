@@ -1,5 +1,6 @@
 """Data parallel on real gloo processes: numerics of every option, call counts and order,
 parameter broadcast at start."""
+
 from __future__ import annotations
 
 import pytest

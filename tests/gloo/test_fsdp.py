@@ -1,5 +1,6 @@
 """ZeRO-3 / HSDP on 4 real gloo processes (jobs in jobs_fsdp.py): 3 AdamW steps equal serial and
 each rank holds its share of the parameters."""
+
 from __future__ import annotations
 
 import pytest

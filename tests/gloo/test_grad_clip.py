@@ -1,10 +1,15 @@
 """ap.clip_grad_norm_ on real gloo processes: every rank gets the serial norm and steps as serial."""
+
 from __future__ import annotations
 
 import pytest
 
-CASES = [(2, (2,), ("tp",), 0, 2.0), (2, (2,), ("dp",), 2, 2.0), (4, (2, 2), ("dp", "tp"), 1, 2.0),
-         (4, (2, 2), ("dp", "tp"), 2, "inf")]
+CASES = [
+    (2, (2,), ("tp",), 0, 2.0),
+    (2, (2,), ("dp",), 2, 2.0),
+    (4, (2, 2), ("dp", "tp"), 1, 2.0),
+    (4, (2, 2), ("dp", "tp"), 2, "inf"),
+]
 
 
 @pytest.mark.parametrize("world,shape,axes,zero,norm_type", CASES)

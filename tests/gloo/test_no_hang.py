@@ -1,5 +1,6 @@
 """No hangs on real processes: failed or dead ranks make the others fail fast, naming them; the
 pool recovers; debug=True catches ranks holding different plans (simulated: unit/test_simulator.py)."""
+
 from __future__ import annotations
 
 import time

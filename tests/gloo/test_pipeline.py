@@ -1,4 +1,5 @@
 """Pipeline over real torch.distributed (gloo) processes: numerics against serial training."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,10 @@ def test_pp2_real_gloo(gloo):
     assert "wte.weight" in results[0][0]["names"] and "lm_head.weight" in results[1][0]["names"]
 
 
-@pytest.mark.parametrize("shape,axes,dp,config", [((2, 2), ("pp", "tp"), None, ("1f1b", 1, True)),
-                                                  ((2, 2), ("dp", "pp"), "dp", ("interleaved", 2, False))])
+@pytest.mark.parametrize(
+    "shape,axes,dp,config",
+    [((2, 2), ("pp", "tp"), None, ("1f1b", 1, True)), ((2, 2), ("dp", "pp"), "dp", ("interleaved", 2, False))],
+)
 def test_2x2_real_gloo(gloo, shape, axes, dp, config):
     _check(gloo(4).run("tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial", shape, axes, dp, [config]))
 

@@ -1,5 +1,6 @@
 """The training-loop contracts on real gloo processes (jobs in jobs_training_loop.py): a compiled
 rank module and dropout training (both RNG modes) against serial."""
+
 from __future__ import annotations
 
 import pytest

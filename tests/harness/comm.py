@@ -4,6 +4,7 @@ against what the plan lists (Plan.collectives).
 
     >>> assert runtime_bytes(plan, args, loss_of) == pytest.approx(planned_bytes(plan))
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -13,8 +14,12 @@ import torch
 import autopar as ap
 from autopar.runtime.simulator import SimBackend, run_ranks
 
-RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
-        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+RING = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
 
 
 class ByteCounter:
@@ -38,6 +43,7 @@ def runtime_bytes(plan, args, loss_of, rank=0) -> dict:
     def step(r):
         a, k = inputs[r]
         loss_of(modules[r](*a, **k)).backward()
+
     run_ranks(plan.mesh.size, step, backend=backend)
     axis_of = {g: plan.mesh.axis_names[a] for a in range(plan.mesh.ndim) for g in plan.mesh.groups(a)}
     got = defaultdict(float)
@@ -60,8 +66,16 @@ def planned_bytes(plan, **dims) -> dict:
 class Recorder:
     """Wraps a collective backend and records, per rank, every collective it is asked for."""
 
-    KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-             "all_reduce_async", "reduce_scatter_async", "all_gather_async")
+    KINDS = (
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "broadcast",
+        "all_reduce_async",
+        "reduce_scatter_async",
+        "all_gather_async",
+    )
 
     def __init__(self, inner, events=None):
         self.inner, self.calls, self.events = inner, {}, events
@@ -79,6 +93,7 @@ class Recorder:
             if self.events is not None:
                 self.events.append(("launch", rank, name))
             return attr(*args)
+
         return call
 
 
@@ -90,8 +105,10 @@ def sync_calls(calls):
 def runtime_matches_static(plan, kw=None, args=(), loss=lambda out: out["loss"]):
     """ap.comm_stats over one simulated step (forward, ``loss`` backward) equals Plan.collectives
     on every rank. ``loss`` picks the loss from the output (HF models: ``out["loss"]``)."""
+
     def step(module, *a, **k):
         loss(module(*a, **k)).backward()
+
     with ap.comm_stats() as stats:
         plan.simulate(step, *args, **(kw or {}))
     static = Counter((c.kind, c.axis, round(c.bytes, 3)) for c in plan.collectives())

@@ -4,6 +4,7 @@ serial reference (global batch, or local SGD's own definition), and the option m
     >>> plan = make_plan("dp2xtp2").with_data_parallel(ap.DataParallel("dp", **OPTIONS["zero2"]))
     >>> compare(plan.merge_state_dicts(per_rank), reference(plan, "adamw"), "zero2", "where")
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,10 @@ OPTIONS = {
     "localsgd2": dict(local_sgd_every=2, bucket_max_params=3),
 }
 
-OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-              "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1))}
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+}
 
 STEPS = 3
 

@@ -1,8 +1,9 @@
 """Tiny HuggingFace models (random weights, no download) and their Megatron annotations.
 
-    >>> plan, kw = hf_plan("llama", "dp2xtp2")   # LLaMA, Megatron + vocab parallel, on dp x tp
-    >>> plan.check(**kw, rtol=1e-4, atol=1e-5)
+>>> plan, kw = hf_plan("llama", "dp2xtp2")   # LLaMA, Megatron + vocab parallel, on dp x tp
+>>> plan.check(**kw, rtol=1e-4, atol=1e-5)
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,27 +16,59 @@ VOCAB, HIDDEN, SEQ = 128, 32, 8
 
 def llama(layers=1, seed=0, kv_heads=2, attn="eager"):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
-                      attn_implementation=attn, tie_word_embeddings=False, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def gpt2(layers=1, seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
-                     attn_implementation="eager", use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=layers,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
 def bert(layers=1, seed=0):
     from transformers import BertConfig, BertModel
+
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64, attn_implementation="eager",
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertModel(cfg).eval()
 
 
@@ -44,15 +77,27 @@ def batch(b=4, s=SEQ, seed=1):
     return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
 
 
-LLAMA_TP = {"model.layers.*.self_attn.[qkv]_proj": ap.colwise("tp"), "model.layers.*.self_attn.o_proj": ap.rowwise("tp"),
-            "model.layers.*.mlp.gate_proj": ap.colwise("tp"), "model.layers.*.mlp.up_proj": ap.colwise("tp"),
-            "model.layers.*.mlp.down_proj": ap.rowwise("tp")}
-GPT2_TP = {"transformer.h.*.attn.c_attn": ap.colwise("tp", blocks=3), "transformer.h.*.attn.c_proj": ap.rowwise("tp"),
-           "transformer.h.*.mlp.c_fc": ap.colwise("tp"), "transformer.h.*.mlp.c_proj": ap.rowwise("tp")}
-BERT_TP = {"encoder.layer.*.attention.self.query": ap.colwise("tp"), "encoder.layer.*.attention.self.key": ap.colwise("tp"),
-           "encoder.layer.*.attention.self.value": ap.colwise("tp"),
-           "encoder.layer.*.attention.output.dense": ap.rowwise("tp"),
-           "encoder.layer.*.intermediate.dense": ap.colwise("tp"), "encoder.layer.*.output.dense": ap.rowwise("tp")}
+LLAMA_TP = {
+    "model.layers.*.self_attn.[qkv]_proj": ap.colwise("tp"),
+    "model.layers.*.self_attn.o_proj": ap.rowwise("tp"),
+    "model.layers.*.mlp.gate_proj": ap.colwise("tp"),
+    "model.layers.*.mlp.up_proj": ap.colwise("tp"),
+    "model.layers.*.mlp.down_proj": ap.rowwise("tp"),
+}
+GPT2_TP = {
+    "transformer.h.*.attn.c_attn": ap.colwise("tp", blocks=3),
+    "transformer.h.*.attn.c_proj": ap.rowwise("tp"),
+    "transformer.h.*.mlp.c_fc": ap.colwise("tp"),
+    "transformer.h.*.mlp.c_proj": ap.rowwise("tp"),
+}
+BERT_TP = {
+    "encoder.layer.*.attention.self.query": ap.colwise("tp"),
+    "encoder.layer.*.attention.self.key": ap.colwise("tp"),
+    "encoder.layer.*.attention.self.value": ap.colwise("tp"),
+    "encoder.layer.*.attention.output.dense": ap.rowwise("tp"),
+    "encoder.layer.*.intermediate.dense": ap.colwise("tp"),
+    "encoder.layer.*.output.dense": ap.rowwise("tp"),
+}
 
 LLAMA_VOCAB = {"model.embed_tokens": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
 GPT2_VOCAB = {"transformer.wte": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
@@ -76,6 +121,13 @@ def hf_plan(name, mesh_name, annotations=None, layers=1, dynamic=False, strict=F
     spec = MESHES[mesh_name]
     model = build(layers=layers, **model_kw)
     kw = inputs(name)
-    plan = ap.plan(model, spec.mesh(), kwargs=kw, annotations=annotations or ann,
-                   data_parallel=spec.dp, dynamic=dynamic, strict=strict)
+    plan = ap.plan(
+        model,
+        spec.mesh(),
+        kwargs=kw,
+        annotations=annotations or ann,
+        data_parallel=spec.dp,
+        dynamic=dynamic,
+        strict=strict,
+    )
     return plan, kw

@@ -8,6 +8,7 @@ with the axis names and data-parallel axis each feature uses.
     >>> [MESHES[n].shape for n in TP]
     [(2,), (4,), (2, 2)]
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,8 @@ MESHES = {
     "dp2xpp2xtp2": MeshSpec((2, 2, 2), ("dp", "pp", "tp"), "dp"),
 }
 
-TP = ("tp2", "tp4", "dp2xtp2")             # every tensor-parallel feature runs on these
-DP = ("dp2", "dp4", "dp2xtp2")             # data parallel (with tp on the 2-axis one)
+TP = ("tp2", "tp4", "dp2xtp2")  # every tensor-parallel feature runs on these
+DP = ("dp2", "dp4", "dp2xtp2")  # data parallel (with tp on the 2-axis one)
 PP = ("pp2", "pp4", "pp2xtp2", "dp2xpp2", "dp2xpp2xtp2")
 
 # Rule tests force layouts by hand, on axes with generic names.

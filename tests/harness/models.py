@@ -4,6 +4,7 @@ skips; their annotations, example batches, and the one GPT plan factory.
     >>> plan = gpt_plan("dp2xtp2")          # small GPT, Megatron on tp, batch split on dp
     >>> plan.check(*gpt_batch())
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -16,17 +17,26 @@ import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 from tests.harness.meshes import MESHES, MeshSpec
 
-MEGATRON = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp"),
-            "blocks.*.mlp.fc": ap.colwise("tp"), "blocks.*.mlp.proj": ap.rowwise("tp")}
+MEGATRON = {
+    "blocks.*.attn.qkv": ap.colwise("tp"),
+    "blocks.*.attn.proj": ap.rowwise("tp"),
+    "blocks.*.mlp.fc": ap.colwise("tp"),
+    "blocks.*.mlp.proj": ap.rowwise("tp"),
+}
 # the GPT's word embedding and (tied) LM head split by vocabulary; the loss never gathers a row
 GPT_VOCAB = {"wte": ap.vocab_parallel("tp"), "lm_head": ap.vocab_parallel("tp")}
 # Megatron's sequence parallel: the residual stream (norms, row-parallel outputs, embedding
 # output) split on the sequence dim, gathered before each column-parallel layer
 GPT_SEQUENCE_PARALLEL = {
-    "blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp", output=ap.Shard(1)),
-    "blocks.*.mlp.fc": ap.colwise("tp"), "blocks.*.mlp.proj": ap.rowwise("tp", output=ap.Shard(1)),
-    "blocks.*.ln_*": ap.sequence_parallel("tp"), "ln_f": ap.sequence_parallel("tp"),
-    "wte": ap.vocab_parallel("tp", output=ap.Shard(1)), "lm_head": ap.vocab_parallel("tp")}
+    "blocks.*.attn.qkv": ap.colwise("tp"),
+    "blocks.*.attn.proj": ap.rowwise("tp", output=ap.Shard(1)),
+    "blocks.*.mlp.fc": ap.colwise("tp"),
+    "blocks.*.mlp.proj": ap.rowwise("tp", output=ap.Shard(1)),
+    "blocks.*.ln_*": ap.sequence_parallel("tp"),
+    "ln_f": ap.sequence_parallel("tp"),
+    "wte": ap.vocab_parallel("tp", output=ap.Shard(1)),
+    "lm_head": ap.vocab_parallel("tp"),
+}
 
 
 class MLP(nn.Module):
@@ -34,7 +44,8 @@ class MLP(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(
             nn.ModuleDict({"fc1": nn.Linear(d, hidden, bias=bias), "fc2": nn.Linear(hidden, d, bias=bias)})
-            for _ in range(layers))
+            for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x):
@@ -56,15 +67,22 @@ def gpt_batch(batch=8, seq=8, seed=1):
     return torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g)
 
 
-def gpt_plan(mesh: str | MeshSpec = "tp2", *, model=None, layers=2, tied=True, annotations=MEGATRON,
-             batch=None, **plan_kw):
+def gpt_plan(
+    mesh: str | MeshSpec = "tp2", *, model=None, layers=2, tied=True, annotations=MEGATRON, batch=None, **plan_kw
+):
     """The GPT planned on a named mesh: ``annotations`` (Megatron) where the mesh has a tp axis,
     the batch split on its dp axis. The model is ``plan.model``; other ap.plan options pass through."""
     spec = MESHES[mesh] if isinstance(mesh, str) else mesh
     model = small_gpt(layers=layers, tied=tied) if model is None else model
     ann = annotations if "tp" in spec.axes else {}
-    return ap.plan(model, spec.mesh(), args=gpt_batch() if batch is None else batch, annotations=ann,
-                   data_parallel=spec.dp, **plan_kw)
+    return ap.plan(
+        model,
+        spec.mesh(),
+        args=gpt_batch() if batch is None else batch,
+        annotations=ann,
+        data_parallel=spec.dp,
+        **plan_kw,
+    )
 
 
 @lru_cache(maxsize=None)

@@ -6,6 +6,7 @@ bound holds for every tensor whatever its scale.
     >>> merged = plan.merge_state_dicts(per_rank_params)
     >>> assert max_rel_diff(merged, dict(serial.named_parameters())) < 1e-5
 """
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Jobs for real gloo runs of HuggingFace models (each worker runs the job as its rank)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -50,5 +51,11 @@ def llama_trains_like_serial(shape, axes, steps=2, lr=0.1):
     worst = max_rel_diff(merged, dict(serial.named_parameters()))
     ran = Counter((r.kind, round(r.bytes, 3)) for r in counted.records)
     planned = Counter((c.kind, round(c.bytes, 3)) for c in plan.collectives())
-    return {"losses": losses, "serial": serial_losses, "max_rel_param": worst, "comm_equal": ran == planned,
-            "ran": sorted(ran.items()), "planned": sorted(planned.items())}
+    return {
+        "losses": losses,
+        "serial": serial_losses,
+        "max_rel_param": worst,
+        "comm_equal": ran == planned,
+        "ran": sorted(ran.items()),
+        "planned": sorted(planned.items()),
+    }

@@ -6,6 +6,7 @@ Per layer, over tp of size n, each collective on a (B, S, H) activation of E = B
   sequence parallel: 2 all-gathers + 2 reduce-scatters forward, 2 + 2 backward, (n-1)/n * 4E
 Outside the layers only the embedding, the LM head and the loss communicate.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -18,6 +19,7 @@ from tests.harness.comm import runtime_matches_static
 from tests.harness.hf_models import HIDDEN, MODELS, SEQ, hf_plan, inputs, llama
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)
+
 B = 4
 E = B * SEQ * HIDDEN
 
@@ -39,9 +41,11 @@ def test_megatron_minimum(layers):
         assert _kinds(comms) == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}
         assert all(c.bytes == 2 * (n - 1) / n * 4 * E and c.axis == "tp" for c in comms)
     outside = [c for c in plan.collectives() if not c.module.startswith("model.layers.")]
-    assert _kinds(outside) == {("all_reduce", "forward"): 3,   # embedding's partial sums; loss: sum exp, target logit
-                               ("all_reduce", "backward"): 1,  # the LM head's input gradient
-                               ("all_gather", "forward"): 2}   # loss: row maxima; the returned logits
+    assert _kinds(outside) == {
+        ("all_reduce", "forward"): 3,  # embedding's partial sums; loss: sum exp, target logit
+        ("all_reduce", "backward"): 1,  # the LM head's input gradient
+        ("all_gather", "forward"): 2,
+    }  # loss: row maxima; the returned logits
     runtime_matches_static(plan, kw)
 
 
@@ -52,8 +56,12 @@ def test_sequence_parallel_minimum(layers):
     plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw, annotations=ann, dynamic=False)
     for i in range(layers):
         comms = _layer_comms(plan, i)
-        assert _kinds(comms) == {("all_gather", "forward"): 2, ("reduce_scatter", "forward"): 2,
-                                 ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 2}
+        assert _kinds(comms) == {
+            ("all_gather", "forward"): 2,
+            ("reduce_scatter", "forward"): 2,
+            ("all_gather", "backward"): 2,
+            ("reduce_scatter", "backward"): 2,
+        }
         assert all(c.bytes == 1 / 2 * 4 * E for c in comms)
     assert not [c for c in plan.collectives() if c.kind == "all_reduce" and c.bytes >= E]
     plan.check(**kw, rtol=1e-4, atol=1e-5)
@@ -82,8 +90,17 @@ def test_loss_never_gathers_logits():
 def test_parameter_bytes_per_rank(mesh_name, tp):
     plan, _ = hf_plan("llama", mesh_name)
     sharded = {n for n, s in plan.param_specs.items() if any(isinstance(p, ap.Shard) for p in s)}
-    assert {n.rsplit(".", 2)[-2] for n in sharded} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj", "embed_tokens", "lm_head"}
+    assert {n.rsplit(".", 2)[-2] for n in sharded} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "embed_tokens",
+        "lm_head",
+    }
     expected = sum(p.numel() * 4 // (tp if n in sharded else 1) for n, p in plan.model.named_parameters())
     for rank in plan.mesh.ranks():
         got = sum(p.numel() * p.element_size() for p in plan.module(rank).parameters())
@@ -102,8 +119,12 @@ def test_every_model_meets_the_per_layer_minimum(name, sp):
     for i in range(2):
         comms = [c for c in plan.collectives() if c.module.startswith(LAYER_PREFIX[name].format(i))]
         if sp:
-            assert _kinds(comms) == {("all_gather", "forward"): 2, ("reduce_scatter", "forward"): 2,
-                                     ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 2}
+            assert _kinds(comms) == {
+                ("all_gather", "forward"): 2,
+                ("reduce_scatter", "forward"): 2,
+                ("all_gather", "backward"): 2,
+                ("reduce_scatter", "backward"): 2,
+            }
             assert all(c.bytes == 1 / 2 * 4 * E for c in comms)
         else:
             assert _kinds(comms) == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}

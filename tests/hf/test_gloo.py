@@ -1,5 +1,6 @@
 """LLaMA on a real (2, 2) = dp x tp gloo mesh, 4 processes: trains like serial, and the
 collectives each rank runs (ap.comm_stats) are the plan's (Plan.collectives)."""
+
 from __future__ import annotations
 
 import transformers  # noqa: E402,F401  (pinned: a missing one is a failure, not a skip)

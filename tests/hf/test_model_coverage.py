@@ -2,6 +2,7 @@
 linears) shard attention and MLPs (a rank holds about 1/tp of them) and equal serial on
 (2,) and (2, 2); T5's preset pairs its relative-bias self-attention and its cross-attention;
 explain() lists the linears left replicated."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,16 +17,23 @@ def _arch(name):
     return next(a for a in architectures() if a.name == name)
 
 
-@pytest.mark.parametrize("name,attn,mlp", [("Qwen3ForCausalLM", "self_attn", "mlp"),
-                                           ("FalconForCausalLM", "self_attention", "mlp")])
+@pytest.mark.parametrize(
+    "name,attn,mlp", [("Qwen3ForCausalLM", "self_attn", "mlp"), ("FalconForCausalLM", "self_attention", "mlp")]
+)
 def test_preset_shards_attention_and_mlp(name, attn, mlp):
     model, kw = build(_arch(name))
     preset = ap.presets.megatron(model, "tp", kwargs=kw)
     assert any(attn in p and isinstance(a, ap.rowwise) for p, a in preset.items()), preset.explain()
     assert any(mlp in p and isinstance(a, ap.rowwise) for p, a in preset.items()), preset.explain()
     for shape, axes in [((2,), ("tp",)), ((2, 2), ("dp", "tp"))]:
-        plan = ap.plan(model, ap.Mesh(shape, axes), kwargs=kw, annotations=dict(preset),
-                       data_parallel="dp" if "dp" in axes else None, dynamic=False)
+        plan = ap.plan(
+            model,
+            ap.Mesh(shape, axes),
+            kwargs=kw,
+            annotations=dict(preset),
+            data_parallel="dp" if "dp" in axes else None,
+            dynamic=False,
+        )
         plan.check(**kw, rtol=1e-3, atol=1e-4)
     total = sum(p.numel() for p in model.parameters())
     local = sum(p.numel() for p in plan.module(0).parameters())
@@ -36,8 +44,8 @@ def test_t5_preset_pairs_relative_bias_and_cross_attention():
     model, kw = build(_arch("T5ForConditionalGeneration"))
     preset = ap.presets.megatron(model, "tp", kwargs=kw)
     rows = {p for p, a in preset.items() if isinstance(a, ap.rowwise)}
-    assert "encoder.block.0.layer.0.SelfAttention.o" in rows       # relative position bias inside
-    assert "decoder.block.0.layer.1.EncDecAttention.o" in rows      # cross-attention
+    assert "encoder.block.0.layer.0.SelfAttention.o" in rows  # relative position bias inside
+    assert "decoder.block.0.layer.1.EncDecAttention.o" in rows  # cross-attention
     assert "decoder.block.0.layer.2.DenseReluDense.wo" in rows
 
 

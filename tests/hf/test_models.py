@@ -1,5 +1,6 @@
 """HuggingFace LLaMA, GPT-2 and BERT (tiny, random weights) under the Megatron plan: every
 output and every parameter gradient equal to serial, on (2,), (4,) and (2, 2) = dp x tp."""
+
 from __future__ import annotations
 
 import warnings

@@ -1,5 +1,6 @@
 """presets.megatron finds the Megatron plan from the traced graph of each HF model; with
 sequence parallel every model still matches serial; a missing rule names op and module."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -42,8 +43,7 @@ def test_sequence_parallel_matches_serial(name):
     model, kw = build(), inputs(name)
     ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True)
     assert any(isinstance(a, ap.sequence_parallel) for a in ann.values())
-    plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel="dp",
-                   dynamic=False)
+    plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
     plan.check(**kw, rtol=1e-4, atol=1e-5)
     if "labels" in kw:
         runtime_matches_static(plan, kw)  # on dp x tp: grad sync over both axes included
@@ -56,6 +56,7 @@ def test_sequence_parallel_matches_serial(name):
 
 def test_missing_rule_names_op_and_module(monkeypatch):
     import torch
+
     silu = torch.ops.aten.silu.default  # rules are registered per overload
     monkeypatch.delitem(registry._RULES, silu)
     with pytest.raises(ap.NoRuleError, match=r"aten\.silu.*model\.layers\.0\.mlp\.act_fn"):
@@ -70,9 +71,13 @@ def test_preset_on_plain_pytorch_models():
     stack whose residual stream has no norm between layers."""
     import torch
     from tests.harness.models import MEGATRON, MLP, MLP_TP, gpt_batch, small_gpt
+
     gpt = small_gpt()
     preset = ap.presets.megatron(gpt, "tp", args=gpt_batch())
-    assert _expand(preset, gpt) == {**_expand(MEGATRON, gpt), "wte": ap.vocab_parallel("tp"),
-                                    "lm_head": ap.vocab_parallel("tp")}
+    assert _expand(preset, gpt) == {
+        **_expand(MEGATRON, gpt),
+        "wte": ap.vocab_parallel("tp"),
+        "lm_head": ap.vocab_parallel("tp"),
+    }
     mlp = MLP()
     assert _expand(ap.presets.megatron(mlp, "tp", args=(torch.randn(4, 16),)), mlp) == _expand(MLP_TP, mlp)

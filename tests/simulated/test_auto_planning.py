@@ -4,6 +4,7 @@ Every automatic plan is checked against the serial model (outputs and every grad
 search's predicted time and memory are held against the plan's own cost model (plan.cost()
 for bytes and memory, ap.predict for time), budgets and annotations are honoured.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -38,11 +39,12 @@ class MLP(nn.Module):
 
 
 def mesh_of(shape):
-    return ap.Mesh(shape, ("a", "b")[:len(shape)])
+    return ap.Mesh(shape, ("a", "b")[: len(shape)])
 
 
-@pytest.mark.parametrize("shape, device", [((2,), SPLIT_PAYS), ((4,), SPLIT_PAYS), ((2, 2), SPLIT_PAYS),
-                                           ((2, 2), "cpu-gloo")])
+@pytest.mark.parametrize(
+    "shape, device", [((2,), SPLIT_PAYS), ((4,), SPLIT_PAYS), ((2, 2), SPLIT_PAYS), ((2, 2), "cpu-gloo")]
+)
 def test_gpt_auto_equals_serial(shape, device):
     model, args = gpt()
     plan = ap.plan(model, mesh_of(shape), args=args, auto=ap.Auto(device=device) if isinstance(device, str) else device)
@@ -77,8 +79,14 @@ def test_hf_auto_equals_serial_and_beats_hand_plan(name, shape):
     plan = ap.plan(model, mesh, kwargs=kw, auto=SPLIT_PAYS, dynamic=False)
     plan.check(**kw)
     if len(shape) == 2:  # the hand plan: Megatron on one axis, data parallel on the other
-        hand = ap.plan(model, mesh, kwargs=kw, annotations=ap.presets.megatron(model, "b", kwargs=kw),
-                       data_parallel="a", dynamic=False)
+        hand = ap.plan(
+            model,
+            mesh,
+            kwargs=kw,
+            annotations=ap.presets.megatron(model, "b", kwargs=kw),
+            data_parallel="a",
+            dynamic=False,
+        )
         assert ap.predict(plan, SPLIT_PAYS)["time_s"] <= ap.predict(hand, SPLIT_PAYS)["time_s"] * (1 + 1e-9)
 
 
@@ -131,8 +139,13 @@ def test_megatron_on_tp_when_the_cost_model_says_so():
     plan = ap.plan(model, mesh, args=args, auto=SPLIT_PAYS)
     rec = plan.built["auto"]
     assert all(c["choice"] == "split" for c in rec["components"])
-    hand = ap.plan(model, mesh, args=args, annotations=ap.presets.megatron(model, rec_tp(rec, mesh), args=args),
-                   data_parallel=rec_dp(rec, mesh))
+    hand = ap.plan(
+        model,
+        mesh,
+        args=args,
+        annotations=ap.presets.megatron(model, rec_tp(rec, mesh), args=args),
+        data_parallel=rec_dp(rec, mesh),
+    )
     pairs = [n for n in plan.param_specs if ".attn." in n or ".mlp." in n]
     assert all(plan.param_specs[n] == hand.param_specs[n] for n in pairs)
     slow = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", flops_per_s=1e12))

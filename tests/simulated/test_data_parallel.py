@@ -1,5 +1,6 @@
 """Data parallel at full strength, simulated: options, numerics against serial training,
 collective counts and order, overlap, no_sync, frozen parameters, ZeRO memory, errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,9 +65,11 @@ def test_first_bucket_launched_before_first_layer_backward():
     def step(rank):
         module = plan.build_module(rank)
         module.get_parameter("layers.0.fc1.weight").register_post_accumulate_grad_hook(
-            lambda p: events.append(("first layer grad", rank, "")))
+            lambda p: events.append(("first layer grad", rank, ""))
+        )
         (x,), _ = plan.local_inputs(rank, H.batches(1)[0])
         H.loss_of(module(x)).backward()
+
     run(plan, step, backend=Recorder(SimBackend(2), events))
     for rank in (0, 1):
         mine = [e[0] for e in events if e[1] == rank]
@@ -87,6 +90,7 @@ def test_no_sync_accumulates_locally_and_syncs_once():
         assert not rec.calls.get(rank)
         H.loss_of(module(plan.local_inputs(rank, data[2])[0][0])).backward()
         return {n: p.grad.clone() for n, p in module.named_parameters()}
+
     grads = plan.merge_state_dicts(run(plan, step, backend=rec))
     assert len(sync_calls(rec.calls[0])) == len(plan.grad_buckets())
     assert_grads_accumulated_like_serial(grads, data)
@@ -110,6 +114,7 @@ def test_backward_twice_without_zero_grad_accumulates_like_serial():
         for x in data:
             H.loss_of(module(plan.local_inputs(rank, x)[0][0])).backward()
         return {n: p.grad.clone() for n, p in module.named_parameters()}
+
     grads = plan.merge_state_dicts(run(plan, step))
     assert_grads_accumulated_like_serial(grads, data)
 
@@ -143,8 +148,9 @@ class TwoHeads(torch.nn.Module):
 def test_parameters_without_gradient_do_not_hang():
     torch.manual_seed(0)
     model = TwoHeads()
-    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(H.batches(1)[0],),
-                   data_parallel=ap.DataParallel("dp", bucket_max_params=1))
+    plan = ap.plan(
+        model, ap.Mesh((2,), ("dp",)), args=(H.batches(1)[0],), data_parallel=ap.DataParallel("dp", bucket_max_params=1)
+    )
     assert len(plan.grad_buckets()) == 4
 
     def step(rank):
@@ -152,6 +158,7 @@ def test_parameters_without_gradient_do_not_hang():
         a, _ = module(*plan.local_inputs(rank, H.batches(1)[0])[0])
         H.loss_of(a).backward()  # head b gets no gradient on any rank
         return {n: p.grad.clone() for n, p in module.named_parameters()}
+
     grads = plan.merge_state_dicts(run(plan, step))
     assert grads["b.weight"].abs().max() == 0
     H.loss_of(model(H.batches(1)[0])[0]).backward()
@@ -169,6 +176,7 @@ def test_zero_optimizer_state_is_one_dp_th_per_rank():
             grads_left = sum(p.grad is not None for p in module.parameters())
             opt.step()
             return opt.state_bytes(), grads_left
+
         out = run(plan, step)
         model = H.make_model()
         full = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -198,6 +206,7 @@ def test_options_are_checked():
     def plain_optimizer(rank):
         module = plan.build_module(rank)
         H.loss_of(module(plan.local_inputs(rank, H.batches(1)[0])[0][0])).backward()
+
     with pytest.raises(ap.SimulationError, match="ZeroOptimizer"):
         run(plan, plain_optimizer)
     with pytest.raises(ap.DataParallelError, match="whole parameter"):
@@ -230,6 +239,7 @@ def test_no_sync_accumulation_then_step(option):
         if option == "localsgd2":
             module.autopar_local_sgd.average()
         return {n: p.detach().clone() for n, p in module.named_parameters()}
+
     merged = plan.merge_state_dicts(run(plan, step))
     models = [H.make_model() for _ in range(2)]  # local SGD: one replica per dp rank, then the average
     for i, model in enumerate(models if option == "localsgd2" else models[:1]):

@@ -1,4 +1,5 @@
 """Ops without a sharding rule: gathered and replicated (warned, correct), or NoRuleError with strict."""
+
 from __future__ import annotations
 
 import warnings
@@ -35,8 +36,7 @@ def test_no_rule_gathers_warns_and_matches_serial(mesh_name):
     model, x = Net(), torch.randn(4, 3, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = ap.plan(model, MESHES[mesh_name].mesh(), args=(x,), annotations=ANN,
-                   data_parallel=MESHES[mesh_name].dp)
+        plan = ap.plan(model, MESHES[mesh_name].mesh(), args=(x,), annotations=ANN, data_parallel=MESHES[mesh_name].dp)
     texts = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
     assert any("aten.flip" in t and "module 'mix'" in t and "bytes of communication" in t for t in texts), texts
     assert any(plan.layout(n.name).fallback for n in plan.graph.nodes if "autopar" in n.meta)

@@ -1,6 +1,7 @@
 """Fully sharded data parallel (DataParallel(zero=3), parallel/fsdp.py), simulated: parameters
 after 3 AdamW steps equal serial on (4,) dp, (2, 2) dp x tp and HSDP (2 x 2 ranks); memory
 per rank; the bf16 policy; no_sync, frozen and tied parameters; the plan's collectives."""
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,13 @@ CASES = {  # name -> (mesh shape, axes, DataParallel options)
 def _plan(case, model=None, **extra):
     shape, axes, kw = CASES[case]
     ann = MLP_TP if "tp" in axes else {}
-    return ap.plan(model or H.make_model(), ap.Mesh(shape, axes), args=(H.batches(1)[0],), annotations=ann,
-                   data_parallel=ap.DataParallel("dp", **kw, **extra))
+    return ap.plan(
+        model or H.make_model(),
+        ap.Mesh(shape, axes),
+        args=(H.batches(1)[0],),
+        annotations=ann,
+        data_parallel=ap.DataParallel("dp", **kw, **extra),
+    )
 
 
 def _train_all(plan, opt_name="adamw"):
@@ -61,6 +67,7 @@ def test_gradients_land_in_the_pieces_and_sync_skips_dp():
         (a,), _ = plan.local_inputs(rank, H.batches(1)[0])
         H.loss_of(m(a)).backward()
         return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in m.named_parameters()}
+
     grads = plan.merge_state_dicts(run_ranks(4, step))
     serial = H.make_model()
     H.loss_of(serial(H.batches(1)[0])).backward()
@@ -70,6 +77,7 @@ def test_gradients_land_in_the_pieces_and_sync_skips_dp():
 
 def test_reshard_after_forward_gathers_again_in_backward():
     from autopar.parallel.fsdp import buckets_cached
+
     counts = {}
     for reshard in (True, False):
         plan = _plan("dp4", reshard_after_forward=reshard)
@@ -94,6 +102,7 @@ def test_no_sync_accumulation_equals_serial_sum():
             H.loss_of(m(a1)).backward()
         H.loss_of(m(a2)).backward()
         return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in m.named_parameters()}
+
     grads = plan.merge_state_dicts(run_ranks(4, step))
     serial = H.make_model()
     (H.loss_of(serial(x1)) + H.loss_of(serial(x2))).backward()
@@ -129,6 +138,7 @@ def test_tied_weights_gpt():
             opt.step()
             opt.zero_grad()
         return {n: p.detach().clone() for n, p in m.named_parameters()}
+
     merged = plan.merge_state_dicts(run_ranks(4, step))
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for _ in range(2):
@@ -155,8 +165,9 @@ def _serial_policy(dtype, steps=3):
 @pytest.mark.parametrize("zero", [0, 3])
 def test_bf16_policy_within_bf16_tolerance_of_serial_policy(zero):
     kw = dict(zero=zero, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    plan = ap.plan(H.make_model(), ap.Mesh((4,), ("dp",)), args=(H.batches(1)[0],),
-                   data_parallel=ap.DataParallel("dp", **kw))
+    plan = ap.plan(
+        H.make_model(), ap.Mesh((4,), ("dp",)), args=(H.batches(1)[0],), data_parallel=ap.DataParallel("dp", **kw)
+    )
     merged = _train_all(plan)
     assert all(p.dtype == torch.float32 for p in merged.values())  # fp32 masters
     ref, fp32 = _serial_policy(torch.bfloat16), H.train_serial("adamw")
@@ -171,6 +182,7 @@ def test_peak_memory_matches_formula():
     (params + grads + optimizer state + gathered + reduce buffers; activations kept small)."""
     torch.manual_seed(0)
     from tests.harness.models import MLP
+
     model, x = MLP(d=128, hidden=512, layers=4), torch.randn(8, 128)
     plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel=ap.DataParallel("dp", zero=3))
 
@@ -185,6 +197,7 @@ def test_peak_memory_matches_formula():
                 opt.step()
             opt.zero_grad()
         return mem.peak
+
     peak = run_ranks(4, step)[0]
     f = plan.memory_per_rank()
     formula = f["params"] + f["grads"] + f["optimizer_state"] + f["gathered"] + f["reduce_buffers"]
@@ -201,6 +214,7 @@ def test_zero1_keeps_no_second_gradient_buffer():
         H.loss_of(m(a)).backward()
         pieces = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         return bytes_of([p.grad for p in pieces]), sum(p.grad.nbytes for p in pieces)
+
     held, own = run_ranks(4, step)[0]
     assert held <= own * 1.01  # the pieces' gradients hold their own slice, not the bucket
 

@@ -1,6 +1,7 @@
 """ap.clip_grad_norm_ against serial torch.nn.utils.clip_grad_norm_: the total norm on every
 rank, and the parameters after one clipped SGD step, on dp / tp / (dp, tp), ZeRO-1/2,
 a pipeline and norm_type=inf (simulated; real gloo in test_clip_gloo.py)."""
+
 from __future__ import annotations
 
 import copy
@@ -36,8 +37,11 @@ def serial_clipped(model, x, max_norm, norm_type):
 
 def ranks_clipped(plan, x, max_norm, norm_type, zero):
     modules = [plan.build_module(r) for r in plan.mesh.ranks()]
-    opt_of = (lambda m: ap.ZeroOptimizer(m, torch.optim.SGD, lr=LR)) if zero else \
-        (lambda m: torch.optim.SGD(m.parameters(), lr=LR))
+    opt_of = (
+        (lambda m: ap.ZeroOptimizer(m, torch.optim.SGD, lr=LR))
+        if zero
+        else (lambda m: torch.optim.SGD(m.parameters(), lr=LR))
+    )
     opts = [opt_of(m) for m in modules]
     inputs = [plan.local_inputs(r, x)[0] for r in plan.mesh.ranks()]
 
@@ -46,6 +50,7 @@ def ranks_clipped(plan, x, max_norm, norm_type, zero):
         total = ap.clip_grad_norm_(modules[r], max_norm, norm_type)
         opts[r].step()
         return total
+
     totals = run_ranks(plan.mesh.size, step)
     params = plan.merge_state_dicts([dict(m.named_parameters()) for m in modules])
     return totals, params
@@ -58,8 +63,7 @@ def test_clip_matches_serial(mesh, zero, norm_type):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(8, 16)
     dp = ap.DataParallel("dp", zero=zero, bucket_max_params=3) if "dp" in axes else None
-    plan = ap.plan(model, ap.Mesh(shape, axes), args=(x,), annotations=MLP_TP if "tp" in axes else {},
-                   data_parallel=dp)
+    plan = ap.plan(model, ap.Mesh(shape, axes), args=(x,), annotations=MLP_TP if "tp" in axes else {}, data_parallel=dp)
     full, _ = serial_clipped(model, x, 1e9, norm_type)
     max_norm = 0.3 * float(full)  # clipping really scales
     s_total, s_params = serial_clipped(model, x, max_norm, norm_type)
@@ -81,6 +85,7 @@ def test_torch_clip_is_not_enough():
     def step(m, xl):
         loss_of(m(xl)).backward()
         return torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+
     naive = plan.simulate(step, x)
     assert not any(torch.allclose(n, full, rtol=1e-3) for n in naive)
 
@@ -88,10 +93,18 @@ def test_torch_clip_is_not_enough():
 def test_clip_pipeline_norm_over_all_stages():
     model = small_gpt(layers=4)
     batch = gpt_batch(batch=8)
-    plan = ap.plan(model, ap.Mesh((2, 2), ("pp", "tp")), args=batch,
-                   annotations={"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp"),
-                                "blocks.*.mlp.fc": ap.colwise("tp"), "blocks.*.mlp.proj": ap.rowwise("tp")},
-                   pipeline=ap.Pipeline("pp", microbatches=2))
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("pp", "tp")),
+        args=batch,
+        annotations={
+            "blocks.*.attn.qkv": ap.colwise("tp"),
+            "blocks.*.attn.proj": ap.rowwise("tp"),
+            "blocks.*.mlp.fc": ap.colwise("tp"),
+            "blocks.*.mlp.proj": ap.rowwise("tp"),
+        },
+        pipeline=ap.Pipeline("pp", microbatches=2),
+    )
     serial = copy.deepcopy(model)
     serial(*batch)[1].backward()
     full = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
@@ -101,6 +114,7 @@ def test_clip_pipeline_norm_over_all_stages():
     def step(r):
         runners[r].step(batch)
         return ap.clip_grad_norm_(runners[r], 0.5 * float(full))
+
     totals = run_ranks(plan.mesh.size, step)
     for t in totals:
         torch.testing.assert_close(t, s_total, rtol=1e-5, atol=1e-7)
@@ -124,5 +138,6 @@ def test_clip_refuses_plain_module_and_no_sync():
         with m.no_sync():
             loss_of(m(xl)).backward()
             ap.clip_grad_norm_(m, 1.0)
+
     with pytest.raises(ap.SimulationError, match="no_sync"):
         plan.simulate(step, x)

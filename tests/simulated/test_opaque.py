@@ -1,4 +1,5 @@
 """ap.opaque(): an untraceable submodule kept as one replicated op, trained with exact gradients."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,8 +51,7 @@ def test_untraceable_submodule_fails_without_opaque():
 def test_opaque_submodule_matches_serial_forward_and_gradients(mesh_name):
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 3, 8)
-    plan = ap.plan(model, MESHES[mesh_name].mesh(), args=(x,), annotations=ANN,
-                   data_parallel=MESHES[mesh_name].dp)
+    plan = ap.plan(model, MESHES[mesh_name].mesh(), args=(x,), annotations=ANN, data_parallel=MESHES[mesh_name].dp)
     ops = [n for n in plan.graph.nodes if n.target is torch.ops.autopar.opaque_call.default]
     assert len(ops) == 1 and plan.param_specs["gate.fc.weight"] == (ap.Replicate(),) * len(MESHES[mesh_name].shape)
     report = plan.check(x)
@@ -78,6 +78,7 @@ def test_opaque_trains_like_serial():
             opt.step()
             opt.zero_grad()
         return {n: p.detach() for n, p in module.named_parameters()}
+
     merged = plan.merge_state_dicts(plan.simulate(step, x))
     opt = torch.optim.SGD(serial.parameters(), lr=0.1)
     for _ in range(3):
@@ -91,9 +92,12 @@ def test_opaque_trains_like_serial():
 def test_consistency_signature_ignores_local_ops():
     """The debug check compares collectives only: opaque calls' keys may differ between ranks."""
     from autopar.runtime.consistency import collective_sequence
+
     torch.manual_seed(0)
     plan = ap.plan(Net(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 3, 8),), annotations=ANN)
     seq = collective_sequence(plan.module(0))
-    assert seq and all(kind in ("all_reduce", "all_gather", "grad_all_reduce", "reduce_scatter",
-                                "all_to_all", "shard", "to_partial") for kind, _, _ in seq)
+    assert seq and all(
+        kind in ("all_reduce", "all_gather", "grad_all_reduce", "reduce_scatter", "all_to_all", "shard", "to_partial")
+        for kind, _, _ in seq
+    )
     assert all(group == (0, 1) for _, group, _ in seq)

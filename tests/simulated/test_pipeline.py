@@ -1,4 +1,5 @@
 """Pipeline parallelism, simulated: numerics against serial, skips, ties, eval, memory, balance."""
+
 from __future__ import annotations
 
 import copy
@@ -15,8 +16,15 @@ from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES, PP
 from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan as _gpt_plan, mse, small_gpt
 from tests.harness.serial import covered, grad_errors, serial_step
-SCHEDULES = [("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
-             ("gpipe", 1, True), ("1f1b", 1, True), ("interleaved", 2, True)]
+
+SCHEDULES = [
+    ("gpipe", 1, False),
+    ("1f1b", 1, False),
+    ("interleaved", 2, False),
+    ("gpipe", 1, True),
+    ("1f1b", 1, True),
+    ("interleaved", 2, True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,9 @@ def run_step(plan, batch, labels=None, **kw):
 @pytest.mark.parametrize("schedule,chunks,ckpt", SCHEDULES)
 def test_gpt_step_equals_serial(gpt, mesh, schedule, chunks, ckpt):
     model, batch, (serial_loss, serial_grads) = gpt
-    plan = with_pipeline(gpt_plan(mesh, gpt), ap.Pipeline("pp", microbatches=4, schedule=schedule,
-                                                          chunks=chunks, checkpoint=ckpt))
+    plan = with_pipeline(
+        gpt_plan(mesh, gpt), ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks, checkpoint=ckpt)
+    )
     runners, losses = run_step(plan, batch)
     for loss in losses:
         torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
@@ -57,8 +66,9 @@ def test_gpt_step_equals_serial(gpt, mesh, schedule, chunks, ckpt):
     for r in runners:
         for s, gm in r.modules.items():
             held = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-            assert held == {plan.attr_name(ph) for ph in plan.stage_layout.stages[s].attrs
-                            if plan.attr_name(ph) in held}
+            assert held == {
+                plan.attr_name(ph) for ph in plan.stage_layout.stages[s].attrs if plan.attr_name(ph) in held
+            }
 
 
 @pytest.mark.parametrize("schedule,chunks,ckpt", [("1f1b", 1, True), ("interleaved", 2, False)])
@@ -88,12 +98,19 @@ def test_skip_connections_and_multi_tensor_boundaries():
     torch.manual_seed(0)
     model = SkipNet()
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    plan = ap.plan(model, ap.Mesh((4,), ("pp",)), args=(x,), annotations=SKIP_SPLITS,
-                   pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse,
-                                        metric=lambda out, lab: (out - lab).abs().mean()))
+    plan = ap.plan(
+        model,
+        ap.Mesh((4,), ("pp",)),
+        args=(x,),
+        annotations=SKIP_SPLITS,
+        pipeline=ap.Pipeline(
+            "pp", microbatches=2, schedule="1f1b", loss=mse, metric=lambda out, lab: (out - lab).abs().mean()
+        ),
+    )
     st = plan.stage_layout.stages
-    assert [n for n, _ in st[0].send if plan.stage_layout.kinds[n] == "grad"] and \
-        any(len(d) >= 2 for _, d in st[0].send), "block 0's output must go to several stages"
+    assert [n for n, _ in st[0].send if plan.stage_layout.kinds[n] == "grad"] and any(
+        len(d) >= 2 for _, d in st[0].send
+    ), "block 0's output must go to several stages"
     assert len(st[2].recv) >= 3 and any(plan.stage_layout.kinds[n] == "tensor" for n, _ in st[2].recv)
     assert any(src == 0 for _, src in st[3].recv), "a value must skip from stage 0 to stage 3"
     runners, results = run_step(plan, (x,), y)
@@ -126,6 +143,7 @@ def test_tied_weights_one_value_after_sgd(gpt):
         loss = runners[r].step(batch)
         opts[r].step()
         return loss
+
     for _ in range(2):
         run_ranks(2, step)
         serial(*batch)[1].backward()
@@ -170,8 +188,13 @@ def test_automatic_split_balances_an_uneven_model():
     x = torch.randn(8, 16)
     plan = ap.plan(model, ap.Mesh((2,), ("pp",)), args=(x,), pipeline=ap.Pipeline("pp", microbatches=2, loss=mse))
     costs = [s.cost for s in plan.stage_layout.stages]
-    even = ap.plan(model, ap.Mesh((2,), ("pp",)), args=(x,), annotations={"layers.4": ap.split_before()},
-                   pipeline=ap.Pipeline("pp", microbatches=2, loss=mse))
+    even = ap.plan(
+        model,
+        ap.Mesh((2,), ("pp",)),
+        args=(x,),
+        annotations={"layers.4": ap.split_before()},
+        pipeline=ap.Pipeline("pp", microbatches=2, loss=mse),
+    )
     even_costs = [s.cost for s in even.stage_layout.stages]
     order = [n for n in plan.graph.nodes if n.op not in ("placeholder", "output")]
     node_costs = [3.0 * node_flops(n) + _param_bytes(n, set(plan.traced.param_fqn)) for n in order]
@@ -203,8 +226,13 @@ def test_split_before_boundaries_and_errors(gpt):
     model, x = SkipNet(), torch.randn(4, 16)
     mesh = ap.Mesh((2,), ("pp",))
     with pytest.raises(PipelineError, match="make 3 stages"):
-        ap.plan(model, mesh, args=(x,), annotations={"b1": ap.split_before(), "b2": ap.split_before()},
-                pipeline=ap.Pipeline("pp"))
+        ap.plan(
+            model,
+            mesh,
+            args=(x,),
+            annotations={"b1": ap.split_before(), "b2": ap.split_before()},
+            pipeline=ap.Pipeline("pp"),
+        )
     with pytest.raises(PipelineError, match="b9"):
         ap.plan(model, mesh, args=(x,), annotations={"b9": ap.split_before()}, pipeline=ap.Pipeline("pp"))
     with pytest.raises(PipelineError, match="need a pipeline"):
@@ -221,12 +249,14 @@ def test_schedule_table_and_figure(gpt):
     assert table.splitlines()[1].split()[2:] == ["F0", "F1", ".", "B0", "F2", "B1", "F3", "B2", ".", "B3"]
     fig = plan.timeline_figure()
     import matplotlib.figure
+
     assert isinstance(fig, matplotlib.figure.Figure)
     assert len(fig.axes[0].patches) == 2 * 2 * 4  # one bar per action: 2 ranks x (F + B) x 4 micro-batches
     runners, _ = run_step(plan, gpt[1])
     for r, runner in zip(range(2), runners):  # the runner ran exactly the schedule, in order
-        assert [(e.kind, e.microbatch, e.stage) for e in runner.timeline] == \
-            [(a.kind, a.microbatch, a.stage) for a in schedules.build("1f1b", 2, 4)[r]]
+        assert [(e.kind, e.microbatch, e.stage) for e in runner.timeline] == [
+            (a.kind, a.microbatch, a.stage) for a in schedules.build("1f1b", 2, 4)[r]
+        ]
         assert all(e.end >= e.start and e.cpu >= 0 for e in runner.timeline)
     idle = timeline.replayed_idle(plan, [r.timeline for r in runners])
     assert len(idle) == 2 and all(0 <= v < 1 for v in idle)
@@ -242,13 +272,14 @@ def test_p2p_streams_shape_once_then_prefetch():
     """A stream's first message tells its shape; later ones can be posted ahead; a shape change fails."""
     from autopar.parallel.pipeline.p2p import SimChannel
     from autopar.runtime.simulator import SimBackend
+
     backend = SimBackend(2)
     a, b = SimChannel(backend, 0), SimChannel(backend, 1)
-    assert not b.prefetch(0, 1, torch.float32, "h")     # shape not known yet
+    assert not b.prefetch(0, 1, torch.float32, "h")  # shape not known yet
     a.send(torch.ones(2, 3), 1, 1, "h")
     a.send(torch.zeros(2, 3), 1, 2, "h")
     assert b.recv(0, 1, torch.float32, "h").sum() == 6
-    assert b.prefetch(0, 2, torch.float32, "h")         # DistChannel would post this irecv now
+    assert b.prefetch(0, 2, torch.float32, "h")  # DistChannel would post this irecv now
     assert b.recv(0, 2, torch.float32, "h").shape == (2, 3)
     with pytest.raises(PipelineError, match="every micro-batch"):
         a.send(torch.ones(4, 3), 1, 3, "h")

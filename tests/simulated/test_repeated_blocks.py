@@ -1,5 +1,6 @@
 """Deep models traced two blocks deep and copied (trace/repeat_blocks.py): the same graph as a full export,
 or a full export where copying would not be safe."""
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,19 @@ def canonical(traced) -> list[str]:
 
     def stack(n):
         return [path for path, _ in (n.meta.get("nn_module_stack") or {}).values()]
-    return [repr((n.op, fqn.get(n.name) if n.op == "placeholder" else str(n.target),
-                  fx.map_arg(n.args, ref), fx.map_arg(n.kwargs, ref), stack(n))) for n in nodes]
+
+    return [
+        repr(
+            (
+                n.op,
+                fqn.get(n.name) if n.op == "placeholder" else str(n.target),
+                fx.map_arg(n.args, ref),
+                fx.map_arg(n.kwargs, ref),
+                stack(n),
+            )
+        )
+        for n in nodes
+    ]
 
 
 def assert_same_as_full_export(model, args, kwargs=None, copied=True):
@@ -69,8 +81,10 @@ def test_copied_plan_matches_full_plan_layouts():
     fast = ap.plan(model, mesh, args=args, annotations=MEGATRON)
     full = ap.plan(model, mesh, args=args, annotations=MEGATRON, repeat_blocks=False)
     assert fast.traced.repeated is not None and full.traced.repeated is None
+
     def described(plan):  # node names differ (copies are named after the tail): compare the rest
         return [re.sub(r" at \w+ ", " ", str(c)) for c in plan.collectives()]
+
     assert described(fast) == described(full)
     fast.check(*args)
 
@@ -154,15 +168,15 @@ class Shared(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("cls,copied", [(Indexed, False), (Depth, True), (EveryOutput, False),
-                                        (Different, False), (Shared, False)])
+@pytest.mark.parametrize(
+    "cls,copied", [(Indexed, False), (Depth, True), (EveryOutput, False), (Different, False), (Shared, False)]
+)
 def test_unsafe_shapes_export_the_whole_model(cls, copied):
     torch.manual_seed(0)
     model = cls()
     x = torch.randn(4, 8)
     assert_same_as_full_export(model, (x,), copied=copied)
-    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), args=(x,),
-                   annotations={"blocks.0.fc": ap.colwise("tp")})
+    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), args=(x,), annotations={"blocks.0.fc": ap.colwise("tp")})
     plan.check(x)
     assert len(list(model.blocks)) == 4  # the model is given back whole
 

@@ -2,6 +2,7 @@
 against serial (forward and every gradient) on meshes (2,), (4,) and (2, 2); then the rules
 added for HuggingFace models (pad, diff, index, logical and, blocked (fused) splits) behind a
 column-parallel layer. The strategies rules offer, without numerics: unit/test_rule_strategies.py."""
+
 from __future__ import annotations
 
 import warnings
@@ -53,8 +54,11 @@ CASES = {
     "gelu": (lambda x: F.gelu(x), (8, 4), three((S(0),), (S(0),), (S(0), S(1)))),
     "add_broadcast": (lambda x, b: x + b, (8, 4), three((S(0),), (S(0),), (S(0), S(1))), [(4,)]),
     "mul_tensor": (lambda x, b: x * b.tanh(), (8, 4), three((S(1),), (S(1),), (S(1), S(0))), [(8, 4)]),
-    "masked_fill": (lambda x: x.masked_fill(torch.ones(8, 8, dtype=torch.bool).tril()[:, :4] == 0, -1.0),
-                    (8, 4), three((S(0),), (S(0),), (S(0), S(1)))),
+    "masked_fill": (
+        lambda x: x.masked_fill(torch.ones(8, 8, dtype=torch.bool).tril()[:, :4] == 0, -1.0),
+        (8, 4),
+        three((S(0),), (S(0),), (S(0), S(1))),
+    ),
     "where": (lambda x: torch.where(x > 0, x, x * 0.1), (8, 4), three((S(1),), (S(0),), (S(1), S(0)))),
     # contractions
     "matmul_contract": (lambda x, w: x @ w, (4, 8), three((S(1),), (S(1),), (S(1), S(0))), [(8, 6)]),
@@ -62,15 +66,32 @@ CASES = {
     "bmm": (lambda x: torch.bmm(x, x.transpose(1, 2)), (4, 4, 8), three((S(2),), (S(0),), (S(0), S(2)))),
     "linear_col_input": (lambda x, w: F.linear(x, w), (4, 8), three((S(0),), (S(1),), (S(0), S(1))), [(6, 8)]),
     # views
-    "view_heads": (lambda x: x.view(4, 2, 4, 2).permute(0, 2, 1, 3).reshape(4, 4, 4).sum(-1),
-                   (4, 2, 8), three((S(2),), (S(2),), (S(0), S(2)))),
-    "transpose_contig": (lambda x: x.transpose(0, 1).contiguous().view(-1), (4, 8), three((S(1),), (S(1),), (S(0), S(1)))),
-    "unsqueeze_expand": (lambda x: x.unsqueeze(0).expand(3, 8, 4).sum(0), (8, 4), three((S(0),), (S(1),), (S(0), S(1)))),
+    "view_heads": (
+        lambda x: x.view(4, 2, 4, 2).permute(0, 2, 1, 3).reshape(4, 4, 4).sum(-1),
+        (4, 2, 8),
+        three((S(2),), (S(2),), (S(0), S(2))),
+    ),
+    "transpose_contig": (
+        lambda x: x.transpose(0, 1).contiguous().view(-1),
+        (4, 8),
+        three((S(1),), (S(1),), (S(0), S(1))),
+    ),
+    "unsqueeze_expand": (
+        lambda x: x.unsqueeze(0).expand(3, 8, 4).sum(0),
+        (8, 4),
+        three((S(0),), (S(1),), (S(0), S(1))),
+    ),
     "squeeze": (lambda x: x.view(8, 1, 4).squeeze(1), (8, 4), three((S(0),), (S(1),), (S(0), S(1)))),
-    "slice_select": (lambda x: x[:, 1:3] * x[:, 0:1] + x.select(1, 3).unsqueeze(1), (8, 4),
-                     three((S(0),), (S(0),), (S(0), S(1)))),
-    "unbind_split_cat": (lambda x: torch.cat([*x.split(2, dim=1)][::-1], dim=1) + torch.stack(x.unbind(1), 1),
-                         (8, 4), three((S(0),), (S(0),), (S(0), S(1)))),
+    "slice_select": (
+        lambda x: x[:, 1:3] * x[:, 0:1] + x.select(1, 3).unsqueeze(1),
+        (8, 4),
+        three((S(0),), (S(0),), (S(0), S(1))),
+    ),
+    "unbind_split_cat": (
+        lambda x: torch.cat([*x.split(2, dim=1)][::-1], dim=1) + torch.stack(x.unbind(1), 1),
+        (8, 4),
+        three((S(0),), (S(0),), (S(0), S(1))),
+    ),
     # reductions and softmax
     "sum_split_dim": (lambda x: x.sum(0), (8, 4), three((S(0),), (S(0),), (S(0), S(1)))),
     "mean_split_dim": (lambda x: x.mean(-1, keepdim=True) * x, (8, 4), three((S(1),), (S(1),), (S(0), S(1)))),
@@ -78,15 +99,25 @@ CASES = {
     "softmax": (lambda x: x.softmax(-1) * x.log_softmax(0), (8, 4), three((S(1),), (S(0),), (S(0), S(1)))),
     "full_sum": (lambda x: x.sum() * x, (8, 4), three((S(0),), (S(0),), (S(0), S(1)))),
     # norms
-    "layer_norm": (lambda x, w, b: F.layer_norm(x, (4,), w, b), (8, 4), three((S(0),), (S(0),), (S(0), S(1))),
-                   [(4,), (4,)]),
+    "layer_norm": (
+        lambda x, w, b: F.layer_norm(x, (4,), w, b),
+        (8, 4),
+        three((S(0),), (S(0),), (S(0), S(1))),
+        [(4,), (4,)],
+    ),
     "rms_norm": (lambda x, w: F.rms_norm(x, (4,), w), (2, 8, 4), three((S(1),), (S(1),), (S(0), S(1))), [(4,)]),
     # attention
-    "sdpa_heads": (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), (2, 4, 6, 8),
-                   three((S(1),), (S(1),), (S(0), S(1)))),
+    "sdpa_heads": (
+        lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+        (2, 4, 6, 8),
+        three((S(1),), (S(1),), (S(0), S(1))),
+    ),
     # creation
-    "arange_ones": (lambda x: x + torch.arange(4.0) + torch.ones(8, 4).tril(), (8, 4),
-                    three((S(0),), (S(1),), (S(0), S(1)))),
+    "arange_ones": (
+        lambda x: x + torch.arange(4.0) + torch.ones(8, 4).tril(),
+        (8, 4),
+        three((S(0),), (S(1),), (S(0), S(1))),
+    ),
 }
 
 
@@ -165,12 +196,12 @@ def _index(y):
 
 
 OPS = {
-    "pad": lambda y: F.pad(y, (0, 0, 1, 2), value=0.5),      # pads the rows: features stay split
-    "pad_last": lambda y: F.pad(y, (1, 1)),                  # pads the split dim: gathered first
+    "pad": lambda y: F.pad(y, (0, 0, 1, 2), value=0.5),  # pads the rows: features stay split
+    "pad_last": lambda y: F.pad(y, (1, 1)),  # pads the split dim: gathered first
     "diff": lambda y: torch.diff(y, dim=0),
     "and": lambda y: ((y > 0) & (y < 0.5)).float() * y,
     "index": _index,
-    "index_rows": lambda y: y[torch.arange(y.shape[0]).flip(0)[:5]] * 2,   # features keep their split
+    "index_rows": lambda y: y[torch.arange(y.shape[0]).flip(0)[:5]] * 2,  # features keep their split
 }
 
 

@@ -3,6 +3,7 @@ conv (plain, grouped, depthwise, 1-D/3-D, channel splits), pooling, batch/group/
 upsampling, pixel shuffle, unfold/fold, topk/sort/argsort, gather/scatter/index ops, flatten,
 unflatten, numpy_T, copy_; a ResNet-style CNN and a small ViT under data parallel with no
 gather of the batch; synchronised batch norm equal to serial in training mode."""
+
 from __future__ import annotations
 
 import warnings
@@ -17,9 +18,9 @@ from tests.harness.meshes import RULE_MESHES
 from tests.simulated.test_rules import OpModule, three
 
 S, R = ap.Shard, ap.Replicate()
-B0 = three((S(0),), (S(0),), (S(0), S(1)))      # batch split (and channels on (2, 2))
-ROWS = three((S(0),), (S(0),), (S(0), R))       # rows split, (2, 2): the second axis replicated
-C1 = three((S(1),), (S(1),), (S(0), S(1)))      # channels split (and batch on (2, 2))
+B0 = three((S(0),), (S(0),), (S(0), S(1)))  # batch split (and channels on (2, 2))
+ROWS = three((S(0),), (S(0),), (S(0), R))  # rows split, (2, 2): the second axis replicated
+C1 = three((S(1),), (S(1),), (S(0), S(1)))  # channels split (and batch on (2, 2))
 
 
 def run_case(fn, shape, placements_per_mesh, extra=()):
@@ -41,6 +42,7 @@ def conv(w_shape, groups=1, bias=False, **kw):
     def fn(x, w, *b):
         conv_fn = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()]
         return conv_fn(x, w, b[0] if b else None, groups=groups, **kw)
+
     return fn, [w_shape] + ([(w_shape[0],)] if bias else [])
 
 
@@ -61,26 +63,60 @@ CASES = {
     "pool1d": (lambda x: F.max_pool1d(x, 2) + F.avg_pool1d(x, 2), (4, 4, 8), C1),
     "group_norm": (lambda x, w, b: F.group_norm(x, 4, w, b), (4, 8, 4, 4), C1, [(8,), (8,)]),
     "instance_norm": (lambda x, w, b: F.instance_norm(x, weight=w, bias=b), (4, 8, 4, 4), C1, [(8,), (8,)]),
-    "batch_norm_channels": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
-                            (4, 8, 4, 4), three((S(1),), (S(1),), (R, S(1))), [(8,), (8,)]),
-    "batch_norm_eval": (lambda x, w, b: F.batch_norm(x, torch.zeros(8), torch.ones(8) * 2, w, b, training=False),
-                        (4, 8, 4, 4), B0, [(8,), (8,)]),
-    "upsample": (lambda x: F.interpolate(x, scale_factor=2) + F.interpolate(x, size=(8, 8), mode="bilinear"),
-                 (4, 4, 4, 4), C1),
-    "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2).sum(1, keepdim=True) * F.pixel_unshuffle(F.pixel_shuffle(x, 2), 2)[:, :1].mean(),
-                      (4, 8, 4, 4), B0),
+    "batch_norm_channels": (
+        lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+        (4, 8, 4, 4),
+        three((S(1),), (S(1),), (R, S(1))),
+        [(8,), (8,)],
+    ),
+    "batch_norm_eval": (
+        lambda x, w, b: F.batch_norm(x, torch.zeros(8), torch.ones(8) * 2, w, b, training=False),
+        (4, 8, 4, 4),
+        B0,
+        [(8,), (8,)],
+    ),
+    "upsample": (
+        lambda x: F.interpolate(x, scale_factor=2) + F.interpolate(x, size=(8, 8), mode="bilinear"),
+        (4, 4, 4, 4),
+        C1,
+    ),
+    "pixel_shuffle": (
+        lambda x: (
+            F.pixel_shuffle(x, 2).sum(1, keepdim=True) * F.pixel_unshuffle(F.pixel_shuffle(x, 2), 2)[:, :1].mean()
+        ),
+        (4, 8, 4, 4),
+        B0,
+    ),
     "pixel_shuffle_channels": (lambda x: F.pixel_shuffle(x, 2), (4, 16, 4, 4), C1),
     "unfold_fold": (lambda x: F.fold(F.unfold(x, 2, stride=2) * 2, (4, 4), 2, stride=2), (4, 4, 4, 4), C1),
     "topk": (lambda x: torch.topk(x, 2, dim=-1).values * x[..., :2], (8, 4), ROWS),
-    "sort_argsort": (lambda x: torch.sort(x, dim=0).values + x.gather(0, torch.argsort(x, dim=0, stable=True)),
-                     (8, 4), three((S(1),), (S(1),), (S(1), R))),
+    "sort_argsort": (
+        lambda x: torch.sort(x, dim=0).values + x.gather(0, torch.argsort(x, dim=0, stable=True)),
+        (8, 4),
+        three((S(1),), (S(1),), (S(1), R)),
+    ),
     "cumprod": (lambda x: torch.cumprod(x, 1), (8, 4), ROWS),
-    "gather_scatter": (lambda x: x.gather(1, x.argmax(1, keepdim=True)) + torch.zeros_like(x).scatter_add(1, x.argmin(1, keepdim=True), x[:, :1]),
-                       (8, 4), ROWS),
-    "index_select_add": (lambda x: x.index_select(1, torch.tensor([3, 0])).sum(1, keepdim=True)
-                         + torch.zeros(8, 4).index_add(1, torch.tensor([1, 1, 2, 0]), x),
-                         (8, 4), ROWS),
-    "flatten_unflatten": (lambda x: x.flatten(1).unflatten(1, (2, 8)).sum(-1), (4, 4, 4), three((S(0),), (S(1),), (S(0), S(1)))),
+    "gather_scatter": (
+        lambda x: (
+            x.gather(1, x.argmax(1, keepdim=True))
+            + torch.zeros_like(x).scatter_add(1, x.argmin(1, keepdim=True), x[:, :1])
+        ),
+        (8, 4),
+        ROWS,
+    ),
+    "index_select_add": (
+        lambda x: (
+            x.index_select(1, torch.tensor([3, 0])).sum(1, keepdim=True)
+            + torch.zeros(8, 4).index_add(1, torch.tensor([1, 1, 2, 0]), x)
+        ),
+        (8, 4),
+        ROWS,
+    ),
+    "flatten_unflatten": (
+        lambda x: x.flatten(1).unflatten(1, (2, 8)).sum(-1),
+        (4, 4, 4),
+        three((S(0),), (S(1),), (S(0), S(1))),
+    ),
     "numpy_T": (lambda x, w: x @ w.T, (8, 4), ROWS, [(6, 4)]),
     "copy_": (lambda x: torch.zeros(8, 4).copy_(x) * 2, (8, 4), three((S(1),), (S(0),), (S(0), S(1)))),
 }
@@ -100,8 +136,13 @@ class ResNetish(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
-                                   nn.Conv2d(8, 8, 1), nn.GroupNorm(2, 8))
+        self.block = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1, groups=8),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 1),
+            nn.GroupNorm(2, 8),
+        )
         self.head = nn.Linear(8, 5)
 
     def forward(self, x):
@@ -134,8 +175,14 @@ class TinyViT(nn.Module):
 def _no_dp_gather(plan):
     """All-gathers on dp besides the outputs'. (ViT's class token, a broadcast parameter, still
     gets its gradient all-gathered in the backward: 1 x d per sample, not the batch.)"""
-    return [c for c in plan.collectives() if c.kind == "all_gather" and c.axis == "dp" and c.node != "output"
-            and not (c.phase == "backward" and c.src == "expand")]
+    return [
+        c
+        for c in plan.collectives()
+        if c.kind == "all_gather"
+        and c.axis == "dp"
+        and c.node != "output"
+        and not (c.phase == "backward" and c.src == "expand")
+    ]
 
 
 @pytest.mark.parametrize("shape,axes", [((2,), ("dp",)), ((4,), ("dp",)), ((2, 2), ("dp", "x"))])

@@ -3,6 +3,7 @@ output split on the sequence dim, gathered before each column-parallel layer. Ag
 forward and every gradient, on (2,), (4,) and (2, 2) = dp x tp; each layer's all-reduces become
 all-gathers and reduce-scatters of half the bytes each. HuggingFace models: hf/test_comm.py,
 hf/test_presets.py."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -39,10 +40,17 @@ def test_each_layer_gathers_and_scatters_instead_of_all_reducing(mesh_name):
     n = sp.mesh.size
     activation = 8 * 8 * 32 * 4  # gpt_batch(): (B 8, S 8, H 32) float32
     for i in range(2):
-        assert _layer_kinds(sp, i) == {("all_gather", "forward"): 2, ("reduce_scatter", "forward"): 2,
-                                       ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 2}
-        assert all(c.bytes == pytest.approx((n - 1) / n * activation)
-                   for c in sp.collectives() if c.module.startswith(f"blocks.{i}."))
+        assert _layer_kinds(sp, i) == {
+            ("all_gather", "forward"): 2,
+            ("reduce_scatter", "forward"): 2,
+            ("all_gather", "backward"): 2,
+            ("reduce_scatter", "backward"): 2,
+        }
+        assert all(
+            c.bytes == pytest.approx((n - 1) / n * activation)
+            for c in sp.collectives()
+            if c.module.startswith(f"blocks.{i}.")
+        )
         assert _layer_kinds(mega, i) == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}
     layer_bytes = [sum(c.bytes for c in p.collectives() if c.module.startswith("blocks.")) for p in (sp, mega)]
     assert layer_bytes[0] == pytest.approx(layer_bytes[1])  # the same volume, in twice as many pieces
@@ -55,4 +63,5 @@ def test_preset_finds_the_same_annotations():
 
     def expand(ann):
         return {p: a for pat, a in ann.items() for p in paths if fnmatch.fnmatchcase(p, pat)}
+
     assert expand(dict(preset)) == expand(GPT_SEQUENCE_PARALLEL)

@@ -1,6 +1,7 @@
 """Tensor parallel (and its data-parallel product), simulated: per-rank modules against the
 serial model (forward, every gradient, parameters after one SGD step) for the MLP and the GPT on
 tp2, tp4, dp2xtp2 (the MLP also on dp-only meshes); and plan.check can fail."""
+
 from __future__ import annotations
 
 import copy
@@ -72,6 +73,7 @@ def test_check_reports_a_wrong_plan():
             with torch.no_grad():
                 gm.get_parameter("layers.0.fc1.weight").add_(0.1)
         return gm
+
     plan.build_module = broken
     with pytest.raises(ap.PlanMismatch, match="output 0"):
         plan.check(x)
@@ -103,7 +105,11 @@ class _ReplicatedPlusAveraged(torch.nn.Module):
 def test_replicated_plus_partial_average_gradients(shape):
     torch.manual_seed(0)
     model, x = _ReplicatedPlusAveraged(), torch.randn(4, 8)
-    plan = ap.plan(model, ap.Mesh(shape, ("tp",)), args=(x,),
-                   annotations={"qkv": ap.colwise("tp", blocks=3), "proj": ap.rowwise("tp")})
+    plan = ap.plan(
+        model,
+        ap.Mesh(shape, ("tp",)),
+        args=(x,),
+        annotations={"qkv": ap.colwise("tp", blocks=3), "proj": ap.rowwise("tp")},
+    )
     assert "to_partial" in plan.module(0).code and "'avg'" in plan.module(0).code
     plan.check(x)

@@ -1,6 +1,7 @@
 """Issue 12's crashes and contracts: rules per overload (elementwise min/max), T5 with the
 Megatron preset and with ap.opaque attention, .item() errors, placements' text round trip
 through plan files, what the input guard checks, plan.check's error scale and tolerances."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def test_elementwise_min_max_plan_and_match_serial(shape, axes):
     torch.manual_seed(0)
     model, x = MinMax(), torch.randn(8, 4)
     ann = {"a": ap.colwise("tp"), "b": ap.colwise("tp")} if "tp" in axes else {}
-    plan = ap.plan(model, ap.Mesh(shape, axes), args=(x,), annotations=ann,
-                   data_parallel="dp" if "dp" in axes else None)
+    plan = ap.plan(
+        model, ap.Mesh(shape, axes), args=(x,), annotations=ann, data_parallel="dp" if "dp" in axes else None
+    )
     plan.check(x)
     if "tp" in axes:  # the elementwise max keeps the column split (pointwise rule, not a reduction)
         node = next(n for n in plan.graph.nodes if n.target is aten.max.other)
@@ -48,7 +50,7 @@ def test_every_registration_is_one_overload_and_unique():
     assert get_rule(aten.max.other) is get_rule(aten.maximum.default)
     assert get_rule(aten.max.dim) is not get_rule(aten.max.other)
     assert get_rule(aten.where.default) is None  # where(cond) is nonzero, not elementwise
-    assert get_rule(aten.view.dtype) is None      # a bit cast, not a reshape
+    assert get_rule(aten.view.dtype) is None  # a bit cast, not a reshape
     with pytest.raises(TypeError, match="overload packet"):
         register(aten.relu)
     with pytest.raises(ValueError, match="already has the rule"):
@@ -59,6 +61,7 @@ def test_every_registration_is_one_overload_and_unique():
 
 def test_norm_reduction_reads_dim_not_p():
     """linalg_vector_norm(x, ord, dim): the rule must read dim (arg 2), not ord (arg 1)."""
+
     class Norm(nn.Module):
         def __init__(self):
             super().__init__()
@@ -66,6 +69,7 @@ def test_norm_reduction_reads_dim_not_p():
 
         def forward(self, x):
             return torch.linalg.vector_norm(self.fc(x), 2, dim=0)
+
     torch.manual_seed(0)
     model, x = Norm(), torch.randn(6, 4)
     plan = ap.plan(model, ap.Mesh((2,), ("tp",)), args=(x,), annotations={"fc": ap.colwise("tp")})
@@ -77,10 +81,24 @@ def test_norm_reduction_reads_dim_not_p():
 # -------------------------------------------------------------------------------- T5
 def t5():
     from transformers import T5Config, T5ForConditionalGeneration
+
     torch.manual_seed(0)
-    cfg = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
-                   relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-                   attn_implementation="eager", use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    cfg = T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        attn_implementation="eager",
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(1, 128, (4, 8), generator=g), torch.randint(1, 128, (4, 8), generator=g)
     return T5ForConditionalGeneration(cfg).eval(), dict(input_ids=ids, labels=labels)
@@ -96,10 +114,16 @@ def test_t5_megatron_preset_plans_and_matches_serial():
 
 def test_t5_opaque_self_attention():
     model, kw = t5()
-    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw,
-                   annotations={"encoder.block.*.layer.0.SelfAttention": ap.opaque(),
-                                "encoder.block.*.layer.1.DenseReluDense.wi": ap.colwise("tp"),
-                                "encoder.block.*.layer.1.DenseReluDense.wo": ap.rowwise("tp")})
+    plan = ap.plan(
+        model,
+        ap.Mesh((2,), ("tp",)),
+        kwargs=kw,
+        annotations={
+            "encoder.block.*.layer.0.SelfAttention": ap.opaque(),
+            "encoder.block.*.layer.1.DenseReluDense.wi": ap.colwise("tp"),
+            "encoder.block.*.layer.1.DenseReluDense.wo": ap.rowwise("tp"),
+        },
+    )
     assert any(n.target is torch.ops.autopar.opaque_call.default for n in plan.graph.nodes)
     plan.check(loss=lambda o: o.loss, **kw)
 
@@ -114,6 +138,7 @@ def test_item_in_arithmetic_is_a_plan_error_naming_the_way_out():
         def forward(self, x):
             h = self.fc(x)
             return (h * h.detach().abs().max().item()).sum()
+
     with pytest.raises(ap.ShardingError) as e:
         ap.plan(Scaled(), ap.Mesh((2,), ("dp",)), args=(torch.randn(8, 4),), data_parallel="dp")
     msg = str(e.value)
@@ -143,16 +168,25 @@ class Fused(nn.Module):
 def test_every_placement_kind_through_plan_file(tmp_path):
     torch.manual_seed(0)
     model, x = Fused(), torch.randn(8, 8)
-    plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x,), data_parallel="dp",
-                   annotations={"qkv": ap.colwise("tp", blocks=3), "proj": ap.rowwise("tp")})
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("dp", "tp")),
+        args=(x,),
+        data_parallel="dp",
+        annotations={"qkv": ap.colwise("tp", blocks=3), "proj": ap.rowwise("tp")},
+    )
     path = tmp_path / "fused.json"
     plan.save(path)
     text = path.read_text()
     for kind in ("S(0,blocks=3)", '"P"', "P(avg)", '"R"', '"S(0)"', '"S(1)"'):
         assert kind in text, kind
     loaded = ap.load_plan(path, model)
-    layouts = lambda p: {n.name: (layout_of(n).outputs, layout_of(n).input_targets)  # noqa: E731
-                         for n in p.graph.nodes if "autopar" in n.meta}
+
+    def layouts(p):
+        return {
+            n.name: (layout_of(n).outputs, layout_of(n).input_targets) for n in p.graph.nodes if "autopar" in n.meta
+        }
+
     assert layouts(loaded) == layouts(plan) and loaded.param_specs == plan.param_specs
     loaded.check(x)
     json.loads(text)
@@ -190,6 +224,7 @@ def test_input_guard_what_is_checked():
 # --------------------------------------------------------------------------- plan.check
 class ShiftInvariant(nn.Module):
     """c shifts every logit alike: its gradient is zero in exact arithmetic, noise in floats."""
+
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
@@ -204,8 +239,13 @@ def test_check_error_is_scaled_below_one_for_zero_gradients(shape, axes):
     torch.manual_seed(0)
     x, t = torch.randn(32, 16), torch.randint(0, 16, (32,))
     ann = {"a": ap.colwise("tp"), "b": ap.rowwise("tp")} if "tp" in axes else {}
-    plan = ap.plan(ShiftInvariant(), ap.Mesh(shape, axes), args=(x, t), annotations=ann,
-                   data_parallel="dp" if "dp" in axes else None)
+    plan = ap.plan(
+        ShiftInvariant(),
+        ap.Mesh(shape, axes),
+        args=(x, t),
+        annotations=ann,
+        data_parallel="dp" if "dp" in axes else None,
+    )
     report = plan.check(x, t)
     assert report["max_rel"] < 0.1 and report["rtol"] == 1e-5
 
@@ -214,10 +254,16 @@ def test_check_tolerances_follow_dtype():
     torch.manual_seed(0)
     x, t = torch.randn(32, 16), torch.randint(0, 16, (32,))
     model = ShiftInvariant().to(torch.bfloat16)
-    plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x.bfloat16(), t), data_parallel="dp",
-                   annotations={"a": ap.colwise("tp"), "b": ap.rowwise("tp")})
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("dp", "tp")),
+        args=(x.bfloat16(), t),
+        data_parallel="dp",
+        annotations={"a": ap.colwise("tp"), "b": ap.rowwise("tp")},
+    )
     report = plan.check(x.bfloat16(), t)
     from autopar.runtime.serial_check import TOLERANCES
+
     assert (report["rtol"], report["atol"]) == TOLERANCES[torch.bfloat16]
     with pytest.raises(ap.PlanMismatch):
         plan.check(x.bfloat16(), t, rtol=1e-5, atol=1e-6)  # fp32 tolerances are too tight for bf16

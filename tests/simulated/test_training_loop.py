@@ -3,6 +3,7 @@
 
 Every test runs simulated on (2,), (4,) and (2, 2) against the serial model; the real gloo
 runs of compile and dropout are in tests/gloo/test_training_loop.py."""
+
 from __future__ import annotations
 
 import warnings
@@ -50,6 +51,7 @@ def make_plan(mesh, p=0.0, norm=False, rng="placement", batch=8):
 def _enough_recompiles():
     # every rank of a simulated plan is a recompile of the same forward code
     import torch._dynamo
+
     old = torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = 64
     yield
@@ -105,8 +107,10 @@ def _train(model_or_plan, wrap, x, plan, steps=3):
             opts[r].step()
             opts[r].zero_grad()
         return {n: p.detach() for n, p in module.named_parameters()}
+
     inputs = [plan.local_inputs(r, x)[0] for r in plan.mesh.ranks()]
     from autopar.runtime.simulator import run_ranks
+
     return plan.merge_state_dicts(run_ranks(plan.mesh.size, lambda r: one(modules[r], *inputs[r])))
 
 
@@ -133,6 +137,7 @@ def test_dropout_replicated_tensor_gets_one_mask_per_axis(mesh):
         out = m(xl)
         out.pow(2).sum().backward()
         return out.detach(), m.fc2.bias.grad.clone(), m.fc1.weight.grad.clone()
+
     res = plan.simulate(step, x)
     tp = plan.mesh.axis_names.index("tp")
     for rank in plan.mesh.ranks():
@@ -143,6 +148,7 @@ def test_dropout_replicated_tensor_gets_one_mask_per_axis(mesh):
 
 def test_dropout_split_tensor_gets_its_own_piece():
     """fc1's output is split on tp: each rank draws its own piece, not copies of one mask."""
+
     class Split(nn.Module):
         def __init__(self):
             super().__init__()
@@ -150,12 +156,14 @@ def test_dropout_split_tensor_gets_its_own_piece():
 
         def forward(self, x):
             return self.drop(torch.ones_like(self.fc1(x)))
+
     model, x = Split(), torch.randn(8, 16)
     plan = ap.plan(model, ap.Mesh((2,), ("tp",)), args=(x,), annotations={"fc1": ap.colwise("tp")})
     assert "autopar_runtime_rng_dropout" in plan.module(0).code
     full = plan.simulate(lambda m, xl: m(xl), x)[0]  # gathered: rank 0's piece | rank 1's piece
     assert full.shape == (8, 64) and not torch.equal(full[:, :32], full[:, 32:])
     assert 0.3 < (full == 0).float().mean() < 0.7
+
 
 def test_rng_option_is_checked():
     with pytest.raises(ap.PlanError, match="rng='megatron'"):

@@ -2,6 +2,7 @@
 cross-entropy on split logits (vocab-parallel loss: row maxima, sum of exponentials and target
 logit reduced; a full row never gathered). Against serial, forward and every gradient, on
 (2,), (4,) and (2, 2) = dp x tp. HuggingFace models: hf/test_models.py, hf/test_comm.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,13 @@ def test_vocab_parallel_cross_entropy(reduction, mesh_name):
     x, target = torch.randn(8, 16), torch.randint(0, 32, (8,))
     target[1] = target[6] = -100
     spec = MESHES[mesh_name]
-    plan = ap.plan(Head(reduction=reduction), spec.mesh(), args=(x, target),
-                   annotations={"head": ap.vocab_parallel("tp")}, data_parallel=spec.dp)
+    plan = ap.plan(
+        Head(reduction=reduction),
+        spec.mesh(),
+        args=(x, target),
+        annotations={"head": ap.vocab_parallel("tp")},
+        data_parallel=spec.dp,
+    )
     plan.check(x, target)
     loss_node = next(n for n in plan.graph.nodes if "cross_entropy" in str(n.target))
     assert loss_node.meta["autopar"].input_targets[0][-1] == S(1)  # logits never gathered on tp
@@ -50,8 +56,9 @@ def test_gpt_vocab_parallel_matches_serial(mesh_name, tied):
     plan = gpt_plan(mesh_name, tied=tied, annotations={**MEGATRON, **GPT_VOCAB})
     tp = plan.mesh.axis_names.index("tp")
     for name in ("wte.weight", "lm_head.weight"):
-        assert plan.param_specs[name][tp] == S(0) and all(p.is_replicate() for i, p in enumerate(plan.param_specs[name])
-                                                           if i != tp)
+        assert plan.param_specs[name][tp] == S(0) and all(
+            p.is_replicate() for i, p in enumerate(plan.param_specs[name]) if i != tp
+        )
     if tied:
         gm = plan.build_module(0)
         assert gm.lm_head.weight is gm.wte.weight

@@ -1,5 +1,6 @@
 """The package's shape: public names, one planning pipeline, options, techniques, lowerings and
 redistribution step kinds as the extension points docs/architecture.md describes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,14 +54,26 @@ def test_lowering_registry_refuses_duplicates_and_rules_use_registered_objects()
     with pytest.raises(ValueError, match="twice"):
         register_lowering(type(LOWERINGS["split_blocked"])())
     assert all(isinstance(lw, Lowering) and lw.name == name for name, lw in LOWERINGS.items())
-    assert {"vocab_parallel_embedding", "cross_entropy_split_rows", "cross_entropy_vocab_parallel",
-            "split_blocked"} <= set(LOWERINGS)
+    assert {
+        "vocab_parallel_embedding",
+        "cross_entropy_split_rows",
+        "cross_entropy_vocab_parallel",
+        "split_blocked",
+    } <= set(LOWERINGS)
 
 
-@pytest.mark.parametrize("src,dst", [
-    ((Shard(0),), (Replicate(),)), ((Partial(),), (Replicate(),)), ((Partial(),), (Shard(1),)),
-    ((Shard(0),), (Shard(1),)), ((Replicate(),), (Shard(1),)), ((Replicate(),), (Partial(),)),
-    ((Partial("sum"),), (Partial("avg"),))])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ((Shard(0),), (Replicate(),)),
+        ((Partial(),), (Replicate(),)),
+        ((Partial(),), (Shard(1),)),
+        ((Shard(0),), (Shard(1),)),
+        ((Replicate(),), (Shard(1),)),
+        ((Replicate(),), (Partial(),)),
+        ((Partial("sum"),), (Partial("avg"),)),
+    ],
+)
 def test_every_step_kind_is_in_the_table_and_leaves_the_target(src, dst):
     cur = list(src)
     for st in plan_steps(src, dst):
@@ -80,5 +93,6 @@ def test_ring_bytes_formula():
 def test_no_deprecated_names_inside_the_package():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 16),),
-                annotations={**MLP_TP, "norm": ap.replicated()})
+        ap.plan(
+            MLP(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 16),), annotations={**MLP_TP, "norm": ap.replicated()}
+        )

@@ -1,5 +1,6 @@
 """The benchmarks run (tiny sizes), the propagation cache changes nothing, owned all-reduces are
 marked only where safe (the gloo benchmarks: gloo/test_bench.py)."""
+
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ def test_propagate_cache_gives_identical_layouts():
 
 def test_compile_and_memory_bench_quick(tmp_path):
     from bench import run
+
     out = tmp_path / "r.json"
     assert run.main(["--quick", "--only", "compile,memory", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -45,6 +47,7 @@ def test_compile_and_memory_bench_quick(tmp_path):
 def test_every_bench_module_has_run(quick):
     import importlib
     from bench import run
+
     for name in run.modules():
         assert callable(importlib.import_module(f"bench.{name}").run)
 
@@ -53,6 +56,7 @@ def test_owned_all_reduce_only_where_nothing_else_reads():
     """Row-parallel outputs (fresh matmul results, one use) are reduced in place on real
     backends; the graph says so with owned=True. Values reused elsewhere are never marked."""
     import torch
+
     model, x = MLP(), torch.randn(4, 16)
     plan = ap.plan(model, ap.Mesh((2,), ("tp",)), args=(x,), annotations=MLP_TP)
     reduces = [n for n in plan.module(0).graph.nodes if n.target is torch.ops.autopar.all_reduce.default]

@@ -1,4 +1,5 @@
 """The autopar command: plan and check from PACKAGE.MODULE:FACTORY."""
+
 from __future__ import annotations
 
 import os
@@ -10,14 +11,37 @@ import pytest
 import autopar as ap
 from autopar.explore.cli import main
 
-GPT_TP = ["--annotate", "blocks.*.attn.qkv=colwise:tp", "--annotate", "blocks.*.attn.proj=rowwise:tp",
-          "--annotate", "blocks.*.mlp.fc=colwise:tp", "--annotate", "blocks.*.mlp.proj=rowwise:tp"]
+GPT_TP = [
+    "--annotate",
+    "blocks.*.attn.qkv=colwise:tp",
+    "--annotate",
+    "blocks.*.attn.proj=rowwise:tp",
+    "--annotate",
+    "blocks.*.mlp.fc=colwise:tp",
+    "--annotate",
+    "blocks.*.mlp.proj=rowwise:tp",
+]
 
 
 def test_plan_gpt_prints_table_summary_cost_and_saves(capsys, tmp_path):
     out_file = tmp_path / "gpt.json"
-    rc = main(["plan", "autopar.models.examples:gpt", "--mesh", "dp=2,tp=2", *GPT_TP, "--cost",
-               "--sizes", "H=32", "--explain", "blocks.0.mlp.fc", "--save", str(out_file), "--collectives-only"])
+    rc = main(
+        [
+            "plan",
+            "autopar.models.examples:gpt",
+            "--mesh",
+            "dp=2,tp=2",
+            *GPT_TP,
+            "--cost",
+            "--sizes",
+            "H=32",
+            "--explain",
+            "blocks.0.mlp.fc",
+            "--save",
+            str(out_file),
+            "--collectives-only",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("autopar plan for GPT on Mesh(dp=2, tp=2) (4 ranks)")
@@ -31,13 +55,25 @@ def test_plan_gpt_prints_table_summary_cost_and_saves(capsys, tmp_path):
     assert "comm on tp: 64*B*H*S*(tp - 1)/(dp*tp)  = 65536 B" in out
     assert "module blocks.0.mlp.fc" in out
     from autopar.models.examples import gpt
+
     loaded = ap.load_plan(out_file, gpt()[0])
     assert loaded.mesh.axis_names == ("dp", "tp")
 
 
 def test_check_mlp(capsys):
-    rc = main(["check", "autopar.models.examples:mlp", "--mesh", "tp=2", "--annotate", "fc1=colwise:tp",
-               "--annotate", "fc2=rowwise:tp", "--summary-only"])
+    rc = main(
+        [
+            "check",
+            "autopar.models.examples:mlp",
+            "--mesh",
+            "tp=2",
+            "--annotate",
+            "fc1=colwise:tp",
+            "--annotate",
+            "fc2=rowwise:tp",
+            "--summary-only",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "check passed: 1 outputs and 4 gradients match the serial model" in out
 
@@ -53,6 +89,7 @@ def test_errors_are_one_clear_line(capsys):
 
 def test_python_dash_m():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "autopar", "plan", "--help"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "autopar", "plan", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0 and "--annotate PATTERN=KIND[:ARG]" in done.stdout

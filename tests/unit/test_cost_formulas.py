@@ -1,6 +1,7 @@
 """plan.cost() formulas and plan.collectives() bytes against the bytes the simulator moves
 (tests.harness.comm charges each recorded collective the ring algorithm's bytes per rank, as
 the cost model does; the same on real processes: gloo/test_comm_bytes.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -75,12 +76,16 @@ def test_memory_and_flops_formulas(gpt_plans):
     assert {"alpha", "beta", "F"} <= {s.name for s in sym.free_symbols}
 
 
-@pytest.mark.parametrize("ann,kinds", [
-    ({"layers.*.fc1": ap.colwise("tp", output=ap.Replicate()), "layers.*.fc2": ap.replicated()},
-     {"all_gather"}),
-    ({"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp", output=ap.Shard(0))},
-     {"reduce_scatter", "all_gather"}),
-])
+@pytest.mark.parametrize(
+    "ann,kinds",
+    [
+        ({"layers.*.fc1": ap.colwise("tp", output=ap.Replicate()), "layers.*.fc2": ap.replicated()}, {"all_gather"}),
+        (
+            {"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp", output=ap.Shard(0))},
+            {"reduce_scatter", "all_gather"},
+        ),
+    ],
+)
 def test_mlp_other_collectives_match_runtime(ann, kinds):
     torch.manual_seed(0)
     model = MLP(d=16, hidden=32, layers=2)

@@ -1,6 +1,7 @@
 """The error catalogue: every bad input gets an ap.PlanError subclass naming the culprit (module,
 parameter, node, input) and the fix. One harness: the MLP of tests.harness.models, planned by
 ``mlp`` (d=8, for word checks with ``raises``) or ``mlp_plan`` (d=16, for regex matches)."""
+
 from __future__ import annotations
 
 import re
@@ -31,6 +32,7 @@ def mlp_plan(mesh, annotations=MLP_TP, x=None, **kw):
 
 def raises(kind, *words):
     """pytest.raises that also checks every word appears in the message."""
+
     class _Check:
         def __enter__(self):
             self.ctx = pytest.raises(kind)
@@ -44,13 +46,18 @@ def raises(kind, *words):
             assert not missing, f"{missing} not in message: {msg}"
             assert isinstance(self.info.value, ap.PlanError)
             return out
+
     return _Check()
 
 
 def test_indivisible_parameter_dim_names_parameter_shape_axis_and_fix():
     with raises(ap.ShardingError, "layers.0.fc1.weight", "(18, 8)", "18", "'tp'", "divisible by 4"):
-        ap.plan(mlp(hidden=18), ap.Mesh((4,), ("tp",)), args=(X,),
-                annotations={"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")})
+        ap.plan(
+            mlp(hidden=18),
+            ap.Mesh((4,), ("tp",)),
+            args=(X,),
+            annotations={"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")},
+        )
 
 
 def test_unknown_axis_lists_the_mesh_axes():
@@ -69,8 +76,7 @@ def test_axis_used_twice_for_one_tensor():
 
 def test_conflicting_annotations_name_both_patterns():
     with raises(ap.AnnotationError, "layers.0.fc1.weight", "'layers.*.fc1'", "'layers.0.*'", "disjoint"):
-        ap.plan(mlp(), TP2, args=(X,), annotations={"layers.*.fc1": ap.colwise("tp"),
-                                                    "layers.0.*": ap.rowwise("tp")})
+        ap.plan(mlp(), TP2, args=(X,), annotations={"layers.*.fc1": ap.colwise("tp"), "layers.0.*": ap.rowwise("tp")})
 
 
 def test_pattern_matching_nothing_suggests_close_names():
@@ -101,8 +107,11 @@ class Branchy(nn.Module):
 
 def test_untraceable_model_names_the_users_file_and_line():
     import inspect
-    line = next(i for i, text in enumerate(inspect.getsource(Branchy).splitlines())
-                if "if y.sum() > 0" in text) + inspect.getsourcelines(Branchy)[1]
+
+    line = (
+        next(i for i, text in enumerate(inspect.getsource(Branchy).splitlines()) if "if y.sum() > 0" in text)
+        + inspect.getsourcelines(Branchy)[1]
+    )
     with raises(ap.TraceError, f"{__file__}:{line}", "data-dependent", "torch.where", "ap.opaque()"):
         ap.plan(Branchy(), TP2, args=(X,))
 
@@ -143,8 +152,7 @@ def test_rank_outside_the_mesh():
 def test_rank_module_called_with_global_instead_of_local_inputs():
     plan = ap.plan(mlp(), TP2, args=(X,), annotations={"x": ap.place(ap.Shard(1))})
     gm = plan.module(1)
-    with raises(ap.InputError, "rank 1", "'x'", "(4, 8)", "(S(1))", "global input was passed",
-                "plan.local_inputs(1"):
+    with raises(ap.InputError, "rank 1", "'x'", "(4, 8)", "(S(1))", "global input was passed", "plan.local_inputs(1"):
         gm(X)
     with raises(ap.InputError, "rank 1", "has 3 dims"):
         gm(X.view(4, 2, 4))
@@ -173,6 +181,7 @@ def test_dynamic_dims_shared_by_inputs_must_agree():
 
 def test_guard_checks_divisibility_of_dynamic_sizes_split_inside_the_graph():
     from autopar.codegen.input_guard import check_local_inputs
+
     checks = (("x", "(S(0))", ("s0", 8), ((None, 2, "s0"), (8, 1, None))),)
     check_local_inputs((torch.zeros(4, 8),), checks, 0, (("s0", 4, "reshape_3"),))  # 8 divides by 4
     with raises(ap.InputError, "'x'", "global size 6", "4 pieces", "'reshape_3'", "divisible by 4"):

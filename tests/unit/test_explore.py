@@ -1,4 +1,5 @@
 """Plan display: text table and summary, HTML, explain, diff, draw, plots."""
+
 from __future__ import annotations
 
 import shutil
@@ -35,8 +36,9 @@ def test_text_table_and_summary(plan):
     text = str(plan)
     lines = text.splitlines()
     assert lines[0] == "autopar plan for GPT on Mesh(dp=2, tp=2) (4 ranks)"
-    assert "communication on tp: 8 collectives, 32.0 KiB per step and rank (forward 16.0 KiB, " \
-           "backward 16.0 KiB)" in text
+    assert (
+        "communication on tp: 8 collectives, 32.0 KiB per step and rank (forward 16.0 KiB, backward 16.0 KiB)" in text
+    )
     local = plan.cost().at()["memory"]["params"] / 1024
     serial = sum(p.numel() * 4 for p in plan.model.parameters()) / 1024
     assert f"parameters per rank: {local:.1f} KiB (serial {serial:.1f} KiB)" in text
@@ -51,6 +53,7 @@ def test_html_groups_by_module_and_highlights(plan):
     rows = plan_rows(plan)
     assert html.count('<tr class="comm">') == sum(1 for r in rows if r.comms)
     from autopar.explore.cost import layer_of
+
     layers = {layer_of(r.module) for r in rows}
     assert {"blocks.0", "blocks.1", "(grad sync)", "(outputs)"} <= layers
     assert html.count('<tr class="group">') >= len(layers)
@@ -66,6 +69,7 @@ def test_progress_line_only_for_slow_steps():
     import time
 
     from autopar.explore.progress import progress
+
     fast, slow = io.StringIO(), io.StringIO()
     with progress("quick", after=5.0, stream=fast):
         pass
@@ -79,8 +83,10 @@ def test_explain_node_param_module(plan):
     text = plan.explain("linear_default_2")
     assert "rule linear_rule" in text and "<- chosen" in text
     assert "Megatron's f: layer_norm_1 (S(0), R)" in text
-    assert "tp: S(2) comes from linear_default_2 <- p_blocks_0_mlp_fc_weight: colwise('tp') from " \
-           "pattern 'blocks.*.mlp.fc'" in text
+    assert (
+        "tp: S(2) comes from linear_default_2 <- p_blocks_0_mlp_fc_weight: colwise('tp') from "
+        "pattern 'blocks.*.mlp.fc'" in text
+    )
     assert "idx: batch dim split on data-parallel axis 'dp'" in text
     assert "used by add_tensor_1 (add) as (S(0), R): all_reduce(tp) 4.0 KiB" in plan.explain("linear_default_1")
     param = plan.explain("blocks.0.mlp.fc.weight")

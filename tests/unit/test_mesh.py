@@ -1,4 +1,5 @@
 """The device mesh: coordinates, groups, errors, DeviceMesh interop (without processes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,5 +33,6 @@ def test_mesh_from_device_mesh_like():
         mesh = torch.arange(8).view(2, 4)
         mesh_dim_names = ("dp", "tp")
         ndim = 2
+
     m = ap.Mesh.from_device_mesh(FakeDeviceMesh())
     assert m.shape == (2, 4) and m.axis_names == ("dp", "tp")

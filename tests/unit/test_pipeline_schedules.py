@@ -1,12 +1,18 @@
 """Pipeline schedules as data (no torch): completeness, placement, deadlock, memory, bubble."""
+
 from __future__ import annotations
 
 import pytest
 
 from autopar.parallel.pipeline import PipelineError, schedules as S
 
-GRID = [(kind, p, m, v) for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
-        for p in (2, 4) for m in (4, 8, 12) if kind != "interleaved" or m % p == 0]
+GRID = [
+    (kind, p, m, v)
+    for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
+    for p in (2, 4)
+    for m in (4, 8, 12)
+    if kind != "interleaved" or m % p == 0
+]
 
 
 @pytest.mark.parametrize("kind,p,m,v", GRID)
@@ -16,7 +22,8 @@ def test_every_action_once_on_its_rank_without_deadlock(kind, p, m, v):
     for r, acts in enumerate(sched):
         assert all(a.stage % p == r for a in acts)
         assert sorted((a.kind, a.microbatch, a.stage) for a in acts) == sorted(
-            (k, i, s) for k in "FB" for i in range(m) for s in range(r, n, p))
+            (k, i, s) for k in "FB" for i in range(m) for s in range(r, n, p)
+        )
     slots = S.replay(sched, n)  # raises on deadlock
     assert S.idle_fraction(slots) == pytest.approx([S.theoretical_bubble(kind, p, m, v)] * p)
     # uneven forward/backward costs keep the bubble of GPipe and 1F1B

@@ -1,5 +1,6 @@
 """Placements without models: shard and merge, redistribution plans, and every redistribution
 run in the simulator (values and gradients equal the global math)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,17 @@ def test_placement_reprs():
     assert repr(R) == "R" and repr(S(0)) == "S(0)" and repr(P) == "P" and repr(Partial("avg")) == "P(avg)"
 
 
-@pytest.mark.parametrize("shape,spec", [((2,), (S(0),)), ((4,), (S(1),)), ((2, 2), (S(1), S(0))),
-                                        ((2, 2), (R, S(1))), ((8,), (S(0),)), ((2, 2), (P, S(0)))])
+@pytest.mark.parametrize(
+    "shape,spec",
+    [
+        ((2,), (S(0),)),
+        ((4,), (S(1),)),
+        ((2, 2), (S(1), S(0))),
+        ((2, 2), (R, S(1))),
+        ((8,), (S(0),)),
+        ((2, 2), (P, S(0))),
+    ],
+)
 def test_shard_merge_round_trip(shape, spec):
     mesh = ap.Mesh(shape, tuple(f"x{i}" for i in range(len(shape))))
     full = torch.randn(8, 8)
@@ -69,6 +79,7 @@ def test_every_redistribution_forward_and_backward(src, dst, n):
         local_w = shard_tensor(weight, (dst,), mesh, rank)
         (x * local_w).sum().backward()  # objective sum(full * weight), in parts on split dims
         return x.detach()
+
     outs = run_ranks(n, run)
     torch.testing.assert_close(merge_tensors(outs, (dst,), mesh), full)
     # Gradient of the one objective sum(full * weight) is weight, held as the source layout
@@ -81,8 +92,8 @@ def test_every_redistribution_forward_and_backward(src, dst, n):
 
 def test_blocked_shard_roundtrip():
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
-    full = torch.arange(4 * 12.).view(4, 12)
+    full = torch.arange(4 * 12.0).view(4, 12)
     spec = (ap.Replicate(), ap.Shard(1, blocks=3))
     pieces = [shard_tensor(full, spec, mesh, r) for r in mesh.ranks()]
-    assert pieces[1][0].tolist() == [2., 3., 6., 7., 10., 11.]
+    assert pieces[1][0].tolist() == [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
     assert torch.equal(merge_tensors(pieces, spec, mesh), full)

@@ -1,5 +1,6 @@
 """Propagation and emission without processes: the layouts chosen, the collectives inserted,
 local shapes, parameter names, readable code."""
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,14 @@ R, S = Replicate(), Shard
 
 
 def node_by_module(plan, module, op):
-    hits = [n for n in plan.graph.nodes if n.op == "call_function" and "autopar" in n.meta
-            and op in str(n.target) and any(p == module for p, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    hits = [
+        n
+        for n in plan.graph.nodes
+        if n.op == "call_function"
+        and "autopar" in n.meta
+        and op in str(n.target)
+        and any(p == module for p, _ in (n.meta.get("nn_module_stack") or {}).values())
+    ]
     return hits[-1]
 
 
@@ -67,8 +74,9 @@ def test_emitted_module_names_shapes_and_code():
     assert tuple(gm.get_parameter("blocks.0.mlp.proj.weight").shape) == (32, 64)
     assert tuple(gm.get_parameter("blocks.0.ln_1.weight").shape) == (32,)
     code = gm.code
-    assert re.search(r"autopar\.all_reduce\.default\(\w+, 'tp', autopar_group_1, autopar_rank, 'sum'(, owned = \w+)?\)",
-                     code)
+    assert re.search(
+        r"autopar\.all_reduce\.default\(\w+, 'tp', autopar_group_1, autopar_rank, 'sum'(, owned = \w+)?\)", code
+    )
     assert (gm.autopar_group_1, gm.autopar_rank, gm.autopar_coord_1) == ([2, 3], 3, 1)  # the rank's own values
     assert gm.code == plan.module(0).code  # one program for every rank
     assert "grad_all_reduce" in code
@@ -127,6 +135,7 @@ def test_replanning_a_traced_graph_leaves_nothing_stale():
     the first plan inserted (row-parallel outputs) are not duplicated."""
     from autopar.sharding.annotations import resolve
     from autopar.sharding.propagate import propagate
+
     plan = gpt_plan("dp2xtp2")
     model = plan.model
     count = sum(1 for _ in plan.graph.nodes)
@@ -134,15 +143,15 @@ def test_replanning_a_traced_graph_leaves_nothing_stale():
     seeds = resolve(MEGATRON, model, mesh, plan.traced.user_inputs)
     propagate(plan.traced, mesh, seeds)
     assert sum(1 for _ in plan.graph.nodes) == count
-    assert all(len(spec) == 1 for n in plan.graph.nodes if "autopar" in n.meta
-               for spec in n.meta["autopar"].outputs)
+    assert all(len(spec) == 1 for n in plan.graph.nodes if "autopar" in n.meta for spec in n.meta["autopar"].outputs)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_plans_display_and_cost_their_sharded_memory(zero):
     torch.manual_seed(0)
-    plan = ap.plan(MLP(), ap.Mesh((4,), ("dp",)), args=(torch.randn(8, 16),),
-                   data_parallel=ap.DataParallel("dp", zero=zero))
+    plan = ap.plan(
+        MLP(), ap.Mesh((4,), ("dp",)), args=(torch.randn(8, 16),), data_parallel=ap.DataParallel("dp", zero=zero)
+    )
     assert "optimizer" in plan.summary() and "after step" in str(plan) and plan._repr_html_()
     memory = plan.cost().memory
     predicted = plan.memory_per_rank(0)

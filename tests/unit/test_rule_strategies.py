@@ -1,5 +1,6 @@
 """What rules offer, without running anything: the linear rule's Megatron strategies, and how a
 view maps input dims to output dims (the numerics of every rule: simulated/test_rules.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,9 @@ def test_linear_rule_offers_megatron_strategies():
     x, w = meta(4, 8, 16), meta(32, 16)
     op = OpInfo(torch.ops.aten.linear.default, (x, w), {}, [x, w], [meta(4, 8, 32)], {id(x): 0, id(w): 1})
     strategies = {(s.inputs, s.outputs) for s in get_rule(op.op)(op)}
-    assert ((R, S(0)), (S(2),)) in strategies            # column parallel
-    assert ((S(2), S(1)), (Partial(),)) in strategies    # row parallel: partial sum
-    assert ((S(0), R), (S(0),)) in strategies            # batch split
+    assert ((R, S(0)), (S(2),)) in strategies  # column parallel
+    assert ((S(2), S(1)), (Partial(),)) in strategies  # row parallel: partial sum
+    assert ((S(0), R), (S(0),)) in strategies  # batch split
 
 
 def test_view_dim_map_splits_heads():

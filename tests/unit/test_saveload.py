@@ -1,4 +1,5 @@
 """plan.save / ap.load_plan: round trip, recorded choices enforced, refusals."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,11 @@ from tests.harness.models import MLP, gpt_batch, shared_gpt_plan, small_gpt
 
 
 def layouts(plan) -> dict:
-    return {n.name: (layout_of(n).outputs, layout_of(n).input_targets, layout_of(n).strategies)
-            for n in plan.graph.nodes if "autopar" in n.meta}
+    return {
+        n.name: (layout_of(n).outputs, layout_of(n).input_targets, layout_of(n).strategies)
+        for n in plan.graph.nodes
+        if "autopar" in n.meta
+    }
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +33,7 @@ def test_round_trip_reproduces_layouts(saved):
     assert rec["format"] == "autopar-plan" and rec["version"] == 1
     assert rec["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"]}
     from autopar.explore.save_load import _options_in
+
     assert _options_in(rec["options"], path) == plan.options and rec["data_parallel"] == "dp"
     assert rec["options"]["data_parallel"]["__DataParallel__"]["axis"] == "dp"
     loaded = ap.load_plan(path, plan.model)
@@ -52,8 +57,8 @@ def test_load_enforces_recorded_choice_and_runs(saved, tmp_path):
     assert "restored from the plan file" in loaded.layout("gelu").reason
     d = plan.diff(loaded)
     assert [n.node for n in d.nodes] == ["gelu", "linear_default_3"]
-    assert d.nodes[0].comms[1] == "all_gather(tp)"          # gelu's input is now gathered
-    assert d.nodes[1].comms[1] == "all_gather(tp, bwd)"     # and sliced again for the row-parallel proj
+    assert d.nodes[0].comms[1] == "all_gather(tp)"  # gelu's input is now gathered
+    assert d.nodes[1].comms[1] == "all_gather(tp, bwd)"  # and sliced again for the row-parallel proj
     loaded.check(*gpt_batch(batch=8, seq=8))  # and it still equals serial, forward and gradients
 
 
@@ -79,7 +84,8 @@ def test_pipelined_plan_refused_with_the_way_out(tmp_path):
     import torch
 
     model = MLP(layers=2)
-    plan = ap.plan(model, ap.Mesh((2,), ("pp",)), args=(torch.randn(8, 16),),
-                   pipeline=ap.Pipeline("pp", microbatches=2))
+    plan = ap.plan(
+        model, ap.Mesh((2,), ("pp",)), args=(torch.randn(8, 16),), pipeline=ap.Pipeline("pp", microbatches=2)
+    )
     with pytest.raises(ap.PlanFileError, match="with_pipeline"):
         plan.save(tmp_path / "pp.json")

@@ -1,5 +1,6 @@
 """The simulator without models: collectives between threads, failures and timeouts that name
 the ranks, and the debug consistency check comparing plans."""
+
 from __future__ import annotations
 
 import threading
@@ -20,6 +21,7 @@ def test_simulator_rank_failure_does_not_hang():
         if rank == 1:
             raise ValueError("boom on purpose")
         return ops.all_reduce(torch.ones(2), "a", [0, 1, 2], rank, "sum")
+
     with pytest.raises(SimulationError, match="rank 1 failed: ValueError: boom on purpose"):
         run_ranks(3, step, timeout=20)
 
@@ -29,6 +31,7 @@ def test_simulator_timeout_names_missing_ranks():
         if rank == 0:
             return ops.all_reduce(torch.ones(2), "a", [0, 1], rank, "sum")
         return None  # rank 1 never joins
+
     with pytest.raises(SimulationError, match=r"waited 1 s for ranks \[1\]"):
         run_ranks(2, step, timeout=1)
 
@@ -40,7 +43,7 @@ def test_collective_without_backend_explains():
 
 def test_sim_backend_all_to_all_matches_definition():
     backend = SimBackend(2)
-    full = torch.arange(16.).view(4, 4)
+    full = torch.arange(16.0).view(4, 4)
     with use_backend(backend):
         outs = run_ranks(2, lambda r: ops.all_to_all(full.chunk(2, 0)[r], 0, 1, "a", [0, 1], r), backend=backend)
     torch.testing.assert_close(outs[0], full[:, :2])
@@ -52,6 +55,7 @@ def test_simulator_fails_other_ranks_when_one_raises():
         if rank == 1:
             raise ValueError("rank one broke")
         return torch.ops.autopar.all_reduce(torch.ones(2), "tp", [0, 1, 2], rank, "sum")
+
     start = time.monotonic()
     with pytest.raises(ap.SimulationError, match="rank 1 failed: ValueError: rank one broke"):
         run_ranks(3, fn, timeout=30)
@@ -66,21 +70,29 @@ def test_simulator_times_out_naming_missing_ranks():
             block.wait(1.5)  # late, but not failed: the others time out
             return None
         return torch.ops.autopar.all_reduce(torch.ones(2), "tp", [0, 1], rank, "sum")
+
     backend = SimBackend(2, timeout=0.5)
-    with pytest.raises(ap.SimulationError, match=r"waited 0 s for ranks \[1\], which never arrived|"
-                                                 r"waited 1 s for ranks \[1\]"):
+    with pytest.raises(
+        ap.SimulationError,
+        match=r"waited 0 s for ranks \[1\], which never arrived|"
+        r"waited 1 s for ranks \[1\]",
+    ):
         run_ranks(2, fn, backend=backend)
     block.set()
 
 
 def test_consistency_compare_names_ranks_and_first_differing_collective():
     from autopar.runtime.consistency import compare
+
     same = [("ab", [("all_reduce", (0, 1), ("tp", "sum"))])] * 2
     compare(same)  # equal plans pass
     other = [same[0], ("cd", [("all_gather", (0, 1), (1, "tp"))])]
-    with pytest.raises(ap.InconsistentPlanError, match=r"ranks \[0\] have plan ab; ranks \[1\] have plan cd"
-                                                       r".*over ranks \(0, 1\): #0 is all_reduce\('tp', 'sum'\) "
-                                                       r"on rank 0 but all_gather\(1, 'tp'\) on rank 1"):
+    with pytest.raises(
+        ap.InconsistentPlanError,
+        match=r"ranks \[0\] have plan ab; ranks \[1\] have plan cd"
+        r".*over ranks \(0, 1\): #0 is all_reduce\('tp', 'sum'\) "
+        r"on rank 0 but all_gather\(1, 'tp'\) on rank 1",
+    ):
         compare(other)
     shorter = [same[0], ("ab", [])]
     with pytest.raises(ap.InconsistentPlanError, match="nothing"):

@@ -15,6 +15,7 @@ Example:
     ...         return em.graph.call_function(aten.neg.default, (args[0],))
     >>> NEGATE = register_lowering(Negate())
 """
+
 from __future__ import annotations
 
 LOWERINGS: dict[str, "Lowering"] = {}

@@ -4,6 +4,7 @@ each rank's loss is its partial sum of the serial mean.
 
 Example (rows split over dp=2, 3 and 1 counted targets): rank 0 returns sum0 / 4, rank 1 sum1 / 4.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,10 @@ class CrossEntropySplitRows(Lowering):
         return [("all_reduce", axis, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[axis]))]
 
     def reason(self, axis_name: str) -> str:
-        return (f"the loss's rows are split on {axis_name}: the count of targets is summed over {axis_name} "
-                "so that local sum / global count is the serial mean")
+        return (
+            f"the loss's rows are split on {axis_name}: the count of targets is summed over {axis_name} "
+            "so that local sum / global count is the serial mean"
+        )
 
 
 CROSS_ENTROPY_SPLIT_ROWS = register_lowering(CrossEntropySplitRows())

@@ -3,6 +3,7 @@ block is 1/n of the global one, so the split sizes are divided by the axis size.
 
 Example: split(qkv, [96, 96, 96]) on tp=2 with qkv S(-1, blocks=3) -> split(local, [48, 48, 48]).
 """
+
 from __future__ import annotations
 
 from autopar.codegen.lowerings.base import Lowering, register_lowering

@@ -13,6 +13,7 @@ rank that holds the same piece, or in ``rng="serial"`` mode the serial model's m
 Example (rank 0 of tp=2, dropout on an activation split on its last dim):
     autopar_runtime_rng_dropout(gelu, 0.1, training, autopar_rng_state, [1, 1, 2], [2, 2, 0, 1], 0)
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ over every axis that splits the rows (data parallel), as cross_entropy_split_row
 Example:
     >>> CROSS_ENTROPY_VOCAB_PARALLEL.comms(plan, node, axis, symbols)   # 3 collectives on tp
 """
+
 from __future__ import annotations
 
 import operator
@@ -46,8 +47,9 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     sumexp = call(aten.sum.dim_IntList, (call(aten.exp.default, (shifted,)), [1]))
     sumexp = em.collective(ops.all_reduce.default, (sumexp,), axis, extra=("sum",))
     local_t = call(aten.sub.Tensor, (target, start))
-    outside = call(aten.bitwise_or.Tensor, (call(aten.lt.Scalar, (local_t, 0)),
-                                            call(aten.ge.Scalar, (local_t, n_local))))
+    outside = call(
+        aten.bitwise_or.Tensor, (call(aten.lt.Scalar, (local_t, 0)), call(aten.ge.Scalar, (local_t, n_local)))
+    )
     index = call(aten.unsqueeze.default, (call(aten.masked_fill.Scalar, (local_t, outside, 0)), 1))
     picked = call(aten.squeeze.dim, (call(aten.gather.default, (shifted, 1, index)), 1))
     picked = call(aten.masked_fill.Scalar, (picked, outside, 0.0))
@@ -69,6 +71,7 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
 
 class CrossEntropyVocabParallel(Lowering):
     """Cross-entropy on logits split by class: never gathers a row (3 collectives of N values)."""
+
     name = "cross_entropy_vocab_parallel"
     priority = 1  # also counts rows split on other axes: it takes over cross_entropy_split_rows
 
@@ -80,17 +83,21 @@ class CrossEntropyVocabParallel(Lowering):
         val = node.args[0].meta["val"]
         row_bytes = symbols.shape(val.shape, lay.input_targets[0])[0] * val.dtype.itemsize
         n = symbols.axes[axis]
-        out = [("all_gather", axis, "forward", ring_bytes("all_gather", row_bytes, n)),
-               ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n)),
-               ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n))]
+        out = [
+            ("all_gather", axis, "forward", ring_bytes("all_gather", row_bytes, n)),
+            ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n)),
+            ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n)),
+        ]
         if _arg(node, 3, "reduction", REDUCTION_MEAN) == REDUCTION_MEAN:
             for a in row_axes(node, axis):
                 out.append(("all_reduce", a, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[a])))
         return out
 
     def reason(self, axis_name: str) -> str:
-        return (f"vocab-parallel cross-entropy on {axis_name}: row maxima gathered, exp-sums and target "
-                "logits all-reduced (N values each), never a whole row")
+        return (
+            f"vocab-parallel cross-entropy on {axis_name}: row maxima gathered, exp-sums and target "
+            "logits all-reduced (N values each), never a whole row"
+        )
 
 
 CROSS_ENTROPY_VOCAB_PARALLEL = register_lowering(CrossEntropyVocabParallel())

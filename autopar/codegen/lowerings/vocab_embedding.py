@@ -4,6 +4,7 @@ and the partial results are summed by the consumer's all-reduce.
 Example (vocabulary split over 2 ranks, rank 1 holds rows 32..63):
     ids 40 -> local row 8; ids 5 -> masked: the rank returns zeros there, rank 0 the row.
 """
+
 from __future__ import annotations
 
 import operator

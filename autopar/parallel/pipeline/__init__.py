@@ -7,6 +7,7 @@ Example:
     >>> runner = plan.pipeline_runner(rank)          # under torch.distributed or plan.simulate
     >>> loss = runner.step((idx, tg)); opt.step()
 """
+
 from autopar.parallel.pipeline.api import with_pipeline
 from autopar.parallel.pipeline.options import Pipeline, PipelineError, SplitBefore, split_before
 

@@ -9,6 +9,7 @@ replicated parameter from the first rank of each of its non-pipeline groups.
 Example:
     >>> runner = plan.pipeline_runner(dist.get_rank())   # inside torchrun / a GlooPool job
 """
+
 from __future__ import annotations
 
 from autopar.runtime.backend import install_backend
@@ -20,8 +21,9 @@ def tied_rank_groups(plan) -> list[tuple[int, ...]]:
     lay, mesh = plan.stage_layout, plan.mesh
     out = set()
     for names in plan.traced.tied.values():
-        holders = sorted({lay.rank_of_stage(st.index) for st in lay.stages
-                          for ph in st.attrs if plan.attr_name(ph) in names})
+        holders = sorted(
+            {lay.rank_of_stage(st.index) for st in lay.stages for ph in st.attrs if plan.attr_name(ph) in names}
+        )
         if len(holders) < 2:
             continue
         for r in mesh.ranks():
@@ -36,13 +38,19 @@ def tied_rank_groups(plan) -> list[tuple[int, ...]]:
 
 def wants_distributed(plan, rank: int) -> bool:
     import torch.distributed as dist
-    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() == plan.mesh.size
-            and dist.get_rank() == rank)
+
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() == plan.mesh.size
+        and dist.get_rank() == rank
+    )
 
 
 def setup(plan, rank: int):
     """Make the groups, install the backend; returns the point-to-point group."""
     import torch.distributed as dist
+
     mesh, world = plan.mesh, dist.get_world_size()
     groups = {}
     for axis in range(mesh.ndim):
@@ -60,6 +68,7 @@ def broadcast_replicated(runner) -> None:
     """Start equal: replicated parameters from the first rank of each non-pipeline group."""
     import torch
     from autopar.runtime.backend import current_backend
+
     plan, rank = runner.plan, runner.rank
     backend = current_backend()
     with torch.no_grad():

@@ -5,6 +5,7 @@ Example:
     ...                annotations={"blocks.2": ap.split_before(), **MEGATRON},
     ...                pipeline=ap.Pipeline("pp", microbatches=8, schedule="1f1b"))
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class Pipeline(Technique):
     (outputs, labels) -> scalar replaces the model's own loss; ``metric`` (outputs, labels)
     -> scalar is averaged alongside. ``stages`` overrides the number of stages (pp * chunks).
     """
+
     axis: str = "pp"
     microbatches: int = 4
     schedule: str = "1f1b"
@@ -46,8 +48,9 @@ class Pipeline(Technique):
         if self.schedule == "interleaved" and self.chunks < 2:
             raise PipelineError("schedule='interleaved' needs chunks >= 2 (model chunks per rank).")
         if self.schedule == "gpipe" and self.chunks > 1:
-            raise PipelineError("schedule='gpipe' runs one chunk per rank: use chunks=1, or "
-                                "schedule='interleaved' for several chunks.")
+            raise PipelineError(
+                "schedule='gpipe' runs one chunk per rank: use chunks=1, or schedule='interleaved' for several chunks."
+            )
 
     name = "pipeline"
 
@@ -58,17 +61,21 @@ class Pipeline(Technique):
     # ------------------------------------------------------- the technique (technique.py)
     def validate(self, mesh, options, annotations: dict) -> None:
         from autopar.parallel.pipeline.api import check_options
+
         dp = options.data_parallel
         check_options(self, mesh, dp.axis if dp is not None else None, annotations)
 
     def after_plan(self, plan):
         from autopar.parallel.pipeline.api import stage_layout
+
         return stage_layout(plan, self, list(plan.options.split_before))
 
     def fields(self) -> dict:
-        raise PipelineError("Saving a pipelined plan is not supported yet (its stages are not recorded). "
-                            "Save the plan made without pipeline=..., load it with ap.load_plan, then add "
-                            "the pipeline with plan.with_pipeline(ap.Pipeline(...), split_before=[...]).")
+        raise PipelineError(
+            "Saving a pipelined plan is not supported yet (its stages are not recorded). "
+            "Save the plan made without pipeline=..., load it with ap.load_plan, then add "
+            "the pipeline with plan.with_pipeline(ap.Pipeline(...), split_before=[...])."
+        )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ Example:
     >>> ch.prefetch(src=0, tag=9, dtype=torch.float32, stream="h")  # once "h"'s shape is known
     >>> y = ch.recv(src=0, tag=7, dtype=torch.float32, stream="h")
 """
+
 from __future__ import annotations
 
 from collections import defaultdict, deque
@@ -47,8 +48,8 @@ class _Streams:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.sent: dict = {}      # (dst, stream) -> shape
-        self.got: dict = {}       # (src, stream) -> shape
+        self.sent: dict = {}  # (dst, stream) -> shape
+        self.got: dict = {}  # (src, stream) -> shape
 
     def first_send(self, x: torch.Tensor, dst: int, stream) -> bool:
         """True for the stream's first message (it carries a header); checks later shapes."""
@@ -57,9 +58,11 @@ class _Streams:
             self.sent[key] = tuple(x.shape)
             return True
         if self.sent[key] != tuple(x.shape):
-            raise PipelineError(f"rank {self.rank}: pipeline message {stream} has shape {tuple(x.shape)} but "
-                                f"{self.sent[key]} earlier in this step: every micro-batch must hand the "
-                                "next stage tensors of one shape.")
+            raise PipelineError(
+                f"rank {self.rank}: pipeline message {stream} has shape {tuple(x.shape)} but "
+                f"{self.sent[key]} earlier in this step: every micro-batch must hand the "
+                "next stage tensors of one shape."
+            )
         return False
 
     def shape(self, src: int, stream):
@@ -78,8 +81,10 @@ class _Local:
 
     def take(self, tag):
         if not self.boxes[tag]:
-            raise SimulationError(f"rank {self.rank}: message {tag} to itself was never sent "
-                                  "(the schedule runs a consumer before its producer).")
+            raise SimulationError(
+                f"rank {self.rank}: message {tag} to itself was never sent "
+                "(the schedule runs a consumer before its producer)."
+            )
         return self.boxes[tag].popleft()
 
 
@@ -109,12 +114,15 @@ class SimChannel(_Streams):
         b, key = self.backend, (src, self.rank, tag)
         with b.cv:
             if not b.cv.wait_for(lambda: self.mail[key] or b.failed, b.timeout):
-                raise SimulationError(f"rank {self.rank}: waited {b.timeout:.0f} s for message {tag} "
-                                      f"from rank {src}, which never came.")
+                raise SimulationError(
+                    f"rank {self.rank}: waited {b.timeout:.0f} s for message {tag} from rank {src}, which never came."
+                )
             if not self.mail[key]:
                 r, err = next(iter(b.failed.items()))
-                raise SimulationError(f"rank {self.rank}: stopped waiting for rank {src} because rank {r} "
-                                      f"failed: {type(err).__name__}: {err}")
+                raise SimulationError(
+                    f"rank {self.rank}: stopped waiting for rank {src} because rank {r} "
+                    f"failed: {type(err).__name__}: {err}"
+                )
             x = self.mail[key].popleft()
         if stream is not None:
             self.got.setdefault((src, stream), tuple(x.shape))
@@ -136,12 +144,13 @@ class DistChannel(_Streams):
         self.group = group
         self.local = _Local(rank)
         self.pending: list = []
-        self.posted: dict = {}    # (src, tag) -> (irecv work, buffer)
-        self.headers: dict = {}   # (src, tag) -> (irecv work, header) of a stream's first message
-        self.header_posted: set = set()   # (src, stream) whose first message's header is posted
+        self.posted: dict = {}  # (src, tag) -> (irecv work, buffer)
+        self.headers: dict = {}  # (src, tag) -> (irecv work, header) of a stream's first message
+        self.header_posted: set = set()  # (src, stream) whose first message's header is posted
 
     def send(self, x: torch.Tensor, dst: int, tag: int, stream=None) -> None:
         import torch.distributed as dist
+
         if dst == self.rank:
             return self.local.put(x, tag)
         x = x.detach().contiguous()
@@ -153,7 +162,7 @@ class DistChannel(_Streams):
         if stream is None or self.first_send(x, dst, stream):
             header = torch.zeros(HEADER, dtype=torch.int64)
             header[0] = x.dim()
-            header[1: 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+            header[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
             parts.insert(0, (header, 2 * tag))
         for t, k in parts:
             self.pending.append((dist.isend(t, dst, group=self.group, tag=k), t))
@@ -162,6 +171,7 @@ class DistChannel(_Streams):
         """Post the receive of a message whose stream's shape is known; True if posted (or already).
         Otherwise post the receive of its header (the first message of its stream)."""
         import torch.distributed as dist
+
         shape = self.shape(src, stream)
         if src == self.rank:
             return False
@@ -192,13 +202,14 @@ class DistChannel(_Streams):
 
     def _recv_with_header(self, src: int, tag: int, dtype) -> torch.Tensor:
         import torch.distributed as dist
+
         if (src, tag) in self.headers:
             work, header = self.headers.pop((src, tag))
             work.wait()
         else:
             header = torch.empty(HEADER, dtype=torch.int64)
             dist.recv(header, src, group=self.group, tag=2 * tag)
-        shape = header[1: 1 + int(header[0])].tolist()
+        shape = header[1 : 1 + int(header[0])].tolist()
         out = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
         dist.recv(out, src, group=self.group, tag=2 * tag + 1)
         return out
@@ -208,5 +219,6 @@ class DistChannel(_Streams):
             work.wait()
         self.pending.clear()
         if self.posted or self.headers:  # the runner only prefetches its own schedule's messages
-            raise PipelineError(f"rank {self.rank}: receives posted but never used: "
-                                f"{sorted(self.posted) + sorted(self.headers)}")
+            raise PipelineError(
+                f"rank {self.rank}: receives posted but never used: {sorted(self.posted) + sorted(self.headers)}"
+            )

@@ -17,6 +17,7 @@ Example:
     >>> runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
     >>> losses = run_ranks(plan.mesh.size, lambda r: runners[r].step((idx, tg)))
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,6 +46,7 @@ PREFETCH_AHEAD = 1  # receives posted for the current action and this many after
 class Event:
     """One action as it ran: perf_counter start and end of its compute (waits excluded), and
     the CPU time its thread spent (robust when ranks share cores, as simulated ranks do)."""
+
     kind: str
     microbatch: int
     stage: int
@@ -56,11 +58,11 @@ class Event:
 @dataclass
 class _Saved:
     args: list
-    received: list          # (value name, producing stage, tensor) of float inputs
+    received: list  # (value name, producing stage, tensor) of float inputs
     sends: list = field(default_factory=list)
     loss: torch.Tensor | None = None
     nbytes: int = 0
-    rng: tuple | None = None   # CPU and stage dropout RNG states at the forward, replayed when recomputing
+    rng: tuple | None = None  # CPU and stage dropout RNG states at the forward, replayed when recomputing
 
 
 class PipelineRunner:
@@ -129,11 +131,18 @@ class PipelineRunner:
         for names in self.plan.traced.tied.values():
             if not any(n in self.params for n in names):
                 continue
-            holders = sorted({self.layout.rank_of_stage(st.index) for st in self.layout.stages
-                              for ph in st.attrs if self.plan.attr_name(ph) in names})
+            holders = sorted(
+                {
+                    self.layout.rank_of_stage(st.index)
+                    for st in self.layout.stages
+                    for ph in st.attrs
+                    if self.plan.attr_name(ph) in names
+                }
+            )
             if len(holders) > 1:
-                out.append((self.params[next(n for n in names if n in self.params)],
-                            tuple(self.rank_at(c) for c in holders)))
+                out.append(
+                    (self.params[next(n for n in names if n in self.params)], tuple(self.rank_at(c) for c in holders))
+                )
         return out
 
     def rank_at(self, pp_coord: int) -> int:
@@ -166,6 +175,7 @@ class PipelineRunner:
             if dp is not None:
                 t = _chunk(t, self.plan.mesh.shape[dp], "labels")[self.coords[dp]]
             return _chunk(t, m, "labels")
+
         pieces = pytree.tree_map(split, labels)
         return [pytree.tree_map(lambda p: p[i], pieces, is_leaf=lambda x: isinstance(x, list)) for i in range(m)]
 
@@ -210,7 +220,7 @@ class PipelineRunner:
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0}
         self._held_bytes = 0
         for i, a in enumerate(acts):
-            self._prefetch(acts[i: i + 1 + PREFETCH_AHEAD])
+            self._prefetch(acts[i : i + 1 + PREFETCH_AHEAD])
             if a.kind == "F":
                 self._forward(a, train)
             else:
@@ -224,10 +234,21 @@ class PipelineRunner:
         """The messages action ``a`` receives: (src rank, tag, dtype, stream) each."""
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
         if a.kind == "F":
-            return [(self.rank_at(lay.rank_of_stage(src)), self._tag(mb, name, a.stage, 0), self.dtypes[name],
-                     (name, a.stage, 0)) for name, src in st.recv]
-        return [(self.rank_at(lay.rank_of_stage(d)), self._tag(mb, name, d, 1), self.dtypes[name], (name, d, 1))
-                for name, dsts in st.send if lay.kinds[name] == "grad" for d in dsts]
+            return [
+                (
+                    self.rank_at(lay.rank_of_stage(src)),
+                    self._tag(mb, name, a.stage, 0),
+                    self.dtypes[name],
+                    (name, a.stage, 0),
+                )
+                for name, src in st.recv
+            ]
+        return [
+            (self.rank_at(lay.rank_of_stage(d)), self._tag(mb, name, d, 1), self.dtypes[name], (name, d, 1))
+            for name, dsts in st.send
+            if lay.kinds[name] == "grad"
+            for d in dsts
+        ]
 
     def _prefetch(self, actions) -> None:
         """Post the receives of the coming actions now, so their messages arrive while this rank
@@ -258,7 +279,7 @@ class PipelineRunner:
         counter = _SavedBytes(self.holder)
         rng = (torch.get_rng_state(), rng_state(self.modules[a.stage])) if train and not keep_graph else None
         t0, c0 = time.perf_counter(), time.thread_time()
-        with (counter if keep_graph else contextlib.nullcontext()), torch.set_grad_enabled(keep_graph):
+        with counter if keep_graph else contextlib.nullcontext(), torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
             sends, loss = self._split_outputs(st, outs, a.microbatch)
         t1 = time.perf_counter()
@@ -266,8 +287,9 @@ class PipelineRunner:
         for (name, dsts), v in zip(st.send, sends):
             for d in dsts:
                 x = v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64)
-                self._ch.send(x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0),
-                              (name, d, 0))
+                self._ch.send(
+                    x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0), (name, d, 0)
+                )
         if train:
             nbytes = counter.bytes if keep_graph else sum(_nbytes(x) for x in args)
             self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
@@ -280,15 +302,17 @@ class PipelineRunner:
         sends = outs[: len(st.send)]
         if not st.has_output:
             return sends, None
-        flat = list(outs[len(st.send):])
+        flat = list(outs[len(st.send) :])
         outputs = pytree.tree_unflatten(flat, self.plan.traced.out_spec)
         labels = self._labels[mb]
         loss = self.loss_fn(outputs, labels) if self.loss_fn else _own_loss(flat)
         if loss is not None:
             self._losses.append(loss.detach())
         elif self._training:
-            raise PipelineError("The model returns no scalar loss: pass Pipeline(loss=fn) or "
-                                "plan.pipeline_runner(rank, loss=fn) with fn(outputs, labels) -> scalar.")
+            raise PipelineError(
+                "The model returns no scalar loss: pass Pipeline(loss=fn) or "
+                "plan.pipeline_runner(rank, loss=fn) with fn(outputs, labels) -> scalar."
+            )
         if self.metric_fn is not None:
             with torch.no_grad():
                 self._metrics.append(torch.as_tensor(self.metric_fn(outputs, labels), dtype=torch.float32))
@@ -318,8 +342,9 @@ class PipelineRunner:
         self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
         for name, src, t in sv.received:
             g = t.grad if t.grad is not None else torch.zeros_like(t)
-            self._ch.send(g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1),
-                          (name, a.stage, 1))
+            self._ch.send(
+                g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1), (name, a.stage, 1)
+            )
         self._held_bytes -= sv.nbytes
 
     def _recompute(self, a, st, sv) -> None:
@@ -342,8 +367,12 @@ class PipelineRunner:
                 continue
             g = None
             for d in dsts:
-                gd = self._ch.recv(self.rank_at(lay.rank_of_stage(d)), self._tag(a.microbatch, name, d, 1),
-                                   self.dtypes[name], (name, d, 1))
+                gd = self._ch.recv(
+                    self.rank_at(lay.rank_of_stage(d)),
+                    self._tag(a.microbatch, name, d, 1),
+                    self.dtypes[name],
+                    (name, d, 1),
+                )
                 g = gd if g is None else g + gd
             if v.requires_grad:
                 tensors.append(v)
@@ -399,8 +428,10 @@ def _own_loss(flat):
 
 def _chunk(t: torch.Tensor, m: int, name: str) -> list:
     if t.dim() == 0 or t.shape[0] % m:
-        raise InputError(f"Input {name!r} of shape {tuple(t.shape)} cannot be split into {m} micro-batches "
-                         f"along dim 0: use a batch (per data-parallel rank) divisible by {m}.")
+        raise InputError(
+            f"Input {name!r} of shape {tuple(t.shape)} cannot be split into {m} micro-batches "
+            f"along dim 0: use a batch (per data-parallel rank) divisible by {m}."
+        )
     return list(t.chunk(m, dim=0))
 
 
@@ -427,4 +458,5 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
                 self._seen.add(ptr)
                 self.bytes += t.untyped_storage().nbytes()
             return t
+
         super().__init__(pack, lambda t: t)

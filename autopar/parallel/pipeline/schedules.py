@@ -10,6 +10,7 @@ Example:
     >>> [str(a) for a in build("1f1b", pp=2, microbatches=3)[0]]
     ['F0.s0', 'F1.s0', 'B0.s0', 'F2.s0', 'B1.s0', 'B2.s0']
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from autopar.parallel.pipeline.options import PipelineError
 
 @dataclass(frozen=True)
 class Action:
-    kind: str        # "F" forward, "B" backward
+    kind: str  # "F" forward, "B" backward
     microbatch: int
     stage: int
 
@@ -63,8 +64,10 @@ def interleaved(pp: int, m: int, v: int, r: int) -> list[Action]:
     Micro-batches go through the chunks in groups of pp, so m must be a multiple of pp.
     """
     if m % pp:
-        raise PipelineError(f"The interleaved schedule runs micro-batches in groups of pp={pp}: "
-                            f"use microbatches divisible by {pp} (got {m}).")
+        raise PipelineError(
+            f"The interleaved schedule runs micro-batches in groups of pp={pp}: "
+            f"use microbatches divisible by {pp} (got {m})."
+        )
     total = m * v
 
     def unit(k: int, forward: bool) -> Action:

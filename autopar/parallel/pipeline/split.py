@@ -14,6 +14,7 @@ Example:
     >>> [s.index for s in layout.stages], layout.stages[1].recv
     ([0, 1], [('add_2', 0), ('sym_size_int_2', 0)])
 """
+
 from __future__ import annotations
 
 import operator
@@ -28,17 +29,23 @@ from autopar.sharding.rules.registry import TensorMeta
 from autopar.parallel.pipeline.options import Pipeline, PipelineError
 
 aten = torch.ops.aten
-MATMULS = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.linear.default,
-           aten.addmm.default, aten.baddbmm.default}
+MATMULS = {
+    aten.mm.default,
+    aten.bmm.default,
+    aten.matmul.default,
+    aten.linear.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+}
 
 
 @dataclass
 class Stage:
     index: int
-    nodes: list[str]                                     # compute nodes, in order
-    attrs: list[str] = field(default_factory=list)       # placeholder names of params/buffers read
-    inputs: list[str] = field(default_factory=list)      # user-input placeholders read
-    recv: list[tuple[str, int]] = field(default_factory=list)          # (value, producing stage)
+    nodes: list[str]  # compute nodes, in order
+    attrs: list[str] = field(default_factory=list)  # placeholder names of params/buffers read
+    inputs: list[str] = field(default_factory=list)  # user-input placeholders read
+    recv: list[tuple[str, int]] = field(default_factory=list)  # (value, producing stage)
     send: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (value, consumer stages)
     has_output: bool = False
     flops: float = 0.0
@@ -52,13 +59,14 @@ class Stage:
 @dataclass
 class StageLayout:
     """The stages of a pipelined plan and the values that cross between them."""
+
     options: Pipeline
-    axis: int                     # mesh axis index of the pipeline
-    pp: int                       # its size
+    axis: int  # mesh axis index of the pipeline
+    pp: int  # its size
     stages: list[Stage]
-    value_ids: dict[str, int]     # boundary value -> id (used in message tags)
-    kinds: dict[str, str]         # boundary value -> "grad" (float tensor), "tensor" or "int"
-    auto: bool                    # cuts chosen by the cost model
+    value_ids: dict[str, int]  # boundary value -> id (used in message tags)
+    kinds: dict[str, str]  # boundary value -> "grad" (float tensor), "tensor" or "int"
+    auto: bool  # cuts chosen by the cost model
     # stage -> its emitted program (the same on every rank; stage_module.py builds it once)
     programs: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -116,8 +124,11 @@ def _unit(node: fx.Node) -> str:
 def _candidates(order: list[fx.Node]) -> list[int]:
     """Positions where a stage may start: where the owning block changes (never inside a
     multi-output op's getitems)."""
-    out = [i for i in range(1, len(order))
-           if _unit(order[i]) and _unit(order[i]) != _unit(order[i - 1]) and order[i].target is not operator.getitem]
+    out = [
+        i
+        for i in range(1, len(order))
+        if _unit(order[i]) and _unit(order[i]) != _unit(order[i - 1]) and order[i].target is not operator.getitem
+    ]
     return out
 
 
@@ -125,15 +136,22 @@ def annotated_cuts(order: list[fx.Node], paths: list[str]) -> list[int]:
     """Positions of the first node of each ``split_before`` module path."""
     cuts = []
     for path in paths:
-        hits = [i for i, n in enumerate(order) if path in module_paths(n) or
-                any(p.startswith(path + ".") for p in module_paths(n))]
+        hits = [
+            i
+            for i, n in enumerate(order)
+            if path in module_paths(n) or any(p.startswith(path + ".") for p in module_paths(n))
+        ]
         if not hits:
             known = sorted({p for n in order for p in module_paths(n)})
-            raise PipelineError(f"split_before({path!r}): no operation of the traced graph belongs to module "
-                                f"{path!r}. Known module paths include {close_matches(path, known)}.")
+            raise PipelineError(
+                f"split_before({path!r}): no operation of the traced graph belongs to module "
+                f"{path!r}. Known module paths include {close_matches(path, known)}."
+            )
         if hits[0] == 0:
-            raise PipelineError(f"split_before({path!r}) is the model's first operation: a stage boundary "
-                                "there would leave stage 0 empty; drop that annotation.")
+            raise PipelineError(
+                f"split_before({path!r}) is the model's first operation: a stage boundary "
+                "there would leave stage 0 empty; drop that annotation."
+            )
         cuts.append(hits[0])
     return sorted(set(cuts))
 
@@ -150,8 +168,10 @@ def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int) -> l
     if len(candidates) < n_stages - 1:
         candidates = list(range(1, len(costs)))
     if len(candidates) < n_stages - 1:
-        raise PipelineError(f"The graph has only {len(costs)} operations; it cannot be cut into "
-                            f"{n_stages} stages. Use fewer stages (pp * chunks).")
+        raise PipelineError(
+            f"The graph has only {len(costs)} operations; it cannot be cut into "
+            f"{n_stages} stages. Use fewer stages (pp * chunks)."
+        )
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -180,9 +200,11 @@ def split_stages(traced, mesh, options: Pipeline, split_paths: list[str]) -> Sta
     pp = mesh.shape[axis]
     n_stages = pp * options.chunks
     if traced.buffer_mutations:
-        raise PipelineError(f"The model updates buffers in forward ({sorted(traced.buffer_mutations.values())}, "
-                            "e.g. BatchNorm running stats); pipelined plans do not support that yet: "
-                            "use a model without buffer updates (LayerNorm) or no pipeline.")
+        raise PipelineError(
+            f"The model updates buffers in forward ({sorted(traced.buffer_mutations.values())}, "
+            "e.g. BatchNorm running stats); pipelined plans do not support that yet: "
+            "use a model without buffer updates (LayerNorm) or no pipeline."
+        )
     graph = traced.gm.graph
     order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     attr_names = set(traced.param_fqn) | set(traced.buffer_fqn) | set(traced.constant_fqn)
@@ -190,15 +212,17 @@ def split_stages(traced, mesh, options: Pipeline, split_paths: list[str]) -> Sta
     if split_paths:
         cuts = annotated_cuts(order, split_paths)
         if len(cuts) + 1 != n_stages:
-            raise PipelineError(f"{len(split_paths)} split_before annotations ({', '.join(split_paths)}) make "
-                                f"{len(cuts) + 1} stages, but the pipeline needs {n_stages} "
-                                f"({options.axis}={pp} x chunks={options.chunks}). Annotate "
-                                f"{n_stages - 1} module paths, or none for an automatic split.")
+            raise PipelineError(
+                f"{len(split_paths)} split_before annotations ({', '.join(split_paths)}) make "
+                f"{len(cuts) + 1} stages, but the pipeline needs {n_stages} "
+                f"({options.axis}={pp} x chunks={options.chunks}). Annotate "
+                f"{n_stages - 1} module paths, or none for an automatic split."
+            )
     else:
         cuts = balanced_cuts(costs, _candidates(order), n_stages)
     bounds = [0] + cuts + [len(order)]
-    stages = [Stage(s, [n.name for n in order[bounds[s]:bounds[s + 1]]]) for s in range(n_stages)]
-    stage_of = {n.name: s for s in range(n_stages) for n in order[bounds[s]:bounds[s + 1]]}
+    stages = [Stage(s, [n.name for n in order[bounds[s] : bounds[s + 1]]]) for s in range(n_stages)]
+    stage_of = {n.name: s for s in range(n_stages) for n in order[bounds[s] : bounds[s + 1]]}
     for s, st in enumerate(stages):
         if not st.nodes:
             raise PipelineError(f"Pipeline stage {s} has no operations; move the split_before annotations.")
@@ -244,9 +268,11 @@ def _kind(graph, name: str) -> str:
         return "grad" if val.dtype.is_floating_point or val.dtype.is_complex else "tensor"
     if isinstance(val, (int, torch.SymInt)):
         return "int"
-    raise PipelineError(f"Value {name!r} ({type(val).__name__}) crosses a pipeline stage boundary; only "
-                        "tensors and integer sizes can be sent. Move the split_before annotation so "
-                        f"that {name!r} and its users are in the same stage.")
+    raise PipelineError(
+        f"Value {name!r} ({type(val).__name__}) crosses a pipeline stage boundary; only "
+        "tensors and integer sizes can be sent. Move the split_before annotation so "
+        f"that {name!r} and its users are in the same stage."
+    )
 
 
 # ------------------------------------------------------------------------------- display
@@ -254,17 +280,21 @@ def describe(layout: StageLayout, graph) -> str:
     """Text for the plan: one line per stage (ops, modules, params, FLOPs, what it sends)."""
     o = layout.options
     how = "automatic (cost model: 3 x FLOPs + parameter bytes)" if layout.auto else "split_before annotations"
-    lines = [f"pipeline on axis {o.axis!r} (size {layout.pp}): {layout.n_stages} stages, "
-             f"{o.microbatches} micro-batches, schedule {o.kind}"
-             f"{f' x {o.chunks} chunks' if o.chunks > 1 else ''}, checkpoint {'on' if o.checkpoint else 'off'}; "
-             f"boundaries {how}"]
+    lines = [
+        f"pipeline on axis {o.axis!r} (size {layout.pp}): {layout.n_stages} stages, "
+        f"{o.microbatches} micro-batches, schedule {o.kind}"
+        f"{f' x {o.chunks} chunks' if o.chunks > 1 else ''}, checkpoint {'on' if o.checkpoint else 'off'}; "
+        f"boundaries {how}"
+    ]
     nodes = {n.name: n for n in graph.nodes}
     total = sum(s.cost for s in layout.stages) or 1.0
     for st in layout.stages:
         units = [u for u in dict.fromkeys(_unit(nodes[n]) for n in st.nodes) if u]
         mods = units[0] + (f" .. {units[-1]}" if len(units) > 1 else "") if units else "<top>"
         sends = ", ".join(f"{v}->s{'/s'.join(map(str, d))}" for v, d in st.send) or "-"
-        lines.append(f"  stage {st.index} (pp rank {layout.rank_of_stage(st.index)}): {len(st.nodes)} ops, "
-                     f"modules {mods}, params {st.param_bytes / 1024:.1f} KiB, "
-                     f"{st.flops / 1e6:.2f} MFLOP fwd, cost share {st.cost / total:.0%}; sends {sends}")
+        lines.append(
+            f"  stage {st.index} (pp rank {layout.rank_of_stage(st.index)}): {len(st.nodes)} ops, "
+            f"modules {mods}, params {st.param_bytes / 1024:.1f} KiB, "
+            f"{st.flops / 1e6:.2f} MFLOP fwd, cost share {st.cost / total:.0%}; sends {sends}"
+        )
     return "\n".join(lines)

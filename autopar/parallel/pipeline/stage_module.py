@@ -12,6 +12,7 @@ Example:
     >>> gm = build_stage_module(plan, rank=1, stage=1, params=params)   # program emitted once per stage
     >>> outs = gm(*received, *user_inputs)
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -98,8 +99,10 @@ def _local(plan, rank: int, fqn: str, cache: dict):
     spec = plan.param_specs.get(fqn, (Replicate(),) * plan.mesh.ndim)
     if fqn in named:
         p = named[fqn]
-        value = nn.Parameter(materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on),
-                             requires_grad=p.requires_grad)
+        value = nn.Parameter(
+            materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on),
+            requires_grad=p.requires_grad,
+        )
         for other, q in named.items():  # tied names: one Parameter
             if q is p:
                 cache[other] = value

@@ -11,6 +11,7 @@ Example:
     >>> print(schedule_table(plan, rank=0))
     >>> fig = timeline_figure(events_per_rank)      # a matplotlib Figure
 """
+
 from __future__ import annotations
 
 from autopar.parallel.pipeline import schedules
@@ -57,14 +58,13 @@ def replayed_idle(plan, events_per_rank, cpu: bool = True) -> list[float]:
     ``cpu=False``) over the micro-batches of one step, and with several steps' timelines
     concatenated, the smallest of those step means: a shared machine only ever adds time.
     """
-    per_step: dict = {}   # (kind, stage) -> {step: [durations]}
+    per_step: dict = {}  # (kind, stage) -> {step: [durations]}
     seen: dict = {}
     for evs in events_per_rank:
         for e in evs:
             key = (e.kind, e.microbatch, e.stage)
-            step = seen[key] = seen.get(key, -1) + 1   # the k-th time an action appears: step k
-            per_step.setdefault((e.kind, e.stage), {}).setdefault(step, []).append(
-                e.cpu if cpu else e.end - e.start)
+            step = seen[key] = seen.get(key, -1) + 1  # the k-th time an action appears: step k
+            per_step.setdefault((e.kind, e.stage), {}).setdefault(step, []).append(e.cpu if cpu else e.end - e.start)
     dur = {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per_step.items()}
     sched = plan_schedule(plan, forward_only=not any(e.kind == "B" for evs in events_per_rank for e in evs))
     played = schedules.replay(sched, plan.stage_layout.n_stages, lambda a: dur[(a.kind, a.stage)])
@@ -78,14 +78,18 @@ def timeline_figure(events_per_rank=None, plan=None, title: str | None = None):
     measured ``events_per_rank`` (runner.timeline of each rank) or a ``plan`` for its schedule
     on unit slots."""
     from autopar.explore.plots import _figure  # no pyplot: no GUI backend is chosen or needed
+
     if events_per_rank is None:
-        rows = [[(s.action.kind, s.action.microbatch, s.action.stage, s.start, s.end) for s in rs]
-                for rs in slots(plan)]
+        rows = [
+            [(s.action.kind, s.action.microbatch, s.action.stage, s.start, s.end) for s in rs] for rs in slots(plan)
+        ]
         unit = "slot"
     else:
         t0, _ = _span(events_per_rank)
-        rows = [[(e.kind, e.microbatch, e.stage, (e.start - t0) * 1e3, (e.end - t0) * 1e3) for e in evs]
-                for evs in events_per_rank]
+        rows = [
+            [(e.kind, e.microbatch, e.stage, (e.start - t0) * 1e3, (e.end - t0) * 1e3) for e in evs]
+            for evs in events_per_rank
+        ]
         unit = "ms"
     fig = _figure(10, 0.6 * len(rows) + 1.2)
     ax = fig.add_subplot(1, 1, 1)

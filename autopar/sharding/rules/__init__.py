@@ -5,8 +5,11 @@ non-tensor arguments) to the list of single-axis ``Strategy``s it allows: which 
 each tensor input needs on one mesh axis and which placement the outputs then get.
 Propagation picks one strategy per mesh axis. Importing this package registers every rule.
 """
-from autopar.sharding.rules.registry import (OpInfo, Strategy, TensorMeta, aten_ops, get_rule,  # noqa: F401
-                                             register, registered_ops)
+
+from autopar.sharding.rules.registry import OpInfo, Strategy, TensorMeta, aten_ops, get_rule, register, registered_ops
+
+__all__ = ["OpInfo", "Strategy", "TensorMeta", "aten_ops", "get_rule", "register", "registered_ops"]
+
 # importing a rule file registers its rules
 from autopar.sharding.rules import pointwise, matmul, views, reductions, norms  # noqa: F401
 from autopar.sharding.rules import embedding, loss, attention, creation  # noqa: F401

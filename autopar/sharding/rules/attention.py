@@ -4,6 +4,7 @@ q is (B, H, L, E), k and v (B, Hkv, S, E). Heads split evenly keep grouped-query
 attention's grouping when Hkv also divides. An attention mask follows the split on the
 dims it carries and stays replicated on the dims it broadcasts.
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ Example:
     >>> ap.sync_batch_norm(model)         # opt in: every BatchNorm equals the serial model's
     >>> plan = ap.plan(model, mesh, args=(x,), data_parallel="dp")
 """
+
 from __future__ import annotations
 
 import torch
@@ -89,6 +90,7 @@ def _split_factor(em, node, lowering, axes_out: list | None = None) -> int:
 
 class GroupNormGroups(Lowering):
     """group_norm with its channels split in whole groups: each rank normalises groups / n."""
+
     name = "group_norm_groups"
 
     def emit(self, em, node, args, kwargs, axis: int):
@@ -98,6 +100,7 @@ class GroupNormGroups(Lowering):
 class BatchNormSync(Lowering):
     """Training-mode batch norm on a batch split: local statistics (DDP), or, when the module
     is marked with sync_batch_norm, the whole batch's statistics (all-reduced sums)."""
+
     name = "batch_norm_sync"
 
     def emit(self, em, node, args, kwargs, axis: int):
@@ -110,12 +113,17 @@ class BatchNormSync(Lowering):
         val = node.args[0].meta["val"]
         nbytes = 2 * val.shape[1] * val.dtype.itemsize  # per-channel sum and sum of squares
         axes = [a for a, s in enumerate(lay.strategies) if s is not None and s.lowering is self]
-        return [(kind, a, phase, ring_bytes("all_reduce", nbytes, symbols.axes[a]))
-                for a in axes for kind, phase in (("all_reduce", "forward"), ("all_reduce", "backward"))]
+        return [
+            (kind, a, phase, ring_bytes("all_reduce", nbytes, symbols.axes[a]))
+            for a in axes
+            for kind, phase in (("all_reduce", "forward"), ("all_reduce", "backward"))
+        ]
 
     def reason(self, axis_name: str) -> str:
-        return (f"synchronised batch norm: per-channel sums all-reduced over {axis_name} so that every rank "
-                "normalises with the whole batch's statistics, as serial does")
+        return (
+            f"synchronised batch norm: per-channel sums all-reduced over {axis_name} so that every rank "
+            "normalises with the whole batch's statistics, as serial does"
+        )
 
 
 GROUP_NORM_GROUPS = register_lowering(GroupNormGroups())
@@ -124,6 +132,7 @@ BATCH_NORM_SYNC = register_lowering(BatchNormSync())
 
 def _marked(model, node) -> bool:
     from autopar.sharding.propagate import module_path  # (propagate imports the rules)
+
     path = module_path(node)
     module = model.get_submodule(path) if path else model
     return bool(getattr(module, SYNC_ATTR, False))
@@ -133,14 +142,17 @@ def _group_norm_groups(em, node, args, kwargs):
     n = _split_factor(em, node, GROUP_NORM_GROUPS)
     args = list(args)
     if args[1] % n:
-        raise ShardingError(f"node {node.name!r}: group_norm with {args[1]} groups cannot split its channels "
-                            f"over {n} ranks in whole groups; replicate its channels or use fewer ranks.")
+        raise ShardingError(
+            f"node {node.name!r}: group_norm with {args[1]} groups cannot split its channels "
+            f"over {n} ranks in whole groups; replicate its channels or use fewer ranks."
+        )
     args[1] //= n
     return em.graph.call_function(node.target, tuple(args), kwargs)
 
 
 def _batch_norm_sync(em, node, args, kwargs):
     from autopar.codegen.lowerings.train_modes import follows_mode, lower_batch_norm, training
+
     if not _marked(em.plan.model, node) or len(args) < 8 or not isinstance(args[5], bool):
         return lower_batch_norm(em, node, args, kwargs)  # each rank's own statistics (as DDP)
     axes: list = []
@@ -178,4 +190,3 @@ def _normalise(x, sums, ranks, w, b, rm, rv, momentum, eps, train=True):
     if b is not None:
         out = out + b.view(shape)
     return out
-

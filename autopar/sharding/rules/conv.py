@@ -10,6 +10,7 @@ x (N, C_in, *spatial), w (C_out, C_in / groups, *kernel), b (C_out,):
 Example:
     >>> conv_rule(op)    # x (4, 8, 6, 6), w (8, 1, 3, 3), groups 8 -> [..., x S(1), w S(0) -> S(1) via conv_groups]
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
 aten = torch.ops.aten
 R = Replicate()
-CONVS = [aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
-         aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding]
+CONVS = [
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.conv3d.default,
+    aten.conv1d.padding,
+    aten.conv2d.padding,
+    aten.conv3d.padding,
+]
 
 
 def _groups(op: OpInfo) -> int:
@@ -64,6 +71,7 @@ register(aten.convolution.default)(conv_strategies)
 
 class ConvGroups(Lowering):
     """A grouped conv on whole groups: each rank runs groups / (ranks splitting the channels)."""
+
     name = "conv_groups"
 
     def emit(self, em, node, args, kwargs, axis: int):
@@ -80,8 +88,10 @@ def _conv_groups(em, node, args, kwargs):
             n *= em.mesh.shape[a]
     groups = _groups_of(node)
     if groups % n:
-        raise ShardingError(f"node {node.name!r}: a conv with {groups} groups cannot run on {n} ranks with whole "
-                            f"groups each; split its channels over fewer ranks or replicate it.")
+        raise ShardingError(
+            f"node {node.name!r}: a conv with {groups} groups cannot run on {n} ranks with whole "
+            f"groups each; split its channels over fewer ranks or replicate it."
+        )
     args = list(args)
     if node.target is aten.convolution.default:
         args[8] = args[8] // n
@@ -96,4 +106,3 @@ def _groups_of(node) -> int:
     if node.target is aten.convolution.default:
         return node.args[8]
     return node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-

@@ -11,6 +11,7 @@
 Example:
     >>> index_rule(op)   # x (B, S) R, batch_idx (B/2, 1) S(0) -> out S(0)
 """
+
 from __future__ import annotations
 
 import torch

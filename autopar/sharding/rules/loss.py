@@ -4,6 +4,7 @@ With rows (the batch) split, "mean" needs the global number of counted targets (
 may drop some on one rank and not another), so the lowering divides each rank's loss sum by
 the all-reduced count: the per-rank values then sum exactly to the serial mean.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,6 +35,12 @@ def cross_entropy_rule(op: OpInfo) -> list[Strategy]:
     elif reduction == REDUCTION_SUM:
         strategies.append(op.strategy(placed, Partial("sum"), note="sum of split rows"))
     elif class_weight is None:
-        strategies.append(op.strategy(placed, Partial("sum"), lowering=CROSS_ENTROPY_SPLIT_ROWS,
-                                      note="mean over split rows: local sum / global count"))
+        strategies.append(
+            op.strategy(
+                placed,
+                Partial("sum"),
+                lowering=CROSS_ENTROPY_SPLIT_ROWS,
+                note="mean over split rows: local sum / global count",
+            )
+        )
     return strategies

@@ -4,6 +4,7 @@ Each dim label of ``lhs, rhs -> out`` gives one strategy: a batch or free label 
 wherever it appears; a contracted label is sharded on both operands and makes the output
 Partial (row-parallel). A Partial operand times a replicated one stays Partial.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,14 @@ def einsum_strategies(op: OpInfo, lhs: str, rhs: str, out: str) -> list[Strategy
             output = Partial()
         else:
             continue
-        strategies.append(Strategy(tuple(placed.get(t, R) for t in (a, b)), (output,),
-                                   None, "contracted dim split" if label not in out else ""))
+        strategies.append(
+            Strategy(
+                tuple(placed.get(t, R) for t in (a, b)),
+                (output,),
+                None,
+                "contracted dim split" if label not in out else "",
+            )
+        )
     for kind in ("sum", "avg"):
         strategies.append(Strategy((Partial(kind), R), (Partial(kind),), None, "partial lhs"))
         strategies.append(Strategy((R, Partial(kind)), (Partial(kind),), None, "partial rhs"))
@@ -52,8 +59,8 @@ def matmul_labels(a_ndim: int, b_ndim: int) -> tuple[str, str, str]:
     rhs = "k" if b_ndim == 1 else "kn"
     nb = max(a_ndim - len(lhs), b_ndim - len(rhs), 0)
     batch = BATCH_LABELS[:nb]
-    lhs = batch[nb - (a_ndim - len(lhs)):] + lhs
-    rhs = batch[nb - (b_ndim - len(rhs)):] + rhs
+    lhs = batch[nb - (a_ndim - len(lhs)) :] + lhs
+    rhs = batch[nb - (b_ndim - len(rhs)) :] + rhs
     out = batch + ("m" if a_ndim > 1 else "") + ("n" if b_ndim > 1 else "")
     return lhs, rhs, out
 

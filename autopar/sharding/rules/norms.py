@@ -4,6 +4,7 @@ The normalised dims must be whole on every rank; leading (batch, sequence) dims 
 split, and then the replicated weight and bias get partial gradients that the gradient
 sync reduces.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ alone). The spatial dims must be whole.
 Example:
     >>> pool_rule(op)   # max_pool2d x (4, 8, 6, 6) -> [R], [S(0) -> S(0)], [S(1) -> S(1)]
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,13 +19,26 @@ aten = torch.ops.aten
 
 # op packet name -> how many trailing dims it pools over
 SPATIAL = {
-    "max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3,
-    "max_pool1d_with_indices": 1, "max_pool2d_with_indices": 2, "max_pool3d_with_indices": 3,
-    "avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3,
-    "adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3,
-    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
-    "adaptive_max_pool1d": 1, "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3,
-    "lp_pool1d": 1, "lp_pool2d": 2, "lp_pool3d": 3,
+    "max_pool1d": 1,
+    "max_pool2d": 2,
+    "max_pool3d": 3,
+    "max_pool1d_with_indices": 1,
+    "max_pool2d_with_indices": 2,
+    "max_pool3d_with_indices": 3,
+    "avg_pool1d": 1,
+    "avg_pool2d": 2,
+    "avg_pool3d": 3,
+    "adaptive_avg_pool1d": 1,
+    "adaptive_avg_pool2d": 2,
+    "adaptive_avg_pool3d": 3,
+    "_adaptive_avg_pool2d": 2,
+    "_adaptive_avg_pool3d": 3,
+    "adaptive_max_pool1d": 1,
+    "adaptive_max_pool2d": 2,
+    "adaptive_max_pool3d": 3,
+    "lp_pool1d": 1,
+    "lp_pool2d": 2,
+    "lp_pool3d": 3,
 }
 
 

@@ -4,6 +4,7 @@ Reducing over a sharded dim leaves each rank a piece of the answer: Partial("sum
 Partial("avg") for mean. Max-like reductions over a sharded dim have no partial form here,
 so that dim must be gathered first; any other dim may stay sharded.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,7 @@ R = Replicate()
 # Overloads that reduce every dim; the others take (dim, keepdim) at argument positions
 # 1 and 2, except where _DIM_ARGS says otherwise (norms take the order p first).
 _FULL = set(aten_ops("sum", "mean", "max", "min", "any", "all", "prod", "norm.Scalar"))
-_DIM_ARGS = {op: (2, 3) for op in aten_ops("norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype",
-                                           "linalg_vector_norm")}
+_DIM_ARGS = {op: (2, 3) for op in aten_ops("norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype", "linalg_vector_norm")}
 
 
 def _reduced_dims(op: OpInfo) -> tuple[list[int], bool]:
@@ -68,10 +68,33 @@ def mean_rule(op: OpInfo) -> list[Strategy]:
 
 # Not here: max.other / min.other (elementwise, pointwise.py); var(self, unbiased) and
 # var.dim(..., unbiased, keepdim) (export emits var.correction); max.dim_max (out= forms).
-@register(*aten_ops("amax", "amin", "max", "min", "max.dim", "min.dim", "argmax", "argmin",
-                    "var.correction", "std.correction", "any", "any.dim", "any.dims", "all",
-                    "all.dim", "all.dims", "logsumexp", "norm.Scalar", "norm.ScalarOpt_dim",
-                    "norm.ScalarOpt_dim_dtype", "linalg_vector_norm", "prod", "prod.dim_int"))
+@register(
+    *aten_ops(
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "max.dim",
+        "min.dim",
+        "argmax",
+        "argmin",
+        "var.correction",
+        "std.correction",
+        "any",
+        "any.dim",
+        "any.dims",
+        "all",
+        "all.dim",
+        "all.dims",
+        "logsumexp",
+        "norm.Scalar",
+        "norm.ScalarOpt_dim",
+        "norm.ScalarOpt_dim_dtype",
+        "linalg_vector_norm",
+        "prod",
+        "prod.dim_int",
+    )
+)
 def nonlinear_reduction_rule(op: OpInfo) -> list[Strategy]:
     return reduction_strategies(op, None)
 

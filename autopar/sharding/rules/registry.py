@@ -5,6 +5,7 @@ Example:
     ... def relu_rule(op: OpInfo) -> list[Strategy]:
     ...     return elementwise_strategies(op)
 """
+
 from __future__ import annotations
 
 import weakref
@@ -25,6 +26,7 @@ _PARTS: dict[int, tuple] = {}
 @dataclass(frozen=True, eq=False)  # identity hashing: two inputs of one shape are still two
 class TensorMeta:
     """What a rule may know of a tensor: its example shape, which dims are dynamic, dtype."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     dynamic: tuple[bool, ...] = ()
@@ -67,6 +69,7 @@ class Strategy:
     a local rewrite (``autopar.codegen.lowerings``) when running the op as-is on the local pieces is not
     enough (e.g. a vocab-parallel embedding masks out-of-range ids).
     """
+
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
     lowering: object = None  # a codegen.lowerings Lowering (its repr is its name)
@@ -82,6 +85,7 @@ class Strategy:
 @dataclass
 class OpInfo:
     """An op as a rule sees it: ``args``/``kwargs`` with tensors replaced by TensorMeta."""
+
     op: object
     args: tuple
     kwargs: dict
@@ -134,18 +138,23 @@ def register(*ops):
     """
     for op in ops:
         if not isinstance(op, torch._ops.OpOverload):
-            raise TypeError(f"register({op!r}): register single overloads (e.g. {op!r}.default), "
-                            "not a whole overload packet: its overloads may mean different things.")
+            raise TypeError(
+                f"register({op!r}): register single overloads (e.g. {op!r}.default), "
+                "not a whole overload packet: its overloads may mean different things."
+            )
 
     def deco(fn: Rule) -> Rule:
         for op in ops:
             if op in _RULES:
-                raise ValueError(f"register: {op} already has the rule {_RULES[op].__name__!r}; "
-                                 f"a second one ({fn.__name__!r}) would silently replace it. Extend "
-                                 "the existing rule instead.")
+                raise ValueError(
+                    f"register: {op} already has the rule {_RULES[op].__name__!r}; "
+                    f"a second one ({fn.__name__!r}) would silently replace it. Extend "
+                    "the existing rule instead."
+                )
         for op in ops:
             _RULES[op] = fn
         return fn
+
     return deco
 
 

@@ -10,6 +10,7 @@ All of them act on the trailing spatial dims of each (batch, channel) plane:
 Example:
     >>> upsample_rule(op)   # upsample_nearest2d x (4, 8, 6, 6) -> [R], [S(0)], [S(1)]
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,10 +21,20 @@ from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
 aten = torch.ops.aten
 
-UPSAMPLE = {"upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
-            "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
-            "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_trilinear3d": 3,
-            "_upsample_bilinear2d_aa": 2, "upsample_bicubic2d": 2, "_upsample_bicubic2d_aa": 2}
+UPSAMPLE = {
+    "upsample_nearest1d": 1,
+    "upsample_nearest2d": 2,
+    "upsample_nearest3d": 3,
+    "_upsample_nearest_exact1d": 1,
+    "_upsample_nearest_exact2d": 2,
+    "_upsample_nearest_exact3d": 3,
+    "upsample_linear1d": 1,
+    "upsample_bilinear2d": 2,
+    "upsample_trilinear3d": 3,
+    "_upsample_bilinear2d_aa": 2,
+    "upsample_bicubic2d": 2,
+    "_upsample_bicubic2d_aa": 2,
+}
 
 
 def upsample_rule(op: OpInfo) -> list[Strategy]:

@@ -13,6 +13,7 @@ index_copy, masked_scatter (MoE routing, label lookups, cache writes).
 Example:
     >>> gather_rule(op)    # gather(x (8, 5), -1, idx (8, 1)) -> [R], [S(0), S(0) -> S(0)]
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,15 @@ def _same_dims(op: OpInfo, dim: int) -> list[Strategy]:
     return strategies
 
 
-@register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter.reduce,
-          aten.scatter.value_reduce, aten.scatter_add.default, aten.scatter_reduce.two)
+@register(
+    aten.gather.default,
+    aten.scatter.src,
+    aten.scatter.value,
+    aten.scatter.reduce,
+    aten.scatter.value_reduce,
+    aten.scatter_add.default,
+    aten.scatter_reduce.two,
+)
 def gather_rule(op: OpInfo) -> list[Strategy]:
     """Dims other than ``dim`` split alike (gather's output has the index's shape)."""
     dim = op.args[1] % max(op.tensors[0].ndim, 1)

@@ -7,6 +7,7 @@ experts of each token) keep the token split this way.
 Example:
     >>> along_dim_rule(op)    # topk x (8, 4) over dim -1 -> [R], [S(0) -> S(0), S(0)]
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,17 @@ def _dim(op: OpInfo) -> int:
     return d % max(x.ndim, 1)
 
 
-@register(aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
-          aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default)
+@register(
+    aten.topk.default,
+    aten.sort.default,
+    aten.sort.stable,
+    aten.argsort.default,
+    aten.argsort.stable,
+    aten.cumprod.default,
+    aten.logcumsumexp.default,
+    aten.cummax.default,
+    aten.cummin.default,
+)
 def along_dim_rule(op: OpInfo) -> list[Strategy]:
     x = op.tensors[0]
     dim = _dim(op)

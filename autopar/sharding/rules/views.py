@@ -7,6 +7,7 @@ first dim of an input group becomes a shard on the first dim of the output group
 size divides, which is how attention heads end up split across tensor-parallel ranks.
 ``SHAPE_ARGS`` names the argument holding a global shape that emission rewrites to local sizes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,7 @@ SHAPE_ARGS = {aten.view: 1, aten.reshape: 1, aten._unsafe_view: 1, aten.expand: 
 
 
 def _partials(n_inputs: int, n_outputs: int) -> list[Strategy]:
-    return [Strategy((Partial(k),) * n_inputs, (Partial(k),) * n_outputs, None, "linear")
-            for k in ("sum", "avg")]
+    return [Strategy((Partial(k),) * n_inputs, (Partial(k),) * n_outputs, None, "linear") for k in ("sum", "avg")]
 
 
 def _moved(op: OpInfo, dim_map: dict[int, int], n_outputs: int = 1, partial=True) -> list[Strategy]:
@@ -44,16 +44,24 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
     while i < len(src) or j < len(dst):
         gi, gj, pa, pb = [], [], 1, 1
         if i < len(src):
-            gi.append(i); pa *= src[i]; i += 1
+            gi.append(i)
+            pa *= src[i]
+            i += 1
         if j < len(dst):
-            gj.append(j); pb *= dst[j]; j += 1
+            gj.append(j)
+            pb *= dst[j]
+            j += 1
         while pa != pb:
             if (pa < pb and i < len(src)) or j >= len(dst):
                 if i >= len(src):
                     break
-                gi.append(i); pa *= src[i]; i += 1
+                gi.append(i)
+                pa *= src[i]
+                i += 1
             else:
-                gj.append(j); pb *= dst[j]; j += 1
+                gj.append(j)
+                pb *= dst[j]
+                j += 1
         groups.append((gi, gj))
     return groups
 

@@ -9,6 +9,7 @@
 Example:
     >>> flatten_rule(op)   # x (4, 8, 6) flatten(1) -> [R], [S(0) -> S(0)], [S(1) -> S(1)], ...
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,14 +29,17 @@ def flatten_rule(op: OpInfo) -> list[Strategy]:
 
 class UnflattenLocal(Lowering):
     """unflatten with its sizes made local: the output dims that carry a split shrink."""
+
     name = "unflatten_local"
 
     def emit(self, em, node, args, kwargs, axis: int):
         from autopar.placement import shard_factor
+
         dim = node.args[1] % node.args[0].meta["val"].dim()
         spec = node.meta["autopar"].spec
-        sizes = [s if s == -1 else em._local_size(s, shard_factor(spec, em.mesh, dim + i))
-                 for i, s in enumerate(args[2])]
+        sizes = [
+            s if s == -1 else em._local_size(s, shard_factor(spec, em.mesh, dim + i)) for i, s in enumerate(args[2])
+        ]
         return em.graph.call_function(node.target, (args[0], args[1], sizes), kwargs)
 
 
@@ -44,8 +48,10 @@ UNFLATTEN_LOCAL = register_lowering(UnflattenLocal())
 
 @register(aten.unflatten.int)
 def unflatten_rule(op: OpInfo) -> list[Strategy]:
-    return [Strategy(s.inputs, s.outputs, UNFLATTEN_LOCAL if isinstance(s.outputs[0], Shard) else None, s.note)
-            for s in view_rule(op)]
+    return [
+        Strategy(s.inputs, s.outputs, UNFLATTEN_LOCAL if isinstance(s.outputs[0], Shard) else None, s.note)
+        for s in view_rule(op)
+    ]
 
 
 @register(aten.numpy_T.default)

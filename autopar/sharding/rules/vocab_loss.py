@@ -8,6 +8,7 @@ vocab-parallel cross-entropy). Autograd through those sums (identity backward) l
 each rank the gradient of its own slice: softmax minus one-hot, restricted to it.
 Combines with rows split on another axis (data parallel): see codegen/lowerings/vocab_cross_entropy.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,6 +30,7 @@ def vocab_cross_entropy_rule(op: OpInfo) -> list[Strategy]:
     smoothing = op.arg(5, "label_smoothing", 0.0)
     if logits.ndim != 2 or target.ndim != 1 or weight is not None or smoothing:
         return strategies
-    strategies.append(op.strategy({logits: Shard(1), target: R}, R,
-                                  lowering=CROSS_ENTROPY_VOCAB_PARALLEL, note="classes split"))
+    strategies.append(
+        op.strategy({logits: Shard(1), target: R}, R, lowering=CROSS_ENTROPY_VOCAB_PARALLEL, note="classes split")
+    )
     return strategies
