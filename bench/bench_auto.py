@@ -73,7 +73,7 @@ def correlation_job(cfg, iters, warmup) -> dict:
 
     steps, predicted, groups = {}, {}, {}
     for name, (mesh, ann, dp) in plans.items():
-        module = ap.compile(model(), mesh, args=args, annotations=ann, data_parallel=dp)
+        module = ap.parallelize(model(), mesh, args=args, annotations=ann, data_parallel=dp)
         groups.update(current_backend().groups)  # each compile installs its own; the last must hold all
         plan = module.autopar_plan
         predicted[name] = ap.predict(plan, prof)["time_s"]

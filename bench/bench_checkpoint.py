@@ -105,7 +105,7 @@ def rank_job(hf_dir: str, ckpt_dir: str):
     ids = torch.zeros(4, 16, dtype=torch.long)
     kw = {"input_ids": ids, "labels": ids}
     ann = ap.presets.megatron(model, "tp", kwargs=kw)
-    module = ap.compile(
+    module = ap.parallelize(
         model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False
     )
     shard = sum(t.numel() * t.element_size() for t in module.state_dict().values())

@@ -43,7 +43,7 @@ def compile_job(size: str, iters: int, warmup: int) -> dict:
     torch._dynamo.reset()
     model, idx, tg = _model(size)
     serial, _, _ = _model(size)
-    module = ap.compile(model, ap.Mesh((2,), ("tp",)), args=(idx, tg), annotations=GPT_TP)
+    module = ap.parallelize(model, ap.Mesh((2,), ("tp",)), args=(idx, tg), annotations=GPT_TP)
     compiled, serial_compiled = torch.compile(module), torch.compile(serial)
 
     def step(fn):

@@ -5,7 +5,8 @@ rank's shard as if it were the whole tensor.
 ``torch.save`` and ``plan.merge_state_dicts`` want), and DCP would record a [64, 32] shard
 of a [128, 32] weight as a whole [64, 32] tensor and load it back anywhere, silently
 wrong. A state-dict hook tags every split piece with the hooks DCP consults first
-(``__create_write_items__``, ``__create_chunk_list__``): they raise, naming what to call.
+(``__create_write_items__``, ``__create_chunk_list__`` when saving; on loading, DCP first
+compares the entry's ``size()`` with the saved global size): they raise, naming what to call.
 Replicated entries are whole tensors and stay as they are. The tag is a picklable object,
 so ``torch.save(module.state_dict())`` still works.
 
@@ -15,6 +16,10 @@ Example:
 """
 
 from __future__ import annotations
+
+import sys
+
+import torch
 
 from autopar.placement import fmt_spec
 from autopar.checkpoint.target import CheckpointError
@@ -36,6 +41,21 @@ class RefuseDCP:
         )
 
 
+class SizeForDCP:
+    """``size()`` of a tagged piece: DCP's load planner asks it first (before any hook), so there
+    it refuses; any other caller gets the piece's own size. Holds the shape, not the tensor
+    (picklable, no reference cycle)."""
+
+    def __init__(self, refuse: RefuseDCP, shape):
+        self.refuse, self.shape = refuse, tuple(shape)
+
+    def __call__(self, dim=None):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            self.refuse()
+        size = torch.Size(self.shape)
+        return size if dim is None else size[dim]
+
+
 class StateDictGuard:
     """State-dict hook: tag the split entries (picklable, so modules stay deep-copyable)."""
 
@@ -49,6 +69,7 @@ class StateDictGuard:
                 refuse = RefuseDCP(key, text)
                 value.__create_write_items__ = refuse
                 value.__create_chunk_list__ = refuse
+                value.size = SizeForDCP(refuse, value.shape)
         return state_dict
 
 

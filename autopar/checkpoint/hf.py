@@ -11,7 +11,7 @@ file per rank, rank 0 writes config.json and the index), so no rank holds the wh
 Example:
     >>> with torch.device("meta"):
     ...     model = LlamaForCausalLM(config)
-    >>> module = ap.compile(model, mesh, kwargs=..., annotations=ap.presets.megatron(model, kwargs=...))
+    >>> module = ap.parallelize(model, mesh, kwargs=..., annotations=ap.presets.megatron(model, kwargs=...))
     >>> ap.load_pretrained(module, "llama_dir")
     >>> ap.save_pretrained(module, "out_dir")      # transformers' from_pretrained reads it
 """

@@ -4,12 +4,12 @@ A model made under ``with torch.device("meta")`` holds shapes only, so it can be
 and planned without memory. Planned with real example inputs, its rank modules then hold
 uninitialised tensors of their local shapes on the inputs' device (what the rank needs anyway), so gradient sync, ZeRO flat buffers and the
 optimizer attach to the real Parameters; ``ap.load_pretrained`` (or ``ap.set_state_dict``)
-fills them in place. ap.compile does not broadcast them (there is nothing to agree on yet).
+fills them in place. ap.parallelize does not broadcast them (there is nothing to agree on yet).
 
 Example:
     >>> with torch.device("meta"):
     ...     model = LlamaForCausalLM(config)
-    >>> module = ap.compile(model, mesh, kwargs=..., annotations=...)
+    >>> module = ap.parallelize(model, mesh, kwargs=..., annotations=...)
     >>> ap.load_pretrained(module, "llama_dir")
 """
 

@@ -1,7 +1,7 @@
 """What a checkpoint reads from one rank: its plan, rank, local tensors by serial name, and
 the serial (global) shape and placements of each.
 
-A target is an emitted rank module (ap.compile, plan.module(rank): ``module.autopar_plan``)
+A target is an emitted rank module (ap.parallelize, plan.module(rank): ``module.autopar_plan``)
 or a pipeline rank's PipelineRunner (its stages' tensors only).
 
 Example:
@@ -39,7 +39,7 @@ class Target:
         if plan is None:
             raise CheckpointError(
                 f"{type(module).__name__} is not an autopar rank module: pass the module "
-                "from ap.compile(...) or plan.module(rank), or a plan.pipeline_runner(rank)."
+                "from ap.parallelize(...) or plan.module(rank), or a plan.pipeline_runner(rank)."
             )
         rank = getattr(module, "autopar_rank", None)
         if rank is None:

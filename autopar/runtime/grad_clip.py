@@ -23,7 +23,7 @@ inside ``no_sync()``: gradients are still partial there) and before the optimize
 
 Example:
     >>> loss.backward()
-    >>> total = ap.clip_grad_norm_(module, max_norm=1.0)   # module: plan.module(r), ap.compile(...),
+    >>> total = ap.clip_grad_norm_(module, max_norm=1.0)   # module: plan.module(r), ap.parallelize(...),
     >>> opt.step()                                         # or a plan.pipeline_runner(r)
 """
 
@@ -57,7 +57,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip every rank's gradients by the serial model's total norm; return that norm.
 
-    ``module``: a rank's module (``plan.module(rank)``, ``ap.compile(...)``) or a pipeline
+    ``module``: a rank's module (``plan.module(rank)``, ``ap.parallelize(...)``) or a pipeline
     runner (``plan.pipeline_runner(rank)``). Same arguments and result as
     ``torch.nn.utils.clip_grad_norm_``; the result is the same tensor value on every rank.
     """
@@ -134,7 +134,7 @@ def _pieces(module) -> tuple[list[tuple[torch.Tensor, bool]], object, int]:
     if info is None:
         raise ClipError(
             "clip_grad_norm_ needs a rank's module from plan.module(rank), plan.build_module, "
-            "ap.compile or plan.pipeline_runner; for a plain nn.Module use "
+            "ap.parallelize or plan.pipeline_runner; for a plain nn.Module use "
             "torch.nn.utils.clip_grad_norm_."
         )
     sync = getattr(module, "autopar_grad_sync", None)

@@ -15,7 +15,7 @@ axis holds a different piece on each rank, so each rank draws its own piece. Two
 
 State: every rank module holds one generator state as a buffer (``autopar_rng_state``, not
 saved in state_dict). All ranks start from the same seed (the plan's ``seed``, default
-``torch.initial_seed()`` when planning; ap.compile broadcasts replicated buffers, so ranks
+``torch.initial_seed()`` when planning; ap.parallelize broadcasts replicated buffers, so ranks
 that planned with different seeds agree after compile) and advance it identically (one draw
 per dropout call whatever the rank holds), so they agree every step with no communication.
 

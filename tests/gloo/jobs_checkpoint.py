@@ -30,7 +30,7 @@ def _build(target, seed):
         plan = ap.plan(model, ap.Mesh(shape, axes), pipeline=pipe, **kw)
         runner = plan.pipeline_runner(dist.get_rank())
         return plan, runner, torch.optim.AdamW(runner.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    module = ap.compile(model, ap.Mesh(shape, axes), **kw)
+    module = ap.parallelize(model, ap.Mesh(shape, axes), **kw)
     if dp is not None and getattr(dp, "zero", 0):
         return module.autopar_plan, module, ap.ZeroOptimizer(module, torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
     return module.autopar_plan, module, torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD, eps=EPS)
@@ -117,7 +117,7 @@ def _meta_llama(path, shape, axes, dp):
         model = LlamaForCausalLM(AutoConfig.from_pretrained(path)).eval()
     kw = inputs("llama")
     ann = ap.presets.megatron(model, "tp", kwargs=kw)
-    module = ap.compile(model, ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False)
+    module = ap.parallelize(model, ap.Mesh(shape, axes), kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False)
     return module, kw
 
 

@@ -18,7 +18,7 @@ def compiled_gpt_matches_serial(shape, axes, dp, steps=3):
     model = small_gpt()
     mesh = ap.Mesh(shape, axes)
     idx, tg = gpt_batch()
-    module = ap.compile(model, mesh, args=(idx, tg), annotations=MEGATRON, data_parallel=dp)
+    module = ap.parallelize(model, mesh, args=(idx, tg), annotations=MEGATRON, data_parallel=dp)
     plan, rank = module.autopar_plan, dist.get_rank()
     serial = small_gpt()
     serial.load_state_dict(model.state_dict())
@@ -55,7 +55,7 @@ def dropout_training_matches_serial(shape, axes, dp, rng, steps=3):
     model, x = Net(0.4), torch.randn(8, 16)
     serial = Net(0.4)
     serial.load_state_dict(model.state_dict())
-    module = ap.compile(
+    module = ap.parallelize(
         model, ap.Mesh(shape, axes), args=(x,), annotations=ANN, data_parallel=dp, rng=rng, seed=dist.get_rank() + 11
     )  # different seeds: compile makes them agree
     plan, rank = module.autopar_plan, dist.get_rank()

@@ -31,7 +31,7 @@ def test_plain_state_dict_to_dcp_fails_loudly(gloo, tmp_path):
     for save_err, load_err in gloo(2).run(f"{JOBS}:plain_state_dict_refused", str(tmp_path / "plain")):
         assert save_err is not None and "ap.get_state_dict" in save_err
         # loading: DCP's own size check (local piece vs the saved global shape) comes before ours
-        assert load_err is not None and ("ap.get_state_dict" in load_err or "Size mismatch" in load_err)
+        assert load_err is not None and "ap.get_state_dict" in load_err
 
 
 @pytest.fixture(scope="module")
