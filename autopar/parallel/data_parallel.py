@@ -148,11 +148,6 @@ class DataParallel(Technique):
     # ------------------------------------------------------- the technique (technique.py)
     def validate(self, mesh, options, annotations: dict) -> None:
         n = mesh.shape[mesh.axis_index(self.axis)]
-        if self.zero == 3 and options.pipeline is not None:
-            raise DataParallelError(
-                "DataParallel(zero=3) inside pipeline stages is not implemented yet (the "
-                "stage modules do not gather): use zero=2 with ap.Pipeline."
-            )
         if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
             raise DataParallelError(
                 f"DataParallel(shard_size={self.shard_size}) must divide the size of "
