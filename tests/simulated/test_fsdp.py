@@ -308,3 +308,63 @@ def test_pipeline_stages_fully_sharded_equal_serial(tied, pipeline):
             sum(p.numel() for n, p in runner.named_parameters() if n in ("wte.weight", "lm_head.weight")) if tied else 0
         )
         assert (full - whole) / 2 + whole <= held <= (full - whole) / 2 + whole + 64, (r, held, full)
+
+
+# ---------------------------------------------------------------- with the Megatron preset / sequence parallel
+def _gpt_three_adamw(plan, batch):
+    def step(rank):
+        m = plan.build_module(rank)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)
+        args, _ = plan.local_inputs(rank, *batch)
+        grads = None
+        for i in range(3):
+            m(*args)[1].backward()
+            if i == 0:
+                grads = {
+                    n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in m.named_parameters()
+                }
+            opt.step()
+            opt.zero_grad()
+        return grads, {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    out = run_ranks(plan.mesh.size, step)
+    return plan.merge_state_dicts([g for g, _ in out]), plan.merge_state_dicts([p for _, p in out])
+
+
+@pytest.mark.parametrize("layout", ["megatron_preset", "sequence_parallel"])
+def test_dp_x_tp_gpt_with_megatron_layouts_equal_serial(layout):
+    """(2, 2) dp x tp, zero=3, the GPT annotated by ap.presets.megatron (vocabulary-parallel
+    embedding and head) or Megatron's sequence parallel: first gradients and parameters after 3
+    AdamW steps equal serial."""
+    from tests.harness.models import GPT_SEQUENCE_PARALLEL
+
+    model, batch = small_gpt(tied=False), gpt_batch()
+    ann = ap.presets.megatron(model, "tp", args=batch) if layout == "megatron_preset" else GPT_SEQUENCE_PARALLEL
+    plan = ap.plan(
+        model, ap.Mesh((2, 2), ("dp", "tp")), args=batch, annotations=ann, data_parallel=ap.DataParallel("dp", zero=3)
+    )
+    for name in ("blocks.0.attn.qkv.weight", "blocks.0.mlp.proj.weight", "wte.weight"):  # tp did split them
+        assert isinstance(plan.param_specs[name][1], ap.Shard), (name, plan.param_specs[name])
+    ref = copy.deepcopy(model)
+    grads, params = _gpt_three_adamw(plan, batch)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for i in range(3):
+        ref(*batch)[1].backward()
+        if i == 0:
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: n + m)
+        opt.step()
+        opt.zero_grad()
+    for n, p in ref.named_parameters():  # atol: the key bias, see the pipeline test
+        torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-4, msg=lambda m: n + m)
+
+
+def test_precision_policy_with_pipeline_is_refused():
+    with pytest.raises(ap.PlanError, match="param_dtype"):
+        ap.plan(
+            small_gpt(layers=2),
+            ap.Mesh((2, 2), ("pp", "dp")),
+            args=gpt_batch(),
+            data_parallel=ap.DataParallel("dp", param_dtype=torch.bfloat16),
+            pipeline=ap.Pipeline("pp", microbatches=2),
+        )
