@@ -190,6 +190,10 @@ class DataParallel(Technique):
         fsdp = self._fsdp()
         return (plan.dp_axis,) if fsdp.canonical_names(plan).get(fqn, fqn) in fsdp.bucket_index(plan) else ()
 
+    def counts_stored(self, plan, rank, fqn) -> bool:
+        """HSDP: a piece is stored once per replica group; its first rank counts it."""
+        return self.zero != 3 or self._fsdp().groups(plan, rank)[1][0] == rank
+
     def restored(self, plan, per_rank):
         return self._fsdp().restored(plan, per_rank) if self.zero == 3 else per_rank
 

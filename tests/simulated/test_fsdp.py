@@ -368,3 +368,32 @@ def test_precision_policy_with_pipeline_is_refused():
             data_parallel=ap.DataParallel("dp", param_dtype=torch.bfloat16),
             pipeline=ap.Pipeline("pp", microbatches=2),
         )
+
+
+@pytest.mark.parametrize("case", ["dp4", "dp2xtp2", "hsdp2x2"])
+def test_clip_grad_norm_equals_serial(case):
+    """ap.clip_grad_norm_ on the stored pieces: the serial total norm on every rank (bit-identical)
+    and the parameters after one clipped SGD step."""
+    plan, x = _plan(case), H.batches(1)[0]
+    serial = H.make_model()
+    H.loss_of(serial(x)).backward()
+    max_norm = 0.3 * float(torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9))  # clipping really scales
+    total = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm)
+    with torch.no_grad():
+        for p in serial.parameters():
+            p -= 0.5 * p.grad
+
+    def step(rank):
+        m = plan.build_module(rank)
+        (a,), _ = plan.local_inputs(rank, x)
+        H.loss_of(m(a)).backward()
+        t = ap.clip_grad_norm_(m, max_norm)
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+        return t, {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    out = run_ranks(plan.mesh.size, step)
+    assert all(torch.equal(t, out[0][0]) for t, _ in out)
+    torch.testing.assert_close(out[0][0], total, rtol=1e-5, atol=1e-7)
+    merged = plan.merge_state_dicts([p for _, p in out])
+    for n, p in serial.named_parameters():
+        torch.testing.assert_close(merged[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
