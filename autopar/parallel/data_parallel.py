@@ -148,10 +148,10 @@ class DataParallel(Technique):
     # ------------------------------------------------------- the technique (technique.py)
     def validate(self, mesh, options, annotations: dict) -> None:
         n = mesh.shape[mesh.axis_index(self.axis)]
-        if self.zero == 3 and options.pipeline is not None:
+        if options.pipeline is not None and (self.param_dtype is not None or self.output_dtype is not None):
             raise DataParallelError(
-                "DataParallel(zero=3) inside pipeline stages is not implemented yet (the "
-                "stage modules do not gather): use zero=2 with ap.Pipeline."
+                "DataParallel(param_dtype=, output_dtype=) with ap.Pipeline is not implemented: the "
+                "stages send their activations in the traced dtypes. Drop the precision policy or the pipeline."
             )
         if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
             raise DataParallelError(
@@ -189,6 +189,10 @@ class DataParallel(Technique):
             return ()
         fsdp = self._fsdp()
         return (plan.dp_axis,) if fsdp.canonical_names(plan).get(fqn, fqn) in fsdp.bucket_index(plan) else ()
+
+    def counts_stored(self, plan, rank, fqn) -> bool:
+        """HSDP: a piece is stored once per replica group; its first rank counts it."""
+        return self.zero != 3 or self._fsdp().groups(plan, rank)[1][0] == rank
 
     def restored(self, plan, per_rank):
         return self._fsdp().restored(plan, per_rank) if self.zero == 3 else per_rank

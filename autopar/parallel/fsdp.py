@@ -117,21 +117,43 @@ def first_use_order(plan) -> list[str]:
 
 def buckets(plan) -> list[FlatBucket]:
     """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
-    parameters of one block and dtype (the embedding and the head are separate buckets)."""
+    parameters of one block, dtype and program unit (the embedding and the head are separate
+    buckets; a pipeline stage's buckets hold only its parameters)."""
     from autopar.parallel.dp_module import local_params
 
-    local, k = local_params(plan), shard_size(plan)
+    local, k, units = local_params(plan), shard_size(plan), program_units(plan)
     out: list[FlatBucket] = []
+    last = None
     for name in first_use_order(plan):
+        if units.get(name, 0) is None:
+            continue  # read by several programs (a weight tied across stages): stays whole
         p = local[name]
-        key = (block_key(name), p.dtype)
-        if not out or (out[-1].key, out[-1].dtype) != key:
-            out.append(FlatBucket(key[0], [], [], [], 0, p.dtype, k))
+        key = (units.get(name, 0), block_key(name), p.dtype)
+        if key != last:
+            out.append(FlatBucket(key[1], [], [], [], 0, p.dtype, k))
+            last = key
         b = out[-1]
         b.names.append(name)
         b.shapes.append(tuple(p.shape))
         b.offsets.append(b.numel)
         b.numel += p.numel()
+    return out
+
+
+def program_units(plan) -> dict[str, int | None]:
+    """Canonical parameter name -> the program that reads it: the pipeline stage when the plan
+    has one (None when several stages read it), else 0. A gathered bucket never spans two programs:
+    each rank module gathers only the buckets of the parameters it holds."""
+    lay = getattr(plan, "stage_layout", None)
+    if lay is None:
+        return {}
+    canon, out = canonical_names(plan), {}
+    for st in lay.stages:
+        for ph in st.attrs:
+            fqn = plan.attr_name(ph)
+            if fqn in canon:
+                name = canon[fqn]
+                out[name] = st.index if out.get(name, st.index) == st.index else None
     return out
 
 
@@ -355,12 +377,24 @@ class FSDPRuntime:
         sync = plan.grad_sync_axes
         canon = canonical_names(plan)
         self.whole = [[plan.dp_axis not in sync.get(canon.get(n, n), ()) for n in b.names] for b in self.buckets]
-        self.flats = [self._flatten(module, b) for b in self.buckets]
+        # the buckets this module holds, in forward order (a pipeline stage holds its own only)
+        self.aliases = {n: [m for m, c in canon.items() if c == n] for b in self.buckets for n in b.names}
+        self.held = [k for k, b in enumerate(self.buckets) if all(self._param(module, n) is not None for n in b.names)]
+        self.flats = {k: self._flatten(module, self.buckets[k]) for k in self.held}
         self.sync_enabled = True
         self.acc: dict[int, torch.Tensor] = {}
         self._clear()
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward, always_call=True)
+
+    def _param(self, module, name: str):
+        """The module's parameter stored under ``name`` or a name tied to it (None if absent)."""
+        for alias in self.aliases.get(name, [name]):
+            try:
+                return module.get_parameter(alias)
+            except AttributeError:
+                continue
+        return None
 
     def _flatten(self, module, b: FlatBucket) -> torch.Tensor:
         """The bucket's chunk as one buffer; the module's pieces become views of it."""
@@ -368,7 +402,7 @@ class FSDPRuntime:
         with torch.no_grad():
             for i, name in enumerate(b.names):
                 lo, hi = b.piece(i, self.pos)
-                p = module.get_parameter(name)
+                p = self._param(module, name)
                 if hi > lo:
                     flat[lo:hi].copy_(p.detach().reshape(-1))
                 p.data = flat[lo:hi]
@@ -404,7 +438,8 @@ class FSDPRuntime:
     def gathered(self, k: int) -> list[torch.Tensor]:
         """Bucket k gathered (waiting for its prefetch), the next buckets' gathers started."""
         flat = self._wait(k)
-        for j in range(k + 1, min(k + 1 + self.prefetch, len(self.buckets))):
+        i = self.held.index(k)
+        for j in self.held[i + 1 : i + 1 + self.prefetch]:
             if j not in self.pending:
                 self._start(j)
         if self._hooks is not None:

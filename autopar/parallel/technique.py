@@ -57,6 +57,11 @@ class Technique:
         """Mesh axes over which ``stored`` gives ranks different pieces of ``fqn``."""
         return ()
 
+    def counts_stored(self, plan, rank: int, fqn: str) -> bool:
+        """Whether ``rank``'s stored piece of ``fqn`` is counted in a whole-model sum (gradient
+        norm) over ``stored_axes``: False on all but one of the ranks storing the same piece."""
+        return True
+
     def restored(self, plan, per_rank: list) -> list:
         """Every rank's dict of computed-layout pieces from its stored pieces (``stored``'s inverse)."""
         return per_rank

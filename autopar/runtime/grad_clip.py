@@ -12,6 +12,8 @@ rank order, so every rank gets the bit-identical total):
   replicated tensor counts once and a split one once per distinct piece;
 - under ZeRO-2 a parameter's gradient lives as this rank's slice of the dp-reduced bucket:
   the slices are disjoint over dp, so each counts there (other axes as above);
+- under ZeRO-3 (and HSDP) a parameter is stored as disjoint pieces over dp (technique.stored_axes),
+  each counted where it is stored (once per replica group: technique.counts_stored);
 - in a pipeline, each stage's parameters live only on that stage's ranks: the pp axis adds
   the stages; a weight tied across stages (its gradient summed over them) counts on the
   first holder only;
@@ -180,9 +182,20 @@ def _module_pieces(module, info: ParamPlacements, sync) -> list:
     for name, p in module.named_parameters():
         if p.grad is None:
             continue
-        counted = name not in sliced and _counts(info.specs.get(name, default), coords)
+        skip, stored_once = _stored(getattr(module, "autopar_plan", None), info.rank, name)
+        counted = name not in sliced and stored_once and _counts(info.specs.get(name, default), coords, skip)
         out.append((p.grad, counted))
     return out
+
+
+def _stored(plan, rank: int, name: str) -> tuple[tuple, bool]:
+    """(axes over which the stored pieces of ``name`` differ, whether this rank counts its piece):
+    zero=3 stores disjoint pieces over dp, each counted where it is stored (once per HSDP replica)."""
+    if plan is None:
+        return (), True
+    techniques = plan.options.techniques
+    axes = tuple(a for t in techniques for a in t.stored_axes(plan, name))
+    return axes, all(t.counts_stored(plan, rank, name) for t in techniques) if axes else True
 
 
 def _runner_pieces(runner) -> list:

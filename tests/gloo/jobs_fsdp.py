@@ -32,3 +32,44 @@ def three_steps(mesh_name, options):
     if rank != 0:
         return None, held
     return max_rel_diff(plan.merge_state_dicts(gathered), H.train_serial("adamw")), held
+
+
+def pipeline_three_adamw(steps=3):
+    """(2, 2) pp x dp with zero=3 on real processes: the loss of each of ``steps`` AdamW steps and
+    of one more forward (parameters after the last step), with the serial model's."""
+    import copy
+
+    from tests.harness.models import gpt_batch, small_gpt
+
+    model, batch = small_gpt(tied=False, layers=4), gpt_batch()
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("pp", "dp")),
+        args=batch,
+        data_parallel=ap.DataParallel("dp", zero=3),
+        pipeline=ap.Pipeline("pp", microbatches=2),
+    )
+    serial = copy.deepcopy(model)
+    runner = plan.pipeline_runner(dist.get_rank())
+    opt = ap_adamw(runner.parameters())
+    sopt = ap_adamw(serial.parameters())
+    losses, ref = [], []
+    for _ in range(steps):
+        losses.append(runner.step(batch).item())
+        opt.step()
+        opt.zero_grad()
+        loss = serial(*batch)[1]
+        ref.append(loss.item())
+        loss.backward()
+        sopt.step()
+        sopt.zero_grad()
+    losses.append(runner.evaluate(batch).item())
+    ref.append(serial(*batch)[1].item())
+    dense = plan.with_data_parallel("dp").pipeline_runner(dist.get_rank(), distributed=False)
+    return losses, ref, sum(p.numel() for p in runner.parameters()), sum(p.numel() for p in dense.parameters())
+
+
+def ap_adamw(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)

@@ -15,3 +15,12 @@ def test_real_gloo_runs_equal_serial(gloo, mesh_name, options):
     full = sum(p.numel() for p in H.make_model().parameters())
     share = {"dp4": 4, "dp2xtp2": 4}[mesh_name] // (2 if options else 1)  # tp x dp splits, HSDP half
     assert all(held <= full / share + 64 for _, held in results), results
+
+
+def test_pipeline_stages_fully_sharded_real_gloo(gloo):
+    """(2, 2) pp x dp, zero=3: every step's loss and the loss after 3 AdamW steps equal serial."""
+    import pytest
+
+    for losses, ref, held, full in gloo(4).run("tests.gloo.jobs_fsdp:pipeline_three_adamw"):
+        assert losses == pytest.approx(ref, rel=1e-5), (losses, ref)
+        assert full / 2 <= held <= full / 2 + 64, (held, full)  # 1/dp of the stage's parameters

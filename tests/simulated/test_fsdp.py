@@ -229,3 +229,171 @@ def test_options_errors_and_round_trip(tmp_path):
     assert "zero=3" in str(dp) and "shard_size=2" in str(dp)
     text = str(_plan("dp4"))
     assert "all_gather" in text
+
+
+# ---------------------------------------------------------------- zero=3 inside pipeline stages
+def _pp_dp_plan(tied=False, microbatches=2, **pipeline):
+    model = small_gpt(tied=tied, layers=4)
+    return ap.plan(
+        model,
+        ap.Mesh((2, 2), ("pp", "dp")),
+        args=gpt_batch(),
+        data_parallel=ap.DataParallel("dp", zero=3),
+        pipeline=ap.Pipeline("pp", microbatches=microbatches, **pipeline),
+    )
+
+
+def _whole(plan, per_rank: list[dict]) -> dict:
+    """Full tensors by serial name from the pipeline ranks' stored pieces (no tp: restored whole)."""
+    out = {}
+    for state in _restore(plan, per_rank):
+        out.update({n: v for n, v in state.items() if v is not None and n not in out})
+    return out
+
+
+def _restore(plan, per_rank):
+    for technique in plan.options.techniques:
+        per_rank = technique.restored(plan, per_rank)
+    return per_rank
+
+
+@pytest.mark.parametrize(
+    "tied,pipeline",
+    [
+        (False, dict(schedule="1f1b")),
+        (True, dict(schedule="gpipe")),
+        (False, dict(schedule="interleaved", chunks=2, checkpoint=True)),
+    ],
+)
+def test_pipeline_stages_fully_sharded_equal_serial(tied, pipeline):
+    """(2, 2) pp x dp with zero=3: first-step gradients and parameters after 3 AdamW steps equal
+    serial; each rank stores about half of its stage's parameters; every stage program gathers."""
+    plan = _pp_dp_plan(tied=tied, **pipeline)
+    ref = copy.deepcopy(plan.model)
+    batch = gpt_batch()
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    opts = [torch.optim.AdamW(r.parameters(), lr=0.01, weight_decay=0.1) for r in runners]
+
+    def step(r):
+        loss = runners[r].step(batch)
+        g = {n: p.grad.clone() for n, p in runners[r].named_parameters() if p.grad is not None}
+        opts[r].step()
+        opts[r].zero_grad()
+        return loss, g
+
+    sopt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for i in range(3):
+        out = run_ranks(4, step, timeout=60)
+        loss = ref(*batch)[1]
+        torch.testing.assert_close(out[0][0], loss.detach(), rtol=1e-5, atol=1e-6)
+        loss.backward()
+        if i == 0:
+            got = _whole(plan, [g for _, g in out])
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+        sopt.step()
+        sopt.zero_grad()
+    got = _whole(plan, [{n: p.detach() for n, p in r.named_parameters()} for r in runners])
+    # atol: the attention's key bias has a zero gradient in exact arithmetic; Adam scales its
+    # rounding noise (~1e-9) up to steps of ~1e-5, different in any other summation order
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-4, msg=lambda m: n + m)
+    assert all("fsdp_gather" in str(p.graph) for p in plan.stage_layout.programs.values())
+    assert all("fsdp_gather" in str(p.graph) for p in plan.stage_layout.programs.values())
+    dense = plan.with_data_parallel("dp")
+    for r, runner in enumerate(runners):  # about 1/dp of the stage's parameters (a tied one stays whole)
+        held = sum(p.numel() for p in runner.parameters())
+        full = sum(p.numel() for p in dense.pipeline_runner(r).parameters())
+        whole = (
+            sum(p.numel() for n, p in runner.named_parameters() if n in ("wte.weight", "lm_head.weight")) if tied else 0
+        )
+        assert (full - whole) / 2 + whole <= held <= (full - whole) / 2 + whole + 64, (r, held, full)
+
+
+# ---------------------------------------------------------------- with the Megatron preset / sequence parallel
+def _gpt_three_adamw(plan, batch):
+    def step(rank):
+        m = plan.build_module(rank)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)
+        args, _ = plan.local_inputs(rank, *batch)
+        grads = None
+        for i in range(3):
+            m(*args)[1].backward()
+            if i == 0:
+                grads = {
+                    n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in m.named_parameters()
+                }
+            opt.step()
+            opt.zero_grad()
+        return grads, {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    out = run_ranks(plan.mesh.size, step)
+    return plan.merge_state_dicts([g for g, _ in out]), plan.merge_state_dicts([p for _, p in out])
+
+
+@pytest.mark.parametrize("layout", ["megatron_preset", "sequence_parallel"])
+def test_dp_x_tp_gpt_with_megatron_layouts_equal_serial(layout):
+    """(2, 2) dp x tp, zero=3, the GPT annotated by ap.presets.megatron (vocabulary-parallel
+    embedding and head) or Megatron's sequence parallel: first gradients and parameters after 3
+    AdamW steps equal serial."""
+    from tests.harness.models import GPT_SEQUENCE_PARALLEL
+
+    model, batch = small_gpt(tied=False), gpt_batch()
+    ann = ap.presets.megatron(model, "tp", args=batch) if layout == "megatron_preset" else GPT_SEQUENCE_PARALLEL
+    plan = ap.plan(
+        model, ap.Mesh((2, 2), ("dp", "tp")), args=batch, annotations=ann, data_parallel=ap.DataParallel("dp", zero=3)
+    )
+    for name in ("blocks.0.attn.qkv.weight", "blocks.0.mlp.proj.weight", "wte.weight"):  # tp did split them
+        assert isinstance(plan.param_specs[name][1], ap.Shard), (name, plan.param_specs[name])
+    ref = copy.deepcopy(model)
+    grads, params = _gpt_three_adamw(plan, batch)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for i in range(3):
+        ref(*batch)[1].backward()
+        if i == 0:
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: n + m)
+        opt.step()
+        opt.zero_grad()
+    for n, p in ref.named_parameters():  # atol: the key bias, see the pipeline test
+        torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-4, msg=lambda m: n + m)
+
+
+def test_precision_policy_with_pipeline_is_refused():
+    with pytest.raises(ap.PlanError, match="param_dtype"):
+        ap.plan(
+            small_gpt(layers=2),
+            ap.Mesh((2, 2), ("pp", "dp")),
+            args=gpt_batch(),
+            data_parallel=ap.DataParallel("dp", param_dtype=torch.bfloat16),
+            pipeline=ap.Pipeline("pp", microbatches=2),
+        )
+
+
+@pytest.mark.parametrize("case", ["dp4", "dp2xtp2", "hsdp2x2"])
+def test_clip_grad_norm_equals_serial(case):
+    """ap.clip_grad_norm_ on the stored pieces: the serial total norm on every rank (bit-identical)
+    and the parameters after one clipped SGD step."""
+    plan, x = _plan(case), H.batches(1)[0]
+    serial = H.make_model()
+    H.loss_of(serial(x)).backward()
+    max_norm = 0.3 * float(torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9))  # clipping really scales
+    total = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm)
+    with torch.no_grad():
+        for p in serial.parameters():
+            p -= 0.5 * p.grad
+
+    def step(rank):
+        m = plan.build_module(rank)
+        (a,), _ = plan.local_inputs(rank, x)
+        H.loss_of(m(a)).backward()
+        t = ap.clip_grad_norm_(m, max_norm)
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+        return t, {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    out = run_ranks(plan.mesh.size, step)
+    assert all(torch.equal(t, out[0][0]) for t, _ in out)
+    torch.testing.assert_close(out[0][0], total, rtol=1e-5, atol=1e-7)
+    merged = plan.merge_state_dicts([p for _, p in out])
+    for n, p in serial.named_parameters():
+        torch.testing.assert_close(merged[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)

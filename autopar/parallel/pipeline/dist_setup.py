@@ -56,7 +56,8 @@ def setup(plan, rank: int):
     for axis in range(mesh.ndim):
         for g in mesh.groups(axis):
             groups[g] = dist.new_group(list(g)) if len(g) < world else dist.group.WORLD
-    for g in tied_rank_groups(plan):
+    extra = [g for t in plan.options.techniques for g in t.process_groups(plan)]  # e.g. HSDP's groups
+    for g in list(tied_rank_groups(plan)) + extra:
         if g not in groups:
             groups[g] = dist.new_group(list(g)) if len(g) < world else dist.group.WORLD
     p2p = dist.new_group(list(range(world)))
@@ -77,7 +78,8 @@ def broadcast_replicated(runner) -> None:
                 continue
             for name, p in runner.named_parameters():
                 spec = plan.param_specs.get(name)
-                if spec is None or spec[axis].is_replicate():
+                split = {a for t in plan.options.techniques for a in t.stored_axes(plan, name)}  # pieces differ
+                if (spec is None or spec[axis].is_replicate()) and axis not in split:
                     backend.broadcast(p.data, plan.mesh.group(axis, rank), rank)
         for p, group in runner.tied_groups:  # a tied weight starts as the first stage's copy
             backend.broadcast(p.data, group, rank)

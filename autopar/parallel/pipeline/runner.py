@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 
 from autopar.runtime.backend import current_backend
 from autopar.errors import InputError
-from autopar.parallel.dp_module import bucket_limits
+from autopar.parallel.dp_module import bucket_limits, sync_axes_all_names
 from autopar.parallel.grad_sync import GradSync
 from autopar.runtime.rng import replayed_rng, rng_state
 from autopar.codegen.rank_state import set_attr
@@ -116,11 +116,7 @@ class PipelineRunner:
         return self.holder.parameters()
 
     def _grad_sync(self):
-        axes = dict(self.plan.grad_sync_axes)
-        for names in self.plan.traced.tied.values():
-            for n in names:
-                if names[0] in axes:
-                    axes[n] = axes[names[0]]
+        axes = sync_axes_all_names(self.plan)  # tied names included; techniques drop what they reduce
         if not any(axes.get(n) for n, _ in self.holder.named_parameters()):
             return None
         return GradSync(self.holder, axes, self.plan.mesh, self.rank, *bucket_limits(self.plan)[:2])
@@ -219,6 +215,7 @@ class PipelineRunner:
         self.timeline = []
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0}
         self._held_bytes = 0
+        self._backwards: dict[int, int] = {}
         for i, a in enumerate(acts):
             self._prefetch(acts[i : i + 1 + PREFETCH_AHEAD])
             if a.kind == "F":
@@ -332,7 +329,7 @@ class PipelineRunner:
         if st.has_output:
             tensors.append(sv.loss)
             grads.append(torch.full_like(sv.loss, 1.0 / self.options.microbatches))
-        with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext():
+        with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext(), self._stage_no_sync(a):
             if tensors:
                 torch.autograd.backward(tensors, grads)
         t1 = time.perf_counter()
@@ -346,6 +343,14 @@ class PipelineRunner:
                 g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1), (name, a.stage, 1)
             )
         self._held_bytes -= sv.nbytes
+
+    def _stage_no_sync(self, a):
+        """A stage module's own gradient reduction (a technique's, attached as ``no_sync``: zero=3
+        reduce-scatters in backward) runs once per step, in the stage's last backward; the
+        earlier micro-batches accumulate."""
+        self._backwards[a.stage] = done = self._backwards.get(a.stage, 0) + 1
+        no_sync = getattr(self.modules[a.stage], "no_sync", None)
+        return no_sync() if no_sync is not None and done < self.options.microbatches else contextlib.nullcontext()
 
     def _recompute(self, a, st, sv) -> None:
         """Checkpointing: run the stage's forward again, now keeping its graph."""

@@ -69,6 +69,8 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
         setattr(gm, name, value)
     attach_state(gm, plan)  # the dropout generator (rng.py)
     gm.autopar_stage = stage
+    for technique in plan.options.techniques:  # a stage module is a rank module of its sub-program
+        technique.attach(plan, gm, rank)
     guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly
     return gm
 
@@ -78,6 +80,8 @@ def _program(plan, stage: int) -> Program:
     programs = plan.stage_layout.programs
     if stage not in programs:
         graph = StageEmitter(plan, plan.stage_layout.stages[stage]).run()
+        for technique in plan.options.techniques:  # e.g. zero=3's gathers of the stage's buckets
+            technique.rewrite_program(plan, graph)
         graph.lint()
         programs[stage] = Program(graph, class_name=f"Stage{stage}")
     return programs[stage]
@@ -99,10 +103,10 @@ def _local(plan, rank: int, fqn: str, cache: dict):
     spec = plan.param_specs.get(fqn, (Replicate(),) * plan.mesh.ndim)
     if fqn in named:
         p = named[fqn]
-        value = nn.Parameter(
-            materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on),
-            requires_grad=p.requires_grad,
-        )
+        local = materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on)
+        for technique in plan.options.techniques:  # what the rank stores (zero=3: its piece)
+            local = technique.stored(plan, rank, fqn, local)
+        value = nn.Parameter(local, requires_grad=p.requires_grad)
         for other, q in named.items():  # tied names: one Parameter
             if q is p:
                 cache[other] = value
