@@ -166,7 +166,7 @@ class DataParallel(Technique):
         """Local SGD's parameter averaging, or zero=3's gathers (the gradient buckets are
         attached for every plan)."""
         if self.zero == 3:
-            from autopar.parallel import fsdp
+            from autopar.parallel import fsdp_runtime as fsdp
 
             fsdp.attach(plan, module, rank)
         if self.local_sgd_every is not None and hasattr(module, "autopar_grad_sync"):

@@ -1,0 +1,231 @@
+"""The run-time half of fully sharded data parallel (parallel/fsdp.py plans the buckets and
+writes the gathers into the program): each rank module's flat chunks, the gather op with its
+reduce-scatter backward, prefetching, resharding after forward and no_sync.
+
+Example:
+    >>> attach(plan, module, rank)               # module.autopar_fsdp is its FSDPRuntime
+    >>> params = fsdp_gather(module.autopar_fsdp, 3, *pieces)   # what the program calls
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from autopar.parallel.fsdp import RUNTIME_ATTR, FlatBucket, _numel, buckets_cached, canonical_names, groups
+from autopar.runtime.backend import current_backend
+
+
+def fsdp_gather(runtime, k: int, *pieces):
+    """Bucket ``k``'s parameters, gathered (see the module docstring); an op of the program."""
+    return _Gather.apply(runtime, k, *pieces)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runtime, k, *pieces):
+        ctx.runtime, ctx.k = runtime, k
+        return tuple(runtime.gathered(k))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.runtime.reduce(ctx.k, grads))
+
+
+# ------------------------------------------------------------------------------ runtime
+@dataclass(frozen=True)
+class _Packed:
+    """A saved tensor that lived in bucket k's gathered flat: gathered again in backward."""
+
+    k: int
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+class _Done:
+    def __init__(self, out):
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
+class FSDPRuntime:
+    """One rank's flat chunks, gathers in flight, and the saved-tensor hooks of its module."""
+
+    def __init__(self, plan, module: torch.nn.Module, rank: int):
+        dp = plan.data_parallel
+        self.rank, self.buckets = rank, buckets_cached(plan)
+        self.shard, self.replica = groups(plan, rank)
+        self.pos = self.shard.index(rank)
+        self.param_dtype, self.reduce_dtype, self.prefetch = dp.param_dtype, dp.reduce_dtype, dp.prefetch
+        self.reshard = dp.reshard_after_forward
+        sync = plan.grad_sync_axes
+        canon = canonical_names(plan)
+        self.whole = [[plan.dp_axis not in sync.get(canon.get(n, n), ()) for n in b.names] for b in self.buckets]
+        # the buckets this module holds, in forward order (a pipeline stage holds its own only)
+        self.aliases = {n: [m for m, c in canon.items() if c == n] for b in self.buckets for n in b.names}
+        self.held = [k for k, b in enumerate(self.buckets) if all(self._param(module, n) is not None for n in b.names)]
+        self.flats = {k: self._flatten(module, self.buckets[k]) for k in self.held}
+        self.sync_enabled = True
+        self.acc: dict[int, torch.Tensor] = {}
+        self._clear()
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward, always_call=True)
+
+    def _param(self, module, name: str):
+        """The module's parameter stored under ``name`` or a name tied to it (None if absent)."""
+        for alias in self.aliases.get(name, [name]):
+            try:
+                return module.get_parameter(alias)
+            except AttributeError:
+                continue
+        return None
+
+    def _flatten(self, module, b: FlatBucket) -> torch.Tensor:
+        """The bucket's chunk as one buffer; the module's pieces become views of it."""
+        flat = torch.zeros(b.chunk, dtype=b.dtype)
+        with torch.no_grad():
+            for i, name in enumerate(b.names):
+                lo, hi = b.piece(i, self.pos)
+                p = self._param(module, name)
+                if hi > lo:
+                    flat[lo:hi].copy_(p.detach().reshape(-1))
+                p.data = flat[lo:hi]
+        return flat
+
+    def _clear(self):
+        self.pending: dict[int, object] = {}
+        self.regather: dict[int, torch.Tensor] = {}
+        self.live: dict[int, tuple[int, weakref.ref]] = {}
+        self.saved_order: list[int] = []
+        self._hooks = None
+
+    # ------------------------------------------------------------------- gathering
+    def _start(self, k: int) -> None:
+        src = self.flats[k]
+        if self.param_dtype is not None:
+            src = src.to(self.param_dtype)
+        out = src.new_empty(src.numel() * len(self.shard))
+        if len(self.shard) == 1:
+            self.pending[k] = _Done(out.copy_(src))
+        else:
+            self.pending[k] = current_backend().all_gather_async(out, src, self.shard, self.rank)
+
+    def _wait(self, k: int) -> torch.Tensor:
+        if k not in self.pending:
+            self._start(k)
+        return self.pending.pop(k).wait()
+
+    def views(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        b = self.buckets[k]
+        return [flat[o : o + _numel(s)].view(s) for o, s in zip(b.offsets, b.shapes)]
+
+    def gathered(self, k: int) -> list[torch.Tensor]:
+        """Bucket k gathered (waiting for its prefetch), the next buckets' gathers started."""
+        flat = self._wait(k)
+        i = self.held.index(k)
+        for j in self.held[i + 1 : i + 1 + self.prefetch]:
+            if j not in self.pending:
+                self._start(j)
+        if self._hooks is not None:
+            self.live[flat.untyped_storage().data_ptr()] = (k, weakref.ref(flat))
+        return self.views(k, flat)
+
+    def _regathered(self, k: int) -> torch.Tensor:
+        """Bucket k gathered again for backward; the buckets backward needs next prefetched."""
+        if k not in self.regather:
+            self.regather[k] = self._wait(k)
+            i = self.saved_order.index(k)
+            for j in self.saved_order[max(0, i - self.prefetch) : i][::-1]:
+                if j not in self.regather and j not in self.pending:
+                    self._start(j)
+        return self.regather[k]
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack(self, t):
+        try:
+            hit = self.live.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return t
+        if hit is None or hit[1]() is None:
+            return t
+        if hit[0] not in self.saved_order:
+            self.saved_order.append(hit[0])
+        return _Packed(hit[0], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, x):
+        if not isinstance(x, _Packed):
+            return x
+        return self._regathered(x.k).as_strided(x.size, x.stride, x.offset)
+
+    def _pre_forward(self, module, args):
+        self._clear()
+        if self.reshard and torch.is_grad_enabled():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def _post_forward(self, module, args, output):
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        self.live.clear()
+
+    # ---------------------------------------------------------------------- backward
+    def reduce(self, k: int, grads) -> list:
+        """Bucket k's gradient reduce-scattered (and all-reduced over replicas) into the pieces."""
+        b = self.buckets[k]
+        dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
+        flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype)
+        total = len(self.shard) * len(self.replica)
+        for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):
+            if g is not None:
+                part = flat[o : o + _numel(s)]
+                part.copy_(g.reshape(-1))
+                if whole:  # every rank holds the whole gradient: the sums below count it once
+                    part.div_(total)
+        self.regather.pop(k, None)
+        if not self.sync_enabled:  # no_sync: accumulate the unreduced gradient locally
+            self.acc[k] = flat if k not in self.acc else self.acc[k].add_(flat)
+            return [None] * len(b.names)
+        if k in self.acc:
+            flat.add_(self.acc.pop(k))
+        backend = current_backend()
+        mine = backend.reduce_scatter_async(flat, self.shard, self.rank).wait() if len(self.shard) > 1 else flat
+        if len(self.replica) > 1:
+            mine = backend.all_reduce(mine, self.replica, self.rank, "sum")
+        mine = mine.to(b.dtype)
+        if mine._base is not None:  # a view of the whole bucket (all-reduce fallback): keep only ours
+            mine = mine.clone()
+        out = []
+        for i in range(len(b.names)):
+            lo, hi = b.piece(i, self.pos)
+            out.append(mine[lo:hi] if hi > lo else None)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients unreduced (full buckets, locally); the next backward reduces them."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+
+def attach(plan, module, rank: int) -> None:
+    """The rank module's runtime (zero=3), and a no_sync covering the gathers' reductions."""
+    runtime = FSDPRuntime(plan, module, rank)
+    setattr(module, RUNTIME_ATTR, runtime)
+    grad_sync = getattr(module, "autopar_grad_sync", None)
+
+    @contextlib.contextmanager
+    def no_sync():
+        with runtime.no_sync(), grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext():
+            yield
+
+    module.no_sync = no_sync
