@@ -37,4 +37,4 @@ clean:
 
 # Every architecture of the installed transformers, tiny, planned and checked: bench/SURVEY.md (~1 h on 2 vCPUs).
 survey: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m bench.survey -j $${SURVEY_JOBS:-2} --limit $${SURVEY_LIMIT:-60}
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.survey -j $${SURVEY_JOBS:-2} --limit $${SURVEY_LIMIT:-120}

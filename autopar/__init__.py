@@ -41,6 +41,7 @@ from autopar.search import Auto, calibrate, predict
 from autopar.sharding.rules.batch_norm import sync_batch_norm
 from autopar.sharding.annotations import (
     colwise,
+    expert_parallel,
     place,
     replicate,
     replicated,
@@ -83,6 +84,7 @@ __all__ = [
     "colwise",
     "comm_stats",
     "compile",
+    "expert_parallel",
     "get_state_dict",
     "load_plan",
     "load_pretrained",

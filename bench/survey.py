@@ -78,6 +78,7 @@ def run_one(name: str) -> dict:
     except BaseException as e:  # noqa: BLE001 - a survey records every failure
         row["cause"] = "build: " + _cause(e)
         return row
+    stage = "preset"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -78,11 +78,20 @@ SIZES = {
     ),
     **dict.fromkeys(["num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"], KV_HEADS),
     **dict.fromkeys(["head_dim", "kv_channels", "attention_head_size", "d_kv"], HIDDEN // HEADS_N),
-    **dict.fromkeys(["vocab_size", "n_vocab"], VOCAB),
+    "rotary_dim": HIDDEN // HEADS_N // 2,  # GPT-J, CodeGen: rotary over part of each head
+    **dict.fromkeys(["vocab_size", "n_vocab", "decoder_vocab_size"], VOCAB),
     **dict.fromkeys(["max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"], 64),
     **dict.fromkeys(["num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"], 4),
     **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k"], 2),
     "image_size": IMAGE,
+    "window_size": 4,  # Swin family: a window no larger than the 8 x 8 patches of a 32 x 32 image
+    # multi-head latent attention (DeepSeek-V2/V3 style): low-rank q/kv and split rope/nope head dims
+    **dict.fromkeys(["kv_lora_rank", "q_lora_rank"], 16),
+    **dict.fromkeys(["qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"], HIDDEN // HEADS_N),
+    **dict.fromkeys(["n_group", "topk_group"], 1),
+    # Mamba-2 mixers (Bamba, ...): heads x head dim = expand x hidden
+    **dict.fromkeys(["mamba_n_heads", "mamba_d_head"], 8),
+    "mamba_d_state": 16,  # expert groups must divide the (4) experts
 }
 TOKEN_IDS = (
     "pad_token_id",
@@ -139,9 +148,16 @@ def _sub_configs(cfg):
     return out
 
 
+# fields a model type derives other sizes from (EfficientNet's last conv is built from its own
+# scaling, not from hidden_dim, but its batch norm reads hidden_dim): left as they are
+KEEP = {("efficientnet", "hidden_dim")}
+
+
 def _shrink(c) -> None:
     fields = vars(c)
     for key, tiny in SIZES.items():
+        if (getattr(c, "model_type", ""), key) in KEEP:
+            continue
         if isinstance(fields.get(key), int) and not isinstance(fields[key], bool) and fields[key] > tiny:
             setattr(c, key, tiny)
     for key in ("hidden_sizes", "depths", "embed_dims", "num_heads", "ffn_dims", "encoder_hidden_sizes"):
@@ -156,6 +172,21 @@ def _shrink(c) -> None:
         v = fields.get(key)
         if isinstance(v, list) and layers is not None and len(v) > layers and key != "mlp_only_layers":
             setattr(c, key, v[:layers])
+    if isinstance(fields.get("qk_rope_head_dim"), int):  # MLA: rotary over the rope part of each head
+        if isinstance(fields.get("qk_nope_head_dim"), int):
+            fields["qk_head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
+        if "head_dim" in fields:
+            fields["head_dim"] = fields["qk_rope_head_dim"]
+        if isinstance(fields.get("num_attention_heads"), int) and "num_key_value_heads" in fields:
+            fields["num_key_value_heads"] = fields["num_attention_heads"]  # MLA: one key head per query head
+    if (
+        all(isinstance(fields.get(k), (int, float)) for k in ("expand", "head_dim", "num_heads", "hidden_size"))
+        and "n_groups" in fields
+    ):  # Mamba-2: heads x head dim = expand x hidden, groups divide heads
+        fields["num_heads"] = int(fields["expand"] * fields["hidden_size"]) // fields["head_dim"]
+        fields["n_groups"] = 1
+    if isinstance(fields.get("mamba_d_ssm"), int) and isinstance(fields.get("mamba_n_heads"), int):
+        fields["mamba_d_ssm"] = fields["mamba_n_heads"] * fields["mamba_d_head"]  # Falcon-H1: the mixer's width
     for key in TOKEN_IDS:
         v = fields.get(key)
         if isinstance(v, int) and v >= VOCAB:
@@ -198,7 +229,16 @@ def build(arch: Arch, seed: int = 0):
         model = cls._from_config(cfg, attn_implementation="eager")
     except (ValueError, TypeError):
         model = cls(cfg)
-    return model.eval(), example_inputs(arch, model)
+    kwargs = example_inputs(arch, model)
+    with torch.no_grad():  # a model that needs other inputs (audio, a language id) is not surveyed
+        try:
+            model.eval()(**kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(
+                f"the serial model does not run on the survey's inputs: {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            ) from e
+    return model.eval(), kwargs
 
 
 def example_inputs(arch: Arch, model) -> dict:

@@ -21,7 +21,8 @@ def headline(rows: list[dict]) -> str:
     return (
         f"**{len(good)} of {len(built)} architectures that build ({pct:.1f}%) plan with no fallback op "
         f"and equal serial** (forward and every gradient) on meshes (2,) and (2, 2); "
-        f"{len(rows) - len(built)} of {len(rows)} did not build from the shrunk default config."
+        f"{len(rows) - len(built)} of {len(rows)} did not build from the shrunk default config or do not run "
+        "serially on the survey's inputs (token ids, or images), and are not counted (see 'Not built')."
     )
 
 
@@ -36,10 +37,12 @@ def _row(r: dict) -> str:
     )
 
 
-def _causes(rows: list[dict]) -> list[str]:
+def _causes(rows: list[dict], built: bool = True) -> list[str]:
     counts = Counter()
     for r in rows:
-        if r.get("built") and not ok(r):
+        if not built and not r.get("built"):
+            counts[(r.get("cause") or "")[:140]] += 1
+        elif built and r.get("built") and not ok(r):
             key = r.get("cause") or ("fallback: " + ", ".join(r.get("fallback", [])))
             counts[key.split(" at ")[0][:140]] += 1
     return [f"| {n} | {c.replace('|', '/')} |" for c, n in counts.most_common()]
@@ -76,6 +79,12 @@ def write(rows: list[dict], seconds: float, args, total: int | None = None) -> s
         "| count | cause |",
         "|---|---|",
         *_causes(rows),
+        "",
+        "## Not built",
+        "",
+        "| count | cause |",
+        "|---|---|",
+        *_causes(rows, built=False),
         "",
         "## Every architecture",
         "",

@@ -12,6 +12,8 @@ means the layer reads the residual stream: it stays replicated. A column-paralle
 k equal pieces (GPT-2's fused q|k|v) is split block by block (colwise(blocks=k)).
 The word embedding (the embedding of a user input with the most rows) and an LM head
 (a linear with as many outputs as that vocabulary, or tied to it) become vocab-parallel.
+The experts of MoE blocks (the stacked 3-D weights of grouped expert matmuls, presets/experts.py)
+are split over the axis by expert: ``expert_parallel(axis)``.
 With ``sequence_parallel=True`` the norms run split on the sequence dim, row-parallel
 layers reduce-scatter into it and the embedding's output is reduce-scattered.
 
@@ -26,7 +28,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.sharding.annotations import _layer_kind, colwise, rowwise, sequence_parallel, vocab_parallel
+from autopar.presets.experts import expert_modules
+from autopar.sharding.annotations import (
+    _layer_kind,
+    colwise,
+    expert_parallel,
+    rowwise,
+    sequence_parallel,
+    vocab_parallel,
+)
 from autopar.errors import AnnotationError
 from autopar.placement import Shard
 from autopar.sharding.propagate import module_path
@@ -84,11 +94,14 @@ def megatron(
     kwargs=None,
     sequence_parallel: bool = False,
     vocab: bool = True,
+    experts: bool = True,
 ) -> Preset:
     """The Megatron tensor-parallel annotations for ``model`` on mesh axis ``axis``.
 
     ``args``/``kwargs`` are example inputs to trace with (default: the model's
-    ``dummy_inputs``, as HuggingFace models have).
+    ``dummy_inputs``, as HuggingFace models have). With ``experts`` (the default), the
+    experts of MoE blocks (modules whose stacked 3-D weights feed grouped expert matmuls)
+    are split over ``axis`` too: ``expert_parallel(axis)``, each rank holds E/n experts.
     """
     if not args and not kwargs:
         kwargs = dict(getattr(model, "dummy_inputs", None) or {})
@@ -101,7 +114,8 @@ def megatron(
     g = _Graph(model, traced)
     ann, why = {}, []
     pairs = g.pairs()
-    if not pairs:
+    moe = expert_modules(model, traced) if experts else {}
+    if not pairs and not moe:
         raise AnnotationError(
             f"presets.megatron({type(model).__name__}): found no column/row-parallel "
             "pair of linear layers (a linear feeding another through attention or "
@@ -117,6 +131,9 @@ def megatron(
         why.append(f"{row}: {ann[row]!r}, reads only {', '.join(cols)}")
     if vocab:
         _vocab(g, ann, why, axis, sp_out)
+    for path, count in moe.items():
+        ann[path] = expert_parallel(axis)
+        why.append(f"{path}: expert_parallel({axis!r}), {count} experts run by grouped matmuls")
     for path in sorted(set(g.linears()) - set(ann)):
         why.append(f"{path}: left replicated, {g.why_not.get(path, 'not part of a column/row pair')}")
     if sequence_parallel:
@@ -167,8 +184,8 @@ class _Graph:
                 if isinstance(getattr(self.modules.get(inner), "weight", None), torch.nn.Parameter):
                     return inner
                 path = self.traced.param_fqn[a.name].rpartition(".")[0]
-                if path in self.modules:
-                    return path
+                if isinstance(getattr(self.modules.get(path), "weight", None), torch.nn.Parameter):
+                    return path  # a module with no weight (CpmAnt's position bias table) is no layer
         return None
 
     def _activation(self, node):

@@ -129,6 +129,24 @@ class sequence_parallel(Annotation):
         return f"sequence_parallel({self.axis!r})"
 
 
+@dataclass(frozen=True)
+class expert_parallel(Annotation):
+    """The experts of a mixture-of-experts module split on ``axis``: every parameter of the
+    matched module whose dim 0 counts its experts (the 3-D expert weights, 2-D expert biases)
+    is split on dim 0, so each rank holds E/n whole experts. Each rank runs the tokens routed
+    to its experts; every token's expert outputs are summed over ``axis`` (a partial sum).
+    presets.megatron finds such modules (the weights of grouped expert matmuls) by itself.
+
+    Example:
+        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("tp")}
+    """
+
+    axis: str
+
+    def __repr__(self) -> str:
+        return f"expert_parallel({self.axis!r})"
+
+
 @dataclass
 class Seeds:
     """What the annotations resolve to."""
@@ -194,6 +212,8 @@ def resolve(
             _apply_place(pattern, ann, params, input_names, mesh, put, why)
         elif isinstance(ann, replicated):
             _apply_replicate(pattern, modules, params, mesh, put, why)
+        elif isinstance(ann, expert_parallel):
+            _apply_experts(pattern, ann, modules, mesh, put, why)
         elif isinstance(ann, sequence_parallel):
             for path in _matching(pattern, [n for n in modules if n], "module path"):
                 seeds.module_outputs.setdefault(path, {})[mesh.axis_index(ann.axis)] = Shard(ann.dim)
@@ -243,6 +263,22 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
         for fqn in targets:
             for axis in range(mesh.ndim):
                 put(fqn, axis, R, why)
+
+
+def _apply_experts(pattern, ann, modules, mesh, put, why):
+    axis = mesh.axis_index(ann.axis)
+    for path in _matching(pattern, [n for n in modules if n], "module path"):
+        own = dict(modules[path].named_parameters(recurse=False))
+        counts = {p.shape[0] for p in own.values() if p.dim() == 3}
+        if len(counts) != 1:
+            raise AnnotationError(
+                f"{ann!r} on module {path!r} ({type(modules[path]).__name__}): expected its own 3-D expert "
+                f"weights (experts, in, out) with one expert count, found shapes "
+                f"{[tuple(p.shape) for p in own.values()]}. Annotate the module holding the stacked expert weights."
+            )
+        experts = counts.pop()
+        for pname, p in own.items():
+            put(f"{path}.{pname}", axis, Shard(0) if p.dim() >= 2 and p.shape[0] == experts else R, why)
 
 
 def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):

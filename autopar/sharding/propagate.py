@@ -345,11 +345,15 @@ def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
     strategies = with_blocks(rule(info), info, cur)
     chosen: list[Strategy] = []
     alternatives = []
+    in_place = _mutates_first(node)
     for axis in range(mesh.ndim):
         scored = []
+        keeps = [s for s in strategies if s.inputs[:1] == (cur[0][axis],)] if in_place else []
         for idx, s in enumerate(strategies):
             if not _valid(s, axis, info, chosen, mesh):
                 continue
+            if keeps and s.inputs[:1] != (cur[0][axis],):
+                continue  # an in-place op writes into its first input: redistributing it would write a copy
             scored.append((_cost(node, s, axis, ins, info, cur, ctx), idx, s))
         scored.sort(key=lambda t: (t[0], t[1]))
         best = scored[0][2]
@@ -362,6 +366,16 @@ def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
         for a in range(mesh.ndim)
     )
     return tuple(outputs), tuple(targets), tuple(chosen), reason, tuple(alternatives)
+
+
+def _mutates_first(node) -> bool:
+    """The op writes into its first argument (copy_, index_put_, scatter_, add_, ...): often a view
+    of another tensor (``key[..., :8].copy_(k)``) whose base the write must reach."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:

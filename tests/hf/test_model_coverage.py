@@ -53,3 +53,20 @@ def test_explain_lists_linears_left_replicated():
     model, kw = build(_arch("GPT2LMHeadModel"))
     text = ap.presets.megatron(model, "tp", kwargs=kw, vocab=False).explain()
     assert "lm_head: left replicated" in text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BloomForCausalLM",  # baddbmm (ALiBi)
+        "DeepseekV3ForCausalLM",  # MLA keys written into an empty tensor; MoE
+        "Llama4ForCausalLM",  # complex rotary; MoE
+        "MobileNetV2ForImageClassification",
+    ],
+)  # relu6, in-place dropout
+def test_survey_rows(name):
+    """A handful of `make survey`'s models: planned on (2,) and (2, 2), equal to serial, no fallback."""
+    from bench.survey import run_one
+
+    row = run_one(name)
+    assert row["equal"] and not row["fallback"], row

@@ -6,9 +6,18 @@ each tensor input needs on one mesh axis and which placement the outputs then ge
 Propagation picks one strategy per mesh axis. Importing this package registers every rule.
 """
 
-from autopar.sharding.rules.registry import OpInfo, Strategy, TensorMeta, aten_ops, get_rule, register, registered_ops
+from autopar.sharding.rules.registry import (
+    OpInfo,
+    Strategy,
+    TensorMeta,
+    aten_ops,
+    get_rule,
+    register,
+    register_by_name,
+    registered_ops,
+)
 
-__all__ = ["OpInfo", "Strategy", "TensorMeta", "aten_ops", "get_rule", "register", "registered_ops"]
+__all__ = ["OpInfo", "Strategy", "TensorMeta", "aten_ops", "get_rule", "register", "register_by_name", "registered_ops"]
 
 # importing a rule file registers its rules
 from autopar.sharding.rules import pointwise, matmul, views, reductions, norms  # noqa: F401
@@ -17,3 +26,4 @@ from autopar.sharding.rules import vocab_loss  # noqa: F401  (registers cross_en
 from autopar.sharding.rules import hf_ops  # noqa: F401
 from autopar.sharding.rules import conv, pooling, batch_norm, resample  # noqa: F401
 from autopar.sharding.rules import sorting, scatter_gather, views_extra  # noqa: F401
+from autopar.sharding.rules import experts, variants  # noqa: F401

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Shard
+from autopar.placement import Partial, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 
 aten = torch.ops.aten
@@ -59,7 +59,7 @@ def index_rule(op: OpInfo) -> list[Strategy]:
     k = out.ndim - (x.ndim - len(where))  # dims of the broadcast index shape
     adjacent = where == list(range(where[0], where[-1] + 1))
     first = where[0] if adjacent else 0
-    strategies = [op.replicated()]
+    strategies = [op.replicated(), op.strategy({x: Partial()}, Partial(), note="a lookup is linear in x")]
     for d in range(x.ndim):  # a non-indexed dim of x keeps its shard
         if d in where or x.shape[d] == 1:
             continue

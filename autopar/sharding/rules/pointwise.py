@@ -36,6 +36,9 @@ NONLINEAR = aten_ops(
     "cos",
     "reciprocal",
     "log1p",
+    "expm1",
+    "log_sigmoid",
+    "rsub.Scalar",
     "masked_fill.Scalar",
     "masked_fill.Tensor",
     "where.self",
@@ -110,6 +113,51 @@ NONLINEAR = aten_ops(
     "masked_fill_.Tensor",
     "tril",
     "triu",
+    # more activations and elementwise math (vision models: MobileNet's hardswish, in-place forms)
+    "hardswish",
+    "hardsigmoid",
+    "hardswish_",
+    "hardsigmoid_",
+    "hardtanh_",
+    "leaky_relu_",
+    "elu_",
+    "dropout_",
+    "relu6",
+    "sigmoid_",
+    "tanh_",
+    "mish_",
+    "celu",
+    "selu",
+    "logit",
+    "sinh",
+    "cosh",
+    "atan",
+    "tan",
+    "asin",
+    "acos",
+    "exp2",
+    "log2",
+    "log10",
+    "trunc",
+    "frac",
+    "sgn",
+    "erfinv",
+    "softshrink",
+    "hardshrink",
+    "threshold",
+    "nan_to_num",
+    "lerp.Scalar",
+    "lerp.Tensor",
+    "xlogy.Tensor",
+    "fmod.Scalar",
+    "remainder.Scalar",
+    "remainder.Tensor",
+    "atan2",
+    "floor_divide",
+    "floor_divide.Scalar",
+    "logical_xor",
+    "isfinite",
+    "bitwise_xor.Tensor",
 )
 # Linear in every tensor operand at once: P + P stays P.
 ADDITIVE = aten_ops(
@@ -195,7 +243,7 @@ def additive_rule(op: OpInfo) -> list[Strategy]:
 @register(*MULTIPLICATIVE)
 def multiplicative_rule(op: OpInfo) -> list[Strategy]:
     strategies = shard_strategies(op)
-    is_div = op.op.overloadpacket in (aten.div, aten.div_)
+    is_div = op.op.overloadpacket in (aten.div, aten.div_, aten.divide)
     if op.kwargs.get("rounding_mode") is not None:
         return strategies
     for i in range(len(op.tensors)):

@@ -158,8 +158,33 @@ def register(*ops):
     return deco
 
 
+# rules for ops of other libraries (``"transformers::grouped_mm_fallback"``), by qualified name:
+# their OpOverload exists only once that library is imported, which autopar must not force
+_BY_NAME: dict[str, Rule] = {}
+
+
+def register_by_name(*names: str):
+    """Register a rule for custom ops named ``"namespace::op"`` (their default overload).
+
+    Example:
+        >>> register_by_name("transformers::grouped_mm_fallback")(grouped_mm_rule)
+    """
+
+    def deco(fn: Rule) -> Rule:
+        for name in names:
+            if name in _BY_NAME:
+                raise ValueError(f"register_by_name: {name} already has the rule {_BY_NAME[name].__name__!r}")
+            _BY_NAME[name] = fn
+        return fn
+
+    return deco
+
+
 def get_rule(op) -> Rule | None:
-    return _RULES.get(op)
+    rule = _RULES.get(op)
+    if rule is None and _BY_NAME and isinstance(op, torch._ops.OpOverload) and op._overloadname == "default":
+        rule = _BY_NAME.get(op.name())
+    return rule
 
 
 def registered_ops() -> list:

@@ -44,7 +44,10 @@ def _same_dims(op: OpInfo, dim: int) -> list[Strategy]:
     aten.scatter.value_reduce,
     aten.scatter_add.default,
     aten.scatter_reduce.two,
-)
+    aten.scatter_.src,
+    aten.scatter_.value,
+    aten.scatter_add_.default,
+)  # in place: the same
 def gather_rule(op: OpInfo) -> list[Strategy]:
     """Dims other than ``dim`` split alike (gather's output has the index's shape)."""
     dim = op.args[1] % max(op.tensors[0].ndim, 1)

@@ -15,16 +15,29 @@ from __future__ import annotations
 import torch
 
 from autopar.codegen.lowerings.base import Lowering, register_lowering
-from autopar.placement import Partial, Shard
+from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 from autopar.sharding.rules.views import _moved, view_rule
+
+R = Replicate()
 
 aten = torch.ops.aten
 
 
-@register(aten.flatten.using_ints, aten.view_as.default)
+@register(aten.flatten.using_ints)
 def flatten_rule(op: OpInfo) -> list[Strategy]:
     return view_rule(op)
+
+
+@register(aten.view_as.default, aten.reshape_as.default)
+def view_as_rule(op: OpInfo) -> list[Strategy]:
+    """view's strategies; ``other`` gives only the shape, so it is split like the output (its
+    local shape is the local output shape) or replicated where the output is."""
+    out = []
+    for s in view_rule(op):
+        p = s.outputs[0]
+        out.append(Strategy(s.inputs[:1] + (p if isinstance(p, Shard) else R,), s.outputs, s.lowering, s.note))
+    return out
 
 
 class UnflattenLocal(Lowering):
