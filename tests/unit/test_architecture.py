@@ -96,3 +96,18 @@ def test_no_deprecated_names_inside_the_package():
         ap.plan(
             MLP(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 16),), annotations={**MLP_TP, "norm": ap.replicated()}
         )
+
+
+def test_building_a_rank_module_leaves_the_garbage_collector_as_found():
+    import gc
+
+    plan = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 16),), annotations=MLP_TP)
+    assert gc.isenabled()
+    plan.build_module(0)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan.build_module(1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
