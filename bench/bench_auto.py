@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 
-from bench.common import alternate, close_pools, pool, row
+from bench.common import alternate, main, pool, row
 
 GPT = (2, 256, 8, 1024, 64, 16)  # layers, embd, heads, vocab, seq, global batch
 QUICK = (2, 64, 4, 256, 32, 8)
@@ -249,8 +249,4 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        for r in run(quick="--quick" in sys.argv):
-            print(r)
-    finally:
-        close_pools()
+    main(run)

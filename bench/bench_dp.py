@@ -18,9 +18,8 @@ Example:
 
 from __future__ import annotations
 
-import sys
 
-from bench.common import alternate, close_pools, median_ratio, ms, pool, row
+from bench.common import alternate, main, median_ratio, ms, pool, row, train_step
 
 SIZES = {  # name -> (layers, embd, heads, vocab, seq, batch per rank)
     "quick": (2, 64, 4, 256, 32, 4),
@@ -49,21 +48,6 @@ def _batch(size: str, world: int):
     )
 
 
-def _stepper(module, args, kwargs=None):
-    import torch
-
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-
-    def step():
-        _, loss = module(*args, **(kwargs or {}))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
-
-
 def _contenders(size: str):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -79,9 +63,9 @@ def _contenders(size: str):
     per_param = plan.with_data_parallel(ap.DataParallel("dp", bucket_mb=BUCKET_MB, bucket_max_params=1))
     a_args, a_kw = plan.local_inputs(rank, idx, tg)
     return {
-        "ddp": _stepper(ddp, local),
-        "autopar": _stepper(module, a_args, a_kw),
-        "per_param": _stepper(per_param.build_module(rank), a_args, a_kw),
+        "ddp": train_step(ddp, local)[0],
+        "autopar": train_step(module, a_args, a_kw)[0],
+        "per_param": train_step(per_param.build_module(rank), a_args, a_kw)[0],
     }, len(plan.grad_buckets())
 
 
@@ -132,8 +116,4 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        for r in run(quick="--quick" in sys.argv):
-            print(r)
-    finally:
-        close_pools()
+    main(run)

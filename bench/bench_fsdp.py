@@ -19,9 +19,8 @@ Example:
 
 from __future__ import annotations
 
-import sys
 
-from bench.common import alternate, close_pools, median_ratio, ms, pool, row
+from bench.common import alternate, main, median_ratio, ms, pool, row, train_step
 
 SIZES = {
     "quick": (2, 64, 4, 256, 32, 4),
@@ -57,21 +56,6 @@ def _fsdp2(size):
     return model
 
 
-def _stepper(module, args, kwargs=None):
-    import torch
-
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-
-    def step():
-        _, loss = module(*args, **(kwargs or {}))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, opt
-
-
 def _peak(step, module, opt) -> int:
     from autopar.runtime.live_bytes import LiveBytes, bytes_of
 
@@ -101,8 +85,8 @@ def fsdp_job(size: str, iters: int, warmup: int) -> dict:
     )
     a_args, a_kw = ours.autopar_plan.local_inputs(rank, idx, tg)
     (s_fsdp, o_fsdp), (s_ap, o_ap) = (
-        _stepper(theirs, (idx.chunk(world)[rank], tg.chunk(world)[rank])),
-        _stepper(ours, a_args, a_kw),
+        train_step(theirs, (idx.chunk(world)[rank], tg.chunk(world)[rank]), optimizer=torch.optim.AdamW),
+        train_step(ours, a_args, a_kw, optimizer=torch.optim.AdamW),
     )
     peaks = {"fsdp2": _peak(s_fsdp, theirs, o_fsdp), "autopar": _peak(s_ap, ours, o_ap)}
     times = alternate({"fsdp2": s_fsdp, "autopar": s_ap}, iters, warmup, barrier=dist.barrier)
@@ -181,8 +165,4 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        for r in run(quick="--quick" in sys.argv):
-            print(r)
-    finally:
-        close_pools()
+    main(run)

@@ -70,3 +70,31 @@ def median_ratio(a: list[float], b: list[float]) -> float:
 
 def ms(ts: list[float]) -> float:
     return statistics.median(ts) * 1e3
+
+
+def train_step(module, args, kwargs=None, optimizer=None):
+    """(step, optimizer): one training step of ``module`` (forward returning (out, loss), backward,
+    optimizer step, zero_grad); ``optimizer`` is a torch.optim class (SGD by default)."""
+    import torch
+
+    opt = (optimizer or torch.optim.SGD)(module.parameters(), lr=1e-3)
+
+    def step():
+        _, loss = module(*args, **(kwargs or {}))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step, opt
+
+
+def main(run) -> None:
+    """``python -m bench.bench_x [--quick]``: print one benchmark module's rows."""
+    import sys
+
+    try:
+        for r in run(quick="--quick" in sys.argv):
+            print(r)
+    finally:
+        close_pools()
