@@ -12,7 +12,7 @@ import autopar as ap
 from autopar.parallel.pipeline import with_pipeline
 from autopar.placement import shard_tensor
 from tests.harness.meshes import MeshSpec
-from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan, mse, small_gpt
+from tests.harness.models import gpt_batch, gpt_plan, mse, skipnet_plan, small_gpt
 from tests.harness.serial import grad_errors, serial_step
 
 
@@ -81,16 +81,8 @@ def gpt_pipeline_sgd(shape, axes, dp, steps=2, lr=0.1):
 def skipnet_matches_serial():
     """SkipNet on 4 real ranks: skips over stages, a bool mask and two tensors at once."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = SkipNet()
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    plan = ap.plan(
-        model,
-        ap.Mesh((4,), ("pp",)),
-        args=(x,),
-        annotations=SKIP_SPLITS,
-        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse),
-    )
+    plan, x, y = skipnet_plan()
+    model = plan.model
     serial_loss, serial_grads = serial_step(model, (x,), mse, y)
     runner = plan.pipeline_runner(rank)
     loss = runner.step((x,), y)

@@ -114,3 +114,15 @@ SKIP_SPLITS = {"b1": ap.split_before(), "b2": ap.split_before(), "b3": ap.split_
 
 def mse(out, labels):
     return F.mse_loss(out, labels)
+
+
+def skipnet_plan(**pipeline_options):
+    """SkipNet in 4 pipeline stages (1F1B, 2 micro-batches, mse loss), with its batch (x, y)."""
+    torch.manual_seed(0)
+    model = SkipNet()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    options = dict(microbatches=2, schedule="1f1b", loss=mse) | pipeline_options
+    plan = ap.plan(
+        model, ap.Mesh((4,), ("pp",)), args=(x,), annotations=SKIP_SPLITS, pipeline=ap.Pipeline("pp", **options)
+    )
+    return plan, x, y

@@ -14,7 +14,7 @@ from autopar.parallel.pipeline.split import _candidates, _param_bytes, balanced_
 from autopar.sharding.propagate import module_paths
 from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES, PP
-from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan as _gpt_plan, mse, small_gpt
+from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan as _gpt_plan, mse, skipnet_plan, small_gpt
 from tests.harness.serial import covered, grad_errors, serial_step
 
 SCHEDULES = [
@@ -95,18 +95,8 @@ def test_memory_in_flight_counts(gpt):
 
 
 def test_skip_connections_and_multi_tensor_boundaries():
-    torch.manual_seed(0)
-    model = SkipNet()
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    plan = ap.plan(
-        model,
-        ap.Mesh((4,), ("pp",)),
-        args=(x,),
-        annotations=SKIP_SPLITS,
-        pipeline=ap.Pipeline(
-            "pp", microbatches=2, schedule="1f1b", loss=mse, metric=lambda out, lab: (out - lab).abs().mean()
-        ),
-    )
+    plan, x, y = skipnet_plan(metric=lambda out, lab: (out - lab).abs().mean())
+    model = plan.model
     st = plan.stage_layout.stages
     assert [n for n, _ in st[0].send if plan.stage_layout.kinds[n] == "grad"] and any(
         len(d) >= 2 for _, d in st[0].send
