@@ -131,3 +131,11 @@ def hf_plan(name, mesh_name, annotations=None, layers=1, dynamic=False, strict=F
         strict=strict,
     )
     return plan, kw
+
+
+def preset_plans(model, kwargs, annotations):
+    """The plan of ``annotations`` (a preset's) on (2,) tp and (2, 2) dp x tp, static shapes."""
+    for spec in (MESHES["tp2"], MESHES["dp2xtp2"]):
+        yield ap.plan(
+            model, spec.mesh(), kwargs=kwargs, annotations=dict(annotations), data_parallel=spec.dp, dynamic=False
+        )

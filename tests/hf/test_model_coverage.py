@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import autopar as ap
+from tests.harness.hf_models import preset_plans
 from bench.survey_models import architectures, build
 
 import transformers  # noqa: F401  (pinned: a missing one is a failure, not a skip)
@@ -25,15 +26,7 @@ def test_preset_shards_attention_and_mlp(name, attn, mlp):
     preset = ap.presets.megatron(model, "tp", kwargs=kw)
     assert any(attn in p and isinstance(a, ap.rowwise) for p, a in preset.items()), preset.explain()
     assert any(mlp in p and isinstance(a, ap.rowwise) for p, a in preset.items()), preset.explain()
-    for shape, axes in [((2,), ("tp",)), ((2, 2), ("dp", "tp"))]:
-        plan = ap.plan(
-            model,
-            ap.Mesh(shape, axes),
-            kwargs=kw,
-            annotations=dict(preset),
-            data_parallel="dp" if "dp" in axes else None,
-            dynamic=False,
-        )
+    for plan in preset_plans(model, kw, preset):
         plan.check(**kw, rtol=1e-3, atol=1e-4)
     total = sum(p.numel() for p in model.parameters())
     local = sum(p.numel() for p in plan.module(0).parameters())

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import autopar as ap
+from tests.harness.hf_models import preset_plans
 from bench.survey_models import architectures, build
 from tests.harness.meshes import RULE_MESHES
 
@@ -93,16 +94,8 @@ def test_preset_splits_experts(name):
     assert experts == ["model.layers.0.mlp.experts"], preset.explain()
     assert "experts run by grouped matmuls" in preset.explain()
     expert_params = {n: p.numel() for n, p in model.named_parameters() if ".experts." in n}
-    for shape, axes in [((2,), ("tp",)), ((2, 2), ("dp", "tp"))]:
-        plan = ap.plan(
-            model,
-            ap.Mesh(shape, axes),
-            kwargs=kw,
-            annotations=dict(preset),
-            data_parallel="dp" if "dp" in axes else None,
-            dynamic=False,
-        )
+    for plan in preset_plans(model, kw, preset):
         assert not [n for n in plan.graph.nodes if getattr(n.meta.get("autopar"), "fallback", False)]
         plan.check(**kw, rtol=1e-3, atol=1e-4)
         local = {n: p.numel() for n, p in plan.module(0).named_parameters() if n in expert_params}
-        assert sum(local.values()) == sum(expert_params.values()) // 2, (shape, local)
+        assert sum(local.values()) == sum(expert_params.values()) // 2, (plan.mesh, local)
