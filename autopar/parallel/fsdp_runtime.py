@@ -204,7 +204,9 @@ class FSDPRuntime:
         out = []
         for i in range(len(b.names)):
             lo, hi = b.piece(i, self.pos)
-            out.append(mine[lo:hi] if hi > lo else None)
+            # an empty piece gets an empty gradient: every parameter of the module has a .grad after
+            # backward, as without ZeRO-3 (per-rank gradient dicts then all hold the same names)
+            out.append(mine[lo:hi] if hi > lo else mine.new_zeros(0))
         return out
 
     @contextlib.contextmanager

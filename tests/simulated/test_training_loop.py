@@ -194,3 +194,27 @@ def test_compiled_module_follows_train_eval():
     plan, x = make_plan(MESHES[2], p=0.5, norm=True, rng="serial")
     compare_with_serial(plan, (x,), wrap=torch.compile, train=False, ctx=torch.no_grad)
     compare_with_serial(plan, (x,), wrap=torch.compile, train=True, seed=5)
+
+
+def test_the_loop_on_a_three_axis_mesh_with_zero3_dropout_eval_and_clipping():
+    """The contracts together, as a user combines them: a GPT with dropout on (2, 2, 2) dp x a
+    replicated axis x tp, parameters fully sharded over dp, serial-RNG dropout. Two training
+    calls (forward and gradients) and an eval forward equal serial, and ap.clip_grad_norm_
+    gives the serial norm (each piece counted once over the replicated axis too)."""
+    from autopar.models.gpt import GPT, GPTConfig
+    from fuzz.clip_mode import check_clipping
+    from tests.harness.models import MEGATRON, gpt_batch
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1))
+    idx, tg = gpt_batch()
+    dp = ap.DataParallel("dp", zero=3)
+    mesh = ap.Mesh((2, 2, 2), ("dp", "x", "tp"))
+    plan = ap.plan(model, mesh, args=(idx, tg), annotations=MEGATRON, data_parallel=dp, rng="serial")
+    compare_with_serial(plan, (idx, tg), train=True, seed=3, calls=2)
+    compare_with_serial(plan, (idx, tg), train=False, ctx=torch.no_grad)
+    model.eval()  # clipping compared without dropout: plan.check's objective draws no mask
+    try:
+        check_clipping(plan, (idx, tg))
+    finally:
+        model.train()
