@@ -32,7 +32,7 @@ from autopar.runtime.pieces import _pos
 # overhead over hand-written Megatron. The ops are the same torch ops (same schemas, fake
 # kernels, in the graph, traced by export/make_fx, compiled), defined with the lower-level
 # torch.library.Library: an Autograd kernel calls a plain autograd.Function whose forward,
-# in plain eager mode (a real torch.Tensor, no dispatch mode active), calls the backend
+# in plain eager mode (a real torch.Tensor, no dispatch mode active but observers), calls the backend
 # directly; under tracing (fake tensors, proxy/dispatch modes) it redispatches to the op
 # below autograd so that tracers record the op itself.
 _LIB = torch.library.Library("autopar", "DEF")  # noqa: TOR901 - see above
@@ -45,7 +45,7 @@ def _fast(x) -> bool:
     functorch wrapper, which are plain ``torch.Tensor`` objects on the Python side)."""
     return (
         type(x) is torch.Tensor
-        and torch._C._len_torch_dispatch_stack() == 0
+        and _only_observers()
         and not torch._is_functional_tensor(x)
         and not _functorch_wrapped(x)
     )
@@ -62,9 +62,18 @@ def plain_eager() -> bool:
     tensors and no mode active, exactly like eager code, so an op cannot tell the two apart at
     run time. The emitted forward asks once, in Python, where Dynamo sees the question: it
     evaluates ``torch.compiler.is_compiling()`` as True while tracing, so compiled graphs hold
-    ``owned=False, alias=False`` and every op there is functional, as its schema says.
+    ``owned=False, alias=False`` and every op there is functional, as its schema says. A
+    dispatch mode (fake tensors, make_fx) may record the ops, so under one they are functional
+    too, unless every mode active says it only observes (``observer = True``, e.g. the memory
+    counter runtime/live_bytes.LiveBytes, which must measure the step as it runs unobserved).
     """
-    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+    return not torch.compiler.is_compiling() and _only_observers()
+
+
+def _only_observers() -> bool:
+    """No dispatch mode is active, or each active one only observes (``observer = True``)."""
+    n = torch._C._len_torch_dispatch_stack()
+    return n == 0 or all(getattr(torch._C._get_dispatch_stack_at(i), "observer", False) for i in range(n))
 
 
 def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=None) -> None:

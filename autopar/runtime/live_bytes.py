@@ -1,11 +1,20 @@
 """Measure the peak of live tensor bytes on CPU, where torch keeps no allocator statistics.
 
 ``LiveBytes`` is a TorchDispatchMode that sees every tensor an op returns, keeps a weak
-reference to each new storage and, after every op, sums the current sizes of those alive: ``peak`` is the most bytes alive at once among
-the tensors made inside the block, plus ``base`` (what was alive before: parameters,
-optimizer state, passed in by the caller). Views share their base's storage and are not
-counted twice; tensors made by C++ without a dispatched op (none in a training step) would
-be missed.
+reference to each new storage and, after every op, sums the current sizes of those alive:
+``peak`` is the most bytes alive at once among the tensors made inside the block, plus
+``base`` (what was alive before: parameters, optimizer state, passed in by the caller).
+Views share their base's storage and are not counted twice.
+
+Two things no op shows, and how they are counted:
+
+- ``watch``: storages made before the block whose size changes outside any op. torch FSDP2
+  keeps its unsharded parameters in storages it resizes to 0 after use and back before the
+  next all-gather (``UntypedStorage.resize_``, not a dispatched op); they count at their
+  current size after every op, so a gathered block is not invisible.
+- An observer, not a transform: the mode is marked ``observer`` and autopar's programs keep
+  their eager fast paths under it (runtime/collectives.plain_eager), so what is measured is
+  what an unobserved step allocates.
 
 Example:
     >>> with LiveBytes(base=bytes_of(module.parameters())) as mem:
@@ -33,10 +42,15 @@ def bytes_of(tensors) -> int:
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self, base: int = 0):
+    observer = True  # only looks: plain_eager() stays True under it
+
+    def __init__(self, base: int = 0, watch=()):
         super().__init__()
-        self.base, self.live, self.peak = base, 0, base
         self._storages: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> storage
+        for s in watch:
+            self._storages[id(s)] = s
+        self.base, self.live = base, self._live()
+        self.peak = base + self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = {id(s) for s in _storages(pytree.tree_leaves((args, kwargs)))}
@@ -44,11 +58,14 @@ class LiveBytes(TorchDispatchMode):
         for s in _storages(pytree.tree_leaves(out)):
             if id(s) not in before:
                 self._storages[id(s)] = s
-        # current sizes, not sizes at creation: a storage resized to 0 (FSDP2 frees its gathered
-        # parameters that way) counts as freed
-        self.live = sum(s.nbytes() for s in list(self._storages.values()))
+        self.live = self._live()
         self.peak = max(self.peak, self.base + self.live)
         return out
+
+    def _live(self) -> int:
+        # current sizes, not sizes at creation: a storage resized to 0 (FSDP2 frees its gathered
+        # parameters that way) counts as freed, and resized back as alive again
+        return sum(s.nbytes() for s in list(self._storages.values()))
 
 
 def _storages(leaves):
