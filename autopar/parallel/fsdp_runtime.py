@@ -179,6 +179,9 @@ class FSDPRuntime:
     def reduce(self, k: int, grads) -> list:
         """Bucket k's gradient reduce-scattered (and all-reduced over replicas) into the pieces."""
         b = self.buckets[k]
+        # the gathered block is used no more (this runs after its last use's backward): free it
+        # before the gradient flat takes its place, not after (one block less at the peak)
+        self.regather.pop(k, None)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
         flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype)
         total = len(self.shard) * len(self.replica)
@@ -188,7 +191,6 @@ class FSDPRuntime:
                 part.copy_(g.reshape(-1))
                 if whole:  # every rank holds the whole gradient: the sums below count it once
                     part.div_(total)
-        self.regather.pop(k, None)
         if not self.sync_enabled:  # no_sync: accumulate the unreduced gradient locally
             self.acc[k] = flat if k not in self.acc else self.acc[k].add_(flat)
             return [None] * len(b.names)

@@ -397,3 +397,37 @@ def test_clip_grad_norm_equals_serial(case):
     merged = plan.merge_state_dicts([p for _, p in out])
     for n, p in serial.named_parameters():
         torch.testing.assert_close(merged[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_reduce_frees_the_gathered_block_before_its_gradient_flat():
+    """Backward of bucket k: the regathered block is dropped before the flat gradient buffer of
+    the same size is allocated (not after the reduce-scatter), so they are never alive together."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.parallel.fsdp import RUNTIME_ATTR
+
+    plan = _plan("dp4_noprefetch")  # prefetch 0: nothing else is regathered during a reduce
+    seen = []
+
+    class ZerosSpy(TorchDispatchMode):
+        observer = True
+
+        def __init__(self, runtime):
+            super().__init__()
+            self.runtime = runtime
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.zeros.default:  # the reduce's flat gradient buffer
+                seen.append(sorted(self.runtime.regather))
+            return func(*args, **(kwargs or {}))
+
+    def step(rank):
+        m = plan.build_module(rank)
+        (a,), _ = plan.local_inputs(rank, H.batches(1)[0])
+        loss = H.loss_of(m(a))
+        with ZerosSpy(getattr(m, RUNTIME_ATTR)):
+            loss.backward()
+
+    run_ranks(4, step)
+    assert len(seen) >= 4 * 2  # every rank reduced its buckets
+    assert all(keys == [] for keys in seen), seen
