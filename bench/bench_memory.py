@@ -2,10 +2,11 @@
 
 One rank's module runs alone in this process with a shape-only backend (collectives return
 tensors of the right shape, no communication: memory is what the real run allocates, the
-values are not). Allocations are counted by a TorchDispatchMode that sees every tensor an op
-creates, forward and backward, and follows it until its last view dies; the peak over the
-step (activations kept for backward, gradients, temporaries) is reported. tp = 1 is the
-serial model under the same counter.
+values are not). Allocations are counted by autopar/runtime/live_bytes.LiveBytes, a dispatch
+mode that sees every storage an op creates, forward and backward, until it dies; the peak over
+the step (activations kept for backward, gradients, temporaries) is reported. The counter only
+observes, so the rank module keeps its eager fast paths (in-place all-reduce, aliasing
+identities) as in an unobserved run. tp = 1 is the serial model under the same counter.
 
 Example:
     >>> rows = run(quick=True)
@@ -13,13 +14,10 @@ Example:
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar as ap
+from autopar.runtime.live_bytes import LiveBytes
 from autopar.runtime.backend import use_backend
 from autopar.runtime.pieces import _pos, all_to_all_local, chunk_of
 from bench.common import row
@@ -30,6 +28,10 @@ class ShapeBackend:
     """Collectives with real output shapes and no communication (this rank's values stand in)."""
 
     stats = None
+    supports_in_place = True
+
+    def all_reduce_(self, x, group, rank, op):
+        return x
 
     def all_reduce(self, x, group, rank, op):
         return x.contiguous().clone()
@@ -44,45 +46,11 @@ class ShapeBackend:
         return all_to_all_local([x] * len(group), src_dim, dst_dim, _pos(group, rank)).contiguous()
 
 
-class PeakMemory(TorchDispatchMode):
-    """Live bytes of the storages created inside the mode; ``peak`` is their maximum."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, list] = {}  # storage data_ptr -> [nbytes, live tensors viewing it]
-        self.current = self.peak = 0
-
-    def _release(self, ptr):
-        entry = self.live.get(ptr)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.current -= entry[0]
-                del self.live[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if ptr == 0 or nbytes == 0:
-                continue
-            if ptr not in self.live:
-                self.live[ptr] = [nbytes, 0]
-                self.current += nbytes
-                self.peak = max(self.peak, self.current)
-            self.live[ptr][1] += 1
-            weakref.finalize(t, self._release, ptr)
-        return out
-
-
 def step_peak(module, args) -> int:
     """Peak bytes allocated by one forward + backward of ``module`` (gradients dropped before)."""
     for p in module.parameters():
         p.grad = None
-    with PeakMemory() as mem:
+    with LiveBytes() as mem:
         loss_of(module(*args)).backward()
     peak = mem.peak
     for p in module.parameters():
