@@ -6,9 +6,14 @@ memory of a LLaMA-70B-shaped model on a (16, 8) dp x tp mesh.
   root) and ``ap.parallelize(data_parallel=ap.DataParallel("dp", zero=3))`` are built in the
   same processes on the same model and inputs and timed alternately (bench/common.py); the
   figure is the median of the per-iteration ratios autopar / FSDP2 (rank 0).
-- Peak memory per rank: the most live tensor bytes during one step (after a warm-up step, so
-  optimizer state exists), counted by autopar/runtime/live_bytes.py for both (torch keeps no
-  CPU allocator statistics).
+- Peak memory per rank, counted two ways (torch keeps no CPU allocator statistics), both after
+  a warm-up step so optimizer state exists, both on top of the parameters and optimizer state:
+  1. live tensor bytes (autopar/runtime/live_bytes.py), deterministic. FSDP2 keeps its
+     unsharded parameters in storages it resizes outside any op; they are watched, else its
+     gathered blocks would not count;
+  2. allocator bytes (torch.profiler memory events: every CPU allocation and free, including
+     those no op shows), the median over 7 steps: on gloo when a buffer is freed depends on
+     when the asynchronous collectives finish, so single steps of either differ by a block.
 - LLaMA-70B-shaped (80 layers, hidden 8192, 64 heads, MLP 4x, vocab 128256, untied) on the
   meta device, (16, 8) dp x tp, Megatron tensor parallel + zero=3 with bf16 compute:
   plan.memory_per_rank(0) plus activations from plan.cost() at batch 1 per dp rank, sequence 2048 (the cost model's upper bound: every op output kept, bf16).
@@ -56,15 +61,73 @@ def _fsdp2(size):
     return model
 
 
-def _peak(step, module, opt) -> int:
-    from autopar.runtime.live_bytes import LiveBytes, bytes_of
+def _resized_storages(module) -> list:
+    """The storages FSDP2 resizes outside any op: its parameters' all-gather outputs (which the
+    unsharded parameters view); none for a module that FSDP2 does not manage."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
-    step()  # warm-up: optimizer state exists
+    out = []
+    for m in module.modules():
+        state = _get_module_fsdp_state(m)
+        group = state._fsdp_param_group if state is not None else None
+        for fp in group.fsdp_params if group is not None else ():
+            out.extend(t.untyped_storage() for t in fp.all_gather_outputs)
+    return out
+
+
+def _held_bytes(module, opt) -> int:
+    """Parameters (local pieces) and optimizer state: alive before a step and after it."""
+    from autopar.runtime.live_bytes import bytes_of
+
     state = [t.to_local() if hasattr(t, "to_local") else t for s in opt.state.values() for t in s.values()]
     params = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
-    with LiveBytes(base=bytes_of(params + state)) as mem:
+    return bytes_of(params + state)
+
+
+def _peak(step, module, opt) -> int:
+    """Peak live tensor bytes of one step (after a warm-up step: optimizer state exists)."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    step()
+    with LiveBytes(base=_held_bytes(module, opt), watch=_resized_storages(module)) as mem:
         step()
     return mem.peak
+
+
+def _allocator_peak(step, module, opt, steps: int = 7) -> int:
+    """Median over ``steps`` steps of the peak allocator bytes: parameters and optimizer state
+    plus the most bytes allocated within the step and alive at once (torch.profiler memory
+    events, every CPU allocation and free)."""
+    import json
+    import os
+    import statistics
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    held, peaks = _held_bytes(module, opt), []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+        finally:
+            os.unlink(path)
+        live, now, peak = {}, 0, 0
+        for e in sorted(events, key=lambda e: e["ts"]):
+            e = e["args"]  # a free of a block allocated before the step is not counted
+            if e["Bytes"] > 0:
+                live[e["Addr"]] = e["Bytes"]
+                now += e["Bytes"]
+            elif e["Addr"] in live:
+                now -= live.pop(e["Addr"])
+            peak = max(peak, now)
+        peaks.append(held + peak)
+    return statistics.median(peaks)
 
 
 def fsdp_job(size: str, iters: int, warmup: int) -> dict:
@@ -89,8 +152,9 @@ def fsdp_job(size: str, iters: int, warmup: int) -> dict:
         train_step(ours, a_args, a_kw, optimizer=torch.optim.AdamW),
     )
     peaks = {"fsdp2": _peak(s_fsdp, theirs, o_fsdp), "autopar": _peak(s_ap, ours, o_ap)}
+    allocated = {"fsdp2": _allocator_peak(s_fsdp, theirs, o_fsdp), "autopar": _allocator_peak(s_ap, ours, o_ap)}
     times = alternate({"fsdp2": s_fsdp, "autopar": s_ap}, iters, warmup, barrier=dist.barrier)
-    return {"times": times, "peaks": peaks}
+    return {"times": times, "peaks": peaks, "allocated": allocated}
 
 
 def llama70b(batch: int = 1, seq: int = 2048) -> dict:
@@ -127,7 +191,7 @@ def run(quick: bool) -> list[dict]:
     rows = []
     for world in (2, 4):
         res = pool(world).run("bench.bench_fsdp:fsdp_job", size, iters, warmup)[0]
-        t, pk = res["times"], res["peaks"]
+        t, pk, al = res["times"], res["peaks"], res["allocated"]
         case = f"GPT {layers}x{embd}, {world} gloo ranks, AdamW"
         note = f"median step ms: fsdp2 {ms(t['fsdp2']):.1f}, autopar {ms(t['autopar']):.1f}; n={iters}"
         rows.append(
@@ -147,7 +211,17 @@ def run(quick: bool) -> list[dict]:
                 "autopar / FSDP2 peak memory per rank",
                 round(pk["autopar"] / pk["fsdp2"], 3),
                 "<= 1.00",
-                f"peak live bytes: autopar {pk['autopar']}, fsdp2 {pk['fsdp2']}",
+                f"peak live tensor bytes: autopar {pk['autopar']}, fsdp2 {pk['fsdp2']}",
+            )
+        )
+        rows.append(
+            row(
+                "fsdp",
+                case,
+                "autopar / FSDP2 peak allocator bytes per rank (median of 7 steps)",
+                round(al["autopar"] / al["fsdp2"], 3),
+                "<= 1.00",
+                f"peak allocated: autopar {al['autopar']:.0f}, fsdp2 {al['fsdp2']:.0f}",
             )
         )
     m = llama70b()
