@@ -19,8 +19,14 @@ from autopar.parallel.fsdp import RUNTIME_ATTR, FlatBucket, _numel, buckets_cach
 from autopar.runtime.backend import current_backend
 
 
+@torch.compiler.disable
 def fsdp_gather(runtime, k: int, *pieces):
-    """Bucket ``k``'s parameters, gathered (see the module docstring); an op of the program."""
+    """Bucket ``k``'s parameters, gathered (see the module docstring); an op of the program.
+
+    Under torch.compile it runs eagerly between compiled pieces (a graph break per bucket, as
+    FSDP2's hooks): it starts and waits for asynchronous collectives and keeps run-time state
+    (prefetches, the buckets to gather again), which a traced graph cannot hold. Traced, it
+    was retraced for every bucket until Dynamo's recompile limit."""
     return _Gather.apply(runtime, k, *pieces)
 
 
@@ -163,12 +169,14 @@ class FSDPRuntime:
             return x
         return self._regathered(x.k).as_strided(x.size, x.stride, x.offset)
 
+    @torch.compiler.disable  # enters saved-tensor hooks for the whole forward: not traceable
     def _pre_forward(self, module, args):
         self._clear()
         if self.reshard and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
 
+    @torch.compiler.disable
     def _post_forward(self, module, args, output):
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)

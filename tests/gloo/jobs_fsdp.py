@@ -12,9 +12,12 @@ from tests.harness.models import MLP_TP
 from tests.harness.serial import max_rel_diff
 
 
-def three_steps(mesh_name, options):
-    """3 AdamW steps of ap.parallelize(zero=3) on real processes; rank 0 returns the worst
-    relative difference from serial and every rank the number of parameter elements it holds."""
+def three_steps(mesh_name, options, compiled=False):
+    """3 AdamW steps of ap.parallelize(zero=3) on real processes (through torch.compile if
+    ``compiled``); rank 0 returns the worst relative difference from serial and every rank the
+    number of parameter elements it holds."""
+    import torch
+
     spec = MESHES[mesh_name]
     ann = MLP_TP if "tp" in spec.axes else {}
     module = parallelize(
@@ -25,7 +28,7 @@ def three_steps(mesh_name, options):
         data_parallel=ap.DataParallel("dp", zero=3, **options),
     )
     plan, rank = module.autopar_plan, dist.get_rank()
-    mine = H.train_rank(plan, rank, "adamw")
+    mine = H.train_rank(plan, rank, "adamw", wrap=torch.compile if compiled else None)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     held = sum(p.numel() for p in module.parameters())

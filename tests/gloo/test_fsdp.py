@@ -17,6 +17,13 @@ def test_real_gloo_runs_equal_serial(gloo, mesh_name, options):
     assert all(held <= full / share + 64 for _, held in results), results
 
 
+@pytest.mark.parametrize("mesh_name", ["dp4", "dp2xtp2"])
+def test_real_gloo_compiled_runs_equal_serial(gloo, mesh_name):
+    """The rank modules through torch.compile: the gathers run eagerly between compiled pieces."""
+    results = gloo(4).run("tests.gloo.jobs_fsdp:three_steps", mesh_name, {}, True)
+    assert results[0][0] < 2e-5, results[0]
+
+
 def test_pipeline_stages_fully_sharded_real_gloo(gloo):
     """(2, 2) pp x dp, zero=3: every step's loss and the loss after 3 AdamW steps equal serial."""
     import pytest

@@ -59,16 +59,18 @@ def make_optimizer(module, opt_name, zero):
     return ap.ZeroOptimizer(module, cls, **kw) if zero in (1, 2) else cls(module.parameters(), **kw)
 
 
-def train_rank(plan, rank, opt_name, data=None):
-    """STEPS steps on ``rank``'s module (a fresh one); returns its parameters by serial name."""
+def train_rank(plan, rank, opt_name, data=None, wrap=None):
+    """STEPS steps on ``rank``'s module (a fresh one, called through ``wrap(module)`` if given,
+    e.g. torch.compile); returns its parameters by serial name."""
     module = plan.build_module(rank)
+    run = wrap(module) if wrap is not None else module
     dp = plan.data_parallel
     opt = make_optimizer(module, opt_name, dp.zero)
     if dp.local_sgd_every is not None:
         module.autopar_local_sgd.attach(opt)
     for x in data or batches():
         (a,), _ = plan.local_inputs(rank, x)
-        loss_of(module(a)).backward()
+        loss_of(run(a)).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in module.named_parameters()}
