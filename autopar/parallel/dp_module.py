@@ -102,10 +102,25 @@ def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def held_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
+    """``local_params`` of the parameters ``rank``'s modules hold: all of them, or under a
+    pipeline those its stages read (a weight tied across stages is held by each)."""
+    params, lay = local_params(plan, rank), plan.stage_layout
+    if lay is None:
+        return params
+    from autopar.parallel.fsdp import canonical_names
+
+    canon, pos = canonical_names(plan), plan.mesh.coords(rank)[lay.axis]
+    read = {plan.attr_name(ph) for st in lay.stages if lay.rank_of_stage(st.index) == pos for ph in st.attrs}
+    held = {canon.get(n, n) for n in read if n is not None}
+    return {n: p for n, p in params.items() if canon.get(n, n) in held}
+
+
 def grad_buckets(plan, rank: int = 0):
-    """The gradient buckets of ``rank`` (the same on every rank of its dp group), in launch order."""
+    """The gradient buckets of ``rank`` (the same on every rank of its dp group), in launch order;
+    under a pipeline, of its stages' parameters (as its runner makes them)."""
     size, count, first = bucket_limits(plan)
-    return make_buckets(local_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
+    return make_buckets(held_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
 
 
 def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]:
@@ -116,7 +131,7 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]
     at stage 2, their gradients); ``optimizer_state_unsharded`` is what zero=0 would hold.
     """
     dp = plan.data_parallel
-    params = local_params(plan, rank)
+    params = held_params(plan, rank)
     total = sum(p.numel() * p.element_size() for p in params.values())
     trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
     n = plan.mesh.shape[plan.dp_axis] if plan.dp_axis is not None else 1

@@ -333,15 +333,24 @@ def _wire(plan, b: FlatBucket, dtype) -> int:
     return b.chunk * (dtype or b.dtype).itemsize
 
 
+def held_buckets(plan, rank: int) -> list[FlatBucket]:
+    """The buckets ``rank`` gathers: all, or under a pipeline those of its stages' parameters."""
+    from autopar.parallel.dp_module import held_params
+
+    held = held_params(plan, rank)
+    return [b for b in buckets_cached(plan) if all(n in held for n in b.names)]
+
+
 def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     """Memory per rank under zero=3: the stored pieces (1/k of each bucket), their gradients and
     optimizer state, plus ``gathered``: the most gathered bytes alive at once (the bucket in use
-    and the ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward)."""
+    and the ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward).
+    Under a pipeline, of the buckets of the rank's stages only."""
     dp, k = plan.data_parallel, shard_size(plan)
-    from autopar.parallel.dp_module import local_params
+    from autopar.parallel.dp_module import held_params
 
-    local, index = local_params(plan, rank), bucket_index(plan)
-    bs = buckets_cached(plan)
+    local, index = held_params(plan, rank), bucket_index(plan)
+    bs = held_buckets(plan, rank)
     whole = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index)
     whole_trainable = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index and p.requires_grad)
     pieces = sum(b.chunk * b.dtype.itemsize for b in bs)

@@ -310,6 +310,21 @@ def test_pipeline_stages_fully_sharded_equal_serial(tied, pipeline):
         assert (full - whole) / 2 + whole <= held <= (full - whole) / 2 + whole + 64, (r, held, full)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("pipeline", [dict(schedule="1f1b"), dict(schedule="interleaved", chunks=2)])
+def test_pipeline_memory_per_rank_counts_its_stages_only(tied, pipeline):
+    """plan.memory_per_rank under a pipeline: the parameters the rank's runner holds (its stages'),
+    not the whole model's; with zero=3 the pieces of its stages' buckets (padding aside)."""
+    plan = _pp_dp_plan(tied=tied, **pipeline)
+    for p in (plan.with_data_parallel("dp"), plan):
+        padding = 4 * plan.mesh.shape[1] * len(plan.built.get("fsdp_buckets", []))
+        for r in plan.mesh.ranks():
+            held = sum(q.numel() * q.element_size() for q in p.pipeline_runner(r).parameters())
+            mem = p.memory_per_rank(r)
+            assert held <= mem["params"] <= held + padding, (r, held, mem["params"])
+            assert mem["optimizer_state"] == 2 * mem["grads"]
+
+
 # ---------------------------------------------------------------- with the Megatron preset / sequence parallel
 def _gpt_three_adamw(plan, batch):
     def step(rank):
