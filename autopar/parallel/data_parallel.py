@@ -148,11 +148,6 @@ class DataParallel(Technique):
     # ------------------------------------------------------- the technique (technique.py)
     def validate(self, mesh, options, annotations: dict) -> None:
         n = mesh.shape[mesh.axis_index(self.axis)]
-        if options.pipeline is not None and (self.param_dtype is not None or self.output_dtype is not None):
-            raise DataParallelError(
-                "DataParallel(param_dtype=, output_dtype=) with ap.Pipeline is not implemented: the "
-                "stages send their activations in the traced dtypes. Drop the precision policy or the pipeline."
-            )
         if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
             raise DataParallelError(
                 f"DataParallel(shard_size={self.shard_size}) must divide the size of "

@@ -253,9 +253,12 @@ def rewrite_program(plan, graph: fx.Graph) -> None:
     dp = plan.data_parallel
     attrs = _param_attrs(plan, graph)
     if dp.zero == 3:
-        _insert_gathers(plan, graph, attrs)
-    elif dp.param_dtype is not None:
-        for node in attrs:
+        _insert_gathers(plan, graph, attrs)  # gathered in param_dtype
+    if dp.param_dtype is not None:
+        # the parameters no gather casts: all without zero=3; with it those left whole (a weight
+        # tied across pipeline stages, one used nowhere else)
+        gathered = {n for n in attrs if n.users and all(u.target is _gather_op() for u in n.users)}
+        for node in [n for n in attrs if n.users and n not in gathered]:
             _cast_uses(graph, node, dp.param_dtype, after=node)
     if dp.param_dtype is not None:
         for node in [n for n in graph.nodes if n.op == "placeholder"]:
@@ -296,7 +299,7 @@ def cast_outputs(outs, dtype):
 
 def _insert_gathers(plan, graph, attrs) -> None:
     """One gather per bucket, right before the first node that uses one of its parameters."""
-    from autopar.parallel.fsdp_runtime import fsdp_gather  # (the run-time half imports this file)
+    fsdp_gather = _gather_op()
 
     canon, index, bs = canonical_names(plan), bucket_index(plan), buckets_cached(plan)
     by_bucket: dict[int, list[fx.Node]] = {}
@@ -326,6 +329,12 @@ def _insert_gathers(plan, graph, attrs) -> None:
 
 def _item(t, i):
     return t[i]
+
+
+def _gather_op():
+    from autopar.parallel.fsdp_runtime import fsdp_gather  # (the run-time half imports this file)
+
+    return fsdp_gather
 
 
 # ------------------------------------------------------------------------------ the plan shows it

@@ -37,10 +37,13 @@ def three_steps(mesh_name, options, compiled=False):
     return max_rel_diff(plan.merge_state_dicts(gathered), H.train_serial("adamw")), held
 
 
-def pipeline_three_adamw(steps=3):
+def pipeline_three_adamw(steps=3, param_dtype=None):
     """(2, 2) pp x dp with zero=3 on real processes: the loss of each of ``steps`` AdamW steps and
-    of one more forward (parameters after the last step), with the serial model's."""
+    of one more forward (parameters after the last step), with the serial model's (computing in
+    ``param_dtype`` from fp32 parameters, as the plan's precision policy does)."""
     import copy
+
+    import torch
 
     from tests.harness.models import gpt_batch, small_gpt
 
@@ -49,10 +52,15 @@ def pipeline_three_adamw(steps=3):
         model,
         ap.Mesh((2, 2), ("pp", "dp")),
         args=batch,
-        data_parallel=ap.DataParallel("dp", zero=3),
+        data_parallel=ap.DataParallel("dp", zero=3, param_dtype=param_dtype),
         pipeline=ap.Pipeline("pp", microbatches=2),
     )
     serial = copy.deepcopy(model)
+
+    def serial_loss():
+        low = {n: p.to(param_dtype) if param_dtype else p for n, p in serial.named_parameters()}
+        return torch.func.functional_call(serial, low, batch)[1].float()
+
     runner = plan.pipeline_runner(dist.get_rank())
     opt = ap_adamw(runner.parameters())
     sopt = ap_adamw(serial.parameters())
@@ -61,13 +69,13 @@ def pipeline_three_adamw(steps=3):
         losses.append(runner.step(batch).item())
         opt.step()
         opt.zero_grad()
-        loss = serial(*batch)[1]
+        loss = serial_loss()
         ref.append(loss.item())
         loss.backward()
         sopt.step()
         sopt.zero_grad()
     losses.append(runner.evaluate(batch).item())
-    ref.append(serial(*batch)[1].item())
+    ref.append(serial_loss().item())
     dense = plan.with_data_parallel("dp").pipeline_runner(dist.get_rank(), distributed=False)
     return losses, ref, sum(p.numel() for p in runner.parameters()), sum(p.numel() for p in dense.parameters())
 

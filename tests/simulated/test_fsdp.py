@@ -374,15 +374,53 @@ def test_dp_x_tp_gpt_with_megatron_layouts_equal_serial(layout):
         torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-4, msg=lambda m: n + m)
 
 
-def test_precision_policy_with_pipeline_is_refused():
-    with pytest.raises(ap.PlanError, match="param_dtype"):
-        ap.plan(
-            small_gpt(layers=2),
-            ap.Mesh((2, 2), ("pp", "dp")),
-            args=gpt_batch(),
-            data_parallel=ap.DataParallel("dp", param_dtype=torch.bfloat16),
-            pipeline=ap.Pipeline("pp", microbatches=2),
-        )
+@pytest.mark.parametrize("zero,tied,out", [(0, False, None), (3, False, torch.float32), (3, True, None)])
+def test_precision_policy_inside_pipeline_stages(zero, tied, out):
+    """(2, 2) pp x dp with param_dtype=bf16: stages compute in bf16 from fp32 masters and send their
+    activations in the traced dtype (exact casts); 3 SGD steps within bf16 tolerance of the
+    serial model under the same policy, and not the fp32 result. Tied across stages with zero=3:
+    the whole weight is cast too (no gather casts it)."""
+    model, batch = small_gpt(tied=tied, layers=4), gpt_batch()
+    plan = ap.plan(
+        copy.deepcopy(model),
+        ap.Mesh((2, 2), ("pp", "dp")),
+        args=batch,
+        data_parallel=ap.DataParallel(
+            "dp", zero=zero, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=out
+        ),
+        pipeline=ap.Pipeline("pp", microbatches=2),
+    )
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.5) for r in runners]
+
+    def step(r):
+        loss = runners[r].step(batch)
+        opts[r].step()
+        opts[r].zero_grad()
+        return loss
+
+    losses = [run_ranks(4, step, timeout=60)[0] for _ in range(3)]
+    got = _whole(plan, [{n: p.detach() for n, p in r.named_parameters()} for r in runners])
+    assert all(v.dtype == torch.float32 for v in got.values())  # fp32 masters
+    ref, fp32 = copy.deepcopy(model), copy.deepcopy(model)
+    ref_losses = _train_policy(ref, batch, torch.bfloat16), _train_policy(fp32, batch, None)
+    torch.testing.assert_close(torch.stack(losses), ref_losses[0], rtol=2e-2, atol=2e-2)
+    for n, p in ref.named_parameters():  # SGD: parameter errors follow the gradients' (bf16 here ~1e-3)
+        torch.testing.assert_close(got[n], p.detach(), rtol=2e-2, atol=2e-3, msg=n)
+    assert max((got[n] - p.detach()).abs().max().item() for n, p in fp32.named_parameters()) > 1e-4
+
+
+def _train_policy(model, batch, dtype, steps=3):
+    """SGD steps of ``model`` computing in ``dtype`` (None: fp32) from fp32 masters; the losses."""
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for _ in range(steps):
+        low = {n: p.to(dtype) if dtype else p for n, p in model.named_parameters()}
+        loss = torch.func.functional_call(model, low, batch)[1].float()
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return torch.stack(losses)
 
 
 @pytest.mark.parametrize("case", ["dp4", "dp2xtp2", "hsdp2x2"])

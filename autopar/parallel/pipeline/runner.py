@@ -283,7 +283,7 @@ class PipelineRunner:
         self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0))
         for (name, dsts), v in zip(st.send, sends):
             for d in dsts:
-                x = v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64)
+                x = self._wire(name, v)
                 self._ch.send(
                     x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0), (name, d, 0)
                 )
@@ -294,6 +294,15 @@ class PipelineRunner:
             held = len(self._saved)
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], held)
             self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes)
+
+    def _wire(self, name: str, v) -> torch.Tensor:
+        """A boundary value as it travels: in its traced dtype (under a precision policy a stage
+        computes in ``param_dtype`` and the receiving stage casts its floating inputs back to it:
+        both casts are exact), an integer as a one-element tensor."""
+        if not isinstance(v, torch.Tensor):
+            return torch.tensor([int(v)], dtype=torch.int64)
+        want = self.dtypes[name]
+        return v.to(want) if v.dtype != want and v.is_floating_point() and want.is_floating_point else v
 
     def _split_outputs(self, st, outs, mb: int):
         sends = outs[: len(st.send)]
