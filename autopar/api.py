@@ -105,6 +105,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
             f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
         )
     p = plan(model, mesh, **plan_kwargs)
+    mesh = p.mesh  # the mesh planned on (two-axis HSDP makes its axes one, with the same ranks)
     groups = {}
     # With a timeout, every group (the whole world's too) is made with it, so that blocking
     # collectives are bounded by the group itself (see DistBackend._run).

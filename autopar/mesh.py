@@ -97,6 +97,26 @@ class Mesh:
     def ranks(self):
         return range(self.size)
 
+    def merge_axes(self, outer: str, inner: str) -> "Mesh":
+        """The same ranks with two adjacent axes (``outer`` right before ``inner``) as one axis
+        named ``outer_inner``: in row-major order its position is outer * |inner| + inner, so
+        every rank keeps its number and groups of |inner| consecutive positions are ``inner``'s
+        groups.
+
+        Example:
+            >>> Mesh((2, 2, 2), ("rep", "shard", "tp")).merge_axes("rep", "shard")
+            Mesh(rep_shard=4, tp=2)
+        """
+        i, j = self.axis_index(outer), self.axis_index(inner)
+        if j != i + 1:
+            raise MeshError(
+                f"Axes {outer!r} and {inner!r} of {self} must be adjacent with {outer!r} first to act as "
+                f"one axis (e.g. Mesh((r, s, t), ({outer!r}, {inner!r}, 'tp')))."
+            )
+        shape = self.shape[:i] + (self.shape[i] * self.shape[j],) + self.shape[j + 1 :]
+        names = self.axis_names[:i] + (f"{outer}_{inner}",) + self.axis_names[j + 1 :]
+        return Mesh(shape, names)
+
     def all_coords(self):
         return itertools.product(*(range(s) for s in self.shape))
 

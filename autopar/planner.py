@@ -55,6 +55,7 @@ def make_plan(
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
     annotations = dict(annotations or {})
+    mesh, options = _reshape_mesh(mesh, options)
     _validate(mesh, options, annotations)
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
@@ -128,6 +129,18 @@ def _finish(plan: Plan) -> Plan:
         if built is not None:
             plan.built[technique.name] = built
     return plan
+
+
+def _reshape_mesh(mesh: Mesh, options: PlanOptions) -> tuple[Mesh, PlanOptions]:
+    """The mesh the techniques plan on (technique.reshape_mesh: e.g. two-axis HSDP's one axis)."""
+    changes = {}
+    for field in ("data_parallel", "pipeline"):
+        technique = getattr(options, field)
+        if technique is not None:
+            mesh, new = technique.reshape_mesh(mesh)
+            if new is not technique:
+                changes[field] = new
+    return mesh, options.replace(**changes) if changes else options
 
 
 def _validate(mesh: Mesh, options: PlanOptions, annotations: dict) -> None:

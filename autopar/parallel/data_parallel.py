@@ -19,6 +19,9 @@ option at its default) or a DataParallel naming the axis and the options:
   flight), freed after the forward (``reshard_after_forward``) and gathered again for
   backward; gradients are reduce-scattered into the pieces; a plain torch optimizer steps
   them. ``shard_size=k`` (HSDP): shard over groups of k dp ranks, replicate across groups.
+  ``replicate_axis="rep"`` (HSDP over two mesh axes, ``axis`` the shard axis right after
+  ``rep``): the two become one data-parallel axis ``rep_axis`` with ``shard_size`` = |axis|
+  (``plan.mesh`` shows it; every rank keeps its number and its groups).
 - ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
   inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
 
@@ -29,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +60,7 @@ class DataParallel(Technique):
     reshard_after_forward: bool = True  # zero=3: free gathered blocks after forward
     prefetch: int = 1  # zero=3: blocks whose gather is started ahead
     shard_size: int | None = None  # zero=3 HSDP: shard group size (None: the dp axis)
+    replicate_axis: str | None = None  # zero=3 HSDP over two mesh axes: shard on axis, replicate here
     param_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
 
@@ -80,6 +85,11 @@ class DataParallel(Technique):
             raise DataParallelError(
                 "DataParallel(shard_size=, reshard_after_forward=, prefetch=) configure "
                 "fully sharded data parallel: give zero=3 with them."
+            )
+        if self.replicate_axis is not None and (self.zero != 3 or self.shard_size is not None):
+            raise DataParallelError(
+                f"DataParallel({self.axis!r}, replicate_axis={self.replicate_axis!r}) is HSDP over two mesh "
+                "axes: give zero=3 and no shard_size (the shard group is the axis itself)."
             )
         if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
             raise DataParallelError(f"DataParallel(prefetch={self.prefetch!r}) must be an int >= 0.")
@@ -138,6 +148,7 @@ class DataParallel(Technique):
             ("reshard_after_forward", True),
             ("prefetch", 1),
             ("shard_size", None),
+            ("replicate_axis", None),
             ("param_dtype", None),
             ("output_dtype", None),
         ):
@@ -156,6 +167,18 @@ class DataParallel(Technique):
 
     def data_axis(self) -> str:
         return self.axis
+
+    def reshape_mesh(self, mesh):
+        """HSDP over two mesh axes (``replicate_axis`` right before ``axis``, torchtitan's
+        dp_replicate, dp_shard): the batch is split over both, which the layouts express on one
+        axis, so the two become one data-parallel axis sharded in groups of ``axis``'s size
+        (``shard_size``): the same ranks, shard groups and replica groups."""
+        if self.replicate_axis is None:
+            return mesh, self
+        merged = mesh.merge_axes(self.replicate_axis, self.axis)
+        name = f"{self.replicate_axis}_{self.axis}"
+        size = mesh.axis_size(self.axis)
+        return merged, dataclasses.replace(self, axis=name, replicate_axis=None, shard_size=size)
 
     def attach(self, plan, module, rank: int) -> None:
         """Local SGD's parameter averaging, or zero=3's gathers (the gradient buckets are

@@ -32,6 +32,12 @@ class Technique:
     def validate(self, mesh, options, annotations: dict) -> None:
         """Raise a PlanError when the technique cannot work on this mesh with these options."""
 
+    def reshape_mesh(self, mesh):
+        """(the mesh to plan on, the technique in its terms): a technique spelled over mesh axes
+        the layouts cannot use as they are (HSDP over a replicate and a shard axis becomes one
+        data-parallel axis sharded in groups) rewrites both before planning."""
+        return mesh, self
+
     def data_axis(self) -> str | None:
         """The mesh axis that splits the batch (dim 0 of every input), if this technique does."""
         return None

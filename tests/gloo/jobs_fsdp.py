@@ -37,6 +37,22 @@ def three_steps(mesh_name, options, compiled=False):
     return max_rel_diff(plan.merge_state_dicts(gathered), H.train_serial("adamw")), held
 
 
+def hsdp_two_axes():
+    """HSDP on a (rep, shard) mesh through ap.parallelize: rank 0 returns the worst relative
+    difference from serial after 3 AdamW steps."""
+    module = parallelize(
+        H.make_model(),
+        ap.Mesh((2, 2), ("rep", "shard")),
+        args=(H.batches(1)[0],),
+        data_parallel=ap.DataParallel("shard", zero=3, replicate_axis="rep"),
+    )
+    plan, rank = module.autopar_plan, dist.get_rank()
+    mine = H.train_rank(plan, rank, "adamw")
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return max_rel_diff(plan.merge_state_dicts(gathered), H.train_serial("adamw")) if rank == 0 else None
+
+
 def pipeline_three_adamw(steps=3, param_dtype=None):
     """(2, 2) pp x dp with zero=3 on real processes: the loss of each of ``steps`` AdamW steps and
     of one more forward (parameters after the last step), with the serial model's (computing in

@@ -17,6 +17,10 @@ def test_real_gloo_runs_equal_serial(gloo, mesh_name, options):
     assert all(held <= full / share + 64 for _, held in results), results
 
 
+def test_real_gloo_hsdp_over_two_mesh_axes(gloo):
+    assert gloo(4).run("tests.gloo.jobs_fsdp:hsdp_two_axes")[0] < 2e-5
+
+
 @pytest.mark.parametrize("mesh_name", ["dp4", "dp2xtp2"])
 def test_real_gloo_compiled_runs_equal_serial(gloo, mesh_name):
     """The rank modules through torch.compile: the gathers run eagerly between compiled pieces."""

@@ -325,6 +325,46 @@ def test_pipeline_memory_per_rank_counts_its_stages_only(tied, pipeline):
             assert mem["optimizer_state"] == 2 * mem["grads"]
 
 
+@pytest.mark.parametrize(
+    "shape,axes", [((2, 2), ("rep", "shard")), ((2, 2, 2), ("rep", "shard", "tp")), ((1, 2, 2), ("pp", "rep", "shard"))]
+)
+def test_hsdp_over_two_mesh_axes_equals_serial(shape, axes):
+    """HSDP spelled on two mesh axes (torchtitan's dp_replicate, dp_shard): pieces reduce-scattered
+    over the user's shard axis, all-reduced over the replicate axis; 3 AdamW steps equal serial."""
+    from autopar.parallel.fsdp import groups
+
+    user = ap.Mesh(shape, axes)
+    plan = ap.plan(
+        H.make_model(),
+        user,
+        args=(H.batches(1)[0],),
+        annotations=MLP_TP if "tp" in axes else {},
+        data_parallel=ap.DataParallel("shard", zero=3, replicate_axis="rep"),
+    )
+    assert plan.mesh.size == user.size and "rep_shard" in plan.mesh.axis_names
+    for r in user.ranks():  # the same ranks: the shard and replica groups are the user's axes'
+        assert groups(plan, r) == (user.group("shard", r), user.group("rep", r))
+    H.compare(_train_all(plan), H.train_serial("adamw"), "default", str(axes))
+
+
+@pytest.mark.parametrize(
+    "shape,axes,kw,match",
+    [
+        ((2, 2), ("shard", "rep"), dict(zero=3), "adjacent"),
+        ((2, 2, 2), ("rep", "tp", "shard"), dict(zero=3), "adjacent"),
+        ((2, 2), ("rep", "shard"), dict(zero=2), "zero=3"),
+        ((2, 2), ("rep", "shard"), dict(zero=3, shard_size=2), "shard_size"),
+        ((2, 2), ("rep", "shard"), dict(zero=3, replicate_axis="nope"), "nope"),
+    ],
+)
+def test_hsdp_over_two_axes_errors(shape, axes, kw, match):
+    kw = {"replicate_axis": "rep", **kw}
+    with pytest.raises(ap.PlanError, match=match):
+        ap.plan(
+            H.make_model(), ap.Mesh(shape, axes), args=(H.batches(1)[0],), data_parallel=ap.DataParallel("shard", **kw)
+        )
+
+
 # ---------------------------------------------------------------- with the Megatron preset / sequence parallel
 def _gpt_three_adamw(plan, batch):
     def step(rank):
