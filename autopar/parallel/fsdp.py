@@ -342,6 +342,19 @@ def _wire(plan, b: FlatBucket, dtype) -> int:
     return b.chunk * (dtype or b.dtype).itemsize
 
 
+def read_in_backward(plan, b: FlatBucket) -> bool:
+    """Whether backward reads bucket ``b``'s gathered parameters (then resharding after forward
+    gathers it again): False only when every use is an embedding lookup, whose backward needs
+    the indices alone (the runtime gathers again exactly the buckets a saved tensor lives in)."""
+    canon, names = canonical_names(plan), set(b.names)
+    for node in plan.graph.nodes:
+        fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None and canon.get(fqn, fqn) in names:
+            if any(u.target is not torch.ops.aten.embedding.default for u in node.users):
+                return True
+    return False
+
+
 def held_buckets(plan, rank: int) -> list[FlatBucket]:
     """The buckets ``rank`` gathers: all, or under a pipeline those of its stages' parameters."""
     from autopar.parallel.dp_module import held_params
@@ -403,7 +416,7 @@ def collectives(plan, sy) -> list:
         gather = sympy.Float(ring_bytes("all_gather", _wire(plan, b, dp.param_dtype), k))
         grad = _wire(plan, b, dp.reduce_dtype or dp.param_dtype)
         out.append(_comm(sy, "all_gather", axis, "forward", gather, *where))
-        if dp.reshard_after_forward:
+        if dp.reshard_after_forward and read_in_backward(plan, b):
             out.append(_comm(sy, "all_gather", axis, "backward", gather, *where))
         out.append(
             _comm(

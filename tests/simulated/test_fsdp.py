@@ -90,6 +90,22 @@ def test_reshard_after_forward_gathers_again_in_backward():
     assert counts[False] == n_buckets and counts[True] == 2 * n_buckets
 
 
+def test_planned_gathers_are_the_ones_that_run_gpt():
+    """GPT: the embedding's bucket is not gathered again in backward (its backward reads the
+    indices only), the others are; plan.collectives() lists exactly what runs."""
+    plan = ap.plan(
+        small_gpt(tied=False, layers=2),
+        ap.Mesh((2,), ("dp",)),
+        args=gpt_batch(),
+        data_parallel=ap.DataParallel("dp", zero=3),
+    )
+    with ap.comm_stats() as stats:
+        plan.simulate(lambda m, *a: m(*a)[1].backward(), *gpt_batch())
+    ran = stats.counts(rank=0, mesh=plan.mesh)[("all_gather", "dp")]
+    planned = [c for c in plan.collectives() if c.kind == "all_gather"]
+    assert len(planned) == ran == 2 * len(plan.built["fsdp_buckets"]) - 1
+
+
 def test_no_sync_accumulation_equals_serial_sum():
     plan = _plan("dp4")
     x1, x2 = H.batches(2)
