@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Replicate, merge_tensors, shard_tensor
 from autopar.checkpoint.target import CheckpointError
 
 
@@ -68,12 +67,10 @@ def shard_full_state(plan, rank: int, model_sd: dict, optim_sd: dict | None = No
     if optim_sd is None:
         return pieces, None
     shapes = {n: tuple(v.shape) for n, v in model_sd.items()}
-    default = (Replicate(),) * plan.mesh.ndim
     state = {}
-    for name, s in optim_sd["state"].items():
-        spec = plan.param_specs.get(name, default)
+    for name, s in optim_sd["state"].items():  # laid out (and stored: zero=3) as its parameter
         state[name] = {
-            k: shard_tensor(v, spec, plan.mesh, rank).clone() if _elementwise(v, shapes.get(name, ())) else v
+            k: plan.shard_state_dict({name: v}, rank)[name].clone() if _elementwise(v, shapes.get(name, ())) else v
             for k, v in s.items()
         }
     return pieces, {"state": state, "param_groups": optim_sd["param_groups"]}
@@ -84,13 +81,11 @@ def merge_full_states(plan, model_pieces: list[dict], optim_pieces: list[dict] |
     full = plan.merge_state_dicts(model_pieces)
     if optim_pieces is None:
         return full, None
-    default = (Replicate(),) * plan.mesh.ndim
     state = {}
     for name, s in optim_pieces[0]["state"].items():
-        spec = plan.param_specs.get(name, default)
         local_shape = tuple(plan.shard_state_dict({name: full[name]}, 0)[name].shape) if name in full else ()
         state[name] = {
-            k: merge_tensors([o["state"][name][k] for o in optim_pieces], spec, plan.mesh)
+            k: plan.merge_state_dicts([{name: o["state"][name][k]} for o in optim_pieces])[name]
             if _elementwise(v, local_shape)
             else v
             for k, v in s.items()

@@ -34,8 +34,11 @@ def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
     dm, world = device_mesh(t.plan), dist.get_world_size()
     model_sd = {}
     for fqn, local in t.tensors.items():
-        boxes = local_boxes(t.shape(fqn), t.spec(fqn), t.mesh, t.rank, local.detach())
-        model_sd[fqn] = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, local)
+        start = t.stored_start(fqn)
+        boxes = _boxes(t, fqn, start, local.detach())
+        value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, local if start is None else None)
+        if value is not None:  # None: an empty zero=3 piece (nothing of it on this rank)
+            model_sd[fqn] = value
     if optimizer is None:
         return model_sd, {}
     init_state(optimizer)
@@ -58,7 +61,7 @@ def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_stat
     """Copy this rank's pieces out of state dicts (from dcp.load into get_state_dict's dicts,
     or full serial tensors) into ``module`` and ``optimizer``."""
     t = Target.of(module)
-    missing = sorted(set(t.tensors) - set(model_state_dict))
+    missing = sorted(n for n, v in t.tensors.items() if n not in model_state_dict and v.numel())
     if missing:
         raise CheckpointError(
             f"set_state_dict: the model state dict lacks {missing[:5]}"
@@ -66,8 +69,10 @@ def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_stat
         )
     with torch.no_grad():
         for fqn, local in t.tensors.items():
-            boxes = local_boxes(t.shape(fqn), t.spec(fqn), t.mesh, t.rank, local.detach())
-            copy_boxes(boxes, model_state_dict[fqn], fqn, t.shape(fqn))
+            if fqn in model_state_dict:
+                copy_boxes(
+                    _boxes(t, fqn, t.stored_start(fqn), local.detach()), model_state_dict[fqn], fqn, t.shape(fqn)
+                )
         if optimizer is not None and optim_state_dict:
             _set_optim(t, optimizer, optim_state_dict)
 
@@ -135,7 +140,8 @@ def entries(t: Target, optimizer) -> dict:
                     "the optimizer steps a tensor that is not a parameter of the module "
                     "given: pass the module the optimizer was made for."
                 )
-            out[p] = (t.param_names[id(p)], None)
+            name = t.param_names[id(p)]
+            out[p] = (name, t.stored_start(name))  # zero=3: the parameter is a 1-D range
     return out
 
 

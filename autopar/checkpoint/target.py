@@ -61,6 +61,15 @@ class Target:
     def shape(self, fqn: str) -> tuple:
         return tuple(_serial_shapes(self.plan)[fqn])
 
+    def stored_start(self, fqn: str) -> int | None:
+        """Where the rank's tensor of ``fqn`` starts in its flattened computed piece when a
+        technique stores a 1-D range of it (zero=3), else None (the computed piece itself)."""
+        for technique in self.plan.options.techniques:
+            start = technique.stored_start(self.plan, self.rank, fqn)
+            if start is not None:
+                return start
+        return None
+
 
 def _first_names(module: nn.Module) -> dict:
     out = {}

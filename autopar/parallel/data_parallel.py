@@ -202,6 +202,9 @@ class DataParallel(Technique):
     def stored(self, plan, rank, fqn, local):
         return self._fsdp().stored(plan, rank, fqn, local) if self.zero == 3 else local
 
+    def stored_start(self, plan, rank, fqn):
+        return self._fsdp().stored_start(plan, rank, fqn) if self.zero == 3 else None
+
     def stored_axes(self, plan, fqn: str) -> tuple:
         if self.zero != 3:
             return ()

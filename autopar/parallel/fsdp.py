@@ -188,21 +188,33 @@ def bucket_index(plan) -> dict[str, tuple[int, int]]:
     return cached
 
 
-def stored(plan, rank: int, fqn: str, local: torch.Tensor) -> torch.Tensor:
-    """What ``rank`` stores of parameter ``fqn`` given its compute piece: its 1-D piece of the
-    bucket's chunk (parameters used nowhere in the graph stay whole)."""
+def stored_range(plan, rank: int, fqn: str) -> tuple[int, int] | None:
+    """[a, b) of ``rank``'s stored piece of parameter ``fqn`` in its flattened compute piece
+    (None: stored whole, a parameter used nowhere in the graph); a == b for an empty piece."""
     canon = canonical_names(plan).get(fqn, fqn)
     where = bucket_index(plan).get(canon)
     if where is None:
-        return local
+        return None
     b = buckets_cached(plan)[where[0]]
     shard, _ = groups(plan, rank)
     lo, hi = b.piece(where[1], shard.index(rank))
-    start = b.offsets[where[1]]
-    chunk_lo = shard.index(rank) * b.chunk
-    flat = local.reshape(-1)
-    a = chunk_lo + lo - start
-    return flat[a : a + (hi - lo)].clone() if hi > lo else flat.new_zeros(0)
+    a = shard.index(rank) * b.chunk + lo - b.offsets[where[1]]
+    return (a, a + (hi - lo)) if hi > lo else (0, 0)
+
+
+def stored_start(plan, rank: int, fqn: str) -> int | None:
+    where = stored_range(plan, rank, fqn)
+    return None if where is None else where[0]
+
+
+def stored(plan, rank: int, fqn: str, local: torch.Tensor) -> torch.Tensor:
+    """What ``rank`` stores of parameter ``fqn`` given its compute piece: its 1-D piece of the
+    bucket's chunk (parameters used nowhere in the graph stay whole)."""
+    where = stored_range(plan, rank, fqn)
+    if where is None:
+        return local
+    a, b = where
+    return local.reshape(-1)[a:b].clone() if b > a else local.new_zeros(0)
 
 
 def restored(plan, per_rank: list[dict]) -> list[dict]:

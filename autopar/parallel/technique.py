@@ -59,6 +59,12 @@ class Technique:
         """What ``rank`` stores of parameter ``fqn``, given its piece in the computed layout."""
         return local
 
+    def stored_start(self, plan, rank: int, fqn: str) -> int | None:
+        """Where ``stored``'s piece of ``fqn`` starts in ``rank``'s flattened computed piece when
+        it is a contiguous 1-D range of it (checkpoints describe it by that range); None when
+        the rank stores the computed piece as it is."""
+        return None
+
     def stored_axes(self, plan, fqn: str) -> tuple:
         """Mesh axes over which ``stored`` gives ranks different pieces of ``fqn``."""
         return ()

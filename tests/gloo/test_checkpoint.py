@@ -14,7 +14,9 @@ def tp2_checkpoint(gloo, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("target,world", [("dp2xtp2", 4), ("tp4_blocks", 4), ("pp2xtp2", 4)])
+@pytest.mark.parametrize(
+    "target,world", [("dp2xtp2", 4), ("tp4_blocks", 4), ("pp2xtp2", 4), ("dp2_zero3", 2), ("dp2xtp2_zero3", 4)]
+)
 def test_dcp_reshards_into_other_plans(gloo, tp2_checkpoint, target, world):
     worst = gloo(world).run(f"{JOBS}:load_and_train", target, tp2_checkpoint)
     assert max(worst) < 1e-5, worst
@@ -24,6 +26,15 @@ def test_zero2_state_async_saved_loads_into_plain_dp(gloo, tmp_path):
     path = str(tmp_path / "zero")
     gloo(2).run(f"{JOBS}:train_and_save", "dp2_zero2", path, use_async=True)
     worst = gloo(2).run(f"{JOBS}:load_and_train", "dp2", path)
+    assert max(worst) < 1e-5, worst
+
+
+def test_zero3_pieces_saved_load_into_tensor_parallel(gloo, tmp_path):
+    """ZeRO-3's stored pieces (1-D slices of flat buckets, parameter boundaries anywhere) saved
+    with their optimizer state, loaded into tp=2 with Megatron layouts: training goes on as serial."""
+    path = str(tmp_path / "zero3")
+    gloo(4).run(f"{JOBS}:train_and_save", "dp2xtp2_zero3", path)
+    worst = gloo(2).run(f"{JOBS}:load_and_train", "tp2", path)
     assert max(worst) < 1e-5, worst
 
 
@@ -70,9 +81,11 @@ def test_cli_converts_dcp_to_hf_dir(tp2_checkpoint, tmp_path):
     assert all((got[k] - want[k]).abs().max() <= 1e-5 * want[k].abs().max() for k in want)
 
 
-def test_offline_conversion_with_optimizer_state_trains_like_serial():
+@pytest.mark.parametrize("zero", [0, 3])
+def test_offline_conversion_with_optimizer_state_trains_like_serial(zero):
     """Full serial state (params + AdamW state) -> per-rank pieces of a (2, 2) plan with a
-    blocked shard -> back equal; loaded into simulated ranks, one more step equals serial."""
+    blocked shard (and zero=3's stored pieces) -> back equal; loaded into simulated ranks, one
+    more step equals serial."""
     import torch
     import autopar as ap
     from autopar.checkpoint.convert import merge_full_states, named_optimizer_state, shard_full_state
@@ -87,7 +100,11 @@ def test_offline_conversion_with_optimizer_state_trains_like_serial():
         opt.zero_grad()
     full, named = serial.state_dict(), named_optimizer_state(serial, opt)
     plan = ap.plan(
-        small_gpt(seed=3), ap.Mesh((2, 2), ("dp", "tp")), args=gpt_batch(), annotations=QKV_BLOCKS, data_parallel="dp"
+        small_gpt(seed=3),
+        ap.Mesh((2, 2), ("dp", "tp")),
+        args=gpt_batch(),
+        annotations=QKV_BLOCKS,
+        data_parallel=ap.DataParallel("dp", zero=zero),
     )
     pieces = [shard_full_state(plan, r, full, named) for r in plan.mesh.ranks()]
     back, back_optim = merge_full_states(plan, [p[0] for p in pieces], [p[1] for p in pieces])
