@@ -23,7 +23,6 @@ import os
 
 import torch
 
-from autopar.checkpoint.boxes import local_boxes
 from autopar.checkpoint.buffers import missing_buffers
 from autopar.checkpoint.target import CheckpointError, Target
 
@@ -67,7 +66,7 @@ def load_pretrained(module, path: str, *, buffers: dict | None = None) -> None:
     try:
         with torch.no_grad():
             for fqn, tensor in local.items():
-                boxes = local_boxes(t.shape(fqn), t.spec(fqn), t.mesh, t.rank, tensor.detach())
+                boxes = t.stored_boxes(fqn, tensor.detach())
                 src = _source(fqn, files, tied)
                 if src is None:
                     _fill_from_full(boxes, computed, fqn)
@@ -176,14 +175,29 @@ def _file_name(rank: int, world: int) -> str:
 
 
 def _gather(t: Target, fqn: str, dst: int):
-    """The whole tensor on rank ``dst`` (None elsewhere), from every rank's piece."""
+    """The whole tensor on rank ``dst`` (None elsewhere), from every rank's piece (zero=3's
+    stored pieces differ in size: they travel padded to the longest, flattened)."""
     import torch.distributed as dist
-    from autopar.placement import merge_tensors
 
     local = t.tensors[fqn].detach().contiguous()
-    pieces = [torch.empty_like(local) for _ in range(t.mesh.size)] if t.rank == dst else None
-    dist.gather(local, pieces, dst=dst)
-    return merge_tensors(pieces, t.spec(fqn), t.mesh) if pieces is not None else None
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(t.mesh.size)]
+    dist.all_gather(sizes, torch.tensor([local.numel()]))
+    longest = max(int(n) for n in sizes)
+    padded = torch.cat([local.reshape(-1), local.new_zeros(longest - local.numel())])
+    flats = [torch.empty_like(padded) for _ in range(t.mesh.size)] if t.rank == dst else None
+    dist.gather(padded, flats, dst=dst)
+    if flats is None:
+        return None
+    shapes = _piece_shapes(t, fqn, [int(n) for n in sizes], local)
+    pieces = [{fqn: f[: int(n)].view(shape)} for f, n, shape in zip(flats, sizes, shapes)]
+    return t.plan.merge_state_dicts(pieces)[fqn]
+
+
+def _piece_shapes(t: Target, fqn: str, sizes: list[int], local) -> list[tuple]:
+    """Each rank's piece shape: 1-D where a technique stores a range (zero=3), else this rank's."""
+    if t.stored_start(fqn) is not None:
+        return [(n,) for n in sizes]
+    return [tuple(local.shape)] * len(sizes)
 
 
 def _write_meta(t: Target, path: str, files: dict, world: int) -> None:

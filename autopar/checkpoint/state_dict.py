@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from autopar.checkpoint.boxes import flat_range_boxes, local_boxes
 from autopar.checkpoint.target import CheckpointError, Target, device_mesh
 from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
 
@@ -35,7 +34,7 @@ def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
     model_sd = {}
     for fqn, local in t.tensors.items():
         start = t.stored_start(fqn)
-        boxes = _boxes(t, fqn, start, local.detach())
+        boxes = t.boxes(fqn, local.detach(), start)
         value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, local if start is None else None)
         if value is not None:  # None: an empty zero=3 piece (nothing of it on this rank)
             model_sd[fqn] = value
@@ -47,7 +46,7 @@ def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
         out = state.setdefault(fqn, {})
         for name, v in optimizer.state.get(key, {}).items():
             if _elementwise(v, key):
-                boxes = _boxes(t, fqn, start, v)
+                boxes = t.boxes(fqn, v, start)
                 value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, v if start is None else None)
                 if value is not None:  # None: an empty piece (nothing of it on this rank)
                     out[name] = value
@@ -70,9 +69,7 @@ def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_stat
     with torch.no_grad():
         for fqn, local in t.tensors.items():
             if fqn in model_state_dict:
-                copy_boxes(
-                    _boxes(t, fqn, t.stored_start(fqn), local.detach()), model_state_dict[fqn], fqn, t.shape(fqn)
-                )
+                copy_boxes(t.stored_boxes(fqn, local.detach()), model_state_dict[fqn], fqn, t.shape(fqn))
         if optimizer is not None and optim_state_dict:
             _set_optim(t, optimizer, optim_state_dict)
 
@@ -92,7 +89,7 @@ def _set_optim(t, optimizer, sd: dict) -> None:
                     f"checkpoint has {sorted(saved[fqn])} (another optimizer?)."
                 )
             if _elementwise(v, key):
-                copy_boxes(_boxes(t, fqn, start, v), src, f"{fqn}.{name}", t.shape(fqn))
+                copy_boxes(t.boxes(fqn, v, start), src, f"{fqn}.{name}", t.shape(fqn))
             elif isinstance(v, torch.Tensor):
                 v.copy_(_whole(src))
             else:
@@ -112,12 +109,6 @@ def _whole(v):
 def _elementwise(v, key: torch.Tensor) -> bool:
     """A state tensor laid out like its parameter (exp_avg), not a scalar (step)."""
     return isinstance(v, torch.Tensor) and v.shape == key.shape and key.dim() > 0
-
-
-def _boxes(t, fqn, start, v):
-    if start is None:
-        return local_boxes(t.shape(fqn), t.spec(fqn), t.mesh, t.rank, v)
-    return flat_range_boxes(t.shape(fqn), t.spec(fqn), t.mesh, t.rank, start, v)
 
 
 def entries(t: Target, optimizer) -> dict:

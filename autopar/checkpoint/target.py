@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from autopar.checkpoint.boxes import flat_range_boxes, local_boxes
 from autopar.errors import PlanError
 from autopar.placement import Replicate
 
@@ -60,6 +61,17 @@ class Target:
 
     def shape(self, fqn: str) -> tuple:
         return tuple(_serial_shapes(self.plan)[fqn])
+
+    def boxes(self, fqn: str, tensor, start: int | None = None) -> list:
+        """The boxes of ``tensor``, this rank's piece of ``fqn``: its computed piece, or (``start``)
+        a 1-D range of the flattened computed piece beginning at that element."""
+        if start is None:
+            return local_boxes(self.shape(fqn), self.spec(fqn), self.mesh, self.rank, tensor)
+        return flat_range_boxes(self.shape(fqn), self.spec(fqn), self.mesh, self.rank, start, tensor)
+
+    def stored_boxes(self, fqn: str, tensor) -> list:
+        """The boxes of the tensor the rank's module holds for ``fqn`` (zero=3: its stored range)."""
+        return self.boxes(fqn, tensor, self.stored_start(fqn))
 
     def stored_start(self, fqn: str) -> int | None:
         """Where the rank's tensor of ``fqn`` starts in its flattened computed piece when a

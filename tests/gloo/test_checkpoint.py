@@ -55,17 +55,22 @@ def llama_dir(tmp_path_factory):
     return path
 
 
-def test_load_pretrained_on_meta_model_matches_serial(gloo, llama_dir):
+@pytest.mark.parametrize("zero3", [False, True], ids=["tp2", "dp2xtp2_zero3"])
+def test_load_pretrained_on_meta_model_matches_serial(gloo, llama_dir, zero3):
     import os
 
+    import autopar as ap
+
     assert os.path.exists(os.path.join(llama_dir, "model.safetensors.index.json"))
-    for loss, serial, worst_grad in gloo(2).run(f"{JOBS}:hf_load_matches_serial", llama_dir):
+    job = (4, ((2, 2), ("dp", "tp"), ap.DataParallel("dp", zero=3))) if zero3 else (2, ())
+    for loss, serial, worst_grad in gloo(job[0]).run(f"{JOBS}:hf_load_matches_serial", llama_dir, *job[1]):
         assert abs(loss - serial) < 1e-5 * max(1.0, abs(serial))
         assert worst_grad < 1e-5
 
 
-def test_save_pretrained_from_dp_tp_plan_round_trips(gloo, llama_dir, tmp_path):
-    same = gloo(4).run(f"{JOBS}:hf_save_from_plan", llama_dir, str(tmp_path / "out"))
+@pytest.mark.parametrize("zero", [0, 3])
+def test_save_pretrained_from_dp_tp_plan_round_trips(gloo, llama_dir, tmp_path, zero):
+    same = gloo(4).run(f"{JOBS}:hf_save_from_plan", llama_dir, str(tmp_path / "out"), zero)
     assert same[0] is True
 
 
