@@ -156,7 +156,8 @@ def _sum_by(comms, key) -> dict:
 
 
 def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
-    """Bytes per rank: params, grads, optimizer, activations (formulas)."""
+    """Bytes per rank: params, grads, optimizer, activations (formulas); under zero=3 also
+    ``gathered``: the most gathered blocks alive at once plus one bucket's reduce buffers."""
     params = sympy.Integer(0)
     grads = sympy.Integer(0)
     opt = sympy.Integer(0)
@@ -181,9 +182,11 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         lay = layout_of(node)
         for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
             acts += sy.numel(val.shape, spec) * val.dtype.itemsize
-    return {
-        k: simplify(v) for k, v in (("params", params), ("grads", grads), ("optimizer", opt), ("activations", acts))
-    }
+    out = {"params": params, "grads": grads, "optimizer": opt, "activations": acts}
+    if dp is not None and dp.zero == 3:  # blocks gathered at once, and one bucket's reduce buffers
+        fsdp = plan.memory_per_rank(0, optimizer_states)
+        out["gathered"] = sympy.Integer(fsdp["gathered"] + fsdp["reduce_buffers"])
+    return {k: simplify(v) for k, v in out.items()}
 
 
 def node_flops(node, sy: PlanSymbols) -> sympy.Expr:

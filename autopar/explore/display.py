@@ -153,6 +153,10 @@ def summary(plan, comms=None) -> str:
         f"  parameters per rank: {fmt_bytes(mem['params'])} (serial {fmt_bytes(mem['serial params'])})",
         f"  activations per rank: {fmt_bytes(mem['activations'])} (outputs kept for backward, upper bound)",
     ]
+    if "gathered" in mem:
+        lines.append(
+            f"  gathered per rank (zero=3): {fmt_bytes(mem['gathered'])} (blocks in use and prefetched, reduce buffers)"
+        )
     totals = comm_totals(comms)
     if not totals:
         lines.append("  communication per step and rank: none")

@@ -47,7 +47,9 @@ def summary_html(plan, comms) -> str:
         f"{escape(', '.join(f'{a}={n}' for a, n in zip(mesh.axis_names, mesh.shape)))}"
         f" ({mesh.size} ranks)",
         "memory per rank: "
-        + ", ".join(f"{k} {fmt_bytes(mem[k])}" for k in ("params", "grads", "optimizer", "activations"))
+        + ", ".join(
+            f"{k} {fmt_bytes(mem[k])}" for k in ("params", "grads", "optimizer", "activations", "gathered") if k in mem
+        )
         + f" (serial params {fmt_bytes(mem['serial params'])})",
     ]
     for axis, t in comm_totals(comms).items():

@@ -8,8 +8,14 @@ Example:
 
 from __future__ import annotations
 
-KINDS = ("params", "grads", "optimizer", "activations")
-COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2"}
+KINDS = ("params", "grads", "optimizer", "activations", "gathered")  # gathered: zero=3 only
+COLORS = {
+    "params": "#4c72b0",
+    "grads": "#55a868",
+    "optimizer": "#c44e52",
+    "activations": "#8172b2",
+    "gathered": "#dd8452",
+}
 
 
 def _figure(w=7.0, h=3.5):
@@ -37,9 +43,10 @@ def _unit(values) -> tuple[float, str]:
 
 
 def memory_per_rank(plan, **dims) -> dict[int, dict[str, float]]:
-    """rank -> {params, grads, optimizer, activations} bytes (at the example, ``dims`` override)."""
+    """rank -> {params, grads, optimizer, activations[, gathered]} bytes (at the example, ``dims``
+    override; ``gathered``: zero=3's gathered blocks and reduce buffers)."""
     mem = plan.cost().at(**dims)["memory"]
-    return {r: {k: mem[k] for k in KINDS} for r in plan.mesh.ranks()}
+    return {r: {k: mem[k] for k in KINDS if k in mem} for r in plan.mesh.ranks()}
 
 
 def plot_memory(plan, **dims):
@@ -51,7 +58,7 @@ def plot_memory(plan, **dims):
     ax = fig.add_subplot()
     labels = [f"rank {r}" for r in per_rank]
     bottom = [0.0] * len(labels)
-    for k in KINDS:
+    for k in [k for k in KINDS if k in per_rank[0]]:
         vals = [per_rank[r][k] / scale for r in per_rank]
         ax.bar(labels, vals, bottom=bottom, label=k, color=COLORS[k])
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -555,3 +555,17 @@ def test_compiled_rank_modules_equal_serial(case):
     H.compare(_train_all(plan, wrap=torch.compile), H.train_serial("adamw"), "default", case)
     breaks = {k.split("\n")[0]: v for k, v in counters["graph_break"].items()}
     assert breaks and all("disable" in k for k in breaks), breaks  # only at the gathers
+
+
+def test_cost_summary_and_plot_show_gathered_blocks():
+    """plan.cost()'s memory, the summary and the memory plot carry zero=3's gathered blocks and
+    reduce buffers (plan.memory_per_rank's figures), absent without zero=3."""
+    plan = ap.plan(
+        small_gpt(layers=2), ap.Mesh((2,), ("dp",)), args=gpt_batch(), data_parallel=ap.DataParallel("dp", zero=3)
+    )
+    mem, want = plan.cost().at()["memory"], plan.memory_per_rank(0)
+    assert mem["gathered"] == want["gathered"] + want["reduce_buffers"] > 0
+    assert "gathered per rank (zero=3)" in str(plan.summary())
+    fig = plan.plot_memory()
+    assert "gathered" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "gathered" not in plan.with_data_parallel("dp").cost().at()["memory"]
