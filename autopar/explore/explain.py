@@ -53,6 +53,8 @@ def _axis(plan, a: int) -> str:
 
 def comm_reason(plan, c) -> str:
     """One sentence on why collective ``c`` runs."""
+    if c.reason:
+        return c.reason
     if c.phase == "grad sync":
         return (
             "gradient sync: these parameters' gradients arrive in parts on "
@@ -188,16 +190,18 @@ def _explain_param(plan, fqn, comms) -> str:
     ]
     if tied:
         lines.append(f"  tied with {', '.join(n for n in tied[0] if n != fqn)}: one tensor, one layout")
-    axes = plan.grad_sync_axes.get(fqn) or next(
-        (v for k, v in plan.grad_sync_axes.items() if tied and k in tied[0]), ()
-    )
+    from autopar.parallel.dp_module import sync_axes_all_names
+
+    axes = sync_axes_all_names(plan).get(fqn, ())  # what the gradient buckets sync (tied names, techniques)
+    stored = [line for t in plan.options.techniques for line in t.explain_param(plan, fqn)]
+    lines += [f"  {line}" for line in stored]
     if axes:
         names = ", ".join(_axis(plan, a) for a in axes)
         lines.append(
             f"  gradient summed over {names} by the gradient sync: it arrives in parts there "
             "(each rank used its own piece of the activations)"
         )
-    elif p.requires_grad:
+    elif p.requires_grad and not stored:
         lines.append("  gradient complete on each rank: no sync needed")
     for ph in phs:
         for user in ph.users:

@@ -205,6 +205,9 @@ class DataParallel(Technique):
     def stored_start(self, plan, rank, fqn):
         return self._fsdp().stored_start(plan, rank, fqn) if self.zero == 3 else None
 
+    def explain_param(self, plan, fqn):
+        return self._fsdp().explain_param(plan, fqn) if self.zero == 3 else []
+
     def stored_axes(self, plan, fqn: str) -> tuple:
         if self.zero != 3:
             return ()

@@ -427,16 +427,42 @@ def collectives(plan, sy) -> list:
         where = (f"fsdp bucket {i} ({len(b.names)} params)", b.key)
         gather = sympy.Float(ring_bytes("all_gather", _wire(plan, b, dp.param_dtype), k))
         grad = _wire(plan, b, dp.reduce_dtype or dp.param_dtype)
-        out.append(_comm(sy, "all_gather", axis, "forward", gather, *where))
+        unit = f"{b.key or 'the ' + str(len(b.names)) + ' parameters outside blocks'}"
+        why = {
+            "gather": f"zero=3: each rank stores 1/{k} of {unit}; gathered right before its first use",
+            "again": f"zero=3: {unit} was freed after its forward use (reshard_after_forward); backward reads it",
+            "scatter": f"zero=3: {unit}'s gradient summed over {axis} and scattered into each rank's stored piece",
+            "replicas": f"HSDP: the reduced pieces summed across the {r} replica groups of {axis}",
+        }
+        out.append(_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"]))
         if dp.reshard_after_forward and read_in_backward(plan, b):
-            out.append(_comm(sy, "all_gather", axis, "backward", gather, *where))
-        out.append(
-            _comm(
-                sy, "reduce_scatter", axis, "grad sync", sympy.Float(ring_bytes("reduce_scatter", grad * k, k)), *where
-            )
-        )
+            out.append(_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"]))
+        rs = sympy.Float(ring_bytes("reduce_scatter", grad * k, k))
+        out.append(_comm(sy, "reduce_scatter", axis, "grad sync", rs, *where, reason=why["scatter"]))
         if r > 1:
-            out.append(
-                _comm(sy, "all_reduce", axis, "grad sync", sympy.Float(ring_bytes("all_reduce", grad, r)), *where)
-            )
+            ar = sympy.Float(ring_bytes("all_reduce", grad, r))
+            out.append(_comm(sy, "all_reduce", axis, "grad sync", ar, *where, reason=why["replicas"]))
     return out
+
+
+def explain_param(plan, fqn: str) -> list[str]:
+    """plan.explain's lines on how zero=3 stores parameter ``fqn`` and syncs its gradient."""
+    where = bucket_index(plan).get(canonical_names(plan).get(fqn, fqn))
+    if where is None:
+        return ["stored whole (zero=3 buckets only the parameters the graph reads)"]
+    b, k = buckets_cached(plan)[where[0]], shard_size(plan)
+    axis = plan.mesh.axis_names[plan.dp_axis]
+    ranges = []
+    for rank in plan.mesh.group(plan.dp_axis, 0)[:k]:
+        lo, hi = stored_range(plan, rank, fqn)
+        ranges.append(f"rank {rank} [{lo}, {hi})" if hi > lo else f"rank {rank} nothing")
+    return [
+        f"stored (zero=3): a 1-D piece in flat bucket {where[0]} ({b.key or 'outside blocks'}, "
+        f"{len(b.names)} parameters), elements of its flattened local piece: {', '.join(ranges)}",
+        f"gathered on {axis} before the bucket's first use; its gradient reduce-scattered into the pieces"
+        + (
+            f", then all-reduced across {plan.mesh.shape[plan.dp_axis] // k} replica groups"
+            if k < plan.mesh.shape[plan.dp_axis]
+            else ""
+        ),
+    ]

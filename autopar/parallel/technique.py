@@ -85,6 +85,10 @@ class Technique:
         """The gradient buckets' axes per parameter (a technique reducing some itself drops them)."""
         return axes
 
+    def explain_param(self, plan, fqn: str) -> list[str]:
+        """Lines plan.explain(fqn) adds for this technique (how the parameter is stored, synced)."""
+        return []
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Memory per rank (parallel/dp_module.memory_per_rank) as this technique changes it."""
         return mem

@@ -569,3 +569,18 @@ def test_cost_summary_and_plot_show_gathered_blocks():
     fig = plan.plot_memory()
     assert "gathered" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "gathered" not in plan.with_data_parallel("dp").cost().at()["memory"]
+
+
+def test_explain_says_how_zero3_stores_and_syncs():
+    plan = ap.plan(
+        small_gpt(layers=2),
+        ap.Mesh((4,), ("dp",)),
+        args=gpt_batch(),
+        data_parallel=ap.DataParallel("dp", zero=3, shard_size=2),
+    )
+    text = str(plan.explain("blocks.0.attn.qkv.weight"))
+    assert "stored (zero=3): a 1-D piece in flat bucket 1 (blocks.0" in text
+    assert "all-reduced across 2 replica groups" in text
+    assert "by the gradient sync" not in text  # the gather's backward reduces it, not the buckets
+    module = str(plan.explain("blocks.0"))
+    assert "scattered into each rank's stored piece" in module and "reshard_after_forward" in module
