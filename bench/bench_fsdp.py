@@ -12,7 +12,8 @@ memory of a LLaMA-70B-shaped model on a (16, 8) dp x tp mesh.
      unsharded parameters in storages it resizes outside any op; they are watched, else its
      gathered blocks would not count;
   2. allocator bytes (torch.profiler memory events: every CPU allocation and free, including
-     those no op shows), the median over 7 steps: on gloo when a buffer is freed depends on
+     those no op shows, gloo's output-sized scratch of an all-gather in flight among them), the
+     median over 15 alternating steps with its range: on gloo when a buffer is freed depends on
      when the asynchronous collectives finish, so single steps of either differ by a block.
 - LLaMA-70B-shaped (80 layers, hidden 8192, 64 heads, MLP 4x, vocab 128256, untied) on the
   meta device, (16, 8) dp x tp, Megatron tensor parallel + zero=3 with bf16 compute:
@@ -24,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+
+import statistics
 
 from bench.common import alternate, main, median_ratio, ms, pool, row, train_step
 
@@ -94,40 +97,49 @@ def _peak(step, module, opt) -> int:
     return mem.peak
 
 
-def _allocator_peak(step, module, opt, steps: int = 7) -> int:
-    """Median over ``steps`` steps of the peak allocator bytes: parameters and optimizer state
-    plus the most bytes allocated within the step and alive at once (torch.profiler memory
-    events, every CPU allocation and free)."""
+ALLOCATOR_STEPS = 15
+
+
+def _allocator_peaks(contenders: dict, steps: int = ALLOCATOR_STEPS) -> dict[str, list[int]]:
+    """Per contender (name -> (step, module, optimizer)), the peak allocator bytes of each of
+    ``steps`` steps, the contenders alternating: parameters and optimizer state plus the most
+    bytes allocated within the step and alive at once (torch.profiler memory events, every CPU
+    allocation and free)."""
+    held = {name: _held_bytes(module, opt) for name, (_, module, opt) in contenders.items()}
+    out: dict[str, list[int]] = {name: [] for name in contenders}
+    for _ in range(steps):
+        for name, (step, _, _) in contenders.items():
+            out[name].append(held[name] + _step_allocated_peak(step))
+    return out
+
+
+def _step_allocated_peak(step) -> int:
     import json
     import os
-    import statistics
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    held, peaks = _held_bytes(module, opt), []
-    for _ in range(steps):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        fd, path = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
-        finally:
-            os.unlink(path)
-        live, now, peak = {}, 0, 0
-        for e in sorted(events, key=lambda e: e["ts"]):
-            e = e["args"]  # a free of a block allocated before the step is not counted
-            if e["Bytes"] > 0:
-                live[e["Addr"]] = e["Bytes"]
-                now += e["Bytes"]
-            elif e["Addr"] in live:
-                now -= live.pop(e["Addr"])
-            peak = max(peak, now)
-        peaks.append(held + peak)
-    return statistics.median(peaks)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    finally:
+        os.unlink(path)
+    live, now, peak = {}, 0, 0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        e = e["args"]  # a free of a block allocated before the step is not counted
+        if e["Bytes"] > 0:
+            live[e["Addr"]] = e["Bytes"]
+            now += e["Bytes"]
+        elif e["Addr"] in live:
+            now -= live.pop(e["Addr"])
+        peak = max(peak, now)
+    return peak
 
 
 def fsdp_job(size: str, iters: int, warmup: int) -> dict:
@@ -152,7 +164,7 @@ def fsdp_job(size: str, iters: int, warmup: int) -> dict:
         train_step(ours, a_args, a_kw, optimizer=torch.optim.AdamW),
     )
     peaks = {"fsdp2": _peak(s_fsdp, theirs, o_fsdp), "autopar": _peak(s_ap, ours, o_ap)}
-    allocated = {"fsdp2": _allocator_peak(s_fsdp, theirs, o_fsdp), "autopar": _allocator_peak(s_ap, ours, o_ap)}
+    allocated = _allocator_peaks({"fsdp2": (s_fsdp, theirs, o_fsdp), "autopar": (s_ap, ours, o_ap)})
     times = alternate({"fsdp2": s_fsdp, "autopar": s_ap}, iters, warmup, barrier=dist.barrier)
     return {"times": times, "peaks": peaks, "allocated": allocated}
 
@@ -218,10 +230,11 @@ def run(quick: bool) -> list[dict]:
             row(
                 "fsdp",
                 case,
-                "autopar / FSDP2 peak allocator bytes per rank (median of 7 steps)",
-                round(al["autopar"] / al["fsdp2"], 3),
+                f"autopar / FSDP2 peak allocator bytes per rank (medians of {ALLOCATOR_STEPS} steps)",
+                round(statistics.median(al["autopar"]) / statistics.median(al["fsdp2"]), 3),
                 "<= 1.00",
-                f"peak allocated: autopar {al['autopar']:.0f}, fsdp2 {al['fsdp2']:.0f}",
+                "peak allocated, median [min, max]: "
+                + ", ".join(f"{k} {statistics.median(v):.0f} [{min(v)}, {max(v)}]" for k, v in al.items()),
             )
         )
     m = llama70b()
