@@ -71,18 +71,22 @@ def bucket_limits(plan) -> tuple[int, int | None, int | None]:
 
 
 def exact_gradients(plan):
-    """The plan with plain fp32 all-reduce on dp (what Plan.check compares with serial):
-    ZeRO, local SGD and a reduce dtype change what the optimizer gets, not the layouts."""
+    """The plan with fp32 gradient sums on dp (what Plan.check compares with serial): ZeRO-1/2,
+    local SGD, a reduce dtype and a precision policy change what the optimizer gets, not the
+    layouts. zero=3 stays (with its sharding, prefetch and resharding): its gathers and
+    reduce-scatters are exact in fp32, and its stored pieces merge into the full gradients, so
+    check runs the program that trains."""
     dp = plan.data_parallel
+    keep = dp is not None and dp.zero == 3
     exact = (
         dataclasses.replace(
             dp,
-            zero=0,
+            zero=3 if keep else 0,
             local_sgd_every=None,
             reduce_dtype=None,
-            reshard_after_forward=True,
-            prefetch=1,
-            shard_size=None,
+            reshard_after_forward=dp.reshard_after_forward if keep else True,
+            prefetch=dp.prefetch if keep else 1,
+            shard_size=dp.shard_size if keep else None,
             param_dtype=None,
             output_dtype=None,
         )

@@ -115,7 +115,9 @@ def first_use_order(plan) -> list[str]:
 def buckets(plan) -> list[FlatBucket]:
     """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
     parameters of one block, dtype and program unit (the embedding and the head are separate
-    buckets; a pipeline stage's buckets hold only its parameters)."""
+    buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
+    on the dp axis itself is left out: its pieces already differ per dp rank, and gathering
+    them over dp would mix different pieces."""
     from autopar.parallel.dp_module import local_params
 
     local, k, units = local_params(plan), shard_size(plan), program_units(plan)
@@ -124,6 +126,9 @@ def buckets(plan) -> list[FlatBucket]:
     for name in first_use_order(plan):
         if units.get(name, 0) is None:
             continue  # read by several programs (a weight tied across stages): stays whole
+        spec = plan.param_specs.get(name)
+        if spec is not None and not spec[plan.dp_axis].is_replicate():
+            continue  # already split on the dp axis (annotated so): each rank's piece differs, stays as is
         p = local[name]
         key = (units.get(name, 0), block_key(name), p.dtype)
         if key != last:
@@ -449,7 +454,7 @@ def explain_param(plan, fqn: str) -> list[str]:
     """plan.explain's lines on how zero=3 stores parameter ``fqn`` and syncs its gradient."""
     where = bucket_index(plan).get(canonical_names(plan).get(fqn, fqn))
     if where is None:
-        return ["stored whole (zero=3 buckets only the parameters the graph reads)"]
+        return ["stored as computed (zero=3 buckets the parameters the graph reads that are replicated on dp)"]
     b, k = buckets_cached(plan)[where[0]], shard_size(plan)
     axis = plan.mesh.axis_names[plan.dp_axis]
     ranges = []

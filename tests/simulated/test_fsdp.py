@@ -584,3 +584,23 @@ def test_explain_says_how_zero3_stores_and_syncs():
     assert "by the gradient sync" not in text  # the gather's backward reduces it, not the buckets
     module = str(plan.explain("blocks.0"))
     assert "scattered into each rank's stored piece" in module and "reshard_after_forward" in module
+
+
+def test_parameter_split_on_the_dp_axis_stays_unbucketed():
+    """A layer annotated column-parallel on the dp axis itself (found by the fuzzer): its pieces
+    differ per dp rank, so zero=3 leaves it as computed (gathering over dp mixed the ranks'
+    different pieces: outputs off by 0.48); plan.check now runs the zero=3 program and agrees."""
+    from autopar.parallel.dp_module import exact_gradients
+    from autopar.parallel.fsdp import bucket_index
+
+    model, batch = small_gpt(layers=2), gpt_batch()
+    plan = ap.plan(
+        model,
+        ap.Mesh((2,), ("dp",)),
+        args=batch,
+        annotations={"wte": ap.colwise("dp")},
+        data_parallel=ap.DataParallel("dp", zero=3),
+    )
+    assert "wte.weight" not in bucket_index(plan) and "blocks.0.attn.qkv.weight" in bucket_index(plan)
+    assert exact_gradients(plan).data_parallel.zero == 3  # check runs what trains
+    plan.check(*batch)
