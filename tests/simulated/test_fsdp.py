@@ -604,3 +604,16 @@ def test_parameter_split_on_the_dp_axis_stays_unbucketed():
     assert "wte.weight" not in bucket_index(plan) and "blocks.0.attn.qkv.weight" in bucket_index(plan)
     assert exact_gradients(plan).data_parallel.zero == 3  # check runs what trains
     plan.check(*batch)
+
+
+@pytest.mark.parametrize("dp", [dict(zero=3), dict(zero=3, reshard_after_forward=False), dict(zero=3, shard_size=2)])
+def test_eval_no_grad_inference_mode_and_two_training_calls_equal_serial(dp):
+    """The training loop's other paths under zero=3 (tied GPT on dp4): eval forwards under no_grad
+    and inference_mode (gathers without saved-tensor hooks), and two training calls in a row."""
+    from fuzz.modes import compare_with_serial
+
+    model, batch = small_gpt(tied=True, layers=2), gpt_batch()
+    plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=batch, data_parallel=ap.DataParallel("dp", **dp))
+    compare_with_serial(plan, batch, train=False, ctx=torch.no_grad)
+    compare_with_serial(plan, batch, train=False, ctx=torch.inference_mode)
+    compare_with_serial(plan, batch, calls=2)
