@@ -103,57 +103,37 @@ def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple 
         if not isinstance(value, torch.Tensor):
             continue
         shape = tuple(value.shape)
-        expected = tuple(n if n is not None else "*" for n, _, _ in dims)
-        if len(shape) != len(dims):
-            _fail(
-                rank,
-                name,
-                shape,
-                expected,
-                spec,
-                global_shape,
-                f"it has {len(shape)} dims, the plan expects {len(dims)}",
-            )
-        for d, (n, f, sym) in enumerate(dims):
-            if n is not None and shape[d] != n:
-                is_global = shape[d] == n * f and f > 1
-                _fail(
-                    rank,
-                    name,
-                    shape,
-                    expected,
-                    spec,
-                    global_shape,
-                    "it looks like the global input was passed where the local piece was expected"
-                    if is_global
-                    else f"dim {d} has size {shape[d]}, the plan expects {n}",
+        why = _mismatch(shape, dims, name, sizes, need)
+        if why is not None:
+            expected = tuple(n if n is not None else "*" for n, _, _ in dims)
+            _fail(rank, name, shape, expected, spec, global_shape, why)
+
+
+def _mismatch(shape: tuple, dims: tuple, name: str, sizes: dict, need: dict) -> str | None:
+    """Why ``shape`` is not the local piece ``dims`` describes (None when it is); records each
+    dynamic dim's global size in ``sizes`` so that inputs sharing the dim must agree."""
+    if len(shape) != len(dims):
+        return f"it has {len(shape)} dims, the plan expects {len(dims)}"
+    for d, (n, f, sym) in enumerate(dims):
+        if n is not None and shape[d] != n:
+            if shape[d] == n * f and f > 1:
+                return "it looks like the global input was passed where the local piece was expected"
+            return f"dim {d} has size {shape[d]}, the plan expects {n}"
+        if sym is not None:
+            full = shape[d] * f
+            k, where = need.get(sym, (1, ""))
+            if full % k:
+                return (
+                    f"dim {d} means a global size {full}, but the plan splits that size into "
+                    f"{k} pieces (at node {where!r}): use sizes divisible by {k}"
                 )
-            if sym is not None:
-                full = shape[d] * f
-                k, where = need.get(sym, (1, ""))
-                if full % k:
-                    _fail(
-                        rank,
-                        name,
-                        shape,
-                        expected,
-                        spec,
-                        global_shape,
-                        f"dim {d} means a global size {full}, but the plan splits that size into "
-                        f"{k} pieces (at node {where!r}): use sizes divisible by {k}",
-                    )
-                seen = sizes.setdefault(sym, (full, name))
-                if seen[0] != full:
-                    _fail(
-                        rank,
-                        name,
-                        shape,
-                        expected,
-                        spec,
-                        global_shape,
-                        f"dim {d} means a global size {full}, but input {seen[1]!r} means {seen[0]} "
-                        "for the same dim: one of them is global and the other local?",
-                    )
+            seen = sizes.setdefault(sym, (full, name))
+            if seen[0] != full:
+                return (
+                    f"dim {d} means a global size {full}, but input {seen[1]!r} means {seen[0]} "
+                    "for the same dim: one of them is global and the other local?"
+                )
+    return None
 
 
 def _fail(rank, name, shape, expected, spec, global_shape, why):

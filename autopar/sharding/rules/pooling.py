@@ -10,12 +10,10 @@ Example:
 
 from __future__ import annotations
 
-import torch
 
 from autopar.placement import Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, functional_overloads, register
 
-aten = torch.ops.aten
 
 # op packet name -> how many trailing dims it pools over
 SPATIAL = {
@@ -56,7 +54,4 @@ def pool_rule(op: OpInfo) -> list[Strategy]:
     return leading_dims_strategies(op, SPATIAL[op.op.overloadpacket.__name__])
 
 
-for _name in SPATIAL:
-    _packet = getattr(aten, _name, None)
-    if _packet is not None:
-        register(*[getattr(_packet, o) for o in _packet.overloads() if "out" not in o])(pool_rule)
+register(*functional_overloads(*SPATIAL))(pool_rule)

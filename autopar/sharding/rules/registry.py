@@ -130,6 +130,21 @@ def aten_ops(*names: str) -> tuple:
     return tuple(out)
 
 
+def functional_overloads(*packets: str) -> tuple:
+    """Every overload but the ``out=`` variants of the ATen packets named (those this torch lacks
+    skipped): for op families whose overloads all mean the same (pooling over 2 dims, ...).
+
+    Example:
+        >>> register(*functional_overloads("max_pool2d", "max_pool2d_with_indices"))(pool_rule)
+    """
+    out = []
+    for name in packets:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            out += [getattr(packet, o) for o in packet.overloads() if "out" not in o]
+    return tuple(out)
+
+
 def register(*ops):
     """Register a rule for ATen OpOverloads (never whole packets; each op at most once).
 

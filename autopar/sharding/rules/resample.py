@@ -17,7 +17,7 @@ import torch
 
 from autopar.placement import Shard
 from autopar.sharding.rules.pooling import leading_dims_strategies
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, functional_overloads, register
 
 aten = torch.ops.aten
 
@@ -41,10 +41,7 @@ def upsample_rule(op: OpInfo) -> list[Strategy]:
     return leading_dims_strategies(op, UPSAMPLE[op.op.overloadpacket.__name__])
 
 
-for _name in UPSAMPLE:
-    _packet = getattr(aten, _name, None)
-    if _packet is not None:
-        register(*[getattr(_packet, o) for o in _packet.overloads() if "out" not in o])(upsample_rule)
+register(*functional_overloads(*UPSAMPLE))(upsample_rule)
 
 
 @register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)
