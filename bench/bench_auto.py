@@ -114,7 +114,7 @@ def spearman(a: dict, b: dict) -> float:
 
 def auto_vs_hand() -> list[dict]:
     import autopar as ap
-    from tests.harness.hf_models import MODELS, inputs
+    from tests.harness.hf_models import MODELS, inputs, megatron_dp_plan
 
     rows = []
     for name in sorted(MODELS):
@@ -124,14 +124,7 @@ def auto_vs_hand() -> list[dict]:
         for device in ("cpu-gloo", "h100"):
             auto = ap.plan(model, mesh, kwargs=kw, auto=ap.Auto(device=device), dynamic=False)
             auto.check(**kw)
-            hand = ap.plan(
-                model,
-                mesh,
-                kwargs=kw,
-                annotations=ap.presets.megatron(model, "b", kwargs=kw),
-                data_parallel="a",
-                dynamic=False,
-            )
+            hand = megatron_dp_plan(model, mesh, kw)
             ta, th = ap.predict(auto, device), ap.predict(hand, device)
             rows.append(
                 row(

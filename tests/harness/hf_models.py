@@ -139,3 +139,16 @@ def preset_plans(model, kwargs, annotations):
         yield ap.plan(
             model, spec.mesh(), kwargs=kwargs, annotations=dict(annotations), data_parallel=spec.dp, dynamic=False
         )
+
+
+def megatron_dp_plan(model, mesh, kwargs):
+    """The hand plan the automatic search is measured against: Megatron on axis "b", data
+    parallel on axis "a", static shapes."""
+    return ap.plan(
+        model,
+        mesh,
+        kwargs=kwargs,
+        annotations=ap.presets.megatron(model, "b", kwargs=kwargs),
+        data_parallel="a",
+        dynamic=False,
+    )

@@ -15,7 +15,7 @@ import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.search import Profile
 
-from tests.harness.hf_models import MODELS, inputs
+from tests.harness.hf_models import MODELS, inputs, megatron_dp_plan
 
 SHAPES = [(2,), (4,), (2, 2)]
 # a device on which splitting pays even for the tiny test models: fast links, slow compute
@@ -79,14 +79,7 @@ def test_hf_auto_equals_serial_and_beats_hand_plan(name, shape):
     plan = ap.plan(model, mesh, kwargs=kw, auto=SPLIT_PAYS, dynamic=False)
     plan.check(**kw)
     if len(shape) == 2:  # the hand plan: Megatron on one axis, data parallel on the other
-        hand = ap.plan(
-            model,
-            mesh,
-            kwargs=kw,
-            annotations=ap.presets.megatron(model, "b", kwargs=kw),
-            data_parallel="a",
-            dynamic=False,
-        )
+        hand = megatron_dp_plan(model, mesh, kw)
         assert ap.predict(plan, SPLIT_PAYS)["time_s"] <= ap.predict(hand, SPLIT_PAYS)["time_s"] * (1 + 1e-9)
 
 
