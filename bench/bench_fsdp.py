@@ -34,12 +34,6 @@ SIZES = {
     "quick": (2, 64, 4, 256, 32, 4),
     "full": (4, 256, 8, 1024, 64, 4),
 }  # layers, embd, heads, vocab, seq, batch/rank
-MEGATRON = {
-    "blocks.*.attn.qkv": "col",
-    "blocks.*.attn.proj": "row",
-    "blocks.*.mlp.fc": "col",
-    "blocks.*.mlp.proj": "row",
-}
 
 
 def _model(size, seed=0):
@@ -179,12 +173,13 @@ def llama70b(batch: int = 1, seq: int = 2048) -> dict:
     with torch.device("meta"):
         model = GPT(cfg)
     ids = torch.zeros(batch * 16, seq, dtype=torch.long, device="meta")
-    ann = {k: (ap.colwise("tp") if v == "col" else ap.rowwise("tp")) for k, v in MEGATRON.items()}
+    from bench.models import GPT_TP
+
     plan = ap.plan(
         model,
         ap.Mesh((16, 8), ("dp", "tp")),
         args=(ids, ids),
-        annotations=ann,
+        annotations=GPT_TP,
         data_parallel=ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16),
     )
     mem = plan.memory_per_rank(0)

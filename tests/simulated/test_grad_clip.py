@@ -13,7 +13,7 @@ import torch
 import autopar as ap
 from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES
-from tests.harness.models import MLP, MLP_TP, gpt_batch, small_gpt
+from tests.harness.models import MEGATRON, MLP, MLP_TP, gpt_batch, small_gpt
 
 # ZeRO shards over a dp axis: the tp-only mesh runs without it
 CASES = [(mesh, zero) for mesh in ("dp2", "tp4", "dp2xtp2") for zero in (0, 1, 2) if zero == 0 or MESHES[mesh].dp]
@@ -97,12 +97,7 @@ def test_clip_pipeline_norm_over_all_stages():
         model,
         ap.Mesh((2, 2), ("pp", "tp")),
         args=batch,
-        annotations={
-            "blocks.*.attn.qkv": ap.colwise("tp"),
-            "blocks.*.attn.proj": ap.rowwise("tp"),
-            "blocks.*.mlp.fc": ap.colwise("tp"),
-            "blocks.*.mlp.proj": ap.rowwise("tp"),
-        },
+        annotations=MEGATRON,
         pipeline=ap.Pipeline("pp", microbatches=2),
     )
     serial = copy.deepcopy(model)
