@@ -176,28 +176,25 @@ def _file_name(rank: int, world: int) -> str:
 
 def _gather(t: Target, fqn: str, dst: int):
     """The whole tensor on rank ``dst`` (None elsewhere), from every rank's piece (zero=3's
-    stored pieces differ in size: they travel padded to the longest, flattened)."""
+    stored pieces differ in size: they travel flattened, padded to the longest)."""
     import torch.distributed as dist
 
     local = t.tensors[fqn].detach().contiguous()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(t.mesh.size)]
-    dist.all_gather(sizes, torch.tensor([local.numel()]))
-    longest = max(int(n) for n in sizes)
+    shapes = _piece_shapes(t, fqn, local.dtype)
+    longest = max(_numel(s) for s in shapes)
     padded = torch.cat([local.reshape(-1), local.new_zeros(longest - local.numel())])
-    flats = [torch.empty_like(padded) for _ in range(t.mesh.size)] if t.rank == dst else None
+    flats = [torch.empty_like(padded) for _ in shapes] if t.rank == dst else None
     dist.gather(padded, flats, dst=dst)
     if flats is None:
         return None
-    shapes = _piece_shapes(t, fqn, [int(n) for n in sizes], local)
-    pieces = [{fqn: f[: int(n)].view(shape)} for f, n, shape in zip(flats, sizes, shapes)]
+    pieces = [{fqn: f[: _numel(s)].view(s)} for f, s in zip(flats, shapes)]
     return t.plan.merge_state_dicts(pieces)[fqn]
 
 
-def _piece_shapes(t: Target, fqn: str, sizes: list[int], local) -> list[tuple]:
-    """Each rank's piece shape: 1-D where a technique stores a range (zero=3), else this rank's."""
-    if t.stored_start(fqn) is not None:
-        return [(n,) for n in sizes]
-    return [tuple(local.shape)] * len(sizes)
+def _piece_shapes(t: Target, fqn: str, dtype) -> list[tuple]:
+    """Every rank's piece shape of ``fqn``, derived from the plan on the meta device."""
+    full = torch.empty(t.shape(fqn), dtype=dtype, device="meta")
+    return [tuple(t.plan.shard_state_dict({fqn: full}, r)[fqn].shape) for r in t.mesh.ranks()]
 
 
 def _write_meta(t: Target, path: str, files: dict, world: int) -> None:
