@@ -19,6 +19,7 @@ TARGETS = {  # name -> (mesh shape, axes, data parallel, annotations, pipeline)
     "dp2xtp2": ((2, 2), ("dp", "tp"), "dp", MEGATRON, None),
     "dp2_zero3": ((2,), ("dp",), ap.DataParallel("dp", zero=3), {}, None),
     "dp2xtp2_zero3": ((2, 2), ("dp", "tp"), ap.DataParallel("dp", zero=3), MEGATRON, None),
+    "hsdp_rep2xshard2": ((2, 2), ("rep", "shard"), ap.DataParallel("shard", zero=3, replicate_axis="rep"), {}, None),
     "tp4_blocks": ((4,), ("tp",), None, QKV_BLOCKS, None),
     "pp2xtp2": ((2, 2), ("pp", "tp"), None, MEGATRON, ap.Pipeline("pp", microbatches=2)),
     "pp2xdp2_zero3": ((2, 2), ("pp", "dp"), ap.DataParallel("dp", zero=3), {}, ap.Pipeline("pp", microbatches=2)),

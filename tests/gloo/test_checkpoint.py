@@ -16,7 +16,15 @@ def tp2_checkpoint(gloo, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "target,world",
-    [("dp2xtp2", 4), ("tp4_blocks", 4), ("pp2xtp2", 4), ("dp2_zero3", 2), ("dp2xtp2_zero3", 4), ("pp2xdp2_zero3", 4)],
+    [
+        ("dp2xtp2", 4),
+        ("tp4_blocks", 4),
+        ("pp2xtp2", 4),
+        ("dp2_zero3", 2),
+        ("dp2xtp2_zero3", 4),
+        ("pp2xdp2_zero3", 4),
+        ("hsdp_rep2xshard2", 4),
+    ],
 )
 def test_dcp_reshards_into_other_plans(gloo, tp2_checkpoint, target, world):
     worst = gloo(world).run(f"{JOBS}:load_and_train", target, tp2_checkpoint)
@@ -33,7 +41,7 @@ def test_zero2_state_async_saved_loads_into_plain_dp(gloo, tmp_path):
 def test_zero3_pieces_saved_load_into_tensor_parallel(gloo, tmp_path):
     """ZeRO-3's stored pieces (1-D slices of flat buckets, parameter boundaries anywhere) saved
     with their optimizer state, loaded into tp=2 with Megatron layouts: training goes on as serial."""
-    for source in ("dp2xtp2_zero3", "pp2xdp2_zero3"):
+    for source in ("dp2xtp2_zero3", "pp2xdp2_zero3", "hsdp_rep2xshard2"):
         path = str(tmp_path / source)
         gloo(4).run(f"{JOBS}:train_and_save", source, path)
         worst = gloo(2).run(f"{JOBS}:load_and_train", "tp2", path)

@@ -557,6 +557,16 @@ def test_compiled_rank_modules_equal_serial(case):
     assert breaks and all("disable" in k for k in breaks), breaks  # only at the gathers
 
 
+def test_compiled_eval_forward_equals_serial():
+    """A compiled zero=3 module in eval mode under no_grad (no saved-tensor hooks entered)."""
+    from fuzz.modes import compare_with_serial
+
+    plan = ap.plan(
+        small_gpt(layers=2), ap.Mesh((2,), ("dp",)), args=gpt_batch(), data_parallel=ap.DataParallel("dp", zero=3)
+    )
+    compare_with_serial(plan, gpt_batch(), wrap=torch.compile, train=False, ctx=torch.no_grad)
+
+
 def test_cost_summary_and_plot_show_gathered_blocks():
     """plan.cost()'s memory, the summary and the memory plot carry zero=3's gathered blocks and
     reduce buffers (plan.memory_per_rank's figures), absent without zero=3."""
