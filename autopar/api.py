@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from autopar.checkpoint.meta import meta_names
+from autopar.trace.meta_device import meta_names
 from autopar.errors import MeshError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions

@@ -44,6 +44,10 @@ class InconsistentPlanError(PlanError):
     """Ranks of one job planned differently (found by ap.parallelize(..., debug=True))."""
 
 
+class CheckpointError(PlanError):
+    """A state dict or checkpoint that does not fit the module it is loaded into."""
+
+
 class PlanMismatch(AssertionError):
     """Raised by Plan.check: a rank's result differs from the serial model's."""
 

@@ -29,8 +29,8 @@ from autopar.explore import display
 from autopar.codegen.emit import emit_graph, rank_attrs
 from autopar.errors import InputError
 from autopar.parallel import dp_module as dpplan
-from autopar.checkpoint import guard
-from autopar.checkpoint.meta import materialize
+from autopar.codegen import dcp_guard
+from autopar.trace.meta_device import materialize
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.codegen.program import Program
 from autopar.sharding.propagate import layout_of
@@ -235,7 +235,7 @@ class Plan:
             technique.attach(self, gm, rank)
         gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
         gm.autopar_plan, gm.autopar_rank = self, rank  # what ap.get_state_dict reads
-        guard.install(gm, self)  # a plain state_dict() given to DCP fails loudly
+        dcp_guard.install(gm, self)  # a plain state_dict() given to DCP fails loudly
         return gm
 
     @cached_property
@@ -275,7 +275,7 @@ class Plan:
 
     @property
     def _materialize_on(self):
-        """Where the empty pieces of a meta-device model go (None: they stay meta; see checkpoint/meta.py)."""
+        """Where the empty pieces of a meta-device model go (None: they stay meta; see trace/meta_device.py)."""
         return self.traced.materialize_device
 
     @cached_property

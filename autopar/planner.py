@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.checkpoint.meta import input_device, meta_names, retarget_meta_device
+from autopar.trace.meta_device import input_device, meta_names, retarget_meta_device
 from autopar.errors import AnnotationError, MeshError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions

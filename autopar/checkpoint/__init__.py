@@ -9,6 +9,6 @@ Example:
 
 from autopar.checkpoint.hf import load_pretrained, save_pretrained
 from autopar.checkpoint.state_dict import get_state_dict, set_state_dict
-from autopar.checkpoint.target import CheckpointError
+from autopar.errors import CheckpointError
 
 __all__ = ["get_state_dict", "set_state_dict", "CheckpointError", "load_pretrained", "save_pretrained"]

@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from autopar.checkpoint.target import CheckpointError
+from autopar.errors import CheckpointError
 
 
 def missing_buffers(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:

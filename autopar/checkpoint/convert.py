@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.checkpoint.target import CheckpointError
+from autopar.errors import CheckpointError
 
 
 def named_optimizer_state(module: torch.nn.Module, optimizer) -> dict:

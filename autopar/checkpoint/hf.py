@@ -24,7 +24,8 @@ import os
 import torch
 
 from autopar.checkpoint.buffers import missing_buffers
-from autopar.checkpoint.target import CheckpointError, Target
+from autopar.checkpoint.target import Target
+from autopar.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.checkpoint.target import CheckpointError, Target, device_mesh
+from autopar.checkpoint.target import Target, device_mesh
+from autopar.errors import CheckpointError
 from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
 
 

@@ -14,12 +14,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autopar.checkpoint.boxes import flat_range_boxes, local_boxes
-from autopar.errors import PlanError
+from autopar.errors import CheckpointError
 from autopar.placement import Replicate
-
-
-class CheckpointError(PlanError):
-    """A state dict or checkpoint that does not fit the module it is loaded into."""
 
 
 class Target:

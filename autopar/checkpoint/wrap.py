@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Shard
-from autopar.checkpoint.target import CheckpointError
+from autopar.errors import CheckpointError
 
 
 def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None):

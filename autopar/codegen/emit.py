@@ -29,8 +29,8 @@ import torch.utils._pytree as pytree
 
 from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
-from autopar.codegen.lowerings.base import lowering_for
-from autopar.codegen.lowerings.train_modes import MODE_LOWERINGS
+from autopar.sharding.lowerings.base import lowering_for
+from autopar.sharding.lowerings.train_modes import MODE_LOWERINGS
 from autopar.placement import Shard, shard_factor
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps

@@ -26,7 +26,8 @@ from collections import defaultdict
 import sympy
 
 from autopar.explore.step_collectives import collectives
-from autopar.explore.formulas import PlanSymbols, ring_steps, simplify
+from autopar.explore.formulas import PlanSymbols, simplify
+from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 
 VIEWS = {

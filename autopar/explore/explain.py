@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from autopar.codegen.lowerings.base import lowering_for
+from autopar.sharding.lowerings.base import lowering_for
 from autopar.explore.display import Text, comm_label, fmt_bytes, op_name
 from autopar.errors import PlanError, close_matches
 from autopar.placement import Replicate, fmt_spec, local_shape

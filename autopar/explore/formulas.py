@@ -136,11 +136,6 @@ def _ident(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
 
-def ring_steps(kind: str, n) -> sympy.Expr:
-    """Latency terms (message rounds) of a ring collective over ``n`` ranks."""
-    return 2 * (n - 1) if kind == "all_reduce" else (n - 1)
-
-
 def simplify(expr) -> sympy.Expr:
     """A readable form: factored over the common terms (4*B*S*H*(tp - 1)/tp)."""
     e = sympy.factor(sympy.together(sympy.sympify(expr)))

@@ -19,9 +19,10 @@ import sympy
 import torch.fx as fx
 
 from autopar.explore.formulas import PlanSymbols, simplify
-from autopar.codegen.lowerings.base import lowering_for
+from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of, module_path
-from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, ring_bytes, step_bytes
+from autopar.runtime.ring import ring_bytes
+from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, step_bytes
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.parallel.technique import Technique
+from autopar.runtime.ring import ring_bytes
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
 DEFAULT_FIRST_BUCKET_MB = 1.0  # as DDP: a small first bucket starts communication early
@@ -265,7 +266,6 @@ def bucket_sync(zero: int, n, wire_bytes, param_bytes) -> list[tuple]:
     """(kind, phase, bytes per rank) of one bucket's sync on a data-parallel axis of size ``n``:
     ``wire_bytes`` of gradient on the wire, ``param_bytes`` of parameters (ZeRO all-gathers them
     after the step). The one definition the plan's collectives and the search's costs share."""
-    from autopar.sharding.redistribute import ring_bytes
 
     sync = (
         ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire_bytes, n))

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.runtime.ring import ring_bytes
+
 
 RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
 
@@ -422,7 +424,6 @@ def collectives(plan, sy) -> list:
     backward reduce-scatter and, for HSDP, the all-reduce of the reduced piece across replicas."""
     import sympy
     from autopar.explore.step_collectives import _comm
-    from autopar.sharding.redistribute import ring_bytes
 
     dp, k = plan.data_parallel, shard_size(plan)
     r = plan.mesh.shape[plan.dp_axis] // k

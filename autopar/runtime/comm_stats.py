@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from autopar.runtime import backend
-from autopar.sharding.redistribute import Step, step_bytes
+from autopar.runtime.ring import COLLECTIVES, ring_bytes
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Record:
         n, b = len(self.group), self.numel * self.itemsize
         if self.kind == "broadcast":
             return 0.0 if n == 1 else float(b)
-        return step_bytes(Step(self.kind, 0), b, n)  # the plan's own formulas: one convention
+        return float(ring_bytes(self.kind, b, n)) if self.kind in COLLECTIVES else 0.0  # the plan's formulas
 
 
 class CommStats:

@@ -33,7 +33,8 @@ import torch
 from autopar.explore.step_collectives import collectives
 from autopar.parallel.data_parallel import bucket_sync
 from autopar.explore.cost import VIEWS, _split_factor, node_flops, op_name
-from autopar.explore.formulas import PlanSymbols, ring_steps
+from autopar.explore.formulas import PlanSymbols
+from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 
 BUCKET_BYTES = 25 * 2**20

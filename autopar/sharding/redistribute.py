@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.placement import Partial, Replicate, Shard
+from autopar.runtime.ring import ring_bytes
 
 R = Replicate()
 
@@ -80,20 +81,6 @@ def plan_steps(src, dst) -> list[Step]:
                 steps.append(Step("to_partial", a, op=d.reduce_op))
             cur[a] = d
     return steps
-
-
-def ring_bytes(kind: str, local_bytes: float, n: int) -> float:
-    """Bytes each rank sends for collective ``kind`` (ring algorithms) whose input holds
-    ``local_bytes`` on each rank: the one formula every byte count in autopar uses.
-    all_gather (n-1) x input; all_reduce 2(n-1)/n x input; reduce_scatter and all_to_all
-    (n-1)/n x input."""
-    if n == 1:
-        return 0.0
-    if kind == "all_gather":
-        return (n - 1) * local_bytes
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * local_bytes
-    return (n - 1) / n * local_bytes
 
 
 @dataclass(frozen=True)

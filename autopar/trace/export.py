@@ -51,7 +51,7 @@ class Traced:
     tied: dict[str, list[str]] = field(default_factory=dict)  # canonical param -> all its names
     repeated: object = None  # repeat.Repeated when blocks were copied, not exported
     training: bool = True  # the model's mode when traced (export bakes it into flags)
-    materialize_device: object = None  # a meta-device model's rank pieces go here (checkpoint/meta.py)
+    materialize_device: object = None  # a meta-device model's rank pieces go here (trace/meta_device.py)
 
     def placeholders(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.codegen.lowerings.base import LOWERINGS, Lowering, register_lowering
+from autopar.sharding.lowerings.base import LOWERINGS, Lowering, register_lowering
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.redistribute import STEP_KINDS, plan_steps, ring_bytes
+from autopar.runtime.ring import ring_bytes
+from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from tests.harness.models import MLP, MLP_TP
 
 

@@ -24,8 +24,8 @@ from autopar.codegen.program import Program
 from autopar.runtime.rng import attach_state
 from autopar.placement import Replicate, shard_tensor
 from autopar.codegen.rank_state import set_attr
-from autopar.checkpoint import guard
-from autopar.checkpoint.meta import materialize
+from autopar.codegen import dcp_guard
+from autopar.trace.meta_device import materialize
 
 
 class StageEmitter(Emitter):
@@ -71,7 +71,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
     gm.autopar_stage = stage
     for technique in plan.options.techniques:  # a stage module is a rank module of its sub-program
         technique.attach(plan, gm, rank)
-    guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly
+    dcp_guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly
     return gm
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from autopar.errors import ShardingError
-from autopar.codegen.lowerings.base import Lowering, register_lowering
-from autopar.sharding.redistribute import ring_bytes
+from autopar.sharding.lowerings.base import Lowering, register_lowering
+from autopar.runtime.ring import ring_bytes
 from autopar.placement import Shard
 
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
@@ -151,7 +151,7 @@ def _group_norm_groups(em, node, args, kwargs):
 
 
 def _batch_norm_sync(em, node, args, kwargs):
-    from autopar.codegen.lowerings.train_modes import follows_mode, lower_batch_norm, training
+    from autopar.sharding.lowerings.train_modes import follows_mode, lower_batch_norm, training
 
     if not _marked(em.plan.model, node) or len(args) < 8 or not isinstance(args[5], bool):
         return lower_batch_norm(em, node, args, kwargs)  # each rank's own statistics (as DDP)

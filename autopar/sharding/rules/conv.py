@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from autopar.errors import ShardingError
-from autopar.codegen.lowerings.base import Lowering, register_lowering
+from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.codegen.lowerings.vocab_embedding import VOCAB_PARALLEL_EMBEDDING
+from autopar.sharding.lowerings.vocab_embedding import VOCAB_PARALLEL_EMBEDDING
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.codegen.lowerings.cross_entropy_rows import CROSS_ENTROPY_SPLIT_ROWS
+from autopar.sharding.lowerings.cross_entropy_rows import CROSS_ENTROPY_SPLIT_ROWS
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 

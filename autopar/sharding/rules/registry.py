@@ -66,7 +66,7 @@ class Strategy:
 
     ``inputs[i]`` is the placement tensor input i must have (inputs in pytree-flatten order
     of the op's arguments); ``outputs[j]`` the placement output j then has. ``lowering`` is
-    a local rewrite (``autopar.codegen.lowerings``) when running the op as-is on the local pieces is not
+    a local rewrite (``autopar.sharding.lowerings``) when running the op as-is on the local pieces is not
     enough (e.g. a vocab-parallel embedding masks out-of-range ids).
     """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.codegen.lowerings.split_blocked import SPLIT_BLOCKED
+from autopar.sharding.lowerings.split_blocked import SPLIT_BLOCKED
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
 

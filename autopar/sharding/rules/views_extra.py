@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.codegen.lowerings.base import Lowering, register_lowering
+from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 from autopar.sharding.rules.views import _moved, view_rule

@@ -6,14 +6,14 @@ sum of exponentials and the target's logit where it falls in its range, and two
 all-reduces of one value per row give every rank the same loss (Megatron's
 vocab-parallel cross-entropy). Autograd through those sums (identity backward) leaves
 each rank the gradient of its own slice: softmax minus one-hot, restricted to it.
-Combines with rows split on another axis (data parallel): see codegen/lowerings/vocab_cross_entropy.py.
+Combines with rows split on another axis (data parallel): see sharding/lowerings/vocab_cross_entropy.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from autopar.codegen.lowerings.vocab_cross_entropy import CROSS_ENTROPY_VOCAB_PARALLEL
+from autopar.sharding.lowerings.vocab_cross_entropy import CROSS_ENTROPY_VOCAB_PARALLEL
 from autopar.placement import Replicate, Shard  # noqa: F401
 from autopar.sharding.rules.loss import cross_entropy_rule
 from autopar.sharding.rules.registry import OpInfo, Strategy, register

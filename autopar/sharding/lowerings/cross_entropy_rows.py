@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.codegen.lowerings.base import Lowering, register_lowering
-from autopar.sharding.redistribute import ring_bytes
+from autopar.sharding.lowerings.base import Lowering, register_lowering
+from autopar.runtime.ring import ring_bytes
 
 aten = torch.ops.aten
 ops = torch.ops.autopar

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from autopar.codegen.lowerings.base import Lowering, register_lowering
+from autopar.sharding.lowerings.base import Lowering, register_lowering
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ Example: split(qkv, [96, 96, 96]) on tp=2 with qkv S(-1, blocks=3) -> split(loca
 
 from __future__ import annotations
 
-from autopar.codegen.lowerings.base import Lowering, register_lowering
+from autopar.sharding.lowerings.base import Lowering, register_lowering
 
 
 class SplitBlocked(Lowering):

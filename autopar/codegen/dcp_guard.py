@@ -22,7 +22,7 @@ import sys
 import torch
 
 from autopar.placement import fmt_spec
-from autopar.checkpoint.target import CheckpointError
+from autopar.errors import CheckpointError
 
 
 class RefuseDCP:

@@ -18,10 +18,10 @@ import operator
 
 import torch
 
-from autopar.codegen.lowerings.base import Lowering, register_lowering
-from autopar.codegen.lowerings.cross_entropy_rows import COUNT_BYTES, node_arg as _arg
+from autopar.sharding.lowerings.base import Lowering, register_lowering
+from autopar.sharding.lowerings.cross_entropy_rows import COUNT_BYTES, node_arg as _arg
 from autopar.placement import Shard
-from autopar.sharding.redistribute import ring_bytes
+from autopar.runtime.ring import ring_bytes
 
 aten = torch.ops.aten
 ops = torch.ops.autopar

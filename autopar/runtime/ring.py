@@ -1,0 +1,34 @@
+"""Bytes and message rounds of ring collectives: the one formula every byte count in autopar uses.
+
+The plan's collectives, the cost model, the search, ``ap.comm_stats()`` and the redistribution
+planner all count with these, so a figure shown in one place is the figure of every other.
+Both work on numbers and on sympy expressions alike.
+
+Example:
+    >>> ring_bytes("all_reduce", 8.0, 4), ring_bytes("all_gather", 8.0, 4)
+    (12.0, 24.0)
+    >>> ring_steps("all_reduce", 4)
+    6
+"""
+
+from __future__ import annotations
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def ring_bytes(kind: str, local_bytes, n):
+    """Bytes each rank sends for collective ``kind`` whose input holds ``local_bytes`` on each
+    rank: all_gather (n-1) x input; all_reduce 2(n-1)/n x input; reduce_scatter and all_to_all
+    (n-1)/n x input."""
+    if n == 1:
+        return 0.0
+    if kind == "all_gather":
+        return (n - 1) * local_bytes
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * local_bytes
+    return (n - 1) / n * local_bytes
+
+
+def ring_steps(kind: str, n):
+    """Latency terms (message rounds) of a ring collective over ``n`` ranks."""
+    return 2 * (n - 1) if kind == "all_reduce" else (n - 1)
