@@ -23,7 +23,7 @@ from autopar.errors import (
     ShardingError,
     TraceError,
 )
-from autopar.explore.cost import Cost
+from autopar.cost.plan_cost import Cost
 from autopar.explore.save_load import PlanFileError, load_plan
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions

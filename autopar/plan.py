@@ -373,7 +373,7 @@ class Plan:
     # --------------------------------------------------------------------------- display
     def collectives(self) -> list:
         """Every collective one training step runs (forward, backward, gradient sync), per rank."""
-        from autopar.explore.step_collectives import collectives
+        from autopar.cost.collectives import collectives
 
         if self._comms is None:  # a plan does not change once made; str(plan) asks twice
             self._comms = collectives(self)
@@ -437,7 +437,7 @@ class Plan:
 
     def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
         """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
-        from autopar.explore.cost import Cost
+        from autopar.cost.plan_cost import Cost
 
         return Cost(self, sizes, names, optimizer_states)
 

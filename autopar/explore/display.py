@@ -137,7 +137,7 @@ def comm_totals(comms) -> dict:
 
 def memory_numbers(plan) -> dict:
     """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params."""
-    from autopar.explore.cost import Cost
+    from autopar.cost.plan_cost import Cost
 
     num = Cost(plan).at()["memory"]
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))

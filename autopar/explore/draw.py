@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from collections import defaultdict
 
-from autopar.explore.cost import layer_of
+from autopar.cost.plan_cost import layer_of
 from autopar.sharding.propagate import module_path
 
 COLLECTIVE_COLORS = {

@@ -18,7 +18,7 @@ from html import escape
 from itertools import groupby
 
 from autopar.explore.display import comm_label, comm_totals, fmt_bytes, memory_numbers, plan_rows
-from autopar.explore.cost import layer_of
+from autopar.cost.plan_cost import layer_of
 
 COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a", "all_to_all": "#c6a3f4"}
 

@@ -423,7 +423,7 @@ def collectives(plan, sy) -> list:
     """Per bucket: its forward all-gather, backward all-gather (resharded after forward),
     backward reduce-scatter and, for HSDP, the all-reduce of the reduced piece across replicas."""
     import sympy
-    from autopar.explore.step_collectives import _comm
+    from autopar.cost import make_comm
 
     dp, k = plan.data_parallel, shard_size(plan)
     r = plan.mesh.shape[plan.dp_axis] // k
@@ -440,14 +440,14 @@ def collectives(plan, sy) -> list:
             "scatter": f"zero=3: {unit}'s gradient summed over {axis} and scattered into each rank's stored piece",
             "replicas": f"HSDP: the reduced pieces summed across the {r} replica groups of {axis}",
         }
-        out.append(_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"]))
+        out.append(make_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"]))
         if dp.reshard_after_forward and read_in_backward(plan, b):
-            out.append(_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"]))
+            out.append(make_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"]))
         rs = sympy.Float(ring_bytes("reduce_scatter", grad * k, k))
-        out.append(_comm(sy, "reduce_scatter", axis, "grad sync", rs, *where, reason=why["scatter"]))
+        out.append(make_comm(sy, "reduce_scatter", axis, "grad sync", rs, *where, reason=why["scatter"]))
         if r > 1:
             ar = sympy.Float(ring_bytes("all_reduce", grad, r))
-            out.append(_comm(sy, "all_reduce", axis, "grad sync", ar, *where, reason=why["replicas"]))
+            out.append(make_comm(sy, "all_reduce", axis, "grad sync", ar, *where, reason=why["replicas"]))
     return out
 
 

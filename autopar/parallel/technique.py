@@ -5,7 +5,7 @@ rules. A *technique* is everything else a plan can be asked for: data parallelis
 buckets, ZeRO, local SGD), the pipeline, and next fully sharded data parallel or context
 parallel. Each is one frozen options value (``ap.DataParallel``, ``ap.Pipeline``) that
 implements these hooks; the planning pipeline (planner.py), the rank modules (plan.py), the
-cost model (explore/step_collectives.py, parallel/dp_module.py) and save/load call them and
+cost model (cost/collectives.py, parallel/dp_module.py) and save/load call them and
 know nothing else about the technique. Adding one is one file here plus its tests.
 
 Every hook has a default that does nothing, so a technique implements only what it needs.
@@ -50,7 +50,7 @@ class Technique:
         """Runtime hooks on ``rank``'s module (gradient sync, optimizer helpers)."""
 
     def collectives(self, plan, symbols) -> list:
-        """The collectives the technique adds per training step (explore/step_collectives.Comm)."""
+        """The collectives the technique adds per training step (cost.Comm)."""
         return []
 
     # ---- storage and program: a technique that stores parameters otherwise than it computes

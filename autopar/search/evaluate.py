@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from autopar.explore.step_collectives import collectives
+from autopar.cost.collectives import collectives
 from autopar.parallel.data_parallel import bucket_sync
-from autopar.explore.cost import VIEWS, _split_factor, node_flops, op_name
-from autopar.explore.formulas import PlanSymbols
+from autopar.cost.plan_cost import VIEWS, split_factor, node_flops, op_name
+from autopar.cost.formulas import PlanSymbols
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 
@@ -125,7 +125,7 @@ def plan_terms(
         if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
             continue
         t, w = terms(comp_of.get(node.name, "base")), nw.get(node.name, 1.0)
-        fwd = float(node_flops(node, sy) / _split_factor(layout_of(node).spec, sy)) / profile.flops_per_s
+        fwd = float(node_flops(node, sy) / split_factor(layout_of(node).spec, sy)) / profile.flops_per_s
         grad = bool(plan.ctx.needs_grad.get(node))
         t.compute += w * fwd * (3 if grad else 1)
         t.backward += w * fwd * (2 if grad else 0)

@@ -52,7 +52,7 @@ def test_html_groups_by_module_and_highlights(plan):
     html = plan._repr_html_()
     rows = plan_rows(plan)
     assert html.count('<tr class="comm">') == sum(1 for r in rows if r.comms)
-    from autopar.explore.cost import layer_of
+    from autopar.cost.plan_cost import layer_of
 
     layers = {layer_of(r.module) for r in rows}
     assert {"blocks.0", "blocks.1", "(grad sync)", "(outputs)"} <= layers

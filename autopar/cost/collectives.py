@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch.fx as fx
 
-from autopar.explore.formulas import PlanSymbols, simplify
+from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of, module_path
 from autopar.runtime.ring import ring_bytes
@@ -42,7 +42,7 @@ class Comm:
         return f"{self.kind} on {self.axis}, {self.phase}, {self.bytes:.0f} B, at {where}"
 
 
-def _comm(sy: PlanSymbols, kind, axis, phase, formula, node, module, src="", reason="") -> Comm:
+def make_comm(sy: PlanSymbols, kind, axis, phase, formula, node, module, src="", reason="") -> Comm:
     formula = simplify(formula)
     return Comm(kind, axis, phase, sy.value(formula), node, module, formula, src, reason)
 
@@ -57,24 +57,24 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
         n = sy.axes[st.axis]
         axis = mesh.axis_names[st.axis]
         if st.communicates:
-            out.append(_comm(sy, st.kind, axis, "forward", step_bytes(st, local, n), *where, src.name))
+            out.append(make_comm(sy, st.kind, axis, "forward", step_bytes(st, local, n), *where, src.name))
         back = STEP_KINDS[st.kind].backward
         if st.kind == "all_gather" and st.axis in f_axes:  # emitted as all_gather_rs
             f_axes.discard(st.axis)
             out.append(
-                _comm(
+                make_comm(
                     sy, "reduce_scatter", axis, "backward", ring_bytes("reduce_scatter", n * local, n), *where, src.name
                 )
             )
             back = None
         if back and layout_of(src).outputs and plan.ctx.needs_grad.get(src):
-            out.append(_comm(sy, back, axis, "backward", backward_bytes(st, local, n), *where, src.name))
+            out.append(make_comm(sy, back, axis, "backward", backward_bytes(st, local, n), *where, src.name))
         cur[st.axis] = STEP_KINDS[st.kind].next_placement(st)
     for a in sorted(f_axes):
         n = sy.axes[a]
         local = sy.local_bytes(src, tuple(cur))
         out.append(
-            _comm(
+            make_comm(
                 sy, "all_reduce", mesh.axis_names[a], "backward", ring_bytes("all_reduce", local, n), *where, src.name
             )
         )
@@ -118,7 +118,7 @@ def _lowering_comms(plan, node, sy) -> list[Comm]:
     lowering, axis = found
     where = (node.name, module_path(node))
     return [
-        _comm(sy, kind, plan.mesh.axis_names[a], phase, b, *where)
+        make_comm(sy, kind, plan.mesh.axis_names[a], phase, b, *where)
         for kind, a, phase, b in lowering.comms(plan, node, axis, sy)
     ]
 
@@ -136,12 +136,12 @@ def _sync_comms(plan, sy) -> list[Comm]:
             n, axis = sy.axes[a], mesh.axis_names[a]
             if a == plan.dp_axis and dp is not None:
                 out += [
-                    _comm(sy, kind, axis, phase, nbytes, *where)
+                    make_comm(sy, kind, axis, phase, nbytes, *where)
                     for kind, phase, nbytes in dp.bucket_comms(numel, b.dtype, n)
                 ]
             else:
                 out.append(
-                    _comm(
+                    make_comm(
                         sy,
                         "all_reduce",
                         axis,

@@ -25,8 +25,8 @@ from collections import defaultdict
 
 import sympy
 
-from autopar.explore.step_collectives import collectives
-from autopar.explore.formulas import PlanSymbols, simplify
+from autopar.cost.collectives import collectives
+from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 
@@ -207,7 +207,7 @@ def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
     return out_numel
 
 
-def _split_factor(spec, sy) -> sympy.Expr:
+def split_factor(spec, sy) -> sympy.Expr:
     """How many ranks share one op's work: the axes on which its output is not replicated."""
     f = sympy.Integer(1)
     for axis, p in enumerate(spec or ()):
@@ -222,6 +222,6 @@ def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
     for node in plan.graph.nodes:
         if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
             continue
-        f = node_flops(node, sy) / _split_factor(layout_of(node).spec, sy)
+        f = node_flops(node, sy) / split_factor(layout_of(node).spec, sy)
         total += f * (3 if plan.ctx.needs_grad.get(node) else 1)
     return simplify(total)
