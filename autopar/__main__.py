@@ -1,7 +1,7 @@
-"""``python -m autopar``: the same as the ``autopar`` command (see autopar/explore/cli.py)."""
+"""``python -m autopar``: the same as the ``autopar`` command (see autopar/cli.py)."""
 
 import sys
 
-from autopar.explore.cli import main
+from autopar.cli import main
 
 sys.exit(main())

@@ -129,13 +129,3 @@ def dcp_to_hf(dcp_dir: str, hf_dir: str, model: torch.nn.Module, key: str | None
             seen.add(v.data_ptr())
         save_file(out, os.path.join(hf_dir, "model.safetensors"))
     return sorted(sd)
-
-
-def convert_command(opts) -> int:
-    """``autopar convert DCP_DIR HF_DIR --model PACKAGE.MODULE:FACTORY [--key model]``."""
-    from autopar.explore.cli import load_factory
-
-    model = load_factory(opts.model, model_only=True)
-    names = dcp_to_hf(opts.dcp_dir, opts.hf_dir, model, opts.key)
-    print(f"wrote {len(names)} tensors of {type(model).__name__} to {opts.hf_dir}")
-    return 0

@@ -86,7 +86,7 @@ def test_save_pretrained_from_dp_tp_plan_round_trips(gloo, llama_dir, tmp_path, 
 
 def test_cli_converts_dcp_to_hf_dir(tp2_checkpoint, tmp_path):
     from safetensors.torch import load_file
-    from autopar.explore.cli import main
+    from autopar.cli import main
     from tests.gloo.jobs_checkpoint import serial_after
 
     out = str(tmp_path / "hf")

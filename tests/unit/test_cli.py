@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import autopar as ap
-from autopar.explore.cli import main
+from autopar.cli import main
 
 GPT_TP = [
     "--annotate",

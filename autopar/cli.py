@@ -23,15 +23,19 @@ import argparse
 import importlib
 import sys
 
+from autopar import presets
+from autopar.api import plan as make
+from autopar.checkpoint.convert import dcp_to_hf
+from autopar.errors import PlanError, ShardingError
 from autopar.explore.display import plan_table
-from autopar.errors import PlanError
 from autopar.explore.progress import progress
+from autopar.mesh import Mesh
+from autopar.placement import parse_placement
+from autopar.sharding import annotations as annotate
 
 
 def parse_mesh(text: str):
     """'dp=2,tp=2' -> Mesh((2, 2), ('dp', 'tp'))."""
-    from autopar.mesh import Mesh
-
     try:
         pairs = [item.split("=") for item in text.split(",") if item]
         return Mesh(tuple(int(n) for _, n in pairs), tuple(a.strip() for a, _ in pairs))
@@ -41,9 +45,6 @@ def parse_mesh(text: str):
 
 def parse_annotation(text: str):
     """'blocks.*.mlp.fc=colwise:tp' -> ('blocks.*.mlp.fc', ap.colwise('tp'))."""
-    from autopar.sharding import annotations as annotate
-    from autopar.explore.save_load import parse_placement
-
     pattern, sep, spec = text.rpartition("=")
     kind, _, arg = spec.partition(":")
     if not sep or not pattern:
@@ -55,7 +56,10 @@ def parse_annotation(text: str):
     if kind in ("replicated", "replicate"):  # the old spelling still accepted here
         return pattern, annotate.replicated()
     if kind == "place" and arg:
-        return pattern, annotate.place(*(parse_placement(p.strip()) for p in arg.split(",")))
+        try:
+            return pattern, annotate.place(*(parse_placement(p.strip()) for p in arg.split(",")))
+        except ShardingError as e:
+            raise SystemExit(f"autopar: --annotate {text!r}: {e}") from None
     raise SystemExit(
         f"autopar: --annotate {text!r}: unknown annotation {spec!r}; use colwise:AXIS, "
         "rowwise:AXIS, replicated or place:S(0),R"
@@ -91,12 +95,11 @@ def preset_annotations(spec: str, model, mesh, args, kwargs, sequence_parallel: 
     returning {pattern: annotation} (``presets.megatron``)."""
     name, _, axis = spec.partition(":")
     axis = axis or ("tp" if "tp" in mesh.axis_names else mesh.axis_names[-1])
-    try:
-        preset = getattr(importlib.import_module("autopar.presets"), name)
-    except (ImportError, AttributeError):
+    preset = getattr(presets, name, None)
+    if preset is None or not callable(preset):
         raise SystemExit(
             f"autopar: no preset {name!r} in autopar.presets; annotate with --annotate PATTERN=colwise:AXIS instead."
-        ) from None
+        )
     extra = {"sequence_parallel": True} if sequence_parallel else {}
     with progress(f"finding the {name} annotations"):
         return dict(preset(model, axis, args=args, kwargs=kwargs, **extra))
@@ -134,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_plan(opts):
-    from autopar.api import plan as make
-
     mesh = parse_mesh(opts.mesh)
     model, args, kwargs = load_factory(opts.factory)
     annotations = (
@@ -176,12 +177,18 @@ def run(opts, out=None) -> int:
     return 0
 
 
+def convert_command(opts) -> int:
+    """``autopar convert DCP_DIR HF_DIR --model PACKAGE.MODULE:FACTORY [--key model]``."""
+    model = load_factory(opts.model, model_only=True)
+    names = dcp_to_hf(opts.dcp_dir, opts.hf_dir, model, opts.key)
+    print(f"wrote {len(names)} tensors of {type(model).__name__} to {opts.hf_dir}")
+    return 0
+
+
 def main(argv=None) -> int:
     opts = build_parser().parse_args(argv)
     try:
         if opts.command == "convert":
-            from autopar.checkpoint.convert import convert_command
-
             return convert_command(opts)
         return run(opts)
     except PlanError as e:  # PlanMismatch is an AssertionError: a failed check, also reported here
