@@ -11,6 +11,7 @@ Example:
 
 from autopar import presets
 from autopar.api import compile, parallelize, plan
+from autopar.planner import load_plan
 from autopar.checkpoint import CheckpointError, get_state_dict, load_pretrained, save_pretrained, set_state_dict
 from autopar.errors import (
     AnnotationError,
@@ -24,7 +25,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.cost.plan_cost import Cost
-from autopar.explore.save_load import PlanFileError, load_plan
+from autopar.explore.plan_file import PlanFileError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel, DataParallelError

@@ -461,7 +461,7 @@ class Plan:
 
     def save(self, path) -> None:
         """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
-        from autopar.explore.save_load import save_plan
+        from autopar.explore.plan_file import save_plan
 
         save_plan(self, path)
 

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from autopar.trace.meta_device import input_device, meta_names, retarget_meta_device
 from autopar.errors import AnnotationError, MeshError
+from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import Plan
@@ -78,6 +79,30 @@ def make_plan(
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
     if record is not None:
         plan.built["auto"] = record  # JSON: the search's choice, its reasons and the runners-up
+    return plan
+
+
+def load_plan(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=None, kwargs=None) -> Plan:
+    """The plan saved at ``path`` (plan.save) for ``model``, which must have the same parameters:
+    traced again, propagated from the recorded seeds, the recorded strategies restored and checked
+    node by node (explore/plan_file.py). ``mesh``, if given, must be the saved one; ``args``/
+    ``kwargs``: example inputs to trace with (default: the saved shapes, zeros/ones).
+
+    Example:
+        >>> plan.save("gpt.json"); again = ap.load_plan("gpt.json", model)
+    """
+    saved = read_plan_file(path, model, mesh=mesh, args=args, kwargs=kwargs)
+    plan = make_plan(
+        model,
+        saved["mesh"],
+        saved["options"],
+        args=saved["args"],
+        kwargs=saved["kwargs"],
+        seeds=saved["seeds"],
+        enforce=saved["enforce"],
+    )
+    if saved["auto"] is not None:
+        plan.built["auto"] = saved["auto"]
     return plan
 
 

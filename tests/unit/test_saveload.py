@@ -32,7 +32,7 @@ def test_round_trip_reproduces_layouts(saved):
     rec = json.loads(path.read_text())
     assert rec["format"] == "autopar-plan" and rec["version"] == 1
     assert rec["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"]}
-    from autopar.explore.save_load import _options_in
+    from autopar.explore.plan_file import _options_in
 
     assert _options_in(rec["options"], path) == plan.options and rec["data_parallel"] == "dp"
     assert rec["options"]["data_parallel"]["__DataParallel__"]["axis"] == "dp"

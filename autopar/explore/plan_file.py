@@ -1,4 +1,5 @@
-"""plan.save(path) and ap.load_plan(path, model): a plan as JSON, and back.
+"""plan.save(path) and ap.load_plan(path, model): a plan as JSON, and back (the file's side:
+writing it, and reading it into what the planner needs to make the plan again, planner.load_plan).
 
 The file records the model's parameter names, shapes and dtypes, the mesh, the resolved
 annotations (seeds), the example inputs' shapes and structure, and for every node its
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,7 +28,11 @@ import torch.utils._pytree as pytree
 from autopar import placement
 from autopar.errors import PlanError, ShardingError
 from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.parallel.data_parallel import DataParallel
+from autopar.sharding.annotations import Seeds
 from autopar.sharding.propagate import Layout, layout_of, op_info, tensor_inputs
+from autopar.sharding.rules import get_rule
 
 FORMAT, VERSION = "autopar-plan", 1
 
@@ -141,9 +147,6 @@ def _options_out(options) -> dict:
 
 def _options_in(options: dict, path):
     """The ap.PlanOptions of a plan file (older files: unknown keys are ignored, with a warning)."""
-    import warnings
-    from autopar.options import PlanOptions
-    from autopar.parallel.data_parallel import DataParallel
 
     known = {f.name for f in dataclasses.fields(PlanOptions)}
     kept = {}
@@ -170,8 +173,10 @@ def save_plan(plan, path) -> None:
 
 
 # -------------------------------------------------------------------------------------- load
-def load_plan(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=None, kwargs=None):
-    """The plan saved at ``path``, for ``model`` (which must have the same parameters).
+def read_plan_file(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=None, kwargs=None) -> dict:
+    """What planner.load_plan needs to make the plan saved at ``path`` again for ``model`` (which
+    must have the same parameters): its mesh, options, seeds, example inputs, the ``enforce`` hook
+    that restores the recorded strategies, and the search's record.
 
     ``mesh`` (optional) must equal the saved mesh; ``args``/``kwargs`` are example inputs to
     trace with (default: zeros/ones of the saved shapes and dtypes)."""
@@ -187,7 +192,18 @@ def load_plan(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=No
         )
     if args is None and kwargs is None:
         args, kwargs = example_inputs(rec)
-    return _rebuild(rec, model, saved_mesh, args if isinstance(args, tuple) else (args,), kwargs, path)
+    options = _options_in(rec["options"], path)
+    if "dynamic" in rec:
+        options = options.replace(dynamic=rec["dynamic"])
+    return {
+        "mesh": saved_mesh,
+        "options": options,
+        "seeds": _seeds_in(rec["seeds"]),
+        "args": args if isinstance(args, tuple) else (args,),
+        "kwargs": kwargs,
+        "enforce": lambda graph: _enforce(graph, rec["nodes"], saved_mesh, path),
+        "auto": rec.get("auto"),
+    }
 
 
 def _check_header(rec, path) -> None:
@@ -231,37 +247,17 @@ def example_inputs(rec) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def _rebuild(rec, model, mesh, args, kwargs, path):
-    from autopar.planner import make_plan
-    from autopar.sharding.annotations import Seeds
-
-    s = rec["seeds"]
-    seeds = Seeds(
+def _seeds_in(s: dict) -> Seeds:
+    return Seeds(
         {k: _spec_in(v) for k, v in s["params"].items()},
         {k: _spec_in(v) for k, v in s["inputs"].items()},
         {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
         dict(s["reasons"]),
     )
-    options = _options_in(rec["options"], path)
-    if "dynamic" in rec:
-        options = options.replace(dynamic=rec["dynamic"])
-    plan = make_plan(
-        model,
-        mesh,
-        options,
-        args=args,
-        kwargs=kwargs,
-        seeds=seeds,
-        enforce=lambda graph: _enforce(graph, rec["nodes"], mesh, path),
-    )
-    if rec.get("auto") is not None:
-        plan.built["auto"] = rec["auto"]
-    return plan
 
 
 def _enforce(graph, saved_nodes, mesh, path) -> None:
     """Give every node its recorded strategies; then require the recorded layouts exactly."""
-    from autopar.sharding.rules import get_rule
 
     nodes = {n.name: n for n in graph.nodes if "autopar" in n.meta}
     if set(nodes) != {r["name"] for r in saved_nodes}:
