@@ -22,6 +22,7 @@ from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import Plan
+from autopar.search.auto import search
 from autopar.sharding.annotations import Seeds, replicated, resolve
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
@@ -69,10 +70,12 @@ def make_plan(
     ndims = _input_ndims(traced, args, kwargs)
     record = None
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
-        from autopar.search.auto import search
+
+        def plan_probe(probe_traced, probe_options, probe_annotations):
+            return plan_traced(model, mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims)
 
         annotations, dp, record = search(
-            model, mesh, traced, annotations, options.data_parallel, options.auto, ndims, options.strict
+            model, mesh, traced, annotations, options.data_parallel, options.auto, ndims, options.strict, plan_probe
         )
         options = options.replace(data_parallel=dp, auto=None)
         _validate(mesh, options, annotations)

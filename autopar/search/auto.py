@@ -24,7 +24,6 @@ import fnmatch
 import time
 
 from autopar.options import PlanOptions
-from autopar.planner import plan_traced
 from autopar.parallel.data_parallel import DataParallel
 from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
@@ -38,8 +37,10 @@ class NoPlanError(PlanError):
     """No plan the search may choose fits: the memory budget is too small, or constraints clash."""
 
 
-def search(model, mesh, traced, annotations, dp, auto, ndims, strict):
-    """(annotations, DataParallel or None, record) of the best plan under ``auto``."""
+def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe):
+    """(annotations, DataParallel or None, record) of the best plan under ``auto``.
+    ``plan_probe(traced, options, annotations)`` plans one probe on a trace (the planner's
+    stages after tracing: the search decides, the planner plans)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile()
@@ -74,12 +75,11 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict):
                 if sp:
                     ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
             probes[key] = _probe(
-                model,
+                plan_probe,
                 mesh,
                 graph_for,
                 ann,
                 dp_axis,
-                ndims,
                 strict,
                 comp_of,
                 param_comp,
@@ -148,12 +148,12 @@ def _zeros(s, dp, auto) -> tuple:
     return tuple(auto.zero) or (0,)
 
 
-def _probe(model, mesh, traced, ann, dp_axis, ndims, strict, comp_of, param_comp, profile, states, weights):
+def _probe(plan_probe, mesh, traced, ann, dp_axis, strict, comp_of, param_comp, profile, states, weights):
     """The probe plan's Terms per component (None when it cannot be planned)."""
     dp_name = mesh.axis_names[dp_axis] if dp_axis is not None else None
     options = PlanOptions(data_parallel=DataParallel(dp_name) if dp_name else None, strict=strict)
     try:
-        plan = plan_traced(model, mesh, traced, options, annotations=ann, ndims=ndims)
+        plan = plan_probe(traced, options, ann)
     except PlanError:
         return None
     return plan_terms(plan, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
