@@ -30,11 +30,10 @@ import torch.utils._pytree as pytree
 from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.sharding.lowerings.train_modes import MODE_LOWERINGS
 from autopar.placement import Shard, shard_factor
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
-from autopar.sharding.rules.views import SHAPE_ARGS
+from autopar.sharding.rules import op_traits
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
@@ -261,7 +260,8 @@ class Emitter:
 
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
         args = list(args)
-        shape_idx = SHAPE_ARGS.get(getattr(node.target, "overloadpacket", None))
+        traits = op_traits(node.target)
+        shape_idx = traits.shape_arg
         if shape_idx is not None and shape_idx < len(args):
             spec = lay.spec
             args[shape_idx] = [
@@ -270,8 +270,8 @@ class Emitter:
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
-        if node.target in MODE_LOWERINGS:  # train/eval and dropout randomness (lowerings/train_modes.py)
-            lowered = MODE_LOWERINGS[node.target](self, node, tuple(args), dict(kwargs))
+        if traits.mode is not None:  # train/eval and the RNG contract (sharding/lowerings/train_modes.py)
+            lowered = traits.mode(self, node, tuple(args), dict(kwargs))
             if lowered is not None:
                 return lowered
         fused = self._fuse_bias(node, args, kwargs)

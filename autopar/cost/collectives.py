@@ -20,7 +20,8 @@ import torch.fx as fx
 
 from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.sharding.propagate import layout_of, module_path
+from autopar.sharding.propagate import layout_of
+from autopar.trace.module_paths import module_path
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, step_bytes
 

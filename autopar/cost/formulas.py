@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 
 import sympy
@@ -140,3 +141,20 @@ def simplify(expr) -> sympy.Expr:
     """A readable form: factored over the common terms (4*B*S*H*(tp - 1)/tp)."""
     e = sympy.factor(sympy.together(sympy.sympify(expr)))
     return e
+
+
+class Numbers(PlanSymbols):
+    """PlanSymbols that give numbers at the example: sizes are ints, axes are the mesh's sizes."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh, {}, {}, {})
+        self.axes = list(mesh.shape)
+
+    def dim(self, size):
+        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+    def numel(self, shape, placements=None):
+        return float(math.prod(self.shape(shape, placements)))
+
+    def value(self, expr, **values) -> float:
+        return float(expr)

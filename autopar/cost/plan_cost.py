@@ -29,31 +29,7 @@ from autopar.cost.collectives import collectives
 from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
-
-VIEWS = {
-    "view",
-    "_unsafe_view",
-    "reshape",
-    "permute",
-    "transpose",
-    "t",
-    "expand",
-    "unsqueeze",
-    "squeeze",
-    "alias",
-    "slice",
-    "select",
-    "unbind",
-    "split",
-    "split_with_sizes",
-    "chunk",
-    "detach",
-    "getitem",
-    "as_strided",
-    "lift_fresh_copy",
-    "sym_size",
-}
-MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
+from autopar.sharding.rules import VIEW, Work, op_traits
 
 
 def layer_of(path: str) -> str:
@@ -68,10 +44,9 @@ def layer_of(path: str) -> str:
     return path
 
 
-def op_name(node) -> str:
-    t = node.target
-    name = getattr(t, "__name__", str(t))
-    return name.split(".")[0]
+def op_work(node) -> Work:
+    """The work ``node``'s op does, as its rule file declared it (sharding/rules/registry.py)."""
+    return op_traits(node.target).work
 
 
 class Cost:
@@ -178,7 +153,7 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
             params, grads, opt = params / k, grads / k, opt * sy.axes[plan.dp_axis] / k
     acts = sympy.Integer(0)
     for node in plan.graph.nodes:
-        if node.op != "call_function" or op_name(node) in VIEWS or not plan.ctx.needs_grad.get(node):
+        if node.op != "call_function" or op_work(node) is VIEW or not plan.ctx.needs_grad.get(node):
             continue
         lay = layout_of(node)
         for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
@@ -191,17 +166,17 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
 
 
 def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
-    """Global forward FLOPs of one op (matmuls 2*M*N*K, attention 4*L*S*D per head, others numel)."""
-    name = op_name(node)
+    """Global forward FLOPs of one op by the work its rule file declares: matmuls 2*M*N*K,
+    attention 4*L*S*D per head, views none, anything else one per output element."""
+    work = op_work(node)
     outs = [v for v in tensor_outputs(node) if v is not None]
-    if name in VIEWS or not outs:
+    if work is VIEW or not outs:
         return sympy.Integer(0)
     out_numel = sy.numel(outs[0].shape)
-    if name in MATMULS:
-        a = node.args[1] if name in ("addmm", "baddbmm") else node.args[0]
-        k = sy.dim(a.meta["val"].shape[-1])
-        return 2 * out_numel * k
-    if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
+    if work.kind == "matmul":
+        a = node.args[work.lhs_arg]
+        return 2 * out_numel * sy.dim(a.meta["val"].shape[-1])
+    if work.kind == "attention":
         q, key = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4 * sy.numel(q.shape) * sy.dim(key.shape[-2])
     return out_numel

@@ -18,7 +18,8 @@ from html import escape
 
 from autopar.explore.display import comm_label, comm_totals, fmt_bytes
 from autopar.placement import fmt_spec
-from autopar.sharding.propagate import layout_of, module_path
+from autopar.sharding.propagate import layout_of
+from autopar.trace.module_paths import module_path
 
 
 @dataclass(frozen=True)

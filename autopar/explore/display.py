@@ -17,7 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from autopar.placement import fmt_spec
-from autopar.sharding.propagate import layout_of, module_path
+from autopar.sharding.propagate import layout_of
+from autopar.trace.module_paths import module_path
 
 HIDDEN_OPS = {"getitem", "sym_size", "_assert_scalar", "sym_constrain_range_for_size"}
 

@@ -20,7 +20,7 @@ import subprocess
 from collections import defaultdict
 
 from autopar.cost.plan_cost import layer_of
-from autopar.sharding.propagate import module_path
+from autopar.trace.module_paths import module_path
 
 COLLECTIVE_COLORS = {
     "all_reduce": "#f4a3a3",

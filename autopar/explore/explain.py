@@ -18,7 +18,8 @@ from autopar.sharding.lowerings.base import lowering_for
 from autopar.explore.display import Text, comm_label, fmt_bytes, op_name
 from autopar.errors import PlanError, close_matches
 from autopar.placement import Replicate, fmt_spec, local_shape
-from autopar.sharding.propagate import layout_of, module_path, module_paths
+from autopar.sharding.propagate import layout_of
+from autopar.trace.module_paths import module_path, module_paths
 from autopar.sharding.redistribute import plan_steps
 
 R = Replicate()

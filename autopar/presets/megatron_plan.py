@@ -39,7 +39,7 @@ from autopar.sharding.annotations import (
 )
 from autopar.errors import AnnotationError
 from autopar.placement import Shard
-from autopar.sharding.propagate import module_path
+from autopar.trace.module_paths import module_path
 from autopar.trace.export import trace
 
 aten = torch.ops.aten

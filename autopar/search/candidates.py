@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from autopar.sharding.annotations import colwise, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard
 from autopar.presets.megatron_plan import _Graph
-from autopar.sharding.propagate import module_path
+from autopar.trace.module_paths import module_path
 
 CHOICES = ("split", "R")
 

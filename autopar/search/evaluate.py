@@ -25,36 +25,18 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
-import torch
 
 from autopar.cost.collectives import collectives
 from autopar.parallel.data_parallel import bucket_sync
-from autopar.cost.plan_cost import VIEWS, split_factor, node_flops, op_name
-from autopar.cost.formulas import PlanSymbols
+from autopar.cost.formulas import Numbers
+from autopar.cost.plan_cost import node_flops, op_work, split_factor
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
+from autopar.sharding.rules import VIEW
 
 BUCKET_BYTES = 25 * 2**20
-
-
-class Numbers(PlanSymbols):
-    """PlanSymbols that give numbers at the example: sizes are ints, axes are the mesh's sizes."""
-
-    def __init__(self, mesh):
-        super().__init__(mesh, {}, {}, {})
-        self.axes = list(mesh.shape)
-
-    def dim(self, size):
-        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
-
-    def numel(self, shape, placements=None):
-        return float(math.prod(self.shape(shape, placements)))
-
-    def value(self, expr, **values) -> float:
-        return float(expr)
 
 
 @dataclass
@@ -129,7 +111,7 @@ def plan_terms(
         grad = bool(plan.ctx.needs_grad.get(node))
         t.compute += w * fwd * (3 if grad else 1)
         t.backward += w * fwd * (2 if grad else 0)
-        if grad and op_name(node) not in VIEWS:
+        if grad and op_work(node) is not VIEW:
             for val, spec in zip([v for v in tensor_outputs(node) if v is not None], layout_of(node).outputs):
                 t.acts += w * sy.numel(val.shape, spec) * val.dtype.itemsize
     for c in collectives(plan, sy):

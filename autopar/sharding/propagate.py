@@ -30,6 +30,7 @@ from autopar.errors import NoRuleError, ShardingError
 from autopar.placement import Placement, Replicate, Shard, check_divisible, fmt_spec
 from autopar.sharding.redistribute import plan_steps, steps_cost
 from autopar.sharding.rules import OpInfo, Strategy, TensorMeta, get_rule
+from autopar.trace.module_paths import module_path, module_paths
 
 aten = torch.ops.aten
 R = Replicate()
@@ -75,17 +76,6 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a) if is_tensor(a.meta.get("val")) else None)
     return out
-
-
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [p for p, _ in stack.values() if p and not p.startswith("_empty")]
-    return paths[-1] if paths else ""
-
-
-def module_paths(node: fx.Node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    return [p for p, _ in stack.values() if p and not p.startswith("_empty")]
 
 
 def op_info(node: fx.Node) -> OpInfo:

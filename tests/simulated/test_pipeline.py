@@ -10,8 +10,10 @@ import torch.nn as nn
 
 import autopar as ap
 from autopar.parallel.pipeline import PipelineError, schedules, timeline, with_pipeline
-from autopar.parallel.pipeline.split import _candidates, _param_bytes, balanced_cuts, node_flops
-from autopar.sharding.propagate import module_paths
+from autopar.cost.formulas import Numbers
+from autopar.cost.plan_cost import node_flops
+from autopar.parallel.pipeline.split import _candidates, _param_bytes, balanced_cuts
+from autopar.trace.module_paths import module_paths
 from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES, PP
 from tests.harness.models import SKIP_SPLITS, SkipNet, gpt_batch, gpt_plan as _gpt_plan, mse, skipnet_plan, small_gpt
@@ -187,7 +189,8 @@ def test_automatic_split_balances_an_uneven_model():
     )
     even_costs = [s.cost for s in even.stage_layout.stages]
     order = [n for n in plan.graph.nodes if n.op not in ("placeholder", "output")]
-    node_costs = [3.0 * node_flops(n) + _param_bytes(n, set(plan.traced.param_fqn)) for n in order]
+    sizes = Numbers(plan.mesh)
+    node_costs = [3.0 * float(node_flops(n, sizes)) + _param_bytes(n, set(plan.traced.param_fqn)) for n in order]
     best = min(max(sum(node_costs[:c]), sum(node_costs[c:])) for c in _candidates(order))
     assert max(costs) == pytest.approx(best) and max(costs) < max(even_costs), (costs, even_costs)
     assert "modules layers.1" in str(plan).split("stage 1 (")[1]  # the wide layer alone in stage 0

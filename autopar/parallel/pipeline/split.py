@@ -23,20 +23,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autopar.cost.formulas import Numbers
+from autopar.cost.plan_cost import node_flops
 from autopar.errors import close_matches
-from autopar.sharding.propagate import module_paths
-from autopar.sharding.rules.registry import TensorMeta
+from autopar.trace.module_paths import module_paths
 from autopar.parallel.pipeline.options import Pipeline, PipelineError
 
 aten = torch.ops.aten
-MATMULS = {
-    aten.mm.default,
-    aten.bmm.default,
-    aten.matmul.default,
-    aten.linear.default,
-    aten.addmm.default,
-    aten.baddbmm.default,
-}
 
 
 @dataclass
@@ -80,18 +73,6 @@ class StageLayout:
 
 
 # ------------------------------------------------------------------------------- costs
-def node_flops(node: fx.Node) -> float:
-    """A rough FLOP count: 2 M N K for matrix products, one per output element otherwise."""
-    val = node.meta.get("val")
-    outs = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor)]
-    numel = sum(_numel(TensorMeta.of(v).shape) for v in outs)
-    if node.target in MATMULS:
-        a = node.args[1] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
-        k = TensorMeta.of(a.meta["val"]).shape[-1] if isinstance(a, fx.Node) else 1
-        return 2.0 * numel * k
-    return float(numel)
-
-
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -208,7 +189,9 @@ def split_stages(traced, mesh, options: Pipeline, split_paths: list[str]) -> Sta
     graph = traced.gm.graph
     order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     attr_names = set(traced.param_fqn) | set(traced.buffer_fqn) | set(traced.constant_fqn)
-    costs = [3.0 * node_flops(n) + _param_bytes(n, attr_names) for n in order]
+    sizes = Numbers(mesh)  # FLOPs by the work each op's rule file declares (cost/plan_cost.py)
+    flops = [float(node_flops(n, sizes)) for n in order]
+    costs = [3.0 * f + _param_bytes(n, attr_names) for n, f in zip(order, flops)]
     if split_paths:
         cuts = annotated_cuts(order, split_paths)
         if len(cuts) + 1 != n_stages:
@@ -227,7 +210,7 @@ def split_stages(traced, mesh, options: Pipeline, split_paths: list[str]) -> Sta
         if not st.nodes:
             raise PipelineError(f"Pipeline stage {s} has no operations; move the split_before annotations.")
         for i in range(bounds[s], bounds[s + 1]):
-            st.flops += node_flops(order[i])
+            st.flops += flops[i]
             st.param_bytes += _param_bytes(order[i], attr_names)
     layout = StageLayout(options, axis, pp, stages, {}, {}, auto=not split_paths)
     _wire(graph, traced, layout, stage_of)

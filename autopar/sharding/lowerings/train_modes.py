@@ -77,10 +77,3 @@ def lower_add_(em, node, args, kwargs):
 def count_batch(counter: torch.Tensor, step, train: bool) -> torch.Tensor:
     """BatchNorm's batch counter: ``counter += step`` in training mode, unchanged in eval."""
     return counter.add_(step) if train else counter
-
-
-MODE_LOWERINGS = {
-    aten.dropout.default: lower_dropout,
-    aten.batch_norm.default: lower_batch_norm,
-    aten.add_.Tensor: lower_add_,
-}

@@ -7,17 +7,42 @@ Propagation picks one strategy per mesh axis. Importing this package registers e
 """
 
 from autopar.sharding.rules.registry import (
+    ATTENTION,
+    ELEMENTWISE,
+    MATMUL,
+    VIEW,
     OpInfo,
+    OpTraits,
     Strategy,
     TensorMeta,
+    Work,
     aten_ops,
+    declare,
     get_rule,
+    op_traits,
     register,
     register_by_name,
     registered_ops,
 )
 
-__all__ = ["OpInfo", "Strategy", "TensorMeta", "aten_ops", "get_rule", "register", "register_by_name", "registered_ops"]
+__all__ = [
+    "ATTENTION",
+    "ELEMENTWISE",
+    "MATMUL",
+    "VIEW",
+    "OpInfo",
+    "OpTraits",
+    "Strategy",
+    "TensorMeta",
+    "Work",
+    "aten_ops",
+    "declare",
+    "get_rule",
+    "op_traits",
+    "register",
+    "register_by_name",
+    "registered_ops",
+]
 
 # importing a rule file registers its rules
 from autopar.sharding.rules import pointwise, matmul, views, reductions, norms  # noqa: F401

@@ -10,9 +10,22 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import ATTENTION, OpInfo, Strategy, declare, functional_overloads, register
 
 aten = torch.ops.aten
+
+
+# every attention kernel export may leave (flash, efficient, math, cudnn): two matmuls per head
+ATTENTION_KERNELS = (
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+declare(*functional_overloads(*ATTENTION_KERNELS), work=ATTENTION)
 
 
 @register(aten.scaled_dot_product_attention.default)

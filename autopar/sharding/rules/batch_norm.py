@@ -20,10 +20,12 @@ import torch
 
 from autopar.errors import ShardingError
 from autopar.sharding.lowerings.base import Lowering, register_lowering
+from autopar.sharding.lowerings.train_modes import follows_mode, lower_batch_norm, training
 from autopar.runtime.ring import ring_bytes
 from autopar.placement import Shard
 
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, declare, register
+from autopar.trace.module_paths import module_path
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
@@ -47,6 +49,10 @@ def _channel_split(op: OpInfo, per_channel: list) -> Strategy:
 def _tensor(op: OpInfo, i: int, name: str):
     t = op.arg(i, name)
     return t if t is not None and any(t is m for m in op.tensors) else None
+
+
+# batch norm follows train()/eval() on every strategy (running or batch statistics)
+declare(aten.batch_norm.default, mode=lower_batch_norm)
 
 
 @register(aten.batch_norm.default, aten.instance_norm.default)
@@ -131,7 +137,6 @@ BATCH_NORM_SYNC = register_lowering(BatchNormSync())
 
 
 def _marked(model, node) -> bool:
-    from autopar.sharding.propagate import module_path  # (propagate imports the rules)
 
     path = module_path(node)
     module = model.get_submodule(path) if path else model
@@ -151,8 +156,6 @@ def _group_norm_groups(em, node, args, kwargs):
 
 
 def _batch_norm_sync(em, node, args, kwargs):
-    from autopar.sharding.lowerings.train_modes import follows_mode, lower_batch_norm, training
-
     if not _marked(em.plan.model, node) or len(args) < 8 or not isinstance(args[5], bool):
         return lower_batch_norm(em, node, args, kwargs)  # each rank's own statistics (as DDP)
     axes: list = []

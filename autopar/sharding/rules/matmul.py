@@ -10,7 +10,16 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
+from autopar.sharding.rules.registry import (
+    MATMUL,
+    OpInfo,
+    Strategy,
+    Work,
+    aten_ops,
+    declare,
+    functional_overloads,
+    register,
+)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -65,15 +74,20 @@ def matmul_labels(a_ndim: int, b_ndim: int) -> tuple[str, str, str]:
     return lhs, rhs, out
 
 
-@register(*aten_ops("matmul", "mm", "mm.dtype", "bmm", "bmm.dtype"))
+@register(*aten_ops("matmul", "mm", "mm.dtype", "bmm", "bmm.dtype"), work=MATMUL)
 def matmul_rule(op: OpInfo) -> list[Strategy]:
     lhs, rhs, out = matmul_labels(op.tensors[0].ndim, op.tensors[1].ndim)
     return einsum_strategies(op, lhs, rhs, out)
 
 
-@register(aten.linear.default)
+@register(aten.linear.default, work=MATMUL)
 def linear_rule(op: OpInfo) -> list[Strategy]:
     """y = x @ w.T (the bias is split off into an add when the graph is prepared)."""
     x = op.tensors[0]
     batch = BATCH_LABELS[: x.ndim - 1]
     return einsum_strategies(op, batch + "k", "nk", batch + "n")
+
+
+# addmm(bias, a, b): a matmul whose left operand is its second argument (no rule yet: the cost
+# model still counts its work)
+declare(*functional_overloads("addmm"), work=Work("matmul", lhs_arg=1))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
+from autopar.sharding.lowerings.train_modes import lower_add_, lower_dropout
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, declare, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -263,3 +264,9 @@ def unary_linear_rule(op: OpInfo) -> list[Strategy]:
         for kind in ("sum", "avg"):
             strategies.append(Strategy((Partial(kind),), (Partial(kind),), None, "linear"))
     return strategies
+
+
+# dropout draws by the placements and follows train()/eval(); BatchNorm's batch counter (an add_)
+# counts in training mode only (sharding/lowerings/train_modes.py)
+declare(aten.dropout.default, mode=lower_dropout)
+declare(aten.add_.Tensor, mode=lower_add_)

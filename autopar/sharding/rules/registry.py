@@ -1,13 +1,23 @@
 """The rule registry, and the small types rules speak in.
 
+Everything autopar knows about one op is declared here, beside its rule: the rule (which
+layouts it allows), its lowering (on the strategy it offers), and its *traits*: the work it
+does (``Work``: what the cost model counts, never matched by the op's name), the argument that
+holds a global shape (emission rewrites it to local sizes) and a *mode* lowering (the op
+follows the rank module's train/eval mode and the RNG contract on every strategy).
+
 Example:
     >>> @register(aten.relu.default)
     ... def relu_rule(op: OpInfo) -> list[Strategy]:
     ...     return elementwise_strategies(op)
+    >>> register(aten.view.default, work=VIEW, shape_arg=1)(view_rule)
+    >>> op_traits(aten.mm.default).work.kind
+    'matmul'
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -117,6 +127,56 @@ Rule = Callable[[OpInfo], list[Strategy]]
 _RULES: dict[object, Rule] = {}
 
 
+@dataclass(frozen=True)
+class Work:
+    """The work an op does, as the cost model counts it (cost/plan_cost.py): ``elementwise`` one
+    FLOP per output element; ``view`` none, and its output shares its input's memory; ``matmul``
+    2 M N K (``lhs_arg``: the argument whose last dim is contracted); ``attention`` 4 L S D per
+    head (scaled dot-product attention's two matmuls)."""
+
+    kind: str
+    lhs_arg: int = 0
+
+
+ELEMENTWISE, VIEW, MATMUL, ATTENTION = Work("elementwise"), Work("view"), Work("matmul"), Work("attention")
+
+
+@dataclass(frozen=True)
+class OpTraits:
+    """What an op is besides its rule (see the module docstring)."""
+
+    work: Work = ELEMENTWISE
+    shape_arg: int | None = None  # the argument holding a global shape (view's size)
+    mode: Callable | None = None  # (emitter, node, args, kwargs) -> node or None (sharding/lowerings/train_modes.py)
+
+
+_TRAITS: dict[object, OpTraits] = {operator.getitem: OpTraits(work=VIEW)}  # an item of a multi-output op
+_DEFAULT_TRAITS = OpTraits()
+
+
+def declare(*ops, **traits) -> None:
+    """Give ops their traits (``work``, ``shape_arg``, ``mode``); a trait declared twice for one op
+    is an error (two files disagreeing about one op).
+
+    Example:
+        >>> declare(*aten_ops("permute", "t"), work=VIEW)
+    """
+    unknown = set(traits) - {f for f in OpTraits.__dataclass_fields__}
+    if unknown:
+        raise TypeError(f"declare: unknown traits {sorted(unknown)}; traits are work, shape_arg, mode")
+    for op in ops:
+        old = _TRAITS.get(op, _DEFAULT_TRAITS)
+        for key, value in traits.items():
+            if getattr(old, key) != getattr(_DEFAULT_TRAITS, key) and getattr(old, key) != value:
+                raise ValueError(f"declare: {op} already has {key}={getattr(old, key)!r}; not {value!r}")
+        _TRAITS[op] = OpTraits(**{**old.__dict__, **traits})
+
+
+def op_traits(op) -> OpTraits:
+    """The traits of ``op`` (a graph node's target); the defaults for an op nobody declared."""
+    return _TRAITS.get(op, _DEFAULT_TRAITS)
+
+
 def aten_ops(*names: str) -> tuple:
     """ATen overloads by name: ``"relu"`` is ``aten.relu.default``, ``"max.other"`` that overload.
 
@@ -145,11 +205,13 @@ def functional_overloads(*packets: str) -> tuple:
     return tuple(out)
 
 
-def register(*ops):
-    """Register a rule for ATen OpOverloads (never whole packets; each op at most once).
+def register(*ops, **traits):
+    """Register a rule for ATen OpOverloads (never whole packets; each op at most once), with the
+    ops' traits if given (``declare``).
 
     Example:
         >>> register(*aten_ops("relu", "max.other"))(elementwise_rule)
+        >>> register(*aten_ops("mm", "bmm"), work=MATMUL)(matmul_rule)
     """
     for op in ops:
         if not isinstance(op, torch._ops.OpOverload):
@@ -168,6 +230,8 @@ def register(*ops):
                 )
         for op in ops:
             _RULES[op] = fn
+        if traits:
+            declare(*ops, **traits)
         return fn
 
     return deco

@@ -27,14 +27,14 @@ import torch
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.matmul import einsum_strategies
 from autopar.sharding.rules.pointwise import additive_rule, multiplicative_rule
-from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, Work, aten_ops, register
 from autopar.sharding.rules.views import cat_rule
 
 aten = torch.ops.aten
 R = Replicate()
 
 
-@register(aten.baddbmm.default)
+@register(aten.baddbmm.default, work=Work("matmul", lhs_arg=1))
 def baddbmm_rule(op: OpInfo) -> list[Strategy]:
     bias, b1, b2 = op.tensors[0], op.tensors[1], op.tensors[2]
     if len(op.tensors) != 3 or b1.ndim != 3:

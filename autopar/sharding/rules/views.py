@@ -5,7 +5,8 @@ A shard moves with its dim. For view/reshape the input and output dims are match
 groups of equal product (``[B, T, C] -> [B, T, H, D]`` pairs C with (H, D)); a shard on the
 first dim of an input group becomes a shard on the first dim of the output group when that
 size divides, which is how attention heads end up split across tensor-parallel ranks.
-``SHAPE_ARGS`` names the argument holding a global shape that emission rewrites to local sizes.
+view/reshape/expand declare their shape argument (``shape_arg``: emission rewrites the global
+shape to local sizes); every op that only reinterprets its input declares ``work=VIEW``.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ import torch
 
 from autopar.sharding.lowerings.split_blocked import SPLIT_BLOCKED
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
+from autopar.sharding.rules.registry import VIEW, OpInfo, Strategy, aten_ops, declare, functional_overloads, register
 
 aten = torch.ops.aten
 R = Replicate()
 
-# op packet -> index of the argument that is a (global) shape to rewrite to local sizes
-SHAPE_ARGS = {aten.view: 1, aten.reshape: 1, aten._unsafe_view: 1, aten.expand: 1}
+# ops that reinterpret their input: no FLOPs, no memory of their own (the cost model reads this)
+declare(
+    *functional_overloads(
+        *("view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze"),
+        *("alias", "slice", "select", "unbind", "split", "split_with_sizes", "chunk", "detach"),
+        *("as_strided", "lift_fresh_copy", "sym_size"),
+    ),
+    work=VIEW,
+)
 
 
 def _partials(n_inputs: int, n_outputs: int) -> list[Strategy]:
@@ -83,7 +91,7 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
     return out
 
 
-@register(*aten_ops("view", "reshape", "_unsafe_view"))  # not view.dtype: a bit cast
+@register(*aten_ops("view", "reshape", "_unsafe_view"), shape_arg=1)  # not view.dtype: a bit cast
 def view_rule(op: OpInfo) -> list[Strategy]:
     src, dst = op.tensors[0].shape, op.outputs[0].shape
     strategies = [op.replicated()] + _partials(1, 1)
@@ -150,7 +158,7 @@ def squeeze_rule(op: OpInfo) -> list[Strategy]:
     return _moved(op, view_dim_map(src, dst))
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, shape_arg=1)
 def expand_rule(op: OpInfo) -> list[Strategy]:
     src, dst = op.tensors[0].shape, op.outputs[0].shape
     off = len(dst) - len(src)
