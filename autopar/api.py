@@ -7,20 +7,19 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import warnings
 
 import torch
+import torch.distributed as dist
 
-from autopar.trace.meta_device import meta_names
 from autopar.errors import MeshError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.parallel.pipeline.api import take_splits
+from autopar.parallel import TECHNIQUES
+from autopar.parallel.process_groups import broadcast_replicated, make_groups
 from autopar.plan import Plan
 from autopar.planner import make_plan
 from autopar.runtime.consistency import verify_consistent
-from autopar.runtime.failures import install_excepthook
 
 
 def plan(
@@ -30,8 +29,6 @@ def plan(
     args=(),
     kwargs=None,
     annotations=None,
-    data_parallel=None,
-    pipeline=None,
     strict: bool = False,
     dynamic: bool = True,
     repeat_blocks: bool = True,
@@ -39,14 +36,16 @@ def plan(
     auto=None,
     rng: str = "placement",
     seed: int | None = None,
+    **techniques,
 ) -> Plan:
     """Trace ``model`` at the example inputs and plan it on ``mesh``.
 
     ``annotations`` maps fnmatch patterns (module paths, parameter or input names) to
     ap.colwise / ap.rowwise / ap.replicated / ap.place / ap.vocab_parallel /
-    ap.sequence_parallel / ap.opaque / ap.split_before. ``data_parallel`` names the axis the
+    ap.sequence_parallel / ap.opaque / ap.split_before. Each parallelism technique is a keyword
+    of its registered name (autopar.parallel.TECHNIQUES): ``data_parallel`` names the axis the
     batch (dim 0 of every input) is split on, or is an ap.DataParallel with that axis and its
-    options (buckets, ZeRO, local SGD, reduce dtype). ``pipeline`` is an ap.Pipeline.
+    options (buckets, ZeRO 1-3, HSDP, local SGD, precision); ``pipeline`` is an ap.Pipeline.
     ``strict`` makes an op without a rule on a split input an error instead of a gathered,
     replicated fallback. ``debug`` makes ap.parallelize check that all ranks hold the same plan
     before the first collective. ``repeat_blocks`` traces a long list of identical blocks two
@@ -61,11 +60,11 @@ def plan(
     torch.initial_seed(); ap.parallelize makes all ranks agree). The keyword arguments become one
     ``ap.PlanOptions`` (``plan.options``).
     """
-    annotations, splits = take_splits(annotations)
+    annotations, fields = dict(annotations or {}), {}
+    for cls in TECHNIQUES.values():  # annotations that belong to a technique (ap.split_before())
+        annotations, more = cls.take_annotations(annotations)
+        fields.update(more)
     options = PlanOptions(
-        data_parallel=data_parallel,
-        pipeline=pipeline,
-        split_before=splits,
         strict=strict,
         dynamic=dynamic,
         repeat_blocks=repeat_blocks,
@@ -73,6 +72,8 @@ def plan(
         auto=auto if auto is not False else None,
         rng=rng,
         seed=torch.initial_seed() if seed is None else seed,
+        **fields,
+        **techniques,
     )
     return make_plan(model, mesh, options, args=args, kwargs=kwargs, annotations=annotations)
 
@@ -89,10 +90,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     that skew (or change it afterwards: ``current_backend().timeout``, then enforced per
     collective, at some cost per call). ``debug=True`` checks first that all ranks planned alike.
     """
-    import torch.distributed as dist
-    from autopar.runtime.backend import install_backend
-    from autopar.runtime.dist_backend import DistBackend
-
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError(
             "ap.parallelize needs an initialised process group: call "
@@ -105,35 +102,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
             f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
         )
     p = plan(model, mesh, **plan_kwargs)
-    mesh = p.mesh  # the mesh planned on (two-axis HSDP makes its axes one, with the same ranks)
-    groups = {}
-    # With a timeout, every group (the whole world's too) is made with it, so that blocking
-    # collectives are bounded by the group itself (see DistBackend._run).
-    group_kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout is not None else {}
-    for axis in range(mesh.ndim):
-        for g in mesh.groups(axis):
-            if g not in groups:
-                groups[g] = dist.new_group(list(g), **group_kw) if len(g) < world or group_kw else dist.group.WORLD
-    for technique in p.options.techniques:  # e.g. HSDP's shard and replica groups
-        for g in technique.process_groups(p):
-            if g not in groups:
-                groups[g] = dist.new_group(list(g), **group_kw)
-    backend = DistBackend(groups, rank, timeout, groups_timeout=timeout)
-    install_backend(backend)
-    install_excepthook(rank)
+    make_groups(p, rank, timeout)  # the mesh planned on (two-axis HSDP: one axis, the same ranks)
     module = p.module(rank)
     if p.options.debug:
         verify_consistent(p, module, timeout)
-    unset = meta_names(model)  # built on the meta device: nothing to broadcast, ap.load_pretrained fills them
-    with torch.no_grad():
-        for name, param in list(module.named_parameters()) + list(module.named_buffers()):
-            if name in unset:
-                continue
-            spec = p.param_specs.get(name)
-            split = {a for t in p.options.techniques for a in t.stored_axes(p, name)}  # pieces differ there
-            for axis in range(mesh.ndim):
-                if (spec is None or spec[axis].is_replicate()) and axis not in split:
-                    backend.broadcast(param.data, mesh.group(axis, rank), rank)
+    broadcast_replicated(p, rank, list(module.named_parameters()) + list(module.named_buffers()))
     module.autopar_plan = p
     return module
 

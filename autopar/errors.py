@@ -44,6 +44,14 @@ class InconsistentPlanError(PlanError):
     """Ranks of one job planned differently (found by ap.parallelize(..., debug=True))."""
 
 
+class DataParallelError(PlanError):
+    """DataParallel options that cannot work together (or a ZeRO/local-SGD module misused)."""
+
+
+class PipelineError(PlanError):
+    """A pipeline option, stage split or schedule that cannot work."""
+
+
 class CheckpointError(PlanError):
     """A state dict or checkpoint that does not fit the module it is loaded into."""
 

@@ -2,13 +2,16 @@
 
 One frozen value instead of keyword arguments passed along and a string-keyed dict: the
 plan keeps it (``plan.options``), save/load writes it field by field, and the planning
-pipeline (planner.py) reads only it. The parallelism techniques it names (data parallel,
-pipeline) are the plug-ins of parallel/technique.py.
+pipeline (planner.py) reads only it. The parallelism techniques it holds are the plug-ins of
+parallel/registry.py: each is given by its name as a keyword (``data_parallel=``,
+``pipeline=``, ...) and read back as an attribute of that name (None when not asked for).
 
 Example:
     >>> opts = PlanOptions(data_parallel=ap.DataParallel("dp", zero=2), strict=True)
     >>> opts.replace(data_parallel=ap.DataParallel("dp")).techniques
     (DataParallel('dp', bucket_mb=25),)
+    >>> opts.pipeline is None
+    True
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autopar.parallel.data_parallel import DataParallel
-from autopar.parallel.pipeline.options import Pipeline, PipelineError
+from autopar.errors import close_matches
+from autopar.parallel import TECHNIQUES
+from autopar.runtime.rng import check_mode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PlanOptions:
-    data_parallel: DataParallel | None = None  # the batch-split axis and its gradient sync
-    pipeline: Pipeline | None = None  # stages on a mesh axis
+    techniques: tuple = ()  # the techniques asked for, in the order they apply (registry order)
     split_before: tuple[str, ...] = ()  # module paths where a pipeline stage starts
     strict: bool = False  # an op without a rule on split inputs is an error, not a gather
     dynamic: bool = True  # batch and sequence dims exported as dynamic
@@ -33,24 +36,46 @@ class PlanOptions:
     rng: str = "placement"  # dropout masks: "placement" or "serial" (runtime/rng.py)
     seed: int = 0  # every rank's dropout generator starts here
 
-    def __post_init__(self):
-        object.__setattr__(self, "data_parallel", DataParallel.of(self.data_parallel))
-        object.__setattr__(self, "split_before", tuple(self.split_before))
-        from autopar.runtime.rng import check_mode
-
+    def __init__(
+        self,
+        *,
+        techniques=(),
+        split_before=(),
+        strict=False,
+        dynamic=True,
+        repeat_blocks=True,
+        debug=False,
+        auto=None,
+        rng="placement",
+        seed=0,
+        **by_name,
+    ):
+        chosen = {type(t).name: t for t in techniques}
+        for name, value in by_name.items():
+            cls = TECHNIQUES.get(name)
+            if cls is None:
+                raise TypeError(
+                    f"PlanOptions got an unexpected keyword {name!r}; the techniques are "
+                    f"{', '.join(TECHNIQUES)} (did you mean {close_matches(name, TECHNIQUES, 1)}?)"
+                )
+            chosen[name] = cls.of(value)
+        ordered = tuple(chosen[n] for n in TECHNIQUES if chosen.get(n) is not None)
+        values = dict(techniques=ordered, split_before=tuple(split_before), strict=strict, dynamic=dynamic)
+        values.update(repeat_blocks=repeat_blocks, debug=debug, auto=auto, rng=rng, seed=seed)
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
         check_mode(self.rng)
-        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
-            raise PipelineError(f"pipeline must be an ap.Pipeline, got {type(self.pipeline).__name__}.")
-        if self.split_before and self.pipeline is None:
-            raise PipelineError(
-                f"split_before annotations ({', '.join(self.split_before)}) need a pipeline: "
-                "pass pipeline=ap.Pipeline('pp', microbatches=...) to ap.plan."
-            )
+        for cls in TECHNIQUES.values():
+            cls.check_options(self)
 
-    @property
-    def techniques(self) -> tuple:
-        """The parallelism techniques in the order they apply (parallel/technique.py)."""
-        return tuple(t for t in (self.data_parallel, self.pipeline) if t is not None)
+    def __getattr__(self, name: str):
+        """A technique by its registered name (``options.data_parallel``), None when not asked for."""
+        cls = TECHNIQUES.get(name)
+        if cls is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return next((t for t in self.__dict__.get("techniques", ()) if type(t).name == name), None)
 
     def replace(self, **changes) -> "PlanOptions":
-        return dataclasses.replace(self, **changes)
+        """These options with some changed: plain fields and techniques by name (None removes one)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PlanOptions(**{**values, **changes})

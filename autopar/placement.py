@@ -109,6 +109,15 @@ class Partial(Placement):
         return cls(m.group(1)) if m else None
 
 
+@dataclass(frozen=True)
+class Annotation:
+    """Base of what a user attaches to a module pattern (ap.colwise, ap.opaque, ...): an
+    annotation turns a matched module into placements, or marks it for a stage of planning."""
+
+    def describe(self) -> str:
+        return repr(self)
+
+
 def parse_placement(text: str) -> Placement:
     """The placement whose text (``repr``) is ``text``: ``"S(0,blocks=3)"`` -> ``Shard(0, blocks=3)``.
 
@@ -151,6 +160,13 @@ def shard_factor(placements, mesh, dim: int) -> int:
         if isinstance(p, Shard) and p.dim == dim:
             f *= size
     return f
+
+
+def counts_piece(placements, coords, skip_axes=()) -> bool:
+    """Whether the rank at mesh ``coords`` counts its piece of a tensor laid out ``placements`` in
+    a whole-model sum (gradient norm, parameter count): coordinate 0 on every axis that does not
+    split it (those ranks hold the same values), except ``skip_axes`` (pieces differ there anyway)."""
+    return all(isinstance(p, Shard) or coords[a] == 0 or a in skip_axes for a, p in enumerate(placements))
 
 
 def check_divisible(shape, placements, mesh, what: str) -> None:

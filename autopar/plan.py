@@ -1,9 +1,12 @@
 """Plan: the result of planning, and what you do with it.
 
-A Plan holds the traced graph with a layout on every node, the gradient flow, and the
-specs of every parameter, input and output. From it come each rank's module, each rank's
-slice of a batch, conversions between serial and per-rank state dicts, the in-process
-simulation of all ranks, and the check against the serial model.
+A Plan holds the traced graph with a layout on every node, the gradient flow, the specs of
+every parameter, input and output, and the techniques' options. From it come each rank's
+module, each rank's slice of a batch, conversions between serial and per-rank state dicts,
+the in-process simulation of all ranks, and the check against the serial model. It delegates
+the rest: display, costs and plan files to explore/ (``PlanViews``), and each technique's own
+methods to the technique (``plan.pipeline_runner``, ``plan.grad_buckets``, ...: registered by
+the technique in parallel/, found by name).
 
 Example:
     >>> plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x,), annotations=..., data_parallel="dp")
@@ -17,26 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import types
 from functools import cached_property
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export._unlift import _get_codegen
 
-from autopar.explore import display
-from autopar.codegen.emit import emit_graph, rank_attrs
-from autopar.errors import InputError
-from autopar.parallel import dp_module as dpplan
-from autopar.codegen import dcp_guard
-from autopar.trace.meta_device import materialize
-from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
+from autopar.codegen.emit import emit_graph
 from autopar.codegen.program import Program
-from autopar.sharding.propagate import layout_of
-from autopar.runtime.rng import attach_state
+from autopar.codegen.rank_module import build_rank_module
+from autopar.codegen.rank_state import merge_states, shard_state
+from autopar.errors import DataParallelError, InputError
+from autopar.explore.plan_views import PlanViews
+from autopar.parallel import dp_module
+from autopar.parallel.registry import plan_method, plan_method_names
+from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
+from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
-from autopar.codegen.rank_state import merge_states, set_attr, shard_state
+from autopar.sharding.propagate import layout_of
 
 R = Replicate()
 
@@ -53,35 +56,7 @@ def gc_paused():
             gc.enable()
 
 
-def _own(piece: torch.Tensor) -> torch.Tensor:
-    """This rank's own copy of a piece. A meta piece holds no data: a new empty one of its shape
-    (cloning a strided meta view runs torch's Python reference checks, about half the time of
-    building a rank module of a 70B-shaped model)."""
-    if piece.device.type == "meta":
-        return torch.empty(piece.shape, dtype=piece.dtype, device="meta")
-    return piece.clone()
-
-
-class _Owners:
-    """The submodule of ``root`` that holds each dotted name, made (plain nn.Module) once."""
-
-    def __init__(self, root: nn.Module):
-        self.mods = {"": root}
-
-    def of(self, fqn: str) -> tuple[nn.Module, str]:
-        path, _, leaf = fqn.rpartition(".")
-        return self._module(path), leaf
-
-    def _module(self, path: str) -> nn.Module:
-        if path not in self.mods:
-            parent, _, name = path.rpartition(".")
-            mod = nn.Module()
-            self._module(parent).add_module(name, mod)
-            self.mods[path] = mod
-        return self.mods[path]
-
-
-class Plan:
+class Plan(PlanViews):
     """Made by planner.make_plan (ap.plan, ap.load_plan); ``layouts`` is planner.Layouts
     (seeds, every node's layout, gradient flow), ``options`` an ap.PlanOptions."""
 
@@ -93,12 +68,61 @@ class Plan:
         self.dp_axis = mesh.axis_index(dp.axis) if dp is not None else None
         self.built: dict[str, object] = {}  # technique name -> what its after_plan built
         self._modules: dict[int, fx.GraphModule] = {}
-        self._comms: list | None = None
+
+    def finish(self) -> "Plan":
+        """Let each technique build its structure over the layouts (``Technique.after_plan``)."""
+        for technique in self.options.techniques:
+            built = technique.after_plan(self)
+            if built is not None:
+                self.built[technique.name] = built
+        return self
+
+    def with_options(self, options) -> "Plan":
+        """The same trace and layouts under other technique options (no tracing, no propagation).
+        The data-parallel axis shapes the layouts, so it cannot change here.
+
+        Example: ``plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))``
+        """
+        old, new = self.options.data_parallel, options.data_parallel
+        if (old and old.axis) != (new and new.axis):
+            raise DataParallelError(
+                f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
+                "split shapes every layout, so plan again (ap.plan) to change the axis."
+            )
+        for technique in options.techniques:
+            technique.validate(self.mesh, options, {})
+        plan = Plan(self.model, self.mesh, self.traced, self.layouts, options).finish()
+        if "auto" in self.built:
+            plan.built["auto"] = self.built["auto"]
+        return plan
+
+    def with_exact_gradients(self) -> "Plan":
+        """The plan plan.check runs: each technique's exact variant (``Technique.exact``: fp32
+        gradient sums, no optimizer sharding), or this plan when they are all exact already."""
+        exact = tuple(t.exact() for t in self.options.techniques)
+        if exact == self.options.techniques:
+            return self
+        return self.with_options(self.options.replace(techniques=exact))
+
+    def __getattr__(self, name: str):
+        """A technique's method (``plan.pipeline_runner(rank)``, ``plan.grad_buckets()``, ...)."""
+        fn = plan_method(name) if not name.startswith("__") else None
+        if fn is None:
+            raise AttributeError(f"'Plan' object has no attribute {name!r}")
+        return types.MethodType(fn, self)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(plan_method_names()))
 
     @property
     def stage_layout(self):
         """The pipeline's StageLayout (parallel/pipeline/split.py), None without a pipeline."""
         return self.built.get("pipeline")
+
+    @property
+    def data_parallel(self):
+        """The ap.DataParallel options of the dp axis (None without data parallelism)."""
+        return self.options.data_parallel
 
     def __deepcopy__(self, memo):
         # A plan does not change once made; a deep-copied rank module (module.autopar_plan) shares it.
@@ -177,34 +201,19 @@ class Plan:
             out[key] = tuple(sorted(set(out.get(key, ())) | set(axes)))
         return out
 
-    # ------------------------------------------------------------------- data parallel
+    @cached_property
+    def model_tensors(self) -> dict:
+        """The model's parameters (tied names included) and buffers by name, in order, and the
+        names of the persistent buffers."""
+        return {
+            "params": dict(self.model.named_parameters(remove_duplicate=False)),
+            "buffers": dict(self.model.named_buffers()),
+            "persistent": set(self.model.state_dict().keys()),
+        }
+
     @property
-    def data_parallel(self):
-        """The ap.DataParallel options of the dp axis (None without data parallelism)."""
-        return self.options.data_parallel
-
-    def with_data_parallel(self, data_parallel) -> "Plan":
-        """The same plan (same trace and layouts) with other DataParallel options on the same axis.
-
-        Example: ``plan.with_data_parallel(ap.DataParallel("dp", zero=2)).module(rank)``
-        """
-        from autopar.planner import with_options
-
-        return with_options(self, self.options.replace(data_parallel=data_parallel))
-
-    def grad_buckets(self, rank: int = 0) -> list:
-        """The fused gradient buckets of ``rank``, in the order every rank of its group launches them."""
-        return dpplan.grad_buckets(self, rank)
-
-    def memory_per_rank(self, rank: int = 0, state_slots: int = 2) -> dict:
-        """Bytes of parameters, gradients and optimizer state on ``rank`` (ZeRO shards counted)."""
-        return dpplan.memory_per_rank(self, rank, state_slots)
-
-    def zero_optimizer(self, module, optimizer_class, **kwargs):
-        """ap.ZeroOptimizer(module, optimizer_class, **kwargs) for a module of this plan (zero=1|2)."""
-        from autopar.parallel.zero import ZeroOptimizer
-
-        return ZeroOptimizer(module, optimizer_class, **kwargs)
+    def persistent_buffers(self) -> set:
+        return self.model_tensors["persistent"]
 
     # ------------------------------------------------------------------------- modules
     def module(self, rank: int) -> fx.GraphModule:
@@ -218,24 +227,10 @@ class Plan:
         """A fresh module for ``rank`` with pieces of ``state`` (default: the model's current values)."""
         self.mesh.check_rank(rank)
         with gc_paused():  # thousands of small objects: each collection walks the whole model (2/3 of the time)
-            return self._build_module(rank, state)
-
-    def _build_module(self, rank: int, state: dict | None) -> fx.GraphModule:
-        gm = self.program.instance(f"Rank{rank}Module")
-        self._fill_attrs(gm, rank, state)
-        for name, value in rank_attrs(self.mesh, rank).items():  # what the program reads per rank
-            setattr(gm, name, value)
-        from autopar.runtime.grad_clip import ParamPlacements  # for whole-model quantities (ap.clip_grad_norm_)
-
-        gm.autopar_placements = ParamPlacements(self.mesh, rank, self.param_specs)
-        attach_state(gm, self)  # the dropout generator (rng.py)
-        if self.grad_sync_axes:
-            dpplan.attach(self, gm, rank)  # gradient buckets (gradient contract; dp options shape them)
-        for technique in self.options.techniques:
-            technique.attach(self, gm, rank)
+            gm = build_rank_module(
+                self, rank, self.program, class_name=f"Rank{rank}Module", state=state, before_techniques=[_grad_sync]
+            )
         gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
-        gm.autopar_plan, gm.autopar_rank = self, rank  # what ap.get_state_dict reads
-        dcp_guard.install(gm, self)  # a plain state_dict() given to DCP fails loudly
         return gm
 
     @cached_property
@@ -248,44 +243,6 @@ class Plan:
         t = self.traced
         graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
         return Program(graph)
-
-    def _fill_attrs(self, root, rank, state):
-        """Every parameter, buffer and constant of the model, as ``rank``'s piece, on ``root``
-        (unused ones too, so that state_dict() has the serial model's keys)."""
-        made: dict[int, nn.Parameter] = {}
-        owners = _Owners(root)
-        specs, default = self.param_specs, (R,) * self.mesh.ndim
-        for fqn, p in self._model_tensors["params"]:
-            if id(p) not in made:
-                value = state[fqn] if state is not None and fqn in state else p
-                local = _own(shard_tensor(value.detach(), specs.get(fqn, default), self.mesh, rank))
-                local = materialize(local, self._materialize_on)
-                for technique in self.options.techniques:
-                    local = technique.stored(self, rank, fqn, local)
-                made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
-            owner, leaf = owners.of(fqn)
-            owner.register_parameter(leaf, made[id(p)])
-        persistent = self._model_tensors["persistent"]
-        for fqn, b in self._model_tensors["buffers"]:
-            owner, leaf = owners.of(fqn)
-            local = materialize(_own(shard_tensor(b, specs.get(fqn, default), self.mesh, rank)), self._materialize_on)
-            owner.register_buffer(leaf, local, persistent=fqn in persistent)
-        for fqn, c in self.traced.constants.items():
-            set_attr(root, fqn, c.clone(), None)
-
-    @property
-    def _materialize_on(self):
-        """Where the empty pieces of a meta-device model go (None: they stay meta; see trace/meta_device.py)."""
-        return self.traced.materialize_device
-
-    @cached_property
-    def _model_tensors(self) -> dict:
-        """The model's parameters (tied names included), buffers and persistent names, in order."""
-        return {
-            "params": list(self.model.named_parameters(remove_duplicate=False)),
-            "buffers": list(self.model.named_buffers()),
-            "persistent": set(self.model.state_dict().keys()),
-        }
 
     # -------------------------------------------------------------------------- inputs
     def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:
@@ -364,55 +321,9 @@ class Plan:
         """Compare every rank (simulated) with the serial model: outputs and every gradient.
 
         Raises ap.PlanMismatch naming the first tensor that differs. Returns a small report.
-        ``rtol``/``atol`` default to the model's dtype (check.TOLERANCES: fp32 1e-5/1e-6).
+        ``rtol``/``atol`` default to the model's dtype (runtime/serial_check.py TOLERANCES: fp32 1e-5/1e-6).
         """
-        from autopar.runtime.serial_check import check_plan, default_tolerances
-
         return check_plan(self, args, kwargs, loss, *default_tolerances(self.model, rtol, atol))
-
-    # --------------------------------------------------------------------------- display
-    def collectives(self) -> list:
-        """Every collective one training step runs (forward, backward, gradient sync), per rank."""
-        from autopar.cost.collectives import collectives
-
-        if self._comms is None:  # a plan does not change once made; str(plan) asks twice
-            self._comms = collectives(self)
-        return list(self._comms)
-
-    def __str__(self) -> str:
-        text = display.plan_table(self)
-        if self.stage_layout is not None:
-            from autopar.parallel.pipeline.split import describe
-
-            text += "\n\n" + describe(self.stage_layout, self.graph)
-        return text
-
-    # ------------------------------------------------------------------------ pipeline
-    def with_pipeline(self, pipeline, split_before=()) -> "Plan":
-        """The same plan (same trace and layouts) with other pipeline options."""
-        from autopar.parallel.pipeline.api import with_pipeline
-
-        return with_pipeline(self, pipeline, split_before)
-
-    def pipeline_runner(self, rank: int, **kwargs):
-        """This rank's PipelineRunner (see autopar/parallel/pipeline/runner.py): ``runner.step(batch, labels)``."""
-        from autopar.parallel.pipeline.api import pipeline_runner
-
-        return pipeline_runner(self, rank, **kwargs)
-
-    def schedule_table(self, rank: int | None = None) -> str:
-        """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
-        from autopar.parallel.pipeline.api import require_pipeline
-        from autopar.parallel.pipeline.timeline import schedule_table
-
-        return schedule_table(require_pipeline(self), rank)
-
-    def timeline_figure(self, events_per_rank=None, title: str | None = None):
-        """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
-        from autopar.parallel.pipeline.api import require_pipeline
-        from autopar.parallel.pipeline.timeline import timeline_figure
-
-        return timeline_figure(events_per_rank, require_pipeline(self), title)
 
     def __repr__(self) -> str:
         return (
@@ -420,53 +331,9 @@ class Plan:
             f"{sum(1 for _ in self.graph.nodes)} nodes, {len(self.collectives())} collectives/step>"
         )
 
-    def summary(self) -> str:
-        return display.summary(self)
 
-    # ---------------------------------------------------- exploring (display, costs, files)
-    def _repr_html_(self) -> str:
-        from autopar.explore.html import plan_html
-
-        return plan_html(self)
-
-    def explain(self, name: str) -> str:
-        """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
-        from autopar.explore.explain import explain
-
-        return explain(self, name)
-
-    def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
-        """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
-        from autopar.cost.plan_cost import Cost
-
-        return Cost(self, sizes, names, optimizer_states)
-
-    def plot_memory(self, **kw):
-        """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""
-        from autopar.explore.plots import plot_memory
-
-        return plot_memory(self, **kw)
-
-    def plot_comm(self, **kw):
-        """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
-        from autopar.explore.plots import plot_comm
-
-        return plot_comm(self, **kw)
-
-    def draw(self, rank: int = 0, **kw):
-        """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
-        from autopar.explore.draw import draw
-
-        return draw(self, rank, **kw)
-
-    def save(self, path) -> None:
-        """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
-        from autopar.explore.plan_file import save_plan
-
-        save_plan(self, path)
-
-    def diff(self, other: "Plan"):
-        """Nodes whose layout or collectives differ between two plans of one model."""
-        from autopar.explore.diff import diff_plans
-
-        return diff_plans(self, other)
+def _grad_sync(plan, module, rank: int) -> None:
+    """The bucketed gradient sync, where gradients arrive in parts (gradient contract; the
+    data-parallel options shape its buckets): attached before the techniques' hooks."""
+    if plan.grad_sync_axes:
+        dp_module.attach(plan, module, rank)

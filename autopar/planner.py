@@ -1,11 +1,11 @@
 """The planning pipeline, in one place: trace -> seed -> propagate -> gradient flow -> Plan ->
-techniques. ap.plan, ap.load_plan and the plan variants (other data-parallel or pipeline
-options on the same layouts) all go through here, so a stage added to planning is added once.
+techniques. ap.plan and ap.load_plan go through here (the plan variants, other technique options
+on the same layouts, are Plan.with_options), so a stage added to planning is added once.
 
 Example:
     >>> plan = make_plan(model, mesh, PlanOptions(data_parallel="dp"), args=(x,),
     ...                  annotations={"fc1": ap.colwise("tp")})
-    >>> zero2 = with_options(plan, plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))
+    >>> zero2 = plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))
 """
 
 from __future__ import annotations
@@ -130,45 +130,16 @@ def plan_traced(
     if enforce is not None:
         enforce(traced.gm.graph)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)
-    return _finish(Plan(model, mesh, traced, Layouts(seeds, ctx, flow), options))
-
-
-def with_options(plan: Plan, options: PlanOptions) -> Plan:
-    """The same trace and layouts under other technique options (no tracing, no propagation).
-    The data-parallel axis shapes the layouts, so it cannot change here."""
-    old, new = plan.options.data_parallel, options.data_parallel
-    if (old and old.axis) != (new and new.axis):
-        from autopar.parallel.data_parallel import DataParallelError
-
-        raise DataParallelError(
-            f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
-            "split shapes every layout, so plan again (ap.plan) to change the axis."
-        )
-    _validate(plan.mesh, options, {})
-    new = _finish(Plan(plan.model, plan.mesh, plan.traced, plan.layouts, options))
-    if "auto" in plan.built:
-        new.built["auto"] = plan.built["auto"]
-    return new
-
-
-def _finish(plan: Plan) -> Plan:
-    for technique in plan.options.techniques:
-        built = technique.after_plan(plan)
-        if built is not None:
-            plan.built[technique.name] = built
-    return plan
+    return Plan(model, mesh, traced, Layouts(seeds, ctx, flow), options).finish()
 
 
 def _reshape_mesh(mesh: Mesh, options: PlanOptions) -> tuple[Mesh, PlanOptions]:
     """The mesh the techniques plan on (technique.reshape_mesh: e.g. two-axis HSDP's one axis)."""
-    changes = {}
-    for field in ("data_parallel", "pipeline"):
-        technique = getattr(options, field)
-        if technique is not None:
-            mesh, new = technique.reshape_mesh(mesh)
-            if new is not technique:
-                changes[field] = new
-    return mesh, options.replace(**changes) if changes else options
+    techniques = []
+    for technique in options.techniques:
+        mesh, technique = technique.reshape_mesh(mesh)
+        techniques.append(technique)
+    return mesh, options.replace(techniques=tuple(techniques))
 
 
 def _validate(mesh: Mesh, options: PlanOptions, annotations: dict) -> None:

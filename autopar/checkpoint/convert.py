@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import torch
 
 from autopar.errors import CheckpointError
@@ -119,7 +120,6 @@ def dcp_to_hf(dcp_dir: str, hf_dir: str, model: torch.nn.Module, key: str | None
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(hf_dir)
     else:
-        import os
         from safetensors.torch import save_file
 
         os.makedirs(hf_dir, exist_ok=True)

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import json
 import os
 
@@ -97,19 +98,14 @@ def _fill_from_full(boxes, computed, fqn):
 
 def _all_local(t: Target) -> dict:
     """Parameters and every buffer (non-persistent too: they may still be unset)."""
-    out = dict(t.tensors)
-    mod = t.module
-    if hasattr(mod, "named_buffers"):
-        out.update(mod.named_buffers())
-    else:  # a PipelineRunner: its stages' tensors
-        out.update((n, v) for n, v in mod.params.items() if isinstance(v, torch.Tensor))
+    out = t.module.autopar_tensors(all_buffers=True)
     shapes = set(_serial_names(t.plan))
     return {n: v for n, v in out.items() if n in shapes}
 
 
 def _serial_names(plan):
-    m = plan._model_tensors
-    return [n for n, _ in m["params"] + m["buffers"]]
+    m = plan.model_tensors
+    return list(m["params"]) + list(m["buffers"])
 
 
 def _tied_sources(plan) -> dict[str, list[str]]:
@@ -132,7 +128,6 @@ def save_pretrained(module, path: str) -> None:
     """Write a HF directory (config.json + safetensors) that ``from_pretrained`` loads.
 
     Every rank calls it; each tensor is gathered whole only on the rank that writes it."""
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
     t = Target.of(module)
@@ -178,8 +173,6 @@ def _file_name(rank: int, world: int) -> str:
 def _gather(t: Target, fqn: str, dst: int):
     """The whole tensor on rank ``dst`` (None elsewhere), from every rank's piece (zero=3's
     stored pieces differ in size: they travel flattened, padded to the longest)."""
-    import torch.distributed as dist
-
     local = t.tensors[fqn].detach().contiguous()
     shapes = _piece_shapes(t, fqn, local.dtype)
     longest = max(_numel(s) for s in shapes)

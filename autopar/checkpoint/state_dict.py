@@ -19,17 +19,17 @@ Example:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch
 
 from autopar.checkpoint.target import Target, device_mesh
 from autopar.errors import CheckpointError
 from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
+from autopar.parallel.zero import ZeroOptimizer
 
 
 def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
     """(model state dict, optimizer state dict) of this rank, for dcp.save / dcp.load."""
-    import torch.distributed as dist
-
     t = Target.of(module)
     dm, world = device_mesh(t.plan), dist.get_world_size()
     model_sd = {}
@@ -115,8 +115,6 @@ def _elementwise(v, key: torch.Tensor) -> bool:
 def entries(t: Target, optimizer) -> dict:
     """Each tensor the optimizer steps -> (serial name, None | start in the flattened local
     parameter for a ZeRO piece)."""
-    from autopar.parallel.zero import ZeroOptimizer
-
     out = {}
     if isinstance(optimizer, ZeroOptimizer):
         params = optimizer.module.autopar_grad_sync.params

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.checkpoint.boxes import flat_range_boxes, local_boxes
@@ -26,27 +27,23 @@ class Target:
 
     @classmethod
     def of(cls, module) -> "Target":
-        from autopar.parallel.pipeline.runner import PipelineRunner
-
-        if isinstance(module, PipelineRunner):
-            persistent = module.plan._model_tensors["persistent"]
-            tensors = {n: v for n, v in module.params.items() if isinstance(v, nn.Parameter) or n in persistent}
-            return cls(module.plan, module.rank, tensors, _first_names(module.holder), module)
+        """What a rank module or pipeline runner holds, through the rank protocol both share
+        (codegen/rank_module.py: ``autopar_plan``, ``autopar_rank``, ``autopar_tensors()``)."""
         plan = getattr(module, "autopar_plan", None)
-        if plan is None:
+        if plan is None or not hasattr(module, "autopar_tensors"):
             raise CheckpointError(
                 f"{type(module).__name__} is not an autopar rank module: pass the module "
                 "from ap.parallelize(...) or plan.module(rank), or a plan.pipeline_runner(rank)."
             )
         rank = getattr(module, "autopar_rank", None)
         if rank is None:
-            import torch.distributed as dist
-
             rank = dist.get_rank()
-        tensors = dict(module.named_parameters(remove_duplicate=False))
-        persistent = plan._model_tensors["persistent"]
-        tensors.update((n, b) for n, b in module.named_buffers() if n in persistent)
-        return cls(plan, rank, tensors, _first_names(module), module)
+        tensors = module.autopar_tensors()
+        first: dict = {}
+        for name, t in tensors.items():  # id(Parameter) -> its first serial name
+            if isinstance(t, nn.Parameter):
+                first.setdefault(id(t), name)
+        return cls(plan, rank, tensors, first, module)
 
     @property
     def mesh(self):
@@ -79,26 +76,17 @@ class Target:
         return None
 
 
-def _first_names(module: nn.Module) -> dict:
-    out = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), n)
-    return out
-
-
 def _serial_shapes(plan) -> dict:
     shapes = getattr(plan, "_autopar_serial_shapes", None)
     if shapes is None:
-        m = plan._model_tensors
-        shapes = {n: tuple(t.shape) for n, t in m["params"] + m["buffers"]}
+        m = plan.model_tensors
+        shapes = {n: tuple(t.shape) for n, t in {**m["params"], **m["buffers"]}.items()}
         plan._autopar_serial_shapes = shapes
     return shapes
 
 
 def device_mesh(plan):
     """The plan's torch DeviceMesh, made once per plan (every rank must call: it makes groups)."""
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise CheckpointError(
             "ap.get_state_dict needs an initialised process group (it describes each rank's "

@@ -32,6 +32,7 @@ from torch.fx.node import has_side_effect
 
 from autopar.errors import InputError
 from autopar.placement import Shard, fmt_spec, shard_factor
+from autopar.sharding.propagate import tensor_outputs
 
 
 def guard_args(plan, env: dict, rank: int) -> tuple | None:
@@ -54,8 +55,6 @@ def symbol_divisors(graph, mesh) -> tuple:
     A dynamic dim may be split inside the graph (an intermediate's batch dim on some axis):
     the runtime size must then divide by the pieces, or a rank would hold a ragged piece.
     """
-    from autopar.sharding.propagate import tensor_outputs
-
     found: dict[str, tuple[int, str]] = {}
     for node in graph.nodes:
         lay = node.meta.get("autopar")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.codegen.rank_module import RankModule
+
 _MODULE_KEYS = frozenset(nn.Module().__dict__)  # what nn.Module.__init__ makes for every instance
 
 
@@ -40,8 +42,9 @@ class Program:
         return self.carrier.graph
 
     def instance(self, class_name: str) -> fx.GraphModule:
-        """A new, empty module running this program (attributes are the caller's to set)."""
-        cls = type(class_name, (type(self.carrier),), {})
+        """A new, empty module running this program (attributes are the caller's to set); its
+        class carries the rank-module protocol (codegen/rank_module.py)."""
+        cls = type(class_name, (RankModule, type(self.carrier)), {})
         gm = object.__new__(cls)
         nn.Module.__init__(gm)
         for k, v in self._fx_state.items():  # containers copied: hooks or meta set on one rank stay there

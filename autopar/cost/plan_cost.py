@@ -132,8 +132,9 @@ def _sum_by(comms, key) -> dict:
 
 
 def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
-    """Bytes per rank: params, grads, optimizer, activations (formulas); under zero=3 also
-    ``gathered``: the most gathered blocks alive at once plus one bucket's reduce buffers."""
+    """Bytes per rank: params, grads, optimizer, activations (formulas), as the plan's techniques
+    change them (``Technique.memory_formulas``: ZeRO's shares; under zero=3 also ``gathered``,
+    the most gathered blocks alive at once plus one bucket's reduce buffers)."""
     params = sympy.Integer(0)
     grads = sympy.Integer(0)
     opt = sympy.Integer(0)
@@ -143,14 +144,6 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         if p.requires_grad:
             grads += local * p.element_size()
             opt += optimizer_states * local * 4
-    dp = plan.data_parallel
-    if dp is not None and dp.zero:  # ZeRO shards optimizer state (1) and gradients (2) over dp
-        opt = opt / sy.axes[plan.dp_axis]
-        k = sy.axes[plan.dp_axis] if not dp.shard_size else dp.shard_size
-        if dp.zero == 2:
-            grads = grads / sy.axes[plan.dp_axis]
-        if dp.zero == 3:  # parameters too, over the shard group (HSDP: shard_size ranks)
-            params, grads, opt = params / k, grads / k, opt * sy.axes[plan.dp_axis] / k
     acts = sympy.Integer(0)
     for node in plan.graph.nodes:
         if node.op != "call_function" or op_work(node) is VIEW or not plan.ctx.needs_grad.get(node):
@@ -159,9 +152,8 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
             acts += sy.numel(val.shape, spec) * val.dtype.itemsize
     out = {"params": params, "grads": grads, "optimizer": opt, "activations": acts}
-    if dp is not None and dp.zero == 3:  # blocks gathered at once, and one bucket's reduce buffers
-        fsdp = plan.memory_per_rank(0, optimizer_states)
-        out["gathered"] = sympy.Integer(fsdp["gathered"] + fsdp["reduce_buffers"])
+    for technique in plan.options.techniques:  # ZeRO's shares, zero=3's gathered blocks, ...
+        out = technique.memory_formulas(plan, sy, out)
     return {k: simplify(v) for k, v in out.items()}
 
 

@@ -13,12 +13,14 @@ Example:
 
 from __future__ import annotations
 
+import html
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from autopar.placement import fmt_spec
 from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path
+from autopar.cost.plan_cost import Cost
 
 HIDDEN_OPS = {"getitem", "sym_size", "_assert_scalar", "sym_constrain_range_for_size"}
 
@@ -30,8 +32,6 @@ class Text(str):
         return str(self)
 
     def _repr_html_(self) -> str:
-        import html
-
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
@@ -138,8 +138,6 @@ def comm_totals(comms) -> dict:
 
 def memory_numbers(plan) -> dict:
     """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params."""
-    from autopar.cost.plan_cost import Cost
-
     num = Cost(plan).at()["memory"]
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))
     return num

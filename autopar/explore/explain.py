@@ -21,6 +21,8 @@ from autopar.placement import Replicate, fmt_spec, local_shape
 from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path, module_paths
 from autopar.sharding.redistribute import plan_steps
+from autopar.parallel.dp_module import sync_axes_all_names
+from autopar.explore.auto_explain import module_reason, search_text
 
 R = Replicate()
 
@@ -28,8 +30,6 @@ R = Replicate()
 def explain(plan, name: str) -> Text:
     rec = plan.built.get("auto")
     if name == "auto" and rec:
-        from autopar.search.explain import search_text
-
         return Text(search_text(rec))
     nodes = {n.name: n for n in plan.graph.nodes if "autopar" in n.meta}
     params = dict(plan.model.named_parameters(remove_duplicate=False))
@@ -191,8 +191,6 @@ def _explain_param(plan, fqn, comms) -> str:
     ]
     if tied:
         lines.append(f"  tied with {', '.join(n for n in tied[0] if n != fqn)}: one tensor, one layout")
-    from autopar.parallel.dp_module import sync_axes_all_names
-
     axes = sync_axes_all_names(plan).get(fqn, ())  # what the gradient buckets sync (tied names, techniques)
     stored = [line for t in plan.options.techniques for line in t.explain_param(plan, fqn)]
     lines += [f"  {line}" for line in stored]
@@ -232,8 +230,6 @@ def _explain_module(plan, path, comms) -> str:
     lines.append(f"  collectives: {len(inside)}, {fmt_bytes(total)} per step and rank")
     lines += [f"    {c.node}: {comm_label(c)} {fmt_bytes(c.bytes)}: {comm_reason(plan, c)}" for c in inside]
     if plan.built.get("auto"):
-        from autopar.search.explain import module_reason
-
         why = module_reason(plan.built["auto"], path)
         lines += [why] if why else []
     return "\n".join(lines)

@@ -25,11 +25,11 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from autopar import placement
+from autopar.placement import parse_placement as _parse_placement
 from autopar.errors import PlanError, ShardingError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.parallel.data_parallel import DataParallel
+from autopar.parallel import TECHNIQUES
 from autopar.sharding.annotations import Seeds
 from autopar.sharding.propagate import Layout, layout_of, op_info, tensor_inputs
 from autopar.sharding.rules import get_rule
@@ -49,7 +49,7 @@ def placement_text(p) -> str:
 def parse_placement(text: str):
     """A placement from its text (the one definition lives in placement.py)."""
     try:
-        return placement.parse_placement(text)
+        return _parse_placement(text)
     except ShardingError as e:
         raise PlanFileError(f"{e} (in a plan file)") from None
 
@@ -134,26 +134,28 @@ def _version() -> str:
 
 
 def _options_out(options) -> dict:
-    """ap.PlanOptions as JSON: plain fields as they are, each technique by its own fields()."""
+    """ap.PlanOptions as JSON: plain fields as they are, each registered technique under its name
+    by its own fields() (None when the plan has none)."""
     out = {
         f.name: getattr(options, f.name)
         for f in dataclasses.fields(options)
-        if f.name not in ("data_parallel", "pipeline", "split_before", "auto")
+        if f.name not in ("techniques", "split_before", "auto")
     }  # auto: done, see "auto"
-    dp = options.data_parallel
-    out["data_parallel"] = None if dp is None else {"__DataParallel__": dp.fields()}
+    for name, cls in TECHNIQUES.items():
+        technique = getattr(options, name)
+        out[name] = None if technique is None else {f"__{cls.__name__}__": technique.fields()}
     return out
 
 
 def _options_in(options: dict, path):
     """The ap.PlanOptions of a plan file (older files: unknown keys are ignored, with a warning)."""
-
-    known = {f.name for f in dataclasses.fields(PlanOptions)}
+    known = {f.name for f in dataclasses.fields(PlanOptions)} - {"techniques"}
     kept = {}
     for k, v in options.items():
-        if k == "data_parallel" and isinstance(v, dict):
-            v = DataParallel.from_fields(v["__DataParallel__"])
-        if k in known:
+        if k in TECHNIQUES:
+            cls = TECHNIQUES[k]
+            kept[k] = cls.from_fields(v[f"__{cls.__name__}__"]) if isinstance(v, dict) else None
+        elif k in known:
             kept[k] = v
         elif k not in ("bucket_bytes", "bucket_max_params"):  # version-1 files: now DataParallel's
             warnings.warn(

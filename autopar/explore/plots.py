@@ -1,5 +1,5 @@
 """Plots of a plan (matplotlib Figures, no pyplot state): memory per rank, communication per
-layer and axis. The pipeline timeline is ``plan.timeline_figure()`` (autopar/parallel/pipeline/timeline.py).
+layer and axis. The pipeline timeline is ``plan.timeline_figure()`` (plot_timeline, rows from parallel/pipeline/timeline.py).
 
 Example:
     >>> fig = plan.plot_memory()          # stacked bars: params, grads, optimizer, activations
@@ -7,6 +7,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import io
 
 KINDS = ("params", "grads", "optimizer", "activations", "gathered")  # gathered: zero=3 only
 COLORS = {
@@ -25,8 +27,6 @@ def _figure(w=7.0, h=3.5):
         """A Figure that shows itself in Jupyter without pyplot (no global figure state)."""
 
         def _repr_png_(self) -> bytes:
-            import io
-
             buf = io.BytesIO()
             self.savefig(buf, format="png", dpi=90)
             return buf.getvalue()
@@ -86,4 +86,25 @@ def plot_comm(plan, **dims):
     ax.set_ylabel(f"{unit} per step and rank")
     ax.set_title("communication per layer and mesh axis")
     ax.legend(title="axis")
+    return fig
+
+
+def plot_timeline(rows, unit: str, title: str | None = None):
+    """A matplotlib Figure (shown inline in Jupyter): one row per rank, a bar per action
+    (forward blue, backward orange) labelled with its micro-batch, and with its stage (``F3/1``:
+    micro-batch 3 of stage 1) where a rank runs several stages (interleaved schedules); ``rows``
+    from parallel/pipeline/timeline.py's ``timeline_rows``."""
+    fig = _figure(10, 0.6 * len(rows) + 1.2)
+    ax = fig.add_subplot(1, 1, 1)
+    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    chunks = any(len({a[2] for a in acts}) > 1 for acts in rows)
+    for r, acts in enumerate(rows):
+        for kind, mb, stage, start, end in acts:
+            ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white", height=0.8)
+            label = f"{kind}{mb}/{stage}" if chunks else f"{kind}{mb}"
+            ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(title or "pipeline timeline (blue: forward, orange: backward)")
     return fig

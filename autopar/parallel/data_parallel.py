@@ -37,18 +37,22 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.errors import PlanError
+from autopar.errors import DataParallelError
+from autopar.parallel import dp_module
+from autopar.parallel.fsdp import FullyShardedStorage
+from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
+from autopar.parallel.local_sgd import LocalSGD
+from autopar.parallel.precision import cast_program
+from autopar.parallel.registry import register_technique
+from autopar.parallel.storage import Replicated, ShardedOptimizer
 from autopar.parallel.technique import Technique
-from autopar.runtime.ring import ring_bytes
+from autopar.parallel.zero import ZeroOptimizer
 
-DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
-DEFAULT_FIRST_BUCKET_MB = 1.0  # as DDP: a small first bucket starts communication early
-
-
-class DataParallelError(PlanError):
-    """DataParallel options that cannot work together (or a ZeRO/local-SGD module misused)."""
+# the storage policy of each ZeRO level (parallel/storage.py), chosen once per DataParallel
+STORAGE = {0: Replicated(), 1: ShardedOptimizer(1), 2: ShardedOptimizer(2), 3: FullyShardedStorage()}
 
 
+@register_technique
 @dataclass(frozen=True)
 class DataParallel(Technique):
     axis: str
@@ -66,6 +70,12 @@ class DataParallel(Technique):
     output_dtype: torch.dtype | None = None
 
     name = "data_parallel"
+    order = 10  # first: the batch split shapes every layout
+
+    @property
+    def storage(self):
+        """How parameters, gradients and optimizer state are kept: the policy of ``zero``."""
+        return STORAGE[self.zero]
 
     def __post_init__(self):
         if not isinstance(self.axis, str):
@@ -182,67 +192,115 @@ class DataParallel(Technique):
         return merged, dataclasses.replace(self, axis=name, replicate_axis=None, shard_size=size)
 
     def attach(self, plan, module, rank: int) -> None:
-        """Local SGD's parameter averaging, or zero=3's gathers (the gradient buckets are
-        attached for every plan)."""
-        if self.zero == 3:
-            from autopar.parallel import fsdp_runtime as fsdp
-
-            fsdp.attach(plan, module, rank)
+        """The storage's run-time half (zero=3's gathers) and local SGD's parameter averaging (the
+        gradient buckets are attached for every plan)."""
+        self.storage.attach(plan, module, rank)
         if self.local_sgd_every is not None and hasattr(module, "autopar_grad_sync"):
-            from autopar.parallel.local_sgd import LocalSGD
-
             module.autopar_local_sgd = LocalSGD(module.autopar_grad_sync, self.local_sgd_every)
 
     def bucket_comms(self, numel, dtype: torch.dtype, n) -> list[tuple]:
         """(kind, phase, bytes per rank) of one gradient bucket on this axis of size ``n``."""
         if self.local_sgd_every is not None:
             return []  # parameters averaged every k steps instead
-        return bucket_sync(self.zero, n, numel * (self.reduce_dtype or dtype).itemsize, numel * dtype.itemsize)
+        return self.storage.bucket_comms(self, n, numel * (self.reduce_dtype or dtype).itemsize, numel * dtype.itemsize)
 
-    # zero=3 and the precision policy: parallel/fsdp.py
+    def memory_divisors(self, n):
+        """A rank keeps 1/d of the parameters, gradients and optimizer state it computes with:
+        (d_params, d_grads, d_optimizer) on a dp axis of size ``n`` (numbers or sympy symbols),
+        as the storage policy of ``zero`` keeps them; the cost model's and the search's."""
+        return self.storage.memory_divisors(self, n)
+
+    def exact(self) -> "DataParallel":
+        """These options with fp32 gradient sums (what Plan.check compares with serial): ZeRO-1/2,
+        local SGD, a reduce dtype and a precision policy change what the optimizer gets, not the
+        layouts. zero=3 stays (with its sharding, prefetch and resharding): its gathers and
+        reduce-scatters are exact in fp32, and its stored pieces merge into the full gradients, so
+        check runs the program that trains."""
+        keep = self.storage.exact_level == self.zero
+        return dataclasses.replace(
+            self,
+            zero=self.storage.exact_level,
+            local_sgd_every=None,
+            reduce_dtype=None,
+            reshard_after_forward=self.reshard_after_forward if keep else True,
+            prefetch=self.prefetch if keep else 1,
+            shard_size=self.shard_size if keep else None,
+            param_dtype=None,
+            output_dtype=None,
+        )
+
+    # what the storage policy decides (parallel/storage.py)
     def stored(self, plan, rank, fqn, local):
-        return self._fsdp().stored(plan, rank, fqn, local) if self.zero == 3 else local
+        return self.storage.stored(plan, rank, fqn, local)
 
     def stored_start(self, plan, rank, fqn):
-        return self._fsdp().stored_start(plan, rank, fqn) if self.zero == 3 else None
-
-    def explain_param(self, plan, fqn):
-        return self._fsdp().explain_param(plan, fqn) if self.zero == 3 else []
+        return self.storage.stored_start(plan, rank, fqn)
 
     def stored_axes(self, plan, fqn: str) -> tuple:
-        if self.zero != 3:
-            return ()
-        fsdp = self._fsdp()
-        return (plan.dp_axis,) if fsdp.canonical_names(plan).get(fqn, fqn) in fsdp.bucket_index(plan) else ()
+        return self.storage.stored_axes(plan, fqn)
 
     def counts_stored(self, plan, rank, fqn) -> bool:
-        """HSDP: a piece is stored once per replica group; its first rank counts it."""
-        return self.zero != 3 or self._fsdp().groups(plan, rank)[1][0] == rank
+        return self.storage.counts_stored(plan, rank, fqn)
 
     def restored(self, plan, per_rank):
-        return self._fsdp().restored(plan, per_rank) if self.zero == 3 else per_rank
+        return self.storage.restored(plan, per_rank)
 
     def rewrite_program(self, plan, graph) -> None:
-        if self.zero == 3 or self.param_dtype is not None or self.output_dtype is not None:
-            self._fsdp().rewrite_program(plan, graph)
+        self.storage.rewrite_program(plan, graph)  # zero=3's gathers, in param_dtype
+        cast_program(plan, graph, self.param_dtype, self.output_dtype)
 
     def grad_sync_axes(self, plan, axes):
-        return self._fsdp().sync_axes(plan, axes) if self.zero == 3 else axes
+        return self.storage.grad_sync_axes(plan, axes)
+
+    def grad_pieces(self, plan, module, rank, pieces):
+        return self.storage.grad_pieces(plan, module, rank, pieces)
+
+    def explain_param(self, plan, fqn):
+        return self.storage.explain_param(plan, fqn)
 
     def memory(self, plan, rank, state_slots, mem):
-        return self._fsdp().memory(plan, rank, state_slots, mem) if self.zero == 3 else mem
+        return self.storage.memory(plan, rank, state_slots, mem)
+
+    def memory_formulas(self, plan, symbols, terms):
+        """ZeRO keeps 1/dp (HSDP: 1/shard_size) of what its level shards; zero=3 adds the blocks
+        gathered at once and one bucket's reduce buffers (``gathered``)."""
+        divisors = self.memory_divisors(symbols.axes[plan.dp_axis])
+        out = dict(terms)
+        for key, d in zip(("params", "grads", "optimizer"), divisors):
+            out[key] = terms[key] / d
+        return self.storage.memory_formulas(plan, symbols, out)
 
     def collectives(self, plan, symbols) -> list:
-        return self._fsdp().collectives(plan, symbols) if self.zero == 3 else []
+        return self.storage.collectives(plan, symbols)
 
     def process_groups(self, plan) -> list:
-        return self._fsdp().process_groups(plan) if self.shard_size is not None else []
+        return self.storage.process_groups(plan)
+
+    # ------------------------------------------------------- what a Plan offers (plan.<name>)
+    plan_methods = ("with_data_parallel", "grad_buckets", "memory_per_rank", "zero_optimizer")
 
     @staticmethod
-    def _fsdp():
-        from autopar.parallel import fsdp
+    def with_data_parallel(plan, data_parallel):
+        """The same plan (same trace and layouts) with other DataParallel options on the same axis.
 
-        return fsdp
+        Example: ``plan.with_data_parallel(ap.DataParallel("dp", zero=2)).module(rank)``
+        """
+        return plan.with_options(plan.options.replace(data_parallel=data_parallel))
+
+    @staticmethod
+    def grad_buckets(plan, rank: int = 0) -> list:
+        """The fused gradient buckets of ``rank``, in the order every rank of its group launches them."""
+        return dp_module.grad_buckets(plan, rank)
+
+    @staticmethod
+    def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict:
+        """Bytes of parameters, gradients and optimizer state on ``rank`` (ZeRO shards counted)."""
+        return dp_module.memory_per_rank(plan, rank, state_slots)
+
+    @staticmethod
+    def zero_optimizer(plan, module, optimizer_class, **kwargs):
+        """ap.ZeroOptimizer(module, optimizer_class, **kwargs) for a module of this plan (zero=1|2)."""
+        return ZeroOptimizer(module, optimizer_class, **kwargs)
 
     _DTYPES = ("reduce_dtype", "param_dtype", "output_dtype")
 
@@ -260,17 +318,3 @@ class DataParallel(Technique):
             if fields.get(key) is not None:
                 fields[key] = getattr(torch, fields[key])
         return cls(**fields)
-
-
-def bucket_sync(zero: int, n, wire_bytes, param_bytes) -> list[tuple]:
-    """(kind, phase, bytes per rank) of one bucket's sync on a data-parallel axis of size ``n``:
-    ``wire_bytes`` of gradient on the wire, ``param_bytes`` of parameters (ZeRO all-gathers them
-    after the step). The one definition the plan's collectives and the search's costs share."""
-
-    sync = (
-        ("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", wire_bytes, n))
-        if zero == 2
-        else ("all_reduce", "grad sync", ring_bytes("all_reduce", wire_bytes, n))
-    )
-    gather = [("all_gather", "optimizer", ring_bytes("all_gather", param_bytes / n, n))] if zero else []
-    return [sync] + gather

@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (ZeRO-3, HSDP) and mixed precision: ``ap.DataParallel(zero=3)``.
+"""Fully sharded data parallel (ZeRO-3, HSDP): the storage policy of ``ap.DataParallel(zero=3)``.
 
 In graph terms a parameter is *stored* split over the data-parallel ranks and *computed*
 replicated on them: the emitted program gets, per block (a flat bucket of parameters, e.g.
@@ -25,9 +25,12 @@ storage and the program do.
 - HSDP: ``shard_size=k`` shards each parameter over groups of k consecutive ranks of the dp
   axis and replicates it across the dp/k groups (reduce-scatter in the group, all-reduce
   across groups).
-- Mixed precision (any zero level): ``param_dtype`` computes with parameters cast from their
-  fp32 pieces (zero=3: gathered in that dtype) and casts floating inputs to it;
-  ``reduce_dtype`` is the gradient reduction's dtype; ``output_dtype`` casts the outputs.
+- Mixed precision: the gathers gather in ``param_dtype`` and reduce in ``reduce_dtype``; the
+  other casts of the policy are parallel/precision.py's (any zero level).
+
+The layout arithmetic (flat buckets, each rank's range) is fsdp_layout.py; the run-time half
+(gathers, reduce-scatters, freeing) fsdp_runtime.py; this file is the plan's side, gathered in
+``FullyShardedStorage``, the policy ``DataParallel(zero=3).storage`` is.
 
 Example:
     >>> dp = ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -37,178 +40,31 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import sympy
 import torch
 import torch.fx as fx
 
+from autopar.cost import make_comm
+from autopar.parallel import fsdp_runtime
+from autopar.parallel.fsdp_layout import (
+    RUNTIME_ATTR,
+    FlatBucket,
+    bucket_index,
+    buckets_cached,
+    groups,
+    process_groups,
+    shard_size,
+    stored_range,
+)
+from autopar.parallel.fsdp_runtime import fsdp_gather
+from autopar.parallel.grad_buckets import bucket_sync
+from autopar.parallel.param_names import canonical_names, held_params
+from autopar.parallel.precision import param_attrs
+from autopar.parallel.storage import Storage
 from autopar.runtime.ring import ring_bytes
 
 
-RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
-
-
-# ------------------------------------------------------------------------------ layout
-@dataclass
-class FlatBucket:
-    """One gathered unit: parameters (canonical names) laid end to end, padded to k chunks."""
-
-    key: str
-    names: list[str]
-    shapes: list[tuple]
-    offsets: list[int]
-    numel: int
-    dtype: torch.dtype
-    k: int
-
-    @property
-    def chunk(self) -> int:
-        return -(-self.numel // self.k)
-
-    def piece(self, i: int, pos: int) -> tuple[int, int]:
-        """[lo, hi) of parameter ``i`` inside chunk ``pos`` (offsets within the chunk)."""
-        lo, hi = pos * self.chunk, (pos + 1) * self.chunk
-        a, b = max(self.offsets[i], lo), min(self.offsets[i] + _numel(self.shapes[i]), hi)
-        return (a - lo, b - lo) if a < b else (0, 0)
-
-
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
-
-
-def block_key(name: str) -> str:
-    """The block a parameter belongs to: its path up to the first numbered module
-    (``layers.3.fc1.weight`` -> ``layers.3``), '' for parameters outside repeated blocks."""
-    parts = name.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
-
-
-def canonical_names(plan) -> dict[str, str]:
-    """Every parameter name -> the one name its tensor is stored under (tied weights share)."""
-    out = {n: n for n, _ in plan.model.named_parameters(remove_duplicate=False)}
-    for names in plan.traced.tied.values():
-        out.update({n: names[0] for n in names})
-    return out
-
-
-def first_use_order(plan) -> list[str]:
-    """Canonical parameter names in the order of their first use in the forward graph."""
-    canon, seen, order = canonical_names(plan), set(), []
-    nodes = list(plan.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    firsts = []
-    for node in nodes:
-        fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
-        if fqn is not None and node.users:
-            firsts.append((min(pos[u] for u in node.users), canon.get(fqn, fqn)))
-    for _, name in sorted(firsts):
-        if name not in seen:
-            seen.add(name)
-            order.append(name)
-    return order
-
-
-def buckets(plan) -> list[FlatBucket]:
-    """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
-    parameters of one block, dtype and program unit (the embedding and the head are separate
-    buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
-    on the dp axis itself is left out: its pieces already differ per dp rank, and gathering
-    them over dp would mix different pieces."""
-    from autopar.parallel.dp_module import local_params
-
-    local, k, units = local_params(plan), shard_size(plan), program_units(plan)
-    out: list[FlatBucket] = []
-    last = None
-    for name in first_use_order(plan):
-        if units.get(name, 0) is None:
-            continue  # read by several programs (a weight tied across stages): stays whole
-        spec = plan.param_specs.get(name)
-        if spec is not None and not spec[plan.dp_axis].is_replicate():
-            continue  # already split on the dp axis (annotated so): each rank's piece differs, stays as is
-        p = local[name]
-        key = (units.get(name, 0), block_key(name), p.dtype)
-        if key != last:
-            out.append(FlatBucket(key[1], [], [], [], 0, p.dtype, k))
-            last = key
-        b = out[-1]
-        b.names.append(name)
-        b.shapes.append(tuple(p.shape))
-        b.offsets.append(b.numel)
-        b.numel += p.numel()
-    return out
-
-
-def program_units(plan) -> dict[str, int | None]:
-    """Canonical parameter name -> the program that reads it: the pipeline stage when the plan
-    has one (None when several stages read it), else 0. A gathered bucket never spans two programs:
-    each rank module gathers only the buckets of the parameters it holds."""
-    lay = getattr(plan, "stage_layout", None)
-    if lay is None:
-        return {}
-    canon, out = canonical_names(plan), {}
-    for st in lay.stages:
-        for ph in st.attrs:
-            fqn = plan.attr_name(ph)
-            if fqn in canon:
-                name = canon[fqn]
-                out[name] = st.index if out.get(name, st.index) == st.index else None
-    return out
-
-
-def shard_size(plan) -> int:
-    n = plan.mesh.shape[plan.dp_axis]
-    return plan.data_parallel.shard_size or n
-
-
-def groups(plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shard group, replica group) of ``rank``: HSDP splits the dp group into groups of k
-    consecutive ranks (shard) and the ranks at the same position in each (replica)."""
-    dp_group, k = plan.mesh.group(plan.dp_axis, rank), shard_size(plan)
-    i = dp_group.index(rank)
-    shard = dp_group[i - i % k : i - i % k + k]
-    replica = dp_group[i % k :: k]
-    return tuple(shard), tuple(replica)
-
-
-def process_groups(plan) -> list[tuple[int, ...]]:
-    """Every HSDP sub-group of every rank (ap.parallelize makes them on every rank in this order)."""
-    out = []
-    for rank in plan.mesh.ranks():
-        for g in groups(plan, rank):
-            if g not in out and len(g) > 1:
-                out.append(g)
-    return out
-
-
 # ------------------------------------------------------------------------------ storage
-def bucket_index(plan) -> dict[str, tuple[int, int]]:
-    cached = plan.built.get("fsdp_index")
-    if cached is None:
-        cached = {n: (bi, i) for bi, b in enumerate(buckets(plan)) for i, n in enumerate(b.names)}
-        plan.built["fsdp_index"] = cached
-    return cached
-
-
-def stored_range(plan, rank: int, fqn: str) -> tuple[int, int] | None:
-    """[a, b) of ``rank``'s stored piece of parameter ``fqn`` in its flattened compute piece
-    (None: stored whole, a parameter used nowhere in the graph); a == b for an empty piece."""
-    canon = canonical_names(plan).get(fqn, fqn)
-    where = bucket_index(plan).get(canon)
-    if where is None:
-        return None
-    b = buckets_cached(plan)[where[0]]
-    shard, _ = groups(plan, rank)
-    lo, hi = b.piece(where[1], shard.index(rank))
-    a = shard.index(rank) * b.chunk + lo - b.offsets[where[1]]
-    return (a, a + (hi - lo)) if hi > lo else (0, 0)
-
-
 def stored_start(plan, rank: int, fqn: str) -> int | None:
     where = stored_range(plan, rank, fqn)
     return None if where is None else where[0]
@@ -251,12 +107,6 @@ def restored(plan, per_rank: list[dict]) -> list[dict]:
     return out
 
 
-def buckets_cached(plan) -> list[FlatBucket]:
-    if "fsdp_buckets" not in plan.built:
-        plan.built["fsdp_buckets"] = buckets(plan)
-    return plan.built["fsdp_buckets"]
-
-
 def sync_axes(plan, axes: dict) -> dict:
     """The gradient sync's axes without dp for the parameters a gather reduces."""
     index, canon = bucket_index(plan), canonical_names(plan)
@@ -267,59 +117,10 @@ def sync_axes(plan, axes: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ program
-def rewrite_program(plan, graph: fx.Graph) -> None:
-    """Write the gathers (zero=3) and the precision casts into the emitted program."""
-    dp = plan.data_parallel
-    attrs = _param_attrs(plan, graph)
-    if dp.zero == 3:
-        _insert_gathers(plan, graph, attrs)  # gathered in param_dtype
-    if dp.param_dtype is not None:
-        # the parameters no gather casts: all without zero=3; with it those left whole (a weight
-        # tied across pipeline stages, one used nowhere else)
-        gathered = {n for n in attrs if n.users and all(u.target is _gather_op() for u in n.users)}
-        for node in [n for n in attrs if n.users and n not in gathered]:
-            _cast_uses(graph, node, dp.param_dtype, after=node)
-    if dp.param_dtype is not None:
-        for node in [n for n in graph.nodes if n.op == "placeholder"]:
-            if node.meta.get("val") is None or node.meta["val"].dtype.is_floating_point:
-                _cast_uses(graph, node, dp.param_dtype, after=node, floating_only=True)
-    if dp.output_dtype is not None:
-        out = next(n for n in graph.nodes if n.op == "output")
-        with graph.inserting_before(out):
-            cast = graph.call_function(cast_outputs, (out.args[0], dp.output_dtype))
-        out.args = (cast,)
-
-
-def _param_attrs(plan, graph) -> list[fx.Node]:
-    names = set(canonical_names(plan))
-    return [n for n in graph.nodes if n.op == "get_attr" and n.target in names and n.users]
-
-
-def _cast_uses(graph, node, dtype, after, floating_only=False) -> None:
-    with graph.inserting_after(after):
-        cast = graph.call_function(cast_floating if floating_only else _to_dtype, (node, dtype))
-    node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
-
-
-def _to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.to(dtype)
-
-
-def cast_floating(x, dtype):
-    """``x`` in ``dtype`` if it is a floating tensor (an input: token ids stay integers)."""
-    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
-def cast_outputs(outs, dtype):
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_map(lambda v: cast_floating(v, dtype), outs)
-
-
-def _insert_gathers(plan, graph, attrs) -> None:
-    """One gather per bucket, right before the first node that uses one of its parameters."""
-    fsdp_gather = _gather_op()
-
+def insert_gathers(plan, graph: fx.Graph) -> None:
+    """One gather per bucket, right before the first node that uses one of its parameters (in
+    ``param_dtype``, so the precision policy's casts skip what a gather reads)."""
+    attrs = param_attrs(plan, graph)
     canon, index, bs = canonical_names(plan), bucket_index(plan), buckets_cached(plan)
     by_bucket: dict[int, list[fx.Node]] = {}
     for node in attrs:
@@ -350,12 +151,6 @@ def _item(t, i):
     return t[i]
 
 
-def _gather_op():
-    from autopar.parallel.fsdp_runtime import fsdp_gather  # (the run-time half imports this file)
-
-    return fsdp_gather
-
-
 # ------------------------------------------------------------------------------ the plan shows it
 def _wire(plan, b: FlatBucket, dtype) -> int:
     return b.chunk * (dtype or b.dtype).itemsize
@@ -376,8 +171,6 @@ def read_in_backward(plan, b: FlatBucket) -> bool:
 
 def held_buckets(plan, rank: int) -> list[FlatBucket]:
     """The buckets ``rank`` gathers: all, or under a pipeline those of its stages' parameters."""
-    from autopar.parallel.dp_module import held_params
-
     held = held_params(plan, rank)
     return [b for b in buckets_cached(plan) if all(n in held for n in b.names)]
 
@@ -388,8 +181,6 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     and the ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward).
     Under a pipeline, of the buckets of the rank's stages only."""
     dp, k = plan.data_parallel, shard_size(plan)
-    from autopar.parallel.dp_module import held_params
-
     local, index = held_params(plan, rank), bucket_index(plan)
     bs = held_buckets(plan, rank)
     whole = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index)
@@ -422,9 +213,6 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
 def collectives(plan, sy) -> list:
     """Per bucket: its forward all-gather, backward all-gather (resharded after forward),
     backward reduce-scatter and, for HSDP, the all-reduce of the reduced piece across replicas."""
-    import sympy
-    from autopar.cost import make_comm
-
     dp, k = plan.data_parallel, shard_size(plan)
     r = plan.mesh.shape[plan.dp_axis] // k
     axis = plan.mesh.axis_names[plan.dp_axis]
@@ -472,3 +260,62 @@ def explain_param(plan, fqn: str) -> list[str]:
             else ""
         ),
     ]
+
+
+class FullyShardedStorage(Storage):
+    """zero=3: the hooks of ``DataParallel`` that store, gather and reduce (see the module docstring)."""
+
+    level = exact_level = 3  # plan.check runs the zero=3 program itself: its sums are exact in fp32
+
+    def stored(self, plan, rank, fqn, local):
+        return stored(plan, rank, fqn, local)
+
+    def stored_start(self, plan, rank, fqn):
+        where = stored_range(plan, rank, fqn)
+        return None if where is None else where[0]
+
+    def stored_axes(self, plan, fqn: str) -> tuple:
+        return (plan.dp_axis,) if canonical_names(plan).get(fqn, fqn) in bucket_index(plan) else ()
+
+    def counts_stored(self, plan, rank, fqn) -> bool:
+        """HSDP: a piece is stored once per replica group; its first rank counts it."""
+        return groups(plan, rank)[1][0] == rank
+
+    def restored(self, plan, per_rank):
+        return restored(plan, per_rank)
+
+    def rewrite_program(self, plan, graph) -> None:
+        insert_gathers(plan, graph)
+
+    def grad_sync_axes(self, plan, axes):
+        return sync_axes(plan, axes)
+
+    def attach(self, plan, module, rank: int) -> None:
+        fsdp_runtime.attach(plan, module, rank)
+
+    def process_groups(self, plan) -> list:
+        return process_groups(plan) if plan.data_parallel.shard_size is not None else []
+
+    def explain_param(self, plan, fqn):
+        return explain_param(plan, fqn)
+
+    def bucket_comms(self, dp, n, wire_bytes, param_bytes) -> list[tuple]:
+        """A parameter no gather reads (split on dp, or used nowhere) is synced as plain data
+        parallel; the gathered ones are reduced by their gathers (``collectives``)."""
+        return bucket_sync(0, n, wire_bytes, param_bytes)
+
+    def memory_divisors(self, dp, n):
+        k = dp.shard_size or n
+        return k, k, k
+
+    def memory(self, plan, rank, state_slots, mem):
+        return memory(plan, rank, state_slots, mem)
+
+    def memory_formulas(self, plan, symbols, terms):
+        """Blocks gathered at once and one bucket's reduce buffers, as numbers (they depend on
+        the buckets, not on the batch)."""
+        held = plan.memory_per_rank(0)
+        return dict(terms, gathered=sympy.Integer(held["gathered"] + held["reduce_buffers"]))
+
+    def collectives(self, plan, symbols) -> list:
+        return collectives(plan, symbols)

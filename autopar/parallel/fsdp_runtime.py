@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.parallel.fsdp import RUNTIME_ATTR, FlatBucket, _numel, buckets_cached, canonical_names, groups
+from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, buckets_cached, groups
+from autopar.parallel.param_names import canonical_names
 from autopar.runtime.backend import current_backend
 
 

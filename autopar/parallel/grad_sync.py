@@ -26,62 +26,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
 from autopar.runtime.backend import current_backend
-from autopar.parallel.data_parallel import DEFAULT_BUCKET_MB, DataParallel, DataParallelError
-
-
-@dataclass
-class Bucket:
-    names: list[str]
-    axes: tuple[int, ...]
-    dtype: torch.dtype
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-def make_buckets(
-    params: dict[str, torch.nn.Parameter],
-    sync_axes: dict[str, tuple[int, ...]],
-    bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
-    bucket_max_params: int | None = None,
-    order: list[str] | None = None,
-    first_bucket_bytes: int | None = None,
-) -> list[Bucket]:
-    """Deterministic buckets (same on every rank) for the parameters that need a sync.
-
-    ``order``: parameter names in the order their gradients become ready (default: reverse
-    registration order); names not in it follow in reverse registration order.
-    ``first_bucket_bytes``: a smaller bound for the first bucket of each (axes, dtype).
-    """
-    names = [n for n in (order or []) if n in params]
-    seen = set(names)
-    names += [n for n in reversed(list(params)) if n not in seen]
-    open_: dict[tuple, Bucket] = {}
-    done: list[Bucket] = []
-    closed: set[tuple] = set()
-    for name in names:
-        p = params[name]
-        axes = sync_axes.get(name)
-        if not axes or not p.requires_grad:
-            continue
-        key = (axes, p.dtype)
-        b = open_.setdefault(key, Bucket([], axes, p.dtype, 0))
-        b.names.append(name)
-        b.numel += p.numel()
-        first = first_bucket_bytes is not None and key not in closed
-        full_bytes = b.numel * p.element_size() >= (min(bucket_bytes, first_bucket_bytes) if first else bucket_bytes)
-        full_count = bucket_max_params is not None and len(b.names) >= bucket_max_params
-        if full_bytes or full_count:
-            done.append(open_.pop(key))
-            closed.add(key)
-    return done + list(open_.values())
+from autopar.errors import DataParallelError
+from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, Bucket, make_buckets
+from autopar.parallel.zero import ZeroShards
 
 
 class GradSync:
@@ -95,7 +46,7 @@ class GradSync:
         rank: int,
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
         bucket_max_params: int | None = None,
-        dp: DataParallel | None = None,
+        dp=None,  # the plan's ap.DataParallel
         dp_axis: int | None = None,
         order: list[str] | None = None,
     ):
@@ -110,8 +61,6 @@ class GradSync:
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
         if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
-            from autopar.parallel.zero import ZeroShards
-
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         self._reset()
         self.held: set[int] = set()  # buckets whose .grad hold synced sums (no zero_grad since)

@@ -2,18 +2,21 @@
 
 Layouts (tensor parallelism, vocabulary and sequence parallel) come from annotations and
 rules. A *technique* is everything else a plan can be asked for: data parallelism (gradient
-buckets, ZeRO, local SGD), the pipeline, and next fully sharded data parallel or context
-parallel. Each is one frozen options value (``ap.DataParallel``, ``ap.Pipeline``) that
-implements these hooks; the planning pipeline (planner.py), the rank modules (plan.py), the
-cost model (cost/collectives.py, parallel/dp_module.py) and save/load call them and
-know nothing else about the technique. Adding one is one file here plus its tests.
+buckets, ZeRO 1-3, local SGD, the precision policy), the pipeline, and whatever is added
+next. Each is one frozen options value (``ap.DataParallel``, ``ap.Pipeline``) registered by
+name (registry.py) that implements these hooks; the planning pipeline (planner.py), the rank
+modules (codegen/rank_module.py), the cost model (cost/), checkpoints, clipping, explain and
+save/load call them and know nothing else about the technique. Adding one is one file here
+plus its tests.
 
 Every hook has a default that does nothing, so a technique implements only what it needs.
 
 Example (the shape of a new technique):
-    >>> @dataclass(frozen=True)
+    >>> @register_technique
+    ... @dataclass(frozen=True)
     ... class MyTechnique(Technique):
     ...     axis: str
+    ...     name = "my_technique"          # ap.plan(..., my_technique=MyTechnique("tp"))
     ...     def validate(self, mesh, options, annotations): mesh.axis_index(self.axis)
     ...     def attach(self, plan, module, rank): module.my_hook = ...
 """
@@ -22,12 +25,42 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar.errors import PlanError
+
 
 class Technique:
     """Base of parallelism techniques; subclasses are frozen dataclasses."""
 
-    #: the key the technique is saved under in a plan file
+    #: its keyword in ap.plan / ap.parallelize, its field of ap.PlanOptions, its key in plan files
     name: str = ""
+    #: where it applies among the techniques (lower first): the hooks chain in this order
+    order: int = 50
+    #: functions the technique offers as ``plan.<name>(...)`` (static methods taking the plan first)
+    plan_methods: tuple = ()
+
+    # ---- options: the keyword's value, and what it needs of the other options
+    @classmethod
+    def of(cls, value):
+        """The technique for ``ap.plan``'s keyword value: None, an instance, or a shorthand a
+        subclass accepts (``data_parallel="dp"``)."""
+        if value is None or isinstance(value, cls):
+            return value
+        raise PlanError(f"{cls.name}={value!r}: give an ap.{cls.__name__}(...) or None.")
+
+    @classmethod
+    def take_annotations(cls, annotations: dict) -> tuple[dict, dict]:
+        """(the annotations left, ap.PlanOptions fields): annotations that belong to the technique
+        rather than to the layouts (``ap.split_before()`` marks pipeline stages)."""
+        return annotations, {}
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        """Refuse PlanOptions that need this technique and lack it (split_before without a pipeline)."""
+
+    def exact(self) -> "Technique":
+        """These options as plan.check runs them: the variant whose gradients are the exact fp32
+        sums the serial model has (reduced-precision syncs and optimizer sharding left out)."""
+        return self
 
     def validate(self, mesh, options, annotations: dict) -> None:
         """Raise a PlanError when the technique cannot work on this mesh with these options."""
@@ -85,6 +118,10 @@ class Technique:
         """The gradient buckets' axes per parameter (a technique reducing some itself drops them)."""
         return axes
 
+    def describe(self, plan) -> str:
+        """What the technique built, as text print(plan) adds after the table ('' for nothing)."""
+        return ""
+
     def explain_param(self, plan, fqn: str) -> list[str]:
         """Lines plan.explain(fqn) adds for this technique (how the parameter is stored, synced)."""
         return []
@@ -92,6 +129,15 @@ class Technique:
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Memory per rank (parallel/dp_module.memory_per_rank) as this technique changes it."""
         return mem
+
+    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+        """plan.cost()'s memory formulas (cost/plan_cost.py) as this technique changes them."""
+        return terms
+
+    def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
+        """(name, gradient, counted by this rank) of every gradient ``rank`` holds, as the
+        technique keeps them: whole-model sums (clipping) add the counted ones once."""
+        return pieces
 
     def process_groups(self, plan) -> list:
         """Rank groups beyond the mesh axes' that the technique's collectives use (ap.parallelize

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.runtime.backend import current_backend
-from autopar.parallel.data_parallel import DataParallelError
+from autopar.errors import DataParallelError
 
 WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor")
 

@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import datetime
+import torch.distributed as dist
 import hashlib
 
 import torch
@@ -22,6 +24,7 @@ import torch.fx as fx
 
 from autopar.errors import InconsistentPlanError
 from autopar.placement import fmt_spec
+from autopar.runtime.failures import explain
 
 
 def plan_hash(plan) -> str:
@@ -126,11 +129,6 @@ def verify_consistent(plan, module: fx.GraphModule, timeout: float | None = None
     On gloo a monitored barrier comes first: a rank that never gets here (it failed while
     planning) is named after ``timeout`` seconds instead of the exchange hanging.
     """
-    import datetime
-
-    import torch.distributed as dist
-    from autopar.runtime.failures import explain
-
     rank, world = dist.get_rank(), dist.get_world_size()
     if dist.get_backend() == "gloo":
         try:

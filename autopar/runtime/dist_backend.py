@@ -7,9 +7,12 @@ Example:
 
 from __future__ import annotations
 
+import datetime
+import torch.distributed as dist
 import torch
 
 from autopar.runtime.pieces import _pos, all_to_all_local, chunk_of
+from autopar.runtime.failures import explain
 
 
 class DistBackend:
@@ -39,8 +42,6 @@ class DistBackend:
         """
         if self.timeout is not None and self.timeout != self.groups_timeout:
             return self._wait(kind, group, lambda: call(True))
-        from autopar.runtime.failures import explain
-
         try:
             call(False)
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
@@ -49,9 +50,6 @@ class DistBackend:
     def _wait(self, kind, group, start):
         """Run ``start()`` (an async collective) and wait for it; a failure or a timeout raises
         CollectiveError naming the rank that failed (see failures.py), never hangs past timeout."""
-        import datetime
-        from autopar.runtime.failures import explain
-
         try:
             work = start()
             done = work.wait(datetime.timedelta(seconds=self.timeout)) if self.timeout else work.wait()
@@ -73,8 +71,6 @@ class DistBackend:
             self.stats.record(kind, group, t)
 
     def all_reduce(self, x, group, rank, op, kind="all_reduce"):
-        import torch.distributed as dist
-
         y = x.contiguous().clone()
         self._note(kind, group, y)
         pg = self._pg(group, rank)
@@ -83,8 +79,6 @@ class DistBackend:
 
     def all_reduce_(self, x, group, rank, op):
         """In place, for inputs nothing else reads (see the ``owned`` hint of autopar::all_reduce)."""
-        import torch.distributed as dist
-
         if not x.is_contiguous():
             return self.all_reduce(x, group, rank, op)
         self._note("all_reduce", group, x)
@@ -93,8 +87,6 @@ class DistBackend:
         return x.div_(len(group)) if op == "avg" else x
 
     def all_gather(self, x, dim, group, rank, kind="all_gather"):
-        import torch.distributed as dist
-
         x = x.contiguous()
         self._note(kind, group, x)
         out = [torch.empty_like(x) for _ in group]
@@ -112,21 +104,15 @@ class DistBackend:
         return all_to_all_local(list(pieces), src_dim, dst_dim, _pos(group, rank)).contiguous()
 
     def all_reduce_async(self, flat, group, rank):
-        import torch.distributed as dist
-
         self._note("all_reduce", group, flat)
         pg = self._pg(group, rank)
         try:
             work = dist.all_reduce(flat, group=pg, async_op=True)
         except Exception as e:  # noqa: BLE001 - named like the others
-            from autopar.runtime.failures import explain
-
             raise explain("all_reduce", group, rank, self.timeout, e) from e
         return _Work(work, flat, lambda: self._wait("all_reduce", group, lambda: work))
 
     def broadcast(self, x, group, rank):
-        import torch.distributed as dist
-
         self._note("broadcast", group, x)
         pg = self._pg(group, rank)
         self._run("broadcast", group, lambda a: dist.broadcast(x, src=group[0], group=pg, async_op=a))
@@ -136,8 +122,6 @@ class DistBackend:
         """Sum ``flat`` (numel divisible by the group size) over the group; wait() gives this
         rank's contiguous chunk. Falls back to all-reduce + slice where the process group has
         no reduce-scatter (older gloo)."""
-        import torch.distributed as dist
-
         n, pos = len(group), _pos(group, rank)
         out = flat.new_empty(flat.numel() // n)
         self._note("reduce_scatter", group, flat)
@@ -150,8 +134,6 @@ class DistBackend:
 
     def all_gather_async(self, out, chunk, group, rank):
         """Concatenate every rank's ``chunk`` into ``out`` (numel = group size * chunk numel)."""
-        import torch.distributed as dist
-
         self._note("all_gather", group, chunk)
         work = dist.all_gather_into_tensor(out, chunk, group=self._pg(group, rank), async_op=True)
         return _Work(work, out)

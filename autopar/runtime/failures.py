@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import sys
 
 KEY = "autopar/failed/{rank}"
@@ -25,8 +26,6 @@ class CollectiveError(RuntimeError):
 
 
 def _store():
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
@@ -64,8 +63,6 @@ def failed_ranks(world_size: int) -> dict[int, str]:
 
 def explain(kind: str, group, rank: int, timeout, error: BaseException) -> CollectiveError:
     """The CollectiveError for a collective of ``rank`` over ``group`` that failed with ``error``."""
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_initialized() else max(group) + 1
     failed = {r: m for r, m in failed_ranks(world).items() if r != rank}
     waited = f" after waiting up to {timeout:g} s" if timeout else ""

@@ -32,22 +32,10 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from autopar.runtime.backend import current_backend
 from autopar.errors import PlanError
-from autopar.placement import Shard
-
-
-@dataclass(frozen=True)
-class ParamPlacements:
-    """What a rank's module needs to know for whole-model quantities: mesh, rank, specs."""
-
-    mesh: object
-    rank: int
-    specs: dict  # serial parameter name -> placements (one per mesh axis)
 
 
 class ClipError(PlanError):
@@ -127,21 +115,18 @@ def _scale(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) 
 
 # ------------------------------------------------------------------------- which pieces
 def _pieces(module) -> tuple[list[tuple[torch.Tensor, bool]], object, int]:
-    """(gradient tensor, counted by this rank) for every gradient this rank holds."""
-    from autopar.parallel.pipeline.runner import PipelineRunner
-
-    if isinstance(module, PipelineRunner):
-        return _runner_pieces(module), module.plan.mesh, module.rank
-    info = getattr(module, "autopar_placements", None)
-    if info is None:
+    """(gradient tensor, counted by this rank) for every gradient this rank holds, from the rank
+    protocol every rank module and pipeline runner has (codegen/rank_module.py)."""
+    grad_pieces = getattr(module, "autopar_grad_pieces", None)
+    if grad_pieces is None:
         raise ClipError(
             "clip_grad_norm_ needs a rank's module from plan.module(rank), plan.build_module, "
             "ap.parallelize or plan.pipeline_runner; for a plain nn.Module use "
             "torch.nn.utils.clip_grad_norm_."
         )
-    sync = getattr(module, "autopar_grad_sync", None)
-    _refuse_unsynced(sync)
-    return _module_pieces(module, info, sync), info.mesh, info.rank
+    _refuse_unsynced(getattr(module, "autopar_grad_sync", None))
+    pieces = [(g, counted) for _, g, counted in grad_pieces()]
+    return pieces, module.autopar_plan.mesh, module.autopar_rank
 
 
 def _refuse_unsynced(sync) -> None:
@@ -156,58 +141,3 @@ def _refuse_unsynced(sync) -> None:
             "no serial gradient to take the norm of. Clip each rank with "
             "torch.nn.utils.clip_grad_norm_ instead."
         )
-
-
-def _counts(spec, coords, skip_axes=()) -> bool:
-    """Whether this rank counts a piece of placements ``spec``: coordinate 0 on every axis that
-    does not split it (those ranks hold the same values)."""
-    return all(isinstance(p, Shard) or coords[a] == 0 or a in skip_axes for a, p in enumerate(spec))
-
-
-def _module_pieces(module, info: ParamPlacements, sync) -> list:
-    coords = info.mesh.coords(info.rank)
-    default = (None,) * info.mesh.ndim
-    zero = sync.zero if sync is not None else None
-    sliced = set()  # parameters whose gradient lives in ZeRO-2 slices
-    out = []
-    if zero is not None:
-        dp = sync.dp_axis
-        for piece in zero.all_pieces():
-            if piece.tensor.grad is None:
-                continue
-            counted = sync.dp.zero == 2 and _counts(info.specs.get(piece.name, default), coords, (dp,))
-            out.append((piece.tensor.grad, counted))  # ZeRO-1: scaled here, counted via .grad
-            if sync.dp.zero == 2:
-                sliced.add(piece.name)
-    for name, p in module.named_parameters():
-        if p.grad is None:
-            continue
-        skip, stored_once = _stored(getattr(module, "autopar_plan", None), info.rank, name)
-        counted = name not in sliced and stored_once and _counts(info.specs.get(name, default), coords, skip)
-        out.append((p.grad, counted))
-    return out
-
-
-def _stored(plan, rank: int, name: str) -> tuple[tuple, bool]:
-    """(axes over which the stored pieces of ``name`` differ, whether this rank counts its piece):
-    zero=3 stores disjoint pieces over dp, each counted where it is stored (once per HSDP replica)."""
-    if plan is None:
-        return (), True
-    techniques = plan.options.techniques
-    axes = tuple(a for t in techniques for a in t.stored_axes(plan, name))
-    return axes, all(t.counts_stored(plan, rank, name) for t in techniques) if axes else True
-
-
-def _runner_pieces(runner) -> list:
-    lay, coords = runner.layout, runner.coords
-    first_holder = {id(p): group[0] == runner.rank for p, group in runner.tied_groups}
-    _refuse_unsynced(runner.grad_sync)
-    out = []
-    for name, p in runner.named_parameters():
-        if p.grad is None:
-            continue
-        counted = first_holder.get(id(p), True) and _counts(
-            runner.plan.param_specs.get(name, (None,) * len(coords)), coords, (lay.axis,)
-        )
-        out.append((p.grad, counted))
-    return out

@@ -23,9 +23,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from autopar.parallel import dp_module as dpplan
 from autopar.errors import PlanMismatch
 from autopar.placement import shard_tensor
+from autopar.runtime.simulator import run_ranks
 
 
 # dtype -> (rtol, atol) that plan.check uses unless given: summing in another order (which is
@@ -82,7 +82,7 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     serial_grads = dict(zip(trainable, grads))
 
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-    plan = dpplan.exact_gradients(plan)  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
+    plan = plan.with_exact_gradients()  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
     inputs = [plan.local_inputs(r, *args, **kwargs) for r in plan.mesh.ranks()]
     local_weights = [
@@ -98,8 +98,6 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
             obj.backward()
         g = {n: p.grad for n, p in modules[rank].named_parameters(remove_duplicate=False)}
         return out, g
-
-    from autopar.runtime.simulator import run_ranks
 
     results = run_ranks(plan.mesh.size, step)
     merged_out = plan.merge_outputs([r[0] for r in results])

@@ -160,8 +160,9 @@ def _probe(plan_probe, mesh, traced, ann, dp_axis, strict, comp_of, param_comp, 
 
 
 def _coefs(t: Terms, mesh, profile, dp_axis, zero) -> tuple:
-    sync, gather = t.dp_sync(mesh, profile, dp_axis, zero)
-    return (t.compute + t.comm + gather, sync + t.sync_other, t.backward, t.memory(mesh, dp_axis, zero))
+    dp = DataParallel(mesh.axis_names[dp_axis], zero=zero) if dp_axis is not None else None
+    sync, gather = t.dp_sync(mesh, profile, dp_axis, dp)
+    return (t.compute + t.comm + gather, sync + t.sync_other, t.backward, t.memory(mesh, dp_axis, dp))
 
 
 def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import dataclasses
 import statistics
 import time
@@ -26,8 +27,6 @@ def calibrate(
     matmul: int = 256, small: int = 64, large: int = 1 << 20, repeat: int = 5, fallback: str = "cpu-gloo", group=None
 ) -> Profile:
     """A Profile measured here (name "calibrated"); collective in a torch.distributed job."""
-    import torch.distributed as dist
-
     base = PROFILES[fallback]
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
@@ -59,8 +58,6 @@ def _flops(m: int, repeat: int) -> float:
 
 
 def _allreduce(nbytes: int, repeat: int, group) -> float:
-    import torch.distributed as dist
-
     x = torch.zeros(max(nbytes // 4, 1))
     dist.all_reduce(x, group=group)
     times = []

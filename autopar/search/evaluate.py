@@ -20,7 +20,7 @@ needs that a byte count does not: links and overlap.
 
 Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]
-    >>> t.time(plan.mesh, PROFILES["cpu-gloo"], dp_axis=0, zero=1)
+    >>> t.time(plan.mesh, PROFILES["cpu-gloo"], dp_axis=0, dp=ap.DataParallel("dp", zero=1))
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, fields
 
 
 from autopar.cost.collectives import collectives
-from autopar.parallel.data_parallel import bucket_sync
 from autopar.cost.formulas import Numbers
 from autopar.cost.plan_cost import node_flops, op_work, split_factor
 from autopar.runtime.ring import ring_steps
@@ -64,28 +63,29 @@ class Terms:
                 setattr(self, f.name, getattr(self, f.name) + w * getattr(other, f.name))
         return self
 
-    def dp_sync(self, mesh, profile, dp_axis, zero) -> tuple[float, float]:
-        """(seconds of gradient sync on dp, seconds of ZeRO's all-gather after the step)."""
-        if dp_axis is None or not self.dp_grad:
+    def dp_sync(self, mesh, profile, dp_axis, dp) -> tuple[float, float]:
+        """(seconds of gradient sync on dp, seconds of ZeRO's all-gather after the step) under the
+        ap.DataParallel ``dp`` (its storage policy says what one bucket's sync sends)."""
+        if dp_axis is None or dp is None or not self.dp_grad:
             return 0.0, 0.0
         n = mesh.shape[dp_axis]
         alpha, beta = profile.link(mesh, dp_axis)
         rounds = self.dp_grad / BUCKET_BYTES
         sync = gather = 0.0
-        for kind, phase, nbytes in bucket_sync(zero, n, self.dp_grad, self.dp_grad):
+        for kind, phase, nbytes in dp.storage.bucket_comms(dp, n, self.dp_grad, self.dp_grad):
             t = alpha * ring_steps(kind, n) * rounds + nbytes / beta
             sync, gather = (sync + t, gather) if phase == "grad sync" else (sync, gather + t)
         return sync, gather
 
-    def memory(self, mesh, dp_axis, zero) -> float:
-        n = mesh.shape[dp_axis] if dp_axis is not None else 1
-        grads = self.dp_grad / (n if zero == 2 else 1)
-        opt = self.opt_dp / (n if zero else 1)
-        return self.params + grads + self.grads_other + opt + self.opt_other + self.acts
+    def memory(self, mesh, dp_axis, dp) -> float:
+        """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors)."""
+        d_params, d_grads, d_opt = dp.memory_divisors(mesh.shape[dp_axis]) if dp is not None else (1, 1, 1)
+        grads, opt = self.dp_grad / d_grads, self.opt_dp / d_opt
+        return self.params / d_params + grads + self.grads_other + opt + self.opt_other + self.acts
 
-    def time(self, mesh, profile, dp_axis, zero) -> float:
+    def time(self, mesh, profile, dp_axis, dp) -> float:
         """Step time: compute + activation collectives + exposed gradient sync + ZeRO's gather."""
-        sync, gather = self.dp_sync(mesh, profile, dp_axis, zero)
+        sync, gather = self.dp_sync(mesh, profile, dp_axis, dp)
         exposed = max(0.0, sync + self.sync_other - profile.overlap * self.backward)
         return self.compute + self.comm + exposed + gather
 

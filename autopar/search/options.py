@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.search.profiles import Profile, profile_of
+from autopar.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,6 @@ class Auto:
             return value
         if value is True:
             return cls()
-        from autopar.errors import PlanError
-
         raise PlanError(f"ap.plan(auto={value!r}): pass auto=True or auto=ap.Auto(...).")
 
     def profile(self) -> Profile:

@@ -19,11 +19,10 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     for t in plan_terms(plan, {}, profile, optimizer_states).values():
         total.add(t)
     dp = plan.data_parallel
-    zero = dp.zero if dp is not None else 0
-    sync, gather = total.dp_sync(plan.mesh, profile, plan.dp_axis, zero)
+    sync, gather = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
     return {
-        "time_s": total.time(plan.mesh, profile, plan.dp_axis, zero),
-        "memory": total.memory(plan.mesh, plan.dp_axis, zero),
+        "time_s": total.time(plan.mesh, profile, plan.dp_axis, dp),
+        "memory": total.memory(plan.mesh, plan.dp_axis, dp),
         "compute_s": total.compute,
         "comm_s": total.comm,
         "sync_s": sync + total.sync_other,

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+from autopar.errors import PlanError
 from dataclasses import dataclass, replace
 
 
@@ -62,8 +63,6 @@ DEFAULT = "h100"
 
 def profile_of(device) -> Profile:
     """A Profile from a name ("h100", "a100", "cpu-gloo"), a Profile, or None (the default)."""
-    from autopar.errors import PlanError
-
     if device is None:
         return PROFILES[DEFAULT]
     if isinstance(device, Profile):

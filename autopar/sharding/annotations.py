@@ -13,22 +13,15 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from autopar.errors import AnnotationError, close_matches
-from autopar.placement import Placement, Replicate, Shard, check_divisible, fmt_spec
+from autopar.placement import Annotation, Placement, Replicate, Shard, check_divisible, fmt_spec
 
 R = Replicate()
-
-
-@dataclass(frozen=True)
-class Annotation:
-    """Base: an annotation turns a matched module into parameter placements on one axis."""
-
-    def describe(self) -> str:
-        return repr(self)
 
 
 @dataclass(frozen=True)
@@ -79,9 +72,7 @@ class replicated(Annotation):
 
 def replicate() -> replicated:
     """Deprecated spelling of ap.replicated() (it differed from the placement ap.Replicate only by case)."""
-    import warnings
-
-    warnings.warn("ap.replicated() is deprecated: use ap.replicated().", DeprecationWarning, stacklevel=2)
+    warnings.warn("ap.replicate() is deprecated: use ap.replicated().", DeprecationWarning, stacklevel=2)
     return replicated()
 
 

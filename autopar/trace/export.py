@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import traceback
@@ -205,8 +206,6 @@ def _no_fake_tensor_cache():
 
         return dynamo_config.patch(fake_tensor_cache_enabled=False)
     except (ImportError, AttributeError):  # a torch without the switch: nothing to change
-        import contextlib
-
         return contextlib.nullcontext()
 
 

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import torch.utils._pytree as pytree
 import torch
 
 
@@ -57,8 +58,6 @@ def retarget_meta_device(graph, device) -> int:
 def input_device(args, kwargs) -> torch.device | None:
     """The device of the first real tensor among example inputs (cpu if there is no tensor,
     None if they are all on the meta device: a shapes-only plan, e.g. to time planning)."""
-    import torch.utils._pytree as pytree
-
     tensors = [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
     real = [x for x in tensors if x.device.type != "meta"]
     if real:

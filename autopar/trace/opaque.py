@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from autopar.sharding.annotations import Annotation
+from autopar.placement import Annotation
 from autopar.errors import AnnotationError, close_matches
 
 

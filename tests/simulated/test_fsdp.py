@@ -600,8 +600,7 @@ def test_parameter_split_on_the_dp_axis_stays_unbucketed():
     """A layer annotated column-parallel on the dp axis itself (found by the fuzzer): its pieces
     differ per dp rank, so zero=3 leaves it as computed (gathering over dp mixed the ranks'
     different pieces: outputs off by 0.48); plan.check now runs the zero=3 program and agrees."""
-    from autopar.parallel.dp_module import exact_gradients
-    from autopar.parallel.fsdp import bucket_index
+    from autopar.parallel.fsdp_layout import bucket_index
 
     model, batch = small_gpt(layers=2), gpt_batch()
     plan = ap.plan(
@@ -612,7 +611,7 @@ def test_parameter_split_on_the_dp_axis_stays_unbucketed():
         data_parallel=ap.DataParallel("dp", zero=3),
     )
     assert "wte.weight" not in bucket_index(plan) and "blocks.0.attn.qkv.weight" in bucket_index(plan)
-    assert exact_gradients(plan).data_parallel.zero == 3  # check runs what trains
+    assert plan.with_exact_gradients().data_parallel.zero == 3  # check runs what trains
     plan.check(*batch)
 
 

@@ -3,7 +3,9 @@ redistribution step kinds as the extension points docs/architecture.md describes
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import pathlib
 import warnings
 
 import pytest
@@ -112,3 +114,101 @@ def test_building_a_rank_module_leaves_the_garbage_collector_as_found():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------ imports run one way
+# The package's parts, lowest first (docs/architecture.md draws the same list): a part imports
+# only parts at or below its own level, so no two parts import each other.
+PART_ORDER = (
+    ("errors", "models"),
+    ("mesh", "placement"),
+    ("runtime",),
+    ("trace",),
+    ("sharding",),
+    ("codegen",),
+    ("cost",),
+    ("parallel",),
+    ("options",),
+    ("presets",),
+    ("search",),
+    ("explore",),
+    ("checkpoint",),
+    ("plan",),
+    ("planner",),
+    ("api",),
+    ("__init__",),
+    ("cli",),
+    ("__main__",),
+)
+LEVEL = {part: i for i, parts in enumerate(PART_ORDER) for part in parts}
+# function-local imports of the package itself, each with why it cannot be at the top
+LOCAL_IMPORTS_ALLOWED = {
+    # the gloo worker sets OMP_NUM_THREADS and the rendezvous environment before torch is imported
+    ("autopar/runtime/gloo_pool.py", "autopar.runtime.failures"),
+}
+PACKAGE = pathlib.Path(ap.__file__).parent
+
+
+def _imports(path: pathlib.Path):
+    """(imported autopar module, line, inside a function) of every import in one file."""
+    tree = ast.parse(path.read_text())
+    local = {
+        id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "autopar":
+            for alias in node.names:  # ``from autopar import presets`` imports the part presets
+                name = f"{node.module}.{alias.name}" if node.module == "autopar" else node.module
+                yield name, node.lineno, id(node) in local
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "autopar":
+                    yield alias.name, node.lineno, id(node) in local
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_part_of_the_package_has_a_level():
+    found = {p.stem if p.parent == PACKAGE else p.relative_to(PACKAGE).parts[0] for p in PACKAGE.rglob("*.py")}
+    assert found <= set(LEVEL), f"parts without a level in PART_ORDER: {sorted(found - set(LEVEL))}"
+
+
+def test_imports_run_one_way_from_the_lowest_part_up():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent)
+        src = _part(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
+        for module, line, _ in _imports(path):
+            if LEVEL[_part(module)] > LEVEL[src]:
+                wrong.append(f"{rel}:{line}: {src} imports {module} ({_part(module)} is above it)")
+    assert not wrong, "imports that run up the order of parts:\n" + "\n".join(wrong)
+
+
+def test_no_function_local_import_of_the_package():
+    """A local import hides a cycle instead of removing it; only optional heavy dependencies
+    (matplotlib, safetensors, torch.distributed.checkpoint, ...) are imported inside functions."""
+    local = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE.parent))
+        for module, line, inside in _imports(path):
+            if inside and (rel, module) not in LOCAL_IMPORTS_ALLOWED:
+                local.append(f"{rel}:{line}: {module}")
+    assert not local, "function-local imports of autopar:\n" + "\n".join(local)
+
+
+def test_techniques_are_registered_plug_ins():
+    """Options, ap.plan's keywords, plan files and Plan's technique methods come from the registry."""
+    from autopar.parallel import TECHNIQUES
+
+    assert list(TECHNIQUES) == ["data_parallel", "pipeline"]
+    for name, cls in TECHNIQUES.items():
+        assert cls.name == name and getattr(ap.PlanOptions(), name) is None
+    plan = ap.plan(MLP(), ap.Mesh((2,), ("dp",)), args=(torch.randn(4, 16),), data_parallel="dp")
+    assert {"pipeline_runner", "with_pipeline", "grad_buckets", "memory_per_rank"} <= set(dir(plan))
+    with pytest.raises(TypeError, match="did you mean 'data_parallel'"):
+        ap.PlanOptions(data_paralel="dp")
+    with pytest.raises(AttributeError, match="no attribute 'pipeline_runer'"):
+        plan.pipeline_runer(0)

@@ -1,4 +1,6 @@
-"""The pipeline's entry points from ap.plan and Plan (kept here so the core files stay thin).
+"""The pipeline technique's work for the planner and the Plan: checking the options, cutting the
+graph into stages, the runner of a rank (with its process groups in a distributed job), and
+plan variants with other pipeline options.
 
 Example:
     >>> plan = ap.plan(model, mesh, args=(x,), pipeline=ap.Pipeline("pp", microbatches=4))
@@ -7,22 +9,18 @@ Example:
 
 from __future__ import annotations
 
-from autopar.placement import Replicate
-from autopar.parallel.pipeline.options import Pipeline, PipelineError, SplitBefore
+import torch
+
+from autopar.errors import PipelineError
 from autopar.parallel.pipeline import schedules
+from autopar.parallel.pipeline.runner import PipelineRunner
 from autopar.parallel.pipeline.split import split_stages
+from autopar.parallel.process_groups import broadcast_replicated, make_groups, wants_distributed
+from autopar.placement import Replicate
+from autopar.runtime.backend import current_backend
 
 
-def take_splits(annotations: dict | None) -> tuple[dict | None, list[str]]:
-    """Separate ``ap.split_before()`` annotations from the layout annotations."""
-    if not annotations:
-        return annotations, []
-    splits = [k for k, v in annotations.items() if isinstance(v, SplitBefore)]
-    rest = {k: v for k, v in annotations.items() if not isinstance(v, SplitBefore)}
-    return rest, splits
-
-
-def check_options(pipeline: Pipeline, mesh, data_parallel, annotations) -> None:
+def check_options(pipeline, mesh, data_parallel, annotations) -> None:
     """The pipeline axis exists, is not the data-parallel axis, and no annotation splits on it."""
     mesh.axis_index(pipeline.axis)
     if data_parallel == pipeline.axis:
@@ -38,7 +36,7 @@ def check_options(pipeline: Pipeline, mesh, data_parallel, annotations) -> None:
             )
 
 
-def stage_layout(plan, pipeline: Pipeline, splits: list[str]):
+def stage_layout(plan, pipeline, splits: list[str]):
     """Check that nothing is split on the pipeline axis, then cut the graph into stages."""
     axis = plan.mesh.axis_index(pipeline.axis)
     for node in plan.graph.nodes:
@@ -61,29 +59,49 @@ def require_pipeline(plan):
     return plan
 
 
+def tied_rank_groups(plan) -> list[tuple[int, ...]]:
+    """Every group of ranks that holds one tied weight on several pipeline ranks."""
+    lay, mesh = plan.stage_layout, plan.mesh
+    out = set()
+    for names in plan.traced.tied.values():
+        holders = sorted(
+            {lay.rank_of_stage(st.index) for st in lay.stages for ph in st.attrs if plan.attr_name(ph) in names}
+        )
+        if len(holders) < 2:
+            continue
+        for r in mesh.ranks():
+            c = list(mesh.coords(r))
+            group = []
+            for h in holders:
+                c[lay.axis] = h
+                group.append(mesh.rank_of(c))
+            out.add(tuple(group))
+    return sorted(out)
+
+
 def pipeline_runner(plan, rank: int, distributed: bool | None = None, **kwargs):
     """A PipelineRunner; in a torch.distributed job of the mesh's size (or with
-    ``distributed=True``) its process groups are made and parameters broadcast first."""
-    from autopar.parallel.pipeline import dist_setup
-    from autopar.parallel.pipeline.runner import PipelineRunner
-
+    ``distributed=True``) its process groups are made and parameters broadcast first (the same
+    set-up as ap.parallelize's, parallel/process_groups.py), and a world group kept for its
+    point-to-point messages."""
     require_pipeline(plan)
     if distributed is None:
-        distributed = dist_setup.wants_distributed(plan, rank)
+        distributed = wants_distributed(plan, rank)
     if not distributed:
         return PipelineRunner(plan, rank, **kwargs)
-    group = dist_setup.setup(plan, rank)
-    runner = PipelineRunner(plan, rank, p2p_group=group, **kwargs)
-    dist_setup.broadcast_replicated(runner)
+    p2p = make_groups(plan, rank, p2p=True)
+    runner = PipelineRunner(plan, rank, p2p_group=p2p, **kwargs)
+    broadcast_replicated(plan, rank, runner.named_parameters(), skip_axes=(plan.stage_layout.axis,))
+    with torch.no_grad():
+        for p, group in runner.tied_groups:  # a tied weight starts as the first stage's copy
+            current_backend().broadcast(p.data, group, rank)
     return runner
 
 
-def with_pipeline(plan, pipeline: Pipeline, split_before=()):
+def with_pipeline(plan, pipeline, split_before=()):
     """The same plan (same trace and layouts) with other pipeline options, without tracing again.
 
     Example:
         >>> gpipe = with_pipeline(plan, ap.Pipeline("pp", microbatches=8, schedule="gpipe"))
     """
-    from autopar.planner import with_options
-
-    return with_options(plan, plan.options.replace(pipeline=pipeline, split_before=tuple(split_before)))
+    return plan.with_options(plan.options.replace(pipeline=pipeline, split_before=tuple(split_before)))

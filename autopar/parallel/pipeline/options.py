@@ -11,16 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from autopar.errors import PlanError
+from autopar.errors import PipelineError
+from autopar.parallel.pipeline import api
+from autopar.parallel.pipeline.schedules import SCHEDULES
+from autopar.parallel.pipeline.split import describe
+from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+__all__ = ["Pipeline", "PipelineError", "SplitBefore", "split_before"]
 
 
-class PipelineError(PlanError):
-    """A pipeline option, stage split or schedule that cannot work."""
-
-
+@register_technique
 @dataclass(frozen=True)
 class Pipeline(Technique):
     """Pipeline parallelism on mesh axis ``axis``.
@@ -53,22 +54,59 @@ class Pipeline(Technique):
             )
 
     name = "pipeline"
+    order = 20  # after data parallel: a stage's parameters are stored as data parallel keeps them
+    plan_methods = ("with_pipeline", "pipeline_runner")
 
     @property
     def kind(self) -> str:
         return "interleaved" if self.chunks > 1 else self.schedule
 
     # ------------------------------------------------------- the technique (technique.py)
-    def validate(self, mesh, options, annotations: dict) -> None:
-        from autopar.parallel.pipeline.api import check_options
+    @classmethod
+    def take_annotations(cls, annotations: dict) -> tuple[dict, dict]:
+        """``ap.split_before()`` annotations mark stage boundaries: they become ``split_before``."""
+        splits = [k for k, v in annotations.items() if isinstance(v, SplitBefore)]
+        rest = {k: v for k, v in annotations.items() if not isinstance(v, SplitBefore)}
+        return rest, ({"split_before": tuple(splits)} if splits else {})
 
+    @classmethod
+    def check_options(cls, options) -> None:
+        if options.split_before and options.pipeline is None:
+            raise PipelineError(
+                f"split_before annotations ({', '.join(options.split_before)}) need a pipeline: "
+                "pass pipeline=ap.Pipeline('pp', microbatches=...) to ap.plan."
+            )
+
+    def validate(self, mesh, options, annotations: dict) -> None:
         dp = options.data_parallel
-        check_options(self, mesh, dp.axis if dp is not None else None, annotations)
+        api.check_options(self, mesh, dp.axis if dp is not None else None, annotations)
 
     def after_plan(self, plan):
-        from autopar.parallel.pipeline.api import stage_layout
+        return api.stage_layout(plan, self, list(plan.options.split_before))
 
-        return stage_layout(plan, self, list(plan.options.split_before))
+    def describe(self, plan) -> str:
+        """The stages: their nodes, modules, FLOPs and what they send (split.describe)."""
+        return describe(plan.stage_layout, plan.graph)
+
+    def process_groups(self, plan) -> list:
+        """The groups of ranks that hold one tied weight on several pipeline ranks."""
+        return api.tied_rank_groups(plan)
+
+    # ------------------------------------------------------- what a Plan offers (plan.<name>)
+    @staticmethod
+    def with_pipeline(plan, pipeline, split_before=()):
+        """The same plan (same trace and layouts) with other pipeline options, without tracing again.
+
+        Example:
+            >>> gpipe = plan.with_pipeline(ap.Pipeline("pp", microbatches=8, schedule="gpipe"))
+        """
+        return api.with_pipeline(plan, pipeline, split_before)
+
+    @staticmethod
+    def pipeline_runner(plan, rank: int, **kwargs):
+        """This rank's PipelineRunner (parallel/pipeline/runner.py): ``runner.step(batch, labels)``;
+        in a torch.distributed job of the mesh's size its process groups are made first."""
+        return api.pipeline_runner(plan, rank, **kwargs)
 
     def fields(self) -> dict:
         raise PipelineError(

@@ -26,12 +26,13 @@ Example:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from collections import defaultdict, deque
 
 import torch
 
 from autopar.runtime.simulator import SimBackend, SimulationError
-from autopar.parallel.pipeline.options import PipelineError
+from autopar.errors import PipelineError
 
 HEADER = 9  # ndim + up to 8 sizes
 
@@ -149,8 +150,6 @@ class DistChannel(_Streams):
         self.header_posted: set = set()  # (src, stream) whose first message's header is posted
 
     def send(self, x: torch.Tensor, dst: int, tag: int, stream=None) -> None:
-        import torch.distributed as dist
-
         if dst == self.rank:
             return self.local.put(x, tag)
         x = x.detach().contiguous()
@@ -170,8 +169,6 @@ class DistChannel(_Streams):
     def prefetch(self, src: int, tag: int, dtype, stream) -> bool:
         """Post the receive of a message whose stream's shape is known; True if posted (or already).
         Otherwise post the receive of its header (the first message of its stream)."""
-        import torch.distributed as dist
-
         shape = self.shape(src, stream)
         if src == self.rank:
             return False
@@ -201,8 +198,6 @@ class DistChannel(_Streams):
         return out.bool() if dtype == torch.bool else out
 
     def _recv_with_header(self, src: int, tag: int, dtype) -> torch.Tensor:
-        import torch.distributed as dist
-
         if (src, tag) in self.headers:
             work, header = self.headers.pop((src, tag))
             work.wait()

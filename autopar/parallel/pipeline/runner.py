@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autopar.placement import counts_piece
 from autopar.runtime.backend import current_backend
 from autopar.errors import InputError
 from autopar.parallel.dp_module import bucket_limits, sync_axes_all_names
@@ -35,7 +36,7 @@ from autopar.parallel.grad_sync import GradSync
 from autopar.runtime.rng import replayed_rng, rng_state
 from autopar.codegen.rank_state import set_attr
 from autopar.parallel.pipeline import schedules
-from autopar.parallel.pipeline.options import PipelineError
+from autopar.errors import PipelineError
 from autopar.parallel.pipeline.p2p import channel
 from autopar.parallel.pipeline.stage_module import build_stage_module
 
@@ -111,6 +112,42 @@ class PipelineRunner:
 
     def named_parameters(self):
         return self.holder.named_parameters()
+
+    # ---------------------------------------------- the rank protocol (codegen/rank_module.py)
+    @property
+    def autopar_plan(self):
+        return self.plan
+
+    @property
+    def autopar_rank(self) -> int:
+        return self.rank
+
+    @property
+    def autopar_grad_sync(self):
+        return self.grad_sync
+
+    def autopar_tensors(self, all_buffers: bool = False) -> dict:
+        """Serial name -> this rank's tensor: its stages' parameters (tied names too) and
+        persistent buffers (``all_buffers``: every tensor its stages read)."""
+        persistent = self.plan.persistent_buffers
+        return {
+            n: v
+            for n, v in self.params.items()
+            if isinstance(v, nn.Parameter) or (isinstance(v, torch.Tensor) and (all_buffers or n in persistent))
+        }
+
+    def autopar_grad_pieces(self) -> list:
+        """(name, gradient, counted by this rank): each stage's gradients live on its ranks only
+        (the pp axis adds the stages); a weight tied across stages counts on its first holder."""
+        first_holder = {id(p): group[0] == self.rank for p, group in self.tied_groups}
+        default = (None,) * len(self.coords)
+        out = []
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                spec = self.plan.param_specs.get(name, default)
+                counted = first_holder.get(id(p), True) and counts_piece(spec, self.coords, (self.layout.axis,))
+                out.append((name, p.grad, counted))
+        return out
 
     def parameters(self):
         return self.holder.parameters()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.parallel.pipeline.options import PipelineError
+from autopar.errors import PipelineError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from autopar.cost.formulas import Numbers
 from autopar.cost.plan_cost import node_flops
 from autopar.errors import close_matches
 from autopar.trace.module_paths import module_paths
-from autopar.parallel.pipeline.options import Pipeline, PipelineError
+from autopar.errors import PipelineError
 
 aten = torch.ops.aten
 
@@ -53,7 +53,7 @@ class Stage:
 class StageLayout:
     """The stages of a pipelined plan and the values that cross between them."""
 
-    options: Pipeline
+    options: object  # the ap.Pipeline it was cut for
     axis: int  # mesh axis index of the pipeline
     pp: int  # its size
     stages: list[Stage]
@@ -175,7 +175,7 @@ def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int) -> l
 
 
 # ------------------------------------------------------------------------------- layout
-def split_stages(traced, mesh, options: Pipeline, split_paths: list[str]) -> StageLayout:
+def split_stages(traced, mesh, options, split_paths: list[str]) -> StageLayout:
     """Assign every node to a stage and work out each stage's inputs, outputs and params."""
     axis = mesh.axis_index(options.axis)
     pp = mesh.shape[axis]

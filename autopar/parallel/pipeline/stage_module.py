@@ -16,16 +16,11 @@ Example:
 from __future__ import annotations
 
 import torch.fx as fx
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.codegen.emit import Emitter, rank_attrs
+from autopar.codegen.emit import Emitter
 from autopar.codegen.program import Program
-from autopar.runtime.rng import attach_state
-from autopar.placement import Replicate, shard_tensor
-from autopar.codegen.rank_state import set_attr
-from autopar.codegen import dcp_guard
-from autopar.trace.meta_device import materialize
+from autopar.codegen.rank_module import build_rank_module
 
 
 class StageEmitter(Emitter):
@@ -58,20 +53,14 @@ class StageEmitter(Emitter):
 
 
 def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphModule:
-    """Stage ``stage``'s module for ``rank``; ``params`` (fqn -> Parameter) is shared by the
-    stages of one rank so that a weight two of its stages read is one Parameter."""
-    st = plan.stage_layout.stages[stage]
-    gm = _program(plan, stage).instance(f"Rank{rank}Stage{stage}")
-    for ph in st.attrs:
-        fqn = plan.attr_name(ph)
-        set_attr(gm, fqn, _local(plan, rank, fqn, params), _persistent(plan, fqn))
-    for name, value in rank_attrs(plan.mesh, rank).items():  # the rank's group, position, ...
-        setattr(gm, name, value)
-    attach_state(gm, plan)  # the dropout generator (rng.py)
+    """Stage ``stage``'s module for ``rank`` (codegen/rank_module.py, as every rank module);
+    ``params`` (fqn -> tensor) is shared by the stages of one rank so that a weight two of its
+    stages read is one Parameter."""
+    names = [plan.attr_name(ph) for ph in plan.stage_layout.stages[stage].attrs]
+    gm = build_rank_module(
+        plan, rank, _program(plan, stage), class_name=f"Rank{rank}Stage{stage}", names=names, pieces=params
+    )
     gm.autopar_stage = stage
-    for technique in plan.options.techniques:  # a stage module is a rank module of its sub-program
-        technique.attach(plan, gm, rank)
-    dcp_guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly
     return gm
 
 
@@ -85,33 +74,3 @@ def _program(plan, stage: int) -> Program:
         graph.lint()
         programs[stage] = Program(graph, class_name=f"Stage{stage}")
     return programs[stage]
-
-
-def _persistent(plan, fqn):
-    if fqn in plan.traced.constants:
-        return None
-    return fqn in set(plan.model.state_dict().keys())
-
-
-def _local(plan, rank: int, fqn: str, cache: dict):
-    """This rank's piece of parameter/buffer/constant ``fqn``, made once per rank (tied names
-    share it)."""
-    if fqn in cache:
-        return cache[fqn]
-    model = plan.model
-    named = dict(model.named_parameters(remove_duplicate=False))
-    spec = plan.param_specs.get(fqn, (Replicate(),) * plan.mesh.ndim)
-    if fqn in named:
-        p = named[fqn]
-        local = materialize(shard_tensor(p.detach(), spec, plan.mesh, rank).clone(), plan._materialize_on)
-        for technique in plan.options.techniques:  # what the rank stores (zero=3: its piece)
-            local = technique.stored(plan, rank, fqn, local)
-        value = nn.Parameter(local, requires_grad=p.requires_grad)
-        for other, q in named.items():  # tied names: one Parameter
-            if q is p:
-                cache[other] = value
-        return value
-    buffers = dict(model.named_buffers())
-    value = buffers[fqn] if fqn in buffers else plan.traced.constants[fqn]
-    cache[fqn] = materialize(shard_tensor(value, spec, plan.mesh, rank).clone(), plan._materialize_on)
-    return cache[fqn]

@@ -9,7 +9,7 @@ which is what the bubble formula predicts and what an oversubscribed CPU cannot 
 
 Example:
     >>> print(schedule_table(plan, rank=0))
-    >>> fig = timeline_figure(events_per_rank)      # a matplotlib Figure
+    >>> rows, unit = timeline_rows(events_per_rank)   # explore/plots.py draws them
 """
 
 from __future__ import annotations
@@ -71,37 +71,18 @@ def replayed_idle(plan, events_per_rank, cpu: bool = True) -> list[float]:
     return schedules.idle_fraction(played)
 
 
-def timeline_figure(events_per_rank=None, plan=None, title: str | None = None):
-    """A matplotlib Figure (shown inline in Jupyter): one row per rank, a bar per action
-    (forward blue, backward orange) labelled with its micro-batch, and with its stage (``F3/1``:
-    micro-batch 3 of stage 1) where a rank runs several stages (interleaved schedules). Pass
-    measured ``events_per_rank`` (runner.timeline of each rank) or a ``plan`` for its schedule
-    on unit slots."""
-    from autopar.explore.plots import _figure  # no pyplot: no GUI backend is chosen or needed
-
+def timeline_rows(events_per_rank=None, plan=None) -> tuple[list, str]:
+    """(rows, unit) for a timeline picture (explore/plots.py plot_timeline): per rank, its actions
+    as (kind, micro-batch, stage, start, end), from measured ``events_per_rank`` (runner.timeline
+    of each rank, in ms) or from a ``plan``'s schedule on unit slots."""
     if events_per_rank is None:
         rows = [
             [(s.action.kind, s.action.microbatch, s.action.stage, s.start, s.end) for s in rs] for rs in slots(plan)
         ]
-        unit = "slot"
-    else:
-        t0, _ = _span(events_per_rank)
-        rows = [
-            [(e.kind, e.microbatch, e.stage, (e.start - t0) * 1e3, (e.end - t0) * 1e3) for e in evs]
-            for evs in events_per_rank
-        ]
-        unit = "ms"
-    fig = _figure(10, 0.6 * len(rows) + 1.2)
-    ax = fig.add_subplot(1, 1, 1)
-    colors = {"F": "#4C72B0", "B": "#DD8452"}
-    chunks = any(len({a[2] for a in acts}) > 1 for acts in rows)
-    for r, acts in enumerate(rows):
-        for kind, mb, stage, start, end in acts:
-            ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white", height=0.8)
-            label = f"{kind}{mb}/{stage}" if chunks else f"{kind}{mb}"
-            ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
-    ax.invert_yaxis()
-    ax.set_xlabel(unit)
-    ax.set_title(title or "pipeline timeline (blue: forward, orange: backward)")
-    return fig
+        return rows, "slot"
+    t0, _ = _span(events_per_rank)
+    rows = [
+        [(e.kind, e.microbatch, e.stage, (e.start - t0) * 1e3, (e.end - t0) * 1e3) for e in evs]
+        for evs in events_per_rank
+    ]
+    return rows, "ms"

@@ -18,6 +18,7 @@ from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 from autopar.sharding.rules.views import _moved, view_rule
+from autopar.placement import shard_factor
 
 R = Replicate()
 
@@ -46,8 +47,6 @@ class UnflattenLocal(Lowering):
     name = "unflatten_local"
 
     def emit(self, em, node, args, kwargs, axis: int):
-        from autopar.placement import shard_factor
-
         dim = node.args[1] % node.args[0].meta["val"].dim()
         spec = node.meta["autopar"].spec
         sizes = [

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import fnmatch
 
+from autopar.explore.display import fmt_bytes
+
 
 def _ms(t) -> str:
     return "-" if t is None else f"{t * 1e3:.3f} ms"
 
 
 def _gib(b) -> str:
-    from autopar.explore.display import fmt_bytes
-
     return fmt_bytes(b)
 
 

@@ -1,0 +1,79 @@
+"""What a Plan shows of itself: the table, summary and HTML, explain, the collectives and
+costs, plots, drawings, the pipeline's schedule, plan files and diffs. Mixed into Plan, so that
+plan.py keeps layouts and modules and everything here reads a plan without deciding anything.
+
+Example:
+    >>> print(plan); plan.explain("blocks.0.mlp.fc"); plan.cost().at(B=64)
+    >>> plan.save("gpt.json"); plan.diff(other)
+"""
+
+from __future__ import annotations
+
+from autopar.cost import Cost, collectives
+from autopar.explore import display
+from autopar.explore.diff import diff_plans
+from autopar.explore.draw import draw
+from autopar.explore.explain import explain
+from autopar.explore.html import plan_html
+from autopar.explore.plan_file import save_plan
+from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
+from autopar.parallel.pipeline.api import require_pipeline
+from autopar.parallel.pipeline.timeline import schedule_table, timeline_rows
+
+
+class PlanViews:
+    """The display side of Plan (see the module docstring)."""
+
+    def collectives(self) -> list:
+        """Every collective one training step runs (forward, backward, gradient sync), per rank."""
+        comms = self.__dict__.get("_comms")
+        if comms is None:  # a plan does not change once made; str(plan) asks twice
+            comms = self.__dict__["_comms"] = collectives(self)
+        return list(comms)
+
+    def __str__(self) -> str:
+        parts = [display.plan_table(self)] + [t.describe(self) for t in self.options.techniques]
+        return "\n\n".join(p for p in parts if p)
+
+    def summary(self) -> str:
+        return display.summary(self)
+
+    def _repr_html_(self) -> str:
+        return plan_html(self)
+
+    def explain(self, name: str) -> str:
+        """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
+        return explain(self, name)
+
+    def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2) -> Cost:
+        """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
+        return Cost(self, sizes, names, optimizer_states)
+
+    def plot_memory(self, **kw):
+        """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""
+        return plot_memory(self, **kw)
+
+    def plot_comm(self, **kw):
+        """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
+        return plot_comm(self, **kw)
+
+    def draw(self, rank: int = 0, **kw):
+        """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
+        return draw(self, rank, **kw)
+
+    def schedule_table(self, rank: int | None = None) -> str:
+        """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
+        return schedule_table(require_pipeline(self), rank)
+
+    def timeline_figure(self, events_per_rank=None, title: str | None = None):
+        """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
+        rows, unit = timeline_rows(events_per_rank, require_pipeline(self))
+        return plot_timeline(rows, unit, title)
+
+    def save(self, path) -> None:
+        """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""
+        save_plan(self, path)
+
+    def diff(self, other):
+        """Nodes whose layout or collectives differ between two plans of one model."""
+        return diff_plans(self, other)

@@ -1,0 +1,160 @@
+"""Where fully sharded data parallel keeps each parameter: flat buckets and each rank's range.
+
+The parameters of a bucket (one gathered unit, e.g. ``layers.3``) are laid end to end in one
+flat vector (the rank's local, tensor-parallel piece of each); the flat is padded to a
+multiple of the shard group size k and rank i of the group stores chunk i. This file is the
+arithmetic both halves of zero=3 share: the plan side (parallel/fsdp.py) and the run-time side
+(parallel/fsdp_runtime.py).
+
+Example:
+    >>> b = buckets_cached(plan)[0]; b.key, b.names, b.chunk
+    >>> stored_range(plan, rank=1, fqn="layers.0.fc1.weight")   # [a, b) of its flattened piece
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.parallel.param_names import canonical_names, first_use_order, local_params
+
+RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
+
+
+@dataclass
+class FlatBucket:
+    """One gathered unit: parameters (canonical names) laid end to end, padded to k chunks."""
+
+    key: str
+    names: list[str]
+    shapes: list[tuple]
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    k: int
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.numel // self.k)
+
+    def piece(self, i: int, pos: int) -> tuple[int, int]:
+        """[lo, hi) of parameter ``i`` inside chunk ``pos`` (offsets within the chunk)."""
+        lo, hi = pos * self.chunk, (pos + 1) * self.chunk
+        a, b = max(self.offsets[i], lo), min(self.offsets[i] + _numel(self.shapes[i]), hi)
+        return (a - lo, b - lo) if a < b else (0, 0)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def block_key(name: str) -> str:
+    """The block a parameter belongs to: its path up to the first numbered module
+    (``layers.3.fc1.weight`` -> ``layers.3``), '' for parameters outside repeated blocks."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def buckets(plan) -> list[FlatBucket]:
+    """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
+    parameters of one block, dtype and program unit (the embedding and the head are separate
+    buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
+    on the dp axis itself is left out: its pieces already differ per dp rank, and gathering
+    them over dp would mix different pieces."""
+    local, k, units = local_params(plan), shard_size(plan), program_units(plan)
+    out: list[FlatBucket] = []
+    last = None
+    for name in first_use_order(plan):
+        if units.get(name, 0) is None:
+            continue  # read by several programs (a weight tied across stages): stays whole
+        spec = plan.param_specs.get(name)
+        if spec is not None and not spec[plan.dp_axis].is_replicate():
+            continue  # already split on the dp axis (annotated so): each rank's piece differs, stays as is
+        p = local[name]
+        key = (units.get(name, 0), block_key(name), p.dtype)
+        if key != last:
+            out.append(FlatBucket(key[1], [], [], [], 0, p.dtype, k))
+            last = key
+        b = out[-1]
+        b.names.append(name)
+        b.shapes.append(tuple(p.shape))
+        b.offsets.append(b.numel)
+        b.numel += p.numel()
+    return out
+
+
+def program_units(plan) -> dict[str, int | None]:
+    """Canonical parameter name -> the program that reads it: the pipeline stage when the plan
+    has one (None when several stages read it), else 0. A gathered bucket never spans two programs:
+    each rank module gathers only the buckets of the parameters it holds."""
+    lay = getattr(plan, "stage_layout", None)
+    if lay is None:
+        return {}
+    canon, out = canonical_names(plan), {}
+    for st in lay.stages:
+        for ph in st.attrs:
+            fqn = plan.attr_name(ph)
+            if fqn in canon:
+                name = canon[fqn]
+                out[name] = st.index if out.get(name, st.index) == st.index else None
+    return out
+
+
+def shard_size(plan) -> int:
+    n = plan.mesh.shape[plan.dp_axis]
+    return plan.data_parallel.shard_size or n
+
+
+def groups(plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shard group, replica group) of ``rank``: HSDP splits the dp group into groups of k
+    consecutive ranks (shard) and the ranks at the same position in each (replica)."""
+    dp_group, k = plan.mesh.group(plan.dp_axis, rank), shard_size(plan)
+    i = dp_group.index(rank)
+    shard = dp_group[i - i % k : i - i % k + k]
+    replica = dp_group[i % k :: k]
+    return tuple(shard), tuple(replica)
+
+
+def process_groups(plan) -> list[tuple[int, ...]]:
+    """Every HSDP sub-group of every rank (ap.parallelize makes them on every rank in this order)."""
+    out = []
+    for rank in plan.mesh.ranks():
+        for g in groups(plan, rank):
+            if g not in out and len(g) > 1:
+                out.append(g)
+    return out
+
+
+def bucket_index(plan) -> dict[str, tuple[int, int]]:
+    cached = plan.built.get("fsdp_index")
+    if cached is None:
+        cached = {n: (bi, i) for bi, b in enumerate(buckets(plan)) for i, n in enumerate(b.names)}
+        plan.built["fsdp_index"] = cached
+    return cached
+
+
+def stored_range(plan, rank: int, fqn: str) -> tuple[int, int] | None:
+    """[a, b) of ``rank``'s stored piece of parameter ``fqn`` in its flattened compute piece
+    (None: stored whole, a parameter used nowhere in the graph); a == b for an empty piece."""
+    canon = canonical_names(plan).get(fqn, fqn)
+    where = bucket_index(plan).get(canon)
+    if where is None:
+        return None
+    b = buckets_cached(plan)[where[0]]
+    shard, _ = groups(plan, rank)
+    lo, hi = b.piece(where[1], shard.index(rank))
+    a = shard.index(rank) * b.chunk + lo - b.offsets[where[1]]
+    return (a, a + (hi - lo)) if hi > lo else (0, 0)
+
+
+def buckets_cached(plan) -> list[FlatBucket]:
+    if "fsdp_buckets" not in plan.built:
+        plan.built["fsdp_buckets"] = buckets(plan)
+    return plan.built["fsdp_buckets"]

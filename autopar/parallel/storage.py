@@ -1,0 +1,127 @@
+"""How data parallelism keeps parameters, gradients and optimizer state: one policy per ZeRO
+level, chosen once when an ``ap.DataParallel`` is made (``DataParallel.storage``). Every hook of
+the technique that depends on the level asks its policy, so nothing tests ``zero == k``:
+
+- ``Replicated`` (zero=0): every rank keeps everything; gradients all-reduced.
+- ``ShardedOptimizer`` (zero=1, 2): each rank steps 1/dp of every bucket (``ap.ZeroOptimizer``),
+  the stepped slices all-gathered; at 2 the gradients are reduce-scattered too.
+- ``FullyShardedStorage`` (zero=3, parallel/fsdp.py): parameters stored 1/dp, gathered per block.
+
+Example:
+    >>> ap.DataParallel("dp", zero=2).storage
+    ShardedOptimizer(level=2)
+    >>> ap.DataParallel("dp", zero=2).memory_divisors(4)   # a rank keeps 1/d of params, grads, optimizer
+    (1, 4, 4)
+"""
+
+from __future__ import annotations
+
+from autopar.parallel.dp_module import grad_buckets
+from autopar.parallel.grad_buckets import bucket_sync
+from autopar.placement import counts_piece
+
+
+class Storage:
+    """The hooks a policy may change; the defaults keep everything as computed (zero=0)."""
+
+    level = 0
+    exact_level = 0  # the level plan.check runs (exact fp32 gradient sums; see DataParallel.exact)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(level={self.level})"
+
+    # what a rank stores (parallel/technique.py has the meaning of each hook)
+    def stored(self, plan, rank: int, fqn: str, local):
+        return local
+
+    def stored_start(self, plan, rank: int, fqn: str):
+        return None
+
+    def stored_axes(self, plan, fqn: str) -> tuple:
+        return ()
+
+    def counts_stored(self, plan, rank: int, fqn: str) -> bool:
+        return True
+
+    def restored(self, plan, per_rank: list) -> list:
+        return per_rank
+
+    def rewrite_program(self, plan, graph) -> None:
+        pass
+
+    def grad_sync_axes(self, plan, axes: dict) -> dict:
+        return axes
+
+    def attach(self, plan, module, rank: int) -> None:
+        pass
+
+    def process_groups(self, plan) -> list:
+        return []
+
+    def explain_param(self, plan, fqn: str) -> list[str]:
+        return []
+
+    def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
+        return pieces
+
+    # what it costs
+    def bucket_comms(self, dp, n, wire_bytes, param_bytes) -> list[tuple]:
+        """(kind, phase, bytes per rank) of one gradient bucket's sync on the dp axis of size ``n``."""
+        return bucket_sync(self.level, n, wire_bytes, param_bytes)
+
+    def memory_divisors(self, dp, n):
+        """What a rank keeps of the parameters, gradients and optimizer state it computes with:
+        1/d of each, (d_params, d_grads, d_optimizer), on a dp axis of size ``n`` (numbers or sympy)."""
+        return 1, 1, 1
+
+    def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
+        return mem
+
+    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+        return terms
+
+    def collectives(self, plan, symbols) -> list:
+        return []
+
+
+class Replicated(Storage):
+    """zero=0: every rank keeps every parameter, gradient and optimizer state."""
+
+
+class ShardedOptimizer(Storage):
+    """zero=1 (optimizer state sharded) and zero=2 (gradients too): see parallel/zero.py."""
+
+    exact_level = 0
+
+    def __init__(self, level: int):
+        self.level = level
+
+    def memory_divisors(self, dp, n):
+        return 1, (n if self.level == 2 else 1), n
+
+    def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
+        """Each rank steps its 1/dp slice of every dp bucket (ZeRO-2: keeps only its gradients)."""
+        n = mem["dp"]
+        kept = mem["grads"]  # bytes of trainable parameters this rank steps: its slice of each dp bucket
+        for b in grad_buckets(plan, rank):
+            if plan.dp_axis in b.axes:
+                kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
+        out = dict(mem, optimizer_state=state_slots * kept)
+        if self.level == 2:
+            out["grads"] = kept
+        return out
+
+    def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
+        """The ZeRO slices' gradients (ZeRO-2: counted there, the module's full-size gradient not)."""
+        sync = module.autopar_grad_sync
+        coords, default = plan.mesh.coords(rank), (None,) * plan.mesh.ndim
+        extra, sliced = [], set()
+        for piece in sync.zero.all_pieces():
+            if piece.tensor.grad is None:
+                continue
+            spec = plan.param_specs.get(piece.name, default)
+            counted = self.level == 2 and counts_piece(spec, coords, (plan.dp_axis,))
+            extra.append((piece.name, piece.tensor.grad, counted))  # ZeRO-1: counted via the module's .grad
+            if self.level == 2:
+                sliced.add(piece.name)
+        return extra + [(name, g, counted and name not in sliced) for name, g, counted in pieces]
