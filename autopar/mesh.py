@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -116,9 +115,6 @@ class Mesh:
         shape = self.shape[:i] + (self.shape[i] * self.shape[j],) + self.shape[j + 1 :]
         names = self.axis_names[:i] + (f"{outer}_{inner}",) + self.axis_names[j + 1 :]
         return Mesh(shape, names)
-
-    def all_coords(self):
-        return itertools.product(*(range(s) for s in self.shape))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))

@@ -141,13 +141,6 @@ def S(dim: int) -> Shard:
     return Shard(dim)
 
 
-def normalize(placement: Placement, ndim: int) -> Placement:
-    """Shard(-1) -> Shard(ndim - 1); others unchanged."""
-    if isinstance(placement, Shard) and placement.dim < 0:
-        return Shard(placement.dim + ndim)
-    return placement
-
-
 def fmt_spec(placements) -> str:
     """'(S(0), R)' style text for a tuple of placements."""
     return "(" + ", ".join(repr(p) for p in placements) + ")"

@@ -43,21 +43,6 @@ def named_optimizer_state(module: torch.nn.Module, optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def load_named_optimizer_state(module: torch.nn.Module, optimizer, named: dict) -> None:
-    """The inverse of named_optimizer_state: into a (serial or rank) module's torch optimizer."""
-    index = {}
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            index[id(p)] = len(index)
-    names = dict(module.named_parameters(remove_duplicate=False))
-    state = {index[id(names[n])]: dict(s) for n, s in named["state"].items() if n in names}
-    groups = [
-        dict(saved, params=[index[id(p)] for p in g["params"]])
-        for g, saved in zip(optimizer.param_groups, named["param_groups"])
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 def _elementwise(v, shape) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(shape)
 

@@ -60,12 +60,3 @@ def set_attr(root: nn.Module, fqn: str, value, persistent: bool = True) -> None:
         mod.register_buffer(leaf, value, persistent=persistent)
     else:
         setattr(mod, leaf, value)
-
-
-def has_attr(root: nn.Module, fqn: str) -> bool:
-    mod = root
-    for part in fqn.split("."):
-        if not hasattr(mod, part):
-            return False
-        mod = getattr(mod, part)
-    return True

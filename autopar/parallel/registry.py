@@ -30,10 +30,6 @@ def register_technique(cls: type) -> type:
     return cls
 
 
-def technique_class(name: str) -> type | None:
-    return TECHNIQUES.get(name)
-
-
 def plan_method(name: str):
     """The function a technique offers as ``plan.<name>(...)`` (called with the plan first), or None."""
     for cls in TECHNIQUES.values():

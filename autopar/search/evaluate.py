@@ -4,7 +4,7 @@ This is plan.cost()'s model evaluated with numbers instead of sympy (the search 
 many probe plans; sympy would take seconds on an 8B model), plus the two things a step time
 needs that a byte count does not: links and overlap.
 
-- compute: forward FLOPs per rank of every op (estimate.node_flops over the ranks that share
+- compute: forward FLOPs per rank of every op (cost/plan_cost.py node_flops over the ranks that share
   it), backward counted twice that, divided by the profile's FLOP/s.
 - activation collectives (forward and backward, from cost.collectives, the list the runtime
   runs): ``alpha * ring rounds + bytes / beta`` of the axis' link; not overlapped.
@@ -16,7 +16,7 @@ needs that a byte count does not: links and overlap.
 - ZeRO's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), activations (every non-view op's output that needs a gradient) - as
-  estimate.memory_formulas counts them (tests/test_auto.py holds the two against each other).
+  cost/plan_cost.py memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each other).
 
 Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]

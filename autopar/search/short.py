@@ -1,7 +1,7 @@
 """The probes' graph for a repeated stack: the traced graph with blocks 2..n-1 left out.
 
 trace() exports a list of n identical blocks two deep and copies block 1 for the rest
-(repeat.py), so blocks 1..n-1 are op for op the same, read the same layouts and get the same
+(trace/repeat_blocks.py), so blocks 1..n-1 are op for op the same, read the same layouts and get the same
 strategies (propagation's choice cache relies on the same fact). A probe therefore plans
 the graph with blocks 0 and 1 only - the tail reading what block n-1 gave now reads block 1 -
 and counts each of block 1's ops and parameters n-1 times (``weights``). Edges are charged to

@@ -68,7 +68,7 @@ def trace(
     """Export ``model`` at ``args``/``kwargs`` and prepare the graph for propagation.
 
     With ``repeat_blocks``, a long list of identical blocks is exported two blocks deep and
-    the rest copied (see repeat.py); the graph is the one a full export gives.
+    the rest copied (see repeat_blocks.py); the graph is the one a full export gives.
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar needs an nn.Module, got {type(model).__name__}.")
