@@ -251,7 +251,9 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
     else:
         placements = seeds.inputs.get(node.name, default)
         reason = seeds.reasons.get(node.name, "input, replicated")
-        ctx.param_derived[node], ctx.needs_grad[node] = False, False
+        # an input the example passes with requires_grad gets its gradient whole, as a parameter
+        # does (inputs_embeds, soft prompts): its replicated uses by split compute need "f"
+        ctx.param_derived[node], ctx.needs_grad[node] = False, input_requires_grad(node)
     val = node.meta.get("val")
     if not is_tensor(val):
         return Layout([], reason="non-tensor input")
@@ -259,6 +261,14 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
     what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
     check_divisible(meta.shape, placements, mesh, what)
     return Layout([tuple(placements)], reason=reason)
+
+
+def input_requires_grad(node: fx.Node) -> bool:
+    """Does this user-input placeholder's example require a gradient (a floating tensor with
+    requires_grad)? The plan's gradient flow is made for it; the input guard refuses one that
+    requires grad at run time when its example did not."""
+    val = node.meta.get("val")
+    return is_tensor(val) and val.dtype.is_floating_point and bool(val.requires_grad)
 
 
 def _call_layout(node: fx.Node, ctx: Context) -> Layout:
