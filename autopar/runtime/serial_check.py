@@ -211,9 +211,10 @@ def _compare(
 ) -> float:
     if serial.shape != merged.shape:
         raise PlanMismatch(f"{what}: serial shape {tuple(serial.shape)}, ranks give {tuple(merged.shape)}.")
-    if serial.dtype.is_floating_point:
-        diff = (serial.double() - merged.double()).abs()
-        bad = diff > atol + rtol * serial.double().abs()
+    if serial.dtype.is_floating_point or serial.is_complex():
+        wide = torch.complex128 if serial.is_complex() else torch.float64  # complex: |difference|
+        diff = (serial.to(wide) - merged.to(wide)).abs()
+        bad = diff > atol + rtol * serial.to(wide).abs()
         if bad.any():
             idx = tuple(int(i) for i in bad.nonzero()[0])
             raise PlanMismatch(

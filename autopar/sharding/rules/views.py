@@ -20,7 +20,14 @@ aten = torch.ops.aten
 R = Replicate()
 
 # op packet -> index of the argument that is a (global) shape to rewrite to local sizes
-SHAPE_ARGS = {aten.view: 1, aten.reshape: 1, aten._unsafe_view: 1, aten.expand: 1}
+SHAPE_ARGS = {
+    aten.view: 1,
+    aten.reshape: 1,
+    aten._unsafe_view: 1,
+    aten.expand: 1,
+    aten.view_copy: 1,
+    aten.expand_copy: 1,
+}
 
 
 def _partials(n_inputs: int, n_outputs: int) -> list[Strategy]:

@@ -1,0 +1,54 @@
+"""Reductions whose dims and keepdim sit elsewhere than sum's (dim, keepdim) at 1 and 2, from one
+table: variance and standard deviation (with their means), medians, modes, k-th values,
+nan-aware sums and means, min-max pairs, nonzero counts, logsumexp under its special name.
+
+Over a dim that stays split these keep it split (every output, values and indices alike);
+over a split dim only a sum has a partial form (nansum, count_nonzero: Partial("sum")), the
+others need the dim whole. ``var``/``std`` take ``unbiased`` (a bool) where sum takes ``dim``:
+their dims come from the table, never from the argument at position 1.
+
+Example:
+    >>> dim_reduction_rule(op)   # var.dim(x (8, 6), [1]) -> [R], [S(0) -> S(0)]
+"""
+
+from __future__ import annotations
+
+
+from autopar.sharding.rules.reductions import reduction_strategies
+from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
+
+ALL = "all"  # every dim (the overload has no dim argument, or it is None)
+
+# overload -> (position and name of dim, default dim, position and name of keepdim, partial kind)
+TABLE = {
+    **dict.fromkeys(aten_ops("var", "std", "var_mean", "std_mean"), ((None, None), ALL, (None, None), None)),
+    **dict.fromkeys(aten_ops("var.dim", "std.dim", "var_mean.dim", "std_mean.dim"), ((1, "dim"), ALL, (3, "keepdim"), None)),
+    **dict.fromkeys(aten_ops("var_mean.correction", "std_mean.correction"), ((1, "dim"), ALL, (99, "keepdim"), None)),
+    **dict.fromkeys(aten_ops("median", "nanmedian"), ((None, None), ALL, (None, None), None)),
+    **dict.fromkeys(aten_ops("median.dim", "nanmedian.dim", "mode"), ((1, "dim"), -1, (2, "keepdim"), None)),
+    aten_ops("kthvalue")[0]: ((2, "dim"), -1, (3, "keepdim"), None),
+    aten_ops("nanmean")[0]: ((1, "dim"), ALL, (2, "keepdim"), None),  # counts differ per rank: no partial form
+    aten_ops("nansum")[0]: ((1, "dim"), ALL, (2, "keepdim"), "sum"),
+    aten_ops("aminmax")[0]: ((99, "dim"), ALL, (99, "keepdim"), None),
+    aten_ops("count_nonzero")[0]: ((1, "dim"), ALL, (None, None), "sum"),
+    aten_ops("count_nonzero.dim_IntList")[0]: ((1, "dim"), ALL, (None, None), "sum"),
+    aten_ops("special_logsumexp")[0]: ((1, "dim"), ALL, (2, "keepdim"), None),
+    aten_ops("norm.ScalarOpt_dtype")[0]: ((None, None), ALL, (None, None), None),
+}  # fmt: skip
+
+
+def reduced_dims(op: OpInfo) -> tuple[list[int], bool]:
+    """(the dims ``op`` reduces, keepdim), read as TABLE says."""
+    (dim_at, dim_name), default, (keep_at, keep_name) = TABLE[op.op][:3]
+    ndim = max(op.tensors[0].ndim, 1)
+    dims = op.arg(dim_at, dim_name, default) if dim_at is not None else ALL
+    keepdim = bool(op.arg(keep_at, keep_name, False)) if keep_at is not None else False
+    if dims is None or dims == ALL or dims == []:
+        return list(range(op.tensors[0].ndim)), keepdim
+    dims = [dims] if isinstance(dims, int) else dims
+    return sorted(d % ndim for d in dims), keepdim
+
+
+@register(*TABLE)
+def dim_reduction_rule(op: OpInfo) -> list[Strategy]:
+    return reduction_strategies(op, TABLE[op.op][3], reduced_dims(op))
