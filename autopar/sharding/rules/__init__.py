@@ -31,3 +31,5 @@ from autopar.sharding.rules import pointwise_table  # noqa: F401  (after pointwi
 from autopar.sharding.rules import reductions_dims  # noqa: F401
 from autopar.sharding.rules import matrix  # noqa: F401
 from autopar.sharding.rules import views_scatter  # noqa: F401  (after every view rule: *_copy reuses them)
+from autopar.sharding.rules import spectral  # noqa: F401
+from autopar.sharding.rules import nn_extra  # noqa: F401

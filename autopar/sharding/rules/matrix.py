@@ -140,3 +140,48 @@ def bilinear_rule(op: OpInfo) -> list[Strategy]:
             ins = s.inputs[:3] + ((Shard(0) if split_o else R,) if bias is not None else ())
             strategies.append(Strategy(ins, s.outputs, None, s.note))
     return strategies
+
+
+@register(aten.tensordot.default)
+def tensordot_rule(op: OpInfo) -> list[Strategy]:
+    """tensordot(a, b, dims_a, dims_b): a's free dims, then b's; the paired dims contracted."""
+    a, b = op.tensors[:2]
+    dims_a = [d % a.ndim for d in op.arg(2, "dims_self")]
+    dims_b = [d % b.ndim for d in op.arg(3, "dims_other")]
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    la = [next(letters) for _ in range(a.ndim)]
+    lb = [next(letters) for _ in range(b.ndim)]
+    for da, db in zip(dims_a, dims_b):
+        lb[db] = la[da]
+    out = [c for d, c in enumerate(la) if d not in dims_a] + [c for d, c in enumerate(lb) if d not in dims_b]
+    return labelled_strategies(op, [(a, "".join(la)), (b, "".join(lb))], "".join(out))
+
+
+@register(aten.cdist.default, aten._cdist_forward.default)
+def cdist_rule(op: OpInfo) -> list[Strategy]:
+    """cdist(x1 (..., P, M), x2 (..., R, M)) -> (..., P, R): batch dims split on both, P on x1,
+    R on x2; the feature dim M is inside a norm (nonlinear): never split."""
+    x1, x2 = op.tensors[:2]
+    n = x1.ndim
+    strategies = [op.replicated()]
+    for d in range(n - 2):
+        if x1.shape[d] > 1 and x1.shape[d] == x2.shape[d]:
+            strategies.append(op.strategy({x1: Shard(d), x2: Shard(d)}, Shard(d)))
+    if x1.shape[n - 2] > 1:
+        strategies.append(op.strategy({x1: Shard(n - 2)}, Shard(n - 2)))
+    if x2.shape[n - 2] > 1:
+        strategies.append(op.strategy({x2: Shard(n - 2)}, Shard(n - 1)))
+    return strategies
+
+
+@register(aten.linalg_multi_dot.default)
+def multi_dot_rule(op: OpInfo) -> list[Strategy]:
+    """A chain of matrix products: the first matrix's rows and the last one's columns split (a 1-D
+    end of the chain is a vector: nothing of it in the output)."""
+    first, last = op.tensors[0], op.tensors[-1]
+    strategies = [op.replicated()]
+    if first.ndim == 2 and first.shape[0] > 1:
+        strategies.append(op.strategy({first: Shard(0)}, Shard(0)))
+    if last.ndim == 2 and last.shape[1] > 1 and len(op.tensors) > 1:
+        strategies.append(op.strategy({last: Shard(1)}, Shard(op.outputs[0].ndim - 1)))
+    return strategies

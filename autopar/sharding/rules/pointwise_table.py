@@ -22,7 +22,7 @@ from autopar.sharding.rules.pointwise import (
     multiplicative_rule,
     unary_linear_rule,
 )
-from autopar.sharding.rules.registry import get_rule, register
+from autopar.sharding.rules.registry import OpInfo, Strategy, get_rule, register
 
 aten = torch.ops.aten
 
@@ -55,6 +55,7 @@ FAMILIES = {
         "special_modified_bessel_k0 special_modified_bessel_k1 special_airy_ai "
         "special_scaled_modified_bessel_k0 special_scaled_modified_bessel_k1 special_spherical_bessel_j0",
     ),
+    "complex numbers": (elementwise_rule, "complex polar real imag conj_physical conj _conj resolve_conj resolve_neg"),
     # linear: a partial sum stays partial
     "linear unary": (unary_linear_rule, "positive negative deg2rad rad2deg"),
     "additive": (additive_rule, "rsub"),
@@ -87,3 +88,9 @@ def _register_families() -> None:
 
 
 _register_families()
+
+
+@register(aten.frexp.Tensor)
+def elementwise_pair_rule(op: OpInfo) -> list[Strategy]:
+    """An elementwise op with two outputs of the input's shape (frexp: mantissa, exponent)."""
+    return [Strategy(s.inputs, s.outputs * len(op.outputs), None, s.note) for s in elementwise_rule(op)]

@@ -1,6 +1,7 @@
 """Reductions whose dims and keepdim sit elsewhere than sum's (dim, keepdim) at 1 and 2, from one
 table: variance and standard deviation (with their means), medians, modes, k-th values,
-nan-aware sums and means, min-max pairs, nonzero counts, logsumexp under its special name.
+nan-aware sums and means, min-max pairs, nonzero counts, logsumexp under its special name,
+quantiles of one q, trapezoid integrals; softmax under other names and its backward.
 
 Over a dim that stays split these keep it split (every output, values and indices alike);
 over a split dim only a sum has a partial form (nansum, count_nonzero: Partial("sum")), the
@@ -14,8 +15,13 @@ Example:
 from __future__ import annotations
 
 
-from autopar.sharding.rules.reductions import reduction_strategies
+import torch
+
+from autopar.placement import Shard
+from autopar.sharding.rules.reductions import reduction_strategies, softmax_rule
 from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, register
+
+aten = torch.ops.aten
 
 ALL = "all"  # every dim (the overload has no dim argument, or it is None)
 
@@ -34,6 +40,8 @@ TABLE = {
     aten_ops("count_nonzero.dim_IntList")[0]: ((1, "dim"), ALL, (None, None), "sum"),
     aten_ops("special_logsumexp")[0]: ((1, "dim"), ALL, (2, "keepdim"), None),
     aten_ops("norm.ScalarOpt_dtype")[0]: ((None, None), ALL, (None, None), None),
+    **dict.fromkeys(aten_ops("quantile.scalar", "nanquantile.scalar"), ((2, "dim"), ALL, (3, "keepdim"), None)),
+    **dict.fromkeys(aten_ops("trapz.x", "trapz.dx", "trapezoid.x", "trapezoid.dx"), ((2, "dim"), -1, (None, None), None)),
 }  # fmt: skip
 
 
@@ -51,4 +59,20 @@ def reduced_dims(op: OpInfo) -> tuple[list[int], bool]:
 
 @register(*TABLE)
 def dim_reduction_rule(op: OpInfo) -> list[Strategy]:
+    if op.op.overloadpacket in (aten.trapz, aten.trapezoid) and len(op.tensors) > 1 and op.tensors[1].ndim > 1:
+        return [op.replicated()]  # sample points x of y's shape: they would need the same split
     return reduction_strategies(op, TABLE[op.op][3], reduced_dims(op))
+
+
+# softmax-like ops over one dim, under other names (softmax_rule: every other dim splits)
+register(aten._safe_softmax.default)(softmax_rule)
+
+
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(op: OpInfo) -> list[Strategy]:
+    """(grad_output, output, dim, dtype): both split alike on any dim but ``dim``."""
+    g = op.tensors[0]
+    dim = op.args[2] % g.ndim
+    return [op.replicated()] + [
+        Strategy((Shard(d), Shard(d)), (Shard(d),)) for d in range(g.ndim) if d != dim and g.shape[d] > 1
+    ]

@@ -135,3 +135,60 @@ _register_copies()
 def msort_rule(op: OpInfo) -> list[Strategy]:
     """Sorts along dim 0: every other dim keeps its split."""
     return _moved(op, {d: d for d in range(1, op.tensors[0].ndim)}, partial=False)
+
+
+@register(aten.mT.default, aten.mH.default, aten.matrix_H.default, aten.adjoint.default)
+def matrix_transpose_rule(op: OpInfo) -> list[Strategy]:
+    """The last two dims swap (``mH``/``H``/``adjoint`` conjugate too: elementwise)."""
+    n = op.tensors[0].ndim
+    perm = {d: d for d in range(n - 2)} | ({n - 2: n - 1, n - 1: n - 2} if n >= 2 else {0: 0})
+    return _moved(op, perm)
+
+
+@register(aten.movedim.intlist, aten.movedim.int, aten.moveaxis.intlist, aten.moveaxis.int)
+def movedim_rule(op: OpInfo) -> list[Strategy]:
+    n = op.tensors[0].ndim
+    src, dst = op.arg(1, "source"), op.arg(2, "destination")
+    src = [s % n for s in ([src] if isinstance(src, int) else src)]
+    dst = [d % n for d in ([dst] if isinstance(dst, int) else dst)]
+    order = [None] * n
+    for s, d in zip(src, dst):
+        order[d] = s
+    rest = iter(d for d in range(n) if d not in src)
+    order = [o if o is not None else next(rest) for o in order]
+    return _moved(op, {d_in: d_out for d_out, d_in in enumerate(order)})
+
+
+@register(aten.fliplr.default, aten.flipud.default)
+def flip_lr_ud_rule(op: OpInfo) -> list[Strategy]:
+    return _untouched(op, {1 if op.op is aten.fliplr.default else 0})
+
+
+@register(aten.tile.default)
+def tile_rule(op: OpInfo) -> list[Strategy]:
+    """tile(x, reps): reps padded with leading 1s to x's dims (x gets leading 1-dims where reps is
+    longer); a dim tiled once keeps its split, one tiled r > 1 times stays whole."""
+    x = op.tensors[0]
+    reps = list(op.arg(1, "dims"))
+    reps = [1] * (x.ndim - len(reps)) + reps
+    off = len(reps) - x.ndim
+    return _moved(op, {d: d + off for d in range(x.ndim) if reps[d + off] == 1})
+
+
+@register(*[getattr(aten, f"{k}split").int for k in "hvd"], *[getattr(aten, f"{k}split").array for k in "hvd"])
+def hvd_split_rule(op: OpInfo) -> list[Strategy]:
+    """hsplit (dim 1, or 0 for 1-D), vsplit (dim 0), dsplit (dim 2): every other dim keeps its split."""
+    n = op.tensors[0].ndim
+    kind = op.op.overloadpacket.__name__[0]
+    dim = {"h": 1 if n > 1 else 0, "v": 0, "d": 2}[kind]
+    return _moved(op, {d: d for d in range(n) if d != dim}, len(op.outputs))
+
+
+@register(aten.column_stack.default)
+def column_stack_rule(op: OpInfo) -> list[Strategy]:
+    """Columns side by side: dim 0 of every input (a 1-D input is one column) stays split."""
+    k = len(op.tensors)
+    strategies = [op.replicated()]
+    if all(t.shape[0] == op.outputs[0].shape[0] for t in op.tensors):
+        strategies.append(Strategy((Shard(0),) * k, (Shard(0),)))
+    return strategies
