@@ -304,6 +304,8 @@ def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
     hit = ctx.choices.get(key) if key is not None else None
     if hit is None:
         hit = _solve(node, ins, info, cur, rule, ctx)
+        if hit is None:  # the rule does not apply to these arguments: as an op without a rule
+            return _no_rule(node, ins, info, cur, ctx)
         if key is not None:
             ctx.choices[key] = hit
     outputs, targets, chosen, reason, alternatives = hit
@@ -350,9 +352,13 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
 
 
 def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
-    """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives)."""
+    """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives),
+    or None when the rule answers None (it does not apply to these arguments)."""
     mesh = ctx.mesh
-    strategies = with_blocks(rule(info), info, cur)
+    offered = rule(info)
+    if offered is None:
+        return None
+    strategies = with_blocks(offered, info, cur)
     chosen: list[Strategy] = []
     alternatives = []
     in_place = _mutates_first(node)

@@ -67,6 +67,21 @@ CASES = {
     "select_scatter": (lambda x, s: torch.select_scatter(x, s, 1, 3), (8, 4), S(0), [((8,), S(0))], "select_scatter"),
     "diagonal_scatter": (lambda x, s: torch.diagonal_scatter(x, s, 0, 1, 2), (8, 4, 4), S(0), [((8, 4), S(0))], "diagonal_scatter"),
     "copy_views": (lambda x: torch.permute_copy(x, (1, 0)).t() * torch.msort(x), (8, 4), S(1), [], "msort"),
+    "copy_views_mT_movedim_hsplit": (lambda x: torch.hsplit(x, 2)[0] * torch.movedim(x[:, 2:].mT.mT, 1, 0).t(), (8, 4), S(0), [], "hsplit"),
+    # Fourier transforms (spectral.py)
+    "rfft": (lambda x: torch.fft.rfft(x, dim=1).abs(), (8, 4), S(0), [], "fft_rfft"),
+    # layers (nn_extra.py) and native norms (norms_native.py)
+    "conv_transpose": (lambda x, w: F.conv_transpose1d(x, w), (8, 4, 6), S(0), [((4, 3, 3), R)], "conv_transpose1d"),
+    "conv_transpose_channels": (lambda x, w, b: F.conv_transpose1d(x, w, b), (2, 4, 6), R, [((4, 8, 3), S(1)), ((8,), S(0))], "conv_transpose1d"),
+    "max_unpool": (lambda x: F.max_unpool1d(*F.max_pool1d(x, 2, return_indices=True), 2), (8, 4, 6), S(0), [], "max_unpool"),
+    "grid_sample": (lambda x, g: F.grid_sample(x, g.tanh(), align_corners=False), (4, 4, 3, 3), S(0), [((4, 2, 2, 2), S(0))], "grid_sampler"),
+    "glu_prelu": (lambda x, w: F.prelu(F.glu(x, dim=1), w), (8, 4), S(0), [((2,), R)], "glu"),
+    "kl_div": (lambda x, t: F.kl_div(x.log_softmax(-1), t.softmax(-1), reduction="sum"), (8, 4), S(0), [((8, 4), S(0))], "kl_div"),
+    "tensordot": (lambda x, w: torch.tensordot(x, w, dims=([1], [0])), (8, 4), S(0), [((4, 6), R)], "tensordot"),
+    "cdist": (lambda x, y: torch.cdist(x, y), (8, 4), S(0), [((6, 4), R)], "cdist"),
+    "native_batch_norm": (lambda x, w, b: torch.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)[0], (4, 8, 3), S(1), [((8,), S(0)), ((8,), S(0))], "native_batch_norm"),
+    "native_group_norm_batch": (lambda x, w, b: torch.native_group_norm(x, w, b, 8, 4, 3, 2, 1e-5)[0], (8, 4, 3), S(0), [((4,), R), ((4,), R)], "native_group_norm"),
+    "native_group_norm_groups": (lambda x, w, b: torch.native_group_norm(x, w, b, 2, 8, 3, 4, 1e-5)[0], (2, 8, 3), S(1), [((8,), S(0)), ((8,), S(0))], "native_group_norm"),
 }  # fmt: skip
 
 

@@ -33,3 +33,4 @@ from autopar.sharding.rules import matrix  # noqa: F401
 from autopar.sharding.rules import views_scatter  # noqa: F401  (after every view rule: *_copy reuses them)
 from autopar.sharding.rules import spectral  # noqa: F401
 from autopar.sharding.rules import nn_extra  # noqa: F401
+from autopar.sharding.rules import norms_native  # noqa: F401

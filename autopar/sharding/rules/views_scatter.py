@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.errors import ShardingError
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, get_rule, register
 from autopar.sharding.rules.views import _moved
@@ -192,3 +193,26 @@ def column_stack_rule(op: OpInfo) -> list[Strategy]:
     if all(t.shape[0] == op.outputs[0].shape[0] for t in op.tensors):
         strategies.append(Strategy((Shard(0),) * k, (Shard(0),)))
     return strategies
+
+
+@register(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
+def as_strided_rule(op: OpInfo) -> list[Strategy] | None:
+    """A strided view addresses the input's storage, not its elements: no piece of it can be
+    computed from a piece of the input. One that stays within the input's own elements runs
+    replicated as an op without a rule does (None: gathered, with the warning); one that reads
+    past them (a view of a larger storage) cannot be reproduced from the input's values at all."""
+    x = op.tensors[0]
+    at = 2 if op.op is aten.as_strided_scatter.default else 1  # the scatter takes src first
+    size, stride = op.arg(at, "size"), op.arg(at + 1, "stride")
+    offset = op.arg(at + 2, "storage_offset", 0) or 0
+    last = offset + sum((s - 1) * st for s, st in zip(size, stride) if s > 0)
+    numel = 1
+    for s in x.shape:
+        numel *= s
+    if last >= numel:
+        raise ShardingError(
+            f"{op.op} reads element {last} of its input's storage, which holds {numel} elements: the input "
+            "is a view of a larger tensor, and each rank gets the input's values, not that storage. "
+            "Pass the whole tensor the view is taken of and take the view inside the model."
+        )
+    return None
