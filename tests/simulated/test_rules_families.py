@@ -82,6 +82,11 @@ CASES = {
     "native_batch_norm": (lambda x, w, b: torch.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)[0], (4, 8, 3), S(1), [((8,), S(0)), ((8,), S(0))], "native_batch_norm"),
     "native_group_norm_batch": (lambda x, w, b: torch.native_group_norm(x, w, b, 8, 4, 3, 2, 1e-5)[0], (8, 4, 3), S(0), [((4,), R), ((4,), R)], "native_group_norm"),
     "native_group_norm_groups": (lambda x, w, b: torch.native_group_norm(x, w, b, 2, 8, 3, 4, 1e-5)[0], (2, 8, 3), S(1), [((8,), S(0)), ((8,), S(0))], "native_group_norm"),
+    "tril_triu_rows": (lambda x: torch.tril(x, 1) + torch.triu(x, -2), (8, 8), S(0), [], "tril"),
+    "tril_triu_columns": (lambda x: torch.tril(x, -1) * torch.triu(x, 2), (8, 8), S(1), [], "triu"),
+    "einsum_three_operands": (lambda x, a, b: torch.einsum("ij,jk,k->i", x, a, b), (8, 4), S(0), [((4, 6), R), ((6,), R)], "einsum"),
+    "trapezoid": (lambda x, t: torch.trapezoid(x, t, dim=1) + torch.cumulative_trapezoid(x, dim=1).sum(1), (8, 4), S(0), [((8, 4), S(0))], "trapezoid"),
+    "margin_losses": (lambda x, t: F.multi_margin_loss(x, t.argmax(1)) + F.triplet_margin_loss(x, t, x.flip(1)), (8, 4), S(0), [((8, 4), S(0))], "multi_margin_loss"),
 }  # fmt: skip
 
 

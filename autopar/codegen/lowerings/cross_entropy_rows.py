@@ -41,8 +41,10 @@ class CrossEntropySplitRows(Lowering):
         ignore_index = node_arg(node, 4, "ignore_index", -100)
         g = em.graph
         weight = args[2] if len(args) > 2 else kwargs.get("weight")
-        smoothing = args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0)
-        local_sum = g.call_function(node.target, (logits, target, weight, 2, ignore_index, smoothing))  # 2: sum
+        sum_args = (logits, target, weight, 2, ignore_index)  # 2: reduction "sum"
+        if node.target is aten.cross_entropy_loss.default:  # nll_loss has no label smoothing
+            sum_args += (args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0),)
+        local_sum = g.call_function(node.target, sum_args)
         count = g.call_function(
             aten.sum.dim_IntList, (_counted(g, node, target, ignore_index), []), {"dtype": torch.float32}
         )

@@ -185,3 +185,10 @@ def multi_dot_rule(op: OpInfo) -> list[Strategy]:
     if last.ndim == 2 and last.shape[1] > 1 and len(op.tensors) > 1:
         strategies.append(op.strategy({last: Shard(1)}, Shard(op.outputs[0].ndim - 1)))
     return strategies
+
+
+@register(aten.linalg_vander.default)
+def vander_rule(op: OpInfo) -> list[Strategy]:
+    """x (..., n) -> (..., n, N): every dim of x keeps its split (the powers come last)."""
+    x = op.tensors[0]
+    return [op.replicated()] + [op.strategy({x: Shard(d)}, Shard(d)) for d in range(x.ndim) if x.shape[d] > 1]

@@ -131,3 +131,12 @@ def kl_div_rule(op: OpInfo) -> list[Strategy]:
         return elementwise
     kind = "sum" if reduction == 2 else "avg"
     return [op.replicated()] + [Strategy(s.inputs, (Partial(kind),), None, f"partial {kind}") for s in elementwise[1:]]
+
+
+@register(aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default)
+def max_pool_backward_rule(op: OpInfo) -> list[Strategy]:
+    """(grad_output, self, ..., indices): batch and channels split on all three alike."""
+    g, x, idx = op.tensors[0], op.tensors[1], op.tensors[-1]
+    spatial = 3 if op.op is aten.max_pool3d_with_indices_backward.default else 2
+    dims = [d for d in range(x.ndim - spatial) if x.shape[d] > 1]
+    return [op.replicated()] + [op.strategy({g: Shard(d), x: Shard(d), idx: Shard(d)}, Shard(d)) for d in dims]

@@ -1,7 +1,7 @@
 """Reductions whose dims and keepdim sit elsewhere than sum's (dim, keepdim) at 1 and 2, from one
 table: variance and standard deviation (with their means), medians, modes, k-th values,
 nan-aware sums and means, min-max pairs, nonzero counts, logsumexp under its special name,
-quantiles of one q, trapezoid integrals; softmax under other names and its backward.
+quantiles of one q, trapezoid integrals (and their scans); softmax under other names and its backward.
 
 Over a dim that stays split these keep it split (every output, values and indices alike);
 over a split dim only a sum has a partial form (nansum, count_nonzero: Partial("sum")), the
@@ -41,7 +41,6 @@ TABLE = {
     aten_ops("special_logsumexp")[0]: ((1, "dim"), ALL, (2, "keepdim"), None),
     aten_ops("norm.ScalarOpt_dtype")[0]: ((None, None), ALL, (None, None), None),
     **dict.fromkeys(aten_ops("quantile.scalar", "nanquantile.scalar"), ((2, "dim"), ALL, (3, "keepdim"), None)),
-    **dict.fromkeys(aten_ops("trapz.x", "trapz.dx", "trapezoid.x", "trapezoid.dx"), ((2, "dim"), -1, (None, None), None)),
 }  # fmt: skip
 
 
@@ -59,9 +58,32 @@ def reduced_dims(op: OpInfo) -> tuple[list[int], bool]:
 
 @register(*TABLE)
 def dim_reduction_rule(op: OpInfo) -> list[Strategy]:
-    if op.op.overloadpacket in (aten.trapz, aten.trapezoid) and len(op.tensors) > 1 and op.tensors[1].ndim > 1:
-        return [op.replicated()]  # sample points x of y's shape: they would need the same split
     return reduction_strategies(op, TABLE[op.op][3], reduced_dims(op))
+
+
+TRAPEZOIDS = aten_ops("trapz.x", "trapz.dx", "trapezoid.x", "trapezoid.dx")
+CUMULATIVE = aten_ops("cumulative_trapezoid.x", "cumulative_trapezoid.dx")
+
+
+@register(*TRAPEZOIDS, *CUMULATIVE)
+def trapezoid_rule(op: OpInfo) -> list[Strategy]:
+    """Integrals of y along ``dim`` (cumulative: a scan): every other dim of y splits, and with it the
+    sample points x where x has y's dims (a 1-D x is along ``dim``: replicated)."""
+    y = op.tensors[0]
+    x = op.tensors[1] if len(op.tensors) > 1 else None
+    dim = op.arg(2, "dim", -1) % y.ndim
+    scan = op.op in CUMULATIVE
+    strategies = [op.replicated()]
+    for d in range(y.ndim):
+        if d == dim or y.shape[d] <= 1:
+            continue
+        placed = {y: Shard(d)}
+        if x is not None and x.ndim == y.ndim:
+            if x.shape[d] != y.shape[d]:
+                continue
+            placed[x] = Shard(d)
+        strategies.append(op.strategy(placed, Shard(d if scan else d - (d > dim))))
+    return strategies
 
 
 # softmax-like ops over one dim, under other names (softmax_rule: every other dim splits)
