@@ -170,3 +170,31 @@ def test_lowerings_read_dynamic_dims_of_inputs(mesh_shape):
     assert plan.check(x, weight, target)["input_grads"] == 2
     ce = next(n for n in plan.graph.nodes if "cross_entropy" in n.name)
     assert "vocab_parallel" in plan.layout(ce.name).reason
+
+
+@pytest.mark.parametrize("mode", ["compiled", "no_grad"])
+def test_input_gradient_compiled_and_forward_only(mode):
+    """A compiled rank module gives every rank the whole gradient of a replicated input; under
+    no_grad an input that requires grad runs (nothing to refuse) and equals serial."""
+    mesh = ap.Mesh((2,), ("a",))
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 4, generator=gen), torch.randn(4, generator=gen).requires_grad_()
+    fn = BROADCASTS["add"][0]
+    plan = ap.plan(Fn(lambda x, y: fn(x, y).tanh()), mesh, args=(x, y), annotations={"x": ap.place(S(0))})
+    serial_y = y.detach().clone().requires_grad_()
+    serial_out = (x + serial_y).tanh()
+    serial_out.sum().backward()
+
+    def step(module, a, b):
+        b = b.detach().clone().requires_grad_()
+        if mode == "no_grad":
+            with torch.no_grad():
+                return module(a, b), None
+        out = torch.compile(module)(a, b)
+        out.sum().backward()
+        return out.detach(), b.grad
+
+    for out, grad in plan.simulate(step, x, y):
+        torch.testing.assert_close(out, serial_out.detach())
+        if mode == "compiled":
+            torch.testing.assert_close(grad, serial_y.grad)
