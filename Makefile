@@ -35,7 +35,8 @@ fuzz: $(STAMP)
 # PyTorch's OpInfo database against autopar (issue 31): every sample planned and checked against serial;
 # the per-class counts and the ops still on fallback go in docs/opinfo.md (~40 min on 2 vCPUs).
 opinfo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.opinfo --json fuzz/opinfo-results.json
+	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.opinfo --json fuzz/opinfo-results.json; \
+	$(BIN)/python -m fuzz.opinfo_report fuzz/opinfo-results.json docs/opinfo.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache
