@@ -55,7 +55,10 @@ FAMILIES = {
         "special_modified_bessel_k0 special_modified_bessel_k1 special_airy_ai "
         "special_scaled_modified_bessel_k0 special_scaled_modified_bessel_k1 special_spherical_bessel_j0",
     ),
-    "complex numbers": (elementwise_rule, "complex polar real imag conj_physical conj _conj resolve_conj resolve_neg chalf"),
+    "complex numbers": (
+        elementwise_rule,
+        "complex polar real imag conj_physical conj _conj resolve_conj resolve_neg chalf",
+    ),
     # linear: a partial sum stays partial
     "linear unary": (unary_linear_rule, "positive negative deg2rad rad2deg"),
     "additive": (additive_rule, "rsub"),
