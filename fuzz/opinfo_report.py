@@ -47,6 +47,33 @@ results unique only up to sign or order).
 """
 
 
+# why an op stays on fallback, for the ops of the last run (by kind)
+_NOT_SPLITTABLE = "every sample reduces or sorts over all dims, or over its only dim that divides: nothing left split"
+_DATA_DEPENDENT = "output size depends on the values (data-dependent): no layout to plan"
+_NO_RULE = "no rule yet: each output position depends on the whole input"
+OP_NOTES = {
+    **dict.fromkeys(
+        ["linalg.vector_norm", "masked.amax", "masked.amin", "masked.logsumexp", "masked.norm", "masked.prod"],
+        _NOT_SPLITTABLE,
+    ),
+    **dict.fromkeys(["mode", "nanmean", "prod", "quantile", "nanquantile", "sort"], _NOT_SPLITTABLE),
+    **dict.fromkeys(
+        ["masked_select", "repeat_interleave", "_segment_reduce.lengths", "_segment_reduce.offsets"], _DATA_DEPENDENT
+    ),
+    **dict.fromkeys(["block_diag", "combinations", "diag", "diagflat", "gradient", "index_reduce.prod"], _NO_RULE),
+    **dict.fromkeys(
+        ["as_strided", "as_strided.partial_views", "as_strided_copy", "as_strided_scatter"],
+        "addresses the input's storage, not its elements: gathered (refused where it reads past the input)",
+    ),
+    "masked.normalize": "new_full (creation) offers no split for its input",
+    "nn.functional.embedding_bag": "no rule for embedding_bag yet",
+    "nn.functional.linear_cross_entropy.chunked": "torch_nn custom op of torch 2.13: no rule",
+    "nn.functional.linear_cross_entropy.chunked_none": "torch_nn custom op of torch 2.13: no rule",
+    "nn.functional.pixel_unshuffle": "samples split H or W into pieces the downscale factor does not divide",
+    "stft": "reflect padding of the split signal: pad's rule gathers it",
+}
+
+
 def write_report(data: dict, path: str) -> None:
     s, cases = data["summary"], data["cases"]
     seconds = s.get("seconds")
@@ -89,8 +116,8 @@ def _fallback_lines(s: dict, cases: list) -> list[str]:
         if s["per_op"].get(c["op"]) == "fallback":
             detail = c["detail"].split(": ", 1)[-1] if c["detail"] else ""
             why[c["op"]].update(x for x in detail.split(", ") if x)
-    out = ["| op | why |", "|---|---|"]
-    out += [f"| `{op}` | {', '.join(sorted(why[op])) or '-'} |" for op in sorted(why)]
+    out = ["| op | ATen ops without a rule, or replicating | why |", "|---|---|---|"]
+    out += [f"| `{op}` | {', '.join(sorted(why[op])) or '-'} | {OP_NOTES.get(op, '')} |" for op in sorted(why)]
     return out
 
 

@@ -64,7 +64,9 @@ def _objective(outputs, weights):
     return total
 
 
-def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
+def _serial_reference(plan, args, kwargs, loss) -> tuple:
+    """The serial model's outputs, objective weights, parameter gradients and the gradients of the
+    inputs that require grad (by flat input position)."""
     model = plan.model
     params = {
         n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()
@@ -81,9 +83,19 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     # scaled by 1/dp on each rank (emit.py), so every rank differentiates its share of the serial objective
     wanted = [i for i, v in enumerate(leaves) if _requires_grad(v)]
     grads = _grads(serial_obj, [*trainable.values(), *(leaves[i] for i in wanted)])
-    serial_grads = dict(zip(trainable, grads[: len(trainable)]))
-    serial_in_grads = dict(zip(wanted, grads[len(trainable) :]))
+    return (
+        serial_out,
+        weights,
+        dict(zip(trainable, grads[: len(trainable)])),
+        dict(zip(wanted, grads[len(trainable) :])),
+    )
 
+
+def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
+    model = plan.model
+    serial_out, weights, serial_grads, serial_in_grads = _serial_reference(plan, args, kwargs, loss)
+    flat_in, in_tree = pytree.tree_flatten((args, kwargs))
+    wanted = list(serial_in_grads)
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     plan = dpplan.exact_gradients(plan)  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
