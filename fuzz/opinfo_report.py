@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import sys
 
-from fuzz.opinfo import ILL_CONDITIONED, MESHES, RANDOM, SAMPLES_PER_OP
+from fuzz.opinfo import ILL_CONDITIONED, MESHES, ONLY_REPLICATED, RANDOM, SAMPLES_PER_OP
 
 INTRO = """# PyTorch's OpInfo database against autopar
 
@@ -81,7 +82,9 @@ def write_report(data: dict, path: str) -> None:
     eligible = s["eligible_ops"]
     lines += ["## Last run", ""]
     if seconds is not None:
-        lines.append(f"`make opinfo` on this project's 2-vCPU machine, {seconds / 60:.0f} min.")
+        lines.append(
+            f"`make opinfo` on this project's 2-vCPU machine (shared with other jobs), {seconds / 60:.0f} min."
+        )
     lines += [
         "",
         "| class | ops | cases |",
@@ -113,9 +116,10 @@ def write_report(data: dict, path: str) -> None:
 def _fallback_lines(s: dict, cases: list) -> list[str]:
     why = collections.defaultdict(set)
     for c in cases:
-        if s["per_op"].get(c["op"]) == "fallback":
-            detail = c["detail"].split(": ", 1)[-1] if c["detail"] else ""
-            why[c["op"]].update(x for x in detail.split(", ") if x)
+        if s["per_op"].get(c["op"]) != "fallback":
+            continue
+        if c["status"] == "fallback" or (c["status"] == "pass" and c["detail"].startswith(ONLY_REPLICATED)):
+            why[c["op"]].update(x for x in c["detail"].split(": ", 1)[-1].split(", ") if x)
     out = ["| op | ATen ops without a rule, or replicating | why |", "|---|---|---|"]
     out += [f"| `{op}` | {', '.join(sorted(why[op])) or '-'} | {OP_NOTES.get(op, '')} |" for op in sorted(why)]
     return out
@@ -125,7 +129,7 @@ def _other_lines(s: dict, cases: list) -> list[str]:
     first = {}
     for c in cases:
         if s["per_op"].get(c["op"]) in ("refused", "untraceable") and c["status"] in ("refused", "untraceable"):
-            first.setdefault(c["op"], (c["status"], c["detail"][:160]))
+            first.setdefault(c["op"], (c["status"], re.sub(r"at \S+/(\w+\.py:\d+)", r"at \1", c["detail"])[:160]))
     out = ["| op | class | first reason |", "|---|---|---|"]
     out += [f"| `{op}` | {cls} | {detail.replace('|', '/')} |" for op, (cls, detail) in sorted(first.items())]
     return out
