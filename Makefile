@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean fuzz survey
+.PHONY: demo test lint bench clean fuzz survey opinfo
 
 $(STAMP): requirements-test.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ bench: $(STAMP)
 # Property-based fuzzing beyond CI's 200 cases; failures land in fuzz/failures/*.json (replayable).
 fuzz: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.run --examples $${FUZZ_EXAMPLES:-2000}
+
+# PyTorch's OpInfo database against autopar (issue 31): every sample planned and checked against serial;
+# the per-class counts and the ops still on fallback go in docs/opinfo.md (~40 min on 2 vCPUs).
+opinfo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m fuzz.opinfo --json fuzz/opinfo-results.json; \
+	$(BIN)/python -m fuzz.opinfo_report fuzz/opinfo-results.json docs/opinfo.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -63,8 +63,28 @@ class Emitter:
         self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
 
     # ------------------------------------------------------------------ helpers
-    def global_shape(self, node: fx.Node):
-        return tuple(node.meta["val"].shape)
+    def global_shape(self, node: fx.Node) -> tuple:
+        """``node``'s global shape for a lowering: ints where static; a dynamic dim (a batch, or
+        any dim of a weight passed as an input) as a value of the program, its local size times
+        its pieces (the traced symbol, ``s77``, is defined nowhere in the emitted code)."""
+        return tuple(
+            self.global_size(node, d) if isinstance(s, torch.SymInt) and not s.node.expr.is_number else int(s)
+            for d, s in enumerate(node.meta["val"].shape)
+        )
+
+    def global_size(self, x: fx.Node, dim: int) -> fx.Node:
+        """The global size of ``x``'s dim ``dim`` at run time, from its local value."""
+        local = self.graph.call_function(aten.sym_size.int, (self.env[x], dim))
+        f = shard_factor(layout_of(x).spec, self.mesh, dim % x.meta["val"].dim())
+        if f == 1:
+            return local
+        glob = self.graph.call_function(operator.mul, (local, f))
+        self.scaled[glob] = (local, f)
+        return glob
+
+    def local_size(self, size, f: int):
+        """A (global) size divided into ``f`` pieces: an int, or a value of the program."""
+        return self._local_size(size, f)
 
     def rank_value(self, name: str) -> fx.Node:
         """The module attribute ``name`` of ``rank_attrs`` (read once per program)."""
@@ -226,13 +246,7 @@ class Emitter:
 
     def _sym_size(self, node):
         x, dim = node.args
-        local = self.graph.call_function(aten.sym_size.int, (self.env[x], dim))
-        f = shard_factor(layout_of(x).spec, self.mesh, dim % x.meta["val"].dim())
-        if f == 1:
-            return local
-        glob = self.graph.call_function(operator.mul, (local, f))
-        self.scaled[glob] = (local, f)
-        return glob
+        return self.global_size(x, dim)
 
     def _local_size(self, size, f: int):
         if f == 1 or (isinstance(size, int) and size == -1):

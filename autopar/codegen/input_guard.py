@@ -32,7 +32,7 @@ from torch.fx.node import has_side_effect
 
 from autopar.errors import InputError
 from autopar.placement import Shard, fmt_spec, shard_factor
-from autopar.sharding.propagate import tensor_outputs
+from autopar.sharding.propagate import input_requires_grad, tensor_outputs
 
 
 def guard_args(plan, env: dict, rank: int) -> tuple | None:
@@ -46,7 +46,20 @@ def guard_args(plan, env: dict, rank: int) -> tuple | None:
             values.append(env[phs[name]])
     if not checks:
         return None
-    return tuple(values), tuple(checks), rank, symbol_divisors(plan.graph, plan.mesh)
+    return tuple(values), tuple(checks), rank, symbol_divisors(plan.graph, plan.mesh), planned_without_grad(plan)
+
+
+def planned_without_grad(plan) -> tuple[str, ...]:
+    """The floating user inputs whose example did not require grad: the plan made no gradient
+    flow for them, so one that requires grad at run time would get a wrong gradient."""
+    phs = {n.name: n for n in plan.graph.nodes if n.op == "placeholder"}
+    return tuple(
+        name
+        for name in plan.traced.user_inputs
+        if isinstance(phs[name].meta.get("val"), torch.Tensor)
+        and phs[name].meta["val"].dtype.is_floating_point
+        and not input_requires_grad(phs[name])
+    )
 
 
 def symbol_divisors(graph, mesh) -> tuple:
@@ -94,13 +107,20 @@ def input_checks(name: str, val, spec, mesh) -> tuple:
 
 
 @has_side_effect
-def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple = ()) -> None:
-    """Raise InputError when ``values`` are not the local pieces the plan expects."""
+def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple = (), no_grad: tuple = ()) -> None:
+    """Raise InputError when ``values`` are not the local pieces the plan expects, or when an
+    input named in ``no_grad`` (planned without a gradient) requires one."""
     sizes: dict[str, tuple[int, str]] = {}  # dynamic symbol -> (global size, input that set it)
     need = {sym: (k, where) for sym, k, where in divisors}
     for value, (name, spec, global_shape, dims) in zip(values, checks):
         if not isinstance(value, torch.Tensor):
             continue
+        if name in no_grad and value.requires_grad and torch.is_grad_enabled():
+            raise InputError(
+                f"rank {rank}'s module got input {name!r} with requires_grad=True, but the plan was made "
+                "from an example that does not require grad, so its gradient would arrive in parts. "
+                f"Plan with an example {name!r} that requires grad (tensor.requires_grad_()), or pass it detached."
+            )
         shape = tuple(value.shape)
         why = _mismatch(shape, dims, name, sizes, need)
         if why is not None:

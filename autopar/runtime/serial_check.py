@@ -64,27 +64,42 @@ def _objective(outputs, weights):
     return total
 
 
-def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
+def _serial_reference(plan, args, kwargs, loss) -> tuple:
+    """The serial model's outputs, objective weights, parameter gradients and the gradients of the
+    inputs that require grad (by flat input position)."""
     model = plan.model
     params = {
         n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()
     }  # one name per tied tensor
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    serial_out = functional_call(model, {**params, **buffers}, args, kwargs, tie_weights=True)
+    flat_in, in_tree = pytree.tree_flatten((args, kwargs))
+    leaves = [_grad_leaf(v) for v in flat_in]  # inputs that require grad: their own leaves
+    s_args, s_kwargs = pytree.tree_unflatten(leaves, in_tree)
+    serial_out = functional_call(model, {**params, **buffers}, s_args, s_kwargs, tie_weights=True)
     weights = _weights(plan, serial_out)
     serial_obj = loss(serial_out) if loss is not None else _objective(serial_out, weights)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
-    grads = (
-        torch.autograd.grad(serial_obj, list(trainable.values()), allow_unused=True)
-        if trainable and serial_obj.requires_grad
-        else [None] * len(trainable)
+    # the ranks' input gradients equal the serial ones: a batch-split output's gradient is
+    # scaled by 1/dp on each rank (emit.py), so every rank differentiates its share of the serial objective
+    wanted = [i for i, v in enumerate(leaves) if _requires_grad(v)]
+    grads = _grads(serial_obj, [*trainable.values(), *(leaves[i] for i in wanted)])
+    return (
+        serial_out,
+        weights,
+        dict(zip(trainable, grads[: len(trainable)])),
+        dict(zip(wanted, grads[len(trainable) :])),
     )
-    serial_grads = dict(zip(trainable, grads))
 
+
+def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
+    model = plan.model
+    serial_out, weights, serial_grads, serial_in_grads = _serial_reference(plan, args, kwargs, loss)
+    flat_in, in_tree = pytree.tree_flatten((args, kwargs))
+    wanted = list(serial_in_grads)
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     plan = plan.with_exact_gradients()  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
-    inputs = [plan.local_inputs(r, *args, **kwargs) for r in plan.mesh.ranks()]
+    inputs = [_local_leaves(plan, r, flat_in, in_tree) for r in plan.mesh.ranks()]
     local_weights = [
         [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
         for r in plan.mesh.ranks()
@@ -97,18 +112,61 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         if torch.is_tensor(obj) and obj.requires_grad:  # a model without trainable parameters has none
             obj.backward()
         g = {n: p.grad for n, p in modules[rank].named_parameters(remove_duplicate=False)}
-        return out, g
+        flat = pytree.tree_leaves((a, k))
+        return out, g, {i: flat[i].grad for i in wanted}
 
     results = run_ranks(plan.mesh.size, step)
-    merged_out = plan.merge_outputs([r[0] for r in results])
-    outs = [
-        (f"output {i}", s.detach(), m)
-        for i, (s, m) in enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged_out)))
-        if isinstance(s, torch.Tensor)
-    ]
-    worst_out = _compare_all(outs, rtol, atol)
-    per_rank_grads = [r[1] for r in results]
-    merged_grads = plan.merge_state_dicts([{n: g[n] for n in serial_grads if n in g} for g in per_rank_grads])
+    worst_out = _compare_outputs(plan, serial_out, [r[0] for r in results], rtol, atol)
+    worst_grad = _compare_param_grads(plan, serial_grads, [r[1] for r in results], rtol, atol)
+    worst_in = _compare_input_grads(plan, serial_in_grads, [r[2] for r in results], rtol, atol)
+    return {
+        "outputs": len(pytree.tree_leaves(serial_out)),
+        "grads": len(serial_grads),
+        "input_grads": len(serial_in_grads),
+        "max_rel": max(worst_out, worst_grad, worst_in),
+        "rtol": rtol,
+        "atol": atol,
+    }
+
+
+def _requires_grad(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.requires_grad
+
+
+def _grad_leaf(v):
+    """A serial leaf for an input that requires grad (so its gradient can be read), else ``v``."""
+    return v.detach().clone().requires_grad_() if _requires_grad(v) else v
+
+
+def _grads(objective, tensors: list) -> list:
+    if not tensors or not (torch.is_tensor(objective) and objective.requires_grad):
+        return [None] * len(tensors)
+    return list(torch.autograd.grad(objective, tensors, allow_unused=True))
+
+
+def _local_leaves(plan, rank: int, flat_in: list, in_tree) -> tuple:
+    """``rank``'s (args, kwargs), each piece of an input that requires grad a leaf of its own."""
+    args, kwargs = pytree.tree_unflatten(flat_in, in_tree)
+    a, k = plan.local_inputs(rank, *args, **kwargs)
+    flat, tree = pytree.tree_flatten((a, k))
+    flat = [p.detach().clone().requires_grad_() if _requires_grad(v) else p for p, v in zip(flat, flat_in)]
+    return pytree.tree_unflatten(flat, tree)
+
+
+def _compare_outputs(plan, serial_out, rank_outs: list, rtol, atol) -> float:
+    """Every rank's outputs against its piece of the serial ones (a replicated output on every rank)."""
+    serial = pytree.tree_leaves(serial_out)
+    items = []
+    for rank, out in enumerate(rank_outs):
+        for i, (s, m, spec) in enumerate(zip(serial, pytree.tree_leaves(out), plan.output_specs)):
+            if isinstance(s, torch.Tensor):
+                piece = s.detach() if spec is None else shard_tensor(s.detach(), spec, plan.mesh, rank)
+                items.append((f"output {i} on rank {rank}", piece, m.detach(), s))
+    return _compare_pieces(items, rtol, atol)
+
+
+def _compare_param_grads(plan, serial_grads: dict, per_rank: list, rtol, atol) -> float:
+    merged_grads = plan.merge_state_dicts([{n: g[n] for n in serial_grads if n in g} for g in per_rank])
     grads = []
     for name, sg in serial_grads.items():
         mg = merged_grads.get(name)
@@ -119,14 +177,33 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         if mg is None:
             raise PlanMismatch(f"gradient of {name!r}: the serial model has one, the ranks have none.")
         grads.append((f"gradient of {name!r}", sg, mg))
-    worst_grad = _compare_all(grads, rtol, atol)
-    return {
-        "outputs": len(pytree.tree_leaves(serial_out)),
-        "grads": len(serial_grads),
-        "max_rel": max(worst_out, worst_grad),
-        "rtol": rtol,
-        "atol": atol,
-    }
+    return _compare_all(grads, rtol, atol)
+
+
+def _compare_input_grads(plan, serial: dict, per_rank: list, rtol, atol) -> float:
+    """Every rank's gradient of every input that requires grad against its piece of the serial
+    one: a replicated input's gradient must be whole on every rank, a split one its slice."""
+    names = plan.traced.user_inputs
+    items = []
+    for i, sg in serial.items():
+        spec = plan.input_specs[i]
+        for rank, grads in enumerate(per_rank):
+            mg = grads[i]
+            if sg is None and mg is None:
+                continue
+            what = f"gradient of input {names[i]!r} on rank {rank}"
+            if mg is None:
+                raise PlanMismatch(f"{what}: the serial model has one, the rank has none.")
+            full = torch.zeros_like(mg) if sg is None else sg
+            piece = full if sg is None or spec is None else shard_tensor(sg, spec, plan.mesh, rank)
+            items.append((what, piece, mg, full))
+    return _compare_pieces(items, rtol, atol)
+
+
+def _compare_pieces(items, rtol: float, atol: float) -> float:
+    """(what, serial piece, rank's piece, whole serial tensor): the floor from the whole tensors."""
+    floor = rtol * max((_magnitude(full) for *_, full in items), default=0.0)
+    return max((_compare(what, s, m, rtol, atol, floor) for what, s, m, _ in items), default=0.0)
 
 
 def _magnitude(t: torch.Tensor) -> float:
@@ -144,9 +221,10 @@ def _compare(
 ) -> float:
     if serial.shape != merged.shape:
         raise PlanMismatch(f"{what}: serial shape {tuple(serial.shape)}, ranks give {tuple(merged.shape)}.")
-    if serial.dtype.is_floating_point:
-        diff = (serial.double() - merged.double()).abs()
-        bad = diff > atol + rtol * serial.double().abs()
+    if serial.dtype.is_floating_point or serial.is_complex():
+        wide = torch.complex128 if serial.is_complex() else torch.float64  # complex: |difference|
+        diff = (serial.to(wide) - merged.to(wide)).abs()
+        bad = diff > atol + rtol * serial.to(wide).abs()
         if bad.any():
             idx = tuple(int(i) for i in bad.nonzero()[0])
             raise PlanMismatch(

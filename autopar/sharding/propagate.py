@@ -241,7 +241,9 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
     else:
         placements = seeds.inputs.get(node.name, default)
         reason = seeds.reasons.get(node.name, "input, replicated")
-        ctx.param_derived[node], ctx.needs_grad[node] = False, False
+        # an input the example passes with requires_grad gets its gradient whole, as a parameter
+        # does (inputs_embeds, soft prompts): its replicated uses by split compute need "f"
+        ctx.param_derived[node], ctx.needs_grad[node] = False, input_requires_grad(node)
     val = node.meta.get("val")
     if not is_tensor(val):
         return Layout([], reason="non-tensor input")
@@ -249,6 +251,14 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
     what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
     check_divisible(meta.shape, placements, mesh, what)
     return Layout([tuple(placements)], reason=reason)
+
+
+def input_requires_grad(node: fx.Node) -> bool:
+    """Does this user-input placeholder's example require a gradient (a floating tensor with
+    requires_grad)? The plan's gradient flow is made for it; the input guard refuses one that
+    requires grad at run time when its example did not."""
+    val = node.meta.get("val")
+    return is_tensor(val) and val.dtype.is_floating_point and bool(val.requires_grad)
 
 
 def _call_layout(node: fx.Node, ctx: Context) -> Layout:
@@ -284,6 +294,8 @@ def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
     hit = ctx.choices.get(key) if key is not None else None
     if hit is None:
         hit = _solve(node, ins, info, cur, rule, ctx)
+        if hit is None:  # the rule does not apply to these arguments: as an op without a rule
+            return _no_rule(node, ins, info, cur, ctx)
         if key is not None:
             ctx.choices[key] = hit
     outputs, targets, chosen, reason, alternatives = hit
@@ -330,9 +342,13 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
 
 
 def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
-    """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives)."""
+    """Cost the rule's strategies on each axis; (outputs, input targets, chosen, reason, alternatives),
+    or None when the rule answers None (it does not apply to these arguments)."""
     mesh = ctx.mesh
-    strategies = with_blocks(rule(info), info, cur)
+    offered = rule(info)
+    if offered is None:
+        return None
+    strategies = with_blocks(offered, info, cur)
     chosen: list[Strategy] = []
     alternatives = []
     in_place = _mutates_first(node)

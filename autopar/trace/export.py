@@ -164,9 +164,12 @@ def _dynamic_shapes(model, args, kwargs):
             return {d: Dim.AUTO for d in range(x.dim())}
         return None
 
-    if not kwargs:
+    signature = inspect.signature(model.forward)
+    var_args = any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values())
+    if not kwargs and not var_args:
         return pytree.tree_map(spec, args)
-    # With keyword inputs export wants the specs keyed by the forward's parameter names.
+    # With keyword inputs, or ``*args`` (export takes them as one tuple), export wants the specs
+    # keyed by the forward's parameter names.
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
 

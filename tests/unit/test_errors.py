@@ -221,25 +221,25 @@ def test_rank_outside_mesh():
         plan.module(2)
 
 
-class Flip(nn.Module):
+class Renorm(nn.Module):
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(4))
 
     def forward(self, x):
-        return torch.flip(x * self.w, [0]).cumprod(0)
+        return torch.renorm(x * self.w, 2, 0, 1.0).cumprod(0)  # renorm: no rule (flip has one since issue 31)
 
 
 def test_op_without_rule_strict_names_op_and_module():
     x = torch.randn(8, 4)
-    with pytest.raises(ap.NoRuleError, match=r"aten.flip.default at node 'flip'.*S\(0\)"):
-        ap.plan(Flip(), ap.Mesh((2,), ("dp",)), args=(x,), data_parallel="dp", strict=True)
+    with pytest.raises(ap.NoRuleError, match=r"aten.renorm.default at node 'renorm'.*S\(0\)"):
+        ap.plan(Renorm(), ap.Mesh((2,), ("dp",)), args=(x,), data_parallel="dp", strict=True)
 
 
 def test_op_without_rule_falls_back_correctly_with_warning():
     x = torch.randn(8, 4)
-    with pytest.warns(UserWarning, match="no sharding rule for aten.flip.default"):
-        plan = ap.plan(Flip(), ap.Mesh((2,), ("dp",)), args=(x,), data_parallel="dp")
+    with pytest.warns(UserWarning, match="no sharding rule for aten.renorm.default"):
+        plan = ap.plan(Renorm(), ap.Mesh((2,), ("dp",)), args=(x,), data_parallel="dp")
     plan.check(x)
 
 

@@ -1,6 +1,7 @@
 """Cross-entropy over rows split across ranks: the mean is the local sum divided by the
-global count of counted targets (ranks may drop different numbers of ignore_index rows), so
-each rank's loss is its partial sum of the serial mean.
+global count of counted targets (ranks may drop different numbers of ignore_index rows; with
+class probabilities as targets every row counts), so each rank's loss is its partial sum of
+the serial mean.
 
 Example (rows split over dp=2, 3 and 1 counted targets): rank 0 returns sum0 / 4, rank 1 sum1 / 4.
 """
@@ -22,6 +23,16 @@ def node_arg(node, i: int, name: str, default):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
 
 
+def _counted(g, node, target, ignore_index):
+    """One flag per row that the serial mean divides by: targets other than ``ignore_index``
+    for class indices; every row for class probabilities (soft labels), which have no
+    ignore_index and hold one value per class (the class dim is dim 1)."""
+    if node.args[1].meta["val"].dtype.is_floating_point:
+        first_class = g.call_function(aten.select.int, (target, 1, 0))
+        return g.call_function(aten.ones_like.default, (first_class,), {"dtype": torch.bool})
+    return g.call_function(aten.ne.Scalar, (target, ignore_index))
+
+
 class CrossEntropySplitRows(Lowering):
     name = "cross_entropy_split_rows"
 
@@ -30,10 +41,13 @@ class CrossEntropySplitRows(Lowering):
         ignore_index = node_arg(node, 4, "ignore_index", -100)
         g = em.graph
         weight = args[2] if len(args) > 2 else kwargs.get("weight")
-        smoothing = args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0)
-        local_sum = g.call_function(node.target, (logits, target, weight, 2, ignore_index, smoothing))  # 2: sum
-        counted = g.call_function(aten.ne.Scalar, (target, ignore_index))
-        count = g.call_function(aten.sum.dim_IntList, (counted, []), {"dtype": torch.float32})
+        sum_args = (logits, target, weight, 2, ignore_index)  # 2: reduction "sum"
+        if node.target is aten.cross_entropy_loss.default:  # nll_loss has no label smoothing
+            sum_args += (args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0),)
+        local_sum = g.call_function(node.target, sum_args)
+        count = g.call_function(
+            aten.sum.dim_IntList, (_counted(g, node, target, ignore_index), []), {"dtype": torch.float32}
+        )
         total = em.collective(ops.all_reduce.default, (count,), axis, extra=("sum",))
         total = g.call_function(aten._to_copy.default, (total,), {"dtype": node.meta["val"].dtype})
         return g.call_function(aten.div.Tensor, (local_sum, total))

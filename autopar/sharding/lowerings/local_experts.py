@@ -66,10 +66,11 @@ class LocalExperts(Lowering):
         n = 1
         for a in axes:
             n *= em.mesh.shape[a]
-        held = experts // n
-        lo, stride = 0, experts
+        held = em.local_size(experts, n)  # experts may be a program value (weights passed as inputs)
+        lo, pieces = 0, 1
         for a in axes:
-            stride //= em.mesh.shape[a]
+            pieces *= em.mesh.shape[a]
+            stride = em.local_size(experts, pieces)
             lo = em.graph.call_function(operator.add, (lo, em.graph.call_function(operator.mul, (em.coord(a), stride))))
         return lo, held
 

@@ -39,7 +39,7 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     ignore_index = _arg(node, 4, "ignore_index", -100)
     reduction = _arg(node, 3, "reduction", REDUCTION_MEAN)
     call = em.graph.call_function
-    n_local = em.global_shape(node.args[0])[1] // em.mesh.shape[axis]
+    n_local = em.local_size(em.global_shape(node.args[0])[1], em.mesh.shape[axis])
     start = call(operator.mul, (em.coord(axis), n_local))
     local_max = call(aten.amax.default, (call(aten.detach.default, (logits,)), [1], True))
     maxes = em.collective(ops.all_gather.default, (local_max, 1), axis)

@@ -22,7 +22,7 @@ class VocabParallelEmbedding(Lowering):
     def emit(self, em, node, args, kwargs, axis: int):
         weight, ids = args[0], args[1]
         n = em.mesh.shape[axis]
-        rows = em.global_shape(node.args[0])[0] // n
+        rows = em.local_size(em.global_shape(node.args[0])[0], n)
         g = em.graph
         start = g.call_function(operator.mul, (em.coord(axis), rows))
         below = g.call_function(aten.lt.Scalar, (ids, start))

@@ -52,3 +52,11 @@ from autopar.sharding.rules import hf_ops  # noqa: F401
 from autopar.sharding.rules import conv, pooling, batch_norm, resample  # noqa: F401
 from autopar.sharding.rules import sorting, scatter_gather, views_extra  # noqa: F401
 from autopar.sharding.rules import experts, variants  # noqa: F401
+from autopar.sharding.rules import pointwise_table  # noqa: F401  (after pointwise: the overloads it leaves)
+from autopar.sharding.rules import reductions_dims  # noqa: F401
+from autopar.sharding.rules import matrix  # noqa: F401
+from autopar.sharding.rules import views_scatter  # noqa: F401  (after every view rule: *_copy reuses them)
+from autopar.sharding.rules import spectral  # noqa: F401
+from autopar.sharding.rules import nn_extra  # noqa: F401
+from autopar.sharding.rules import norms_native  # noqa: F401
+from autopar.sharding.rules import losses_batch  # noqa: F401

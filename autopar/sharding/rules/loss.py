@@ -25,8 +25,10 @@ def cross_entropy_rule(op: OpInfo) -> list[Strategy]:
     reduction = op.arg(3, "reduction", REDUCTION_MEAN)
     class_weight = op.tensors[2] if len(op.tensors) > 2 else None
     strategies = [op.replicated()]
-    if logits.ndim < 1 or logits.shape[0] == 1 or op.op.overloadpacket is aten.nll_loss_forward:
+    # 1-D logits are one row whose dim 0 is the classes: nothing to split by rows
+    if logits.ndim < 2 or logits.shape[0] == 1 or op.op.overloadpacket is aten.nll_loss_forward:
         return strategies
+    soft = target.dtype.is_floating_point  # class probabilities: the mean divides by the rows, weighted or not
     placed = {logits: Shard(0), target: Shard(0)}
     if class_weight is not None:
         placed[class_weight] = R
@@ -34,7 +36,7 @@ def cross_entropy_rule(op: OpInfo) -> list[Strategy]:
         strategies.append(op.strategy(placed, Shard(0)))
     elif reduction == REDUCTION_SUM:
         strategies.append(op.strategy(placed, Partial("sum"), note="sum of split rows"))
-    elif class_weight is None:
+    elif class_weight is None or soft:
         strategies.append(
             op.strategy(
                 placed,

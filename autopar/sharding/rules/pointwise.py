@@ -13,6 +13,7 @@ import torch
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.lowerings.train_modes import lower_add_, lower_dropout
 from autopar.sharding.rules.registry import OpInfo, Strategy, aten_ops, declare, register
+from autopar.sharding.rules.triangular import triangular_strategies
 
 aten = torch.ops.aten
 R = Replicate()
@@ -212,17 +213,11 @@ def shard_strategies(op: OpInfo) -> list[Strategy]:
     return strategies
 
 
-def _tril_triu_ok(op: OpInfo, s: Strategy) -> bool:
-    # tril/triu look at the last two dims: those cannot be split.
-    p = s.outputs[0]
-    return not (isinstance(p, Shard) and p.dim >= op.outputs[0].ndim - 2)
-
-
 @register(*NONLINEAR)
 def elementwise_rule(op: OpInfo) -> list[Strategy]:
     strategies = shard_strategies(op)
     if op.op in (aten.tril.default, aten.triu.default):
-        strategies = [s for s in strategies if _tril_triu_ok(op, s)]
+        strategies = triangular_strategies(op, strategies)
     return strategies
 
 

@@ -38,9 +38,10 @@ def _out_dim(d: int, reduced: list[int], keepdim: bool) -> int:
     return d if keepdim else d - sum(1 for r in reduced if r < d)
 
 
-def reduction_strategies(op: OpInfo, partial_kind: str | None) -> list[Strategy]:
+def reduction_strategies(op: OpInfo, partial_kind: str | None, reduced_dims=None) -> list[Strategy]:
+    """``reduced_dims``: (dims, keepdim) where the op's arguments do not say them as sum's do."""
     x = op.tensors[0]
-    reduced, keepdim = _reduced_dims(op)
+    reduced, keepdim = reduced_dims or _reduced_dims(op)
     n_out = len(op.outputs)
     strategies = [op.replicated()]
     for d in range(x.ndim):

@@ -82,7 +82,7 @@ class Strategy:
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
-    lowering: object = None  # a codegen.lowerings Lowering (its repr is its name)
+    lowering: object = None  # a sharding.lowerings Lowering (its repr is its name)
     note: str = ""
 
     def __repr__(self) -> str:

@@ -1,6 +1,6 @@
 """Ops some transformer variants add: baddbmm (Bloom's ALiBi attention scores), expand_as,
 index_put (MoE routing's inverse permutation, cache writes), repeat (DiffLlama's heads),
-repeat_interleave and two-operand einsum (Falcon-H1's Mamba mixer), concat, view_as_complex /
+repeat_interleave and einsum (Falcon-H1's Mamba mixer), concat, view_as_complex /
 view_as_real (Llama-4's rotary), and torch's other names of mul/div/sub.
 
 - ``baddbmm(bias, b1, b2, beta, alpha) = beta * bias + alpha * (b1 @ b2)``: the bmm's
@@ -26,6 +26,7 @@ import torch
 
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.matmul import einsum_strategies
+from autopar.sharding.rules.matrix import labelled_strategies
 from autopar.sharding.rules.pointwise import additive_rule, multiplicative_rule
 from autopar.sharding.rules.registry import OpInfo, Strategy, Work, aten_ops, register
 from autopar.sharding.rules.views import cat_rule
@@ -124,15 +125,18 @@ def repeat_interleave_rule(op: OpInfo) -> list[Strategy]:
 
 @register(aten.einsum.default)
 def einsum_rule(op: OpInfo) -> list[Strategy]:
-    """Two operands, explicit output, no ellipsis: the contraction's dim labels (matmul.py)."""
+    """Any number of operands, explicit or implicit output (the labels seen once, sorted), no
+    ellipsis: the contraction's dim labels (matmul.py; matrix.py beyond two operands)."""
     eq = op.args[0].replace(" ", "")
-    if "->" not in eq or "." in eq or len(op.tensors) != 2:
-        return [op.replicated()]
-    ins, out = eq.split("->")
-    lhs, _, rhs = ins.partition(",")
-    if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
+    ins, arrow, out = eq.partition("->")
+    terms = ins.split(",")
+    if "." in eq or len(terms) != len(op.tensors) or any(len(set(t)) != len(t) for t in terms):
         return [op.replicated()]  # a repeated label on one operand is a diagonal
-    return einsum_strategies(op, lhs, rhs, out)
+    if not arrow:
+        out = "".join(sorted(c for c in set(ins) if ins.count(c) == 1))
+    if len(terms) == 2:
+        return einsum_strategies(op, terms[0], terms[1], out)
+    return labelled_strategies(op, list(zip(op.tensors, terms)), out)
 
 
 register(aten.concat.default)(cat_rule)  # torch.concat: cat under another name (Phi-MoE)

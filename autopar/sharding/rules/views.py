@@ -29,6 +29,8 @@ declare(
     ),
     work=VIEW,
 )
+# the copying views hold a global shape too (emission rewrites it to local sizes)
+declare(*functional_overloads("view_copy", "expand_copy"), shape_arg=1)
 
 
 def _partials(n_inputs: int, n_outputs: int) -> list[Strategy]:

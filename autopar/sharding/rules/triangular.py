@@ -1,0 +1,58 @@
+"""tril / triu on split rows or columns: each rank keeps its own triangle, the diagonal moved by
+where its piece starts (lowering ``triangular_local``).
+
+Element (i, j) of the matrix is kept by tril(x, k) iff j - i <= k. A rank holding rows
+[r0, r0 + m) keeps its local (i', j) iff j - i' <= k + r0; one holding columns [c0, c0 + m)
+iff j' - i <= k - c0. Elementwise otherwise: a split of any other dim passes through.
+
+Example:
+    >>> triangular_strategies(op)   # tril(x (8, 8)) -> [R], [S(0) -> S(0)] and [S(1) -> S(1)] via triangular_local
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from autopar.sharding.lowerings.base import Lowering, register_lowering
+from autopar.placement import Shard
+from autopar.sharding.rules.registry import OpInfo, Strategy
+
+aten = torch.ops.aten
+
+
+class TriangularLocal(Lowering):
+    """tril/triu with the diagonal shifted by this rank's first row (or minus its first column)."""
+
+    name = "triangular_local"
+
+    def emit(self, em, node, args, kwargs, axis: int):
+        x_node = node.args[0]
+        ndim = x_node.meta["val"].dim()
+        lay = node.meta["autopar"]
+        diagonal = args[1] if len(args) > 1 else kwargs.pop("diagonal", 0)
+        for a, s in enumerate(lay.strategies):
+            if s is None or s.lowering is not self:
+                continue
+            dim = lay.input_targets[0][a].dim
+            piece = em.local_size(em.global_shape(x_node)[dim], em.mesh.shape[a])
+            start = em.graph.call_function(operator.mul, (em.coord(a), piece))
+            shift = operator.add if dim == ndim - 2 else operator.sub
+            diagonal = em.graph.call_function(shift, (diagonal, start))
+        return em.graph.call_function(node.target, (args[0], diagonal), kwargs)
+
+
+TRIANGULAR_LOCAL = register_lowering(TriangularLocal())
+
+
+def triangular_strategies(op: OpInfo, strategies: list[Strategy]) -> list[Strategy]:
+    """Elementwise strategies of tril/triu: a split of one of the last two dims gets the lowering."""
+    n = op.outputs[0].ndim
+    out = []
+    for s in strategies:
+        p = s.outputs[0]
+        if isinstance(p, Shard) and p.dim >= n - 2:
+            s = Strategy(s.inputs, s.outputs, TRIANGULAR_LOCAL, "diagonal shifted to the piece")
+        out.append(s)
+    return out
