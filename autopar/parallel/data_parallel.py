@@ -24,6 +24,9 @@ option at its default) or a DataParallel naming the axis and the options:
   (``plan.mesh`` shows it; every rank keeps its number and its groups).
 - ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
   inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
+- ``broadcast_buffers`` (default True, as DDP): buffers the model writes (batch-norm running
+  statistics) are broadcast from the first dp rank after every training forward, so replicas
+  stay equal (parallel/buffer_sync.py); False lets each rank keep its own.
 
 Example:
     >>> dp = ap.DataParallel("dp", bucket_mb=4, zero=2, reduce_dtype=torch.bfloat16)
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import PlanError
+from autopar.parallel import buffer_sync
 from autopar.parallel.technique import Technique
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
@@ -63,6 +67,7 @@ class DataParallel(Technique):
     replicate_axis: str | None = None  # zero=3 HSDP over two mesh axes: shard on axis, replicate here
     param_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
+    broadcast_buffers: bool = True  # as DDP: written buffers (batch-norm statistics) kept equal
 
     name = "data_parallel"
 
@@ -151,6 +156,7 @@ class DataParallel(Technique):
             ("replicate_axis", None),
             ("param_dtype", None),
             ("output_dtype", None),
+            ("broadcast_buffers", True),
         ):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")
@@ -182,7 +188,8 @@ class DataParallel(Technique):
 
     def attach(self, plan, module, rank: int) -> None:
         """Local SGD's parameter averaging, or zero=3's gathers (the gradient buckets are
-        attached for every plan)."""
+        attached for every plan); the broadcast of written buffers (buffer_sync.py)."""
+        buffer_sync.attach(plan, module, rank)
         if self.zero == 3:
             from autopar.parallel import fsdp_runtime as fsdp
 

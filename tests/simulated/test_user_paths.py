@@ -57,3 +57,93 @@ def test_parameter_frozen_after_planning_is_not_moved(mesh_name, zero):
     assert torch.equal(merged[name], before)
     for n, p in serial.named_parameters():
         torch.testing.assert_close(merged[n], p.detach(), rtol=1e-4, atol=1e-5, msg=n)
+
+
+# ------------------------------------------------------------ batch norm under data parallel
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _bn_batches(n=3, b=8):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(b, 3, 6, 6, generator=g) * (1 + i) for i in range(n)]
+
+
+def _bn_ranks(mesh, dp):
+    """Train on every rank (SGD, 3 steps), then an eval forward: each rank's buffers and eval output."""
+    torch.manual_seed(0)
+    model, data = ConvBN(), _bn_batches()
+    ann = {"fc": ap.colwise("tp")} if "tp" in mesh.axis_names else {}
+    plan = ap.plan(model, mesh, args=(data[0],), annotations=ann, data_parallel=dp)
+
+    def step(rank):
+        module = plan.build_module(rank)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for x in data:
+            module(*plan.local_inputs(rank, x)[0]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        module.eval()
+        with torch.no_grad():
+            out = module(*plan.local_inputs(rank, data[0])[0])
+        return {n: b.clone() for n, b in module.named_buffers() if n.startswith("bn.")}, out
+
+    return plan, model, data, run_ranks(mesh.size, step)
+
+
+@pytest.mark.parametrize("shape,axes", [((2,), ("dp",)), ((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
+def test_batch_norm_buffers_stay_equal_across_dp_ranks(shape, axes):
+    """As DDP (broadcast_buffers=True): the first dp rank's statistics everywhere, so an eval
+    forward does not depend on the rank; they are the serial model's fed rank 0's slices."""
+    mesh = ap.Mesh(shape, axes)
+    plan, model, data, results = _bn_ranks(mesh, "dp")
+    group = mesh.group(mesh.axis_index("dp"), 0)
+    for r in group[1:]:
+        for n, b in results[0][0].items():
+            assert torch.equal(b, results[r][0][n]), (r, n)
+    ref_buffers, ref_out = _ddp_by_definition(model, data, len(group))
+    for r in mesh.ranks():
+        for n, b in results[r][0].items():
+            torch.testing.assert_close(b, ref_buffers[n], rtol=1e-5, atol=1e-6, msg=n)
+    merged = plan.merge_outputs([out for _, out in results])
+    torch.testing.assert_close(merged, ref_out, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_buffers_broadcast_opt_out_keeps_each_ranks_own():
+    """broadcast_buffers=False (DDP's opt-out): each dp rank keeps the statistics of its slices."""
+    mesh = ap.Mesh((2,), ("dp",))
+    _, _, _, results = _bn_ranks(mesh, ap.DataParallel("dp", broadcast_buffers=False))
+    assert not torch.equal(results[0][0]["bn.running_mean"], results[1][0]["bn.running_mean"])
+
+
+def _ddp_by_definition(model, data, dp):
+    """DDP with broadcast_buffers=True, written out: dp replicas, each forward on its slice with
+    its own batch statistics, gradients averaged, replica 0's buffers copied to all before each
+    forward. Replica 0's buffers after training, and the eval output on the whole batch."""
+    import copy
+
+    replicas = [copy.deepcopy(model) for _ in range(dp)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
+    for x in data:
+        for m in replicas[1:]:
+            m.bn.load_state_dict(replicas[0].bn.state_dict())
+        for m, xs in zip(replicas, x.chunk(dp)):
+            m(xs).square().mean().backward()
+        with torch.no_grad():
+            for ps in zip(*(m.parameters() for m in replicas)):
+                mean = torch.stack([p.grad for p in ps]).mean(0)
+                for p in ps:
+                    p.grad.copy_(mean)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    ref = replicas[0].eval()
+    with torch.no_grad():
+        return {f"bn.{n}": b for n, b in ref.bn.named_buffers()}, ref(data[0])
