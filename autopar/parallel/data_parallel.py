@@ -24,6 +24,10 @@ option at its default) or a DataParallel naming the axis and the options:
   (``plan.mesh`` shows it; every rank keeps its number and its groups).
 - ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
   inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
+- ``loss_mean``: a cross-entropy mean computed inside the model over rows split on this axis
+  divides by the count of every rank's counted rows ("global", the default: the serial model on
+  the union of the ranks' batches, also when ranks hold different numbers of tokens), or by the
+  rank's own count ("per_rank": DDP's loss, each rank's mean, their gradients averaged).
 - ``broadcast_buffers`` (default True, as DDP): buffers the model writes (batch-norm running
   statistics) are broadcast from the first dp rank after every training forward, so replicas
   stay equal (parallel/buffer_sync.py); False lets each rank keep its own.
@@ -68,6 +72,7 @@ class DataParallel(Technique):
     param_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     broadcast_buffers: bool = True  # as DDP: written buffers (batch-norm statistics) kept equal
+    loss_mean: str = "global"  # a cross-entropy mean over dp-split rows: all ranks' rows, or "per_rank" (DDP)
 
     name = "data_parallel"
 
@@ -95,6 +100,11 @@ class DataParallel(Technique):
             raise DataParallelError(
                 f"DataParallel({self.axis!r}, replicate_axis={self.replicate_axis!r}) is HSDP over two mesh "
                 "axes: give zero=3 and no shard_size (the shard group is the axis itself)."
+            )
+        if self.loss_mean not in ("global", "per_rank"):
+            raise DataParallelError(
+                f"DataParallel(loss_mean={self.loss_mean!r}): 'global' (a mean over every rank's rows, the "
+                "serial model's on the union of the batches) or 'per_rank' (each rank's own mean, as DDP)."
             )
         if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
             raise DataParallelError(f"DataParallel(prefetch={self.prefetch!r}) must be an int >= 0.")
@@ -157,6 +167,7 @@ class DataParallel(Technique):
             ("param_dtype", None),
             ("output_dtype", None),
             ("broadcast_buffers", True),
+            ("loss_mean", "global"),
         ):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")

@@ -147,3 +147,62 @@ def _ddp_by_definition(model, data, dp):
     ref = replicas[0].eval()
     with torch.no_grad():
         return {f"bn.{n}": b for n, b in ref.bn.named_buffers()}, ref(data[0])
+
+
+# ------------------------------------------------------------ the loss with per-rank lengths
+def _ragged_batches(lengths=(11, 23), b=2):
+    """What a dynamic-padding loader gives each dp rank: its own sequence length."""
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, 64, (b, s), generator=g), torch.randint(0, 64, (b, s), generator=g)) for s in lengths]
+
+
+def _ragged_run(mesh_name, loss_mean):
+    from tests.harness.models import GPT, GPT_VOCAB, MEGATRON, GPTConfig
+    from tests.harness.meshes import MESHES
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32))
+    vocab = mesh_name.endswith("+vocab")
+    spec, data = MESHES[mesh_name.removesuffix("+vocab")], _ragged_batches()
+    plan = ap.plan(
+        model,
+        spec.mesh(),
+        args=data[0],
+        annotations=(dict(MEGATRON, **GPT_VOCAB) if vocab else MEGATRON) if "tp" in spec.axes else {},
+        data_parallel=ap.DataParallel("dp", loss_mean=loss_mean),
+    )
+    dp = plan.mesh.axis_index("dp")
+
+    def step(rank):
+        module = plan.module(rank)
+        _, loss = module(*data[plan.mesh.coords(rank)[dp]])
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in module.named_parameters()}
+
+    results = run_ranks(plan.mesh.size, step)
+    return model, data, [r[0] for r in results], plan.merge_state_dicts([r[1] for r in results])
+
+
+def _serial_union(model, data, per_rank: bool):
+    """The serial model on the union of the ranks' batches: the token-weighted mean of the
+    per-token losses, or (per_rank) the average of each batch's own mean (DDP's)."""
+    model.zero_grad()
+    sums = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), t.flatten(), reduction="sum") for x, t in data]
+    counts = [t.numel() for _, t in data]
+    loss = sum(s / c for s, c in zip(sums, counts)) / len(data) if per_rank else sum(sums) / sum(counts)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mesh_name", ["dp2", "dp2xtp2", "dp2xtp2+vocab"])
+@pytest.mark.parametrize("loss_mean", ["global", "per_rank"])
+def test_loss_with_per_rank_sequence_lengths(mesh_name, loss_mean):
+    """11 tokens on one dp rank, 23 on the other: by default the loss and every gradient are the
+    serial model's on the union of the batches (a token-weighted mean); loss_mean="per_rank"
+    gives DDP's (each rank's own mean, averaged)."""
+    model, data, losses, grads = _ragged_run(mesh_name, loss_mean)
+    ref_loss, ref_grads = _serial_union(model, data, loss_mean == "per_rank")
+    for loss in losses:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
