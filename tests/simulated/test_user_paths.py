@@ -206,3 +206,20 @@ def test_loss_with_per_rank_sequence_lengths(mesh_name, loss_mean):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for n, g in ref_grads.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ------------------------------------------------------------ the input guard
+def test_input_of_another_dtype_is_an_input_error_naming_it():
+    """float64 pixels for a float32 model: an InputError naming the input, not a raw
+    "expected scalar type Double" from inside the convolution; under a precision policy any
+    floating dtype is fine (the policy casts it)."""
+    torch.manual_seed(0)
+    x = _bn_batches(1)[0]
+    plan = ap.plan(ConvBN(), ap.Mesh((2,), ("dp",)), args=(x,), data_parallel="dp")
+    (local,), _ = plan.local_inputs(0, x)
+    with pytest.raises(ap.InputError, match=r"input 'x'.*dtype torch.float64.*traced with torch.float32"):
+        plan.module(0)(local.double())
+    mlp = ap.plan(H.make_model(), ap.Mesh((2,), ("dp",)), args=(H.batches(1)[0],), data_parallel="dp")
+    policy = mlp.with_data_parallel(ap.DataParallel("dp", param_dtype=torch.bfloat16))
+    outs = policy.simulate(lambda m, a: m(a), H.batches(1)[0].double())
+    assert all(o.dtype == torch.bfloat16 for o in outs)
