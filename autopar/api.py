@@ -19,7 +19,7 @@ from autopar.options import PlanOptions
 from autopar.parallel.pipeline.api import take_splits
 from autopar.plan import Plan
 from autopar.planner import make_plan
-from autopar.runtime.consistency import verify_consistent
+from autopar.runtime.fingerprint import exchange_fingerprints
 from autopar.runtime.failures import install_excepthook
 
 
@@ -105,6 +105,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
             f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
         )
     p = plan(model, mesh, **plan_kwargs)
+    # ranks that planned differently all raise here, before any collective (debug: every collective compared)
+    exchange_fingerprints(p, timeout, p.module(rank) if p.options.debug else None)
     mesh = p.mesh  # the mesh planned on (two-axis HSDP makes its axes one, with the same ranks)
     groups = {}
     # With a timeout, every group (the whole world's too) is made with it, so that blocking
@@ -122,8 +124,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     install_backend(backend)
     install_excepthook(rank)
     module = p.module(rank)
-    if p.options.debug:
-        verify_consistent(p, module, timeout)
     unset = meta_names(model)  # built on the meta device: nothing to broadcast, ap.load_pretrained fills them
     with torch.no_grad():
         for name, param in list(module.named_parameters()) + list(module.named_buffers()):

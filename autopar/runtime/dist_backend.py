@@ -7,6 +7,8 @@ Example:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from autopar.runtime.pieces import _pos, all_to_all_local, chunk_of
@@ -41,10 +43,11 @@ class DistBackend:
             return self._wait(kind, group, lambda: call(True))
         from autopar.runtime.failures import explain
 
+        start = time.monotonic()
         try:
             call(False)
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e) from e
+            raise explain(kind, group, self.rank, self.timeout, e, time.monotonic() - start) from e
 
     def _wait(self, kind, group, start):
         """Run ``start()`` (an async collective) and wait for it; a failure or a timeout raises
@@ -52,13 +55,14 @@ class DistBackend:
         import datetime
         from autopar.runtime.failures import explain
 
+        t0 = time.monotonic()
         try:
             work = start()
             done = work.wait(datetime.timedelta(seconds=self.timeout)) if self.timeout else work.wait()
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e) from e
+            raise explain(kind, group, self.rank, self.timeout, e, time.monotonic() - t0) from e
         if done is False:
-            raise explain(kind, group, self.rank, self.timeout, TimeoutError("timed out"))
+            raise explain(kind, group, self.rank, self.timeout, TimeoutError("timed out"), time.monotonic() - t0)
 
     def _pg(self, group, rank):
         if rank != self.rank:
