@@ -31,6 +31,7 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.codegen.lowerings.base import lowering_for
 from autopar.codegen.lowerings.train_modes import MODE_LOWERINGS
+from autopar.codegen.random_draws import random_lowering
 from autopar.placement import Shard, shard_factor
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
@@ -270,8 +271,9 @@ class Emitter:
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
-        if node.target in MODE_LOWERINGS:  # train/eval and dropout randomness (lowerings/train_modes.py)
-            lowered = MODE_LOWERINGS[node.target](self, node, tuple(args), dict(kwargs))
+        mode_or_random = MODE_LOWERINGS.get(node.target) or random_lowering(node.target)
+        if mode_or_random is not None:  # train/eval, dropout (lowerings/train_modes.py), random ops (random_draws.py)
+            lowered = mode_or_random(self, node, tuple(args), dict(kwargs))
             if lowered is not None:
                 return lowered
         fused = self._fuse_bias(node, args, kwargs)

@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
@@ -26,6 +28,7 @@ from torch.func import functional_call
 from autopar.parallel import dp_module as dpplan
 from autopar.errors import PlanMismatch
 from autopar.placement import shard_tensor
+from autopar.runtime import rng
 
 
 # dtype -> (rtol, atol) that plan.check uses unless given: summing in another order (which is
@@ -70,7 +73,10 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()
     }  # one name per tied tensor
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    serial_out = functional_call(model, {**params, **buffers}, args, kwargs, tie_weights=True)
+    drawing = random_nodes(plan)
+    with torch.random.fork_rng(devices=[]):  # seeded alike with the ranks (rng="serial"), the caller's RNG untouched
+        torch.manual_seed(CHECK_SEED)
+        serial_out = functional_call(model, {**params, **buffers}, args, kwargs, tie_weights=True)
     weights = _weights(plan, serial_out)
     serial_obj = loss(serial_out) if loss is not None else _objective(serial_out, weights)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
@@ -84,6 +90,9 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     plan = dpplan.exact_gradients(plan)  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
+    for m in modules:
+        if hasattr(m, rng.STATE):
+            getattr(m, rng.STATE).copy_(rng.initial_state(CHECK_SEED))
     inputs = [plan.local_inputs(r, *args, **kwargs) for r in plan.mesh.ranks()]
     local_weights = [
         [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
@@ -108,7 +117,8 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         for i, (s, m) in enumerate(zip(pytree.tree_leaves(serial_out), pytree.tree_leaves(merged_out)))
         if isinstance(s, torch.Tensor)
     ]
-    worst_out = _compare_all(outs, rtol, atol)
+    with _randomness_named(plan, drawing):
+        worst_out = _compare_all(outs, rtol, atol)
     per_rank_grads = [r[1] for r in results]
     merged_grads = plan.merge_state_dicts([{n: g[n] for n in serial_grads if n in g} for g in per_rank_grads])
     grads = []
@@ -121,7 +131,8 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         if mg is None:
             raise PlanMismatch(f"gradient of {name!r}: the serial model has one, the ranks have none.")
         grads.append((f"gradient of {name!r}", sg, mg))
-    worst_grad = _compare_all(grads, rtol, atol)
+    with _randomness_named(plan, drawing):
+        worst_grad = _compare_all(grads, rtol, atol)
     return {
         "outputs": len(pytree.tree_leaves(serial_out)),
         "grads": len(serial_grads),
@@ -129,6 +140,60 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         "rtol": rtol,
         "atol": atol,
     }
+
+
+CHECK_SEED = 1234  # the serial model and every rank draw from torch.manual_seed(CHECK_SEED)'s state
+
+
+def random_nodes(plan) -> list[str]:
+    """The nodes that draw random numbers when the model runs in the mode it is in: ops torch
+    tags ``nondeterministic_seeded``, less dropouts with p = 0 or off in eval mode and attention
+    without dropout."""
+    out = []
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+            continue
+        where = _DROP_P.get(node.target.overloadpacket)
+        if where is not None:
+            p = node.args[where[0]] if len(node.args) > where[0] else node.kwargs.get(where[1], 0.0)
+            if not p or not plan.model.training:
+                continue
+        out.append(node.name)
+    return out
+
+
+_aten = torch.ops.aten
+# ops that draw only with a dropout probability > 0 in training: (its position, its name)
+_DROP_P = {
+    _aten.dropout: (1, "p"),
+    _aten.feature_dropout: (1, "p"),
+    _aten.alpha_dropout: (1, "p"),
+    _aten.feature_alpha_dropout: (1, "p"),
+    _aten.scaled_dot_product_attention: (4, "dropout_p"),
+}
+
+
+@contextlib.contextmanager
+def _randomness_named(plan, drawing: list[str]):
+    """A mismatch of a model that draws random numbers says so, and what makes check exact."""
+    try:
+        yield
+    except PlanMismatch as e:
+        if not drawing:
+            raise
+        if plan.options.rng == "serial":
+            why = (
+                "rng='serial' draws the serial model's numbers on CPU (check seeds both alike), so "
+                "randomness should not be the cause unless these run in a pipeline or on CUDA"
+            )
+        else:
+            why = (
+                "rng='placement' draws them differently from the serial model by design (the same on "
+                "replicas, not the serial values): plan with rng='serial' to check them against serial, "
+                "or check in eval mode (model.eval() before planning)"
+            )
+        shown = ", ".join(drawing[:6]) + (" ..." if len(drawing) > 6 else "")
+        raise PlanMismatch(f"{e} The model draws random numbers ({shown}): {why}.") from e
 
 
 def _magnitude(t: torch.Tensor) -> float:

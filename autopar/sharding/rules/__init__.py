@@ -27,3 +27,4 @@ from autopar.sharding.rules import hf_ops  # noqa: F401
 from autopar.sharding.rules import conv, pooling, batch_norm, resample  # noqa: F401
 from autopar.sharding.rules import sorting, scatter_gather, views_extra  # noqa: F401
 from autopar.sharding.rules import experts, variants  # noqa: F401
+from autopar.sharding.rules import random_ops  # noqa: F401
