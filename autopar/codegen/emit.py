@@ -42,6 +42,16 @@ ops = torch.ops.autopar
 
 
 RANK_ATTR = "autopar_rank"
+SOURCE = "autopar_source"  # node.meta key of an emitted node: the traced node it came from
+
+
+def keep_meta(node: fx.Node, new) -> None:
+    """An emitted node keeps the traced node's module path and source line (display, errors)
+    and its name (a program rewrite finds the traced node it came from: parallel/precision.py)."""
+    if isinstance(new, fx.Node):
+        if not new.meta:
+            new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+        new.meta.setdefault(SOURCE, node.name)
 
 
 def rank_attrs(mesh, rank: int) -> dict:
@@ -164,8 +174,7 @@ class Emitter:
             handler = getattr(self, f"_{node.op}")
             new = handler(node)
             if new is not None:
-                if isinstance(new, fx.Node) and not new.meta:
-                    new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+                keep_meta(node, new)
                 self.env[node] = new
         return self.graph
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.parallel.precision import retarget_dtypes
 
 RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
 
@@ -268,6 +269,8 @@ def sync_axes(plan, axes: dict) -> dict:
 def rewrite_program(plan, graph: fx.Graph) -> None:
     """Write the gathers (zero=3) and the precision casts into the emitted program."""
     dp = plan.data_parallel
+    if dp.param_dtype is not None:  # the model's own dtype constants as it runs in param_dtype
+        retarget_dtypes(plan, graph, dp.param_dtype)
     attrs = _param_attrs(plan, graph)
     if dp.zero == 3:
         _insert_gathers(plan, graph, attrs)  # gathered in param_dtype

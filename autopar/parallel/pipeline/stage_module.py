@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.codegen.emit import Emitter, rank_attrs
+from autopar.codegen.emit import Emitter, keep_meta, rank_attrs
 from autopar.codegen.program import Program
 from autopar.runtime.rng import attach_state
 from autopar.placement import Replicate, shard_tensor
@@ -45,8 +45,7 @@ class StageEmitter(Emitter):
         for name in st.nodes:
             node = nodes[name]
             new = getattr(self, f"_{node.op}")(node)
-            if isinstance(new, fx.Node) and not new.meta:
-                new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+            keep_meta(node, new)
             self.env[node] = new
         outs = [self.env[nodes[name]] for name, _ in st.send]
         if st.has_output:
