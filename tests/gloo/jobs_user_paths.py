@@ -39,3 +39,50 @@ def failure_after(timeout: float):
         os._exit(3)
     module(x)  # raises CollectiveError (the pool reports it with rank 1's death)
     return "no error"
+
+
+def state_dict_full_tensors(target: str, steps: int = 2):
+    """Train ``target`` (tests/gloo/jobs_checkpoint.py's plans), then ap.get_state_dict: this
+    rank's keys, and the worst relative difference of every value's full_tensor() from the serial
+    model's parameters and AdamW state after the same steps."""
+    from tests.gloo.jobs_checkpoint import EPS, LR, WD, _build, _train
+    from tests.harness.models import gpt_batch, small_gpt
+
+    plan, module, opt = _build(target, seed=0)
+    _train(plan, module, opt, range(10, 10 + steps))
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    serial = small_gpt(seed=0)
+    serial_opt = torch.optim.AdamW(serial.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    for s in range(10, 10 + steps):
+        serial(*gpt_batch(seed=s))[1].backward()
+        serial_opt.step()
+        serial_opt.zero_grad()
+    ref = dict(serial.state_dict(keep_vars=False))
+    named = dict(serial.named_parameters(remove_duplicate=False))
+    worst, kinds = 0.0, set()
+    for k, v in model_sd.items():
+        kinds.add(type(v).__name__)
+        worst = max(worst, _rel(v.full_tensor(), ref[k]))
+    for fqn, entry in optim_sd["state"].items():
+        for name, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                worst = max(worst, _rel(v.full_tensor(), serial_opt.state[named[fqn]][name]))
+    keys = (list(model_sd), [(k, sorted(v)) for k, v in optim_sd["state"].items()])
+    return {"keys": keys, "worst": worst, "kinds": sorted(kinds), "pieces_refuse_to_local": _refuses(model_sd)}
+
+
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _refuses(model_sd) -> bool | None:
+    from autopar.checkpoint.pieces import Pieces
+
+    v = next((v for v in model_sd.values() if isinstance(v, Pieces)), None)
+    if v is None:
+        return None
+    try:
+        v.to_local()
+    except ap.PlanError:
+        return all(repr(p) == "Boxes()" for p in v.placements)
+    return False

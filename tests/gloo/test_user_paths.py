@@ -27,3 +27,27 @@ def test_collective_error_says_how_long_it_waited(gloo):
     m = re.search(r"rank 0: all_reduce over ranks \(0, 1\) failed after ([0-9.]+) s \(timeout 30 s\)", text)
     assert m is not None, text
     assert float(m.group(1)) < 25, text  # the peer died: it failed long before the timeout
+
+
+CHECKPOINT_TARGETS = [
+    ("tp2", 2),
+    ("dp2_zero2", 2),
+    ("dp2_zero3", 2),
+    ("dp2xtp2_zero3", 4),
+    ("hsdp_rep2xshard2", 4),
+    ("tp4_blocks", 4),
+    ("pp2xtp2", 4),
+    ("pp2xdp2_zero3", 4),
+]
+
+
+@pytest.mark.parametrize("target,world", CHECKPOINT_TARGETS)
+def test_state_dict_values_are_truthful(gloo, target, world):
+    """Every ap.get_state_dict value's full_tensor() is the serial tensor (parameters and AdamW
+    state after 2 steps), with the same keys on every rank, under zero 2/3, HSDP, blocked shards
+    and pipelines (a zero=3 value claimed a replicated full tensor and gave its flat piece)."""
+    out = gloo(world).run("tests.gloo.jobs_user_paths:state_dict_full_tensors", target, timeout=240)
+    assert all(o["keys"] == out[0]["keys"] for o in out), "ranks hold different keys"
+    for o in out:
+        assert o["worst"] < 1e-4, (target, o["worst"])
+        assert o["pieces_refuse_to_local"] in (None, True), o
