@@ -28,6 +28,7 @@ from autopar.explore.save_load import PlanFileError, load_plan
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
 from autopar.parallel.zero import ZeroOptimizer
 from autopar.placement import Partial, Replicate, Shard
@@ -65,6 +66,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "NoRuleError",
+    "Optimizer",
     "Partial",
     "Pipeline",
     "PipelineError",

@@ -29,6 +29,7 @@ from autopar.explore import display
 from autopar.codegen.emit import emit_graph, rank_attrs
 from autopar.errors import InputError
 from autopar.parallel import dp_module as dpplan
+from autopar.parallel.optimizer import mark_pieces
 from autopar.checkpoint import guard
 from autopar.checkpoint.meta import materialize
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
@@ -235,6 +236,7 @@ class Plan:
             technique.attach(self, gm, rank)
         gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
         gm.autopar_plan, gm.autopar_rank = self, rank  # what ap.get_state_dict reads
+        mark_pieces(gm, self)  # a whole-tensor torch.optim class stepping pieces is refused (ap.Optimizer)
         guard.install(gm, self)  # a plain state_dict() given to DCP fails loudly
         return gm
 

@@ -46,6 +46,9 @@ def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
         model_sd[fqn] = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, plain, local.dtype)
     if optimizer is None:
         return model_sd, {}
+    if getattr(optimizer, "whole", None) is not None:  # ap.Optimizer stepping whole tensors
+        return model_sd, whole_state(optimizer)
+    optimizer = getattr(optimizer, "inner", optimizer)  # ap.Optimizer stepping pieces: its optimizer
     init_state(optimizer)
     state = {}
     for key, (fqn, start) in entries(t, optimizer).items():
@@ -59,6 +62,30 @@ def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
                 out[name] = v
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return model_sd, {"state": same_on_every_rank(state, t, dm), "param_groups": groups}
+
+
+def whole_state(optimizer) -> dict:
+    """ap.Optimizer's state when it steps whole tensors: whole on (and equal on) every rank, saved
+    as plain tensors under serial names."""
+    init_state(optimizer.inner)
+    state = {n: dict(optimizer.inner.state.get(s, {})) for n, s in optimizer.whole.shadows.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _set_whole(optimizer, sd: dict) -> None:
+    init_state(optimizer.inner)
+    for name, shadow in optimizer.whole.shadows.items():
+        mine, saved = optimizer.inner.state[shadow], sd.get("state", {}).get(name, {})
+        for key, v in list(mine.items()):
+            if key not in saved:
+                raise CheckpointError(f"set_state_dict: optimizer state {name!r}[{key!r}] is missing.")
+            src = _whole(saved[key])
+            if isinstance(v, torch.Tensor):
+                v.copy_(src.reshape(v.shape))
+            else:
+                mine[key] = src
+    _set_groups(optimizer, sd)
 
 
 def same_on_every_rank(state: dict, t: Target, dm) -> dict:
@@ -113,6 +140,9 @@ def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_stat
 
 
 def _set_optim(t, optimizer, sd: dict) -> None:
+    if getattr(optimizer, "whole", None) is not None:
+        return _set_whole(optimizer, sd)
+    optimizer = getattr(optimizer, "inner", optimizer)
     init_state(optimizer)
     saved = sd.get("state", {})
     for key, (fqn, start) in entries(t, optimizer).items():
@@ -132,6 +162,10 @@ def _set_optim(t, optimizer, sd: dict) -> None:
                 v.copy_(_whole(src))
             else:
                 mine[name] = src
+    _set_groups(optimizer, sd)
+
+
+def _set_groups(optimizer, sd: dict) -> None:
     for group, loaded in zip(optimizer.param_groups, sd.get("param_groups", [])):
         for k, v in loaded.items():
             if k != "params" and k in group and not isinstance(group[k], torch.Tensor):

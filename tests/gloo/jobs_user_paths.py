@@ -86,3 +86,33 @@ def _refuses(model_sd) -> bool | None:
     except ap.PlanError:
         return all(repr(p) == "Boxes()" for p in v.placements)
     return False
+
+
+def whole_tensor_optimizer_resumes(path: str, cls_name: str = "Adafactor"):
+    """ap.Optimizer(Adafactor) on tp2: 2 steps, DCP save; a fresh dp2 plan with it loads and trains
+    2 more: worst relative difference of this rank's pieces from serial after 4 steps."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.gloo.jobs_checkpoint import _build, _train, _worst
+    from tests.harness.models import gpt_batch, small_gpt
+
+    def made(target, seed):
+        plan, module, _ = _build(target, seed=seed)
+        return plan, module, ap.Optimizer(module, getattr(torch.optim, cls_name), lr=0.01)
+
+    plan, module, opt = made("tp2", 0)
+    _train(plan, module, opt, range(10, 12))
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    plan, module, opt = made("dp2", 7)
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    ap.set_state_dict(module, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _train(plan, module, opt, range(12, 14))
+    serial = small_gpt(seed=0)
+    serial_opt = getattr(torch.optim, cls_name)(serial.parameters(), lr=0.01)
+    for s in range(10, 14):
+        serial(*gpt_batch(seed=s))[1].backward()
+        serial_opt.step()
+        serial_opt.zero_grad()
+    return _worst(plan, module, serial)

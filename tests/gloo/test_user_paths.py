@@ -51,3 +51,9 @@ def test_state_dict_values_are_truthful(gloo, target, world):
     for o in out:
         assert o["worst"] < 1e-4, (target, o["worst"])
         assert o["pieces_refuse_to_local"] in (None, True), o
+
+
+def test_whole_tensor_optimizer_checkpoint_resumes_in_another_plan(gloo, tmp_path):
+    """ap.Optimizer(Adafactor) state (whole row/column factors) saved by DCP from tp2 loads into dp2."""
+    for worst in gloo(2).run("tests.gloo.jobs_user_paths:whole_tensor_optimizer_resumes", str(tmp_path), timeout=240):
+        assert worst < 1e-4, worst

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autopar.codegen.emit import Emitter, keep_meta, rank_attrs
+from autopar.parallel.optimizer import mark_pieces
 from autopar.codegen.program import Program
 from autopar.runtime.rng import attach_state
 from autopar.placement import Replicate, shard_tensor
@@ -71,6 +72,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
     for technique in plan.options.techniques:  # a stage module is a rank module of its sub-program
         technique.attach(plan, gm, rank)
     guard.install(gm, plan)  # a plain state_dict() given to DCP fails loudly
+    mark_pieces(gm, plan)  # a whole-tensor torch.optim class stepping pieces is refused (ap.Optimizer)
     return gm
 
 
