@@ -96,23 +96,17 @@ class Pieces(DTensor):
         import torch.distributed as dist
 
         mine = ([(off, size) for off, size, _ in self._autopar_boxes], self._local_tensor.detach().cpu())
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        full = torch.empty(self.shape, dtype=self.dtype)
-        filled = torch.zeros(self.shape, dtype=torch.bool)
-        for boxes, flat in everyone:
-            at = 0
-            for off, size in boxes:
-                region = tuple(slice(o, o + s) for o, s in zip(off, size))
-                full[region] = flat[at : at + _numel(size)].view(size)
-                filled[region] = True
-                at += _numel(size)
-        if not bool(filled.all()):
-            raise CheckpointError(
-                f"full_tensor(): the ranks' pieces cover {int(filled.sum())} of {filled.numel()} elements "
-                "of this tensor; it was not made by ap.get_state_dict on every rank of one job."
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        everyone = []
+        for boxes, flat in gathered:
+            starts = [0]
+            for _, size in boxes:
+                starts.append(starts[-1] + _numel(size))
+            everyone.append(
+                [(off, size, flat[a : a + _numel(size)].view(size)) for (off, size), a in zip(boxes, starts)]
             )
-        return full.to(self._local_tensor.device)
+        return assemble(self.shape, self.dtype, everyone).to(self._local_tensor.device)
 
     def to_local(self, *, grad_placements=None):
         raise CheckpointError(
@@ -172,6 +166,24 @@ class Pieces(DTensor):
             f"{func} on an autopar.checkpoint.Pieces (a rank's boxes of a global tensor, not a DTensor "
             "layout): take .full_tensor() (on every rank) or .local_chunks() first."
         )
+
+
+def assemble(shape, dtype, everyone: list) -> torch.Tensor:
+    """The global tensor from every rank's boxes [(global offsets, sizes, tensor)] (replicated
+    boxes overlap with equal values); a region no rank holds is an error, not garbage."""
+    full = torch.empty(shape, dtype=dtype)
+    filled = torch.zeros(shape, dtype=torch.bool)
+    for boxes in everyone:
+        for off, size, v in boxes:
+            region = tuple(slice(o, o + n) for o, n in zip(off, size))
+            full[region] = v.reshape(size)
+            filled[region] = True
+    if not bool(filled.all()):
+        raise CheckpointError(
+            f"full_tensor(): the ranks' pieces cover {int(filled.sum())} of {filled.numel()} elements of "
+            "this tensor; it was not made by ap.get_state_dict on every rank of one job."
+        )
+    return full
 
 
 def _contiguous_stride(shape) -> tuple:
