@@ -91,11 +91,15 @@ class Optimizer(torch.optim.Optimizer):
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-        if self.whole is not None and self.whole.zero_sync is not None:  # the ZeRO slices' reduced gradients
+        """The gradients of what this optimizer steps (two of them on one module, Muon for the
+        matrices and AdamW for the rest, clear each its own)."""
+        self.inner.zero_grad(set_to_none)  # pieces it steps (ZeroOptimizer: the module's), or the shadows
+        if self.whole is None:
+            return
+        if self.whole.zero_sync is not None:  # the ZeRO slices' reduced gradients
             for piece in self.whole.zero_sync.zero.all_pieces():
                 piece.tensor.grad = None
-        for p in self.module.parameters():
+        for p in self.whole.params.values():
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
