@@ -116,3 +116,24 @@ def whole_tensor_optimizer_resumes(path: str, cls_name: str = "Adafactor"):
         serial_opt.step()
         serial_opt.zero_grad()
     return _worst(plan, module, serial)
+
+
+def batch_norm_buffers_equal(broadcast: bool = True):
+    """ConvBN on dp2 through ap.parallelize, 3 SGD steps: every rank's running statistics (all
+    gathered), equal across ranks as DDP's broadcast_buffers makes them, or (False) each rank's own."""
+    from tests.simulated.test_user_paths import ConvBN, _bn_batches
+
+    torch.manual_seed(0)
+    data = _bn_batches()
+    dp = ap.DataParallel("dp", broadcast_buffers=broadcast)
+    module = ap.parallelize(ConvBN(), ap.Mesh((dist.get_world_size(),), ("dp",)), args=(data[0],), data_parallel=dp)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for x in data:
+        (local,), _ = module.autopar_plan.local_inputs(dist.get_rank(), x)
+        module(local).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mean = module.get_buffer("bn.running_mean")
+    everyone = [torch.empty_like(mean) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mean)
+    return all(torch.equal(everyone[0], m) for m in everyone)

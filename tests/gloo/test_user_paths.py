@@ -57,3 +57,10 @@ def test_whole_tensor_optimizer_checkpoint_resumes_in_another_plan(gloo, tmp_pat
     """ap.Optimizer(Adafactor) state (whole row/column factors) saved by DCP from tp2 loads into dp2."""
     for worst in gloo(2).run("tests.gloo.jobs_user_paths:whole_tensor_optimizer_resumes", str(tmp_path), timeout=240):
         assert worst < 1e-4, worst
+
+
+def test_batch_norm_statistics_broadcast_over_gloo(gloo):
+    """DataParallel's buffer broadcast on real processes: equal statistics by default, each rank's
+    own with broadcast_buffers=False."""
+    assert gloo(2).run("tests.gloo.jobs_user_paths:batch_norm_buffers_equal", True) == [True, True]
+    assert gloo(2).run("tests.gloo.jobs_user_paths:batch_norm_buffers_equal", False) == [False, False]
