@@ -31,9 +31,20 @@ import math
 
 import torch
 
-from autopar.runtime.rng import _MIX, _piece
+from autopar.runtime.rng import _MIX, _piece, dim_order, empty_in_order
 
 _SERIAL, _PLACEMENT = 1, 0
+_LIKE_LAYOUT = {
+    "uniform",
+    "normal",
+    "exponential",
+    "cauchy",
+    "log_normal",
+    "geometric",
+    "bernoulli",
+    "bernoulli_tensor",
+    "random",
+}
 FILLER = {"bernoulli_tensor": 0.5, "multinomial": 1.0}  # valid values where other ranks' pieces go
 
 _LIB = torch.library.Library("autopar", "FRAGMENT")  # noqa: TOR901 - a mutating op, as rng.dropout_mask
@@ -43,15 +54,16 @@ _LIB.define(
 )
 
 
-def sample(kind: str, shape, dtype, params, like, gen) -> torch.Tensor:
-    """One draw of ``kind``, as the ATen op draws it on CPU (the same kernel, generator ``gen``)."""
+def sample(kind: str, shape, dtype, params, like, gen, order=()) -> torch.Tensor:
+    """One draw of ``kind``, as the ATen op draws it on CPU (the same kernel, generator ``gen``,
+    into a tensor laid out in dim ``order`` as ATen's ``empty_like`` of a transposed input is)."""
     if kind == "multinomial":
         return torch.multinomial(like, int(params[0]), bool(params[1]), generator=gen)
     if kind == "poisson":
         return torch.poisson(like, generator=gen)
     if kind == "randperm":
         return torch.randperm(int(params[0]), dtype=dtype, generator=gen)
-    out = torch.empty(shape, dtype=dtype)
+    out = empty_in_order(shape, order, dtype)
     if kind == "bernoulli_tensor":
         return out.bernoulli_(like.to(dtype) if like.dtype != dtype else like, generator=gen)
     if kind == "random":
@@ -75,14 +87,14 @@ def _full_shape(local_shape, cuts) -> list:
     return full
 
 
-def _embed(local: torch.Tensor, cuts, filler: float) -> torch.Tensor:
+def _embed(local: torch.Tensor, cuts, filler: float, order=()) -> torch.Tensor:
     """A full-size tensor holding ``local`` where this rank's piece goes (placement.shard_tensor's
-    cut, blocked shards included) and ``filler`` elsewhere."""
+    cut, blocked shards included) and ``filler`` elsewhere, laid out in dim ``order``."""
     full_shape = _full_shape(local.shape, cuts)
-    full = torch.full(full_shape, filler, dtype=local.dtype)
-    where = _piece(torch.arange(full.numel()).view(full_shape), cuts)
-    full.view(-1)[where.reshape(-1)] = local.reshape(-1).cpu()
-    return full
+    logical = torch.full(full_shape, filler, dtype=local.dtype)
+    where = _piece(torch.arange(logical.numel()).view(full_shape), cuts)
+    logical.view(-1)[where.reshape(-1)] = local.reshape(-1).cpu()
+    return empty_in_order(full_shape, order, local.dtype).copy_(logical)
 
 
 def _shapes(like, shape, kind, params, cuts, mode) -> tuple[list, list]:
@@ -111,10 +123,11 @@ def _kernel(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_value
     mode = rng_mode  # (not named "mode" in the schema: inductor's functionalization takes that name)
     dtype, device = _dtype(kind, dtype, like), like.device if like is not None else torch.device("cpu")
     drawn, _ = _shapes(like, shape, kind, params, cuts, mode)
+    order = dim_order(like) if like is not None and len(drawn) == like.dim() and kind in _LIKE_LAYOUT else []
     gen = torch.Generator().set_state(state)
     if mode == _SERIAL:
-        values = _embed(like, cuts, FILLER.get(kind, 1.0)) if reads_values else None
-        full = sample(kind, drawn, dtype, params, values, gen)
+        values = _embed(like, cuts, FILLER.get(kind, 1.0), order) if reads_values else None
+        full = sample(kind, drawn, dtype, params, values, gen, order)
         state.copy_(gen.get_state())
         return _piece(full, cuts).contiguous().to(device)
     key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=gen))
@@ -122,7 +135,7 @@ def _kernel(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_value
     for i in range(0, len(cuts), 4):  # only the axes that split the tensor tell ranks apart
         key = (key * _MIX + (cuts[i] + 1) * 1009 + cuts[i + 2] + 1) % (2**63)
     values = like.cpu() if reads_values else None
-    return sample(kind, drawn, dtype, params, values, torch.Generator().manual_seed(key)).to(device)
+    return sample(kind, drawn, dtype, params, values, torch.Generator().manual_seed(key), order).to(device)
 
 
 def _fake(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_values):

@@ -41,7 +41,7 @@ _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads a rank's key over th
 _LIB = torch.library.Library("autopar", "FRAGMENT")  # noqa: TOR901 - a mutating op, see below
 _LIB.define(
     "dropout_mask(Tensor(a!) state, SymInt[] shape, float p, ScalarType dtype, Device device, "
-    "int[] cuts, int kind) -> Tensor"
+    "int[] cuts, int kind, int[] order=[]) -> Tensor"
 )
 
 
@@ -93,14 +93,14 @@ def dropout(
     if not train or p == 0.0:
         return torch.ops.aten.dropout.default(x, p, train)
     shape = [s * f for s, f in zip(x.shape, factors)] if mode == _SERIAL else list(x.shape)
-    mask = torch.ops.autopar.dropout_mask(state, shape, p, x.dtype, x.device, cuts, mode)
+    mask = torch.ops.autopar.dropout_mask(state, shape, p, x.dtype, x.device, cuts, mode, dim_order(x))
     return x * mask
 
 
-def _kernel(state, shape, p, dtype, device, cuts, mode):
+def _kernel(state, shape, p, dtype, device, cuts, mode, order=()):
     gen = torch.Generator().set_state(state)
     if mode == _SERIAL:
-        mask = _draw(shape, p, dtype, gen, device)
+        mask = _draw(shape, p, dtype, gen, device, order)
         state.copy_(gen.get_state())
         return _piece(mask, cuts).contiguous()
     key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=gen))
@@ -110,9 +110,11 @@ def _kernel(state, shape, p, dtype, device, cuts, mode):
     return _draw(shape, p, dtype, torch.Generator().manual_seed(key), device)
 
 
-def _draw(shape, p, dtype, gen, device):
-    """nn.Dropout's CPU mask: bernoulli(1 - p) scaled by 1 / (1 - p) (zeros when p == 1)."""
-    mask = torch.empty(shape, dtype=dtype).bernoulli_(1 - p, generator=gen)
+def _draw(shape, p, dtype, gen, device, order=()):
+    """nn.Dropout's CPU mask: bernoulli(1 - p) scaled by 1 / (1 - p) (zeros when p == 1), laid out
+    in memory as its input (ATen's ``empty_like(input).bernoulli_``: a transposed input's mask is
+    drawn in the transposed order)."""
+    mask = empty_in_order(shape, order, dtype).bernoulli_(1 - p, generator=gen)
     mask = mask.div_(1 - p) if p < 1 else mask
     return mask.to(device)
 
@@ -129,7 +131,29 @@ def _piece(full, cuts):
     return out
 
 
-def _fake(state, shape, p, dtype, device, cuts, mode):
+def dim_order(x: torch.Tensor) -> list[int]:
+    """``x``'s dims from outermost to innermost in memory when it is dense but not contiguous
+    (what ``empty_like`` keeps, and what a random fill then walks in order); [] otherwise."""
+    if x.is_contiguous():
+        return []
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    expected = 1
+    for d in reversed(order):  # dense: each dim's stride is the product of the sizes inside it
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return []
+        expected *= x.shape[d]
+    return order
+
+
+def empty_in_order(shape, order, dtype) -> torch.Tensor:
+    """An empty tensor of ``shape`` laid out in memory in dim ``order`` (outermost first)."""
+    if not order:
+        return torch.empty(shape, dtype=dtype)
+    laid = torch.empty([shape[d] for d in order], dtype=dtype)
+    return laid.permute([list(order).index(d) for d in range(len(shape))])
+
+
+def _fake(state, shape, p, dtype, device, cuts, mode, order=()):
     out_shape = list(shape)
     if mode == _SERIAL:
         for i in range(0, len(cuts), 4):

@@ -138,3 +138,28 @@ def test_compiled_rank_modules_draw_as_eager():
         for a, b in zip(e, c):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not torch.equal(eager[0][0], eager[0][1])  # the second step drew new numbers
+
+
+class Transposed(nn.Module):
+    """Random draws on non-contiguous activations: ATen draws them into empty_like(x), in x's
+    memory order (the fuzzer found dropout after a transpose drew another mask than serial)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x).transpose(1, 2)
+        return F.dropout(h, 0.3) + torch.rand_like(h) * torch.empty_like(h).normal_()
+
+
+@pytest.mark.parametrize("shape,axes", [((2,), ("dp",)), ((2,), ("tp",))])
+def test_serial_draws_on_transposed_tensors_equal_serial(shape, axes):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    ann = {"fc": ap.colwise("tp")} if "tp" in axes else {}
+    dp = "dp" if "dp" in axes else None
+    plan = ap.plan(
+        Transposed().train(), ap.Mesh(shape, axes), args=(x,), annotations=ann, data_parallel=dp, rng="serial"
+    )
+    plan.check(x)
