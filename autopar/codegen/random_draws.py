@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.codegen.lowerings.train_modes import follows_mode, training
+from autopar.codegen.lowerings.train_modes import follows_mode, lower_dropout, training
 from autopar.errors import ShardingError
 from autopar.placement import Shard
 from autopar.runtime import rng
@@ -157,8 +157,8 @@ def lower_feature_noise(em, node, args, kwargs):
     train = _arg(args, kwargs, 2, "train", True)
     if follows_mode(em, node, train):
         train = training(em)
-    feature = node.target in (aten.feature_dropout.default, aten.feature_alpha_dropout.default)
-    alpha = node.target in (aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+    name = node.target.overloadpacket.__name__.rstrip("_")  # in-place forms alike
+    feature, alpha = name.startswith("feature"), "alpha" in name
     cuts = cuts_of(em, node.meta["autopar"].spec, dims=(0, 1) if feature else None)
     state = em.rank_value(rng.STATE)
     return em.graph.call_function(feature_noise, (x, p, train, state, cuts, _mode(em), alpha, feature))
@@ -179,6 +179,13 @@ def lower_sdpa(em, node, args, kwargs):
     rest = [_arg(args, kwargs, 3 + i, n, d) for i, (n, d) in enumerate(zip(names, (None, 0.0, False)))]
     extra = (kwargs.get("scale"), kwargs.get("enable_gqa", False))
     return em.graph.call_function(sdpa_with_dropout, (*args[:3], *rest, *extra, train, state, cuts, _mode(em)))
+
+
+def lower_in_place(em, node, args, kwargs):
+    """``dropout_`` and friends (``nn.Dropout(inplace=True)``): the out-of-place lowering's result
+    copied into the input, as the serial op overwrites it."""
+    out = OUT_OF_PLACE[node.target](em, node, args, kwargs)
+    return em.graph.call_function(aten.copy_.default, (args[0], out))
 
 
 def refuse(em, node, args, kwargs):
@@ -202,6 +209,13 @@ RANDOM_LOWERINGS.update(
     )
 )
 RANDOM_LOWERINGS[aten.scaled_dot_product_attention.default] = lower_sdpa
+OUT_OF_PLACE = {
+    aten.dropout_.default: lower_dropout,
+    aten.feature_dropout_.default: lower_feature_noise,
+    aten.alpha_dropout_.default: lower_feature_noise,
+    aten.feature_alpha_dropout_.default: lower_feature_noise,
+}
+RANDOM_LOWERINGS.update(dict.fromkeys(OUT_OF_PLACE, lower_in_place))
 
 
 def random_lowering(target):

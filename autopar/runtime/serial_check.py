@@ -165,12 +165,11 @@ def random_nodes(plan) -> list[str]:
 _aten = torch.ops.aten
 # ops that draw only with a dropout probability > 0 in training: (its position, its name)
 _DROP_P = {
-    _aten.dropout: (1, "p"),
-    _aten.feature_dropout: (1, "p"),
-    _aten.alpha_dropout: (1, "p"),
-    _aten.feature_alpha_dropout: (1, "p"),
-    _aten.scaled_dot_product_attention: (4, "dropout_p"),
+    op: (1, "p")
+    for op in (_aten.dropout, _aten.feature_dropout, _aten.alpha_dropout, _aten.feature_alpha_dropout)
+    + (_aten.dropout_, _aten.feature_dropout_, _aten.alpha_dropout_, _aten.feature_alpha_dropout_)
 }
+_DROP_P[_aten.scaled_dot_product_attention] = (4, "dropout_p")
 
 
 @contextlib.contextmanager

@@ -163,3 +163,28 @@ def test_serial_draws_on_transposed_tensors_equal_serial(shape, axes):
         Transposed().train(), ap.Mesh(shape, axes), args=(x,), annotations=ann, data_parallel=dp, rng="serial"
     )
     plan.check(x)
+
+
+class InPlace(nn.Module):
+    """nn.Dropout(inplace=True) and Dropout2d(inplace=True) (MobileNetV2's classifier)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop, self.drop2d = nn.Dropout(0.2, inplace=True), nn.Dropout1d(0.2, inplace=True)
+
+    def forward(self, x):
+        # in place on tensors no backward reads (a linear's output, a fresh copy), as a model must
+        return self.drop(self.fc(x)) + self.drop2d(self.fc(x).transpose(1, 2).contiguous()).transpose(1, 2)
+
+
+@pytest.mark.parametrize("rng", ["serial", "placement"])
+def test_in_place_dropouts(rng):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    plan = ap.plan(InPlace().train(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"fc": ap.colwise("tp")}, rng=rng)
+    if rng == "serial":
+        plan.check(x)
+    else:
+        outs = plan.simulate(lambda m, a: m(a), x)
+        assert torch.equal(outs[0], outs[1])  # the output is replicated on tp: one draw

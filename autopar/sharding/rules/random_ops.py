@@ -48,6 +48,9 @@ aten = torch.ops.aten
         "feature_dropout",
         "alpha_dropout",
         "feature_alpha_dropout",
+        "feature_dropout_",
+        "alpha_dropout_",
+        "feature_alpha_dropout_",
     )
 )
 def random_elementwise_rule(op: OpInfo) -> list[Strategy]:
