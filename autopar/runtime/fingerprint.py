@@ -27,6 +27,7 @@ import dataclasses
 
 from autopar.errors import InconsistentPlanError
 from autopar.runtime.consistency import collective_sequence, compare, plan_hash
+from autopar.runtime.failures import explain
 
 FIELDS = ("mesh", "model", "options", "tensors", "graph")
 
@@ -55,8 +56,6 @@ def exchange_fingerprints(plan, timeout: float | None = None, module=None) -> No
     import time
 
     import torch.distributed as dist
-
-    from autopar.runtime.failures import explain
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
