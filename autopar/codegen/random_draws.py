@@ -97,6 +97,9 @@ DRAWS = {
 }
 
 
+FRESH = ("multinomial", "poisson", "randperm")  # outputs not laid out like an input (order: contiguous)
+
+
 def cuts_of(em, spec, dims=None) -> list:
     """(dim, pieces, this rank's coordinate, blocks) per axis splitting the tensor (on ``dims``)."""
     cuts = []
@@ -104,6 +107,15 @@ def cuts_of(em, spec, dims=None) -> list:
         if isinstance(pl, Shard) and (dims is None or pl.dim in dims):
             cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks]
     return cuts
+
+
+def _serial_order(em, node) -> list[int]:
+    """How the serial model lays ``node``'s value out in memory (rng.serial_order): the order a
+    draw into ``empty_like`` of it fills; only serial mode needs it (placement mode's draws are
+    not the serial ones anyway)."""
+    if _mode(em) != rng._SERIAL:
+        return []
+    return rng.serial_order(em.plan.traced, em.plan.model, node)
 
 
 def _detached(graph, like):
@@ -122,9 +134,11 @@ def lower_random(em, node, args, kwargs):
     g, state = em.graph, em.rank_value(rng.STATE)
     cuts = cuts_of(em, spec)
     like = _detached(g, d.like)
+    order = _serial_order(em, node) if d.like is not None and d.kind not in FRESH else []
+    params = [float(p) for p in d.params]
     draw = g.call_function(
         torch.ops.autopar.random_draw.default,
-        (state, like, d.shape, d.kind, [float(p) for p in d.params], d.dtype, cuts, _mode(em), d.reads_values),
+        (state, like, d.shape, d.kind, params, d.dtype, cuts, _mode(em), d.reads_values, order),
     )
     if d.into is not None:
         return g.call_function(aten.copy_.default, (d.into, draw))
@@ -141,9 +155,10 @@ def lower_normal(em, node, args, kwargs):
     g = em.graph
     spec = node.meta["autopar"].spec
     state = em.rank_value(rng.STATE)
+    order = _serial_order(em, node)  # ATen's output layout (contiguous for most)
     draw = g.call_function(
         torch.ops.autopar.random_draw.default,
-        (state, _detached(g, like), [], "normal", params, None, cuts_of(em, spec), _mode(em), False),
+        (state, _detached(g, like), [], "normal", params, None, cuts_of(em, spec), _mode(em), False, order),
     )
     if scale_std:  # torch gives normal() no gradient (zeros for mean and std): neither do we
         draw = g.call_function(aten.mul.Tensor, (draw, _detached(g, std)))
@@ -160,8 +175,8 @@ def lower_feature_noise(em, node, args, kwargs):
     name = node.target.overloadpacket.__name__.rstrip("_")  # in-place forms alike
     feature, alpha = name.startswith("feature"), "alpha" in name
     cuts = cuts_of(em, node.meta["autopar"].spec, dims=(0, 1) if feature else None)
-    state = em.rank_value(rng.STATE)
-    return em.graph.call_function(feature_noise, (x, p, train, state, cuts, _mode(em), alpha, feature))
+    state, order = em.rank_value(rng.STATE), _serial_order(em, node.args[0])
+    return em.graph.call_function(feature_noise, (x, p, train, state, cuts, _mode(em), alpha, feature, order))
 
 
 def lower_sdpa(em, node, args, kwargs):

@@ -31,26 +31,15 @@ import math
 
 import torch
 
-from autopar.runtime.rng import _MIX, _piece, dim_order, empty_in_order
+from autopar.runtime.rng import _MIX, _piece, empty_in_order
 
 _SERIAL, _PLACEMENT = 1, 0
-_LIKE_LAYOUT = {
-    "uniform",
-    "normal",
-    "exponential",
-    "cauchy",
-    "log_normal",
-    "geometric",
-    "bernoulli",
-    "bernoulli_tensor",
-    "random",
-}
 FILLER = {"bernoulli_tensor": 0.5, "multinomial": 1.0}  # valid values where other ranks' pieces go
 
 _LIB = torch.library.Library("autopar", "FRAGMENT")  # noqa: TOR901 - a mutating op, as rng.dropout_mask
 _LIB.define(
     "random_draw(Tensor(a!) state, Tensor? like, SymInt[] shape, str kind, float[] params, "
-    "ScalarType? dtype, int[] cuts, int rng_mode, bool reads_values) -> Tensor"
+    "ScalarType? dtype, int[] cuts, int rng_mode, bool reads_values, int[] order=[]) -> Tensor"
 )
 
 
@@ -119,11 +108,10 @@ def _dtype(kind, dtype, like):
     return like.dtype if like is not None else torch.get_default_dtype()
 
 
-def _kernel(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_values):
+def _kernel(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_values, order=()):
     mode = rng_mode  # (not named "mode" in the schema: inductor's functionalization takes that name)
     dtype, device = _dtype(kind, dtype, like), like.device if like is not None else torch.device("cpu")
     drawn, _ = _shapes(like, shape, kind, params, cuts, mode)
-    order = dim_order(like) if like is not None and len(drawn) == like.dim() and kind in _LIKE_LAYOUT else []
     gen = torch.Generator().set_state(state)
     if mode == _SERIAL:
         values = _embed(like, cuts, FILLER.get(kind, 1.0), order) if reads_values else None
@@ -138,7 +126,7 @@ def _kernel(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_value
     return sample(kind, drawn, dtype, params, values, torch.Generator().manual_seed(key), order).to(device)
 
 
-def _fake(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_values):
+def _fake(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_values, order=()):
     _, local = _shapes(like, shape, kind, params, cuts, rng_mode)
     return torch.empty(local, dtype=_dtype(kind, dtype, like), device=like.device if like is not None else "cpu")
 
@@ -147,7 +135,7 @@ _LIB.impl("random_draw", _kernel, "CompositeExplicitAutograd")
 torch.library.register_fake("autopar::random_draw", _fake, lib=_LIB)
 
 
-def feature_noise(x: torch.Tensor, p: float, train: bool, state, cuts, mode: int, alpha: bool, feature: bool):
+def feature_noise(x: torch.Tensor, p: float, train: bool, state, cuts, mode: int, alpha: bool, feature: bool, order=()):
     """Dropout2d / alpha_dropout / feature_alpha_dropout of ``x``, as ATen's _dropout_impl on
     CPU: a bernoulli(1 - p) noise of x's shape, or (feature) of (N, C, 1, ...), then scaled."""
     if not train or p == 0.0 or x.numel() == 0:
@@ -156,7 +144,10 @@ def feature_noise(x: torch.Tensor, p: float, train: bool, state, cuts, mode: int
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     local = list(x.shape[:2]) + [1] * (x.dim() - 2) if feature else list(x.shape)
     shape = _full_shape(local, cuts) if mode == _SERIAL else local
-    noise = torch.ops.autopar.random_draw(state, x.detach(), shape, "bernoulli", [1.0 - p], x.dtype, cuts, mode, False)
+    layout = [] if feature else list(order)  # feature noise is a fresh (N, C, 1, ...) tensor; else empty_like(x)
+    noise = torch.ops.autopar.random_draw(
+        state, x.detach(), shape, "bernoulli", [1.0 - p], x.dtype, cuts, mode, False, layout
+    )
     if not alpha:
         return x * noise.div_(1 - p)
     a_ = 1.7580993408473766  # SELU's alpha, as ATen's alpha dropout
