@@ -29,6 +29,7 @@ from autopar.explore.plan_file import PlanFileError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
 from autopar.parallel.zero import ZeroOptimizer
 from autopar.placement import Partial, Replicate, Shard
@@ -66,6 +67,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "NoRuleError",
+    "Optimizer",
     "Partial",
     "Pipeline",
     "PipelineError",

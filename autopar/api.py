@@ -19,7 +19,7 @@ from autopar.parallel import TECHNIQUES
 from autopar.parallel.process_groups import broadcast_replicated, make_groups
 from autopar.plan import Plan
 from autopar.planner import make_plan
-from autopar.runtime.consistency import verify_consistent
+from autopar.runtime.fingerprint import exchange_fingerprints
 
 
 def plan(
@@ -102,10 +102,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
             f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
         )
     p = plan(model, mesh, **plan_kwargs)
+    # ranks that planned differently all raise here, before any collective (debug: every collective compared)
+    exchange_fingerprints(p, timeout, p.module(rank) if p.options.debug else None)
     make_groups(p, rank, timeout)  # the mesh planned on (two-axis HSDP: one axis, the same ranks)
     module = p.module(rank)
-    if p.options.debug:
-        verify_consistent(p, module, timeout)
     broadcast_replicated(p, rank, list(module.named_parameters()) + list(module.named_buffers()))
     module.autopar_plan = p
     return module

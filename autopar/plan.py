@@ -35,6 +35,7 @@ from autopar.codegen.rank_state import merge_states, shard_state
 from autopar.errors import DataParallelError, InputError
 from autopar.explore.plan_views import PlanViews
 from autopar.parallel import dp_module
+from autopar.parallel.optimizer import mark_pieces
 from autopar.parallel.registry import plan_method, plan_method_names
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.runtime.serial_check import check_plan, default_tolerances
@@ -228,7 +229,12 @@ class Plan(PlanViews):
         self.mesh.check_rank(rank)
         with gc_paused():  # thousands of small objects: each collection walks the whole model (2/3 of the time)
             gm = build_rank_module(
-                self, rank, self.program, class_name=f"Rank{rank}Module", state=state, before_techniques=[_grad_sync]
+                self,
+                rank,
+                self.program,
+                class_name=f"Rank{rank}Module",
+                state=state,
+                before_techniques=[_grad_sync, mark_pieces],
             )
         gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
         return gm

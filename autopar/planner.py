@@ -27,6 +27,7 @@ from autopar.sharding.annotations import Seeds, replicated, resolve
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
+from autopar.trace.in_dtype import skeleton
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 
 
@@ -63,6 +64,7 @@ def make_plan(
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
     with keep_opaque(model, keep, args, kwargs or {}):
         traced = trace(model, args, kwargs, dynamic=options.dynamic, repeat_blocks=options.repeat_blocks)
+    traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)  # a precision policy traces again
     if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
         traced.materialize_device = input_device(args, kwargs)
         if traced.materialize_device is not None:

@@ -18,12 +18,17 @@ import torch
 import autopar as ap
 from autopar.runtime.serial_check import _objective, _weights
 from autopar.placement import shard_tensor
+from autopar.runtime import rng
 from autopar.runtime.simulator import run_ranks
+
+SEED = 1234
 
 
 def check_clipping(plan, args, rtol=1e-4, atol=1e-5) -> None:
     serial = copy.deepcopy(plan.model)
-    out = serial(*args)
+    with torch.random.fork_rng(devices=[]):  # random ops (rng="serial"): both sides draw from SEED
+        torch.manual_seed(SEED)
+        out = serial(*args)
     weights = _weights(plan, out)  # plan.check's objective: per rank it sums to serial's
     objective = _objective(out, weights)
     if not objective.requires_grad:
@@ -41,6 +46,10 @@ def check_clipping(plan, args, rtol=1e-4, atol=1e-5) -> None:
         [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
         for r in plan.mesh.ranks()
     ]
+
+    for m in modules:
+        if hasattr(m, rng.STATE):
+            ap.manual_seed(m, SEED)
 
     def step(r):
         a, k = inputs[r]

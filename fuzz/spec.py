@@ -68,6 +68,41 @@ class Act(nn.Module):
         return self.drop(ACTS[self.fn](x))
 
 
+class Noise(nn.Module):
+    """Random ops a model meets (issue 32): noise injection, a bernoulli mask, a Gumbel trick's
+    exponential_, a SpecAugment-style uniform_ mask, a Dropout1d; drawn by placement
+    (autopar/sharding/lowerings/random_draws.py). ``ops`` picks which (a bit mask)."""
+
+    def __init__(self, ops: int):
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x):
+        if self.ops & 1:
+            x = x + 0.1 * torch.randn_like(x)
+        if self.ops & 2:
+            x = x * torch.bernoulli(torch.full_like(x, 0.8))
+        if self.ops & 4:
+            x = x - 0.1 * torch.empty_like(x).exponential_().log()
+        if self.ops & 8:
+            x = x * (torch.empty_like(x).uniform_() > 0.2)
+        if self.ops & 16:
+            x = F.dropout1d(x.transpose(1, 2), 0.2, self.training).transpose(1, 2) if x.dim() == 3 else x
+        return x
+
+
+class BatchNorm(nn.Module):
+    """BatchNorm1d over the features of (batch, seq, d), made to normalise with the whole
+    batch (ap.sync_batch_norm, so it equals serial on any plan); it writes running statistics."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.bn = ap.sync_batch_norm(nn.BatchNorm1d(d))
+
+    def forward(self, x):
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
 class FuzzModel(nn.Module):
     """An optional embedding, then the blocks in order; the output is the last activation."""
 
@@ -103,7 +138,17 @@ def _block(spec: dict, d: int, dropout: float = 0.0) -> nn.Module:
         return Attention(d, spec["heads"])
     if kind == "residual":
         return Residual(d, spec["hidden"], spec["fn"], dropout)
+    if kind == "noise":
+        return Noise(spec["ops"])
+    if kind == "bn":
+        return BatchNorm(d)
     raise ValueError(kind)
+
+
+def draws_random(case: dict) -> bool:
+    """Whether the case's model draws random numbers in training (noise blocks): it is then
+    checked in rng="serial" mode, where the draws equal the serial model's."""
+    return any(b["kind"] == "noise" for b in case["blocks"])
 
 
 def build_model(case: dict):
@@ -173,7 +218,7 @@ def run_case(case: dict) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan, args = plan_case(case)
+            plan, args = plan_case(case, rng="serial" if draws_random(case) else "placement")
     except ap.PlanError as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     plan.check(*args, rtol=1e-4, atol=1e-5)

@@ -20,6 +20,8 @@ from .spec import ACTS
 
 DIMS = (4, 6, 8, 12)
 KINDS = ("linear", "act", "norm", "attn", "residual")
+EXTRA_KINDS = ("noise", "bn")  # issue 32: random ops, batch norm (one model in EXTRA_EVERY has one)
+EXTRA_EVERY = 3
 
 
 def model_spec(k: int) -> dict:
@@ -48,6 +50,10 @@ def model_spec(k: int) -> dict:
         else:
             block = {"kind": "residual", "hidden": rng.choice(DIMS), "fn": rng.choice(sorted(ACTS))}
         spec["blocks"].append(block)
+    if rng.randrange(EXTRA_EVERY) == 0:  # drawn after the blocks: the earlier models stay as they were
+        kind = rng.choice(EXTRA_KINDS)
+        block = {"kind": kind, "ops": rng.randrange(1, 32)} if kind == "noise" else {"kind": kind}
+        spec["blocks"].insert(rng.randrange(len(spec["blocks"]) + 1), block)
     return spec
 
 

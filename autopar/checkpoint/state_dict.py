@@ -1,9 +1,10 @@
 """ap.get_state_dict / ap.set_state_dict: a rank's model and optimizer state under serial
 names, as pieces of global tensors that torch.distributed.checkpoint (DCP) reshards.
 
-Every value is a DTensor on the plan's DeviceMesh: with the plan's placements, or (blocked
-shards, ZeRO slices, which no DTensor placement describes) one carrying the rank's boxes of
-the global tensor for DCP (see wrap.py). Optimizer state
+Every value is a DTensor on the plan's DeviceMesh whose ``full_tensor()`` is the serial tensor:
+with the plan's placements, or (blocked shards, ZeRO slices, zero=3 pieces, pipeline stages,
+which no DTensor placement describes) a Pieces carrying the rank's boxes of the global tensor
+(pieces.py). Every rank gets every key, in one order. Optimizer state
 follows torch's layout: ``{"state": {serial name: {"exp_avg": ..., "step": ...}},
 "param_groups": [{..., "params": [serial names]}]}``; a state tensor shaped like its
 parameter (or ZeRO piece) is laid out like it, anything else (``step``) is saved as is.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch
 
+from autopar.checkpoint.pieces import Pieces
 from autopar.checkpoint.target import Target, device_mesh
 from autopar.errors import CheckpointError
 from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
@@ -29,32 +31,94 @@ from autopar.parallel.zero import ZeroOptimizer
 
 
 def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict) of this rank, for dcp.save / dcp.load."""
+    """(model state dict, optimizer state dict) of this rank, for dcp.save / dcp.load. Every rank
+    gets the same keys in the same order (a value's full_tensor() is a collective)."""
     t = Target.of(module)
     dm, world = device_mesh(t.plan), dist.get_world_size()
     model_sd = {}
-    for fqn, local in t.tensors.items():
+    for fqn in t.names():
+        local = t.tensors.get(fqn)
+        if local is None:  # a pipeline rank without this stage's tensors
+            model_sd[fqn] = Pieces.of([], t.shape(fqn), dm, t.dtype(fqn))
+            continue
         start = t.stored_start(fqn)
         boxes = t.boxes(fqn, local.detach(), start)
-        value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, local if start is None else None)
-        if value is not None:  # None: an empty zero=3 piece (nothing of it on this rank)
-            model_sd[fqn] = value
+        plain = local if start is None and t.whole else None
+        model_sd[fqn] = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, plain, local.dtype)
     if optimizer is None:
         return model_sd, {}
+    if getattr(optimizer, "whole", None) is not None:  # ap.Optimizer stepping whole tensors
+        return model_sd, whole_state(optimizer)
+    optimizer = getattr(optimizer, "inner", optimizer)  # ap.Optimizer stepping pieces: its optimizer
     init_state(optimizer)
     state = {}
     for key, (fqn, start) in entries(t, optimizer).items():
         out = state.setdefault(fqn, {})
         for name, v in optimizer.state.get(key, {}).items():
             if _elementwise(v, key):
+                plain = v if start is None and t.whole else None
                 boxes = t.boxes(fqn, v, start)
-                value = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, v if start is None else None)
-                if value is not None:  # None: an empty piece (nothing of it on this rank)
-                    out[name] = value
+                out[name] = to_checkpoint(boxes, t.shape(fqn), t.spec(fqn), dm, t.rank, world, plain, v.dtype)
             else:
                 out[name] = v
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return model_sd, {"state": state, "param_groups": groups}
+    return model_sd, {"state": same_on_every_rank(state, t, dm), "param_groups": groups}
+
+
+def whole_state(optimizer) -> dict:
+    """ap.Optimizer's state when it steps whole tensors: whole on (and equal on) every rank, saved
+    as plain tensors under serial names."""
+    init_state(optimizer.inner)
+    state = {n: dict(optimizer.inner.state.get(s, {})) for n, s in optimizer.whole.shadows.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _set_whole(optimizer, sd: dict) -> None:
+    init_state(optimizer.inner)
+    for name, shadow in optimizer.whole.shadows.items():
+        mine, saved = optimizer.inner.state[shadow], sd.get("state", {}).get(name, {})
+        for key, v in list(mine.items()):
+            if key not in saved:
+                raise CheckpointError(f"set_state_dict: optimizer state {name!r}[{key!r}] is missing.")
+            src = _whole(saved[key])
+            if isinstance(v, torch.Tensor):
+                v.copy_(src.reshape(v.shape))
+            else:
+                mine[key] = src
+    _set_groups(optimizer, sd)
+
+
+def same_on_every_rank(state: dict, t: Target, dm) -> dict:
+    """The optimizer state with every (parameter, state name) any rank has, in one order: a rank
+    holding no piece of a parameter (ZeRO, zero=3's empty pieces, another pipeline stage) gets
+    an empty Pieces for its elementwise state and the holders' value of the rest (``step``)."""
+
+    mine = {fqn: {n: _kind(v) for n, v in named.items()} for fqn, named in state.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for fqn in t.names():
+        names = sorted({n for e in everyone for n in e.get(fqn, {})})
+        for name in names:
+            value = state.get(fqn, {}).get(name)
+            if value is None:
+                kind, what = next(e[fqn][name] for e in everyone if name in e.get(fqn, {}))
+                if kind == "dtensor":
+                    raise CheckpointError(f"optimizer state {fqn!r}[{name!r}] is laid out on some ranks only.")
+                value = Pieces.of([], t.shape(fqn), dm, what) if kind == "pieces" else what
+            out.setdefault(fqn, {})[name] = value
+    return out
+
+
+def _kind(v) -> tuple:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, Pieces):
+        return "pieces", v.dtype
+    if isinstance(v, DTensor):
+        return "dtensor", None
+    return "value", v
 
 
 def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_state_dict: dict | None = None) -> None:
@@ -76,6 +140,9 @@ def set_state_dict(module, optimizer=None, *, model_state_dict: dict, optim_stat
 
 
 def _set_optim(t, optimizer, sd: dict) -> None:
+    if getattr(optimizer, "whole", None) is not None:
+        return _set_whole(optimizer, sd)
+    optimizer = getattr(optimizer, "inner", optimizer)
     init_state(optimizer)
     saved = sd.get("state", {})
     for key, (fqn, start) in entries(t, optimizer).items():
@@ -95,6 +162,10 @@ def _set_optim(t, optimizer, sd: dict) -> None:
                 v.copy_(_whole(src))
             else:
                 mine[name] = src
+    _set_groups(optimizer, sd)
+
+
+def _set_groups(optimizer, sd: dict) -> None:
     for group, loaded in zip(optimizer.param_groups, sd.get("param_groups", [])):
         for k, v in loaded.items():
             if k != "params" and k in group and not isinstance(group[k], torch.Tensor):

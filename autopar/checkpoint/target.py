@@ -55,6 +55,22 @@ class Target:
     def shape(self, fqn: str) -> tuple:
         return tuple(_serial_shapes(self.plan)[fqn])
 
+    def dtype(self, fqn: str):
+        m = self.plan.model_tensors
+        return (m["params"].get(fqn) if fqn in m["params"] else m["buffers"][fqn]).dtype
+
+    def names(self) -> list[str]:
+        """Every serial name a state dict holds (parameters, tied names included, then persistent
+        buffers), in the model's order: the same on every rank, whatever the rank holds."""
+        m = self.plan.model_tensors
+        return list(m["params"]) + [n for n in m["buffers"] if n in m["persistent"]]
+
+    @property
+    def whole(self) -> bool:
+        """Whether every rank holds a piece of every tensor (no pipeline): then a plain layout is
+        a DTensor of the plan's placements, else every value is a Pieces (pieces.py)."""
+        return self.plan.stage_layout is None
+
     def boxes(self, fqn: str, tensor, start: int | None = None) -> list:
         """The boxes of ``tensor``, this rank's piece of ``fqn``: its computed piece, or (``start``)
         a 1-D range of the flattened computed piece beginning at that element."""

@@ -3,9 +3,9 @@
 Plain layouts (Replicate, Shard(d) on each axis) become DTensors on the plan's DeviceMesh
 with the same placements. A blocked shard ``Shard(d, blocks=k)`` has no DTensor placement
 (DTensor's shards are one contiguous run per rank), and a ZeRO piece is a flat range of the
-local tensor: those become DTensors whose local tensor carries the rank's boxes (Boxes), each
-with its true global offsets, so DCP still records one global tensor under the serial name
-and reshards it against any other layout by chunk overlap.
+local tensor: those become Pieces (pieces.py), the rank's boxes each with its true global
+offsets, so DCP still records one global tensor under the serial name and reshards it against
+any other layout by chunk overlap, and ``full_tensor()`` is the serial tensor.
 
 Example:
     >>> value = to_checkpoint(boxes, shape, spec, device_mesh, rank, world, local)   # a DTensor
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Partial, Shard
+from autopar.checkpoint.pieces import Pieces
 from autopar.errors import CheckpointError
+from autopar.placement import Partial, Shard
 
 
-def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None):
-    """A DTensor: with the plan's placements when ``local`` (the rank's whole tensor) has a DTensor
-    layout, else a boxed one (blocked shards, ZeRO pieces)."""
+def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None, dtype=None):
+    """A DTensor with the plan's placements when ``local`` (the rank's whole tensor) has a DTensor
+    layout, else a Pieces (blocked shards, ZeRO pieces, pipeline stages; pieces.py)."""
     if local is not None and not any(isinstance(p, Shard) and p.blocks > 1 for p in spec):
         from torch.distributed.tensor import DTensor
 
@@ -40,7 +41,7 @@ def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None):
             shape=torch.Size(shape),
             stride=_contiguous_stride(shape),
         )
-    return boxed_dtensor(boxes, shape, dm)
+    return Pieces.of(boxes, shape, dm, dtype)
 
 
 def _dt_placement(p):
@@ -61,85 +62,13 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
-class Boxes:
-    """Several boxes of one global tensor held in one flat carrier, described to DCP through
-    the hooks it consults first (``__create_write_items__``, ``__create_chunk_list__``,
-    ``__get_tensor_shard__``, which DTensor forwards to its local tensor). Plain attributes, so
-    async_save's staging copies them along with the carrier's storage."""
-
-    def __init__(self, shape, entries):
-        self.shape, self.entries = tuple(shape), entries  # [(offsets, sizes, view of the carrier)]
-
-    def write_items(self, fqn, _obj=None):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size(off)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(off), torch.Size(size)),
-                    properties=TensorProperties.create_from_tensor(v),
-                    size=torch.Size(self.shape),
-                ),
-            )
-            for off, size, v in self.entries
-        ]
-
-    def chunk_list(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        return [ChunkStorageMetadata(torch.Size(off), torch.Size(size)) for off, size, _ in self.entries]
-
-    def tensor_shard(self, index):
-        for off, _, v in self.entries:
-            if torch.Size(off) == index.offset:
-                return v
-        raise CheckpointError(f"{index.fqn}: no piece at offset {tuple(index.offset)} on this rank")
-
-
-class _Hook:
-    """One DCP hook of a Boxes (a picklable, deep-copyable callable, unlike a bound method)."""
-
-    def __init__(self, boxes: Boxes, method: str):
-        self.boxes, self.method = boxes, method
-
-    def __call__(self, *args):
-        return getattr(self.boxes, self.method)(*args)
-
-
-def boxed_dtensor(boxes, shape, dm):
-    """A DTensor (Replicate placements, for the mesh) whose local tensor is a flat carrier of
-    the rank's boxes, with the DCP hooks of Boxes: one global tensor under its serial name."""
-    from torch.distributed.tensor import DTensor, Replicate as DReplicate
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    boxes = [b for b in boxes if all(s > 0 for s in b[1])]
-    if not boxes:
-        return None
-    carrier = torch.cat([v.reshape(-1) for _, _, v in boxes])
-    entries, at = [], 0
-    for off, size, v in boxes:
-        entries.append((tuple(off), tuple(size), carrier[at : at + v.numel()].view(size)))
-        at += v.numel()
-    held = Boxes(shape, entries)
-    carrier.__autopar_boxes__ = held
-    carrier.__create_write_items__ = _Hook(held, "write_items")
-    carrier.__create_chunk_list__ = _Hook(held, "chunk_list")
-    carrier.__get_tensor_shard__ = _Hook(held, "tensor_shard")
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), carrier.dtype)
-    spec = DTensorSpec(dm, tuple(DReplicate() for _ in range(dm.ndim)), tensor_meta=meta)
-    return DTensor(carrier, spec, requires_grad=False)
-
-
 def source_chunks(value) -> list[tuple[tuple, tuple, torch.Tensor]]:
     """(global offsets, sizes, tensor) of what ``value`` holds on this rank."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, DTensor) and hasattr(value._local_tensor, "__autopar_boxes__"):
-        return list(value._local_tensor.__autopar_boxes__.entries)
+    if isinstance(value, Pieces):
+        return value.local_chunks()
     if isinstance(value, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
+from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.placement import Shard, shard_factor
 from autopar.sharding.propagate import layout_of
@@ -40,6 +41,16 @@ ops = torch.ops.autopar
 
 
 RANK_ATTR = "autopar_rank"
+SOURCE = "autopar_source"  # node.meta key of an emitted node: the traced node it came from
+
+
+def keep_meta(node: fx.Node, new) -> None:
+    """An emitted node keeps the traced node's module path and source line (display, errors)
+    and its name (a program rewrite finds the traced node it came from: parallel/precision.py)."""
+    if isinstance(new, fx.Node):
+        if not new.meta:
+            new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+        new.meta.setdefault(SOURCE, node.name)
 
 
 def rank_attrs(mesh, rank: int) -> dict:
@@ -182,8 +193,7 @@ class Emitter:
             handler = getattr(self, f"_{node.op}")
             new = handler(node)
             if new is not None:
-                if isinstance(new, fx.Node) and not new.meta:
-                    new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+                keep_meta(node, new)
                 self.env[node] = new
         return self.graph
 
@@ -284,8 +294,11 @@ class Emitter:
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
-        if traits.mode is not None:  # train/eval and the RNG contract (sharding/lowerings/train_modes.py)
-            lowered = traits.mode(self, node, tuple(args), dict(kwargs))
+        mode = traits.mode or random_lowering(node.target)
+        if (
+            mode is not None
+        ):  # train/eval, dropout (sharding/lowerings/train_modes.py), random ops (sharding/lowerings/random_draws.py)
+            lowered = mode(self, node, tuple(args), dict(kwargs))
             if lowered is not None:
                 return lowered
         fused = self._fuse_bias(node, args, kwargs)

@@ -11,7 +11,11 @@ What is and is not caught (a rank sees only its own inputs, and the check costs 
 communication):
 - a static dim (``dynamic=False``, or a dim export specialised) of the wrong size: caught,
   and named as "the global input" when it is the local size times the pieces;
-- inputs sharing a dynamic dim that disagree (global ids with local labels): caught;
+- inputs sharing a dynamic dim that disagree (global ids with local labels): caught, also where
+  export gave their batch dims separate symbols (a loss over flattened rows relates only their
+  products): data-parallel inputs whose dim 0 had one size in the example must agree on it;
+- an input of another dtype than traced (float64 pixels for a float32 model): caught (under a
+  precision policy any floating dtype, which the policy casts);
 - a dynamic size the plan splits that does not divide by the pieces: caught;
 - the global batch passed as *every* input of a dynamic-batch plan: NOT caught. It is a
   valid local batch of a bigger global batch; only comparing ranks could tell (each dp rank
@@ -38,15 +42,47 @@ from autopar.sharding.propagate import input_requires_grad, tensor_outputs
 def guard_args(plan, env: dict, rank: int) -> tuple | None:
     """The arguments of the guard node for ``rank`` (None when the model has no tensor input)."""
     phs = {n.name: n for n in plan.graph.nodes if n.op == "placeholder"}
-    checks, values = [], []
+    checks, values, vals = [], [], []
     for name in plan.traced.user_inputs:
         val, lay = phs[name].meta.get("val"), phs[name].meta.get("autopar")
         if isinstance(val, torch.Tensor) and lay is not None and lay.spec is not None:
             checks.append(input_checks(name, val, lay.spec, plan.mesh))
             values.append(env[phs[name]])
+            vals.append((name, val, lay.spec))
     if not checks:
         return None
-    return tuple(values), tuple(checks), rank, symbol_divisors(plan.graph, plan.mesh), planned_without_grad(plan)
+    divisors = symbol_divisors(plan.graph, plan.mesh)
+    links, dtypes = batch_links(vals, plan.dp_axis), expected_dtypes(vals, plan)
+    return tuple(values), tuple(checks), rank, divisors, links, dtypes, planned_without_grad(plan)
+
+
+def batch_links(vals: list, dp_axis: int | None) -> tuple:
+    """(input, dim 0, key) for the inputs whose dim 0 is the batch the data-parallel axis splits
+    and was one size in the example (ids and labels: export may give their batch dims separate
+    symbols when nothing in the graph relates them, as a loss over flattened rows does). Such
+    dims must agree at run time: global ids with local labels are caught before the model's own
+    loss complains."""
+    if dp_axis is None:
+        return ()
+    by_key: dict[str, list] = {}
+    for name, val, spec in vals:
+        s = val.shape[0] if val.dim() else None
+        if isinstance(spec[dp_axis], Shard) and spec[dp_axis].dim == 0 and isinstance(s, torch.SymInt):
+            if s.node.expr.is_Symbol and s.node.hint is not None:
+                by_key.setdefault(f"batch of {s.node.hint}", []).append((name, str(s.node.expr)))
+    links = []
+    for key, members in by_key.items():
+        if len({sym for _, sym in members}) > 1:  # the same symbol is checked as such already
+            links += [(name, 0, key) for name, _ in members]
+    return tuple(links)
+
+
+def expected_dtypes(vals: list, plan) -> tuple:
+    """The dtype each input must have: the traced one (the program was traced for it: a float64
+    image where float32 was traced fails deep inside), or "floating" for floating inputs under a
+    precision policy, which casts any floating input to its param_dtype."""
+    policy = plan.data_parallel is not None and plan.data_parallel.param_dtype is not None
+    return tuple("floating" if policy and val.dtype.is_floating_point else val.dtype for _, val, _ in vals)
 
 
 def planned_without_grad(plan) -> tuple[str, ...]:
@@ -107,12 +143,21 @@ def input_checks(name: str, val, spec, mesh) -> tuple:
 
 
 @has_side_effect
-def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple = (), no_grad: tuple = ()) -> None:
+def check_local_inputs(
+    values: tuple,
+    checks: tuple,
+    rank: int,
+    divisors: tuple = (),
+    links: tuple = (),
+    dtypes: tuple = (),
+    no_grad: tuple = (),
+) -> None:
     """Raise InputError when ``values`` are not the local pieces the plan expects, or when an
     input named in ``no_grad`` (planned without a gradient) requires one."""
-    sizes: dict[str, tuple[int, str]] = {}  # dynamic symbol -> (global size, input that set it)
+    sizes: dict[str, tuple[int, str]] = {}  # dynamic symbol or batch link -> (global size, input that set it)
     need = {sym: (k, where) for sym, k, where in divisors}
-    for value, (name, spec, global_shape, dims) in zip(values, checks):
+    linked = {(name, d): key for name, d, key in links}
+    for i, (value, (name, spec, global_shape, dims)) in enumerate(zip(values, checks)):
         if not isinstance(value, torch.Tensor):
             continue
         if name in no_grad and value.requires_grad and torch.is_grad_enabled():
@@ -122,10 +167,36 @@ def check_local_inputs(values: tuple, checks: tuple, rank: int, divisors: tuple 
                 f"Plan with an example {name!r} that requires grad (tensor.requires_grad_()), or pass it detached."
             )
         shape = tuple(value.shape)
-        why = _mismatch(shape, dims, name, sizes, need)
+        why = _mismatch(shape, dims, name, sizes, need) or _wrong_dtype(value, dtypes[i] if dtypes else None)
+        if why is None and linked:
+            why = _unlinked(shape, dims, name, sizes, linked)
         if why is not None:
             expected = tuple(n if n is not None else "*" for n, _, _ in dims)
             _fail(rank, name, shape, expected, spec, global_shape, why)
+
+
+def _wrong_dtype(value: torch.Tensor, expected) -> str | None:
+    if expected is None or value.dtype == expected:
+        return None
+    if expected == "floating":
+        return None if value.is_floating_point() else f"it has dtype {value.dtype}, the plan expects a floating one"
+    return f"it has dtype {value.dtype}, but the plan was traced with {expected}: pass it as .to({expected})"
+
+
+def _unlinked(shape: tuple, dims: tuple, name: str, sizes: dict, linked: dict) -> str | None:
+    """The batch dims of inputs that must agree (batch_links), checked like a shared symbol."""
+    for d, (_, f, _) in enumerate(dims):
+        key = linked.get((name, d))
+        if key is None:
+            continue
+        full = shape[d] * f
+        seen = sizes.setdefault(key, (full, name))
+        if seen[0] != full:
+            return (
+                f"dim {d} is the batch (split on the data-parallel axis) and means a global size {full}, but "
+                f"input {seen[1]!r} means {seen[0]}: one of them is global and the other local?"
+            )
+    return None
 
 
 def _mismatch(shape: tuple, dims: tuple, name: str, sizes: dict, need: dict) -> str | None:

@@ -32,6 +32,7 @@ def search_text(rec: dict) -> str:
         f"  solver {rec['solver']}: {rec['options']} options from {rec['probes']} probe plans "
         f"in {rec['search_s']:.2f} s",
     ]
+    lines += _duplication_lines(rec)
     if rec["constrained"]:
         lines.append(f"  fixed by your annotations (not searched): {', '.join(rec['constrained'])}")
     lines.append("  components (time and memory per rank of each choice under the chosen axis roles):")
@@ -46,6 +47,29 @@ def search_text(rec: dict) -> str:
         fit = "" if r["fits"] else "  (over budget)"
         lines.append(f"    {r['option']}: {_ms(r['time_s'])}, {_gib(r['memory'])}{fit}")
     return "\n".join(lines)
+
+
+def _duplication_lines(rec: dict) -> list[str]:
+    """Plain words for axes left replicated: their ranks do the same work, and why that is
+    predicted fastest (the best option using the axis, and its time)."""
+    lines = []
+    for d in rec.get("duplicated", []):
+        head = (
+            f"  ranks duplicate work: axis {d['axis']} is replicated, so its {d['size']} ranks compute the "
+            "same thing on the same data"
+        )
+        alt = d["instead"]
+        if alt is None:
+            lines.append(head + " (no option the constraints allow uses it).")
+            continue
+        lines.append(
+            head + f"; predicted fastest anyway: the best option using {d['axis']} ({alt['option']}) takes "
+            f"{_ms(alt['time_s'])} against {_ms(rec['time_s'])}, its communication costing more than the "
+            f"compute it divides at this model's size on profile {rec['profile']['name']}"
+            + ("" if alt["fits"] else " (and it is over the memory budget)")
+            + "."
+        )
+    return lines
 
 
 def module_reason(rec: dict, path: str) -> str | None:

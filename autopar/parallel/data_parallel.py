@@ -24,6 +24,13 @@ option at its default) or a DataParallel naming the axis and the options:
   (``plan.mesh`` shows it; every rank keeps its number and its groups).
 - ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
   inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
+- ``loss_mean``: a cross-entropy mean computed inside the model over rows split on this axis
+  divides by the count of every rank's counted rows ("global", the default: the serial model on
+  the union of the ranks' batches, also when ranks hold different numbers of tokens), or by the
+  rank's own count ("per_rank": DDP's loss, each rank's mean, their gradients averaged).
+- ``broadcast_buffers`` (default True, as DDP): buffers the model writes (batch-norm running
+  statistics) are broadcast from the first dp rank after every training forward, so replicas
+  stay equal (parallel/buffer_sync.py); False lets each rank keep its own.
 
 Example:
     >>> dp = ap.DataParallel("dp", bucket_mb=4, zero=2, reduce_dtype=torch.bfloat16)
@@ -38,10 +45,11 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import DataParallelError
-from autopar.parallel import dp_module
+from autopar.parallel import buffer_sync, dp_module
 from autopar.parallel.fsdp import FullyShardedStorage
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from autopar.parallel.local_sgd import LocalSGD
+from autopar.parallel.dtype_retarget import retarget_dtypes
 from autopar.parallel.precision import cast_program
 from autopar.parallel.registry import register_technique
 from autopar.parallel.storage import Replicated, ShardedOptimizer
@@ -68,6 +76,8 @@ class DataParallel(Technique):
     replicate_axis: str | None = None  # zero=3 HSDP over two mesh axes: shard on axis, replicate here
     param_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
+    broadcast_buffers: bool = True  # as DDP: written buffers (batch-norm statistics) kept equal
+    loss_mean: str = "global"  # a cross-entropy mean over dp-split rows: all ranks' rows, or "per_rank" (DDP)
 
     name = "data_parallel"
     order = 10  # first: the batch split shapes every layout
@@ -101,6 +111,11 @@ class DataParallel(Technique):
             raise DataParallelError(
                 f"DataParallel({self.axis!r}, replicate_axis={self.replicate_axis!r}) is HSDP over two mesh "
                 "axes: give zero=3 and no shard_size (the shard group is the axis itself)."
+            )
+        if self.loss_mean not in ("global", "per_rank"):
+            raise DataParallelError(
+                f"DataParallel(loss_mean={self.loss_mean!r}): 'global' (a mean over every rank's rows, the "
+                "serial model's on the union of the batches) or 'per_rank' (each rank's own mean, as DDP)."
             )
         if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
             raise DataParallelError(f"DataParallel(prefetch={self.prefetch!r}) must be an int >= 0.")
@@ -162,6 +177,8 @@ class DataParallel(Technique):
             ("replicate_axis", None),
             ("param_dtype", None),
             ("output_dtype", None),
+            ("broadcast_buffers", True),
+            ("loss_mean", "global"),
         ):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")
@@ -192,8 +209,9 @@ class DataParallel(Technique):
         return merged, dataclasses.replace(self, axis=name, replicate_axis=None, shard_size=size)
 
     def attach(self, plan, module, rank: int) -> None:
-        """The storage's run-time half (zero=3's gathers) and local SGD's parameter averaging (the
-        gradient buckets are attached for every plan)."""
+        """The broadcast of written buffers (buffer_sync.py), the storage's run-time half (zero=3's
+        gathers) and local SGD's parameter averaging (the gradient buckets are attached for every plan)."""
+        buffer_sync.attach(plan, module, rank)
         self.storage.attach(plan, module, rank)
         if self.local_sgd_every is not None and hasattr(module, "autopar_grad_sync"):
             module.autopar_local_sgd = LocalSGD(module.autopar_grad_sync, self.local_sgd_every)
@@ -246,6 +264,8 @@ class DataParallel(Technique):
         return self.storage.restored(plan, per_rank)
 
     def rewrite_program(self, plan, graph) -> None:
+        if self.param_dtype is not None:  # the model's own dtype constants as it runs in param_dtype
+            retarget_dtypes(plan, graph, self.param_dtype)
         self.storage.rewrite_program(plan, graph)  # zero=3's gathers, in param_dtype
         cast_program(plan, graph, self.param_dtype, self.output_dtype)
 

@@ -9,7 +9,10 @@ been accumulated, strictly in bucket order (bucket i+1 never goes before bucket 
 rank issues the same sequence even if some gradient is late or missing); at the end of
 backward every bucket is waited for once and the sums written back into ``.grad``. Frozen
 parameters are left out; a parameter with no gradient in a step counts as zeros, so every
-rank launches the same collectives and none waits forever.
+rank launches the same collectives and none waits forever. A parameter frozen after the
+buckets were made (``requires_grad_(False)`` on the rank module, as fine-tuning code does
+after set-up) still has its zeros in its bucket, but gets no ``.grad``: an optimizer with
+weight decay must not move it.
 
 On the data-parallel axis the ap.DataParallel options apply: ``reduce_dtype`` (cast for the
 collective, cast back after), ``zero=1`` (all-reduce, then the ZeroOptimizer steps this
@@ -204,6 +207,7 @@ class GradSync:
             torch._foreach_copy_([g for g, _ in have], [piece for _, piece in have])
         for p, piece in zip(params, pieces):
             if p.grad is None:
-                p.grad = piece.view_as(p).clone()
+                if p.requires_grad:  # frozen since the buckets were made: left as None
+                    p.grad = piece.view_as(p).clone()
             elif not p.grad.is_contiguous():
                 p.grad.copy_(piece.view_as(p))

@@ -81,6 +81,9 @@ class ZeroShards:
         """Hand this rank's reduced gradient slice of bucket ``i`` to its pieces (ZeRO-2 adds it
         to what they hold: backwards without zero_grad accumulate, as parameters' .grad do)."""
         for piece in self.pieces[i]:
+            if not self.sync.params[piece.name].requires_grad:
+                piece.tensor.grad = None  # frozen after planning: its slice is not stepped
+                continue
             g = chunk[piece.lo : piece.hi]
             held = piece.tensor.grad
             piece.tensor.grad = held.add_(g) if accumulate and held is not None else g

@@ -1,11 +1,12 @@
-"""debug=True: before the first collective, all ranks check they run the same plan.
+"""debug=True: before the first collective, all ranks check they run the same collectives.
 
 Ranks that planned differently (another annotation, model config, mesh or example shape on
 one rank) would otherwise pair unrelated collectives: a hang, or silently wrong numbers.
 Each rank hashes its plan (every node's layout and strategy, the gradient sync) and lists
 the collectives its module issues, in order, with their groups; the ranks exchange these
-(one all_gather_object) and compare: the plan hashes must be equal, and the members of each
-group must issue the same collectives on it in the same order.
+with their plan fingerprints (fingerprint.py: one all_gather_object in every ap.parallelize)
+and compare: the plan hashes must be equal, and the members of each group must issue the
+same collectives on it in the same order.
 
 Example:
     >>> module = ap.parallelize(model, mesh, args=(x,), annotations=ann, debug=True)
@@ -15,8 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime
-import torch.distributed as dist
 import hashlib
 
 import torch
@@ -24,7 +23,6 @@ import torch.fx as fx
 
 from autopar.errors import InconsistentPlanError
 from autopar.placement import fmt_spec
-from autopar.runtime.failures import explain
 
 
 def plan_hash(plan) -> str:
@@ -121,21 +119,3 @@ def _fmt(entry) -> str:
         return "nothing (no more collectives)"
     kind, rest = entry
     return f"{kind}({', '.join(map(repr, rest))})"
-
-
-def verify_consistent(plan, module: fx.GraphModule, timeout: float | None = None) -> None:
-    """Exchange (plan hash, collectives) between all ranks of the job and compare them.
-
-    On gloo a monitored barrier comes first: a rank that never gets here (it failed while
-    planning) is named after ``timeout`` seconds instead of the exchange hanging.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if dist.get_backend() == "gloo":
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout or 300), wait_all_ranks=True)
-        except RuntimeError as e:
-            raise explain("monitored_barrier (debug plan check)", range(world), rank, timeout, e) from e
-    mine = (plan_hash(plan), collective_sequence(module))
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
-    compare(gathered)

@@ -8,6 +8,8 @@ Example:
 from __future__ import annotations
 
 import datetime
+import time
+
 import torch.distributed as dist
 import torch
 
@@ -42,21 +44,23 @@ class DistBackend:
         """
         if self.timeout is not None and self.timeout != self.groups_timeout:
             return self._wait(kind, group, lambda: call(True))
+        start = time.monotonic()
         try:
             call(False)
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e) from e
+            raise explain(kind, group, self.rank, self.timeout, e, time.monotonic() - start) from e
 
     def _wait(self, kind, group, start):
         """Run ``start()`` (an async collective) and wait for it; a failure or a timeout raises
         CollectiveError naming the rank that failed (see failures.py), never hangs past timeout."""
+        t0 = time.monotonic()
         try:
             work = start()
             done = work.wait(datetime.timedelta(seconds=self.timeout)) if self.timeout else work.wait()
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e) from e
+            raise explain(kind, group, self.rank, self.timeout, e, time.monotonic() - t0) from e
         if done is False:
-            raise explain(kind, group, self.rank, self.timeout, TimeoutError("timed out"))
+            raise explain(kind, group, self.rank, self.timeout, TimeoutError("timed out"), time.monotonic() - t0)
 
     def _pg(self, group, rank):
         if rank != self.rank:

@@ -61,12 +61,15 @@ def failed_ranks(world_size: int) -> dict[int, str]:
     return out
 
 
-def explain(kind: str, group, rank: int, timeout, error: BaseException) -> CollectiveError:
-    """The CollectiveError for a collective of ``rank`` over ``group`` that failed with ``error``."""
+def explain(
+    kind: str, group, rank: int, timeout, error: BaseException, elapsed: float | None = None
+) -> CollectiveError:
+    """The CollectiveError for a collective of ``rank`` over ``group`` that failed with ``error``
+    after ``elapsed`` seconds (when measured): the message says how long it really waited, and
+    the timeout apart (a peer that died fails the collective long before the timeout)."""
     world = dist.get_world_size() if dist.is_initialized() else max(group) + 1
     failed = {r: m for r, m in failed_ranks(world).items() if r != rank}
-    waited = f" after waiting up to {timeout:g} s" if timeout else ""
-    head = f"rank {rank}: {kind} over ranks {tuple(group)} failed{waited}"
+    head = f"rank {rank}: {kind} over ranks {tuple(group)} failed{_waited(elapsed, timeout)}"
     if failed:
         who = "; ".join(f"rank {r} failed: {m.splitlines()[0][:300]}" for r, m in sorted(failed.items()))
         return CollectiveError(f"{head}: {who}")
@@ -76,6 +79,12 @@ def explain(kind: str, group, rank: int, timeout, error: BaseException) -> Colle
         f"different plan (ap.parallelize(..., debug=True) checks plans agree). "
         f"Underlying error: {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
     )
+
+
+def _waited(elapsed: float | None, timeout) -> str:
+    if elapsed is None:
+        return f" (timeout {timeout:g} s)" if timeout else ""
+    return f" after {elapsed:.1f} s" + (f" (timeout {timeout:g} s)" if timeout else "")
 
 
 def install_excepthook(rank: int) -> None:

@@ -41,7 +41,7 @@ _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads a rank's key over th
 _LIB = torch.library.Library("autopar", "FRAGMENT")  # noqa: TOR901 - a mutating op, see below
 _LIB.define(
     "dropout_mask(Tensor(a!) state, SymInt[] shape, float p, ScalarType dtype, Device device, "
-    "int[] cuts, int kind) -> Tensor"
+    "int[] cuts, int kind, int[] order=[]) -> Tensor"
 )
 
 
@@ -83,7 +83,14 @@ def attach_state(gm: torch.nn.Module, plan) -> None:
 
 
 def dropout(
-    x: torch.Tensor, p: float, train: bool, state: torch.Tensor, factors: list[int], cuts: list[int], mode: int
+    x: torch.Tensor,
+    p: float,
+    train: bool,
+    state: torch.Tensor,
+    factors: list[int],
+    cuts: list[int],
+    mode: int,
+    order: list[int] = (),
 ) -> torch.Tensor:
     """What one dropout becomes on a rank (the emitted program calls it; see lowering_modes).
 
@@ -93,14 +100,14 @@ def dropout(
     if not train or p == 0.0:
         return torch.ops.aten.dropout.default(x, p, train)
     shape = [s * f for s, f in zip(x.shape, factors)] if mode == _SERIAL else list(x.shape)
-    mask = torch.ops.autopar.dropout_mask(state, shape, p, x.dtype, x.device, cuts, mode)
+    mask = torch.ops.autopar.dropout_mask(state, shape, p, x.dtype, x.device, cuts, mode, list(order))
     return x * mask
 
 
-def _kernel(state, shape, p, dtype, device, cuts, mode):
+def _kernel(state, shape, p, dtype, device, cuts, mode, order=()):
     gen = torch.Generator().set_state(state)
     if mode == _SERIAL:
-        mask = _draw(shape, p, dtype, gen, device)
+        mask = _draw(shape, p, dtype, gen, device, order)
         state.copy_(gen.get_state())
         return _piece(mask, cuts).contiguous()
     key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=gen))
@@ -110,9 +117,11 @@ def _kernel(state, shape, p, dtype, device, cuts, mode):
     return _draw(shape, p, dtype, torch.Generator().manual_seed(key), device)
 
 
-def _draw(shape, p, dtype, gen, device):
-    """nn.Dropout's CPU mask: bernoulli(1 - p) scaled by 1 / (1 - p) (zeros when p == 1)."""
-    mask = torch.empty(shape, dtype=dtype).bernoulli_(1 - p, generator=gen)
+def _draw(shape, p, dtype, gen, device, order=()):
+    """nn.Dropout's CPU mask: bernoulli(1 - p) scaled by 1 / (1 - p) (zeros when p == 1), laid out
+    in memory as its input (ATen's ``empty_like(input).bernoulli_``: a transposed input's mask is
+    drawn in the transposed order)."""
+    mask = empty_in_order(shape, order, dtype).bernoulli_(1 - p, generator=gen)
     mask = mask.div_(1 - p) if p < 1 else mask
     return mask.to(device)
 
@@ -129,7 +138,90 @@ def _piece(full, cuts):
     return out
 
 
-def _fake(state, shape, p, dtype, device, cuts, mode):
+def serial_order(plan_traced, model, node) -> list[int]:
+    """The memory order of ``node``'s value in the serial model (see order_of): measured once per
+    trace by running the traced graph eagerly on the CPU kernels the serial model uses (fake
+    tensors' strides are the meta kernels', which differ for some ops: batch_norm's output is
+    contiguous on CPU, not laid out like its input), else read from the trace."""
+    orders = _measured_orders(plan_traced, model)
+    return orders[node.name] if node.name in orders else order_of(node.meta.get("val"))
+
+
+def _measured_orders(traced, model) -> dict:
+    cache = traced.gm.meta.get("autopar_serial_orders")
+    if cache is not None:
+        return cache
+    cache = {}
+    feeds = _serial_feeds(traced, model)
+    if feeds is not None:
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                if isinstance(out, torch.Tensor):
+                    cache[n.name] = order_of(out)
+                return out
+
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            Recorder(traced.gm).run(*feeds)
+    traced.gm.meta["autopar_serial_orders"] = cache
+    return cache
+
+
+def _serial_feeds(traced, model) -> list | None:
+    """The traced graph's placeholders as the serial model would feed them: its parameters and
+    (copied) buffers, and example-shaped inputs (values do not decide layouts); None for a model
+    on the meta device or a trace without example inputs."""
+    import torch.utils._pytree as pytree
+
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    if getattr(traced, "example", None) is None or any(t.device.type == "meta" for t in named.values()):
+        return None
+    inputs = dict(zip(traced.user_inputs, pytree.tree_leaves(traced.example)))
+    feeds = []
+    for name, node in traced.placeholders().items():
+        fqn = traced.param_fqn.get(name) or traced.buffer_fqn.get(name)
+        if fqn is not None:
+            feeds.append(named[fqn].detach().clone())
+        elif name in traced.constant_fqn:
+            feeds.append(traced.constants[traced.constant_fqn[name]])
+        else:
+            v = inputs.get(name)
+            feeds.append(torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
+    return feeds
+
+
+def order_of(val) -> list[int]:
+    """The serial tensor's dims from outermost to innermost in memory, from its traced value
+    (example sizes and strides), when it is dense but not contiguous: ATen draws a random fill
+    into ``empty_like`` of it, which keeps that layout (a transposed activation's mask is drawn in
+    the transposed order); [] otherwise. From the trace, not the rank's piece: a rank's program
+    may lay a value out otherwise than the serial model did."""
+    if not isinstance(val, torch.Tensor):
+        return []
+    shape, stride = [_hint(s) for s in val.shape], [_hint(s) for s in val.stride()]
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    expected = 1
+    for d in reversed(order):  # dense: each dim's stride is the product of the sizes inside it
+        if shape[d] != 1 and stride[d] != expected:
+            return []
+        expected *= shape[d]
+    return [] if order == sorted(order) else order
+
+
+def _hint(s) -> int:
+    return int(s.node.hint) if isinstance(s, torch.SymInt) and s.node.hint is not None else int(s)
+
+
+def empty_in_order(shape, order, dtype) -> torch.Tensor:
+    """An empty tensor of ``shape`` laid out in memory in dim ``order`` (outermost first)."""
+    if not order:
+        return torch.empty(shape, dtype=dtype)
+    laid = torch.empty([shape[d] for d in order], dtype=dtype)
+    return laid.permute([list(order).index(d) for d in range(len(shape))])
+
+
+def _fake(state, shape, p, dtype, device, cuts, mode, order=()):
     out_shape = list(shape)
     if mode == _SERIAL:
         for i in range(0, len(cuts), 4):

@@ -19,12 +19,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from autopar.errors import PlanMismatch
 from autopar.placement import shard_tensor
+from autopar.runtime import rng
 from autopar.runtime.simulator import run_ranks
 
 
@@ -75,7 +78,9 @@ def _serial_reference(plan, args, kwargs, loss) -> tuple:
     flat_in, in_tree = pytree.tree_flatten((args, kwargs))
     leaves = [_grad_leaf(v) for v in flat_in]  # inputs that require grad: their own leaves
     s_args, s_kwargs = pytree.tree_unflatten(leaves, in_tree)
-    serial_out = functional_call(model, {**params, **buffers}, s_args, s_kwargs, tie_weights=True)
+    with torch.random.fork_rng(devices=[]):  # seeded alike with the ranks (rng="serial"), the caller's RNG untouched
+        torch.manual_seed(CHECK_SEED)
+        serial_out = functional_call(model, {**params, **buffers}, s_args, s_kwargs, tie_weights=True)
     weights = _weights(plan, serial_out)
     serial_obj = loss(serial_out) if loss is not None else _objective(serial_out, weights)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
@@ -99,6 +104,9 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     plan = plan.with_exact_gradients()  # ZeRO / local SGD / reduce dtype: check the full fp32 sums
     modules = [plan.build_module(r, state) for r in plan.mesh.ranks()]
+    for m in modules:  # every rank's generator where check seeded the serial model (rng="serial": its draws)
+        if hasattr(m, rng.STATE):
+            getattr(m, rng.STATE).copy_(rng.initial_state(CHECK_SEED))
     inputs = [_local_leaves(plan, r, flat_in, in_tree) for r in plan.mesh.ranks()]
     local_weights = [
         [None if w is None else shard_tensor(w, s, plan.mesh, r) for w, s in zip(weights, plan.output_specs)]
@@ -116,9 +124,10 @@ def check_plan(plan, args, kwargs, loss, rtol, atol) -> dict:
         return out, g, {i: flat[i].grad for i in wanted}
 
     results = run_ranks(plan.mesh.size, step)
-    worst_out = _compare_outputs(plan, serial_out, [r[0] for r in results], rtol, atol)
-    worst_grad = _compare_param_grads(plan, serial_grads, [r[1] for r in results], rtol, atol)
-    worst_in = _compare_input_grads(plan, serial_in_grads, [r[2] for r in results], rtol, atol)
+    with _randomness_named(plan, random_nodes(plan)):
+        worst_out = _compare_outputs(plan, serial_out, [r[0] for r in results], rtol, atol)
+        worst_grad = _compare_param_grads(plan, serial_grads, [r[1] for r in results], rtol, atol)
+        worst_in = _compare_input_grads(plan, serial_in_grads, [r[2] for r in results], rtol, atol)
     return {
         "outputs": len(pytree.tree_leaves(serial_out)),
         "grads": len(serial_grads),
@@ -204,6 +213,59 @@ def _compare_pieces(items, rtol: float, atol: float) -> float:
     """(what, serial piece, rank's piece, whole serial tensor): the floor from the whole tensors."""
     floor = rtol * max((_magnitude(full) for *_, full in items), default=0.0)
     return max((_compare(what, s, m, rtol, atol, floor) for what, s, m, _ in items), default=0.0)
+
+
+CHECK_SEED = 1234  # the serial model and every rank draw from torch.manual_seed(CHECK_SEED)'s state
+
+
+def random_nodes(plan) -> list[str]:
+    """The nodes that draw random numbers when the model runs in the mode it is in: ops torch
+    tags ``nondeterministic_seeded``, less dropouts with p = 0 or off in eval mode and attention
+    without dropout."""
+    out = []
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+            continue
+        where = _DROP_P.get(node.target.overloadpacket)
+        if where is not None:
+            p = node.args[where[0]] if len(node.args) > where[0] else node.kwargs.get(where[1], 0.0)
+            if not p or not plan.model.training:
+                continue
+        out.append(node.name)
+    return out
+
+
+_aten = torch.ops.aten
+# ops that draw only with a dropout probability > 0 in training: (its position, its name)
+_DROP_P = {
+    op: (1, "p")
+    for op in (_aten.dropout, _aten.feature_dropout, _aten.alpha_dropout, _aten.feature_alpha_dropout)
+    + (_aten.dropout_, _aten.feature_dropout_, _aten.alpha_dropout_, _aten.feature_alpha_dropout_)
+}
+_DROP_P[_aten.scaled_dot_product_attention] = (4, "dropout_p")
+
+
+@contextlib.contextmanager
+def _randomness_named(plan, drawing: list[str]):
+    """A mismatch of a model that draws random numbers says so, and what makes check exact."""
+    try:
+        yield
+    except PlanMismatch as e:
+        if not drawing:
+            raise
+        if plan.options.rng == "serial":
+            why = (
+                "rng='serial' draws the serial model's numbers on CPU (check seeds both alike), so "
+                "randomness should not be the cause unless these run in a pipeline or on CUDA"
+            )
+        else:
+            why = (
+                "rng='placement' draws them differently from the serial model by design (the same on "
+                "replicas, not the serial values): plan with rng='serial' to check them against serial, "
+                "or check in eval mode (model.eval() before planning)"
+            )
+        shown = ", ".join(drawing[:6]) + (" ..." if len(drawing) > 6 else "")
+        raise PlanMismatch(f"{e} The model draws random numbers ({shown}): {why}.") from e
 
 
 def _magnitude(t: torch.Tensor) -> float:

@@ -23,6 +23,8 @@ import dataclasses
 import fnmatch
 import time
 
+import torch
+
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel
 from autopar.errors import PlanError
@@ -43,7 +45,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     stages after tracing: the search decides, the planner plans)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
-    profile = auto.profile()
+    profile = auto.profile(job_device(traced))
     user = dict(annotations or {})
     comps, norms = components(model, traced)
     touched = {c.key for c in comps if _touched(c, user, model)}
@@ -116,6 +118,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
         record["chosen"] = _label(mesh, (s, zero)) + " (the tp axis split nothing)"
+    record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
         name = mesh.axis_names[s.tp]
@@ -179,6 +182,40 @@ def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:
 
 def _least_memory(o: Option) -> float:
     return o.base[3] + sum(min(v[3] for v in ch.values()) for ch in o.comps.values())
+
+
+def _duplicated_axes(mesh, s, options, auto, profile) -> list[dict]:
+    """The chosen plan's replicated axes (their ranks repeat each other's work), each with the
+    fastest option that divides the work over it instead: data parallel on it (which always
+    divides the compute), else tensor parallel on it."""
+    out = []
+    for a, name in enumerate(mesh.axis_names):
+        if a in (s.dp, s.tp) or mesh.shape[a] == 1:
+            continue
+        using = [o for o in options if o.label[0].dp == a] or [o for o in options if o.label[0].tp == a]
+        best = None
+        for o in using:
+            sol = solve([o], auto.memory_budget, profile.overlap)
+            fits = sol is not None
+            sol = sol or solve([o], None, profile.overlap)
+            if sol is not None and (best is None or sol.time < best["time_s"]):
+                best = {"option": _label(mesh, o.label), "time_s": sol.time, "fits": fits}
+        out.append({"axis": name, "size": mesh.shape[a], "instead": best})
+    return out
+
+
+def job_device(traced):
+    """Where the job's tensors live: the first tensor input's device (a meta-device model
+    planned with real inputs runs where they are), else the parameters'."""
+    for name, node in traced.placeholders().items():
+        val = node.meta.get("val")
+        if name in traced.user_inputs and isinstance(val, torch.Tensor):
+            return val.device
+    for node in traced.placeholders().values():
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
 
 
 def _label(mesh, option) -> str:

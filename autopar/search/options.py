@@ -3,7 +3,8 @@
 - ``memory_budget``: bytes per rank (parameters, gradients, optimizer state, activations as
   plan.cost() counts them); None: no limit.
 - ``device``: a profile name ("h100", "a100", "cpu-gloo") or an ap.calibrate() result;
-  ``alpha`` / ``beta`` / ``flops_per_s`` override its numbers (every link).
+  ``alpha`` / ``beta`` / ``flops_per_s`` override its numbers (every link). None: the device
+  the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100" or "h100" by name; meta: "h100").
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
@@ -41,5 +42,7 @@ class Auto:
             return cls()
         raise PlanError(f"ap.plan(auto={value!r}): pass auto=True or auto=ap.Auto(...).")
 
-    def profile(self) -> Profile:
-        return profile_of(self.device).with_values(self.alpha, self.beta, self.flops_per_s)
+    def profile(self, where=None) -> Profile:
+        """The cost model's device: ``device``, or (None) the one the job runs on (``where``,
+        the example inputs' device: a CPU job is planned for ``cpu-gloo``, not an H100)."""
+        return profile_of(self.device, where).with_values(self.alpha, self.beta, self.flops_per_s)

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import torch
+
 import math
 from autopar.errors import PlanError
 from dataclasses import dataclass, replace
@@ -61,10 +63,26 @@ PROFILES = {
 DEFAULT = "h100"
 
 
-def profile_of(device) -> Profile:
-    """A Profile from a name ("h100", "a100", "cpu-gloo"), a Profile, or None (the default)."""
+def profile_for(where) -> str:
+    """The profile name for a job whose tensors live on ``where`` (a torch.device or None): a
+    CPU job is ``cpu-gloo`` (planned for the machine it runs on, not for a GPU it does not
+    have); a CUDA device by its name (A100, else H100: the closest published profile); the meta
+    device or None (a shapes-only plan for a cluster) the default, ``h100``."""
+    where = torch.device(where) if where is not None else None
+    if where is None or where.type == "meta":
+        return DEFAULT
+    if where.type == "cpu":
+        return "cpu-gloo"
+    if where.type == "cuda" and torch.cuda.is_available() and "A100" in torch.cuda.get_device_name(where):
+        return "a100"
+    return DEFAULT
+
+
+def profile_of(device, where=None) -> Profile:
+    """A Profile from a name ("h100", "a100", "cpu-gloo"), a Profile, or None: the profile of
+    the device the job's tensors are on (``where``, see profile_for)."""
     if device is None:
-        return PROFILES[DEFAULT]
+        return PROFILES[profile_for(where)]
     if isinstance(device, Profile):
         return device
     if isinstance(device, str) and device.lower() in PROFILES:

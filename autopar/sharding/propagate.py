@@ -36,6 +36,8 @@ aten = torch.ops.aten
 R = Replicate()
 PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
 
+BOUNDARY = "autopar_boundary"  # node.meta mark of the aliases that hold a module's output layout
+
 
 @dataclass
 class Layout:
@@ -144,7 +146,7 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
     if not cache:
         ctx.choices = None
     for node in graph.nodes:
-        if node.meta.get("autopar_boundary"):
+        if node.meta.get(BOUNDARY):
             continue  # inserted just now by _enforce_output_constraint, with its layout
         if node.op == "placeholder":
             layout = _placeholder_layout(node, traced, ctx)
@@ -171,7 +173,7 @@ def _forget_previous_plan(graph: fx.Graph) -> None:
     """A traced graph may be planned again (another mesh, other annotations): drop the boundary
     nodes and layouts an earlier propagation left, so that nothing stale survives."""
     for node in list(graph.nodes):
-        if node.meta.get("autopar_boundary"):
+        if node.meta.get(BOUNDARY):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     for node in graph.nodes:
@@ -196,7 +198,7 @@ def _enforce_output_constraint(node: fx.Node, ctx: Context) -> None:
     with node.graph.inserting_after(node):
         boundary = node.graph.call_function(aten.alias.default, (node,))
     boundary.meta = {k: v for k, v in node.meta.items() if k != "autopar"}
-    boundary.meta["autopar_boundary"] = True
+    boundary.meta[BOUNDARY] = True
     for u in users:
         u.replace_input_with(node, boundary)
     boundary.meta["autopar"] = Layout(

@@ -53,6 +53,8 @@ class Traced:
     repeated: object = None  # repeat.Repeated when blocks were copied, not exported
     training: bool = True  # the model's mode when traced (export bakes it into flags)
     materialize_device: object = None  # a meta-device model's rank pieces go here (trace/meta_device.py)
+    example: tuple | None = None  # (args, kwargs) as meta tensors: to trace again (trace/in_dtype.py)
+    opaque: tuple = ()  # the module paths traced as ap.opaque() calls
 
     def placeholders(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}

@@ -72,6 +72,37 @@ def bert(layers=1, seed=0):
     return BertModel(cfg).eval()
 
 
+def causal_lm(name: str, layers=1, seed=0):
+    """A tiny causal LM of another HF architecture than the ones above (issue 32's user paths):
+    gemma2, granite, stablelm, phi3, olmo2."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    config, model, extra = {
+        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(head_dim=8)),
+        "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
+        "stablelm": (T.StableLmConfig, T.StableLmForCausalLM, {}),
+        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(pad_token_id=0)),
+        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+    }[name]
+    return model(config(**common, **extra)).eval()
+
+
+CAUSAL_LMS = ("gemma2", "granite", "stablelm", "phi3", "olmo2")
+
+
 def batch(b=4, s=SEQ, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)

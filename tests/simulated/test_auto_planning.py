@@ -19,7 +19,7 @@ from tests.harness.hf_models import MODELS, inputs, megatron_dp_plan
 
 SHAPES = [(2,), (4,), (2, 2)]
 # a device on which splitting pays even for the tiny test models: fast links, slow compute
-SPLIT_PAYS = ap.Auto(alpha=1e-9, beta=1e12, flops_per_s=1e6)
+SPLIT_PAYS = ap.Auto(device="h100", alpha=1e-9, beta=1e12, flops_per_s=1e6)
 
 
 def gpt(layers=2, tied=True):
@@ -175,3 +175,20 @@ def test_calibrate_gloo(gloo):
     assert all(r == res[0] for r in res)  # every rank gets the same (averaged) profile
     fps, alpha, beta = res[0]
     assert fps > 1e6 and alpha > 0 and beta > 1e5
+
+
+def test_default_profile_follows_the_jobs_device_and_explain_names_duplicated_work():
+    """A CPU job is planned for cpu-gloo, not an H100; explain("auto") says in words which axes
+    repeat each other's work and what dividing it would have cost."""
+    from autopar.search.profiles import profile_for
+
+    model, args = gpt()
+    plan = ap.plan(model, mesh_of((2, 2)), args=args, auto=True)
+    rec = plan.built["auto"]
+    assert rec["profile"]["name"] == "cpu-gloo"
+    replicated = [part.split("=")[0] for part in rec["chosen"].split(" (")[0].split(", ") if part.endswith("=R")]
+    assert [d["axis"] for d in rec["duplicated"]] == replicated
+    text = plan.explain("auto")
+    for axis in replicated:
+        assert f"ranks duplicate work: axis {axis} is replicated" in text and "predicted fastest anyway" in text
+    assert profile_for(torch.device("meta")) == "h100" and profile_for(None) == "h100"

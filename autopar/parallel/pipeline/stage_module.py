@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.codegen.emit import Emitter
+from autopar.codegen.emit import Emitter, keep_meta
+from autopar.parallel.optimizer import mark_pieces
 from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module
 
@@ -40,8 +41,7 @@ class StageEmitter(Emitter):
         for name in st.nodes:
             node = nodes[name]
             new = getattr(self, f"_{node.op}")(node)
-            if isinstance(new, fx.Node) and not new.meta:
-                new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+            keep_meta(node, new)
             self.env[node] = new
         outs = [self.env[nodes[name]] for name, _ in st.send]
         if st.has_output:
@@ -58,7 +58,13 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
     stages read is one Parameter."""
     names = [plan.attr_name(ph) for ph in plan.stage_layout.stages[stage].attrs]
     gm = build_rank_module(
-        plan, rank, _program(plan, stage), class_name=f"Rank{rank}Stage{stage}", names=names, pieces=params
+        plan,
+        rank,
+        _program(plan, stage),
+        class_name=f"Rank{rank}Stage{stage}",
+        names=names,
+        pieces=params,
+        before_techniques=[mark_pieces],  # a whole-tensor torch.optim class stepping pieces is refused
     )
     gm.autopar_stage = stage
     return gm

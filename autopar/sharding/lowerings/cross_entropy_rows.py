@@ -1,7 +1,9 @@
 """Cross-entropy over rows split across ranks: the mean is the local sum divided by the
-global count of counted targets (ranks may drop different numbers of ignore_index rows; with
-class probabilities as targets every row counts), so each rank's loss is its partial sum of
-the serial mean.
+global count of counted targets (ranks may drop different numbers of ignore_index rows, or hold
+different numbers of rows: a dynamic-padding loader's sequence lengths; with class probabilities
+as targets every row counts), so each rank's loss is its partial sum of the serial mean over the
+union of the ranks' rows. ``ap.DataParallel(axis, loss_mean="per_rank")`` makes it DDP's instead
+(``row_count``).
 
 Example (rows split over dp=2, 3 and 1 counted targets): rank 0 returns sum0 / 4, rank 1 sum1 / 4.
 """
@@ -33,6 +35,24 @@ def _counted(g, node, target, ignore_index):
     return g.call_function(aten.ne.Scalar, (target, ignore_index))
 
 
+def per_rank_mean(plan, axis: int) -> bool:
+    """Whether a mean over rows split on ``axis`` is each rank's own mean (DDP's loss):
+    ``ap.DataParallel(axis, loss_mean="per_rank")`` on its axis. Otherwise (the default) it is
+    the mean over every rank's rows, the serial model's on the union of the ranks' batches."""
+    dp = plan.data_parallel
+    return dp is not None and axis == plan.dp_axis and dp.loss_mean == "per_rank"
+
+
+def row_count(em, count, axis: int):
+    """What a mean over rows split on ``axis`` divides the rank's sum by: the count summed over
+    the axis (a token-weighted mean of all ranks' rows, whatever each rank holds), or for a
+    per-rank mean the rank's own count times the axis size (the ranks' means, averaged when the
+    loss is summed over the axis: the gradient DDP gives)."""
+    if per_rank_mean(em.plan, axis):
+        return em.graph.call_function(aten.mul.Tensor, (count, float(em.mesh.shape[axis])))
+    return em.collective(ops.all_reduce.default, (count,), axis, extra=("sum",))
+
+
 class CrossEntropySplitRows(Lowering):
     name = "cross_entropy_split_rows"
 
@@ -48,11 +68,13 @@ class CrossEntropySplitRows(Lowering):
         count = g.call_function(
             aten.sum.dim_IntList, (_counted(g, node, target, ignore_index), []), {"dtype": torch.float32}
         )
-        total = em.collective(ops.all_reduce.default, (count,), axis, extra=("sum",))
+        total = row_count(em, count, axis)
         total = g.call_function(aten._to_copy.default, (total,), {"dtype": node.meta["val"].dtype})
         return g.call_function(aten.div.Tensor, (local_sum, total))
 
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
+        if per_rank_mean(plan, axis):
+            return []
         return [("all_reduce", axis, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[axis]))]
 
     def reason(self, axis_name: str) -> str:

@@ -51,7 +51,8 @@ def lower_dropout(em, node, args, kwargs):
             cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks]
     mode = rng._SERIAL if em.plan.options.rng == "serial" else rng._PLACEMENT
     state = em.rank_value(rng.STATE)
-    return em.graph.call_function(rng.dropout, (x, p, train, state, factors, cuts, mode))
+    order = rng.serial_order(em.plan.traced, em.plan.model, node.args[0]) if mode == rng._SERIAL else []
+    return em.graph.call_function(rng.dropout, (x, p, train, state, factors, cuts, mode, order))
 
 
 def lower_batch_norm(em, node, args, kwargs):

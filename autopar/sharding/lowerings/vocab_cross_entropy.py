@@ -19,7 +19,8 @@ import operator
 import torch
 
 from autopar.sharding.lowerings.base import Lowering, register_lowering
-from autopar.sharding.lowerings.cross_entropy_rows import COUNT_BYTES, node_arg as _arg
+from autopar.sharding.lowerings.cross_entropy_rows import COUNT_BYTES, per_rank_mean, row_count
+from autopar.sharding.lowerings.cross_entropy_rows import node_arg as _arg
 from autopar.placement import Shard
 from autopar.runtime.ring import ring_bytes
 
@@ -64,7 +65,7 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
         return total
     count = call(aten.sum.dim_IntList, (counted, []), {"dtype": torch.float32})
     for a in row_axes(node, axis):
-        count = em.collective(ops.all_reduce.default, (count,), a, extra=("sum",))
+        count = row_count(em, count, a)
     count = call(aten._to_copy.default, (count,), {"dtype": node.meta["val"].dtype})
     return call(aten.div.Tensor, (total, count))
 
@@ -90,7 +91,8 @@ class CrossEntropyVocabParallel(Lowering):
         ]
         if _arg(node, 3, "reduction", REDUCTION_MEAN) == REDUCTION_MEAN:
             for a in row_axes(node, axis):
-                out.append(("all_reduce", a, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[a])))
+                if not per_rank_mean(plan, a):
+                    out.append(("all_reduce", a, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[a])))
         return out
 
     def reason(self, axis_name: str) -> str:

@@ -60,3 +60,4 @@ from autopar.sharding.rules import spectral  # noqa: F401
 from autopar.sharding.rules import nn_extra  # noqa: F401
 from autopar.sharding.rules import norms_native  # noqa: F401
 from autopar.sharding.rules import losses_batch  # noqa: F401
+from autopar.sharding.rules import random_ops  # noqa: F401
