@@ -126,6 +126,10 @@ class Technique:
         """Lines plan.explain(fqn) adds for this technique (how the parameter is stored, synced)."""
         return []
 
+    def explain_module(self, plan, path: str) -> list[str]:
+        """Lines plan.explain(path) adds for this technique about a module (checkpointed or not)."""
+        return []
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Memory per rank (parallel/dp_module.memory_per_rank) as this technique changes it."""
         return mem
