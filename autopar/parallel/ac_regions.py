@@ -104,21 +104,22 @@ def _hoist(region: list[fx.Node]) -> list[fx.Node]:
     return body
 
 
-def outline(graph: fx.Graph, blocks: list[str], make_region) -> list:
-    """Replace each block's region of ``graph`` by a call of ``make_region(block, body, inputs)``
-    (a callable, see runtime/recompute.Region); returns the regions made."""
+def outline(graph: fx.Graph, blocks: list[str], make_region, buffers=frozenset()) -> list:
+    """Replace each block's region of ``graph`` by a call of ``make_region(block, body, inputs,
+    mutated)`` (a callable, see runtime/recompute.Region); returns the regions made. ``buffers``:
+    the model's buffer names (what an op may write in place)."""
     made = []
     for block, region in spans(graph, blocks):
         region = _hoist(region)
         if region:
-            made.append(_outline_one(graph, block, region, make_region))
+            made.append(_outline_one(graph, block, region, make_region, buffers))
     for node in list(graph.nodes):  # asked inside every region now, and maybe nowhere else
         if node.target is plain_eager and not node.users:
             graph.erase_node(node)
     return made
 
 
-def _outline_one(graph: fx.Graph, block: str, region: list[fx.Node], make_region):
+def _outline_one(graph: fx.Graph, block: str, region: list[fx.Node], make_region, buffers):
     inside = set(region)
     inputs: dict[fx.Node, None] = {}
     for node in region:
@@ -144,7 +145,7 @@ def _outline_one(graph: fx.Graph, block: str, region: list[fx.Node], make_region
 
         env[node] = body.node_copy(node, arg)
     body.output(tuple(env[o] for o in outputs))
-    mutated = _mutated_inputs(body, list(inputs))
+    mutated = _mutated_inputs(body, list(inputs), buffers)
     region_fn = make_region(block, fx.GraphModule(torch.nn.Module(), body), list(inputs), mutated)
     with graph.inserting_before(region[0]):
         call = graph.call_function(region_fn, tuple(inputs))
@@ -158,19 +159,36 @@ def _outline_one(graph: fx.Graph, block: str, region: list[fx.Node], make_region
     return region_fn
 
 
-def _mutated_inputs(body: fx.Graph, inputs: list[fx.Node]) -> list[int]:
-    """Positions of the inputs the body writes in place: the dropout generator (every draw
-    advances it) and buffers an op's schema marks written (batch norm's running statistics).
-    The recompute must leave them as the forward left them."""
+def _mutated_inputs(body: fx.Graph, inputs: list[fx.Node], buffers) -> list[int]:
+    """Positions of the inputs the body may write in place: the dropout generator (every draw
+    advances it) and each buffer an op may write (batch norm's running statistics, the batch
+    count a lowering advances: ops whose schema marks the argument written, norms that keep
+    statistics, and autopar's Python lowerings). The recompute must leave them as the
+    forward left them."""
     placeholders = [n for n in body.nodes if n.op == "placeholder"]
-    index = {n: i for i, n in enumerate(placeholders)}
     out = {i for i, a in enumerate(inputs) if a.op == "get_attr" and a.target == STATE}
-    for node in body.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            continue
-        for i, a in enumerate(schema.arguments):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            if a.alias_info is not None and a.alias_info.is_write and value in index:
-                out.add(index[value])
+    for i, (a, ph) in enumerate(zip(inputs, placeholders)):
+        if a.op == "get_attr" and a.target in buffers and any(_writes(u, ph) for u in ph.users):
+            out.add(i)
     return sorted(out)
+
+
+_KEEPS_STATISTICS = {
+    torch.ops.aten.batch_norm.default,
+    torch.ops.aten.instance_norm.default,
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+}
+
+
+def _writes(user: fx.Node, value: fx.Node) -> bool:
+    schema = getattr(user.target, "_schema", None)
+    if schema is None:
+        return user.target is not operator.getitem  # a Python lowering: assume it may write
+    if user.target in _KEEPS_STATISTICS:
+        return True
+    for i, a in enumerate(schema.arguments):
+        got = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+        if got is value and a.alias_info is not None and a.alias_info.is_write:
+            return True
+    return False

@@ -133,7 +133,7 @@ class ActivationCheckpoint(Technique):
             name = f"checkpoint_{block.replace('.', '_')}"
             return Region(name, body, self.mode, mutated, save if self.mode == "selective" else (), self.offload)
 
-        outline(graph, blocks, make_region)
+        outline(graph, blocks, make_region, frozenset(plan.model_tensors["buffers"]))
 
     # ------------------------------------------------------------------ display
     def describe(self, plan) -> str:

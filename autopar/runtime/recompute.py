@@ -63,13 +63,15 @@ def replayed_state(states: list, snapshots: list):
     (the recompute draws the forward's draws again), then put back what they held (the
     step's later draws and the statistics are as if nothing was recomputed)."""
     now = [s.clone() for s in states]
-    for s, snap in zip(states, snapshots):
-        s.copy_(snap)
+    with torch.no_grad():
+        for s, snap in zip(states, snapshots):
+            s.copy_(snap)
     try:
         yield
     finally:
-        for s, kept in zip(states, now):
-            s.copy_(kept)
+        with torch.no_grad():
+            for s, kept in zip(states, now):
+                s.copy_(kept)
 
 
 @contextlib.contextmanager
