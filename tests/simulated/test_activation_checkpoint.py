@@ -194,3 +194,12 @@ def test_bad_input_against_the_model():
         gpt_plan("tp2", activation_checkpoint=conv)
     with pytest.raises(ap.PlanError, match="no repeated blocks"):
         ap.plan(nn.Linear(4, 4), ap.Mesh((2,), ("dp",)), args=(torch.randn(4, 4),), activation_checkpoint=FULL)
+
+
+def test_plan_file_round_trip(tmp_path):
+    ac = ap.ActivationCheckpoint("selective", every=1, save=[aten.linear.default], offload=True)
+    plan = gpt_plan("tp2", model=dropout_gpt(p=0.0), activation_checkpoint=ac)
+    plan.save(tmp_path / "p.json")
+    again = ap.load_plan(tmp_path / "p.json", plan.model)
+    assert again.options.activation_checkpoint == ac
+    assert "checkpoint_blocks_1(" in again.module(0).code
