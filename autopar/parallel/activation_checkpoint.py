@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import PlanError
+from autopar.parallel import ac_memory
 from autopar.parallel.ac_regions import chosen_blocks, outline, spans
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
@@ -111,6 +112,11 @@ class ActivationCheckpoint(Technique):
         chosen = DEFAULT_SAVE if self.save is None else self.save
         return frozenset(d for op in chosen for d in (op, *RUNS_AS.get(op, ())))
 
+    def graph_save_ops(self) -> frozenset:
+        """The plan graph's ops whose outputs a selective region keeps (the cost model's view)."""
+        chosen = set(DEFAULT_SAVE if self.save is None else self.save)
+        return frozenset(chosen | {g for g, runs in RUNS_AS.items() if chosen & set(runs)})
+
     def after_plan(self, plan):
         """The blocks checkpointed (a PlanError when the pattern matches nothing, or save= names
         an op the program does not run)."""
@@ -162,6 +168,11 @@ class ActivationCheckpoint(Technique):
         return [
             f"  activation checkpointing ({self.mode}): {why}; the program calls checkpoint_{path.replace('.', '_')}"
         ]
+
+    # ------------------------------------------------------------------ memory
+    def activations(self, plan, symbols, terms: dict) -> dict:
+        """Activations as checkpointing keeps them, and ``recompute``: one block's recompute at its peak."""
+        return ac_memory.checkpointed_terms(plan, self, symbols, terms)
 
     def fields(self) -> dict:
         out = super().fields()
