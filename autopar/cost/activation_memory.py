@@ -33,6 +33,9 @@ ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 DROPOUT_OPS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default}
 
 
+_PROBES: dict = {}  # (op, argument sizes and dtypes) -> what its backward keeps: asked once per process
+
+
 @dataclass(frozen=True)
 class Saved:
     """``consumer``'s backward keeps output ``index`` of ``producer`` (a node of the plan's graph);
@@ -41,7 +44,8 @@ class Saved:
     consumer: str
     producer: str | None
     index: int = 0
-    fraction: float = 0.0  # own tensors: bytes as a fraction of the consumer's first output's bytes
+    fraction: float = 0.0  # own tensors: bytes as a fraction of ``ref``'s bytes
+    ref: tuple = ("out", 0)  # own tensors: the consumer's largest tensor ("in", i) or ("out", j)
 
 
 def saved_activations(plan) -> list[Saved]:
@@ -49,24 +53,23 @@ def saved_activations(plan) -> list[Saved]:
     cache = plan.__dict__.setdefault("_saved_activations", None)
     if cache is not None:
         return cache
-    out, probes = [], {}
+    out, probes = [], _PROBES
     for node in plan.graph.nodes:
         if node.op != "call_function" or not plan.ctx.needs_grad.get(node) or op_traits(node.target).work is VIEW:
             continue
         if node.target is operator.getitem:
             continue
         kept = _kept(node, probes)
-        for kind, i, frac in kept:
+        for kind, i, frac, *ref in kept:
             if kind == "in":
-                src = _tensor_args(node)[i]
-                if src.op in ("placeholder", "get_attr"):
-                    continue  # parameters and inputs: held by their owners
-                base, idx = _base_of(src)
+                base, idx = base_of(_tensor_args(node)[i])
+                if base.op in ("placeholder", "get_attr"):
+                    continue  # parameters and inputs (or views of them): held by their owners
                 out.append(Saved(node.name, base.name, idx))
             elif kind == "out":
                 out.append(Saved(node.name, node.name, i))
             else:
-                out.append(Saved(node.name, None, 0, frac))
+                out.append(Saved(node.name, None, 0, frac, tuple(ref[0]) if ref else ("out", 0)))
     plan.__dict__["_saved_activations"] = out
     return out
 
@@ -77,38 +80,63 @@ def held_outputs(plan) -> list[tuple[str, int]]:
     held = []
     for v in torch.utils._pytree.tree_leaves(out_node.args[0]):
         if isinstance(v, fx.Node) and v.op == "call_function":
-            base, idx = _base_of(v)
+            base, idx = base_of(v)
             held.append((base.name, idx))
     return held
 
 
-def tensor_bytes(plan, sy, name: str, index: int = 0):
-    """Local bytes of output ``index`` of node ``name`` on a rank (as a formula of ``sy``)."""
+def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False):
+    """Local bytes of output ``index`` of node ``name`` on a rank (as a formula of ``sy``);
+    ``leaving``: as it leaves the program (a model output gathered but on the batch axis)."""
     node = _node(plan, name)
     vals = tensor_outputs(node)
     if not vals or index >= len(vals) or vals[index] is None:
         return 0
     specs = layout_of(node).outputs if "autopar" in node.meta else []
     spec = specs[index] if index < len(specs) else None
+    if leaving and spec is not None:
+        spec = plan.output_target(spec)
     return sy.numel(vals[index].shape, spec) * vals[index].dtype.itemsize
+
+
+def bytes_by_node(plan, sy, saves: list[Saved] | None = None, with_outputs: bool = True) -> dict:
+    """Node name -> bytes of the kept tensors it made (``saves``, default: all of the plan's),
+    each storage once, plus the model's outputs: what the search adds per node."""
+    saves = saved_activations(plan) if saves is None else saves
+    seen: dict = {}
+    for s in saves:
+        if s.index == -1:  # a collective's output of the producer's value: its own storage
+            seen[(s.consumer, s.producer)] = (s.producer, tensor_bytes(plan, sy, s.producer, 0))
+        elif s.producer is not None:
+            seen.setdefault((s.producer, s.index), (s.producer, tensor_bytes(plan, sy, s.producer, s.index)))
+        else:
+            seen[(s.consumer, "own", s.fraction)] = (s.consumer, s.fraction * _ref_bytes(plan, sy, s))
+    if with_outputs:
+        for name, idx in held_outputs(plan):  # at the layout they leave in (gathered logits: a new tensor)
+            local = tensor_bytes(plan, sy, name, idx)
+            leaving = tensor_bytes(plan, sy, name, idx, leaving=True)
+            key = (name, idx) if sy.value(leaving - local) == 0 else (name, idx, "leaving")
+            seen.setdefault(key, (name, leaving))
+    out: dict = {}
+    for name, b in seen.values():
+        out[name] = out.get(name, 0) + b
+    return out
 
 
 def activation_bytes(plan, sy, saves: list[Saved] | None = None, with_outputs: bool = True):
     """Bytes the kept tensors ``saves`` (default: all of the plan's) hold on one rank, each
     storage once, plus the model's outputs."""
-    saves = saved_activations(plan) if saves is None else saves
-    seen: dict = {}
-    for s in saves:
-        if s.index == -1:  # a collective's output of the producer's value: its own storage
-            seen[(s.consumer, s.producer)] = tensor_bytes(plan, sy, s.producer, 0)
-        elif s.producer is not None:
-            seen.setdefault((s.producer, s.index), tensor_bytes(plan, sy, s.producer, s.index))
-        else:
-            seen[(s.consumer, "own", s.fraction)] = s.fraction * tensor_bytes(plan, sy, s.consumer, 0)
-    if with_outputs:
-        for name, idx in held_outputs(plan):
-            seen.setdefault((name, idx), tensor_bytes(plan, sy, name, idx))
-    return sum(seen.values(), 0)
+    return sum(bytes_by_node(plan, sy, saves, with_outputs).values(), 0)
+
+
+def _ref_bytes(plan, sy, s: Saved):
+    """Local bytes of the tensor an own saved tensor is sized after (a loss's log-softmax after
+    its logits input, not after the scalar it returns)."""
+    kind, i = s.ref
+    if kind == "out":
+        return tensor_bytes(plan, sy, s.consumer, i)
+    src = _tensor_args(_node(plan, s.consumer))[i]
+    return tensor_bytes(plan, sy, src.name, 0)
 
 
 # ------------------------------------------------------------------------------ probing
@@ -119,7 +147,7 @@ def _node(plan, name: str) -> fx.Node:
     return nodes[name]
 
 
-def _base_of(node: fx.Node) -> tuple[fx.Node, int]:
+def base_of(node: fx.Node) -> tuple[fx.Node, int]:
     """The node whose storage ``node``'s value lives in (views walked back), and its output index."""
     while True:
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
@@ -138,14 +166,14 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def _kept(node: fx.Node, probes: dict) -> list[tuple[str, int, float]]:
-    """(kind, index, fraction) of what ``node``'s backward keeps: ("in", i) its i-th tensor
-    input, ("out", j) its j-th output, ("own", 0, f) a tensor of f times its output's bytes."""
+def _kept(node: fx.Node, probes: dict) -> list[tuple]:
+    """What ``node``'s backward keeps: ("in", i) its i-th tensor input, ("out", j) its j-th
+    output, ("own", 0, f, ref) a tensor of f times the bytes of its largest tensor ``ref``."""
     if node.target in DROPOUT_OPS:
-        return [("own", 0, 1.0)]  # autopar's x * mask keeps the mask, in x's dtype
+        return [("own", 0, 1.0, ("out", 0))]  # autopar's x * mask keeps the mask, in x's dtype
     if node.target in ATTENTION_OPS:  # q, k, v, out; logsumexp is (B, H, L) fp32: about out / D
         d = _hint(node.meta["val"].shape[-1])
-        return [("in", 0, 0.0), ("in", 1, 0.0), ("in", 2, 0.0), ("out", 0, 0.0), ("own", 0, 4.0 / (d * 4))]
+        return [("in", 0, 0.0), ("in", 1, 0.0), ("in", 2, 0.0), ("out", 0, 0.0), ("own", 0, 1.0 / d, ("out", 0))]
     key = _signature(node)
     if key not in probes:
         probes[key] = _probe(node)
@@ -170,7 +198,7 @@ def _hint(s) -> int:
     return int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
 
 
-def _probe(node: fx.Node) -> list[tuple[str, int, float]]:
+def _probe(node: fx.Node) -> list[tuple]:
     """Run ``node``'s op on meta tensors of its traced sizes and see what autograd keeps."""
     inputs = _tensor_args(node)
     made = {}
@@ -196,7 +224,9 @@ def _probe(node: fx.Node) -> list[tuple[str, int, float]]:
         return [("out", 0, 0.0)]
     outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
     tins = [made[a] for a in inputs]
-    first = outs[0].numel() * outs[0].element_size() if outs else 0
+    sized = [(t.numel() * t.element_size(), ("in", k)) for k, t in enumerate(tins)]
+    sized += [(t.numel() * t.element_size(), ("out", k)) for k, t in enumerate(outs)]
+    ref_bytes, ref = max(sized) if sized else (0, ("out", 0))
     result = []
     for t in kept:
         i = next((k for k, x in enumerate(tins) if t is x or _same(t, x)), None)
@@ -205,8 +235,8 @@ def _probe(node: fx.Node) -> list[tuple[str, int, float]]:
             result.append(("in", i, 0.0))
         elif j is not None:
             result.append(("out", j, 0.0))
-        elif t.numel() and first:
-            result.append(("own", 0, t.numel() * t.element_size() / first))
+        elif t.numel() and ref_bytes:
+            result.append(("own", 0, t.numel() * t.element_size() / ref_bytes, ref))
     return list(dict.fromkeys(result))
 
 

@@ -9,7 +9,9 @@ Example:
 
 from __future__ import annotations
 
-from autopar.cost.activation_memory import Saved, activation_bytes, saved_activations
+import torch
+
+from autopar.cost.activation_memory import Saved, activation_bytes, base_of, saved_activations
 from autopar.parallel.ac_regions import block_of
 from autopar.sharding.propagate import layout_of
 
@@ -58,15 +60,19 @@ def _collective_outputs(plan, blocks) -> list[Saved]:
 
 
 def _block_inputs(plan, blocks, nodes) -> list[Saved]:
-    """Activations produced outside a block and read inside it (the checkpoint keeps them)."""
+    """Tensors made outside a block and read inside it (the checkpoint keeps them, whether they
+    need a gradient or not: rotary tables, masks), each as the storage it views."""
     out = []
     for node in plan.graph.nodes:
         block = block_of(node, blocks)
         if block is None or node.op != "call_function":
             continue
         for a in node.all_input_nodes:
-            if a.op == "call_function" and block_of(a, blocks) != block and plan.ctx.needs_grad.get(a):
-                out.append(Saved(node.name, a.name, 0))
+            if block_of(a, blocks) == block or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            base, idx = base_of(a)
+            if base.op == "call_function":
+                out.append(Saved(node.name, base.name, idx))
     return out
 
 

@@ -15,7 +15,7 @@ needs that a byte count does not: links and overlap.
   the last bucket's tail (it cannot overlap anything) is not charged.
 - ZeRO's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
-  divides them by dp), activations (every non-view op's output that needs a gradient) - as
+  divides them by dp), activations (the tensors autograd keeps, by the node that made them) - as
   cost/plan_cost.py memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each other).
 
 Example:
@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+from autopar.cost.activation_memory import bytes_by_node
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops, op_work, split_factor
+from autopar.cost.plan_cost import node_flops, split_factor
 from autopar.runtime.ring import ring_steps
-from autopar.sharding.propagate import layout_of, tensor_outputs
-from autopar.sharding.rules import VIEW
+from autopar.sharding.propagate import layout_of
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -99,6 +99,7 @@ def plan_terms(
     sy, mesh = Numbers(plan.mesh), plan.mesh
     nw = node_weight or {}
     out: dict[str, Terms] = {}
+    kept = bytes_by_node(plan, sy)  # what autograd keeps, by the node that made it
 
     def terms(key):
         return out.setdefault(key, Terms())
@@ -111,9 +112,8 @@ def plan_terms(
         grad = bool(plan.ctx.needs_grad.get(node))
         t.compute += w * fwd * (3 if grad else 1)
         t.backward += w * fwd * (2 if grad else 0)
-        if grad and op_work(node) is not VIEW:
-            for val, spec in zip([v for v in tensor_outputs(node) if v is not None], layout_of(node).outputs):
-                t.acts += w * sy.numel(val.shape, spec) * val.dtype.itemsize
+    for name, b in kept.items():
+        terms(comp_of.get(name, "base")).acts += nw.get(name, 1.0) * b
     for c in collectives(plan, sy):
         if c.phase not in ("forward", "backward"):
             continue  # the gradient sync is counted per parameter below
