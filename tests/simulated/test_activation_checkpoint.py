@@ -218,8 +218,10 @@ def test_memory_model_against_the_allocator(ac):
         loss_of(out).backward()
         return got
 
-    plan = gpt_plan("dp2xtp2", model=dropout_gpt(), activation_checkpoint=ac)
-    measured = plan.simulate(held, *gpt_batch())[0]  # at the example the plan was traced with
+    # dp only: simulated ranks share the results of tp collectives across threads, which blurs a
+    # per-thread count (tests/gloo/test_activation_checkpoint.py measures dp x tp on real ranks)
+    plan = gpt_plan("dp2", model=dropout_gpt(), activation_checkpoint=ac, batch=gpt_batch(seq=16))
+    measured = plan.simulate(held, *gpt_batch(seq=16))[0]  # at the example the plan was traced with
     predicted = plan.memory_per_rank(0)["activations"]
     assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
     assert ("recompute" in plan.memory_per_rank(0)) == (ac is not None)
