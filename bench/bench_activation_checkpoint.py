@@ -1,8 +1,9 @@
 """Activation checkpointing: peak memory per rank and step time with none / full / selective, and
 the activation-memory model (cost/activation_memory.py) against what the allocator holds.
 
-A GPT (4 blocks) and an HF LLaMA (4 layers, SDPA attention) on dp=2 x tp=2 (Megatron layouts),
-four gloo processes; rank 0 reports. Per rank, ``measure_step`` records:
+A GPT (4 blocks, eager attention, dropout), an HF LLaMA (4 layers, SDPA attention) and a stack
+of 4 residual MLP blocks (no attention, dropout) on dp=2 x tp=2 (Megatron layouts), four gloo
+processes; rank 0 reports. Per rank, ``measure_step`` records:
 
 - ``held``: bytes alive right after the forward among the tensors the step made: what autograd
   keeps for backward plus the outputs (the model's ``activations``);
@@ -64,6 +65,41 @@ def llama(quick):
     return model, (ids, ids), megatron(model, "tp"), lambda out: out["loss"] if isinstance(out, dict) else out[0]
 
 
+class MLPBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class MLPStack(torch.nn.Module):
+    """A third shape of model: residual MLP blocks, no attention, a mean-square loss."""
+
+    def __init__(self, d, n=4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(MLPBlock(d) for _ in range(n))
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return x, (x - y).pow(2).mean()
+
+
+def mlp(quick):
+    torch.manual_seed(0)
+    d, s = (64, 32) if quick else (256, 128)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, s, d, generator=g), torch.randn(8, s, d, generator=g))
+    ann = {"blocks.*.fc1": ap.colwise("tp"), "blocks.*.fc2": ap.rowwise("tp")}
+    return MLPStack(d).train(), batch, ann, lambda out: out[1]
+
+
+MODELS = {"gpt": gpt, "llama": llama, "mlp": mlp}
+
+
 def measure_step(forward, cuda: bool = False) -> dict:
     """held (bytes after ``forward()``, which returns the loss), peak (over forward + backward)
     and seconds of one step; on CUDA from the allocator's counters, on the CPU from LiveBytes."""
@@ -92,7 +128,7 @@ def ac_job(kind, quick, policy, steps=3) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    model, batch, ann, loss_of = (gpt if kind == "gpt" else llama)(quick)
+    model, batch, ann, loss_of = MODELS[kind](quick)
     args, kwargs = ((), {"input_ids": batch[0], "labels": batch[1]}) if kind == "llama" else (batch, {})
     module = ap.parallelize(model, ap.Mesh((2, 2), ("dp", "tp")), args=args, kwargs=kwargs, annotations=ann,
                             data_parallel="dp", activation_checkpoint=POLICIES[policy])  # fmt: skip
@@ -129,7 +165,7 @@ def _off(model, measured) -> str:
 
 def run(quick: bool) -> list[dict]:
     rows = []
-    for kind in ("gpt", "llama"):
+    for kind in MODELS:
         results = {p: case(kind, quick, p) for p in POLICIES}
         none = results["none"]
         for policy, r in results.items():

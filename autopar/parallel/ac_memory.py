@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.cost.activation_memory import Saved, activation_bytes, base_of, saved_activations
+from autopar.cost.activation_memory import DROPOUT_OPS, Saved, activation_bytes, base_of, saved_activations
 from autopar.parallel.ac_regions import block_of
+from autopar.runtime.rng import initial_state
+from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.propagate import layout_of
 
 
@@ -77,8 +79,17 @@ def _block_inputs(plan, blocks, nodes) -> list[Saved]:
 
 
 def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
-    """plan.cost()'s ``activations`` under checkpointing and ``recompute`` (its peak)."""
+    """plan.cost()'s ``activations`` under checkpointing and ``recompute`` (its peak). A block that
+    draws random numbers also keeps a copy of the generator state until its backward (the
+    recompute starts from it: runtime/recompute.Region), a CPU generator's state in bytes."""
     kept, redone = checkpointed_saves(plan, technique)
     peaks = [activation_bytes(plan, sy, saves, with_outputs=False) for saves in redone.values() if saves]
     peak = max(peaks, key=sy.value) if peaks else 0
-    return dict(terms, activations=activation_bytes(plan, sy, kept), recompute=peak)
+    blocks = set(plan.built[technique.name])
+    drawing = {block_of(n, blocks) for n in plan.graph.nodes if n.op == "call_function" and _draws(n)} - {None}
+    snapshots = len(drawing) * initial_state(0).numel()
+    return dict(terms, activations=activation_bytes(plan, sy, kept) + snapshots, recompute=peak)
+
+
+def _draws(node) -> bool:
+    return node.target in DROPOUT_OPS or random_lowering(node.target) is not None

@@ -226,3 +226,53 @@ def test_memory_model_against_the_allocator(ac):
     assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
     assert ("recompute" in plan.memory_per_rank(0)) == (ac is not None)
     assert plan.cost().at()["memory"]["activations"] == pytest.approx(predicted)
+
+
+@pytest.mark.parametrize("mesh,ac", [("pp2", FULL), ("pp2xtp2", SELECTIVE)])
+def test_pipeline_stages_checkpoint_their_blocks(mesh, ac):
+    """Each stage's program checkpoints the blocks it holds (the stage programs go through the
+    same program rewrite); a 1F1B step equals serial."""
+    from autopar.runtime.simulator import run_ranks
+    from tests.harness.models import small_gpt
+    from tests.harness.serial import grad_errors, serial_step
+
+    model, batch = small_gpt(layers=4), gpt_batch(batch=8)
+    serial_loss, serial_grads = serial_step(model, batch)
+    plan = gpt_plan(
+        mesh, model=model, batch=batch, pipeline=ap.Pipeline("pp", microbatches=4), activation_checkpoint=ac
+    )
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    losses = run_ranks(plan.mesh.size, lambda r: runners[r].step(batch), timeout=60)
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    assert not [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+    codes = [gm.code for r in runners for gm in r.modules.values()]
+    assert all("checkpoint_blocks_" in c for c in codes)
+
+
+def test_compiled_module_equals_eager():
+    """torch.compile of a checkpointed rank module: regions run eagerly between compiled pieces,
+    with the same outputs and gradients."""
+    batch = gpt_batch()
+    plan = gpt_plan("tp2", model=dropout_gpt(p=0.0), activation_checkpoint=SELECTIVE)
+
+    def step(module, *a, compiled=False):
+        m = torch.compile(module, backend="aot_eager") if compiled else module
+        module.zero_grad(set_to_none=True)
+        loss_of(m(*a)).backward()
+        return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    eager = plan.simulate(step, *batch)
+    compiled = plan.simulate(lambda m, *a: step(m, *a, compiled=True), *batch)
+    for e, c in zip(eager, compiled):
+        for name in e:
+            torch.testing.assert_close(c[name], e[name], rtol=1e-5, atol=1e-6)
+
+
+def test_hsdp():
+    """zero=3 sharded in groups of 2 of a dp axis of 4, replicated across the groups."""
+    dp = ap.DataParallel("dp", zero=3, shard_size=2)
+    plan = ap.plan(
+        dropout_gpt(p=0.0), ap.Mesh((4,), ("dp",)), args=gpt_batch(), data_parallel=dp, activation_checkpoint=FULL
+    )
+    plan.check(*gpt_batch())
