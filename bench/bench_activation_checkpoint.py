@@ -17,10 +17,12 @@ CUDA from torch.cuda.memory_allocated / max_memory_allocated. The model's predic
 
 Example:
     $ python -m bench.run --only activation_checkpoint
+    $ AUTOPAR_BENCH_DEVICE=cuda python -m bench.run --only activation_checkpoint   # on a GPU (not run yet)
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -129,12 +131,15 @@ def ac_job(kind, quick, policy, steps=3) -> dict:
 
     rank = dist.get_rank()
     model, batch, ann, loss_of = MODELS[kind](quick)
+    device = os.environ.get("AUTOPAR_BENCH_DEVICE", "cpu")  # "cuda": measured by the CUDA allocator
+    model, batch = model.to(device), tuple(t.to(device) for t in batch)
     args, kwargs = ((), {"input_ids": batch[0], "labels": batch[1]}) if kind == "llama" else (batch, {})
     module = ap.parallelize(model, ap.Mesh((2, 2), ("dp", "tp")), args=args, kwargs=kwargs, annotations=ann,
                             data_parallel="dp", activation_checkpoint=POLICIES[policy])  # fmt: skip
     plan = module.autopar_plan
     a, k = plan.local_inputs(rank, *args, **kwargs)
-    out = [measure_step(lambda: loss_of(module(*a, **k)), torch.cuda.is_available()) for _ in range(steps)]
+    on_gpu = next(module.parameters()).is_cuda
+    out = [measure_step(lambda: loss_of(module(*a, **k)), on_gpu) for _ in range(steps)]
     times = []
     for _ in range(steps + 2):  # timed without the byte counter (a dispatch mode slows every op)
         dist.barrier()
