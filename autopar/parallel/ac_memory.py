@@ -1,7 +1,7 @@
 """What activation checkpointing keeps, in the cost model's terms (cost/activation_memory.py):
 the saved tensors of the ops outside the checkpointed blocks, each block's inputs, and under
 a selective policy the outputs of the ops it keeps; plus the recompute's peak: while one block's
-backward runs, the tensors its recompute made (the most any one block saves).
+backward runs, the tensors its recompute made, less what the backwards before it freed.
 
 Example:
     >>> kept, peak = checkpointed_saves(plan, ap.ActivationCheckpoint("full"))
@@ -79,16 +79,43 @@ def _block_inputs(plan, blocks, nodes) -> list[Saved]:
 
 
 def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
-    """plan.cost()'s ``activations`` under checkpointing and ``recompute`` (its peak). A block that
-    draws random numbers also keeps a copy of the generator state until its backward (the
-    recompute starts from it: runtime/recompute.Region), a CPU generator's state in bytes."""
+    """plan.cost()'s ``activations`` under checkpointing and ``recompute``: what the step's peak
+    adds to them. A block that draws random numbers also keeps a copy of the generator state
+    until its backward (the recompute starts from it: runtime/recompute.Region), a CPU
+    generator's state in bytes."""
     kept, redone = checkpointed_saves(plan, technique)
-    peaks = [activation_bytes(plan, sy, saves, with_outputs=False) for saves in redone.values() if saves]
-    peak = max(peaks, key=sy.value) if peaks else 0
+    peak = recompute_peak(plan, technique, sy, kept, redone)
     blocks = set(plan.built[technique.name])
     drawing = {block_of(n, blocks) for n in plan.graph.nodes if n.op == "call_function" and _draws(n)} - {None}
     snapshots = len(drawing) * initial_state(0).numel()
     return dict(terms, activations=activation_bytes(plan, sy, kept) + snapshots, recompute=peak)
+
+
+def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict):
+    """The most the recompute adds to the kept bytes at one moment: block b's backward holds what
+    its recompute made, while what the ops after it kept (the head and loss, the later blocks'
+    kept tensors) is already freed by their backwards. Backward's own temporaries (activation
+    gradients) are left out. 0 when no block's recompute outweighs what is freed before it."""
+    order = plan.built[technique.name]  # program order: backward runs them last to first
+    nodes = {n.name: n for n in plan.graph.nodes}
+    index = {n.name: i for i, n in enumerate(plan.graph.nodes)}
+    first = min((index[n.name] for n in plan.graph.nodes if block_of(n, set(order))), default=0)
+    by_block = {b: [] for b in order}
+    tail = []
+    for s in kept:
+        block = block_of(nodes[s.consumer.split(":")[0]], set(order))
+        if block is not None:
+            by_block[block].append(s)
+        elif index.get(s.consumer.split(":")[0], 0) > first:
+            tail.append(s)
+    freed = activation_bytes(plan, sy, tail, with_outputs=False)
+    best, best_value = 0, 0.0
+    for b in reversed(order):
+        extra = activation_bytes(plan, sy, redone.get(b, []), with_outputs=False) - freed
+        if sy.value(extra) > best_value:
+            best, best_value = extra, sy.value(extra)
+        freed = freed + activation_bytes(plan, sy, by_block[b], with_outputs=False)
+    return best
 
 
 def _draws(node) -> bool:
