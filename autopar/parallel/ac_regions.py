@@ -92,16 +92,24 @@ def spans(graph: fx.Graph, blocks: list[str]) -> list[tuple[str, list[fx.Node]]]
 
 
 def _hoist(region: list[fx.Node]) -> list[fx.Node]:
-    """Move the module reads (get_attr) and plain_eager() out of the region, before it; the
-    region's other nodes are returned."""
-    first = region[0]
-    body = []
+    """Move the module reads (get_attr), plain_eager() and the calls that must not run again in a
+    recompute (marked ``autopar_not_recomputed``: zero=3's gathers, whose prefetches are run-time
+    state) out of the region, before it, where their inputs allow; the region's other nodes are
+    returned."""
+    first, body = region[0], []
+    inside = set(region)
     for node in region:
-        if node.op == "get_attr" or node.target is plain_eager:
+        movable = all(a not in inside for a in node.all_input_nodes)
+        if node.op == "get_attr" or node.target is plain_eager or (_not_recomputed(node) and movable):
             first.prepend(node)
+            inside.discard(node)
         else:
             body.append(node)
     return body
+
+
+def _not_recomputed(node: fx.Node) -> bool:
+    return getattr(node.target, "autopar_not_recomputed", False)
 
 
 def outline(graph: fx.Graph, blocks: list[str], make_region, buffers=frozenset()) -> list:
