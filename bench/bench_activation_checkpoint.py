@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import time
 
@@ -30,7 +32,7 @@ import torch
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.runtime.live_bytes import LiveBytes
-from bench.common import pool, row
+from bench.common import alternate, median_ratio, ms, pool, row
 
 POLICIES = {"none": None, "full": ap.ActivationCheckpoint("full"), "selective": ap.ActivationCheckpoint("selective")}
 MEGATRON = {
@@ -140,23 +142,43 @@ def ac_job(kind, quick, policy, steps=3) -> dict:
     a, k = plan.local_inputs(rank, *args, **kwargs)
     on_gpu = next(module.parameters()).is_cuda
     out = [measure_step(lambda: loss_of(module(*a, **k)), on_gpu) for _ in range(steps)]
-    times = []
-    for _ in range(steps + 2):  # timed without the byte counter (a dispatch mode slows every op)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss_of(module(*a, **k)).backward()
-        times.append(time.perf_counter() - t0)
     mem = plan.memory_per_rank(rank)
     return out[-1] | {
-        "s": sorted(times)[len(times) // 2],
         "model_held": mem["activations"],
         "model_peak": mem["activations"] + mem.get("recompute", 0),
     }
 
 
+def time_job(kind, quick, iters, warmup) -> dict:
+    """One rank of a gloo job: the three policies' steps (forward + backward) alternating in a
+    shuffled order, no byte counter (bench/common.alternate); seconds per step per policy."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, batch, ann, loss_of = MODELS[kind](quick)
+    args, kwargs = ((), {"input_ids": batch[0], "labels": batch[1]}) if kind == "llama" else (batch, {})
+    steps = {}
+    for policy, ac in POLICIES.items():
+        module = ap.parallelize(copy.deepcopy(model), ap.Mesh((2, 2), ("dp", "tp")), args=args, kwargs=kwargs,
+                                annotations=ann, data_parallel="dp", activation_checkpoint=ac)  # fmt: skip
+        a, k = module.autopar_plan.local_inputs(rank, *args, **kwargs)
+        steps[policy] = functools.partial(_step, module, a, k, loss_of)
+    return alternate(steps, iters, warmup, barrier=dist.barrier)
+
+
+def _step(module, a, k, loss_of):
+    loss_of(module(*a, **k)).backward()
+
+
 def case(kind, quick, policy) -> dict:
     """Rank 0's figures of a 4-rank gloo run (bench/common.pool)."""
     return pool(4).run("bench.bench_activation_checkpoint:ac_job", kind, quick, policy)[0]
+
+
+def step_times(kind, quick) -> dict:
+    """Rank 0's seconds per step of each policy, alternating (median ratios to none's)."""
+    iters, warmup = (3, 1) if quick else (12, 2)
+    return pool(4).run("bench.bench_activation_checkpoint:time_job", kind, quick, iters, warmup)[0]
 
 
 NAME = "activation_checkpoint"
@@ -172,6 +194,7 @@ def run(quick: bool) -> list[dict]:
     rows = []
     for kind in MODELS:
         results = {p: case(kind, quick, p) for p in POLICIES}
+        times = step_times(kind, quick)
         none = results["none"]
         for policy, r in results.items():
             c = f"{kind} 4 blocks, dp2 x tp2, {policy}"
@@ -180,7 +203,14 @@ def run(quick: bool) -> list[dict]:
             rows += [
                 row(NAME, c, "peak MB/rank", round(r["peak"] / 1e6, 3)),
                 row(NAME, c, "peak vs none", round(r["peak"] / none["peak"], 3), TARGETS[policy]),
-                row(NAME, c, "step ms", round(r["s"] * 1e3, 1), "", f"{r['s'] / none['s']:.2f}x none's"),
+                row(
+                    NAME,
+                    c,
+                    "step ms",
+                    round(ms(times[policy]), 1),
+                    "",
+                    f"{median_ratio(times[policy], times['none']):.2f}x none's (alternating, median of ratios)",
+                ),  # fmt: skip
                 row(NAME, c, "held MB (measured / model)", held, "within 15%", _off(r["model_held"], r["held"])),
                 row(NAME, c, "peak MB (measured / model)", peak, "", _off(r["model_peak"], r["peak"]) + PEAK_NOTE),
             ]
