@@ -24,6 +24,7 @@ from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.search.auto import search
 from autopar.sharding.annotations import Seeds, replicated, resolve
+from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
@@ -128,6 +129,7 @@ def plan_traced(
         data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
         seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, ndims)
     _unify_tied(seeds, traced)
+    collapse_expert_blocks(traced, seeds)  # each expert_parallel module as one moe_experts op
     ctx = propagate(traced, mesh, seeds, options.strict)
     if enforce is not None:
         enforce(traced.gm.graph)

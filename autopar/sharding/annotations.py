@@ -146,6 +146,7 @@ class Seeds:
     inputs: dict[str, tuple] = field(default_factory=dict)  # input name -> placements
     module_outputs: dict[str, dict[int, Placement]] = field(default_factory=dict)  # path -> {axis: p}
     reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
+    experts: dict[str, int] = field(default_factory=dict)  # expert_parallel module path -> mesh axis
 
 
 def _layer_kind(module: nn.Module) -> str:
@@ -204,7 +205,7 @@ def resolve(
         elif isinstance(ann, replicated):
             _apply_replicate(pattern, modules, params, mesh, put, why)
         elif isinstance(ann, expert_parallel):
-            _apply_experts(pattern, ann, modules, mesh, put, why)
+            _apply_experts(pattern, ann, modules, mesh, put, why, seeds)
         elif isinstance(ann, sequence_parallel):
             for path in _matching(pattern, [n for n in modules if n], "module path"):
                 seeds.module_outputs.setdefault(path, {})[mesh.axis_index(ann.axis)] = Shard(ann.dim)
@@ -256,7 +257,7 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
                 put(fqn, axis, R, why)
 
 
-def _apply_experts(pattern, ann, modules, mesh, put, why):
+def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
     axis = mesh.axis_index(ann.axis)
     for path in _matching(pattern, [n for n in modules if n], "module path"):
         own = dict(modules[path].named_parameters(recurse=False))
@@ -268,6 +269,14 @@ def _apply_experts(pattern, ann, modules, mesh, put, why):
                 f"{[tuple(p.shape) for p in own.values()]}. Annotate the module holding the stacked expert weights."
             )
         experts = counts.pop()
+        n = mesh.shape[axis]
+        if experts % n:
+            raise AnnotationError(
+                f"{ann!r} on module {path!r}: {experts} experts do not divide over the {n} ranks of axis "
+                f"{ann.axis!r}" + (" (more ranks than experts)" if n > experts else "") + ". Put the experts on an "
+                f"axis whose size divides {experts}, or use a smaller mesh axis."
+            )
+        seeds.experts[path] = axis
         for pname, p in own.items():
             put(f"{path}.{pname}", axis, Shard(0) if p.dim() >= 2 and p.shape[0] == experts else R, why)
 
