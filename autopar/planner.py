@@ -125,11 +125,12 @@ def plan_traced(
 ) -> Plan:
     """The stages after tracing: seed -> propagate -> gradient flow -> Plan -> techniques (the
     search plans its probes on one trace with this)."""
+    data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
     if seeds is None:
-        data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
         seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, ndims)
     _unify_tied(seeds, traced)
-    collapse_expert_blocks(traced, seeds)  # each expert_parallel module as one moe_experts op
+    # each expert_parallel module as one moe_experts op
+    collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis))
     ctx = propagate(traced, mesh, seeds, options.strict)
     if enforce is not None:
         enforce(traced.gm.graph)

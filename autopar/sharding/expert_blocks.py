@@ -81,14 +81,23 @@ MOE_EXPERTS = torch.ops.autopar.moe_experts.default
 
 
 # ------------------------------------------------------------------------------ the collapse
-def collapse_expert_blocks(traced, seeds) -> None:
-    """Replace every ``expert_parallel`` module's nodes of ``traced.gm`` by one moe_experts node."""
+def collapse_expert_blocks(traced, seeds, data_axis: int | None = None) -> None:
+    """Replace every ``expert_parallel`` module's nodes of ``traced.gm`` by one moe_experts node.
+
+    A module that is not recognised raises a PlanError where its experts are split on the axis
+    that splits the batch (``data_axis``: a dispatch is needed); elsewhere it is left as traced
+    (its grouped matmuls split by expert, op by op: rules/experts.py)."""
     graph = traced.gm.graph
     changed = False
-    for path in seeds.experts:
+    for path, axis in seeds.experts.items():
         region = [n for n in graph.nodes if n.op == "call_function" and path in module_paths(n)]
         if region and not any(n.target is MOE_EXPERTS for n in region):
-            _collapse(traced, path, region)
+            try:
+                _collapse(traced, path, region)
+            except AnnotationError:
+                if axis == data_axis:
+                    raise
+                continue
             changed = True
     if changed:
         graph.lint()
