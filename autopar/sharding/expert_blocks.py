@@ -90,7 +90,7 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None) -> None:
     graph = traced.gm.graph
     changed = False
     for path, axis in seeds.experts.items():
-        region = [n for n in graph.nodes if n.op == "call_function" and path in module_paths(n)]
+        region = _region(graph, path)
         if region and not any(n.target is MOE_EXPERTS for n in region):
             try:
                 _collapse(traced, path, region)
@@ -102,6 +102,18 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None) -> None:
     if changed:
         graph.lint()
         traced.gm.recompile()
+
+
+def _region(graph: fx.Graph, path: str) -> list[fx.Node]:
+    """The module's nodes, but the sizes it computes from its inputs' sizes alone (``sym_size``
+    of a tensor from outside, products of those): export shares them with later code (the next
+    layer's views), so they stay in the graph."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and path in module_paths(n)]
+    inside = set(nodes)
+    for n in nodes:  # graph order: a size's inputs are decided before it
+        if isinstance(n.meta.get("val"), (int, torch.SymInt)) and not any(a in inside for a in n.all_input_nodes):
+            inside.discard(n)
+    return [n for n in nodes if n in inside]
 
 
 def _fail(path: str, why: str) -> AnnotationError:
@@ -123,13 +135,16 @@ def _collapse(traced, path: str, region: list[fx.Node]) -> None:
                 outside_inputs.append(a)
     leaving = [n for n in region if any(u not in inside for u in n.users)]
     if len(leaving) != 1 or not isinstance(leaving[0].meta.get("val"), torch.Tensor):
-        raise _fail(path, f"{len(leaving)} values leave it, expected one tensor")
+        raise _fail(
+            path, f"{[(n.name, n.target, [u.name for u in n.users]) for n in leaving]} leave it, expected one tensor"
+        )
     out = leaving[0]
     params = [a for a in outside_inputs if traced.param_fqn.get(a.name, "").startswith(path + ".")]
-    hidden, index, weights = _token_inputs(path, [a for a in outside_inputs if a not in params], out)
+    sizes = [a for a in outside_inputs if isinstance(a.meta.get("val"), (int, torch.SymInt))]  # dynamic T, H
+    hidden, index, weights = _token_inputs(path, [a for a in outside_inputs if a not in params + sizes], out)
     chain, top_k = _chain(path, region, hidden, index, weights, params)
     block = ExpertBlock(path, _experts(path, params), top_k, chain, [traced.param_fqn[p.name] for p in params])
-    _check(path, block, region, [hidden, index, weights, *params], out)
+    _check(path, block, region, [hidden, index, weights, *params], sizes, out)
     key = f"{path}#{id(traced)}"
     BLOCKS[key] = block
     graph = out.graph
@@ -240,7 +255,7 @@ def _experts(path, params) -> int:
     return counts.pop()
 
 
-def _check(path, block: ExpertBlock, region, inputs: list[fx.Node], out: fx.Node) -> None:
+def _check(path, block: ExpertBlock, region, inputs: list[fx.Node], sizes: list[fx.Node], out: fx.Node) -> None:
     """The traced module and the chain around route/unroute agree on random inputs, routing
     that leaves the last expert without a token included."""
     vals = [a.meta["val"] for a in inputs]
@@ -255,15 +270,19 @@ def _check(path, block: ExpertBlock, region, inputs: list[fx.Node], out: fx.Node
         torch.rand(t, k, generator=g).to(weights.dtype),
     ]
     real += [(torch.randn(tuple(int(s) for s in v.shape), generator=g) / 4).to(v.dtype) for v in vals[3:]]
-    gm = _region_module(region, inputs, out)
+    gm = _region_module(region, inputs + sizes, out)
     with torch.no_grad():
-        want = gm(*real)
+        want = gm(*real, *(_hint(a.meta["val"]) for a in sizes))
         got = run_block(block, real[0], real[1], real[2], real[3:])
     if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
         err = (got.float() - want.float()).abs().max().item()
         raise _fail(
             path, f"its graph computes something else than routed experts weighted and summed (max error {err:.3g})"
         )
+
+
+def _hint(size) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
 def _region_module(region, inputs: list[fx.Node], out: fx.Node) -> fx.GraphModule:
