@@ -38,6 +38,17 @@ from autopar.trace.module_paths import module_paths
 
 aten = torch.ops.aten
 GROUPED = {"aten::_grouped_mm", "transformers::grouped_mm_fallback"}
+THROUGH = {  # what lies between an expert weight and its grouped matmul
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.view.default,
+    aten.reshape.default,
+}
 CHECK_NUMEL = 1 << 24  # expert weights larger than this (meta-sized models) are not run by the check
 
 
@@ -81,21 +92,45 @@ MOE_EXPERTS = torch.ops.autopar.moe_experts.default
 
 
 # ------------------------------------------------------------------------------ the collapse
+def grouped_weight_modules(traced) -> dict[str, int]:
+    """{module path: number of experts} for every module whose own 3-D weights feed a grouped
+    expert matmul (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``), directly or
+    through transposes, casts and views."""
+    found: dict[str, int] = {}
+    for node in traced.gm.graph.nodes:
+        if not _is_grouped(node) or len(node.args) < 2:
+            continue
+        w = node.args[1]
+        while isinstance(w, fx.Node) and w.op == "call_function" and w.target in THROUGH:
+            w = w.args[0]
+        fqn = traced.param_fqn.get(getattr(w, "name", None))
+        val = getattr(w, "meta", {}).get("val")
+        if fqn is not None and isinstance(val, torch.Tensor) and val.dim() == 3:
+            found[fqn.rpartition(".")[0]] = int(val.shape[0])
+    return found
+
+
 def collapse_expert_blocks(traced, seeds, data_axis: int | None = None) -> None:
-    """Replace every ``expert_parallel`` module's nodes of ``traced.gm`` by one moe_experts node.
+    """Replace every ``expert_parallel`` module's nodes of ``traced.gm`` by one moe_experts node,
+    and those of every other experts module none of whose weights is annotated (plain data
+    parallelism then keeps its tokens split instead of gathering them around the sort).
 
     A module that is not recognised raises a PlanError where its experts are split on the axis
     that splits the batch (``data_axis``: a dispatch is needed); elsewhere it is left as traced
     (its grouped matmuls split by expert, op by op: rules/experts.py)."""
     graph = traced.gm.graph
     changed = False
-    for path, axis in seeds.experts.items():
+    todo = dict(seeds.experts)
+    for path in grouped_weight_modules(traced):
+        if path not in todo and not any(fqn.startswith(path + ".") for fqn in seeds.params):
+            todo[path] = None
+    for path, axis in todo.items():
         region = _region(graph, path)
         if region and not any(n.target is MOE_EXPERTS for n in region):
             try:
                 _collapse(traced, path, region)
             except AnnotationError:
-                if axis == data_axis:
+                if axis is not None and axis == data_axis:
                     raise
                 continue
             changed = True

@@ -191,3 +191,24 @@ def test_pipeline_dp_tp_mesh_three_adamw_steps():
         sopt.step()
         sopt.zero_grad()
         assert losses == pytest.approx([want.item()] * mesh.size, rel=1e-5)
+
+
+def test_plain_data_parallel_keeps_tokens_split():
+    """No annotation: the experts module (recognised by its grouped matmuls) runs every expert on
+    each rank's own tokens; nothing on dp but the loss's counts and the gradient sync (the
+    module's sort used to gather the tokens over dp)."""
+    model, kw = M.moe_model("olmoe")
+    plan = ap.plan(model, DP4, kwargs=kw, data_parallel="dp", dynamic=False)
+    kinds = {(c.kind, c.phase) for c in plan.collectives()}
+    assert kinds == {("all_reduce", "forward"), ("all_reduce", "grad sync")}, kinds
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_explain_and_cost_show_dispatch_bytes():
+    """tokens x top-k x hidden x 4 bytes per direction, (dp - 1)/dp of it leaving the rank."""
+    model, kw = M.moe_model("mixtral")
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel="dp")
+    text = plan.explain("moe_experts_default")  # the module as one node
+    assert "256*B*S*(dp - 1)/dp**2" in text and "expert parallel on dp" in text, text
+    rows = [c for c in plan.collectives() if c.node.startswith("moe") and c.bytes > 100]
+    assert [c.bytes for c in rows] == [4 * 8 * M.TOP_K * M.HIDDEN * 4 / 4 * 3 / 4] * 4

@@ -23,7 +23,7 @@ from __future__ import annotations
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.expert_blocks import MOE_EXPERTS
 from autopar.sharding.lowerings.expert_dispatch import EXPERT_DISPATCH
-from autopar.sharding.rules.registry import OpInfo, Strategy, register
+from autopar.sharding.rules.registry import EXPERTS, OpInfo, Strategy, register
 
 R = Replicate()
 
@@ -44,4 +44,4 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     ]
 
 
-register(MOE_EXPERTS)(moe_experts_rule)
+register(MOE_EXPERTS, work=EXPERTS)(moe_experts_rule)
