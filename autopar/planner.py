@@ -130,7 +130,7 @@ def plan_traced(
         seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, ndims)
     _unify_tied(seeds, traced)
     # each expert_parallel module as one moe_experts op
-    collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis))
+    collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
     ctx = propagate(traced, mesh, seeds, options.strict)
     if enforce is not None:
         enforce(traced.gm.graph)

@@ -120,6 +120,7 @@ def plan_record(plan) -> dict:
             },
             "reasons": dict(seeds.reasons),
             "experts": dict(seeds.experts),
+            "expert_tp": dict(seeds.expert_tp),
         },
         "nodes": nodes,
     }
@@ -257,6 +258,7 @@ def _seeds_in(s: dict) -> Seeds:
         {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
         dict(s["reasons"]),
         {k: int(a) for k, a in s.get("experts", {}).items()},
+        {k: int(a) for k, a in s.get("expert_tp", {}).items()},
     )
 
 

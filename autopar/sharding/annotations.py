@@ -127,15 +127,20 @@ class expert_parallel(Annotation):
     is split on dim 0, so each rank holds E/n whole experts. Each rank runs the tokens routed
     to its experts; every token's expert outputs are summed over ``axis`` (a partial sum).
     presets.megatron finds such modules (the weights of grouped expert matmuls) by itself.
+    On the axis that splits the batch, tokens are dispatched to their experts' ranks by
+    all-to-all (docs/experts.md). ``tp``: each expert's matmuls also split over that axis
+    (expert tensor parallelism: the first grouped matmul column-parallel, fused gate|up blocks
+    kept whole per rank, the last row-parallel, the output a partial sum over ``tp``).
 
     Example:
-        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("tp")}
+        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("dp", tp="tp")}
     """
 
     axis: str
+    tp: str | None = None
 
     def __repr__(self) -> str:
-        return f"expert_parallel({self.axis!r})"
+        return f"expert_parallel({self.axis!r}" + (f", tp={self.tp!r})" if self.tp else ")")
 
 
 @dataclass
@@ -147,6 +152,7 @@ class Seeds:
     module_outputs: dict[str, dict[int, Placement]] = field(default_factory=dict)  # path -> {axis: p}
     reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
     experts: dict[str, int] = field(default_factory=dict)  # expert_parallel module path -> mesh axis
+    expert_tp: dict[str, int] = field(default_factory=dict)  # module path -> axis splitting each expert
 
 
 def _layer_kind(module: nn.Module) -> str:
@@ -277,6 +283,8 @@ def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
                 f"axis whose size divides {experts}, or use a smaller mesh axis."
             )
         seeds.experts[path] = axis
+        if ann.tp is not None:
+            seeds.expert_tp[path] = mesh.axis_index(ann.tp)
         for pname, p in own.items():
             put(f"{path}.{pname}", axis, Shard(0) if p.dim() >= 2 and p.shape[0] == experts else R, why)
 

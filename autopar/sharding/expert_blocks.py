@@ -33,7 +33,9 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import AnnotationError
+from autopar.placement import Replicate
 from autopar.runtime.moe_dispatch import route, unroute
+from autopar.sharding.expert_tp import expert_tp_placements
 from autopar.trace.module_paths import module_paths
 
 aten = torch.ops.aten
@@ -61,6 +63,7 @@ class ExpertBlock:
     top_k: int
     chain: fx.GraphModule
     params: list[str]  # the parameters' serial names, in the op's order
+    tp: tuple | None = None  # (mesh axis, each parameter's placement on it): expert tensor parallelism
 
 
 BLOCKS: dict[str, ExpertBlock] = {}  # key (the op's last argument) -> block
@@ -110,7 +113,7 @@ def grouped_weight_modules(traced) -> dict[str, int]:
     return found
 
 
-def collapse_expert_blocks(traced, seeds, data_axis: int | None = None) -> None:
+def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=None) -> None:
     """Replace every ``expert_parallel`` module's nodes of ``traced.gm`` by one moe_experts node,
     and those of every other experts module none of whose weights is annotated (plain data
     parallelism then keeps its tokens split instead of gathering them around the sort).
@@ -128,12 +131,14 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None) -> None:
         region = _region(graph, path)
         if region and not any(n.target is MOE_EXPERTS for n in region):
             try:
-                _collapse(traced, path, region)
+                block = _collapse(traced, path, region)
             except AnnotationError:
                 if axis is not None and axis == data_axis:
                     raise
                 continue
             changed = True
+            if path in seeds.expert_tp:
+                _split_experts(block, seeds, mesh, seeds.expert_tp[path])
     if changed:
         graph.lint()
         traced.gm.recompile()
@@ -189,6 +194,18 @@ def _collapse(traced, path: str, region: list[fx.Node]) -> None:
     out.replace_all_uses_with(node)
     for n in reversed(region):
         graph.erase_node(n)
+    return block
+
+
+def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
+    """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded."""
+    placements = expert_tp_placements(block, mesh.shape[axis], _is_grouped, THROUGH)
+    for fqn, p in zip(block.params, placements):
+        spec = list(seeds.params.get(fqn, (Replicate(),) * mesh.ndim))
+        spec[axis] = p
+        seeds.params[fqn] = tuple(spec)
+        seeds.reasons[fqn] = f"{seeds.reasons.get(fqn, '')}; each expert split over {mesh.axis_names[axis]!r}"
+    block.tp = (axis, tuple(placements))
 
 
 def _token_inputs(path, others: list[fx.Node], out: fx.Node):
@@ -253,6 +270,8 @@ def _chain(path, region, hidden, index, weights, params):
     g = fx.Graph()
     env = {entry: g.placeholder("rows"), offs: g.placeholder("offsets")}
     env.update({p: g.placeholder(p.name) for p in params})
+    for src, ph in env.items():
+        ph.meta["val"] = src.meta.get("val")
     for n in region:
         if n in body or (n in from_params and any(u in body for u in _all_users(n, inside))):
             for a in n.all_input_nodes:

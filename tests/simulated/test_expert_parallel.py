@@ -212,3 +212,48 @@ def test_explain_and_cost_show_dispatch_bytes():
     assert "256*B*S*(dp - 1)/dp**2" in text and "expert parallel on dp" in text, text
     rows = [c for c in plan.collectives() if c.node.startswith("moe") and c.bytes > 100]
     assert [c.bytes for c in rows] == [4 * 8 * M.TOP_K * M.HIDDEN * 4 / 4 * 3 / 4] * 4
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_expert_tensor_parallel(kind):
+    """expert_parallel("dp", tp="tp") on (2, 2): experts dispatched on dp and each expert split
+    over tp (gate|up column-parallel in 2 blocks, down row-parallel): 1/4 of the expert weights
+    per rank, the block's output a partial sum over tp, equal to serial."""
+    model, kw = M.moe_model(kind)
+    ann = dict(ap.presets.megatron(model, "tp", kwargs=kw, vocab=False, experts=False))
+    ann["model.layers.*.mlp.experts"] = ap.expert_parallel("dp", tp="tp")
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    local = dict(plan.module(3).named_parameters())
+    for n, p in model.named_parameters():
+        if ".mlp.experts." in n:
+            assert local[n].numel() == p.numel() // 4, n
+    moe = {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")}
+    assert moe == {("all_to_all", "dp"), ("all_reduce", "tp")}, moe  # tp: "f" on the block's inputs
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_zero3_on_the_axis_the_experts_are_replicated_on():
+    """(2, 2) dp x ep: the batch on dp, the experts split on ep (tokens replicated there: each
+    rank runs its experts' rows, the output summed over ep) and zero=3-sharded over dp."""
+    model, kw = M.moe_model("mixtral")
+    mesh = ap.Mesh((2, 2), ("dp", "ep"))
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("ep")}
+    plan = ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel=ap.DataParallel("dp", zero=3))
+    full = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    held = [sum(p.numel() for n, p in plan.module(r).named_parameters() if ".experts." in n) for r in range(4)]
+    # each element held once over the 4 ranks: 1/ep, then zero=3 ranges over dp (whole buckets per range)
+    assert sum(held) == full and max(held) <= full // 2, held
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_granite_moe_issue_case():
+    """The issue's case: GraniteMoe on (4,) with its experts on dp gathered the hidden states
+    over dp and ran the rest replicated; now only the dispatch and the loss's counts run on dp."""
+    from bench.survey_models import architectures, build
+
+    model, kw = build(next(a for a in architectures() if a.name == "GraniteMoeForCausalLM"))
+    ann = {"model.layers.*.block_sparse_moe.experts": ap.expert_parallel("dp")}
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    assert {c.kind for c in plan.collectives() if c.phase != "grad sync"} <= {"all_to_all", "all_reduce"}
+    assert not [c for c in plan.collectives() if c.kind == "all_reduce" and c.phase == "backward"]
+    plan.check(**kw, rtol=1e-4, atol=1e-5)

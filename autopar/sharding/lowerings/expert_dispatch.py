@@ -44,7 +44,8 @@ def axis_modes(strategies) -> dict[int, str]:
     for axis, s in enumerate(strategies):
         if s is None:
             continue
-        tok, par = isinstance(s.inputs[0], Shard), len(s.inputs) > 3 and isinstance(s.inputs[3], Shard)
+        tok = isinstance(s.inputs[0], Shard)
+        par = len(s.inputs) > 3 and s.inputs[3] == Shard(0)  # a split of each expert (tp) runs as it is
         if tok or par:
             out[axis] = "dispatch" if tok and par else "tokens" if tok else "experts"
     return out

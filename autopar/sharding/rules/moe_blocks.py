@@ -9,7 +9,9 @@ depends on row t of hidden, index and weights only. Strategies, per mesh axis:
   to the rank holding its expert and gets the outputs back;
 - tokens replicated, experts split -> out Partial: each rank runs the rows routed to its own
   experts, the others' rows are zero (the expert split without a dispatch);
-- all replicated -> replicated.
+- all replicated -> replicated;
+- tokens replicated, each expert split column- then row-parallel (``expert_parallel(.., tp=)``,
+  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces.
 
 Every strategy names the one lowering: it emits the whole module on the rank (route, dispatch or
 select, the expert chain, combine, weighting), whatever each axis does.
@@ -21,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.expert_blocks import MOE_EXPERTS
+from autopar.sharding.expert_blocks import BLOCKS, MOE_EXPERTS
 from autopar.sharding.lowerings.expert_dispatch import EXPERT_DISPATCH
 from autopar.sharding.rules.registry import EXPERTS, OpInfo, Strategy, register
 
@@ -36,7 +38,12 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
         ins = tuple(tok for _ in tokens) + tuple(par for _ in params)
         return Strategy(ins, (out,), EXPERT_DISPATCH, note)
 
-    return [
+    block = BLOCKS[op.args[4]]
+    tp = []
+    if block.tp is not None:  # each expert split column- then row-parallel: a partial sum
+        ins = (R,) * len(tokens) + block.tp[1]
+        tp.append(Strategy(ins, (Partial(),), EXPERT_DISPATCH, "expert tensor parallel"))
+    return tp + [
         strategy(R, R, R, "replicated"),
         strategy(Shard(0), R, Shard(0), "tokens split, every expert on each rank"),
         strategy(Shard(0), Shard(0), Shard(0), "expert parallel: tokens dispatched to their experts' ranks"),
