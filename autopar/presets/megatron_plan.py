@@ -96,6 +96,7 @@ def megatron(
     vocab: bool = True,
     experts: bool = True,
     expert_axis: str | None = None,
+    expert_tp: bool = False,
 ) -> Preset:
     """The Megatron tensor-parallel annotations for ``model`` on mesh axis ``axis``.
 
@@ -105,7 +106,8 @@ def megatron(
     are split over ``axis`` too: ``expert_parallel(axis)``, each rank holds E/n experts.
     ``expert_axis`` puts them on another axis instead: on the data-parallel axis, tokens are
     dispatched to their experts' ranks by all-to-all (expert parallelism, docs/experts.md)
-    while the dense layers stay tensor-parallel on ``axis``.
+    while the dense layers stay tensor-parallel on ``axis``; with ``expert_tp`` each expert is
+    split over ``axis`` too (expert tensor parallelism: ``expert_parallel(expert_axis, tp=axis)``).
 
     Example:
         >>> ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp")   # mesh ("dp", "tp")
@@ -140,8 +142,8 @@ def megatron(
         _vocab(g, ann, why, axis, sp_out)
     on = expert_axis or axis
     for path, count in moe.items():
-        ann[path] = expert_parallel(on)
-        why.append(f"{path}: expert_parallel({on!r}), {count} experts run by grouped matmuls")
+        ann[path] = expert_parallel(on, tp=axis if expert_tp and on != axis else None)
+        why.append(f"{path}: {ann[path]!r}, {count} experts run by grouped matmuls")
     for path in sorted(set(g.linears()) - set(ann)):
         why.append(f"{path}: left replicated, {g.why_not.get(path, 'not part of a column/row pair')}")
     if sequence_parallel:

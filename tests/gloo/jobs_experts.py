@@ -10,7 +10,7 @@ from tests.harness import moe as M
 from tests.harness.serial import max_rel_diff
 
 
-def three_adamw_steps(kind: str, shape: tuple, routed: bool):
+def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = False):
     """3 AdamW steps of ap.parallelize with the experts on dp (tokens dispatched by all-to-all)
     on real processes; rank 0 returns the worst relative difference from serial, every rank the
     number of expert-weight elements it holds and the collectives it ran in one step."""
@@ -23,7 +23,8 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool):
         batches = [kw] + [M.moe_model(kind, seed=s)[1] for s in (5, 6)]
         ann, ex = dict(M.EP), dict(kwargs=kw)
         if len(shape) > 1:
-            ann = dict(ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp", vocab=False))
+            preset = ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp", vocab=False, expert_tp=expert_tp)
+            ann = dict(preset)
     module = ap.parallelize(model, mesh, annotations=ann, data_parallel="dp", dynamic=False, **ex)
     plan, rank = module.autopar_plan, dist.get_rank()
     opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)

@@ -10,14 +10,20 @@ from tests.harness import moe as M
 
 
 @pytest.mark.parametrize(
-    "kind,shape,routed",
-    [("mixtral", (4,), True), ("qwen3_moe", (2, 2), True), ("mixtral", (2, 2), False)],
-    ids=["mixtral-routed-dp4", "qwen3-routed-dp2xtp2", "mixtral-model-dp2xtp2"],
+    "kind,shape,routed,expert_tp",
+    [
+        ("mixtral", (4,), True, False),
+        ("qwen3_moe", (2, 2), True, False),
+        ("mixtral", (2, 2), False, False),
+        ("mixtral", (2, 2), False, True),
+    ],
+    ids=["mixtral-routed-dp4", "qwen3-routed-dp2xtp2", "mixtral-model-dp2xtp2", "mixtral-expert-tp-dp2xtp2"],
 )
-def test_real_gloo_dispatch_equals_serial(gloo, kind, shape, routed):
-    results = gloo(4).run("tests.gloo.jobs_experts:three_adamw_steps", kind, shape, routed, timeout=300)
+def test_real_gloo_dispatch_equals_serial(gloo, kind, shape, routed, expert_tp):
+    results = gloo(4).run("tests.gloo.jobs_experts:three_adamw_steps", kind, shape, routed, expert_tp, timeout=300)
     assert results[0][0] < (2e-5 if routed else 2e-3), results[0][0]
     model = M.RoutedExperts(kind) if routed else M.moe_model(kind)[0]
     full = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
-    assert all(held == full // shape[0] for _, held, _ in results), [r[1] for r in results]
+    share = shape[0] * (2 if expert_tp else 1)  # 1/dp of the experts, each split over tp too
+    assert all(held == full // share for _, held, _ in results), [r[1] for r in results]
     assert all("all_to_all" in kinds and "all_gather" not in kinds for _, _, kinds in results), results
