@@ -50,6 +50,31 @@ def test_sim_backend_all_to_all_matches_definition():
     torch.testing.assert_close(outs[1], full[:, 2:])
 
 
+def test_sim_backend_all_to_all_v_variable_rows_and_gradient():
+    """autopar::all_to_all_v: rank r sends send[r][j] rows to rank j (zero included: rank 2
+    gets nothing from rank 0, and rank 0 nothing at all from rank 1); the backward sends each
+    row's gradient back where the row came from."""
+    send = [[2, 0, 1], [0, 3, 0], [1, 1, 2]]
+    recv = [[send[i][r] for i in range(3)] for r in range(3)]
+    rows = [torch.arange(float(sum(c))).unsqueeze(1) + 10 * r for r, c in enumerate(send)]
+    backend = SimBackend(3)
+
+    def step(r):
+        x = rows[r].clone().requires_grad_(True)
+        y = ops.all_to_all_v(x, torch.tensor(send[r]), torch.tensor(recv[r]), "a", [0, 1, 2], r)
+        (y * (r + 1)).sum().backward()
+        return y.detach(), x.grad
+
+    with use_backend(backend):
+        outs = run_ranks(3, step, backend=backend)
+    for r, (y, _) in enumerate(outs):
+        want = [rows[i][sum(send[i][:r]) : sum(send[i][: r + 1])] for i in range(3)]
+        torch.testing.assert_close(y, torch.cat(want))
+    for i, (_, grad) in enumerate(outs):  # each row's gradient: the factor of the rank it went to
+        dest = torch.repeat_interleave(torch.arange(3), torch.tensor(send[i])) + 1.0
+        torch.testing.assert_close(grad, dest.unsqueeze(1))
+
+
 def test_simulator_fails_other_ranks_when_one_raises():
     def fn(rank):
         if rank == 1:
