@@ -35,6 +35,9 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = F
             opt.step()
             opt.zero_grad()
     kinds = sorted({r.kind for r in stats.for_rank(rank)})
+    ran = sum(r.kind == "all_to_all" for r in stats.for_rank(rank))
+    planned = sum(c.kind == "all_to_all" for c in plan.collectives())
+    assert ran == len(batches) * planned, (ran, planned)  # the plan lists what runs: 5 per layer and step
     mine = {n: p.detach().clone() for n, p in module.named_parameters()}
     held = sum(p.numel() for n, p in mine.items() if "experts." in n)
     gathered = [None] * dist.get_world_size()

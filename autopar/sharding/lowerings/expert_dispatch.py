@@ -129,7 +129,9 @@ class ExpertDispatch(Lowering):
             moved = rows * (n - 1) / n
             out.append(("all_to_all", a, "forward", block.experts * COUNT_BYTES * (n - 1) / n))
             out += [("all_to_all", a, "forward", moved), ("all_to_all", a, "forward", moved)]
-            out += [("all_to_all", a, "backward", moved), ("all_to_all", a, "backward", moved)]
+            out.append(("all_to_all", a, "backward", moved))  # the outputs' gradients to the experts
+            if plan.ctx.needs_grad.get(hidden):  # the rows' gradients back (not for an input without one)
+                out.append(("all_to_all", a, "backward", moved))
         return out
 
     def reason(self, axis_name: str) -> str:
