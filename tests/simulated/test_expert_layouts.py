@@ -142,3 +142,33 @@ def test_granite_moe_issue_case():
     assert {c.kind for c in plan.collectives() if c.phase != "grad sync"} <= {"all_to_all", "all_reduce"}
     assert not [c for c in plan.collectives() if c.kind == "all_reduce" and c.phase == "backward"]
     plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_load_balancing_loss_counts_tokens_over_dp():
+    """HF's router auxiliary loss (output_router_logits): the tokens per expert counted by histc
+    over the batch-split routing are partial counts summed over dp (rules/histograms.py), no
+    fallback; the loss and every gradient equal serial."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = M._config("mixtral")
+    cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.1
+    model = T.MixtralForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    _, kw = M.moe_model("mixtral")
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel="dp", dynamic=False)
+    assert not [n for n in plan.graph.nodes if getattr(n.meta.get("autopar"), "fallback", False)]
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+class Counts(torch.nn.Module):
+    def forward(self, x, ids):
+        return torch.histc(x, bins=8, min=-2, max=2) + torch.bincount(ids, minlength=8)[:8].float()
+
+
+def test_histogram_rule_partial_counts():
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(16, generator=g), torch.randint(0, 8, (16,), generator=g)
+    plan = ap.plan(Counts(), DP4, args=(x, ids), data_parallel="dp", dynamic=False, strict=True)
+    out = plan.simulate(lambda m, *a: m(*a), x, ids)
+    for o in out:
+        torch.testing.assert_close(o, Counts()(x, ids))
