@@ -16,8 +16,8 @@ A MoE experts block maps each token t, routed to experts ``index[t, :]`` with we
 Every step is differentiable in the rows and the weights (gathers, scatters, narrow, cat).
 
 Example (4 tokens, top-2 of 4 experts):
-    >>> rows, order, counts = route(hidden, index, 4)      # rows (8, H), counts e.g. [3, 0, 3, 2]
-    >>> out = unroute(chain(rows, counts.cumsum(0)), order, weights, hidden.dtype)
+    >>> rows, order, counts, ids = route(hidden, index, 4)   # rows (8, H), counts e.g. [3, 0, 3, 2]
+    >>> out = unroute(chain(rows, counts.cumsum(0), ids, *weights_of_experts), order, weights, hidden.dtype)
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ import torch
 
 def route(hidden: torch.Tensor, index: torch.Tensor, experts: int):
     """(rows of hidden sorted by expert, the sort's order over the token x choice pairs,
-    rows per expert (int64, length ``experts``))."""
+    rows per expert (int64, length ``experts``), each row's expert)."""
     flat = index.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
+    ids, order = torch.sort(flat, stable=True)
     rows = hidden[order // index.shape[-1]]
     counts = torch.bincount(flat, minlength=experts)
-    return rows, order, counts
+    return rows, order, counts, ids
+
+
+def expert_ids(per_expert: torch.Tensor) -> torch.Tensor:
+    """Each row's (local) expert, for rows grouped by expert with ``per_expert`` rows each."""
+    return torch.repeat_interleave(torch.arange(per_expert.numel(), device=per_expert.device), per_expert)
 
 
 def unroute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,7 +53,7 @@ def unroute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtyp
 def dispatch_plan(counts: torch.Tensor, received: torch.Tensor, ranks: int):
     """For a dispatch over ``ranks`` ranks, each holding ``len(counts) / ranks`` experts in order:
     (rows sent to each rank, rows received from each rank, the order grouping the received rows
-    by expert, the grouped matmul's offsets over the local experts (int32)).
+    by expert, the received rows per local expert (int64)).
 
     ``received[i * El + e]``: rows rank i sends for this rank's local expert e.
     """
@@ -59,8 +64,7 @@ def dispatch_plan(counts: torch.Tensor, received: torch.Tensor, ranks: int):
     local_ids = torch.arange(held, device=counts.device).repeat(ranks)
     ids = torch.repeat_interleave(local_ids, received)
     regroup = torch.sort(ids, stable=True).indices
-    offsets = torch.cumsum(recv_grid.sum(0), 0, dtype=torch.int32)
-    return send, recv, regroup, offsets
+    return send, recv, regroup, recv_grid.sum(0)
 
 
 def regroup_rows(rows: torch.Tensor, regroup: torch.Tensor) -> torch.Tensor:
@@ -74,10 +78,11 @@ def ungroup_rows(rows: torch.Tensor, regroup: torch.Tensor) -> torch.Tensor:
 
 
 def expert_rows(rows: torch.Tensor, counts: torch.Tensor, first: int, held: int):
-    """(the rows of experts first..first+held-1, their grouped matmul's offsets (int32))."""
+    """(the rows of experts first..first+held-1, their grouped matmul's offsets (int32), each
+    row's expert among them)."""
     mine = counts[first : first + held]
     start = int(counts[:first].sum())
-    return rows.narrow(0, start, int(mine.sum())), torch.cumsum(mine, 0, dtype=torch.int32)
+    return rows.narrow(0, start, int(mine.sum())), torch.cumsum(mine, 0, dtype=torch.int32), expert_ids(mine)
 
 
 def place_rows(mine: torch.Tensor, counts: torch.Tensor, first: int, total: int) -> torch.Tensor:

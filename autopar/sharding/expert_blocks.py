@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,8 @@ CHECK_NUMEL = 1 << 24  # expert weights larger than this (meta-sized models) are
 
 @dataclass
 class ExpertBlock:
-    """One experts module: its expert count, top-k, and its chain (rows, offsets, *params) -> rows."""
+    """One experts module: its expert count, top-k, and its chain (rows, offsets, ids, *params) ->
+    rows (``ids``: each row's expert among the weights given, for expert biases)."""
 
     path: str
     experts: int
@@ -71,9 +73,9 @@ BLOCKS: dict[str, ExpertBlock] = {}  # key (the op's last argument) -> block
 
 def run_block(block: ExpertBlock, hidden, index, weights, params) -> torch.Tensor:
     """The module's output computed the way a rank computes it, on one rank."""
-    rows, order, counts = route(hidden, index, block.experts)
+    rows, order, counts, ids = route(hidden, index, block.experts)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    return unroute(block.chain(rows, offsets, *params), order, weights, hidden.dtype)
+    return unroute(block.chain(rows, offsets, ids, *params), order, weights, hidden.dtype)
 
 
 # ------------------------------------------------------------------------------------ the op
@@ -266,12 +268,15 @@ def _chain(path, region, hidden, index, weights, params):
         raise _fail(path, "its grouped matmuls do not share one offsets tensor")
     offs = offsets.pop()
     routed = _descendants(index, inside)
-    from_params = {n for n in inside if n not in rows and _only_from(n, set(params), inside)}
+    ids = _sorted_ids(region, routed)
+    sources = set(params) | ({ids} if ids is not None else set())
+    from_params = {n for n in inside if n not in rows and n is not ids and _only_from(n, sources, inside)}
     g = fx.Graph()
     env = {entry: g.placeholder("rows"), offs: g.placeholder("offsets")}
+    env[ids if ids is not None else object()] = g.placeholder("ids")
     env.update({p: g.placeholder(p.name) for p in params})
     for src, ph in env.items():
-        ph.meta["val"] = src.meta.get("val")
+        ph.meta["val"] = src.meta.get("val") if isinstance(src, fx.Node) else None
     for n in region:
         if n in body or (n in from_params and any(u in body for u in _all_users(n, inside))):
             for a in n.all_input_nodes:
@@ -282,6 +287,13 @@ def _chain(path, region, hidden, index, weights, params):
     g.output(env[last[0]])
     top_k = int(index.meta["val"].shape[-1])
     return fx.GraphModule(torch.nn.Module(), g), top_k
+
+
+def _sorted_ids(region, routed: set):
+    """The sort's values: each sorted row's expert (what expert biases are gathered by), or None."""
+    sorts = [n for n in region if n in routed and n.target in (aten.sort.default, aten.sort.stable)]
+    items = [u for s in sorts for u in s.users if u.target is operator.getitem and u.args[1] == 0]
+    return items[0] if len(items) == 1 else None
 
 
 def _all_users(n: fx.Node, inside: set) -> set:

@@ -29,7 +29,7 @@ CHUNKS = {aten.chunk.default, aten.split.Tensor}
 def expert_tp_placements(block, n: int, grouped, through) -> list:
     """Per parameter of ``block`` (in the op's order) its placement on an axis of ``n`` ranks."""
     gm = [node for node in block.chain.graph.nodes if grouped(node)]
-    ph = [node for node in block.chain.graph.nodes if node.op == "placeholder"][2:]
+    ph = [node for node in block.chain.graph.nodes if node.op == "placeholder"][3:]
     if len(gm) != 2:
         raise _fail(block, f"its chain has {len(gm)} grouped matmuls; expert tensor parallelism needs up and down")
     found = {}
@@ -75,7 +75,7 @@ def _source_dim(w: fx.Node, dim: int, through) -> tuple:
 
 def _check(block, placements, n: int) -> None:
     ph = [node for node in block.chain.graph.nodes if node.op == "placeholder"]
-    weights = [node.meta.get("val") for node in ph[2:]]
+    weights = [node.meta.get("val") for node in ph[3:]]
     if any(not isinstance(v, torch.Tensor) for v in weights):
         return  # no example values (a graph copied without metadata): the placements stand as derived
     g = torch.Generator().manual_seed(1)
@@ -83,11 +83,11 @@ def _check(block, placements, n: int) -> None:
     experts = int(full[0].shape[0])
     x = torch.randn(3 * experts, int(ph[0].meta["val"].shape[-1]), generator=g).to(full[0].dtype)
     offs = torch.arange(1, experts + 1, dtype=torch.int32) * 3
+    ids = torch.arange(experts).repeat_interleave(3)
     mesh = Mesh((n,), ("x",))
     with torch.no_grad():
-        want = block.chain(x, offs, *full)
-        got = sum(
-            block.chain(x, offs, *(shard_tensor(t, (p,), mesh, r) for t, p in zip(full, placements))) for r in range(n)
-        )
+        want = block.chain(x, offs, ids, *full)
+        pieces = [[shard_tensor(t, (p,), mesh, r) for t, p in zip(full, placements)] for r in range(n)]
+        got = sum(block.chain(x, offs, ids, *mine) for mine in pieces)
     if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
         raise _fail(block, "its experts do not split column- then row-parallel (the pieces' sum differs)")

@@ -172,3 +172,18 @@ def test_histogram_rule_partial_counts():
     out = plan.simulate(lambda m, *a: m(*a), x, ids)
     for o in out:
         torch.testing.assert_close(o, Counts()(x, ids))
+
+
+def test_gpt_oss_expert_biases_dispatched():
+    """gpt-oss's experts: biases gathered by each row's expert, interleaved gate|up, a clamped gate;
+    the rows' experts travel with them (their local ids after the dispatch), equal to serial."""
+    from bench.survey_models import architectures, build
+
+    model, kw = build(next(a for a in architectures() if a.name == "GptOssForCausalLM"))
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
+    biases = [n for n, p in model.named_parameters() if n.endswith("_bias") and ".experts." in n]
+    local = dict(plan.module(0).named_parameters())
+    assert biases and all(local[n].shape[0] == model.get_parameter(n).shape[0] // 2 for n in biases)
+    plan.check(**kw, rtol=1e-4, atol=1e-5)

@@ -68,22 +68,22 @@ class ExpertDispatch(Lowering):
             )
         g = em.graph
         routed = g.call_function(md.route, (hidden, index, block.experts))
-        rows, order, counts = (g.call_function(operator.getitem, (routed, i)) for i in range(3))
+        rows, order, counts, ids = (g.call_function(operator.getitem, (routed, i)) for i in range(4))
         if dispatch:
             out_rows = self._dispatched(em, block, rows, counts, list(params), dispatch[0])
         elif split:
             out_rows = self._own_experts(em, block, rows, counts, list(params), split)
         else:
             offsets = g.call_function(aten.cumsum.default, (counts, 0), {"dtype": torch.int32})
-            out_rows = self._chain(em, block, rows, offsets, list(params))
+            out_rows = self._chain(em, block, rows, offsets, ids, list(params))
         dtype = node.meta["val"].dtype
         return g.call_function(md.unroute, (out_rows, order, weights, dtype))
 
     @staticmethod
-    def _chain(em, block, rows, offsets, params):
+    def _chain(em, block, rows, offsets, ids, params):
         """The expert chain's nodes, copied into the rank's program."""
         ph = [n for n in block.chain.graph.nodes if n.op == "placeholder"]
-        return em.graph.graph_copy(block.chain.graph, dict(zip(ph, [rows, offsets, *params])))
+        return em.graph.graph_copy(block.chain.graph, dict(zip(ph, [rows, offsets, ids, *params])))
 
     def _dispatched(self, em, block, rows, counts, params, axis):
         g, n = em.graph, em.mesh.shape[axis]
@@ -91,10 +91,12 @@ class ExpertDispatch(Lowering):
         each = g.call_function(aten.full.default, ([n], held), {"dtype": torch.int64})
         received = em.collective(ops.all_to_all_v.default, (counts, each, each), axis)
         plan = g.call_function(md.dispatch_plan, (counts, received, n))
-        send, recv, regroup, offsets = (g.call_function(operator.getitem, (plan, i)) for i in range(4))
+        send, recv, regroup, per_expert = (g.call_function(operator.getitem, (plan, i)) for i in range(4))
         arrived = em.collective(ops.all_to_all_v.default, (rows, send, recv), axis)
         x = g.call_function(md.regroup_rows, (arrived, regroup))
-        y = self._chain(em, block, x, offsets, params)
+        offsets = g.call_function(aten.cumsum.default, (per_expert, 0), {"dtype": torch.int32})
+        ids = g.call_function(md.expert_ids, (per_expert,))
+        y = self._chain(em, block, x, offsets, ids, params)
         y = g.call_function(md.ungroup_rows, (y, regroup))
         return em.collective(ops.all_to_all_v.default, (y, recv, send), axis)
 
@@ -108,8 +110,8 @@ class ExpertDispatch(Lowering):
             )
         held = block.experts // pieces
         mine = g.call_function(md.expert_rows, (rows, counts, first, held))
-        x, offsets = (g.call_function(operator.getitem, (mine, i)) for i in range(2))
-        y = self._chain(em, block, x, offsets, params)
+        x, offsets, ids = (g.call_function(operator.getitem, (mine, i)) for i in range(3))
+        y = self._chain(em, block, x, offsets, ids, params)
         total = g.call_function(aten.sym_size.int, (rows, 0))
         return g.call_function(md.place_rows, (y, counts, first, total))
 
