@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import AnnotationError
-from autopar.placement import Replicate
+from autopar.placement import Replicate, check_divisible
 from autopar.runtime.moe_dispatch import route, unroute
 from autopar.sharding.expert_tp import expert_tp_placements
 from autopar.trace.module_paths import module_paths
@@ -135,7 +135,7 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
             try:
                 block = _collapse(traced, path, region)
             except AnnotationError:
-                if axis is not None and axis == data_axis:
+                if (axis is not None and axis == data_axis) or path in seeds.expert_tp:
                     raise
                 continue
             changed = True
@@ -168,7 +168,7 @@ def _fail(path: str, why: str) -> AnnotationError:
     )
 
 
-def _collapse(traced, path: str, region: list[fx.Node]) -> None:
+def _collapse(traced, path: str, region: list[fx.Node]) -> ExpertBlock:
     inside = set(region)
     outside_inputs: list[fx.Node] = []
     for n in region:
@@ -177,9 +177,7 @@ def _collapse(traced, path: str, region: list[fx.Node]) -> None:
                 outside_inputs.append(a)
     leaving = [n for n in region if any(u not in inside for u in n.users)]
     if len(leaving) != 1 or not isinstance(leaving[0].meta.get("val"), torch.Tensor):
-        raise _fail(
-            path, f"{[(n.name, n.target, [u.name for u in n.users]) for n in leaving]} leave it, expected one tensor"
-        )
+        raise _fail(path, f"{[n.name for n in leaving]} leave it, expected one tensor")
     out = leaving[0]
     params = [a for a in outside_inputs if traced.param_fqn.get(a.name, "").startswith(path + ".")]
     sizes = [a for a in outside_inputs if isinstance(a.meta.get("val"), (int, torch.SymInt))]  # dynamic T, H
@@ -199,12 +197,17 @@ def _collapse(traced, path: str, region: list[fx.Node]) -> None:
     return block
 
 
+def _param_nodes(block: ExpertBlock) -> list[fx.Node]:
+    return [n for n in block.chain.graph.nodes if n.op == "placeholder"][3:]
+
+
 def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
     """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded."""
     placements = expert_tp_placements(block, mesh.shape[axis], _is_grouped, THROUGH)
-    for fqn, p in zip(block.params, placements):
+    for fqn, p, node in zip(block.params, placements, _param_nodes(block)):
         spec = list(seeds.params.get(fqn, (Replicate(),) * mesh.ndim))
         spec[axis] = p
+        check_divisible(tuple(node.meta["val"].shape), tuple(spec), mesh, f"expert weight {fqn!r}")
         seeds.params[fqn] = tuple(spec)
         seeds.reasons[fqn] = f"{seeds.reasons.get(fqn, '')}; each expert split over {mesh.axis_names[axis]!r}"
     block.tp = (axis, tuple(placements))
