@@ -144,8 +144,9 @@ class LlamaLM(nn.Module):
 
     def forward(self, idx, targets=None):
         t = idx.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.model.embed_tokens(idx)
+        # in the activations' dtype, as HF does (a bf16 policy computes q and k in bf16)
+        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
         for block in self.model.layers:
             x = block(x, cos, sin)
         logits = self.lm_head(self.model.norm(x))

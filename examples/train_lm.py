@@ -61,6 +61,23 @@ RUN_DEFAULTS = {
     "corpus_mb": 5.0,
     "seed": 0,
 }
+RUN_HELP = {
+    "vocab": "BPE vocabulary size (264: byte level plus 7 merges)",
+    "hidden": "model width",
+    "layers": "decoder blocks",
+    "heads": "query heads",
+    "kv_heads": "key/value heads (grouped-query attention)",
+    "seq": "tokens per row",
+    "batch": "rows per micro-step, all ranks together",
+    "accum": "micro-steps per optimizer step (gradient accumulation)",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "learning rate at the end of the cosine decay",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay (none on the norms)",
+    "clip": "gradient norm clipped to this (ap.clip_grad_norm_)",
+    "corpus_mb": "megabytes of standard-library sources read",
+    "seed": "model initialisation and sampling seed",
+}
 AXES = {"dp": "data parallel", "tp": "tensor parallel (Megatron)", "pp": "pipeline stages"}
 NOT_YET = {"cp": "context parallelism is not in autopar yet", "sp": "use tp: sequence parallel rides on it"}
 PROMPT = "def read_config(path):\n"
@@ -98,7 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
     run = p.add_argument_group("the run (kept in OUT/run.json; fixed on --resume)")
     for name, default in RUN_DEFAULTS.items():
-        run.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None, help=f"default {default}")
+        flag = f"--{name.replace('_', '-')}"
+        run.add_argument(flag, type=type(default), default=None, help=f"{RUN_HELP[name]} (default {default})")
     return p.parse_args(argv)
 
 
@@ -132,6 +150,8 @@ def run_settings(args, out: str) -> dict:
     given = {k: getattr(args, k) for k in RUN_DEFAULTS if getattr(args, k) is not None}
     if not args.resume:
         return {**RUN_DEFAULTS, **given}
+    if not os.path.exists(os.path.join(out, "run.json")):
+        raise Usage(f"--resume: {out} has checkpoints but no run.json: it was not written by this script")
     with open(os.path.join(out, "run.json")) as f:
         saved = json.load(f)["run"]
     differs = {k: (v, saved[k]) for k, v in given.items() if saved.get(k) != v}
@@ -419,6 +439,8 @@ def train(args, run: dict, shape, names) -> None:
             f"{blob['train'].numel()} training tokens; {'resuming after step ' + str(start) if start else 'from scratch'}",
             flush=True,
         )
+    if rank == 0 and args.auto:  # what the search chose, e.g. "automatic plan: dp=R, tp=dp, ZeRO-2 (...)"
+        print(plan.explain("auto").splitlines()[0], flush=True)
     tokens_per_step = run["batch"] * run["seq"] * run["accum"]
     from tqdm import tqdm
 
