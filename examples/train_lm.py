@@ -37,6 +37,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from tokenizers import Tokenizer
+from tqdm import tqdm
 
 import autopar as ap
 from lm_data import TokenLoader, corpus_files, corpus_split, encode, load_or_train_tokenizer
@@ -212,8 +214,6 @@ def prepare_data(out: str, run: dict, rank: int):
         torch.save(blob, cache + ".tmp")
         os.replace(cache + ".tmp", cache)
     dist.barrier()
-    from tokenizers import Tokenizer
-
     blob = torch.load(cache)
     return Tokenizer.from_file(os.path.join(data_dir, "tokenizer.json")), blob
 
@@ -228,13 +228,14 @@ def lr_factor(step: int, run: dict, steps: int) -> float:
 
 
 def build(args, run: dict, shape, names, rank: int):
-    """(target, runner-or-None, the module to call, plan): the rank module from ap.parallelize, or a
-    pipeline runner where the mesh has pp."""
+    """(target, is a pipeline, plan, HF config): target is this rank's module from ap.parallelize,
+    or its pipeline runner where the mesh has pp."""
     cfg = llama_config(run["vocab"], run["hidden"], run["layers"], run["heads"], run["kv_heads"], run["seq"])
     torch.manual_seed(run["seed"])
     model = LlamaLM(cfg)
     mesh = ap.Mesh(shape, names)
-    # two tensors: torch.export traces one tensor passed twice as one input (targets = inputs)
+    # inputs and targets as two tensors (autopar's trace copies one passed twice; before issue 28
+    # torch.export made it one input, and the model trained on targets = inputs)
     example = (
         torch.zeros(run["batch"], run["seq"], dtype=torch.long),
         torch.zeros(run["batch"], run["seq"], dtype=torch.long),
@@ -249,14 +250,14 @@ def build(args, run: dict, shape, names, rank: int):
     if args.auto:  # the search decides every axis' role; a dp axis with ZeRO or bf16 is its constraint
         kw = kw if args.zero or args.bf16 else {}
         module = ap.parallelize(model, mesh, args=example, auto=True, timeout=args.timeout, **kw)
-        return module, None, module.autopar_plan, cfg
+        return module, False, module.autopar_plan, cfg
     ann = megatron("tp") if "tp" in names else {}
     if "pp" in names:
         pipe = ap.Pipeline("pp", microbatches=args.microbatches or 2 * shape[names.index("pp")])
         plan = ap.plan(model, mesh, args=example, annotations=ann, pipeline=pipe, **kw)
         return plan.pipeline_runner(rank), True, plan, cfg
     module = ap.parallelize(model, mesh, args=example, annotations=ann, timeout=args.timeout, **kw)
-    return module, None, module.autopar_plan, cfg
+    return module, False, module.autopar_plan, cfg
 
 
 def dp_position(plan, rank: int, pipeline: bool) -> tuple[int, int]:
@@ -419,7 +420,7 @@ def train(args, run: dict, shape, names) -> None:
                 json.dump({"run": run, "first_command": sys.argv}, f, indent=1)
     tok, blob = prepare_data(out, run, rank)
     target, pipeline, plan, cfg = build(args, run, shape, names, rank)
-    dp_rank, dp_size = dp_position(plan, rank, bool(pipeline))
+    dp_rank, dp_size = dp_position(plan, rank, pipeline)
     loader = TokenLoader(blob["train"], run["batch"], run["seq"], dp_rank, dp_size)
     opt = make_optimizer(target, run)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, run, args.steps))
@@ -435,15 +436,13 @@ def train(args, run: dict, shape, names) -> None:
     title = f"{os.path.basename(os.path.normpath(out))}: mesh {dict(zip(names, shape))}{' auto' if args.auto else ''}"
     if rank == 0:
         print(
-            f"plan: {plan.mesh}, {sum(p.numel() for p in LlamaLM(cfg).parameters()) / 1e6:.2f} M parameters, "
+            f"plan: {plan.mesh}, {sum(p.numel() for p in plan.model.parameters()) / 1e6:.2f} M parameters, "
             f"{blob['train'].numel()} training tokens; {'resuming after step ' + str(start) if start else 'from scratch'}",
             flush=True,
         )
     if rank == 0 and args.auto:  # what the search chose, e.g. "automatic plan: dp=R, tp=dp, ZeRO-2 (...)"
         print(plan.explain("auto").splitlines()[0], flush=True)
     tokens_per_step = run["batch"] * run["seq"] * run["accum"]
-    from tqdm import tqdm
-
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True)
     ckpt = None
     for step in range(start + 1, args.steps + 1):
@@ -494,7 +493,7 @@ def train(args, run: dict, shape, names) -> None:
             ckpt = os.path.join(out, "ckpt", f.read().strip())
     metrics.plot(title)
     dp = (dp_rank, dp_size)
-    result = export_and_sample(args, out, cfg, target, bool(pipeline), tok, blob["val"], run, rank, ckpt, dp)
+    result = export_and_sample(args, out, cfg, target, pipeline, tok, blob["val"], run, rank, ckpt, dp)
     if result is not None:
         ours, hf_loss, text = result
         print(
