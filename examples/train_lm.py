@@ -346,11 +346,15 @@ class Metrics:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        train, val = {}, {}
+        train, val, resumed = {}, {}, {}
         with open(self.path) as f:
             for row in map(json.loads, filter(str.strip, f)):
                 (val if row.get("kind") == "val" else train)[row["step"]] = row.get("val_loss", row.get("loss"))
+                resumed.setdefault(row["run"], row["step"])  # each run's first step
         fig, ax = plt.subplots(figsize=(7, 4))
+        for run, step in resumed.items():
+            if run:
+                ax.axvline(step - 0.5, color="grey", ls=":", label="resumed" if run == 1 else None)
         ax.plot(sorted(train), [train[s] for s in sorted(train)], label="train")
         ax.plot(sorted(val), [val[s] for s in sorted(val)], "o-", label="validation")
         ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
