@@ -517,7 +517,9 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"train_lm.py: error: {e}", file=sys.stderr, flush=True)
         return 2
-    if not dist.is_initialized():
+    if not dist.is_initialized() and "MASTER_ADDR" not in os.environ:  # plain `python train_lm.py`: one rank
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif not dist.is_initialized():
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     try:
         train(args, run, shape, names)
