@@ -156,7 +156,9 @@ def shard(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> 
     """R -> S(dim): keep this rank's chunk, locally (backward all-gathers)."""
     n = len(group)
     size = x.shape[dim] // n
-    return x.narrow(dim, _pos(group, rank) * size, size).clone()
+    # contiguous, as the fake kernel says: a plain clone keeps a permuted input's layout, and
+    # inductor's stride asserts then failed (a compiled tp module's backward, attention heads)
+    return x.narrow(dim, _pos(group, rank) * size, size).clone(memory_format=torch.contiguous_format)
 
 
 def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:

@@ -122,3 +122,14 @@ def test_consistency_compare_names_ranks_and_first_differing_collective():
     shorter = [same[0], ("ab", [])]
     with pytest.raises(ap.InconsistentPlanError, match="nothing"):
         compare(shorter)
+
+
+def test_shard_of_a_permuted_tensor_is_laid_out_as_its_fake_kernel_says():
+    """The real shard kernel returned a permuted input's layout (clone preserves it) while its fake
+    kernel says contiguous: inductor's stride asserts failed in a compiled tp module's backward."""
+    x = torch.randn(8, 32, 4, 8).transpose(1, 2)  # (batch, heads, seq, dim) from (batch, seq, heads, dim)
+    real = ops.shard(x, 1, "tp", [0, 1], 1)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = ops.shard(mode.from_tensor(x), 1, "tp", [0, 1], 1)
+    assert real.stride() == fake.stride() and real.is_contiguous()
+    torch.testing.assert_close(real, x[:, 2:])
