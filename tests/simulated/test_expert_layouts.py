@@ -187,3 +187,14 @@ def test_gpt_oss_expert_biases_dispatched():
     local = dict(plan.module(0).named_parameters())
     assert biases and all(local[n].shape[0] == model.get_parameter(n).shape[0] // 2 for n in biases)
     plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_bf16_policy(zero):
+    """A bf16 precision policy (fp32 pieces, bf16 compute) with the experts dispatched: within
+    bf16's tolerance of the serial model under the same policy."""
+    model, kw = M.moe_model("mixtral")
+    dp = ap.DataParallel("dp", zero=zero, param_dtype=torch.bfloat16)
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
+    assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
+    plan.check(**kw)
