@@ -198,3 +198,19 @@ def test_bf16_policy(zero):
     plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
     assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
     plan.check(**kw)
+
+
+def test_clip_grad_norm_counts_expert_pieces_once():
+    """ap.clip_grad_norm_ with the experts 1/dp and each split over tp: the serial norm on every rank."""
+    model, kw = M.moe_model("mixtral")
+    preset = ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp", vocab=False, expert_tp=True)
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=dict(preset), data_parallel="dp", dynamic=False)
+
+    def step(m, **k):
+        m(**k)["loss"].backward()
+        return float(ap.clip_grad_norm_(m, 1e9))
+
+    norms = plan.simulate(step, **kw)
+    model(**kw).loss.backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    assert norms == pytest.approx([want] * 4, rel=1e-5)
