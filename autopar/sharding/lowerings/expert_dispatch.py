@@ -86,6 +86,8 @@ class ExpertDispatch(Lowering):
         return em.graph.graph_copy(block.chain.graph, dict(zip(ph, [rows, offsets, ids, *params])))
 
     def _dispatched(self, em, block, rows, counts, params, axis):
+        """Counts exchanged, rows to their experts' ranks, the chain on this rank's E/n experts
+        (rows grouped by expert, each row's local expert id for expert biases), rows back."""
         g, n = em.graph, em.mesh.shape[axis]
         held = block.experts // n
         each = g.call_function(aten.full.default, ([n], held), {"dtype": torch.int64})
@@ -101,6 +103,8 @@ class ExpertDispatch(Lowering):
         return em.collective(ops.all_to_all_v.default, (y, recv, send), axis)
 
     def _own_experts(self, em, block, rows, counts, params, axes):
+        """The chain on the rows of this rank's experts only (tokens replicated on ``axes``); the
+        other rows' outputs are zero: this rank's part of a sum over ``axes``."""
         g = em.graph
         pieces, first = 1, 0
         for a in axes:  # nested in mesh order, the first axis outermost (as the weights are split)
