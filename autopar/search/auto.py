@@ -164,8 +164,15 @@ def _probe(plan_probe, mesh, traced, ann, dp_axis, strict, comp_of, param_comp, 
 
 def _coefs(t: Terms, mesh, profile, dp_axis, zero) -> tuple:
     dp = DataParallel(mesh.axis_names[dp_axis], zero=zero) if dp_axis is not None else None
-    sync, gather = t.dp_sync(mesh, profile, dp_axis, dp)
-    return (t.compute + t.comm + gather, sync + t.sync_other, t.backward, t.memory(mesh, dp_axis, dp))
+    sync, ahead, after = t.dp_sync(mesh, profile, dp_axis, dp)
+    hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
+    return (t.compute + t.comm + after, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
+
+
+def prefetches(dp, mesh, dp_axis) -> bool:
+    """Whether ``dp``'s storage starts gathers ahead of their use (then the whole step's compute
+    hides its communication, not only backward's)."""
+    return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
 
 
 def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:
@@ -177,7 +184,8 @@ def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:
         if rep is not None:
             ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, s.dp, zero)
         comps[c.key] = ch
-    return Option((s, zero), _coefs(base, mesh, profile, s.dp, zero), comps)
+    idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and a not in (s.dp, s.tp))
+    return Option((s, zero), _coefs(base, mesh, profile, s.dp, zero), comps, idle)
 
 
 def _least_memory(o: Option) -> float:

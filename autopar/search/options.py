@@ -29,7 +29,7 @@ class Auto:
     beta: float | None = None
     flops_per_s: float | None = None
     device: object = None
-    zero: tuple = (0, 1, 2)
+    zero: tuple = (0, 1, 2, 3)
     sequence_parallel: bool = True
     vocab_parallel: bool = True
     optimizer_states: int = 2
