@@ -61,12 +61,16 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
     structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True)
+    if dp is not None:  # the user's data parallel: over their axes only
+        fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
+        structs = [s for s in structs if s.rep == fixed_rep]
+    base_dp = dp or DataParallel(mesh.axis_names[0])
     probes: dict = {}
     short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)
     graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
 
-    def probe(dp_axis, tp_axis, sp):
-        key = (dp_axis, tp_axis, sp)
+    def probe(s, tp_axis, sp):
+        key = (s.dp, s.rep, tp_axis, sp)
         if key not in probes:
             ann = dict(user)
             if tp_axis is not None:
@@ -81,7 +85,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 mesh,
                 graph_for,
                 ann,
-                dp_axis,
+                s.data_parallel(mesh, DataParallel(mesh.axis_names[0]), 0, None),
                 strict,
                 comp_of,
                 param_comp,
@@ -93,13 +97,13 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
 
     options = []
     for s in structs:
-        split = probe(s.dp, s.tp, s.sp) if s.tp is not None else None
-        rep = probe(s.dp, None, False) if not s.sp else None
+        split = probe(s, s.tp, s.sp) if s.tp is not None else None
+        rep = probe(s, None, False) if not s.sp else None
         if (s.tp is not None and split is None) or (rep is None and split is None):
             continue
         base = (split or rep).get("base", Terms())
-        for z in _zeros(s, dp, auto):
-            options.append(_option(s, z, base, free, split, rep, mesh, profile))
+        for z in _storages(s, mesh, dp, auto):
+            options.append(_option(s, z, base_dp, base, free, split, rep, mesh, profile))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -114,10 +118,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
-    s, zero = best.option
+    s, storage = best.option
     if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
-        record["chosen"] = _label(mesh, (s, zero)) + " (the tp axis split nothing)"
+        record["chosen"] = _label(mesh, (s, storage)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
@@ -127,10 +131,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 ann.update(c.annotations(name, s.sp))
         if s.sp:
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
-    new_dp = None
-    if s.dp is not None:
-        base_dp = dp or DataParallel(mesh.axis_names[s.dp])
-        new_dp = dataclasses.replace(base_dp, axis=mesh.axis_names[s.dp], zero=zero)
+    new_dp = s.data_parallel(mesh, base_dp, *storage)
     record["search_s"] = time.perf_counter() - t0
     return ann, new_dp, record
 
@@ -143,18 +144,30 @@ def _touched(comp, user, model) -> bool:
     )
 
 
-def _zeros(s, dp, auto) -> tuple:
+def _storages(s, mesh, dp, auto) -> list[tuple]:
+    """(zero, shard_size) the search may pick for structure ``s``: the allowed ZeRO levels (the
+    user's when given); zero=3 over two axes both as HSDP (sharded on the inner axis, replicated
+    on the outer) and sharded over both."""
     if s.dp is None:
-        return (0,)
-    if dp is not None and dp.zero:
-        return (dp.zero,)
-    return tuple(auto.zero) or (0,)
+        return [(0, None)]
+    zeros = (dp.zero,) if dp is not None and dp.zero else (tuple(auto.zero) or (0,))
+    out = []
+    for z in zeros:
+        if z == 3 and s.rep is not None:
+            shards = (
+                (dp.shard_size,)
+                if dp is not None and dp.shard_size
+                else (mesh.shape[s.dp], mesh.shape[s.dp] * mesh.shape[s.rep])
+            )
+            out += [(3, k) for k in shards]
+        else:
+            out.append((z, dp.shard_size if dp is not None and z == 3 else None))
+    return out
 
 
-def _probe(plan_probe, mesh, traced, ann, dp_axis, strict, comp_of, param_comp, profile, states, weights):
+def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights):
     """The probe plan's Terms per component (None when it cannot be planned)."""
-    dp_name = mesh.axis_names[dp_axis] if dp_axis is not None else None
-    options = PlanOptions(data_parallel=DataParallel(dp_name) if dp_name else None, strict=strict)
+    options = PlanOptions(data_parallel=dp, strict=strict)
     try:
         plan = plan_probe(traced, options, ann)
     except PlanError:
@@ -162,8 +175,13 @@ def _probe(plan_probe, mesh, traced, ann, dp_axis, strict, comp_of, param_comp, 
     return plan_terms(plan, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
 
 
-def _coefs(t: Terms, mesh, profile, dp_axis, zero) -> tuple:
-    dp = DataParallel(mesh.axis_names[dp_axis], zero=zero) if dp_axis is not None else None
+def _coefs(t: Terms, mesh, profile, dp) -> tuple:
+    """(time, sync, hide, memory) of ``t`` under ``dp`` (as a user writes it: two axes are merged
+    into the one data-parallel axis the plan has)."""
+    dp_axis = None
+    if dp is not None:
+        mesh, dp = dp.reshape_mesh(mesh)
+        dp_axis = mesh.axis_index(dp.axis)
     sync, ahead, after = t.dp_sync(mesh, profile, dp_axis, dp)
     hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
     return (t.compute + t.comm + after, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
@@ -175,17 +193,21 @@ def prefetches(dp, mesh, dp_axis) -> bool:
     return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
 
 
-def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:
+def _option(s, storage, base_dp, base, free, split, rep, mesh, profile) -> Option:
+    dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
         ch = {}
         if split is not None:
-            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, s.dp, zero)
+            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp)
         if rep is not None:
-            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, s.dp, zero)
+            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp)
         comps[c.key] = ch
-    idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and a not in (s.dp, s.tp))
-    return Option((s, zero), _coefs(base, mesh, profile, s.dp, zero), comps, idle)
+    idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and not s.uses(a))
+    # a tp axis that splits no component is replicated after all: each unsplit component counts a
+    # share of an idle axis, all of them together less than one
+    idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
+    return Option((s, storage), _coefs(base, mesh, profile, dp), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -198,7 +220,7 @@ def _duplicated_axes(mesh, s, options, auto, profile) -> list[dict]:
     divides the compute), else tensor parallel on it."""
     out = []
     for a, name in enumerate(mesh.axis_names):
-        if a in (s.dp, s.tp) or mesh.shape[a] == 1:
+        if s.uses(a) or mesh.shape[a] == 1:
             continue
         using = [o for o in options if o.label[0].dp == a] or [o for o in options if o.label[0].tp == a]
         best = None
@@ -227,8 +249,13 @@ def job_device(traced):
 
 
 def _label(mesh, option) -> str:
-    s, zero = option
-    return s.roles(mesh) + (f", ZeRO-{zero}" if s.dp is not None else "")
+    s, (zero, shard) = option
+    if s.dp is None:
+        return s.roles(mesh)
+    label = f"{s.roles(mesh)}, ZeRO-{zero}"
+    if shard is not None and s.rep is not None:
+        label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+    return label
 
 
 def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes) -> dict:

@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -42,6 +42,7 @@ class Option:
     base: tuple  # (time, sync, hide, memory)
     comps: dict  # component key -> {choice: (time, sync, hide, memory)}
     idle: int = 0  # mesh axes (of size > 1) the option leaves replicated: their ranks repeat work
+    idle_choice: dict = field(default_factory=dict)  # choice -> a fraction of an idle axis (R on a tp axis)
 
 
 @dataclass
@@ -125,7 +126,9 @@ def solve(options: list[Option], budget: float | None, overlap: float) -> Soluti
         rows.append(cost)
         lo.append(-np.inf)
         hi.append(res.fun * (1 + 1e-9) + 1e-6)
-        idle = np.array([options[col[1]].idle if col[0] == "x" else 0.0 for col in cols])
+        idle = np.array(
+            [options[col[1]].idle if col[0] == "x" else options[col[1]].idle_choice.get(col[3], 0.0) for col in cols]
+        )
         second = milp(
             2.0 * idle + mem / max(float(np.abs(mem).sum()), 1.0) + 1e-12 * cost,
             constraints=LinearConstraint(np.array(rows), lo, hi),
