@@ -79,10 +79,19 @@ def make_plan(
                 model, probe_mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims
             )
 
-        annotations, dp, record = search(
-            model, mesh, traced, annotations, options.data_parallel, options.auto, ndims, options.strict, plan_probe
+        annotations, chosen, record = search(
+            model,
+            mesh,
+            traced,
+            annotations,
+            options.data_parallel,
+            options.auto,
+            ndims,
+            options.strict,
+            plan_probe,
+            options.pipeline,
         )
-        mesh, options = _reshape_mesh(mesh, options.replace(data_parallel=dp, auto=None))
+        mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
     if record is not None:

@@ -86,6 +86,14 @@ class Technique:
         """The collectives the technique adds per training step (cost.Comm)."""
         return []
 
+    def step_shares(self, mesh) -> dict | None:
+        """What one rank has under this technique of the per-rank step without it (the search's
+        and ap.predict's cost model): ``time`` (share of the compute), ``state`` (of parameter,
+        gradient and optimizer bytes), ``acts`` (of activation bytes), and ``sends``: (mesh axis
+        name, messages per step, share of one boundary activation each) of the point-to-point
+        traffic it adds. None: unchanged."""
+        return None
+
     # ---- storage and program: a technique that stores parameters otherwise than it computes
     # with them (fully sharded data parallel) or rewrites the emitted program (casts)
     def stored(self, plan, rank: int, fqn: str, local):

@@ -27,6 +27,7 @@ import torch
 
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel
+from autopar.parallel.pipeline.options import Pipeline
 from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
 from autopar.search.evaluate import Terms, plan_terms
@@ -39,10 +40,11 @@ class NoPlanError(PlanError):
     """No plan the search may choose fits: the memory budget is too small, or constraints clash."""
 
 
-def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe):
-    """(annotations, DataParallel or None, record) of the best plan under ``auto``.
-    ``plan_probe(traced, options, annotations)`` plans one probe on a trace (the planner's
-    stages after tracing: the search decides, the planner plans)."""
+def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None):
+    """(annotations, {technique name: its value}, record) of the best plan under ``auto``: the
+    annotations, ``data_parallel`` and ``pipeline`` to plan with. ``plan_probe(traced, options,
+    annotations)`` plans one probe on a trace (the planner's stages after tracing: the search
+    decides, the planner plans); ``dp`` / ``pipeline``: the user's, kept."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile(job_device(traced))
@@ -60,7 +62,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
-    structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True)
+    structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True, auto.pipeline)
+    if pipeline is not None:  # the user's pipeline axis
+        structs = [s for s in structs if s.pp == mesh.axis_index(pipeline.axis)]
+    batch = batch_size(traced)
     if dp is not None:  # the user's data parallel: over their axes only
         fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
         structs = [s for s in structs if s.rep == fixed_rep]
@@ -102,8 +107,11 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         if (s.tp is not None and split is None) or (rep is None and split is None):
             continue
         base = (split or rep).get("base", Terms())
+        pipe = _pipeline(s, mesh, batch, pipeline)
+        if s.pp is not None and pipe is None:
+            continue  # fewer rows per data-parallel rank than one micro-batch per stage
         for z in _storages(s, mesh, dp, auto):
-            options.append(_option(s, z, base_dp, base, free, split, rep, mesh, profile))
+            options.append(_option(s, z, base_dp, pipe, base, free, split, rep, mesh, profile))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -131,9 +139,12 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 ann.update(c.annotations(name, s.sp))
         if s.sp:
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
-    new_dp = s.data_parallel(mesh, base_dp, *storage)
+    chosen = {
+        "data_parallel": s.data_parallel(mesh, base_dp, *storage),
+        "pipeline": _pipeline(s, mesh, batch, pipeline),
+    }
     record["search_s"] = time.perf_counter() - t0
-    return ann, new_dp, record
+    return ann, chosen, record
 
 
 def _touched(comp, user, model) -> bool:
@@ -175,9 +186,38 @@ def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profi
     return plan_terms(plan, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
 
 
-def _coefs(t: Terms, mesh, profile, dp) -> tuple:
+def batch_size(traced) -> int | None:
+    """Rows of the first batched input (what data parallel and micro-batches divide)."""
+    for name in traced.user_inputs:
+        val = traced.placeholders()[name].meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            try:
+                return int(val.shape[0])
+            except TypeError:  # a symbolic size without a hint
+                return None
+    return None
+
+
+def _pipeline(s, mesh, batch, user):
+    """The pipeline of structure ``s``: the user's, or 1F1B over its pp axis with one micro-batch
+    per row of a data-parallel rank's batch (the fewest idle slots, the least in flight); None
+    when ``s`` has no pp axis or the rows are too few for one micro-batch per stage."""
+    if s.pp is None:
+        return None
+    if user is not None:
+        return user
+    dp_size = (mesh.shape[s.dp] if s.dp is not None else 1) * (mesh.shape[s.rep] if s.rep is not None else 1)
+    if batch is None or batch % dp_size or batch // dp_size < mesh.shape[s.pp]:
+        return None
+    return Pipeline(mesh.axis_names[s.pp], microbatches=batch // dp_size, schedule="1f1b")
+
+
+def _coefs(t: Terms, mesh, profile, dp, pipe=None, base=False) -> tuple:
     """(time, sync, hide, memory) of ``t`` under ``dp`` (as a user writes it: two axes are merged
-    into the one data-parallel axis the plan has)."""
+    into the one data-parallel axis the plan has) and a pipeline stage's share (``pipe``; its
+    point-to-point sends are charged once, to the ``base`` terms)."""
+    if pipe is not None:
+        t = t.scaled(pipe.step_shares(mesh), mesh, profile, sends=base)
     dp_axis = None
     if dp is not None:
         mesh, dp = dp.reshape_mesh(mesh)
@@ -193,21 +233,21 @@ def prefetches(dp, mesh, dp_axis) -> bool:
     return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
 
 
-def _option(s, storage, base_dp, base, free, split, rep, mesh, profile) -> Option:
+def _option(s, storage, base_dp, pipe, base, free, split, rep, mesh, profile) -> Option:
     dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
         ch = {}
         if split is not None:
-            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp)
+            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
         if rep is not None:
-            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp)
+            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp, pipe)
         comps[c.key] = ch
     idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and not s.uses(a))
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
-    return Option((s, storage), _coefs(base, mesh, profile, dp), comps, idle, idle_choice)
+    return Option((s, storage), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -222,7 +262,9 @@ def _duplicated_axes(mesh, s, options, auto, profile) -> list[dict]:
     for a, name in enumerate(mesh.axis_names):
         if s.uses(a) or mesh.shape[a] == 1:
             continue
-        using = [o for o in options if o.label[0].dp == a] or [o for o in options if o.label[0].tp == a]
+        using = [o for o in options if a in (o.label[0].dp, o.label[0].rep)] or [
+            o for o in options if a in (o.label[0].tp, o.label[0].pp)
+        ]
         best = None
         for o in using:
             sol = solve([o], auto.memory_budget, profile.overlap)

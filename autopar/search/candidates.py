@@ -164,20 +164,19 @@ class Structure:
     tp: int | None
     sp: bool
     rep: int | None = None
+    pp: int | None = None  # pipeline stages over this axis (the layouts leave it replicated)
 
     def roles(self, mesh) -> str:
         names = []
         for a, n in enumerate(mesh.axis_names):
-            role = (
-                "dp"
-                if a in (self.dp, self.rep)
-                else ("tp+sp" if a == self.tp and self.sp else "tp" if a == self.tp else "R")
-            )
+            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "R"
+            if a == self.tp:
+                role = "tp+sp" if self.sp else "tp"
             names.append(f"{n}={role}")
         return ", ".join(names)
 
     def uses(self, axis: int) -> bool:
-        return axis in (self.dp, self.tp, self.rep)
+        return axis in (self.dp, self.tp, self.rep, self.pp)
 
     def data_parallel(self, mesh, base, zero: int, shard: int | None):
         """The ap.DataParallel of this structure as a user writes it (``base``'s other options)."""
@@ -187,9 +186,11 @@ class Structure:
         return dataclasses.replace(base, axis=mesh.axis_names[self.dp], zero=zero, replicate_axis=rep, shard_size=shard)
 
 
-def structures(mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None, any_dp: bool) -> list[Structure]:
-    """Every assignment of roles to axes (one dp axis or two adjacent ones, at most one tp) that
-    the constraints allow."""
+def structures(
+    mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None, any_dp: bool, allow_pp: bool = True
+) -> list[Structure]:
+    """Every assignment of roles to axes (one dp axis or two adjacent ones, at most one tp, at
+    most one pipeline axis) that the constraints allow."""
     out = []
     axes = [None, *range(mesh.ndim)]
     for dp in axes:
@@ -205,7 +206,9 @@ def structures(mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None,
                 if fixed_tp is not None and tp != fixed_tp:
                     continue
                 for sp in (False, True) if tp is not None and allow_sp else (False,):
-                    out.append(Structure(dp, tp, sp, rep))
+                    free = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and a not in (dp, rep, tp)]
+                    for pp in [None] + (free if allow_pp else []):
+                        out.append(Structure(dp, tp, sp, rep, pp))
     return out
 
 

@@ -60,6 +60,7 @@ class Terms:
     opt_dp: float = 0.0  # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
     acts: float = 0.0
     largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
+    boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
     comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
 
     def add(self, other: "Terms", w: float = 1.0) -> "Terms":
@@ -67,11 +68,32 @@ class Terms:
             if f.name == "comm_bytes":
                 for k, v in other.comm_bytes.items():
                     self.comm_bytes[k] = self.comm_bytes.get(k, 0.0) + w * v
-            elif f.name == "largest_unit":
-                self.largest_unit = max(self.largest_unit, other.largest_unit)
+            elif f.name in ("largest_unit", "boundary"):
+                setattr(self, f.name, max(getattr(self, f.name), getattr(other, f.name)))
             else:
                 setattr(self, f.name, getattr(self, f.name) + w * getattr(other, f.name))
         return self
+
+    def scaled(self, shares, mesh, profile, sends: bool = True) -> "Terms":
+        """These terms as one rank of a technique with ``step_shares`` has them (a pipeline stage:
+        its share of the compute, state and activations, plus, with ``sends``, its point-to-point
+        sends of the boundary activation, exposed); None leaves them as they are."""
+        if shares is None:
+            return self
+        out = Terms(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "comm_bytes"})
+        for name in ("compute", "backward", "comm"):
+            setattr(out, name, getattr(self, name) * shares["time"])
+        for name in ("sync_other", "dp_grad", "params", "grads_other", "opt_other", "opt_dp"):
+            setattr(out, name, getattr(self, name) * shares["state"])
+        out.acts = self.acts * shares["acts"]
+        out.comm_bytes = {k: v * shares["state"] for k, v in self.comm_bytes.items()}
+        axis, messages, share = shares["sends"]
+        if not sends:
+            return out
+        alpha, beta = profile.link(mesh, mesh.axis_index(axis))
+        out.comm += messages * (alpha + share * self.boundary / beta)
+        out.comm_bytes[axis] = out.comm_bytes.get(axis, 0.0) + messages * share * self.boundary
+        return out
 
     def dp_sync(self, mesh, profile, dp_axis, dp) -> tuple[float, float, float]:
         """(seconds of gradient sync on dp, of prefetched gathers, of ZeRO-1/2's all-gather after
@@ -140,7 +162,9 @@ def plan_terms(
         t.backward += w * fwd * (2 if grad else 0)
         if grad and op_work(node) is not VIEW:
             for val, spec in zip([v for v in tensor_outputs(node) if v is not None], layout_of(node).outputs):
-                t.acts += w * sy.numel(val.shape, spec) * val.dtype.itemsize
+                nbytes = sy.numel(val.shape, spec) * val.dtype.itemsize
+                t.acts += w * nbytes
+                terms("base").boundary = max(terms("base").boundary, nbytes)
     in_graph = {n.name for n in plan.graph.nodes}
     for c in collectives(plan, sy):
         if c.phase not in ("forward", "backward") or c.node not in in_graph:

@@ -8,6 +8,8 @@
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
+- ``pipeline``: whether an axis may hold pipeline stages (1F1B, one micro-batch per row of a
+  data-parallel rank's batch).
 
 Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
@@ -33,6 +35,7 @@ class Auto:
     sequence_parallel: bool = True
     vocab_parallel: bool = True
     optimizer_states: int = 2
+    pipeline: bool = True
 
     @classmethod
     def of(cls, value) -> "Auto":

@@ -18,6 +18,8 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     total = Terms()
     for t in plan_terms(plan, {}, profile, optimizer_states).values():
         total.add(t)
+    for technique in plan.options.techniques:  # a pipeline stage's share of the step
+        total = total.scaled(technique.step_shares(plan.mesh), plan.mesh, profile)
     dp = plan.data_parallel
     sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
     return {

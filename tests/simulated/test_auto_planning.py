@@ -245,3 +245,22 @@ def test_ties_go_to_options_that_use_every_rank():
         model, mesh_of((2, 2)), args=args, auto=ap.Auto(device="h100", flops_per_s=1e20, alpha=0.0, beta=1e30)
     )
     assert "=R" not in plan.built["auto"]["chosen"]
+
+
+def test_pipeline_stages_when_only_they_fit():
+    """On (4,) a budget only pipeline stages meet (each rank keeps a quarter of the parameters and
+    1F1B keeps 1/m of the activations): the search cuts the GPT into 4 stages, one micro-batch per
+    row, and the pipelined plan equals serial; ap.predict of it is the search's prediction."""
+    model, args = gpt()
+    mesh = mesh_of((4,))
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo"))
+    stages = next(r for r in free.built["auto"]["runners_up"] if r["option"] == "a=pp")
+    others = min(r["memory"] for r in free.built["auto"]["runners_up"] if r["option"] != "a=pp")
+    assert stages["memory"] < others and stages["time_s"] > free.built["auto"]["time_s"]  # not chosen unless asked
+    budget = (stages["memory"] + others) / 2
+    plan = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=budget))
+    rec = plan.built["auto"]
+    assert rec["chosen"] == "a=pp" and plan.options.pipeline.microbatches == 8
+    pred = ap.predict(plan, "cpu-gloo")
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    plan.check(*args)
