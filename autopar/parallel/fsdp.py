@@ -323,19 +323,19 @@ class FullyShardedStorage(Storage):
         k = dp.shard_size or n
         return k, k, k
 
-    def step_comms(self, dp, n, grad_bytes, param_bytes) -> list[tuple]:
+    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0) -> list[tuple]:
         """The gathers of ``collectives`` (forward, and backward again when resharded; prefetched)
-        and the reduce-scatter (+ HSDP's all-reduce across replicas) as one bucket."""
+        and the reduce-scatter (+ HSDP's all-reduce across replicas), one of each per unit."""
         k = dp.shard_size or n
         gather = ring_bytes("all_gather", _as(param_bytes, dp.param_dtype) / k, k)
         ahead = dp.prefetch > 0
-        out = [("all_gather", "forward", gather, ahead)]
+        out = [("all_gather", "forward", gather, ahead, units)]
         if dp.reshard_after_forward:
-            out.append(("all_gather", "backward", gather, ahead))
+            out.append(("all_gather", "backward", gather, ahead, units))
         grad = _as(grad_bytes, dp.reduce_dtype or dp.param_dtype)
-        out.append(("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", grad, k), False))
+        out.append(("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", grad, k), False, units))
         if n // k > 1:
-            out.append(("all_reduce", "grad sync", ring_bytes("all_reduce", grad / k, n // k), False))
+            out.append(("all_reduce", "grad sync", ring_bytes("all_reduce", grad / k, n // k), False, units))
         return out
 
     def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:

@@ -61,6 +61,7 @@ class Terms:
     acts: float = 0.0
     largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
     boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
+    units: float = 0.0  # zero=3's gather units (blocks, and the parameters outside blocks)
     comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
 
     def add(self, other: "Terms", w: float = 1.0) -> "Terms":
@@ -83,7 +84,7 @@ class Terms:
         out = Terms(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "comm_bytes"})
         for name in ("compute", "backward", "comm"):
             setattr(out, name, getattr(self, name) * shares["time"])
-        for name in ("sync_other", "dp_grad", "params", "grads_other", "opt_other", "opt_dp"):
+        for name in ("sync_other", "dp_grad", "params", "grads_other", "opt_other", "opt_dp", "units"):
             setattr(out, name, getattr(self, name) * shares["state"])
         out.acts = self.acts * shares["acts"]
         out.comm_bytes = {k: v * shares["state"] for k, v in self.comm_bytes.items()}
@@ -102,10 +103,13 @@ class Terms:
             return 0.0, 0.0, 0.0
         n = mesh.shape[dp_axis]
         alpha, beta = profile.link(mesh, dp_axis)
-        rounds = self.dp_grad / BUCKET_BYTES
+        buckets = self.dp_grad / BUCKET_BYTES
         sync = ahead = after = 0.0
-        for kind, phase, nbytes, prefetched in dp.storage.step_comms(dp, n, self.dp_grad, self.dp_grad):
-            t = alpha * ring_steps(kind, n) * rounds + nbytes / beta
+        units = max(self.units, 1.0)
+        for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(
+            dp, n, self.dp_grad, self.dp_grad, units
+        ):
+            t = alpha * ring_steps(kind, n) * (buckets if launches is None else launches) + nbytes / beta
             if prefetched:
                 ahead += t
             elif phase in ("grad sync", "forward", "backward"):
@@ -187,6 +191,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     mesh = plan.mesh
     sync = plan.grad_sync_axes
     units: dict[str, float] = {}  # zero=3's gather units: each repeated block, and the rest as one
+    unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
     for name, p in plan.model.named_parameters():
         t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
         local = sy.numel(p.shape, plan.param_specs.get(name)) * p.element_size()
@@ -194,6 +199,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         block = BLOCK.match(name)
         unit = block.group(1) if block else ""
         units[unit] = units.get(unit, 0.0) + local
+        unit_weight[unit] = max(unit_weight.get(unit, 0.0), w)
         if not p.requires_grad:
             continue
         axes = sync.get(name, ())
@@ -212,3 +218,4 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
                 alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + 2 * (n - 1) / n * local / beta
             )
     terms("base").largest_unit = max(units.values(), default=0.0)
+    terms("base").units = sum(unit_weight.values())
