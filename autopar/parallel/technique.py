@@ -134,9 +134,19 @@ class Technique:
         """Lines plan.explain(fqn) adds for this technique (how the parameter is stored, synced)."""
         return []
 
+    def explain_module(self, plan, path: str) -> list[str]:
+        """Lines plan.explain(path) adds for this technique about a module (checkpointed or not)."""
+        return []
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Memory per rank (parallel/dp_module.memory_per_rank) as this technique changes it."""
         return mem
+
+    def activations(self, plan, symbols, terms: dict) -> dict:
+        """``activations`` (bytes autograd keeps per rank: cost/activation_memory.py) as the
+        technique changes them, and terms it adds (checkpointing's ``recompute`` peak); numbers
+        or formulas, as ``symbols`` gives them (plan.cost(), memory_per_rank, ap.predict)."""
+        return terms
 
     def memory_formulas(self, plan, symbols, terms: dict) -> dict:
         """plan.cost()'s memory formulas (cost/plan_cost.py) as this technique changes them."""

@@ -20,8 +20,8 @@ needs that a byte count does not: links and overlap.
 - ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
-  unit: a repeated block, or the parameters outside blocks), activations (every non-view op's
-  output that needs a gradient) - as cost/plan_cost.py memory_formulas counts them
+  unit: a repeated block, or the parameters outside blocks), activations (the tensors autograd
+  keeps, by the node that made them) - as cost/plan_cost.py memory_formulas counts them
   (tests/simulated/test_auto_planning.py holds the two against each other).
 
 Example:
@@ -35,12 +35,12 @@ import re
 from dataclasses import dataclass, field, fields
 
 
+from autopar.cost.activation_memory import bytes_by_node
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops, op_work, split_factor
+from autopar.cost.plan_cost import node_flops, split_factor
 from autopar.runtime.ring import ring_steps
-from autopar.sharding.propagate import layout_of, tensor_outputs
-from autopar.sharding.rules import VIEW
+from autopar.sharding.propagate import layout_of
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -152,6 +152,7 @@ def plan_terms(
     sy, mesh = Numbers(plan.mesh), plan.mesh
     nw = node_weight or {}
     out: dict[str, Terms] = {}
+    kept = bytes_by_node(plan, sy)  # what autograd keeps, by the node that made it
 
     def terms(key):
         return out.setdefault(key, Terms())
@@ -164,11 +165,9 @@ def plan_terms(
         grad = bool(plan.ctx.needs_grad.get(node))
         t.compute += w * fwd * (3 if grad else 1)
         t.backward += w * fwd * (2 if grad else 0)
-        if grad and op_work(node) is not VIEW:
-            for val, spec in zip([v for v in tensor_outputs(node) if v is not None], layout_of(node).outputs):
-                nbytes = sy.numel(val.shape, spec) * val.dtype.itemsize
-                t.acts += w * nbytes
-                terms("base").boundary = max(terms("base").boundary, nbytes)
+    for name, b in kept.items():
+        terms(comp_of.get(name, "base")).acts += nw.get(name, 1.0) * b
+    terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     in_graph = {n.name for n in plan.graph.nodes}
     for c in collectives(plan, sy):
         if c.phase not in ("forward", "backward") or c.node not in in_graph:
