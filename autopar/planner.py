@@ -90,6 +90,7 @@ def make_plan(
             options.strict,
             plan_probe,
             options.pipeline,
+            options.activation_checkpoint,
         )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)

@@ -148,6 +148,16 @@ class Technique:
         or formulas, as ``symbols`` gives them (plan.cost(), memory_per_rank, ap.predict)."""
         return terms
 
+    def kept_saves(self, plan, saves: list) -> list:
+        """Of the tensors autograd would keep (cost/activation_memory.Saved), those kept through
+        the step under this technique (checkpointing keeps its blocks' inputs instead): the
+        search attributes them to the nodes that made them."""
+        return saves
+
+    def recomputed(self, plan) -> set:
+        """Names of the nodes whose forward runs again in backward (checkpointed regions)."""
+        return set()
+
     def memory_formulas(self, plan, symbols, terms: dict) -> dict:
         """plan.cost()'s memory formulas (cost/plan_cost.py) as this technique changes them."""
         return terms

@@ -27,6 +27,7 @@ import torch
 
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel
+from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.pipeline.options import Pipeline
 from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
@@ -40,11 +41,12 @@ class NoPlanError(PlanError):
     """No plan the search may choose fits: the memory budget is too small, or constraints clash."""
 
 
-def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None):
+def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None, checkpoint=None):
     """(annotations, {technique name: its value}, record) of the best plan under ``auto``: the
     annotations, ``data_parallel`` and ``pipeline`` to plan with. ``plan_probe(traced, options,
     annotations)`` plans one probe on a trace (the planner's stages after tracing: the search
-    decides, the planner plans); ``dp`` / ``pipeline``: the user's, kept."""
+    decides, the planner plans); ``dp`` / ``pipeline`` / ``checkpoint``: the user's, kept (the
+    user's checkpointing is costed as its mode on every block)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile(job_device(traced))
@@ -66,6 +68,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     if pipeline is not None:  # the user's pipeline axis
         structs = [s for s in structs if s.pp == mesh.axis_index(pipeline.axis)]
     batch = batch_size(traced)
+    modes = (checkpoint.mode,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
     if dp is not None:  # the user's data parallel: over their axes only
         fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
         structs = [s for s in structs if s.rep == fixed_rep]
@@ -97,21 +100,26 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 profile,
                 auto.optimizer_states,
                 weights,
+                modes,
             )
         return probes[key]
 
     options = []
     for s in structs:
-        split = probe(s, s.tp, s.sp) if s.tp is not None else None
-        rep = probe(s, None, False) if not s.sp else None
-        if (s.tp is not None and split is None) or (rep is None and split is None):
+        split_by = probe(s, s.tp, s.sp) if s.tp is not None else None
+        rep_by = probe(s, None, False) if not s.sp else None
+        if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
-        base = (split or rep).get("base", Terms())
         pipe = _pipeline(s, mesh, batch, pipeline)
         if s.pp is not None and pipe is None:
             continue  # fewer rows per data-parallel rank than one micro-batch per stage
-        for z in _storages(s, mesh, dp, auto):
-            options.append(_option(s, z, base_dp, pipe, base, free, split, rep, mesh, profile))
+        for mode in modes:
+            split, rep = (split_by or {}).get(mode), (rep_by or {}).get(mode)
+            if (split_by is not None and split is None) or (rep_by is not None and rep is None):
+                continue  # no block to checkpoint
+            base = (split or rep).get("base", Terms())
+            for z in _storages(s, mesh, dp, auto):
+                options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -126,10 +134,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
-    s, storage = best.option
+    s, storage, mode = best.option
     if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
-        record["chosen"] = _label(mesh, (s, storage)) + " (the tp axis split nothing)"
+        record["chosen"] = _label(mesh, (s, storage, mode)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
@@ -142,6 +150,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     chosen = {
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
         "pipeline": _pipeline(s, mesh, batch, pipeline),
+        "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
     }
     record["search_s"] = time.perf_counter() - t0
     return ann, chosen, record
@@ -176,14 +185,25 @@ def _storages(s, mesh, dp, auto) -> list[tuple]:
     return out
 
 
-def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights):
-    """The probe plan's Terms per component (None when it cannot be planned)."""
+def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes):
+    """{checkpointing mode: the probe plan's Terms per component} (None when it cannot be
+    planned; a mode missing when the plan has no block to checkpoint). The checkpointed
+    variants are the same layouts under other options (Plan.with_options: no propagation)."""
     options = PlanOptions(data_parallel=dp, strict=strict)
     try:
         plan = plan_probe(traced, options, ann)
     except PlanError:
         return None
-    return plan_terms(plan, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+    out = {}
+    for mode in modes:
+        variant = plan
+        if mode is not None:
+            try:
+                variant = plan.with_options(options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
+            except PlanError:
+                continue
+        out[mode] = plan_terms(variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+    return out
 
 
 def batch_size(traced) -> int | None:
@@ -233,7 +253,7 @@ def prefetches(dp, mesh, dp_axis) -> bool:
     return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
 
 
-def _option(s, storage, base_dp, pipe, base, free, split, rep, mesh, profile) -> Option:
+def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile) -> Option:
     dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
@@ -247,7 +267,7 @@ def _option(s, storage, base_dp, pipe, base, free, split, rep, mesh, profile) ->
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
-    return Option((s, storage), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
+    return Option((s, storage, mode), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -291,13 +311,13 @@ def job_device(traced):
 
 
 def _label(mesh, option) -> str:
-    s, (zero, shard) = option
-    if s.dp is None:
-        return s.roles(mesh)
-    label = f"{s.roles(mesh)}, ZeRO-{zero}"
-    if shard is not None and s.rep is not None:
-        label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
-    return label
+    s, (zero, shard), mode = option
+    label = s.roles(mesh)
+    if s.dp is not None:
+        label += f", ZeRO-{zero}"
+        if shard is not None and s.rep is not None:
+            label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+    return label + (f", {mode} checkpointing" if mode else "")
 
 
 def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes) -> dict:

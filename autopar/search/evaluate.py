@@ -35,10 +35,10 @@ import re
 from dataclasses import dataclass, field, fields
 
 
-from autopar.cost.activation_memory import bytes_by_node
+from autopar.cost.activation_memory import bytes_by_node, saved_activations
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops, split_factor
+from autopar.cost.plan_cost import activation_terms, node_flops, split_factor
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of
 
@@ -152,7 +152,11 @@ def plan_terms(
     sy, mesh = Numbers(plan.mesh), plan.mesh
     nw = node_weight or {}
     out: dict[str, Terms] = {}
-    kept = bytes_by_node(plan, sy)  # what autograd keeps, by the node that made it
+    saves = saved_activations(plan)
+    for technique in plan.options.techniques:  # checkpointing keeps its blocks' inputs instead
+        saves = technique.kept_saves(plan, saves)
+    kept = bytes_by_node(plan, sy, saves)  # what autograd keeps, by the node that made it
+    recomputed = set().union(*(t.recomputed(plan) for t in plan.options.techniques))
 
     def terms(key):
         return out.setdefault(key, Terms())
@@ -163,10 +167,17 @@ def plan_terms(
         t, w = terms(comp_of.get(node.name, "base")), nw.get(node.name, 1.0)
         fwd = float(node_flops(node, sy) / split_factor(layout_of(node).spec, sy)) / profile.flops_per_s
         grad = bool(plan.ctx.needs_grad.get(node))
-        t.compute += w * fwd * (3 if grad else 1)
-        t.backward += w * fwd * (2 if grad else 0)
+        again = grad and node.name in recomputed  # a checkpointed region's forward, run again in backward
+        t.compute += w * fwd * ((3 if grad else 1) + again)
+        t.backward += w * fwd * ((2 if grad else 0) + again)
     for name, b in kept.items():
         terms(comp_of.get(name, "base")).acts += nw.get(name, 1.0) * b
+    # what the techniques add beyond the kept tensors: per block (checkpointing's generator-state
+    # copies: a short probe's two blocks stand for 1 + (n - 1)), and once (a recompute's peak)
+    extra = activation_terms(plan, sy)
+    blocks = (1 + max(nw.values())) / 2 if nw else 1.0
+    per_block = float(extra.pop("activations")) - float(sum(kept.values()))
+    terms("base").acts += blocks * per_block + float(sum(extra.values()))
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     in_graph = {n.name for n in plan.graph.nodes}
     for c in collectives(plan, sy):

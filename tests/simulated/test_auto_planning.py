@@ -253,14 +253,38 @@ def test_pipeline_stages_when_only_they_fit():
     row, and the pipelined plan equals serial; ap.predict of it is the search's prediction."""
     model, args = gpt()
     mesh = mesh_of((4,))
-    free = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo"))
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", activation_checkpoint=(None,)))
     stages = next(r for r in free.built["auto"]["runners_up"] if r["option"] == "a=pp")
     others = min(r["memory"] for r in free.built["auto"]["runners_up"] if r["option"] != "a=pp")
     assert stages["memory"] < others and stages["time_s"] > free.built["auto"]["time_s"]  # not chosen unless asked
     budget = (stages["memory"] + others) / 2
-    plan = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=budget))
+    plan = ap.plan(
+        model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=budget, activation_checkpoint=(None,))
+    )
     rec = plan.built["auto"]
     assert rec["chosen"] == "a=pp" and plan.options.pipeline.microbatches == 8
     pred = ap.predict(plan, "cpu-gloo")
     assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    plan.check(*args)
+
+
+def test_checkpointing_when_the_budget_asks():
+    """A budget that plain data parallel misses by its activations: the search checkpoints the
+    blocks (selective or full), counts the recompute in the step time, and the plan equals serial;
+    ap.predict of it is the search's prediction."""
+    model, args = gpt(layers=4, tied=False)
+    mesh = mesh_of((2,))
+    auto = dict(device="cpu-gloo", zero=(0,), pipeline=False, sequence_parallel=False, vocab_parallel=False)
+    free = ap.plan(model, mesh, args=args, data_parallel="a", auto=ap.Auto(**auto))
+    rec = free.built["auto"]
+    assert "checkpointing" not in rec["chosen"]  # recompute costs time: not chosen unless asked
+    ckpt = [r for r in rec["runners_up"] if "checkpointing" in r["option"] and r["option"].startswith("a=dp")]
+    assert ckpt and all(r["time_s"] > rec["time_s"] and r["memory"] < rec["memory"] for r in ckpt)
+    budget = (max(r["memory"] for r in ckpt) + rec["memory"]) / 2
+    plan = ap.plan(model, mesh, args=args, data_parallel="a", auto=ap.Auto(memory_budget=budget, **auto))
+    chosen = plan.built["auto"]
+    assert "checkpointing" in chosen["chosen"] and plan.options.activation_checkpoint is not None
+    pred = ap.predict(plan, "cpu-gloo")
+    assert pred["time_s"] == pytest.approx(chosen["time_s"], rel=1e-6)
+    assert pred["memory"] == pytest.approx(chosen["memory"], rel=1e-6) and pred["memory"] <= budget
     plan.check(*args)
