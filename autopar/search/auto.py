@@ -335,6 +335,14 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
         )
     runners.sort(key=lambda r: (r["time_s"] is None, r["time_s"] or 0.0))
     chosen = next(o for o in options if o.label == best.option)
+    label = _label(mesh, best.option)
+    runner_up = next((r for r in runners if r["fits"] and r["option"] != label), None)
+    binding = None  # the budget binds when a faster plan exists that it refuses
+    if auto.memory_budget is not None:
+        fastest = solve(options, None, profile.overlap)
+        if fastest is not None and fastest.time < best.time * (1 - 1e-9):
+            over = {"option": _label(mesh, fastest.option), "time_s": fastest.time, "memory": fastest.memory}
+            binding = {"constraint": "memory budget", "faster": over}
     comps = []
     for c in free:
         opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
@@ -351,6 +359,8 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
         "components": comps,
         "constrained": sorted(touched),
         "runners_up": runners[:12],
+        "runner_up": runner_up,
+        "binding": binding,
         "solver": "scipy.optimize.milp (HiGHS)",
         "search_s": seconds,
         "probes": n_probes,

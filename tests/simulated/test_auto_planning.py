@@ -284,6 +284,8 @@ def test_checkpointing_when_the_budget_asks():
     plan = ap.plan(model, mesh, args=args, data_parallel="a", auto=ap.Auto(memory_budget=budget, **auto))
     chosen = plan.built["auto"]
     assert "checkpointing" in chosen["chosen"] and plan.options.activation_checkpoint is not None
+    text = plan.explain("auto")
+    assert "binding constraint: the memory budget" in text and "runner-up:" in text
     pred = ap.predict(plan, "cpu-gloo")
     assert pred["time_s"] == pytest.approx(chosen["time_s"], rel=1e-6)
     assert pred["memory"] == pytest.approx(chosen["memory"], rel=1e-6) and pred["memory"] <= budget
