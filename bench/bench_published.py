@@ -63,7 +63,7 @@ cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers
                   num_key_value_heads=kv, vocab_size=128256, max_position_embeddings=seq, use_cache=False,
                   tie_word_embeddings=False)
 with torch.device("meta"):
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # traced in bf16: activations as the runs kept them
 mesh = ap.Mesh(tuple(shape), tuple(names))
 dp_size = 1
 for n, s in zip(names, shape):
@@ -73,7 +73,7 @@ ids = torch.zeros(local * dp_size, seq, dtype=torch.long, device="meta")
 kw = {"input_ids": ids, "labels": ids}
 t0 = time.perf_counter()
 if search is None:
-    dp = ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16, replicate_axis="rep" if "rep" in names else None,
+    dp = ap.DataParallel("dp", zero=3, replicate_axis="rep" if "rep" in names else None,
                          shard_size=(shape[0] * shape[1]) if "rep" in names else None)
     ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True) if "tp" in names else {}
     pipe = ap.Pipeline("pp", microbatches=local, schedule="1f1b") if "pp" in names else None

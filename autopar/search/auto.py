@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from autopar.cost.activation_memory import saved_activations, share_saved_activations
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
@@ -195,6 +196,7 @@ def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profi
     except PlanError:
         return None
     out = {}
+    saves = saved_activations(plan)
     for mode in modes:
         variant = plan
         if mode is not None:
@@ -202,6 +204,7 @@ def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profi
                 variant = plan.with_options(options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
             except PlanError:
                 continue
+            share_saved_activations(variant, saves)  # same graph and layouts: the same saved tensors
         out[mode] = plan_terms(variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
     return out
 
