@@ -53,12 +53,12 @@ def gpt():
 
 def measure(build, policy) -> dict:
     model, kw = build()
-    model = model.to(torch.bfloat16)
-    extra = {"activation_checkpoint": ap.ActivationCheckpoint(policy)} if policy else {}
-    plan = ap.plan(model, ap.Mesh((1,), ("dp",)), kwargs=kw, dynamic=False, **extra)
-    predicted = plan.memory_per_rank(0)
-    module = plan.module(0).cuda()
+    model = model.to(device="cuda", dtype=torch.bfloat16)  # traced on CUDA: its constants are made there
     inputs = {k: v.cuda() for k, v in kw.items()}
+    extra = {"activation_checkpoint": ap.ActivationCheckpoint(policy)} if policy else {}
+    plan = ap.plan(model, ap.Mesh((1,), ("dp",)), kwargs=inputs, dynamic=False, **extra)
+    predicted = plan.memory_per_rank(0)
+    module = plan.module(0)
 
     def step():
         out = module(**inputs)
