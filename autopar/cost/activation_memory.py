@@ -48,6 +48,12 @@ class Saved:
     ref: tuple = ("out", 0)  # own tensors: the consumer's largest tensor ("in", i) or ("out", j)
 
 
+def share_saved_activations(plan, saves: list[Saved]) -> None:
+    """Give ``plan`` the saved tensors of another plan on the same graph and layouts (the search's
+    variants under other technique options), so that they are not probed again."""
+    plan.__dict__["_saved_activations"] = saves
+
+
 def saved_activations(plan) -> list[Saved]:
     """Every tensor the plan's backward keeps, once per (consumer, producer, index)."""
     cache = plan.__dict__.setdefault("_saved_activations", None)

@@ -33,7 +33,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.parallel import ac_memory
-from autopar.parallel.ac_regions import chosen_blocks, outline, spans
+from autopar.parallel.ac_regions import chosen_blocks, outline, spans, block_of
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.runtime.recompute import MODES, Region, is_collective
@@ -173,6 +173,19 @@ class ActivationCheckpoint(Technique):
     def activations(self, plan, symbols, terms: dict) -> dict:
         """Activations as checkpointing keeps them, and ``recompute``: one block's recompute at its peak."""
         return ac_memory.checkpointed_terms(plan, self, symbols, terms)
+
+    def kept_saves(self, plan, saves: list) -> list:
+        return ac_memory.checkpointed_saves(plan, self)[0]
+
+    def recomputed(self, plan) -> set:
+        """Every node of a checkpointed block; under the selective policy, less the ops it keeps."""
+        blocks = set(plan.built[self.name])
+        keep = self.graph_save_ops() if self.mode == "selective" else frozenset()
+        return {
+            n.name
+            for n in plan.graph.nodes
+            if n.op == "call_function" and n.target not in keep and block_of(n, blocks) is not None
+        }
 
     def fields(self) -> dict:
         out = super().fields()
