@@ -88,8 +88,9 @@ def _tp_transform(model, args, rank, world, kind):
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
 
 
-def contenders(kind, size, rank, world):
-    """name -> (module, args), plus notes for contenders that could not be built."""
+def contenders(kind, size, rank, world, only=None):
+    """name -> (module, args), plus notes for contenders that could not be built (``only``: the
+    autopar and Megatron pair alone, for a profile)."""
     model, args = build(kind, size)
     mesh = ap.Mesh((world,), ("tp",))
     t0 = time.perf_counter()
@@ -102,6 +103,8 @@ def contenders(kind, size, rank, world):
         }
     )
     t2 = time.perf_counter()
+    if only is not None:
+        return out, {}, None
     out["dtensor"] = (_dtensor(model, world, kind), args)
     t3 = time.perf_counter()
     notes = {"build_s": f"autopar {t1 - t0:.1f}, megatron x2 {t2 - t1:.1f}, dtensor {t3 - t2:.1f}"}

@@ -106,6 +106,10 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
     _LIB.impl(name, fn.apply, "Autograd")
+    _FUNCTIONS[name] = fn
+
+
+_FUNCTIONS: dict = {}  # op name -> its autograd.Function (what its Autograd kernel runs)
 
 
 def _call(name: str, *args):
