@@ -170,11 +170,18 @@ def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str)
     return torch.zeros_like(x)
 
 
-def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, alias: bool = False) -> torch.Tensor:
+def grad_all_reduce(
+    x: torch.Tensor, axis: str, group: list[int], rank: int, alias: bool = False, grad_owned: bool = False
+) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's "f").
 
     Placed where a replicated tensor feeds computation that is split on ``axis``: each rank's
     gradient is then only its part's contribution, and the sum over the group is the whole.
+
+    ``grad_owned``: the emitter saw that only matmul-like ops read the output (their backward
+    makes the gradient afresh, nothing else holds it) and the program runs in plain eager mode:
+    the backward may then reduce the gradient in place, as Megatron's f does, instead of
+    copying it first.
     """
     return x.clone()
 
@@ -189,7 +196,7 @@ def scale_grad(x: torch.Tensor, axis: str, factor: float, alias: bool = False) -
     return x.clone()
 
 
-def _grad_all_reduce_eager(x, axis, group, rank, alias=False):
+def _grad_all_reduce_eager(x, axis, group, rank, alias=False, grad_owned=False):
     """The eager path of an identity op: its input itself where the program allowed it
     (``alias``, from ``plain_eager()``), else a fresh copy as the schema promises."""
     return x if alias else x.clone()
@@ -265,7 +272,12 @@ def _to_partial_bwd(ctx, g):
 
 
 def _grad_all_reduce_bwd(ctx, g):
-    return _call("all_reduce", g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None
+    g = g.contiguous()
+    if getattr(ctx, "grad_owned", False) and _fast(g) and not (torch.is_grad_enabled() and g.requires_grad):
+        backend = current_backend()
+        if backend.supports_in_place:  # a fresh gradient nothing else reads: reduced in place
+            return backend.all_reduce_(g, tuple(ctx.group), ctx.rank, "sum"), None, None, None, None, None
+    return _call("all_reduce", g, ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None, None
 
 
 def _scale_grad_bwd(ctx, g):
@@ -319,11 +331,11 @@ _define(
 )
 _define(
     "grad_all_reduce",
-    f"(Tensor x, {_G}, bool alias=False) -> Tensor",
+    f"(Tensor x, {_G}, bool alias=False, bool grad_owned=False) -> Tensor",
     grad_all_reduce,
     _same,
     _grad_all_reduce_bwd,
-    ("axis", "group", "rank"),
+    ("axis", "group", "rank", "alias", "grad_owned"),
     eager=_grad_all_reduce_eager,
 )
 _define(
