@@ -157,7 +157,11 @@ def check_local_inputs(
 
     The verdict depends on the inputs' shapes, dtypes and requires_grad (and grad mode) only,
     so a signature seen to pass is remembered per program (``checks`` is the program's
-    constant): a training loop's steps pay a tuple compare, not the walk over every dim."""
+    constant): a training loop's steps pay a tuple compare, not the walk over every dim.
+    torch.compile traces the check itself (its shape tests become the graph's guards)."""
+    if torch.compiler.is_compiling():
+        _check(values, checks, rank, divisors, links, dtypes, no_grad)
+        return
     signature = (torch.is_grad_enabled(), rank) + tuple(
         (v.shape, v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None for v in values
     )

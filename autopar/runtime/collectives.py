@@ -112,6 +112,31 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
 _FUNCTIONS: dict = {}  # op name -> its autograd.Function (what its Autograd kernel runs)
 
 
+def eager_caller(name: str):
+    """A Python callable for op ``name`` as the emitted program calls it (codegen/fast_calls.py):
+    in plain eager mode its autograd.Function directly, with the schema's defaults filled in
+    (what the dispatcher's Autograd kernel would run, without the round trip through the
+    dispatcher, about 10 us a call); otherwise (torch.compile, a tracing mode) the op itself.
+    None for an autopar op defined elsewhere (random draws)."""
+    if name not in _FUNCTIONS:
+        return None
+    op, fn = getattr(ops, name).default, _FUNCTIONS[name]
+    arguments = op._schema.arguments
+    names = [a.name for a in arguments]
+    defaults = [a.default_value if a.has_default_value() else None for a in arguments]
+    n = len(names)
+
+    def call(*args, **kwargs):
+        if not plain_eager():
+            return op(*args, **kwargs)
+        if kwargs or len(args) < n:
+            args = args + tuple(kwargs.get(k, d) for k, d in zip(names[len(args) :], defaults[len(args) :]))
+        return fn.apply(*args)
+
+    call.__name__ = call.__qualname__ = f"eager_{name}"
+    return call
+
+
 def _call(name: str, *args):
     """Run op ``name`` from a backward: the kernel directly when nothing needs to see or
     differentiate it (no double backward), the op otherwise."""
