@@ -24,6 +24,7 @@ from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.search.auto import search
 from autopar.sharding.annotations import Seeds, replicated, resolve
+from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
@@ -124,10 +125,12 @@ def plan_traced(
 ) -> Plan:
     """The stages after tracing: seed -> propagate -> gradient flow -> Plan -> techniques (the
     search plans its probes on one trace with this)."""
+    data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
     if seeds is None:
-        data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
         seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, ndims)
     _unify_tied(seeds, traced)
+    # each expert_parallel module as one moe_experts op
+    collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
     ctx = propagate(traced, mesh, seeds, options.strict)
     if enforce is not None:
         enforce(traced.gm.graph)

@@ -109,6 +109,13 @@ How to read it:
   the load adds per rank (kernel VmHWM, reset before), against the rank's pieces plus the largest
   tensor. DCP save/load times (max over ranks) and bytes on disk against `dcp.save` of the serial
   model's `state_dict()` in one process.
+- **experts**: a
+  Mixtral-shaped model (2 layers, hidden 128, 8 experts top-2, expert ffn 256, 4 x 64 tokens per
+  rank) data parallel on 4 gloo processes, its experts three ways: `expert_parallel("dp")` (all-to-all
+  dispatch, 1/4 of the experts per rank), the expert weights split on dp without the dispatch
+  (`ap.place(Shard(0))`: the grouped matmuls split op by op, tokens gathered over dp around them),
+  and plain dp with every expert on every rank. Step time (SGD, alternating, medians) and bytes per
+  step and rank from `Plan.collectives()` (the dispatch's rows at their uniform-routing expectation).
 - Wall-clock figures depend on the machine's load (it is shared); ratios much less so."""
 
 

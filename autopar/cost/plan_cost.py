@@ -159,7 +159,8 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
 
 def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
     """Global forward FLOPs of one op by the work its rule file declares: matmuls 2*M*N*K,
-    attention 4*L*S*D per head, views none, anything else one per output element."""
+    attention 4*L*S*D per head, MoE experts 2*T*k*(one expert's weights), views none, anything
+    else one per output element."""
     work = op_work(node)
     outs = [v for v in tensor_outputs(node) if v is not None]
     if work is VIEW or not outs:
@@ -171,6 +172,9 @@ def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
     if work.kind == "attention":
         q, key = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4 * sy.numel(q.shape) * sy.dim(key.shape[-2])
+    if work.kind == "experts":  # every routed row through one expert's weights
+        weights = [p.meta["val"] for p in node.args[3] if p.meta["val"].dim() == 3]
+        return 2 * sy.numel(node.args[1].meta["val"].shape) * sum(sy.numel(w.shape[1:]) for w in weights)
     return out_numel
 
 

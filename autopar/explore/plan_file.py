@@ -119,6 +119,8 @@ def plan_record(plan) -> dict:
                 k: {str(a): placement_text(p) for a, p in v.items()} for k, v in seeds.module_outputs.items()
             },
             "reasons": dict(seeds.reasons),
+            "experts": dict(seeds.experts),
+            "expert_tp": dict(seeds.expert_tp),
         },
         "nodes": nodes,
     }
@@ -255,6 +257,8 @@ def _seeds_in(s: dict) -> Seeds:
         {k: _spec_in(v) for k, v in s["inputs"].items()},
         {k: {int(a): parse_placement(p) for a, p in v.items()} for k, v in s["module_outputs"].items()},
         dict(s["reasons"]),
+        {k: int(a) for k, a in s.get("experts", {}).items()},
+        {k: int(a) for k, a in s.get("expert_tp", {}).items()},
     )
 
 

@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import PlanError
 from autopar.parallel.param_names import held_params
-from autopar.parallel.zero import ZeroOptimizer
+from autopar.parallel.zero import ZeroOptimizer, group_params
 from autopar.placement import Replicate, local_shape, shard_tensor
 from autopar.runtime.backend import current_backend
 
@@ -56,6 +56,7 @@ class Optimizer(torch.optim.Optimizer):
         plan, rank = _plan_and_rank(module)
         everywhere = _selected(module, plan, params)  # every rank's selection, in one order
         named = [(n, p) for n, p in everywhere if p is not None]  # what this rank holds
+        names = [n for n, _ in everywhere]
         if elementwise is None:
             elementwise = getattr(optimizer_class, "__name__", "") in ELEMENTWISE
         sync = getattr(module, "autopar_grad_sync", None)
@@ -66,7 +67,7 @@ class Optimizer(torch.optim.Optimizer):
         if elementwise and zero12:
             self.inner = ZeroOptimizer(module, optimizer_class, param_groups, **defaults)
         elif elementwise:
-            self.inner = optimizer_class(_groups(named, param_groups or []), **defaults)
+            self.inner = optimizer_class(group_params(named, param_groups or [], names), **defaults)
         else:
             if getattr(optimizer_class, "__name__", "") in ("LBFGS", "SparseAdam"):
                 raise PlanError(
@@ -74,7 +75,8 @@ class Optimizer(torch.optim.Optimizer):
                     "over the whole model, SparseAdam needs sparse gradients); use another optimizer."
                 )
             self.whole = WholeTensorStep(plan, rank, everywhere, sync if zero12 else None)
-            self.inner = optimizer_class(_groups(list(self.whole.shadows.items()), param_groups or []), **defaults)
+            shadows = list(self.whole.shadows.items())
+            self.inner = optimizer_class(group_params(shadows, param_groups or [], names), **defaults)
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state  # one truth
 
@@ -299,15 +301,6 @@ def _all_names(module) -> dict:
     if isinstance(runner_params, dict):
         return {n: p for n, p in runner_params.items() if isinstance(p, torch.nn.Parameter)}
     return dict(module.named_parameters(remove_duplicate=False))
-
-
-def _groups(named: list, spec: list[dict]) -> list[dict]:
-    """Param groups from name patterns (ap.ZeroOptimizer's form); unmatched names in the last."""
-    out = [dict(g, params=[]) for g in spec] + [{"params": []}]
-    for name, t in named:
-        k = next((j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])), len(spec))
-        out[k]["params"].append(t)
-    return [g for g in out if g["params"]]
 
 
 # ------------------------------------------------------------------ the guard on plain optimizers

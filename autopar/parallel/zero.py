@@ -139,15 +139,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sharded = {n for i in self.shards.bucket_ids for n in sync.buckets[i].names}
         tensors = [(p.name, p.tensor) for p in self.shards.all_pieces()]
         tensors += [(n, p) for n, p in sync.params.items() if p.requires_grad and n not in sharded]
-        out = [dict(g, params=[]) for g in spec] + [{"params": []}]
-        for name, t in tensors:
-            k = next(
-                (j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])), len(spec)
-            )
-            out[k]["params"].append(t)
-        if not out[-1]["params"]:  # a rank may own only padding: keep the group non-empty
-            out[-1]["params"].append(torch.zeros(0))
-        return [g for g in out if g["params"]]
+        trainable = [n for n, p in sync.params.items() if p.requires_grad]  # the same on every dp rank
+        return group_params(tensors, spec, trainable)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,6 +167,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (1/dp of the unsharded optimizer's)."""
         return state_bytes(self.optim)
+
+
+def group_params(named: list, spec: list[dict], every_name: list[str]) -> list[dict]:
+    """Param groups from name patterns: ``spec``'s groups in order, then one for the names that
+    match none (only if some name anywhere does). ``named``: (serial name, tensor) this rank
+    steps; ``every_name``: the names every rank steps. Every rank gets the same groups, empty
+    where it holds none of a group's parameters (a ZeRO slice, a pipeline stage): checkpoints
+    match groups by position (ap.set_state_dict) and LR schedulers set them by index, so a
+    dropped group would hand its hyperparameters to the next one.
+
+    Example:
+        >>> group_params([("w", w)], [{"params": ["*.bias"], "weight_decay": 0}], ["w", "b.bias"])
+        [{'params': [], 'weight_decay': 0}, {'params': [w]}]
+    """
+
+    def group_of(name: str) -> int:
+        return next(
+            (j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])), len(spec)
+        )
+
+    out = [dict(g, params=[]) for g in spec] + [{"params": []}]
+    for name, t in named:
+        out[group_of(name)]["params"].append(t)
+    return out if any(group_of(n) == len(spec) for n in every_name) or not spec else out[:-1]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -95,6 +95,8 @@ def megatron(
     sequence_parallel: bool = False,
     vocab: bool = True,
     experts: bool = True,
+    expert_axis: str | None = None,
+    expert_tp: bool = False,
 ) -> Preset:
     """The Megatron tensor-parallel annotations for ``model`` on mesh axis ``axis``.
 
@@ -102,6 +104,13 @@ def megatron(
     ``dummy_inputs``, as HuggingFace models have). With ``experts`` (the default), the
     experts of MoE blocks (modules whose stacked 3-D weights feed grouped expert matmuls)
     are split over ``axis`` too: ``expert_parallel(axis)``, each rank holds E/n experts.
+    ``expert_axis`` puts them on another axis instead: on the data-parallel axis, tokens are
+    dispatched to their experts' ranks by all-to-all (expert parallelism, docs/experts.md)
+    while the dense layers stay tensor-parallel on ``axis``; with ``expert_tp`` each expert is
+    split over ``axis`` too (expert tensor parallelism: ``expert_parallel(expert_axis, tp=axis)``).
+
+    Example:
+        >>> ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp")   # mesh ("dp", "tp")
     """
     if not args and not kwargs:
         kwargs = dict(getattr(model, "dummy_inputs", None) or {})
@@ -131,9 +140,10 @@ def megatron(
         why.append(f"{row}: {ann[row]!r}, reads only {', '.join(cols)}")
     if vocab:
         _vocab(g, ann, why, axis, sp_out)
+    on = expert_axis or axis
     for path, count in moe.items():
-        ann[path] = expert_parallel(axis)
-        why.append(f"{path}: expert_parallel({axis!r}), {count} experts run by grouped matmuls")
+        ann[path] = expert_parallel(on, tp=axis if expert_tp and on != axis else None)
+        why.append(f"{path}: {ann[path]!r}, {count} experts run by grouped matmuls")
     for path in sorted(set(g.linears()) - set(ann)):
         why.append(f"{path}: left replicated, {g.why_not.get(path, 'not part of a column/row pair')}")
     if sequence_parallel:

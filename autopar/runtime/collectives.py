@@ -185,7 +185,9 @@ def shard(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> 
     """R -> S(dim): keep this rank's chunk, locally (backward all-gathers)."""
     n = len(group)
     size = x.shape[dim] // n
-    return x.narrow(dim, _pos(group, rank) * size, size).clone()
+    # contiguous, as the fake kernel says: a plain clone keeps a permuted input's layout, and
+    # inductor's stride asserts then failed (a compiled tp module's backward, attention heads)
+    return x.narrow(dim, _pos(group, rank) * size, size).clone(memory_format=torch.contiguous_format)
 
 
 def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str) -> torch.Tensor:
@@ -231,9 +233,30 @@ def _scale_grad_eager(x, axis, factor, alias=False):
     return x if alias else x.clone()
 
 
+def all_to_all_v(
+    x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, axis: str, group: list[int], rank: int
+) -> torch.Tensor:
+    """Rows of ``x`` to the group's ranks in variable numbers (MoE token dispatch): the first
+    ``send_counts[0]`` rows to the group's first rank, the next ``send_counts[1]`` to the second,
+    ...; the result holds ``recv_counts[i]`` rows from the i-th rank, in group order. A count
+    may be zero. The counts are tensors (a program computes them from the routing) of length
+    the group size; each rank's ``recv_counts`` must be what the others send it."""
+    return current_backend().all_to_all_v(x, send_counts.tolist(), recv_counts.tolist(), tuple(group), rank)
+
+
 _KERNELS = {
     f.__name__: f
-    for f in (all_reduce, all_gather, reduce_scatter, all_to_all, shard, to_partial, grad_all_reduce, scale_grad)
+    for f in (
+        all_reduce,
+        all_gather,
+        reduce_scatter,
+        all_to_all,
+        shard,
+        to_partial,
+        grad_all_reduce,
+        scale_grad,
+        all_to_all_v,
+    )
 }
 
 
@@ -261,6 +284,11 @@ def _all_to_all_fake(x, src_dim, dst_dim, axis, group, rank):
     return x.new_empty(shape)
 
 
+def _all_to_all_v_fake(x, send_counts, recv_counts, axis, group, rank):
+    rows = torch.library.get_ctx().new_dynamic_size()  # known only from the counts' values
+    return x.new_empty((rows, *x.shape[1:]))
+
+
 # --------------------------------------------------------------------------------- autograd
 def _all_reduce_bwd(ctx, g):
     if ctx.op == "avg":
@@ -281,6 +309,12 @@ def _reduce_scatter_bwd(ctx, g):
 
 def _all_to_all_bwd(ctx, g):
     back = _call("all_to_all", g.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.axis, ctx.group, ctx.rank)
+    return back, None, None, None, None, None
+
+
+def _all_to_all_v_bwd(ctx, g):
+    # the rows came back the way they went: what this rank received it now sends
+    back = _call("all_to_all_v", g.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.axis, ctx.group, ctx.rank)
     return back, None, None, None, None, None
 
 
@@ -342,6 +376,14 @@ _define(
     _all_to_all_fake,
     _all_to_all_bwd,
     ("src_dim", "dst_dim", "axis", "group", "rank"),
+)
+_define(
+    "all_to_all_v",
+    f"(Tensor x, Tensor send_counts, Tensor recv_counts, {_G}) -> Tensor",
+    all_to_all_v,
+    _all_to_all_v_fake,
+    _all_to_all_v_bwd,
+    ("send_counts", "recv_counts", "axis", "group", "rank"),
 )
 _define(
     "shard", f"(Tensor x, int dim, {_G}) -> Tensor", shard, _split_fake, _shard_bwd, ("dim", "axis", "group", "rank")

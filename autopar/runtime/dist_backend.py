@@ -107,6 +107,19 @@ class DistBackend:
         pieces = self.all_gather(x, 0, group, rank, kind="all_to_all").chunk(len(group), dim=0) if x.dim() else None
         return all_to_all_local(list(pieces), src_dim, dst_dim, _pos(group, rank)).contiguous()
 
+    def all_to_all_v(self, x, send, recv, group, rank):
+        """Rows in variable numbers (``dist.all_to_all_single`` with split sizes; gloo has it)."""
+        x = x.contiguous()
+        self._note("all_to_all", group, x)
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        pg = self._pg(group, rank)
+        self._run(
+            "all_to_all",
+            group,
+            lambda a: dist.all_to_all_single(out, x, list(recv), list(send), group=pg, async_op=a),
+        )
+        return out
+
     def all_reduce_async(self, flat, group, rank):
         self._note("all_reduce", group, flat)
         pg = self._pg(group, rank)

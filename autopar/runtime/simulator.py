@@ -51,14 +51,15 @@ class SimBackend:
             self.failed[rank] = error
             self.cv.notify_all()
 
-    def _exchange(self, kind: str, group: tuple, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, kind: str, group: tuple, rank: int, x, record: bool = True) -> list:
         """Hand in this rank's tensor; get every group member's, in group order."""
         key = (group, rank)
         with self.cv:
             seq = self.calls[key]
             self.calls[key] += 1
             rnd = self.rounds.setdefault((group, seq), _Round())
-            rnd.pieces[rank] = x.detach().clone()  # the caller may reuse its buffer
+            # the caller may reuse its buffer (a list: all_to_all_v's row counts, kept as they are)
+            rnd.pieces[rank] = x.detach().clone() if isinstance(x, torch.Tensor) else x
             self.cv.notify_all()
             if not self.cv.wait_for(lambda: len(rnd.pieces) == len(group) or self.failed, self.timeout):
                 missing = sorted(set(group) - set(rnd.pieces))
@@ -74,7 +75,7 @@ class SimBackend:
             rnd.taken += 1
             if rnd.taken == len(group):
                 del self.rounds[(group, seq)]
-            if self.stats is not None and _pos(group, rank) == 0:
+            if record and self.stats is not None and _pos(group, rank) == 0:
                 self.stats.record(kind, group, x)
             return [rnd.pieces[r] for r in group]
 
@@ -100,6 +101,20 @@ class SimBackend:
     def all_to_all(self, x, src_dim, dst_dim, group, rank):
         pieces = self._exchange("all_to_all", group, rank, x)
         return all_to_all_local(pieces, src_dim, dst_dim, _pos(group, rank)).contiguous()
+
+    def all_to_all_v(self, x, send, recv, group, rank):
+        """Rows in variable numbers: every rank hands in its rows and its send counts."""
+        counts = self._exchange("all_to_all_v counts", group, rank, list(send), record=False)
+        pieces = self._exchange("all_to_all", group, rank, x)
+        pos = _pos(group, rank)
+        mine = []
+        for piece, sent in zip(pieces, counts):
+            start = sum(sent[:pos])
+            mine.append(piece.narrow(0, start, sent[pos]))
+        got = [m.shape[0] for m in mine]
+        if got != list(recv):
+            raise SimulationError(f"rank {rank}: all_to_all_v expected rows {list(recv)} from {list(group)}, got {got}")
+        return torch.cat(mine, dim=0) if mine else x.new_empty((0, *x.shape[1:]))
 
     def all_reduce_async(self, flat, group, rank):
         return _SimWork(self, flat, group, rank)

@@ -127,15 +127,20 @@ class expert_parallel(Annotation):
     is split on dim 0, so each rank holds E/n whole experts. Each rank runs the tokens routed
     to its experts; every token's expert outputs are summed over ``axis`` (a partial sum).
     presets.megatron finds such modules (the weights of grouped expert matmuls) by itself.
+    On the axis that splits the batch, tokens are dispatched to their experts' ranks by
+    all-to-all (docs/experts.md). ``tp``: each expert's matmuls also split over that axis
+    (expert tensor parallelism: the first grouped matmul column-parallel, fused gate|up blocks
+    kept whole per rank, the last row-parallel, the output a partial sum over ``tp``).
 
     Example:
-        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("tp")}
+        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("dp", tp="tp")}
     """
 
     axis: str
+    tp: str | None = None
 
     def __repr__(self) -> str:
-        return f"expert_parallel({self.axis!r})"
+        return f"expert_parallel({self.axis!r}" + (f", tp={self.tp!r})" if self.tp else ")")
 
 
 @dataclass
@@ -146,6 +151,8 @@ class Seeds:
     inputs: dict[str, tuple] = field(default_factory=dict)  # input name -> placements
     module_outputs: dict[str, dict[int, Placement]] = field(default_factory=dict)  # path -> {axis: p}
     reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
+    experts: dict[str, int] = field(default_factory=dict)  # expert_parallel module path -> mesh axis
+    expert_tp: dict[str, int] = field(default_factory=dict)  # module path -> axis splitting each expert
 
 
 def _layer_kind(module: nn.Module) -> str:
@@ -204,7 +211,7 @@ def resolve(
         elif isinstance(ann, replicated):
             _apply_replicate(pattern, modules, params, mesh, put, why)
         elif isinstance(ann, expert_parallel):
-            _apply_experts(pattern, ann, modules, mesh, put, why)
+            _apply_experts(pattern, ann, modules, mesh, put, why, seeds)
         elif isinstance(ann, sequence_parallel):
             for path in _matching(pattern, [n for n in modules if n], "module path"):
                 seeds.module_outputs.setdefault(path, {})[mesh.axis_index(ann.axis)] = Shard(ann.dim)
@@ -256,7 +263,7 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
                 put(fqn, axis, R, why)
 
 
-def _apply_experts(pattern, ann, modules, mesh, put, why):
+def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
     axis = mesh.axis_index(ann.axis)
     for path in _matching(pattern, [n for n in modules if n], "module path"):
         own = dict(modules[path].named_parameters(recurse=False))
@@ -268,6 +275,16 @@ def _apply_experts(pattern, ann, modules, mesh, put, why):
                 f"{[tuple(p.shape) for p in own.values()]}. Annotate the module holding the stacked expert weights."
             )
         experts = counts.pop()
+        n = mesh.shape[axis]
+        if experts % n:
+            raise AnnotationError(
+                f"{ann!r} on module {path!r}: {experts} experts do not divide over the {n} ranks of axis "
+                f"{ann.axis!r}" + (" (more ranks than experts)" if n > experts else "") + ". Put the experts on an "
+                f"axis whose size divides {experts}, or use a smaller mesh axis."
+            )
+        seeds.experts[path] = axis
+        if ann.tp is not None:
+            seeds.expert_tp[path] = mesh.axis_index(ann.tp)
         for pname, p in own.items():
             put(f"{path}.{pname}", axis, Shard(0) if p.dim() >= 2 and p.shape[0] == experts else R, why)
 

@@ -75,7 +75,7 @@ def trace(
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar needs an nn.Module, got {type(model).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
-    kwargs = dict(kwargs or {})
+    args, kwargs = _distinct_inputs(args, dict(kwargs or {}))
     found = find_repeated(model) if repeat_blocks else None
     if found is not None:
         try:
@@ -158,6 +158,25 @@ def _lazily_compiled(gm: fx.GraphModule) -> fx.GraphModule:
     except Exception:  # noqa: BLE001 - a torch without it: compile now
         gm.recompile()
         return gm
+
+
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every tensor passed more than once replaced, after its first use,
+    by a copy. torch.export makes one placeholder of a tensor object passed twice, so
+    ``plan(model, args=(x, x))`` (ids as their own placeholder labels) traced a model that reads
+    its first argument for both and ignores the second: a causal LM then trained on
+    ``targets = inputs``, its loss falling fast and wrong."""
+    seen: set[int] = set()
+
+    def distinct(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) in seen:
+            return v.detach().clone().requires_grad_(v.requires_grad)
+        seen.add(id(v))
+        return v
+
+    return pytree.tree_map(distinct, (args, kwargs))
 
 
 def _dynamic_shapes(model, args, kwargs):

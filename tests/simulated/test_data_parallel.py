@@ -194,6 +194,41 @@ def test_zero_optimizer_state_is_one_dp_th_per_rank():
         assert all(left == 0 for _, left in out) if stage == 2 else all(left > 0 for _, left in out)
 
 
+def test_zero_param_groups_are_the_same_on_every_rank():
+    """A group none of whose parameters fall in a rank's ZeRO slice (the final norm, on dp4) stays
+    on that rank, empty: groups are matched by position in checkpoints and LR schedulers, so
+    dropping it gave its weight_decay=0 to the decayed group on resume. Training equals serial
+    AdamW with the same groups."""
+    plan = plan_for("dp4", zero=1)
+    groups = [{"params": ["norm.*"], "weight_decay": 0.0, "lr": 0.02}]
+
+    def step(rank):
+        module = plan.build_module(rank)
+        opt = ap.ZeroOptimizer(module, torch.optim.AdamW, param_groups=groups, lr=0.01, weight_decay=0.1)
+        for x in H.batches():
+            H.loss_of(module(plan.local_inputs(rank, x)[0][0])).backward()
+            opt.step()
+            opt.zero_grad()
+        kept = [(g["weight_decay"], g["lr"], len(g["params"])) for g in opt.param_groups]
+        return kept, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    out = run(plan, step)
+    kept = [k for k, _ in out]
+    assert [[(wd, lr) for wd, lr, _ in k] for k in kept] == [[(0.0, 0.02), (0.1, 0.01)]] * 4
+    assert any(n == 0 for k in kept for _, _, n in k)  # some rank owns no norm piece: the bug's case
+    model = H.make_model()
+    norm = [p for n, p in model.named_parameters() if n.startswith("norm.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("norm.")]
+    opt = torch.optim.AdamW(
+        [{"params": norm, "weight_decay": 0.0, "lr": 0.02}, {"params": rest}], lr=0.01, weight_decay=0.1
+    )
+    for x in H.batches():
+        H.loss_of(model(x)).backward()
+        opt.step()
+        opt.zero_grad()
+    H.compare(plan.merge_state_dicts([p for _, p in out]), dict(model.named_parameters()), "zero1", "param groups")
+
+
 def test_options_are_checked():
     with pytest.raises(ap.DataParallelError, match="zero"):
         ap.DataParallel("dp", zero=4)  # 3 is fully sharded (test_fsdp.py)

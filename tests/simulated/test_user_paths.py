@@ -223,3 +223,26 @@ def test_input_of_another_dtype_is_an_input_error_naming_it():
     policy = mlp.with_data_parallel(ap.DataParallel("dp", param_dtype=torch.bfloat16))
     outs = policy.simulate(lambda m, a: m(a), H.batches(1)[0].double())
     assert all(o.dtype == torch.bfloat16 for o in outs)
+
+
+def test_one_tensor_passed_twice_as_example_traces_two_inputs():
+    """torch.export makes one placeholder of a tensor object passed twice: ap.plan(args=(x, x))
+    traced a model that read its first argument for both (a causal LM trained on targets = ids).
+    The trace copies the repeated tensor, so each argument is its own input."""
+
+    class Regression(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, target):
+            return (self.lin(x) - target).square().mean()
+
+    torch.manual_seed(0)
+    model, t = Regression(), torch.randn(4, 4)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(t, t), data_parallel="dp")
+    assert len(plan.traced.user_inputs) == 2
+    x, target = torch.randn(4, 4), torch.randn(4, 4)
+    plan.check(x, target)
+    got = plan.simulate(lambda module, a, b: module(a, b).item(), x, target)
+    assert got == pytest.approx([model(x, target).item()] * 2, rel=1e-6)

@@ -50,6 +50,31 @@ def test_sim_backend_all_to_all_matches_definition():
     torch.testing.assert_close(outs[1], full[:, 2:])
 
 
+def test_sim_backend_all_to_all_v_variable_rows_and_gradient():
+    """autopar::all_to_all_v: rank r sends send[r][j] rows to rank j (zero included: rank 2
+    gets nothing from rank 0, and rank 0 nothing at all from rank 1); the backward sends each
+    row's gradient back where the row came from."""
+    send = [[2, 0, 1], [0, 3, 0], [1, 1, 2]]
+    recv = [[send[i][r] for i in range(3)] for r in range(3)]
+    rows = [torch.arange(float(sum(c))).unsqueeze(1) + 10 * r for r, c in enumerate(send)]
+    backend = SimBackend(3)
+
+    def step(r):
+        x = rows[r].clone().requires_grad_(True)
+        y = ops.all_to_all_v(x, torch.tensor(send[r]), torch.tensor(recv[r]), "a", [0, 1, 2], r)
+        (y * (r + 1)).sum().backward()
+        return y.detach(), x.grad
+
+    with use_backend(backend):
+        outs = run_ranks(3, step, backend=backend)
+    for r, (y, _) in enumerate(outs):
+        want = [rows[i][sum(send[i][:r]) : sum(send[i][: r + 1])] for i in range(3)]
+        torch.testing.assert_close(y, torch.cat(want))
+    for i, (_, grad) in enumerate(outs):  # each row's gradient: the factor of the rank it went to
+        dest = torch.repeat_interleave(torch.arange(3), torch.tensor(send[i])) + 1.0
+        torch.testing.assert_close(grad, dest.unsqueeze(1))
+
+
 def test_simulator_fails_other_ranks_when_one_raises():
     def fn(rank):
         if rank == 1:
@@ -97,3 +122,14 @@ def test_consistency_compare_names_ranks_and_first_differing_collective():
     shorter = [same[0], ("ab", [])]
     with pytest.raises(ap.InconsistentPlanError, match="nothing"):
         compare(shorter)
+
+
+def test_shard_of_a_permuted_tensor_is_laid_out_as_its_fake_kernel_says():
+    """The real shard kernel returned a permuted input's layout (clone preserves it) while its fake
+    kernel says contiguous: inductor's stride asserts failed in a compiled tp module's backward."""
+    x = torch.randn(8, 32, 4, 8).transpose(1, 2)  # (batch, heads, seq, dim) from (batch, seq, heads, dim)
+    real = ops.shard(x, 1, "tp", [0, 1], 1)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = ops.shard(mode.from_tensor(x), 1, "tp", [0, 1], 1)
+    assert real.stride() == fake.stride() and real.is_contiguous()
+    torch.testing.assert_close(real, x[:, 2:])

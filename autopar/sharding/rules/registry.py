@@ -132,13 +132,15 @@ class Work:
     """The work an op does, as the cost model counts it (cost/plan_cost.py): ``elementwise`` one
     FLOP per output element; ``view`` none, and its output shares its input's memory; ``matmul``
     2 M N K (``lhs_arg``: the argument whose last dim is contracted); ``attention`` 4 L S D per
-    head (scaled dot-product attention's two matmuls)."""
+    head (scaled dot-product attention's two matmuls); ``experts`` a MoE experts module's grouped
+    matmuls, 2 x routed rows (tokens x top-k) x one expert's weights (rules/moe_blocks.py)."""
 
     kind: str
     lhs_arg: int = 0
 
 
 ELEMENTWISE, VIEW, MATMUL, ATTENTION = Work("elementwise"), Work("view"), Work("matmul"), Work("attention")
+EXPERTS = Work("experts")
 
 
 @dataclass(frozen=True)

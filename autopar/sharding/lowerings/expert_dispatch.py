@@ -1,0 +1,150 @@
+"""A MoE experts module on one rank (``autopar::moe_experts``, rules/moe_blocks.py).
+
+Each axis of the mesh does one of: nothing (tokens and experts replicated), split the tokens
+(every expert here), split the experts (tokens replicated: out Partial), or both (expert
+parallelism with dispatch). The rank program:
+
+1. route locally: the (token, choice) pairs sorted by expert, their rows, the rows per expert;
+2. on the dispatch axis (n ranks, E/n experts each): the per-expert counts exchanged (an
+   all-to-all of E integers), then the rows sent to the ranks holding their experts (an
+   all-to-all with variable sizes: dropless, a rank may get no row for an expert), and the
+   received rows grouped by local expert; on expert-split axes: the rows of this rank's
+   experts kept (the others' outputs stay zero);
+3. the expert chain (the module's grouped matmuls and what runs between them, copied from
+   the trace) on those rows with this rank's expert weights;
+4. the outputs sent back (the reverse all-to-all), put back in token order, times the
+   routing weights and summed over the choices, as the module does.
+The backward is the reverse: each all-to-all's gradient is the all-to-all the other way.
+
+Example (4 ranks, 8 experts, tokens and experts on "dp"):
+    rank 0 routes its 16 tokens x 2 choices; sends rows of experts 2-3 to rank 1, ...; runs experts
+    0-1 on the rows every rank sent it; sends each rank its rows' outputs back.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from autopar.errors import ShardingError
+from autopar.placement import Shard
+from autopar.runtime import moe_dispatch as md
+from autopar.sharding.expert_blocks import BLOCKS
+from autopar.sharding.lowerings.base import Lowering, register_lowering
+
+aten = torch.ops.aten
+ops = torch.ops.autopar
+COUNT_BYTES = 8  # the per-expert counts are int64
+
+
+def axis_modes(strategies) -> dict[int, str]:
+    """{axis: 'tokens' | 'experts' | 'dispatch'} for the axes that split something."""
+    out = {}
+    for axis, s in enumerate(strategies):
+        if s is None:
+            continue
+        tok = isinstance(s.inputs[0], Shard)
+        par = len(s.inputs) > 3 and s.inputs[3] == Shard(0)  # a split of each expert (tp) runs as it is
+        if tok or par:
+            out[axis] = "dispatch" if tok and par else "tokens" if tok else "experts"
+    return out
+
+
+class ExpertDispatch(Lowering):
+    name = "expert_dispatch"
+    priority = 10
+
+    def emit(self, em, node, args, kwargs, axis: int):
+        hidden, index, weights, params, key = args
+        block = BLOCKS[key]
+        modes = axis_modes(node.meta["autopar"].strategies)
+        dispatch = [a for a, m in modes.items() if m == "dispatch"]
+        split = [a for a, m in modes.items() if m == "experts"]
+        if len(dispatch) > 1 or (dispatch and split):
+            raise ShardingError(
+                f"moe_experts at {node.name!r} ({block.path}): experts split on more than one axis with a "
+                "dispatch on one of them is not supported yet; split the experts over one axis."
+            )
+        g = em.graph
+        routed = g.call_function(md.route, (hidden, index, block.experts))
+        rows, order, counts, ids = (g.call_function(operator.getitem, (routed, i)) for i in range(4))
+        if dispatch:
+            out_rows = self._dispatched(em, block, rows, counts, list(params), dispatch[0])
+        elif split:
+            out_rows = self._own_experts(em, block, rows, counts, list(params), split)
+        else:
+            offsets = g.call_function(aten.cumsum.default, (counts, 0), {"dtype": torch.int32})
+            out_rows = self._chain(em, block, rows, offsets, ids, list(params))
+        dtype = node.meta["val"].dtype
+        return g.call_function(md.unroute, (out_rows, order, weights, dtype))
+
+    @staticmethod
+    def _chain(em, block, rows, offsets, ids, params):
+        """The expert chain's nodes, copied into the rank's program."""
+        ph = [n for n in block.chain.graph.nodes if n.op == "placeholder"]
+        return em.graph.graph_copy(block.chain.graph, dict(zip(ph, [rows, offsets, ids, *params])))
+
+    def _dispatched(self, em, block, rows, counts, params, axis):
+        """Counts exchanged, rows to their experts' ranks, the chain on this rank's E/n experts
+        (rows grouped by expert, each row's local expert id for expert biases), rows back."""
+        g, n = em.graph, em.mesh.shape[axis]
+        held = block.experts // n
+        each = g.call_function(aten.full.default, ([n], held), {"dtype": torch.int64})
+        received = em.collective(ops.all_to_all_v.default, (counts, each, each), axis)
+        plan = g.call_function(md.dispatch_plan, (counts, received, n))
+        send, recv, regroup, per_expert = (g.call_function(operator.getitem, (plan, i)) for i in range(4))
+        arrived = em.collective(ops.all_to_all_v.default, (rows, send, recv), axis)
+        x = g.call_function(md.regroup_rows, (arrived, regroup))
+        offsets = g.call_function(aten.cumsum.default, (per_expert, 0), {"dtype": torch.int32})
+        ids = g.call_function(md.expert_ids, (per_expert,))
+        y = self._chain(em, block, x, offsets, ids, params)
+        y = g.call_function(md.ungroup_rows, (y, regroup))
+        return em.collective(ops.all_to_all_v.default, (y, recv, send), axis)
+
+    def _own_experts(self, em, block, rows, counts, params, axes):
+        """The chain on the rows of this rank's experts only (tokens replicated on ``axes``); the
+        other rows' outputs are zero: this rank's part of a sum over ``axes``."""
+        g = em.graph
+        pieces, first = 1, 0
+        for a in axes:  # nested in mesh order, the first axis outermost (as the weights are split)
+            pieces *= em.mesh.shape[a]
+            first = g.call_function(
+                operator.add, (first, g.call_function(operator.mul, (em.coord(a), block.experts // pieces)))
+            )
+        held = block.experts // pieces
+        mine = g.call_function(md.expert_rows, (rows, counts, first, held))
+        x, offsets, ids = (g.call_function(operator.getitem, (mine, i)) for i in range(3))
+        y = self._chain(em, block, x, offsets, ids, params)
+        total = g.call_function(aten.sym_size.int, (rows, 0))
+        return g.call_function(md.place_rows, (y, counts, first, total))
+
+    def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
+        """Per dispatch axis of n ranks: the counts (E int64), and the routed rows both ways,
+        forward and backward: tokens x top-k x hidden x bytes, the (n-1)/n of them that go to
+        other ranks when the routing is uniform (their expectation; the counts decide)."""
+        modes = axis_modes(node.meta["autopar"].strategies)
+        block = BLOCKS[node.args[4]]
+        hidden = node.args[0]
+        out = []
+        for a, mode in modes.items():
+            if mode != "dispatch":
+                continue
+            n = symbols.axes[a]
+            rows = symbols.local_bytes(hidden, node.meta["autopar"].input_targets[0]) * block.top_k
+            moved = rows * (n - 1) / n
+            out.append(("all_to_all", a, "forward", block.experts * COUNT_BYTES * (n - 1) / n))
+            out += [("all_to_all", a, "forward", moved), ("all_to_all", a, "forward", moved)]
+            out.append(("all_to_all", a, "backward", moved))  # the outputs' gradients to the experts
+            if plan.ctx.needs_grad.get(hidden):  # the rows' gradients back (not for an input without one)
+                out.append(("all_to_all", a, "backward", moved))
+        return out
+
+    def reason(self, axis_name: str) -> str:
+        return (
+            f"expert parallel on {axis_name}: the routed token rows go to the ranks holding their experts "
+            "and come back (all-to-all both ways, sizes from the routing)"
+        )
+
+
+EXPERT_DISPATCH = register_lowering(ExpertDispatch())

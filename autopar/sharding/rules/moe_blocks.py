@@ -1,0 +1,54 @@
+"""A whole MoE experts module as one op: ``autopar::moe_experts(hidden, index, weights, params, key)``
+(sharding/expert_blocks.py makes it from an ``expert_parallel`` module). Token-wise: output row t
+depends on row t of hidden, index and weights only. Strategies, per mesh axis:
+
+- tokens split (hidden, index, weights S(0)), experts replicated -> out S(0): each rank runs its
+  tokens through every expert (plain data parallelism);
+- tokens split and experts split (params S(0)) on the same axis -> out S(0): expert parallelism
+  with an all-to-all dispatch (lowering ``expert_dispatch``): each rank sends every routed row
+  to the rank holding its expert and gets the outputs back;
+- tokens replicated, experts split -> out Partial: each rank runs the rows routed to its own
+  experts, the others' rows are zero (the expert split without a dispatch);
+- all replicated -> replicated;
+- tokens replicated, each expert split column- then row-parallel (``expert_parallel(.., tp=)``,
+  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces.
+
+Every strategy names the one lowering: it emits the whole module on the rank (route, dispatch or
+select, the expert chain, combine, weighting), whatever each axis does.
+
+Example:
+    >>> moe_experts_rule(op)   # [hidden S(0), index S(0), weights S(0), w S(0)] -> [S(0)] via expert_dispatch
+"""
+
+from __future__ import annotations
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.sharding.expert_blocks import BLOCKS, MOE_EXPERTS
+from autopar.sharding.lowerings.expert_dispatch import EXPERT_DISPATCH
+from autopar.sharding.rules.registry import EXPERTS, OpInfo, Strategy, register
+
+R = Replicate()
+
+
+def moe_experts_rule(op: OpInfo) -> list[Strategy]:
+    hidden, index, weights, *params = op.tensors
+    tokens = (hidden, index, weights)
+
+    def strategy(tok, par, out, note):
+        ins = tuple(tok for _ in tokens) + tuple(par for _ in params)
+        return Strategy(ins, (out,), EXPERT_DISPATCH, note)
+
+    block = BLOCKS[op.args[4]]
+    tp = []
+    if block.tp is not None:  # each expert split column- then row-parallel: a partial sum
+        ins = (R,) * len(tokens) + block.tp[1]
+        tp.append(Strategy(ins, (Partial(),), EXPERT_DISPATCH, "expert tensor parallel"))
+    return tp + [
+        strategy(R, R, R, "replicated"),
+        strategy(Shard(0), R, Shard(0), "tokens split, every expert on each rank"),
+        strategy(Shard(0), Shard(0), Shard(0), "expert parallel: tokens dispatched to their experts' ranks"),
+        strategy(R, Shard(0), Partial(), "experts split: each rank runs the rows routed to its experts"),
+    ]
+
+
+register(MOE_EXPERTS, work=EXPERTS)(moe_experts_rule)

@@ -1,0 +1,48 @@
+"""gloo jobs for expert parallelism (each worker runs the job as its rank)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autopar as ap
+from tests.harness import moe as M
+from tests.harness.serial import max_rel_diff
+
+
+def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = False):
+    """3 AdamW steps of ap.parallelize with the experts on dp (tokens dispatched by all-to-all)
+    on real processes; rank 0 returns the worst relative difference from serial, every rank the
+    number of expert-weight elements it holds and the collectives it ran in one step."""
+    mesh = ap.Mesh(shape, ("dp", "tp")[: len(shape)])
+    if routed:  # HF's experts module fed a routing with one expert never chosen
+        batches = [M.routing(16, seed=s) for s in range(3)]
+        model, ann, ex = M.RoutedExperts(kind), {"experts": ap.expert_parallel("dp")}, dict(args=batches[0])
+    else:
+        model, kw = M.moe_model(kind)
+        batches = [kw] + [M.moe_model(kind, seed=s)[1] for s in (5, 6)]
+        ann, ex = dict(M.EP), dict(kwargs=kw)
+        if len(shape) > 1:
+            preset = ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp", vocab=False, expert_tp=expert_tp)
+            ann = dict(preset)
+    module = ap.parallelize(model, mesh, annotations=ann, data_parallel="dp", dynamic=False, **ex)
+    plan, rank = module.autopar_plan, dist.get_rank()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+    with ap.comm_stats() as stats:
+        for b in batches:
+            args, kwargs = plan.local_inputs(rank, *b) if isinstance(b, tuple) else plan.local_inputs(rank, **b)
+            M.loss_of(module(*args, **kwargs)).backward()
+            opt.step()
+            opt.zero_grad()
+    kinds = sorted({r.kind for r in stats.for_rank(rank)})
+    ran = sum(r.kind == "all_to_all" for r in stats.for_rank(rank))
+    planned = sum(c.kind == "all_to_all" for c in plan.collectives())
+    assert ran == len(batches) * planned, (ran, planned)  # the plan lists what runs: 5 per layer and step
+    mine = {n: p.detach().clone() for n, p in module.named_parameters()}
+    held = sum(p.numel() for n, p in mine.items() if "experts." in n)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None, held, kinds
+    serial = M.RoutedExperts(kind) if routed else M.moe_model(kind)[0]
+    return max_rel_diff(plan.merge_state_dicts(gathered), M.train_serial(serial, batches)), held, kinds

@@ -1,0 +1,216 @@
+"""Expert parallelism's other layouts (docs/experts.md): dynamic shapes, zero=3, a (2, 2, 2)
+pp x dp x tp pipeline, plain data parallelism without a gather, expert tensor parallelism, the
+experts split on an axis that does not split the batch with zero=3 over dp, GraniteMoe (the
+issue's case), and what explain shows; each against serial."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar as ap
+from tests.harness import moe as M
+
+DP4 = ap.Mesh((4,), ("dp",))
+DP2TP2 = ap.Mesh((2, 2), ("dp", "tp"))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_dynamic_shapes_and_zero3(zero):
+    """Traced with dynamic batch and sequence (the default) and with zero=3 on dp: the experts
+    stay 1/dp per rank (zero=3 shards the dense parameters only), equal to serial."""
+    model, kw = M.moe_model("qwen3_moe")
+    dp = ap.DataParallel("dp", zero=zero)
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=zero == 0)
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+    local = dict(plan.module(1).named_parameters())
+    assert local["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == M.EXPERTS // 4
+
+
+class LM(torch.nn.Module):
+    """An HF causal LM called with positional (ids, labels), returning its loss (for the pipeline)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def test_pipeline_dp_tp_mesh_three_adamw_steps():
+    """(2, 2, 2) pp x dp x tp: two Mixtral layers in two stages, experts dispatched on dp,
+    Megatron on tp; every rank's loss equals serial for 3 AdamW steps and after them."""
+    import copy
+
+    import transformers as T
+
+    from autopar.runtime.simulator import run_ranks
+
+    torch.manual_seed(0)
+    cfg = M._config("mixtral")
+    cfg.num_hidden_layers = 2
+    model = LM(T.MixtralForCausalLM._from_config(cfg, attn_implementation="eager").eval())
+    _, kw = M.moe_model("mixtral", batch=8)
+    batch = (kw["input_ids"], kw["labels"])
+    tp = ap.presets.megatron(model.m, "tp", kwargs=kw, expert_axis="dp", vocab=False)
+    ann = {"m." + k: v for k, v in tp.items()} | {"m.model.layers.1": ap.split_before()}
+    mesh = ap.Mesh((2, 2, 2), ("pp", "dp", "tp"))
+    plan = ap.plan(model, mesh, args=batch, annotations=ann, data_parallel="dp", pipeline=ap.Pipeline("pp", 2))
+    assert {c.kind for c in plan.collectives() if c.node.startswith("moe_experts")} == {"all_to_all"}
+    runners = [plan.pipeline_runner(r) for r in mesh.ranks()]
+    serial = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(r.parameters(), lr=0.01, weight_decay=0.1) for r in runners]
+    sopt = torch.optim.AdamW(serial.parameters(), lr=0.01, weight_decay=0.1)
+
+    def step(r):
+        loss = runners[r].step(batch)
+        opts[r].step()
+        opts[r].zero_grad()
+        return float(loss)
+
+    for _ in range(4):
+        losses = run_ranks(mesh.size, step)
+        want = serial(*batch)
+        want.backward()
+        sopt.step()
+        sopt.zero_grad()
+        assert losses == pytest.approx([want.item()] * mesh.size, rel=1e-5)
+
+
+def test_plain_data_parallel_keeps_tokens_split():
+    """No annotation: the experts module (recognised by its grouped matmuls) runs every expert on
+    each rank's own tokens; nothing on dp but the loss's counts and the gradient sync (the
+    module's sort used to gather the tokens over dp)."""
+    model, kw = M.moe_model("olmoe")
+    plan = ap.plan(model, DP4, kwargs=kw, data_parallel="dp", dynamic=False)
+    kinds = {(c.kind, c.phase) for c in plan.collectives()}
+    assert kinds == {("all_reduce", "forward"), ("all_reduce", "grad sync")}, kinds
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_explain_and_cost_show_dispatch_bytes():
+    """tokens x top-k x hidden x 4 bytes per direction, (dp - 1)/dp of it leaving the rank."""
+    model, kw = M.moe_model("mixtral")
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel="dp")
+    text = plan.explain("moe_experts_default")  # the module as one node
+    assert "256*B*S*(dp - 1)/dp**2" in text and "expert parallel on dp" in text, text
+    rows = [c for c in plan.collectives() if c.node.startswith("moe") and c.bytes > 100]
+    assert [c.bytes for c in rows] == [4 * 8 * M.TOP_K * M.HIDDEN * 4 / 4 * 3 / 4] * 4
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_expert_tensor_parallel(kind):
+    """expert_parallel("dp", tp="tp") on (2, 2): experts dispatched on dp and each expert split
+    over tp (gate|up column-parallel in 2 blocks, down row-parallel): 1/4 of the expert weights
+    per rank, the block's output a partial sum over tp, equal to serial."""
+    model, kw = M.moe_model(kind)
+    ann = dict(ap.presets.megatron(model, "tp", kwargs=kw, vocab=False, experts=False))
+    ann["model.layers.*.mlp.experts"] = ap.expert_parallel("dp", tp="tp")
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    local = dict(plan.module(3).named_parameters())
+    for n, p in model.named_parameters():
+        if ".mlp.experts." in n:
+            assert local[n].numel() == p.numel() // 4, n
+    moe = {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")}
+    assert moe == {("all_to_all", "dp"), ("all_reduce", "tp")}, moe  # tp: "f" on the block's inputs
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_zero3_on_the_axis_the_experts_are_replicated_on():
+    """(2, 2) dp x ep: the batch on dp, the experts split on ep (tokens replicated there: each
+    rank runs its experts' rows, the output summed over ep) and zero=3-sharded over dp."""
+    model, kw = M.moe_model("mixtral")
+    mesh = ap.Mesh((2, 2), ("dp", "ep"))
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("ep")}
+    plan = ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel=ap.DataParallel("dp", zero=3))
+    full = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    held = [sum(p.numel() for n, p in plan.module(r).named_parameters() if ".experts." in n) for r in range(4)]
+    # each element held once over the 4 ranks: 1/ep, then zero=3 ranges over dp (whole buckets per range)
+    assert sum(held) == full and max(held) <= full // 2, held
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_granite_moe_issue_case():
+    """The issue's case: GraniteMoe on (4,) with its experts on dp gathered the hidden states
+    over dp and ran the rest replicated; now only the dispatch and the loss's counts run on dp."""
+    from bench.survey_models import architectures, build
+
+    model, kw = build(next(a for a in architectures() if a.name == "GraniteMoeForCausalLM"))
+    ann = {"model.layers.*.block_sparse_moe.experts": ap.expert_parallel("dp")}
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    assert {c.kind for c in plan.collectives() if c.phase != "grad sync"} <= {"all_to_all", "all_reduce"}
+    assert not [c for c in plan.collectives() if c.kind == "all_reduce" and c.phase == "backward"]
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+def test_load_balancing_loss_counts_tokens_over_dp():
+    """HF's router auxiliary loss (output_router_logits): the tokens per expert counted by histc
+    over the batch-split routing are partial counts summed over dp (rules/histograms.py), no
+    fallback; the loss and every gradient equal serial."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = M._config("mixtral")
+    cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.1
+    model = T.MixtralForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    _, kw = M.moe_model("mixtral")
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel="dp", dynamic=False)
+    assert not [n for n in plan.graph.nodes if getattr(n.meta.get("autopar"), "fallback", False)]
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+class Counts(torch.nn.Module):
+    def forward(self, x, ids):
+        return torch.histc(x, bins=8, min=-2, max=2) + torch.bincount(ids, minlength=8)[:8].float()
+
+
+def test_histogram_rule_partial_counts():
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(16, generator=g), torch.randint(0, 8, (16,), generator=g)
+    plan = ap.plan(Counts(), DP4, args=(x, ids), data_parallel="dp", dynamic=False, strict=True)
+    out = plan.simulate(lambda m, *a: m(*a), x, ids)
+    for o in out:
+        torch.testing.assert_close(o, Counts()(x, ids))
+
+
+def test_gpt_oss_expert_biases_dispatched():
+    """gpt-oss's experts: biases gathered by each row's expert, interleaved gate|up, a clamped gate;
+    the rows' experts travel with them (their local ids after the dispatch), equal to serial."""
+    from bench.survey_models import architectures, build
+
+    model, kw = build(next(a for a in architectures() if a.name == "GptOssForCausalLM"))
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
+    biases = [n for n, p in model.named_parameters() if n.endswith("_bias") and ".experts." in n]
+    local = dict(plan.module(0).named_parameters())
+    assert biases and all(local[n].shape[0] == model.get_parameter(n).shape[0] // 2 for n in biases)
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_bf16_policy(zero):
+    """A bf16 precision policy (fp32 pieces, bf16 compute) with the experts dispatched: within
+    bf16's tolerance of the serial model under the same policy."""
+    model, kw = M.moe_model("mixtral")
+    dp = ap.DataParallel("dp", zero=zero, param_dtype=torch.bfloat16)
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
+    assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
+    plan.check(**kw)
+
+
+def test_clip_grad_norm_counts_expert_pieces_once():
+    """ap.clip_grad_norm_ with the experts 1/dp and each split over tp: the serial norm on every rank."""
+    model, kw = M.moe_model("mixtral")
+    preset = ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp", vocab=False, expert_tp=True)
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=dict(preset), data_parallel="dp", dynamic=False)
+
+    def step(m, **k):
+        m(**k)["loss"].backward()
+        return float(ap.clip_grad_norm_(m, 1e9))
+
+    norms = plan.simulate(step, **kw)
+    model(**kw).loss.backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    assert norms == pytest.approx([want] * 4, rel=1e-5)
