@@ -328,6 +328,7 @@ class GradSync:
         self.arrived = None
         if not all(self.params[n].requires_grad for n in self.where):
             return  # frozen since: make_buckets would leave it out, the buckets stay as they are
+        arrived = list(dict.fromkeys(arrived))  # each once, where it first arrived
         seen = set(arrived)  # the ones that got no gradient follow in the first buckets' order
         order = arrived + [n for b in self.buckets for n in b.names if n not in seen]
         buckets = make_buckets(self.params, self.sync_axes, *self.limits[:2], order, self.limits[2])
