@@ -28,6 +28,7 @@ from autopar.cost.plan_cost import Cost
 from autopar.explore.plan_file import PlanFileError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
 from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
@@ -54,6 +55,7 @@ from autopar.sharding.annotations import (
 from autopar.trace.opaque import opaque
 
 __all__ = [
+    "ActivationCheckpoint",
     "AnnotationError",
     "Auto",
     "CheckpointError",

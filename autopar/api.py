@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -20,6 +21,7 @@ from autopar.parallel.process_groups import broadcast_replicated, make_groups
 from autopar.plan import Plan
 from autopar.planner import make_plan
 from autopar.runtime.fingerprint import exchange_fingerprints
+from autopar.search import Auto
 
 
 def plan(
@@ -89,7 +91,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
     parameter broadcasts too, where ranks that planned at different speeds meet: keep it above
     that skew (or change it afterwards: ``current_backend().timeout``, then enforced per
     collective, at some cost per call). ``debug=True`` checks first that all ranks planned alike.
-    """
+    ``auto=`` searches without pipeline stages here (a rank module comes back, not a pipeline
+    runner: plan with ap.plan and use plan.pipeline_runner for those)."""
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError(
             "ap.parallelize needs an initialised process group: call "
@@ -101,6 +104,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
             f"The world has {world} processes but the mesh {mesh} has {mesh.size} ranks: "
             f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
         )
+    if plan_kwargs.get("auto") not in (None, False):  # a module comes back, not a pipeline runner
+        plan_kwargs["auto"] = dataclasses.replace(Auto.of(plan_kwargs["auto"]), pipeline=False)
     p = plan(model, mesh, **plan_kwargs)
     # ranks that planned differently all raise here, before any collective (debug: every collective compared)
     exchange_fingerprints(p, timeout, p.module(rank) if p.options.debug else None)

@@ -75,12 +75,25 @@ def make_plan(
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
 
         def plan_probe(probe_traced, probe_options, probe_annotations):
-            return plan_traced(model, mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims)
+            probe_mesh, probe_options = _reshape_mesh(mesh, probe_options)  # data parallel over two axes
+            return plan_traced(
+                model, probe_mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims
+            )
 
-        annotations, dp, record = search(
-            model, mesh, traced, annotations, options.data_parallel, options.auto, ndims, options.strict, plan_probe
+        annotations, chosen, record = search(
+            model,
+            mesh,
+            traced,
+            annotations,
+            options.data_parallel,
+            options.auto,
+            ndims,
+            options.strict,
+            plan_probe,
+            options.pipeline,
+            options.activation_checkpoint,
         )
-        options = options.replace(data_parallel=dp, auto=None)
+        mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
     if record is not None:

@@ -97,8 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=(
             "mesh axes: dp (data parallel), tp (tensor parallel, Megatron), pp (pipeline stages); "
             "their sizes multiply to the number of processes. cp (context parallelism) does not exist "
-            "in autopar yet and is refused. Activation checkpointing has no flag: autopar has no "
-            "ap.ActivationCheckpoint yet (pipelines checkpoint with ap.Pipeline(checkpoint=True))."
+            "in autopar yet and is refused."
         ),
     )
     p.add_argument("--out", required=True, help="output directory (must not exist unless --resume)")
@@ -109,6 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO level on the dp axis")
     p.add_argument("--bf16", action="store_true", help="bf16 compute from fp32 parameters (needs a dp axis)")
     p.add_argument("--compile", action="store_true", help="torch.compile the rank module (not with pp)")
+    p.add_argument(
+        "--checkpoint",
+        choices=("full", "selective"),
+        default=None,
+        help="activation checkpointing of every block (ap.ActivationCheckpoint: recompute in backward)",
+    )
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default 2 x pp)")
     p.add_argument("--eval-every", type=int, default=10, help="validation every N steps (and at the end)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
@@ -249,6 +254,9 @@ def build(args, run: dict, shape, names, rank: int):
         kw["data_parallel"] = "dp"
     if args.auto:  # the search decides every axis' role; a dp axis with ZeRO or bf16 is its constraint
         kw = kw if args.zero or args.bf16 else {}
+    if args.checkpoint:
+        kw["activation_checkpoint"] = ap.ActivationCheckpoint(args.checkpoint)
+    if args.auto:
         module = ap.parallelize(model, mesh, args=example, auto=True, timeout=args.timeout, **kw)
         return module, False, module.autopar_plan, cfg
     ann = megatron("tp") if "tp" in names else {}

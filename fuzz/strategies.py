@@ -108,4 +108,6 @@ def cases(draw, pool: int = 12) -> dict:
     case["annotations"] = draw(annotations(case))
     if case["dp"] is not None:  # drawn last: the earlier draws (and CI's derandomized cases) stay
         case["zero"] = draw(st.sampled_from([0, 0, 3]))  # a third of the dp cases fully sharded
+    # activation checkpointing of every block, two cases in five (drawn last, as zero)
+    case["checkpoint"] = draw(st.sampled_from([None, None, None, "full", "selective"]))
     return case

@@ -7,8 +7,9 @@ static sizes you name; ``at()`` evaluates them (at the example unless told other
 
 Memory per rank: ``params`` and ``grads`` (trainable parameters' local pieces),
 ``optimizer`` (``optimizer_states`` fp32-sized copies of the trainable pieces, 2 for Adam),
-``activations`` (every non-view op's local output that needs a gradient: what autograd may
-keep for backward, an upper bound). Time: per collective ``alpha * rounds + bytes / beta``
+``activations`` (the tensors autograd saves for backward and the model's outputs, each storage
+once, at its local size: cost/activation_memory.py; activation checkpointing keeps fewer and
+adds ``recompute``, one block's recompute at its peak). Time: per collective ``alpha * rounds + bytes / beta``
 (ring: 2(n-1) rounds for all-reduce, n-1 otherwise), compute ``flops / flops_per_s`` with
 backward counted as twice the forward; the total adds them (no overlap assumed).
 
@@ -25,6 +26,7 @@ from collections import defaultdict
 
 import sympy
 
+from autopar.cost.activation_memory import activation_bytes
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.runtime.ring import ring_steps
@@ -144,17 +146,19 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         if p.requires_grad:
             grads += local * p.element_size()
             opt += optimizer_states * local * 4
-    acts = sympy.Integer(0)
-    for node in plan.graph.nodes:
-        if node.op != "call_function" or op_work(node) is VIEW or not plan.ctx.needs_grad.get(node):
-            continue
-        lay = layout_of(node)
-        for val, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs):
-            acts += sy.numel(val.shape, spec) * val.dtype.itemsize
-    out = {"params": params, "grads": grads, "optimizer": opt, "activations": acts}
+    out = {"params": params, "grads": grads, "optimizer": opt, **activation_terms(plan, sy)}
     for technique in plan.options.techniques:  # ZeRO's shares, zero=3's gathered blocks, ...
         out = technique.memory_formulas(plan, sy, out)
-    return {k: simplify(v) for k, v in out.items()}
+    return {k: simplify(sympy.sympify(v)) for k, v in out.items()}
+
+
+def activation_terms(plan, sy) -> dict:
+    """``activations`` (and ``recompute`` under checkpointing) as numbers or formulas of ``sy``,
+    as the plan's techniques change them: what ap.predict and memory_per_rank add."""
+    out = {"activations": activation_bytes(plan, sy)}
+    for technique in plan.options.techniques:  # activation checkpointing keeps fewer
+        out = technique.activations(plan, sy, out)
+    return out
 
 
 def node_flops(node, sy: PlanSymbols) -> sympy.Expr:

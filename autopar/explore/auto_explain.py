@@ -32,6 +32,17 @@ def search_text(rec: dict) -> str:
         f"  solver {rec['solver']}: {rec['options']} options from {rec['probes']} probe plans "
         f"in {rec['search_s']:.2f} s",
     ]
+    if rec.get("runner_up"):
+        r = rec["runner_up"]
+        lines.append(f"  runner-up: {r['option']}: {_ms(r['time_s'])}, {_gib(r['memory'])}")
+    if rec.get("binding"):
+        f = rec["binding"]["faster"]
+        lines.append(
+            f"  binding constraint: the memory budget; without it {f['option']} would take "
+            f"{_ms(f['time_s'])} at {_gib(f['memory'])} per rank"
+        )
+    elif rec["budget"] is not None:
+        lines.append("  binding constraint: none (the fastest option fits the budget)")
     lines += _duplication_lines(rec)
     if rec["constrained"]:
         lines.append(f"  fixed by your annotations (not searched): {', '.join(rec['constrained'])}")

@@ -225,6 +225,7 @@ def _explain_module(plan, path, comms) -> str:
             f"  parameter {n} {fmt_spec(plan.param_specs.get(n, ()))}: "
             f"{plan.seeds.reasons.get(n, 'replicated (no annotation)')}"
         )
+    lines += [line for t in plan.options.techniques for line in t.explain_module(plan, path)]
     inside = [c for c in comms if c.module == path or c.module.startswith(path + ".")]
     total = sum(c.bytes for c in inside)
     lines.append(f"  collectives: {len(inside)}, {fmt_bytes(total)} per step and rank")

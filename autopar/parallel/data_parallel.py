@@ -21,7 +21,10 @@ option at its default) or a DataParallel naming the axis and the options:
   them. ``shard_size=k`` (HSDP): shard over groups of k dp ranks, replicate across groups.
   ``replicate_axis="rep"`` (HSDP over two mesh axes, ``axis`` the shard axis right after
   ``rep``): the two become one data-parallel axis ``rep_axis`` with ``shard_size`` = |axis|
-  (``plan.mesh`` shows it; every rank keeps its number and its groups).
+  (``plan.mesh`` shows it; every rank keeps its number and its groups); ``shard_size`` =
+  |rep| x |axis| shards over both (a (8, 8) mesh as 64-way FSDP).
+- data parallel over two mesh axes at any ZeRO level: ``replicate_axis`` with zero 0-2 splits
+  the batch over both (one data-parallel axis of their product; ZeRO-1/2 shard over all of it).
 - ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
   inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
 - ``loss_mean``: a cross-entropy mean computed inside the model over rows split on this axis
@@ -107,11 +110,7 @@ class DataParallel(Technique):
                 "DataParallel(shard_size=, reshard_after_forward=, prefetch=) configure "
                 "fully sharded data parallel: give zero=3 with them."
             )
-        if self.replicate_axis is not None and (self.zero != 3 or self.shard_size is not None):
-            raise DataParallelError(
-                f"DataParallel({self.axis!r}, replicate_axis={self.replicate_axis!r}) is HSDP over two mesh "
-                "axes: give zero=3 and no shard_size (the shard group is the axis itself)."
-            )
+
         if self.loss_mean not in ("global", "per_rank"):
             raise DataParallelError(
                 f"DataParallel(loss_mean={self.loss_mean!r}): 'global' (a mean over every rank's rows, the "
@@ -205,7 +204,7 @@ class DataParallel(Technique):
             return mesh, self
         merged = mesh.merge_axes(self.replicate_axis, self.axis)
         name = f"{self.replicate_axis}_{self.axis}"
-        size = mesh.axis_size(self.axis)
+        size = (self.shard_size or mesh.axis_size(self.axis)) if self.zero == 3 else None
         return merged, dataclasses.replace(self, axis=name, replicate_axis=None, shard_size=size)
 
     def attach(self, plan, module, rank: int) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from autopar.cost.formulas import Numbers
+from autopar.cost.plan_cost import activation_terms
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
@@ -60,7 +62,8 @@ def grad_buckets(plan, rank: int = 0):
 
 
 def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients (after backward) and optimizer state.
+    """Bytes this rank holds for parameters, gradients (after backward) and optimizer state, and
+    the activations autograd keeps at the example's sizes (``recompute``: checkpointing's peak).
 
     ``state_slots``: optimizer state tensors per parameter element (Adam/AdamW 2, SGD with
     momentum 1, plain SGD 0). The techniques change what is kept (ZeRO divides the optimizer
@@ -81,4 +84,6 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]
     }
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
+    # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
+    mem.update({k: int(v) for k, v in activation_terms(plan, Numbers(plan.mesh)).items()})
     return mem

@@ -152,6 +152,11 @@ def _item(t, i):
 
 
 # ------------------------------------------------------------------------------ the plan shows it
+def _as(fp32_bytes, dtype):
+    """Bytes of fp32 parameters (the stored master copy) once cast to ``dtype`` for the wire."""
+    return fp32_bytes if dtype is None else fp32_bytes * dtype.itemsize / 4
+
+
 def _wire(plan, b: FlatBucket, dtype) -> int:
     return b.chunk * (dtype or b.dtype).itemsize
 
@@ -180,23 +185,14 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     optimizer state, plus ``gathered``: the most gathered bytes alive at once (the bucket in use
     and the ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward).
     Under a pipeline, of the buckets of the rank's stages only."""
-    dp, k = plan.data_parallel, shard_size(plan)
+    k = shard_size(plan)
     local, index = held_params(plan, rank), bucket_index(plan)
     bs = held_buckets(plan, rank)
     whole = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index)
     whole_trainable = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index and p.requires_grad)
     pieces = sum(b.chunk * b.dtype.itemsize for b in bs)
     trainable = sum(b.chunk * b.dtype.itemsize for b in bs if any(local[n].requires_grad for n in b.names))
-    full = [b.chunk * k * (dp.param_dtype or b.dtype).itemsize for b in bs]
-    window = 1 + dp.prefetch
-    gathered = (
-        sum(full)
-        if not dp.reshard_after_forward
-        else max((sum(full[i : i + window]) for i in range(len(full))), default=0)
-    )
-    # backward of one bucket: autograd's full gradients of it and the flat handed to the reduce-scatter
-    grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
-    reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
+    gathered, reducing = held(plan, rank)
     out = dict(mem)
     out.update(
         params=whole + pieces,
@@ -208,6 +204,23 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
         shard_size=k,
     )
     return out
+
+
+def held(plan, rank: int) -> tuple[int, int]:
+    """(gathered, reducing): the most gathered bytes alive at once (the bucket in use and the
+    ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward) and one
+    bucket's backward buffers (autograd's full gradients and the flat handed to the reduce-scatter)."""
+    dp, k, bs = plan.data_parallel, shard_size(plan), held_buckets(plan, rank)
+    full = [b.chunk * k * (dp.param_dtype or b.dtype).itemsize for b in bs]
+    window = 1 + dp.prefetch
+    gathered = (
+        sum(full)
+        if not dp.reshard_after_forward
+        else max((sum(full[i : i + window]) for i in range(len(full))), default=0)
+    )
+    grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
+    reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
+    return gathered, reducing
 
 
 def collectives(plan, sy) -> list:
@@ -228,9 +241,11 @@ def collectives(plan, sy) -> list:
             "scatter": f"zero=3: {unit}'s gradient summed over {axis} and scattered into each rank's stored piece",
             "replicas": f"HSDP: the reduced pieces summed across the {r} replica groups of {axis}",
         }
-        out.append(make_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"]))
+        ahead = dp.prefetch > 0  # the runtime starts these gathers a block early (fsdp_runtime.py)
+        out.append(make_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"], prefetched=ahead))
         if dp.reshard_after_forward and read_in_backward(plan, b):
-            out.append(make_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"]))
+            again = make_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"], prefetched=ahead)
+            out.append(again)
         rs = sympy.Float(ring_bytes("reduce_scatter", grad * k, k))
         out.append(make_comm(sy, "reduce_scatter", axis, "grad sync", rs, *where, reason=why["scatter"]))
         if r > 1:
@@ -307,6 +322,31 @@ class FullyShardedStorage(Storage):
     def memory_divisors(self, dp, n):
         k = dp.shard_size or n
         return k, k, k
+
+    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0) -> list[tuple]:
+        """The gathers of ``collectives`` (forward, and backward again when resharded; prefetched)
+        and the reduce-scatter (+ HSDP's all-reduce across replicas), one of each per unit."""
+        k = dp.shard_size or n
+        gather = ring_bytes("all_gather", _as(param_bytes, dp.param_dtype) / k, k)
+        ahead = dp.prefetch > 0
+        out = [("all_gather", "forward", gather, ahead, units)]
+        if dp.reshard_after_forward:
+            out.append(("all_gather", "backward", gather, ahead, units))
+        grad = _as(grad_bytes, dp.reduce_dtype or dp.param_dtype)
+        out.append(("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", grad, k), False, units))
+        if n // k > 1:
+            out.append(("all_reduce", "grad sync", ring_bytes("all_reduce", grad / k, n // k), False, units))
+        return out
+
+    def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:
+        """The block in use and the ``prefetch`` blocks gathered ahead of it, unsharded, and one
+        block's reduce buffers: of ``plan``'s buckets where a plan is given, else estimated from
+        the largest unit (fp32 bytes)."""
+        if plan is not None:
+            return sum(held(plan, 0))
+        grad = _as(largest_unit_bytes, dp.reduce_dtype or dp.param_dtype)
+        unit = _as(largest_unit_bytes, dp.param_dtype)
+        return (1 + dp.prefetch) * unit + unit + grad  # (without resharding every block stays: not estimated)
 
     def memory(self, plan, rank, state_slots, mem):
         return memory(plan, rank, state_slots, mem)

@@ -31,6 +31,11 @@ def fsdp_gather(runtime, k: int, *pieces):
     return _Gather.apply(runtime, k, *pieces)
 
 
+# Run once per forward, never again in a recompute: its prefetches and the buckets it regathers are
+# run-time state (an activation checkpoint region leaves it before the region: parallel/ac_regions.py)
+fsdp_gather.autopar_not_recomputed = True
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runtime, k, *pieces):

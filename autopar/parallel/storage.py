@@ -69,6 +69,22 @@ class Storage:
         """(kind, phase, bytes per rank) of one gradient bucket's sync on the dp axis of size ``n``."""
         return bucket_sync(self.level, n, wire_bytes, param_bytes)
 
+    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0) -> list[tuple]:
+        """(kind, phase, bytes per rank, prefetched, launches) of a step's communication of
+        ``grad_bytes`` of dp-synced gradients and ``param_bytes`` of their parameters: what the
+        search charges a level it has not planned (prefetched: started ahead of its use, so it
+        hides behind forward compute too, not only backward's; launches: how many collectives
+        carry it, None for the gradient buckets' bytes / bucket size; ``units``: the number of
+        blocks a storage that gathers per block would gather)."""
+        comms = self.bucket_comms(dp, n, grad_bytes, param_bytes)
+        return [(kind, phase, nbytes, False, None) for kind, phase, nbytes in comms]
+
+    def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:
+        """Bytes a rank holds beyond its stored share while stepping (zero=3: the gathered blocks
+        in flight): exactly, of a ``plan`` made with this storage, else estimated from the
+        parameter bytes of the largest unit the storage gathers at once."""
+        return 0.0
+
     def memory_divisors(self, dp, n):
         """What a rank keeps of the parameters, gradients and optimizer state it computes with:
         1/d of each, (d_params, d_grads, d_optimizer), on a dp axis of size ``n`` (numbers or sympy)."""

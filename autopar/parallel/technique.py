@@ -86,6 +86,14 @@ class Technique:
         """The collectives the technique adds per training step (cost.Comm)."""
         return []
 
+    def step_shares(self, mesh) -> dict | None:
+        """What one rank has under this technique of the per-rank step without it (the search's
+        and ap.predict's cost model): ``time`` (share of the compute), ``state`` (of parameter,
+        gradient and optimizer bytes), ``acts`` (of activation bytes), and ``sends``: (mesh axis
+        name, messages per step, share of one boundary activation each) of the point-to-point
+        traffic it adds. None: unchanged."""
+        return None
+
     # ---- storage and program: a technique that stores parameters otherwise than it computes
     # with them (fully sharded data parallel) or rewrites the emitted program (casts)
     def stored(self, plan, rank: int, fqn: str, local):
@@ -126,9 +134,29 @@ class Technique:
         """Lines plan.explain(fqn) adds for this technique (how the parameter is stored, synced)."""
         return []
 
+    def explain_module(self, plan, path: str) -> list[str]:
+        """Lines plan.explain(path) adds for this technique about a module (checkpointed or not)."""
+        return []
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Memory per rank (parallel/dp_module.memory_per_rank) as this technique changes it."""
         return mem
+
+    def activations(self, plan, symbols, terms: dict) -> dict:
+        """``activations`` (bytes autograd keeps per rank: cost/activation_memory.py) as the
+        technique changes them, and terms it adds (checkpointing's ``recompute`` peak); numbers
+        or formulas, as ``symbols`` gives them (plan.cost(), memory_per_rank, ap.predict)."""
+        return terms
+
+    def kept_saves(self, plan, saves: list) -> list:
+        """Of the tensors autograd would keep (cost/activation_memory.Saved), those kept through
+        the step under this technique (checkpointing keeps its blocks' inputs instead): the
+        search attributes them to the nodes that made them."""
+        return saves
+
+    def recomputed(self, plan) -> set:
+        """Names of the nodes whose forward runs again in backward (checkpointed regions)."""
+        return set()
 
     def memory_formulas(self, plan, symbols, terms: dict) -> dict:
         """plan.cost()'s memory formulas (cost/plan_cost.py) as this technique changes them."""

@@ -32,6 +32,7 @@ import contextlib
 import torch
 
 from autopar.errors import PlanError
+from autopar.runtime.recompute import replayed_state
 
 STATE = "autopar_rng_state"
 MODES = ("placement", "serial")
@@ -241,15 +242,12 @@ def rng_state(module: torch.nn.Module) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def replayed_rng(module: torch.nn.Module, state: torch.Tensor | None):
-    """Run with ``module``'s generator at ``state`` (activation checkpointing's recompute
-    draws the forward's masks again), then put back the state it had."""
+    """Run with ``module``'s generator at ``state`` (a pipeline stage's recompute draws the
+    forward's masks again), then put back the state it had: the same replay as an activation
+    checkpoint region's (runtime/recompute.replayed_state)."""
     buf = getattr(module, STATE, None)
     if buf is None or state is None:
         yield
         return
-    now = buf.clone()
-    buf.copy_(state)
-    try:
+    with replayed_state([buf], [state]):
         yield
-    finally:
-        buf.copy_(now)

@@ -25,8 +25,11 @@ import time
 
 import torch
 
+from autopar.cost.activation_memory import saved_activations, share_saved_activations
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel
+from autopar.parallel.activation_checkpoint import ActivationCheckpoint
+from autopar.parallel.pipeline.options import Pipeline
 from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
 from autopar.search.evaluate import Terms, plan_terms
@@ -39,10 +42,12 @@ class NoPlanError(PlanError):
     """No plan the search may choose fits: the memory budget is too small, or constraints clash."""
 
 
-def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe):
-    """(annotations, DataParallel or None, record) of the best plan under ``auto``.
-    ``plan_probe(traced, options, annotations)`` plans one probe on a trace (the planner's
-    stages after tracing: the search decides, the planner plans)."""
+def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None, checkpoint=None):
+    """(annotations, {technique name: its value}, record) of the best plan under ``auto``: the
+    annotations, ``data_parallel`` and ``pipeline`` to plan with. ``plan_probe(traced, options,
+    annotations)`` plans one probe on a trace (the planner's stages after tracing: the search
+    decides, the planner plans); ``dp`` / ``pipeline`` / ``checkpoint``: the user's, kept (the
+    user's checkpointing is costed as its mode on every block)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile(job_device(traced))
@@ -60,13 +65,21 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
-    structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True)
+    structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True, auto.pipeline)
+    if pipeline is not None:  # the user's pipeline axis
+        structs = [s for s in structs if s.pp == mesh.axis_index(pipeline.axis)]
+    batch = batch_size(traced)
+    modes = (checkpoint.mode,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
+    if dp is not None:  # the user's data parallel: over their axes only
+        fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
+        structs = [s for s in structs if s.rep == fixed_rep]
+    base_dp = dp or DataParallel(mesh.axis_names[0])
     probes: dict = {}
     short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)
     graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
 
-    def probe(dp_axis, tp_axis, sp):
-        key = (dp_axis, tp_axis, sp)
+    def probe(s, tp_axis, sp):
+        key = (s.dp, s.rep, tp_axis, sp)
         if key not in probes:
             ann = dict(user)
             if tp_axis is not None:
@@ -81,25 +94,33 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 mesh,
                 graph_for,
                 ann,
-                dp_axis,
+                s.data_parallel(mesh, DataParallel(mesh.axis_names[0]), 0, None),
                 strict,
                 comp_of,
                 param_comp,
                 profile,
                 auto.optimizer_states,
                 weights,
+                modes,
             )
         return probes[key]
 
     options = []
     for s in structs:
-        split = probe(s.dp, s.tp, s.sp) if s.tp is not None else None
-        rep = probe(s.dp, None, False) if not s.sp else None
-        if (s.tp is not None and split is None) or (rep is None and split is None):
+        split_by = probe(s, s.tp, s.sp) if s.tp is not None else None
+        rep_by = probe(s, None, False) if not s.sp else None
+        if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
-        base = (split or rep).get("base", Terms())
-        for z in _zeros(s, dp, auto):
-            options.append(_option(s, z, base, free, split, rep, mesh, profile))
+        pipe = _pipeline(s, mesh, batch, pipeline)
+        if s.pp is not None and pipe is None:
+            continue  # fewer rows per data-parallel rank than one micro-batch per stage
+        for mode in modes:
+            split, rep = (split_by or {}).get(mode), (rep_by or {}).get(mode)
+            if (split_by is not None and split is None) or (rep_by is not None and rep is None):
+                continue  # no block to checkpoint
+            base = (split or rep).get("base", Terms())
+            for z in _storages(s, mesh, dp, auto):
+                options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -114,10 +135,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
-    s, zero = best.option
+    s, storage, mode = best.option
     if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
-        record["chosen"] = _label(mesh, (s, zero)) + " (the tp axis split nothing)"
+        record["chosen"] = _label(mesh, (s, storage, mode)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
@@ -127,12 +148,13 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 ann.update(c.annotations(name, s.sp))
         if s.sp:
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
-    new_dp = None
-    if s.dp is not None:
-        base_dp = dp or DataParallel(mesh.axis_names[s.dp])
-        new_dp = dataclasses.replace(base_dp, axis=mesh.axis_names[s.dp], zero=zero)
+    chosen = {
+        "data_parallel": s.data_parallel(mesh, base_dp, *storage),
+        "pipeline": _pipeline(s, mesh, batch, pipeline),
+        "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
+    }
     record["search_s"] = time.perf_counter() - t0
-    return ann, new_dp, record
+    return ann, chosen, record
 
 
 def _touched(comp, user, model) -> bool:
@@ -143,41 +165,112 @@ def _touched(comp, user, model) -> bool:
     )
 
 
-def _zeros(s, dp, auto) -> tuple:
+def _storages(s, mesh, dp, auto) -> list[tuple]:
+    """(zero, shard_size) the search may pick for structure ``s``: the allowed ZeRO levels (the
+    user's when given); zero=3 over two axes both as HSDP (sharded on the inner axis, replicated
+    on the outer) and sharded over both."""
     if s.dp is None:
-        return (0,)
-    if dp is not None and dp.zero:
-        return (dp.zero,)
-    return tuple(auto.zero) or (0,)
+        return [(0, None)]
+    zeros = (dp.zero,) if dp is not None and dp.zero else (tuple(auto.zero) or (0,))
+    out = []
+    for z in zeros:
+        if z == 3 and s.rep is not None:
+            shards = (
+                (dp.shard_size,)
+                if dp is not None and dp.shard_size
+                else (mesh.shape[s.dp], mesh.shape[s.dp] * mesh.shape[s.rep])
+            )
+            out += [(3, k) for k in shards]
+        else:
+            out.append((z, dp.shard_size if dp is not None and z == 3 else None))
+    return out
 
 
-def _probe(plan_probe, mesh, traced, ann, dp_axis, strict, comp_of, param_comp, profile, states, weights):
-    """The probe plan's Terms per component (None when it cannot be planned)."""
-    dp_name = mesh.axis_names[dp_axis] if dp_axis is not None else None
-    options = PlanOptions(data_parallel=DataParallel(dp_name) if dp_name else None, strict=strict)
+def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes):
+    """{checkpointing mode: the probe plan's Terms per component} (None when it cannot be
+    planned; a mode missing when the plan has no block to checkpoint). The checkpointed
+    variants are the same layouts under other options (Plan.with_options: no propagation)."""
+    options = PlanOptions(data_parallel=dp, strict=strict)
     try:
         plan = plan_probe(traced, options, ann)
     except PlanError:
         return None
-    return plan_terms(plan, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+    out = {}
+    saves = saved_activations(plan)
+    for mode in modes:
+        variant = plan
+        if mode is not None:
+            try:
+                variant = plan.with_options(options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
+            except PlanError:
+                continue
+            share_saved_activations(variant, saves)  # same graph and layouts: the same saved tensors
+        out[mode] = plan_terms(variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+    return out
 
 
-def _coefs(t: Terms, mesh, profile, dp_axis, zero) -> tuple:
-    dp = DataParallel(mesh.axis_names[dp_axis], zero=zero) if dp_axis is not None else None
-    sync, gather = t.dp_sync(mesh, profile, dp_axis, dp)
-    return (t.compute + t.comm + gather, sync + t.sync_other, t.backward, t.memory(mesh, dp_axis, dp))
+def batch_size(traced) -> int | None:
+    """Rows of the first batched input (what data parallel and micro-batches divide)."""
+    for name in traced.user_inputs:
+        val = traced.placeholders()[name].meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            try:
+                return int(val.shape[0])
+            except TypeError:  # a symbolic size without a hint
+                return None
+    return None
 
 
-def _option(s, zero, base, free, split, rep, mesh, profile) -> Option:
+def _pipeline(s, mesh, batch, user):
+    """The pipeline of structure ``s``: the user's, or 1F1B over its pp axis with one micro-batch
+    per row of a data-parallel rank's batch (the fewest idle slots, the least in flight); None
+    when ``s`` has no pp axis or the rows are too few for one micro-batch per stage."""
+    if s.pp is None:
+        return None
+    if user is not None:
+        return user
+    dp_size = (mesh.shape[s.dp] if s.dp is not None else 1) * (mesh.shape[s.rep] if s.rep is not None else 1)
+    if batch is None or batch % dp_size or batch // dp_size < mesh.shape[s.pp]:
+        return None
+    return Pipeline(mesh.axis_names[s.pp], microbatches=batch // dp_size, schedule="1f1b")
+
+
+def _coefs(t: Terms, mesh, profile, dp, pipe=None, base=False) -> tuple:
+    """(time, sync, hide, memory) of ``t`` under ``dp`` (as a user writes it: two axes are merged
+    into the one data-parallel axis the plan has) and a pipeline stage's share (``pipe``; its
+    point-to-point sends are charged once, to the ``base`` terms)."""
+    if pipe is not None:
+        t = t.scaled(pipe.step_shares(mesh), mesh, profile, sends=base)
+    dp_axis = None
+    if dp is not None:
+        mesh, dp = dp.reshape_mesh(mesh)
+        dp_axis = mesh.axis_index(dp.axis)
+    sync, ahead, after = t.dp_sync(mesh, profile, dp_axis, dp)
+    hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
+    return (t.compute + t.comm + after, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
+
+
+def prefetches(dp, mesh, dp_axis) -> bool:
+    """Whether ``dp``'s storage starts gathers ahead of their use (then the whole step's compute
+    hides its communication, not only backward's)."""
+    return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
+
+
+def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile) -> Option:
+    dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
         ch = {}
         if split is not None:
-            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, s.dp, zero)
+            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
         if rep is not None:
-            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, s.dp, zero)
+            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp, pipe)
         comps[c.key] = ch
-    return Option((s, zero), _coefs(base, mesh, profile, s.dp, zero), comps)
+    idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and not s.uses(a))
+    # a tp axis that splits no component is replicated after all: each unsplit component counts a
+    # share of an idle axis, all of them together less than one
+    idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
+    return Option((s, storage, mode), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -190,9 +283,11 @@ def _duplicated_axes(mesh, s, options, auto, profile) -> list[dict]:
     divides the compute), else tensor parallel on it."""
     out = []
     for a, name in enumerate(mesh.axis_names):
-        if a in (s.dp, s.tp) or mesh.shape[a] == 1:
+        if s.uses(a) or mesh.shape[a] == 1:
             continue
-        using = [o for o in options if o.label[0].dp == a] or [o for o in options if o.label[0].tp == a]
+        using = [o for o in options if a in (o.label[0].dp, o.label[0].rep)] or [
+            o for o in options if a in (o.label[0].tp, o.label[0].pp)
+        ]
         best = None
         for o in using:
             sol = solve([o], auto.memory_budget, profile.overlap)
@@ -219,8 +314,13 @@ def job_device(traced):
 
 
 def _label(mesh, option) -> str:
-    s, zero = option
-    return s.roles(mesh) + (f", ZeRO-{zero}" if s.dp is not None else "")
+    s, (zero, shard), mode = option
+    label = s.roles(mesh)
+    if s.dp is not None:
+        label += f", ZeRO-{zero}"
+        if shard is not None and s.rep is not None:
+            label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+    return label + (f", {mode} checkpointing" if mode else "")
 
 
 def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes) -> dict:
@@ -238,6 +338,14 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
         )
     runners.sort(key=lambda r: (r["time_s"] is None, r["time_s"] or 0.0))
     chosen = next(o for o in options if o.label == best.option)
+    label = _label(mesh, best.option)
+    runner_up = next((r for r in runners if r["fits"] and r["option"] != label), None)
+    binding = None  # the budget binds when a faster plan exists that it refuses
+    if auto.memory_budget is not None:
+        fastest = solve(options, None, profile.overlap)
+        if fastest is not None and fastest.time < best.time * (1 - 1e-9):
+            over = {"option": _label(mesh, fastest.option), "time_s": fastest.time, "memory": fastest.memory}
+            binding = {"constraint": "memory budget", "faster": over}
     comps = []
     for c in free:
         opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
@@ -254,6 +362,8 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
         "components": comps,
         "constrained": sorted(touched),
         "runners_up": runners[:12],
+        "runner_up": runner_up,
+        "binding": binding,
         "solver": "scipy.optimize.milp (HiGHS)",
         "search_s": seconds,
         "probes": n_probes,

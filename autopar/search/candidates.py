@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -156,34 +157,58 @@ def _params_of(model, paths) -> set:
 
 @dataclass(frozen=True)
 class Structure:
-    """What each axis does: the dp axis, the tp axis, sequence parallel on tp."""
+    """What each axis does: the dp axis (with ``rep``, the axis right before it, the batch is
+    split over both: one data-parallel axis of their product), the tp axis, sequence parallel on tp."""
 
     dp: int | None
     tp: int | None
     sp: bool
+    rep: int | None = None
+    pp: int | None = None  # pipeline stages over this axis (the layouts leave it replicated)
 
     def roles(self, mesh) -> str:
         names = []
         for a, n in enumerate(mesh.axis_names):
-            role = "dp" if a == self.dp else ("tp+sp" if a == self.tp and self.sp else "tp" if a == self.tp else "R")
+            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "R"
+            if a == self.tp:
+                role = "tp+sp" if self.sp else "tp"
             names.append(f"{n}={role}")
         return ", ".join(names)
 
+    def uses(self, axis: int) -> bool:
+        return axis in (self.dp, self.tp, self.rep, self.pp)
 
-def structures(mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None, any_dp: bool) -> list[Structure]:
-    """Every assignment of roles to axes (at most one dp, one tp) that the constraints allow."""
+    def data_parallel(self, mesh, base, zero: int, shard: int | None):
+        """The ap.DataParallel of this structure as a user writes it (``base``'s other options)."""
+        if self.dp is None:
+            return None
+        rep = mesh.axis_names[self.rep] if self.rep is not None else None
+        return dataclasses.replace(base, axis=mesh.axis_names[self.dp], zero=zero, replicate_axis=rep, shard_size=shard)
+
+
+def structures(
+    mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None, any_dp: bool, allow_pp: bool = True
+) -> list[Structure]:
+    """Every assignment of roles to axes (one dp axis or two adjacent ones, at most one tp, at
+    most one pipeline axis) that the constraints allow."""
     out = []
     axes = [None, *range(mesh.ndim)]
     for dp in axes:
         if (fixed_dp is not None and dp != fixed_dp) or (not any_dp and dp is not None and fixed_dp is None):
             continue
-        for tp in axes:
-            if tp is not None and tp == dp:
-                continue
-            if fixed_tp is not None and tp != fixed_tp:
-                continue
-            for sp in (False, True) if tp is not None and allow_sp else (False,):
-                out.append(Structure(dp, tp, sp))
+        reps = [None] + (
+            [dp - 1] if dp is not None and dp > 0 and mesh.shape[dp - 1] > 1 and mesh.shape[dp] > 1 else []
+        )
+        for rep in reps:
+            for tp in axes:
+                if tp is not None and tp in (dp, rep):
+                    continue
+                if fixed_tp is not None and tp != fixed_tp:
+                    continue
+                for sp in (False, True) if tp is not None and allow_sp else (False,):
+                    free = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and a not in (dp, rep, tp)]
+                    for pp in [None] + (free if allow_pp else []):
+                        out.append(Structure(dp, tp, sp, rep, pp))
     return out
 
 

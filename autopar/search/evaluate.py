@@ -8,15 +8,21 @@ needs that a byte count does not: links and overlap.
   it), backward counted twice that, divided by the profile's FLOP/s.
 - activation collectives (forward and backward, from cost.collectives, the list the runtime
   runs): ``alpha * ring rounds + bytes / beta`` of the axis' link; not overlapped.
-- gradient sync: per parameter, its local bytes on each axis it is summed over (data_parallel.bucket_sync
-  on the dp axis, with the ZeRO level); hidden behind ``overlap`` x the backward compute, the
-  rest exposed (the runtime launches each bucket in backward as its last gradient is ready).
+- gradient sync: per parameter, its local bytes on each axis it is summed over; on the dp
+  axis the ZeRO level's storage policy says what runs (``Storage.step_comms``: all-reduce,
+  reduce-scatter, zero=3's gathers), as one bucket. The sync hides behind ``overlap`` x the
+  backward compute, the rest exposed (the runtime launches each bucket in backward as its last
+  gradient is ready); zero=3's gathers are prefetched (started a block ahead), so with them the
+  whole step's compute hides the communication. The techniques' own collectives in
+  ``plan.collectives()`` (zero=3's per-bucket gathers) are not counted again from that list.
   Approximation: buckets' latency counted as ``bytes / bucket_bytes`` rounds (fractional), and
   the last bucket's tail (it cannot overlap anything) is not charged.
-- ZeRO's parameter all-gather after the optimizer step: exposed.
+- ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
-  divides them by dp), activations (every non-view op's output that needs a gradient) - as
-  cost/plan_cost.py memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each other).
+  divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
+  unit: a repeated block, or the parameters outside blocks), activations (the tensors autograd
+  keeps, by the node that made them) - as cost/plan_cost.py memory_formulas counts them
+  (tests/simulated/test_auto_planning.py holds the two against each other).
 
 Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]
@@ -25,15 +31,16 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 
+from autopar.cost.activation_memory import bytes_by_node, saved_activations
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops, op_work, split_factor
+from autopar.cost.plan_cost import activation_terms, node_flops, split_factor
 from autopar.runtime.ring import ring_steps
-from autopar.sharding.propagate import layout_of, tensor_outputs
-from autopar.sharding.rules import VIEW
+from autopar.sharding.propagate import layout_of
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -52,6 +59,9 @@ class Terms:
     opt_other: float = 0.0
     opt_dp: float = 0.0  # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
     acts: float = 0.0
+    largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
+    boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
+    units: float = 0.0  # zero=3's gather units (blocks, and the parameters outside blocks)
     comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
 
     def add(self, other: "Terms", w: float = 1.0) -> "Terms":
@@ -59,35 +69,78 @@ class Terms:
             if f.name == "comm_bytes":
                 for k, v in other.comm_bytes.items():
                     self.comm_bytes[k] = self.comm_bytes.get(k, 0.0) + w * v
+            elif f.name in ("largest_unit", "boundary"):
+                setattr(self, f.name, max(getattr(self, f.name), getattr(other, f.name)))
             else:
                 setattr(self, f.name, getattr(self, f.name) + w * getattr(other, f.name))
         return self
 
-    def dp_sync(self, mesh, profile, dp_axis, dp) -> tuple[float, float]:
-        """(seconds of gradient sync on dp, seconds of ZeRO's all-gather after the step) under the
-        ap.DataParallel ``dp`` (its storage policy says what one bucket's sync sends)."""
+    def scaled(self, shares, mesh, profile, sends: bool = True) -> "Terms":
+        """These terms as one rank of a technique with ``step_shares`` has them (a pipeline stage:
+        its share of the compute, state and activations, plus, with ``sends``, its point-to-point
+        sends of the boundary activation, exposed); None leaves them as they are."""
+        if shares is None:
+            return self
+        out = Terms(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "comm_bytes"})
+        for name in ("compute", "backward", "comm"):
+            setattr(out, name, getattr(self, name) * shares["time"])
+        for name in ("sync_other", "dp_grad", "params", "grads_other", "opt_other", "opt_dp", "units"):
+            setattr(out, name, getattr(self, name) * shares["state"])
+        out.acts = self.acts * shares["acts"]
+        out.comm_bytes = {k: v * shares["state"] for k, v in self.comm_bytes.items()}
+        axis, messages, share = shares["sends"]
+        if not sends:
+            return out
+        alpha, beta = profile.link(mesh, mesh.axis_index(axis))
+        out.comm += messages * (alpha + share * self.boundary / beta)
+        out.comm_bytes[axis] = out.comm_bytes.get(axis, 0.0) + messages * share * self.boundary
+        return out
+
+    def dp_sync(self, mesh, profile, dp_axis, dp) -> tuple[float, float, float]:
+        """(seconds of gradient sync on dp, of prefetched gathers, of ZeRO-1/2's all-gather after
+        the step) under the ap.DataParallel ``dp`` (its storage policy says what runs)."""
         if dp_axis is None or dp is None or not self.dp_grad:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         n = mesh.shape[dp_axis]
         alpha, beta = profile.link(mesh, dp_axis)
-        rounds = self.dp_grad / BUCKET_BYTES
-        sync = gather = 0.0
-        for kind, phase, nbytes in dp.storage.bucket_comms(dp, n, self.dp_grad, self.dp_grad):
-            t = alpha * ring_steps(kind, n) * rounds + nbytes / beta
-            sync, gather = (sync + t, gather) if phase == "grad sync" else (sync, gather + t)
-        return sync, gather
+        buckets = self.dp_grad / BUCKET_BYTES
+        sync = ahead = after = 0.0
+        units = max(self.units, 1.0)
+        for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(
+            dp, n, self.dp_grad, self.dp_grad, units
+        ):
+            t = alpha * ring_steps(kind, n) * (buckets if launches is None else launches) + nbytes / beta
+            if prefetched:
+                ahead += t
+            elif phase in ("grad sync", "forward", "backward"):
+                sync += t
+            else:
+                after += t
+        return sync, ahead, after
 
-    def memory(self, mesh, dp_axis, dp) -> float:
-        """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors)."""
-        d_params, d_grads, d_opt = dp.memory_divisors(mesh.shape[dp_axis]) if dp is not None else (1, 1, 1)
+    def memory(self, mesh, dp_axis, dp, plan=None) -> float:
+        """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors)
+        and what it holds gathered while stepping (of ``plan``'s own buckets where given)."""
+        if dp is None:
+            return self.params + self.dp_grad + self.grads_other + self.opt_dp + self.opt_other + self.acts
+        n = mesh.shape[dp_axis]
+        d_params, d_grads, d_opt = dp.memory_divisors(n)
         grads, opt = self.dp_grad / d_grads, self.opt_dp / d_opt
-        return self.params / d_params + grads + self.grads_other + opt + self.opt_other + self.acts
+        held = dp.storage.held_bytes(dp, n, self.largest_unit, plan)
+        return self.params / d_params + held + grads + self.grads_other + opt + self.opt_other + self.acts
+
+    def hidden_behind(self, prefetching: bool) -> float:
+        """Compute seconds the overlapped communication can hide behind: backward's, or (with
+        prefetched gathers, which start during forward too) the whole step's."""
+        return self.compute if prefetching else self.backward
 
     def time(self, mesh, profile, dp_axis, dp) -> float:
-        """Step time: compute + activation collectives + exposed gradient sync + ZeRO's gather."""
-        sync, gather = self.dp_sync(mesh, profile, dp_axis, dp)
-        exposed = max(0.0, sync + self.sync_other - profile.overlap * self.backward)
-        return self.compute + self.comm + exposed + gather
+        """Step time: compute + activation collectives + exposed gradient sync (and prefetched
+        gathers) + ZeRO-1/2's gather after the step."""
+        sync, ahead, after = self.dp_sync(mesh, profile, dp_axis, dp)
+        hide = profile.overlap * self.hidden_behind(ahead > 0)
+        exposed = max(0.0, sync + ahead + self.sync_other - hide)
+        return self.compute + self.comm + exposed + after
 
 
 def plan_terms(
@@ -99,6 +152,11 @@ def plan_terms(
     sy, mesh = Numbers(plan.mesh), plan.mesh
     nw = node_weight or {}
     out: dict[str, Terms] = {}
+    saves = saved_activations(plan)
+    for technique in plan.options.techniques:  # checkpointing keeps its blocks' inputs instead
+        saves = technique.kept_saves(plan, saves)
+    kept = bytes_by_node(plan, sy, saves)  # what autograd keeps, by the node that made it
+    recomputed = set().union(*(t.recomputed(plan) for t in plan.options.techniques))
 
     def terms(key):
         return out.setdefault(key, Terms())
@@ -109,14 +167,22 @@ def plan_terms(
         t, w = terms(comp_of.get(node.name, "base")), nw.get(node.name, 1.0)
         fwd = float(node_flops(node, sy) / split_factor(layout_of(node).spec, sy)) / profile.flops_per_s
         grad = bool(plan.ctx.needs_grad.get(node))
-        t.compute += w * fwd * (3 if grad else 1)
-        t.backward += w * fwd * (2 if grad else 0)
-        if grad and op_work(node) is not VIEW:
-            for val, spec in zip([v for v in tensor_outputs(node) if v is not None], layout_of(node).outputs):
-                t.acts += w * sy.numel(val.shape, spec) * val.dtype.itemsize
+        again = grad and node.name in recomputed  # a checkpointed region's forward, run again in backward
+        t.compute += w * fwd * ((3 if grad else 1) + again)
+        t.backward += w * fwd * ((2 if grad else 0) + again)
+    for name, b in kept.items():
+        terms(comp_of.get(name, "base")).acts += nw.get(name, 1.0) * b
+    # what the techniques add beyond the kept tensors: per block (checkpointing's generator-state
+    # copies: a short probe's two blocks stand for 1 + (n - 1)), and once (a recompute's peak)
+    extra = activation_terms(plan, sy)
+    blocks = (1 + max(nw.values())) / 2 if nw else 1.0
+    per_block = float(extra.pop("activations")) - float(sum(kept.values()))
+    terms("base").acts += blocks * per_block + float(sum(extra.values()))
+    terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
+    in_graph = {n.name for n in plan.graph.nodes}
     for c in collectives(plan, sy):
-        if c.phase not in ("forward", "backward"):
-            continue  # the gradient sync is counted per parameter below
+        if c.phase not in ("forward", "backward") or c.node not in in_graph:
+            continue  # the gradient sync (zero=3's gathers too) is counted per parameter below
         key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
         w = nw.get(c.node, nw.get(c.src, 1.0))
         a = mesh.axis_index(c.axis)
@@ -128,13 +194,22 @@ def plan_terms(
     return out
 
 
+BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.5.mlp.up.weight" -> "model.layers.5"
+
+
 def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     mesh = plan.mesh
     sync = plan.grad_sync_axes
+    units: dict[str, float] = {}  # zero=3's gather units: each repeated block, and the rest as one
+    unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
     for name, p in plan.model.named_parameters():
         t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
         local = sy.numel(p.shape, plan.param_specs.get(name)) * p.element_size()
         t.params += w * local
+        block = BLOCK.match(name)
+        unit = block.group(1) if block else ""
+        units[unit] = units.get(unit, 0.0) + local
+        unit_weight[unit] = max(unit_weight.get(unit, 0.0), w)
         if not p.requires_grad:
             continue
         axes = sync.get(name, ())
@@ -152,3 +227,5 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
             t.sync_other += w * (
                 alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + 2 * (n - 1) / n * local / beta
             )
+    terms("base").largest_unit = max(units.values(), default=0.0)
+    terms("base").units = sum(unit_weight.values())

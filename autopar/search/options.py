@@ -8,6 +8,10 @@
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
+- ``activation_checkpoint``: the checkpointing of every repeated block the search may pick
+  (None: none, "selective", "full"; ap.ActivationCheckpoint's modes, its recompute counted).
+- ``pipeline``: whether an axis may hold pipeline stages (1F1B, one micro-batch per row of a
+  data-parallel rank's batch).
 
 Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
@@ -29,10 +33,12 @@ class Auto:
     beta: float | None = None
     flops_per_s: float | None = None
     device: object = None
-    zero: tuple = (0, 1, 2)
+    zero: tuple = (0, 1, 2, 3)
     sequence_parallel: bool = True
     vocab_parallel: bool = True
     optimizer_states: int = 2
+    pipeline: bool = True
+    activation_checkpoint: tuple = (None, "selective", "full")
 
     @classmethod
     def of(cls, value) -> "Auto":

@@ -18,14 +18,17 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     total = Terms()
     for t in plan_terms(plan, {}, profile, optimizer_states).values():
         total.add(t)
+    for technique in plan.options.techniques:  # a pipeline stage's share of the step
+        total = total.scaled(technique.step_shares(plan.mesh), plan.mesh, profile)
     dp = plan.data_parallel
-    sync, gather = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
+    sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
     return {
         "time_s": total.time(plan.mesh, profile, plan.dp_axis, dp),
-        "memory": total.memory(plan.mesh, plan.dp_axis, dp),
+        "memory": total.memory(plan.mesh, plan.dp_axis, dp, plan),
         "compute_s": total.compute,
         "comm_s": total.comm,
         "sync_s": sync + total.sync_other,
-        "zero_gather_s": gather,
+        "prefetched_s": ahead,
+        "zero_gather_s": after,
         "comm_bytes": dict(total.comm_bytes),
     }

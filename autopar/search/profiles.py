@@ -8,11 +8,15 @@ inside one node (the product of its size and the sizes of the axes after it is a
 compute that the bucketed gradient sync can hide behind (1.0 on GPUs with their own
 communication streams; on a CPU, gloo's threads compete with compute for the same cores).
 
-The numbers are round published figures, not measurements: an H100 SXM does ~990 TFLOP/s
-dense bf16 (we assume 50% achieved), NVLink 4 ~450 GB/s per direction in practice for
-all-reduce bus bandwidth, InfiniBand NDR 400 Gb/s ~ 45 GB/s per GPU; A100 312 TFLOP/s bf16,
-NVLink 3 ~240 GB/s, HDR IB ~22 GB/s. ``cpu-gloo`` is this kind of machine (a few CPU cores,
-loopback TCP); ``ap.calibrate()`` measures the real one.
+Compute rates are measured (``bench/gpu_calibration.py``; figures in bench/RESULTS.md): on an
+H100 80GB HBM3, one LLaMA-3.1-8B decoder layer (bf16, local batch 2 x 8192, HF's ops, flash
+SDPA) ran forward + backward at 505 TFLOP/s counting its matmul and attention FLOPs (51% of the
+989 TFLOP/s datasheet peak); that rate, which already carries the layer's norms, RoPE and SwiGLU
+time, is ``h100``'s ``flops_per_s``. The A100 was not measured: ``a100`` takes the same 51% of its
+312 TFLOP/s peak. Links are derived from published figures: NVLink 4 ~450 GB/s per direction
+of all-reduce bus bandwidth, InfiniBand NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240
+GB/s, HDR IB ~22 GB/s. ``cpu-gloo`` is this kind of machine (a few CPU cores, loopback TCP);
+``ap.calibrate()`` measures the real one.
 
 Example:
     >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand
@@ -55,9 +59,13 @@ class Profile:
         )
 
 
+# FLOP/s of a LLaMA-3.1-8B layer's forward + backward on an H100 80GB HBM3 (bench/gpu_calibration.py,
+# 2026-11-27: 49.02 ms for 6 x 218M params x 16,384 tokens + causal attention)
+H100_LAYER_FLOPS = 505e12
+
 PROFILES = {
-    "h100": Profile("h100", 0.5 * 989e12, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
-    "a100": Profile("a100", 0.5 * 312e12, (4e-6, 240e9), (10e-6, 22e9), 8, 1.0),
+    "h100": Profile("h100", H100_LAYER_FLOPS, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
+    "a100": Profile("a100", H100_LAYER_FLOPS / 989e12 * 312e12, (4e-6, 240e9), (10e-6, 22e9), 8, 1.0),
     "cpu-gloo": Profile("cpu-gloo", 20e9, (60e-6, 1.0e9), (60e-6, 1.0e9), 1 << 30, 0.0),
 }
 DEFAULT = "h100"

@@ -54,7 +54,7 @@ def shortened(traced):
     for node in graph.nodes:
         if node.name in dropped or where.get(node, 0) >= 2:
             continue
-        env[node] = new.node_copy(node, arg)
+        env[node] = _same_name(new.node_copy(node, arg), node)
     keep = lambda table: {k: v for k, v in table.items() if k not in dropped}  # noqa: E731
     short = dataclasses.replace(
         traced,
@@ -86,5 +86,13 @@ def copied(traced):
     trace gives (and load_plan compares names)."""
     new, env = fx.Graph(), {}
     for node in traced.gm.graph.nodes:
-        env[node] = new.node_copy(node, lambda a: env[a])
+        env[node] = _same_name(new.node_copy(node, lambda a: env[a]), node)
     return dataclasses.replace(traced, gm=fx.GraphModule(traced.gm, new))
+
+
+def _same_name(copy: fx.Node, node: fx.Node) -> fx.Node:
+    """The copy under the original's name: fx renames a copy whose name is a Python builtin
+    (nn.Sequential's ``input`` became ``input_1``), and then the traced inputs' names no longer
+    match, so the probes split no batch and the search costed data parallel as replicated."""
+    copy.name = node.name
+    return copy

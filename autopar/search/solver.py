@@ -9,8 +9,9 @@ Variables, for every option ``g`` (a Structure plus a ZeRO level) and component 
 - ``x_g`` in {0, 1}: the option is chosen; sum_g x_g = 1;
 - ``w_gck`` in {0, 1}: component c takes choice k under g; sum_k w_gck = x_g (so w = 0
   unless g is chosen: the products "g and k" stay linear);
-- ``e_g >= 0``: the exposed part of the gradient sync, e_g >= sync_g - overlap * backward_g
-  (both linear in x and w), which is max(0, .) at the optimum.
+- ``e_g >= 0``: the exposed part of the gradient sync, e_g >= sync_g - overlap * hide_g
+  (both linear in x and w), which is max(0, .) at the optimum; ``hide`` is the compute the
+  sync can hide behind (backward's, or the whole step's when zero=3 prefetches its gathers).
 
 Objective: sum of the time coefficients (compute + activation collectives + ZeRO's gather) of
 the chosen x and w, plus sum_g e_g. Memory: sum of memory coefficients <= budget. This is
@@ -24,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -38,8 +39,10 @@ class Option:
     """One x_g: its base coefficients and, per component, per choice, the same four numbers."""
 
     label: object
-    base: tuple  # (time, sync, backward, memory)
-    comps: dict  # component key -> {choice: (time, sync, backward, memory)}
+    base: tuple  # (time, sync, hide, memory)
+    comps: dict  # component key -> {choice: (time, sync, hide, memory)}
+    idle: int = 0  # mesh axes (of size > 1) the option leaves replicated: their ranks repeat work
+    idle_choice: dict = field(default_factory=dict)  # choice -> a fraction of an idle axis (R on a tp axis)
 
 
 @dataclass
@@ -116,13 +119,18 @@ def solve(options: list[Option], budget: float | None, overlap: float) -> Soluti
         options=EXACT,
     )
     if res.x is not None:
-        # Ties (ZeRO-2 costs what ZeRO-0 costs when the sync hides behind backward) go to the least
-        # memory: a second solve, the time held within 1e-9 of the optimum (lexicographic).
+        # Ties (ZeRO-2 costs what ZeRO-0 costs when the sync hides behind backward; a tiny model
+        # whose every option is latency) go first to the options that use every rank, then to the
+        # least memory: a second solve, the time held within 1e-9 of the optimum (lexicographic;
+        # the memory term is normalised below 1, so one idle axis outweighs any memory).
         rows.append(cost)
         lo.append(-np.inf)
         hi.append(res.fun * (1 + 1e-9) + 1e-6)
+        idle = np.array(
+            [options[col[1]].idle if col[0] == "x" else options[col[1]].idle_choice.get(col[3], 0.0) for col in cols]
+        )
         second = milp(
-            mem + 1e-12 * cost,
+            2.0 * idle + mem / max(float(np.abs(mem).sum()), 1.0) + 1e-12 * cost,
             constraints=LinearConstraint(np.array(rows), lo, hi),
             integrality=integrality,
             bounds=bounds,

@@ -66,8 +66,11 @@ def test_mlp_auto_equals_serial(shape):
     model, x = MLP(), torch.randn(8, 16)
     plan = ap.plan(model, mesh_of(shape), args=(x,), auto=SPLIT_PAYS)
     plan.check(x)
-    if len(shape) == 2:  # dp on one axis, the pair split on the other (on one axis dp alone is cheaper)
-        assert [c["choice"] for c in plan.built["auto"]["components"]] == ["split"]
+    if len(shape) == 2:  # every rank used: dp over both axes (cheapest here), or dp and the pair split
+        rec = plan.built["auto"]
+        assert "=R" not in rec["chosen"] and (
+            rec["chosen"].count("=dp") == 2 or rec["components"][0]["choice"] == "split"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -126,10 +129,11 @@ def test_annotations_and_data_parallel_are_constraints():
 
 def test_megatron_on_tp_when_the_cost_model_says_so():
     """Slow compute, fast links: the (dp, tp) mesh gets dp on one axis and every Megatron pair split on
-    the other - the layouts ap.presets.megatron gives; with a CPU's links, splitting stops paying."""
+    the other - the layouts ap.presets.megatron gives; with a CPU's links, splitting stops paying.
+    (Data parallel fixed on "dp": over both axes it would be as fast on this toy model.)"""
     model, args = gpt()
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
-    plan = ap.plan(model, mesh, args=args, auto=SPLIT_PAYS)
+    plan = ap.plan(model, mesh, args=args, auto=SPLIT_PAYS, data_parallel="dp")
     rec = plan.built["auto"]
     assert all(c["choice"] == "split" for c in rec["components"])
     hand = ap.plan(
@@ -192,3 +196,97 @@ def test_default_profile_follows_the_jobs_device_and_explain_names_duplicated_wo
     for axis in replicated:
         assert f"ranks duplicate work: axis {axis} is replicated" in text and "predicted fastest anyway" in text
     assert profile_for(torch.device("meta")) == "h100" and profile_for(None) == "h100"
+
+
+def test_data_parallel_over_both_axes_when_the_budget_asks():
+    """A budget no single-axis option meets: the search shards over both axes of (2, 2) (ZeRO over
+    their product, or zero=3 sharded over both) and the plan still equals serial. (A model with no
+    Megatron pair, so that tensor parallelism cannot save the memory instead.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64, bias=False))
+    args = (torch.randn(8, 64),)
+    mesh = mesh_of((2, 2))
+
+    def memory(dp):
+        return ap.predict(ap.plan(model, mesh, args=args, data_parallel=dp), "cpu-gloo")["memory"]
+
+    one_axis = min(memory(ap.DataParallel(axis, zero=z)) for axis in "ab" for z in (2, 3))  # ZeRO-1 keeps more
+    both = min(
+        memory(ap.DataParallel("b", replicate_axis="a", **kw)) for kw in (dict(zero=2), dict(zero=3, shard_size=4))
+    )
+    assert both < one_axis
+    budget = (both + one_axis) / 2
+    tight = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=budget))
+    rec = tight.built["auto"]
+    assert rec["chosen"].count("=dp") == 2 and rec["memory"] <= budget
+    assert tight.mesh.axis_names == ("a_b",)
+    tight.check(*args)
+
+
+def test_zero3_gathers_hide_behind_compute():
+    """zero=3's prefetched gathers hide behind the whole step's compute on a GPU profile: where the
+    compute is long enough, its step costs what plain data parallel's does, and less memory."""
+    model, args = gpt()
+    mesh = mesh_of((4,))
+    slow = ap.Auto(device="h100", flops_per_s=1e6)  # compute long enough to hide every collective
+    plain = ap.plan(model, mesh, args=args, data_parallel="a")
+    fsdp = ap.plan(model, mesh, args=args, data_parallel=ap.DataParallel("a", zero=3))
+    p, f = ap.predict(plain, slow), ap.predict(fsdp, slow)
+    assert f["prefetched_s"] > 0 and f["time_s"] == pytest.approx(p["time_s"], rel=1e-9)
+    assert f["memory"] < p["memory"]
+    assert f["memory"] == pytest.approx(sum(fsdp.cost().at()["memory"].values()), rel=1e-9)
+
+
+def test_ties_go_to_options_that_use_every_rank():
+    """On a tiny model under an H100 profile every option is latency-bound and near-equal: the
+    search leaves no axis of (2, 2) replicated when an option using it costs the same."""
+    model, args = gpt()
+    plan = ap.plan(
+        model, mesh_of((2, 2)), args=args, auto=ap.Auto(device="h100", flops_per_s=1e20, alpha=0.0, beta=1e30)
+    )
+    assert "=R" not in plan.built["auto"]["chosen"]
+
+
+def test_pipeline_stages_when_only_they_fit():
+    """On (4,) a budget only pipeline stages meet (each rank keeps a quarter of the parameters and
+    1F1B keeps 1/m of the activations): the search cuts the GPT into 4 stages, one micro-batch per
+    row, and the pipelined plan equals serial; ap.predict of it is the search's prediction."""
+    model, args = gpt()
+    mesh = mesh_of((4,))
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", activation_checkpoint=(None,)))
+    stages = next(r for r in free.built["auto"]["runners_up"] if r["option"] == "a=pp")
+    others = min(r["memory"] for r in free.built["auto"]["runners_up"] if r["option"] != "a=pp")
+    assert stages["memory"] < others and stages["time_s"] > free.built["auto"]["time_s"]  # not chosen unless asked
+    budget = (stages["memory"] + others) / 2
+    plan = ap.plan(
+        model, mesh, args=args, auto=ap.Auto(device="cpu-gloo", memory_budget=budget, activation_checkpoint=(None,))
+    )
+    rec = plan.built["auto"]
+    assert rec["chosen"] == "a=pp" and plan.options.pipeline.microbatches == 8
+    pred = ap.predict(plan, "cpu-gloo")
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    plan.check(*args)
+
+
+def test_checkpointing_when_the_budget_asks():
+    """A budget that plain data parallel misses by its activations: the search checkpoints the
+    blocks (selective or full), counts the recompute in the step time, and the plan equals serial;
+    ap.predict of it is the search's prediction."""
+    model, args = gpt(layers=4, tied=False)
+    mesh = mesh_of((2,))
+    auto = dict(device="cpu-gloo", zero=(0,), pipeline=False, sequence_parallel=False, vocab_parallel=False)
+    free = ap.plan(model, mesh, args=args, data_parallel="a", auto=ap.Auto(**auto))
+    rec = free.built["auto"]
+    assert "checkpointing" not in rec["chosen"]  # recompute costs time: not chosen unless asked
+    ckpt = [r for r in rec["runners_up"] if "checkpointing" in r["option"] and r["option"].startswith("a=dp")]
+    assert ckpt and all(r["time_s"] > rec["time_s"] and r["memory"] < rec["memory"] for r in ckpt)
+    budget = (max(r["memory"] for r in ckpt) + rec["memory"]) / 2
+    plan = ap.plan(model, mesh, args=args, data_parallel="a", auto=ap.Auto(memory_budget=budget, **auto))
+    chosen = plan.built["auto"]
+    assert "checkpointing" in chosen["chosen"] and plan.options.activation_checkpoint is not None
+    text = plan.explain("auto")
+    assert "binding constraint: the memory budget" in text and "runner-up:" in text
+    pred = ap.predict(plan, "cpu-gloo")
+    assert pred["time_s"] == pytest.approx(chosen["time_s"], rel=1e-6)
+    assert pred["memory"] == pytest.approx(chosen["memory"], rel=1e-6) and pred["memory"] <= budget
+    plan.check(*args)

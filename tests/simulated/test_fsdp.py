@@ -366,13 +366,26 @@ def test_hsdp_over_two_mesh_axes_equals_serial(shape, axes):
     H.compare(_train_all(plan), H.train_serial("adamw"), "default", str(axes))
 
 
+@pytest.mark.parametrize("kw", [dict(zero=3, shard_size=4), dict(zero=0), dict(zero=2)])
+def test_data_parallel_over_two_mesh_axes_equals_serial(kw):
+    """The batch split over two mesh axes at every ZeRO level: zero=3 sharded over both (a (2, 2)
+    mesh as 4-way FSDP, shard_size = |rep| x |shard|), zero 0 and 2 over the merged axis."""
+    plan = ap.plan(
+        H.make_model(),
+        ap.Mesh((2, 2), ("rep", "shard")),
+        args=(H.batches(1)[0],),
+        data_parallel=ap.DataParallel("shard", replicate_axis="rep", **kw),
+    )
+    assert plan.mesh.axis_names == ("rep_shard",) and plan.data_parallel.shard_size == kw.get("shard_size")
+    H.compare(_train_all(plan), H.train_serial("adamw"), "default", str(kw))
+
+
 @pytest.mark.parametrize(
     "shape,axes,kw,match",
     [
         ((2, 2), ("shard", "rep"), dict(zero=3), "adjacent"),
         ((2, 2, 2), ("rep", "tp", "shard"), dict(zero=3), "adjacent"),
-        ((2, 2), ("rep", "shard"), dict(zero=2), "zero=3"),
-        ((2, 2), ("rep", "shard"), dict(zero=3, shard_size=2), "shard_size"),
+        ((2, 2), ("rep", "shard"), dict(zero=3, shard_size=3), "shard_size"),
         ((2, 2), ("rep", "shard"), dict(zero=3, replicate_axis="nope"), "nope"),
     ],
 )

@@ -66,7 +66,9 @@ def test_memory_and_flops_formulas(gpt_plans):
     assert mem["params"] == local == mem["grads"]
     assert mem["optimizer"] == 2 * local
     tp_only = gpt_plans[(2,)].cost().at()["memory"]
-    assert mem["activations"] == pytest.approx(tp_only["activations"] / 2, rel=0.01)  # dp halves the batch
+    # dp halves the batch: the saved activations halve but for what does not hold the batch (the
+    # causal mask the attention keeps, the loss's weights)
+    assert tp_only["activations"] / 2 < mem["activations"] < 0.56 * tp_only["activations"]
     assert cost.at(B=16)["flops"] > cost.at()["flops"]
     t = cost.time(alpha=1e-5, beta=1e9, flops_per_s=1e12)
     n_tp = sum(1 for c in cost.comms if c.axis == "tp")

@@ -84,6 +84,25 @@ class Pipeline(Technique):
     def after_plan(self, plan):
         return api.stage_layout(plan, self, list(plan.options.split_before))
 
+    def step_shares(self, mesh) -> dict:
+        """A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
+        of one micro-batch's stage work (1/chunks of it interleaved), so the step takes
+        (m*v + pp - 1) / (m*v*pp) of the unpipelined one. It keeps 1/pp of the parameters. In
+        flight at the first stage: 1F1B pp micro-batches of its 1/pp of the layers (1/m of the
+        activations), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
+        A middle stage sends 2m messages per step (each micro-batch's activation forward, its
+        gradient backward; v times interleaved), each 1/m of the batch's boundary activation.
+        Approximation: stages even (the embedding and the head sit on the end stages)."""
+        pp, m, v = mesh.axis_size(self.axis), self.microbatches, self.chunks
+        time = (m * v + pp - 1) / (m * v * pp)
+        if self.kind == "gpipe":
+            acts = 1 / pp
+        elif self.kind == "interleaved":
+            acts = min(1.0, (1 + (pp - 1) / (pp * v)) / m)
+        else:
+            acts = min(m, pp) / (pp * m)
+        return {"time": time, "state": 1 / pp, "acts": acts, "sends": (self.axis, 2 * m * v, 1 / m)}
+
     def describe(self, plan) -> str:
         """The stages: their nodes, modules, FLOPs and what they send (split.describe)."""
         return describe(plan.stage_layout, plan.graph)

@@ -1,0 +1,251 @@
+"""Activation memory as autograd keeps it: the tensors backward saves, not every intermediate.
+
+Each op of the plan's graph is run once on the meta device at its traced sizes under
+``torch.autograd.graph.saved_tensors_hooks``; what its backward saves is read off there: which of
+its inputs, which of its outputs, and any other tensor (a norm's mean and rstd, a max's indices).
+A saved tensor counts once (two consumers saving the same activation hold one storage), at its
+*producer's* local size on a rank (a view counts as its base, whose storage it keeps). The model
+outputs (the logits a loss reads) count too: the caller holds them.
+
+Where the runtime differs from the op autograd would run, the table below says what is kept:
+autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), and CPU/GPU
+attention kernels (flash, efficient, the CPU flash kernel) keep q, k, v, the output and the
+log-sum-exp rows, never the s x s matrix the meta device's math path would.
+
+Example:
+    >>> saves = saved_activations(plan)          # [Saved(consumer, producer, index), ...]
+    >>> activation_bytes(plan, sy, saves)        # a formula in the plan's dims
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.sharding.propagate import layout_of, tensor_outputs
+from autopar.sharding.rules import VIEW, op_traits
+
+aten = torch.ops.aten
+ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
+DROPOUT_OPS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default}
+
+
+_PROBES: dict = {}  # (op, argument sizes and dtypes) -> what its backward keeps: asked once per process
+
+
+@dataclass(frozen=True)
+class Saved:
+    """``consumer``'s backward keeps output ``index`` of ``producer`` (a node of the plan's graph);
+    ``producer`` None: a tensor of its own (``nbytes_of`` of the consumer's output sizes)."""
+
+    consumer: str
+    producer: str | None
+    index: int = 0
+    fraction: float = 0.0  # own tensors: bytes as a fraction of ``ref``'s bytes
+    ref: tuple = ("out", 0)  # own tensors: the consumer's largest tensor ("in", i) or ("out", j)
+
+
+def share_saved_activations(plan, saves: list[Saved]) -> None:
+    """Give ``plan`` the saved tensors of another plan on the same graph and layouts (the search's
+    variants under other technique options), so that they are not probed again."""
+    plan.__dict__["_saved_activations"] = saves
+
+
+def saved_activations(plan) -> list[Saved]:
+    """Every tensor the plan's backward keeps, once per (consumer, producer, index)."""
+    cache = plan.__dict__.setdefault("_saved_activations", None)
+    if cache is not None:
+        return cache
+    out, probes = [], _PROBES
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or not plan.ctx.needs_grad.get(node) or op_traits(node.target).work is VIEW:
+            continue
+        if node.target is operator.getitem:
+            continue
+        kept = _kept(node, probes)
+        for kind, i, frac, *ref in kept:
+            if kind == "in":
+                base, idx = base_of(_tensor_args(node)[i])
+                if base.op in ("placeholder", "get_attr"):
+                    continue  # parameters and inputs (or views of them): held by their owners
+                out.append(Saved(node.name, base.name, idx))
+            elif kind == "out":
+                out.append(Saved(node.name, node.name, i))
+            else:
+                out.append(Saved(node.name, None, 0, frac, tuple(ref[0]) if ref else ("out", 0)))
+    plan.__dict__["_saved_activations"] = out
+    return out
+
+
+def held_outputs(plan) -> list[tuple[str, int]]:
+    """The model's outputs that are activations (the caller holds them: logits a loss reads)."""
+    out_node = next(n for n in plan.graph.nodes if n.op == "output")
+    held = []
+    for v in torch.utils._pytree.tree_leaves(out_node.args[0]):
+        if isinstance(v, fx.Node) and v.op == "call_function":
+            base, idx = base_of(v)
+            held.append((base.name, idx))
+    return held
+
+
+def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False):
+    """Local bytes of output ``index`` of node ``name`` on a rank (as a formula of ``sy``);
+    ``leaving``: as it leaves the program (a model output gathered but on the batch axis)."""
+    node = _node(plan, name)
+    vals = tensor_outputs(node)
+    if not vals or index >= len(vals) or vals[index] is None:
+        return 0
+    specs = layout_of(node).outputs if "autopar" in node.meta else []
+    spec = specs[index] if index < len(specs) else None
+    if leaving and spec is not None:
+        spec = plan.output_target(spec)
+    return sy.numel(vals[index].shape, spec) * vals[index].dtype.itemsize
+
+
+def bytes_by_node(plan, sy, saves: list[Saved] | None = None, with_outputs: bool = True) -> dict:
+    """Node name -> bytes of the kept tensors it made (``saves``, default: all of the plan's),
+    each storage once, plus the model's outputs: what the search adds per node."""
+    saves = saved_activations(plan) if saves is None else saves
+    seen: dict = {}
+    for s in saves:
+        if s.index == -1:  # a collective's output of the producer's value: its own storage
+            seen[(s.consumer, s.producer)] = (s.producer, tensor_bytes(plan, sy, s.producer, 0))
+        elif s.producer is not None:
+            seen.setdefault((s.producer, s.index), (s.producer, tensor_bytes(plan, sy, s.producer, s.index)))
+        else:
+            seen[(s.consumer, "own", s.fraction)] = (s.consumer, s.fraction * _ref_bytes(plan, sy, s))
+    if with_outputs:
+        for name, idx in held_outputs(plan):  # at the layout they leave in (gathered logits: a new tensor)
+            local = tensor_bytes(plan, sy, name, idx)
+            leaving = tensor_bytes(plan, sy, name, idx, leaving=True)
+            key = (name, idx) if sy.value(leaving - local) == 0 else (name, idx, "leaving")
+            seen.setdefault(key, (name, leaving))
+    out: dict = {}
+    for name, b in seen.values():
+        out[name] = out.get(name, 0) + b
+    return out
+
+
+def activation_bytes(plan, sy, saves: list[Saved] | None = None, with_outputs: bool = True):
+    """Bytes the kept tensors ``saves`` (default: all of the plan's) hold on one rank, each
+    storage once, plus the model's outputs."""
+    return sum(bytes_by_node(plan, sy, saves, with_outputs).values(), 0)
+
+
+def _ref_bytes(plan, sy, s: Saved):
+    """Local bytes of the tensor an own saved tensor is sized after (a loss's log-softmax after
+    its logits input, not after the scalar it returns)."""
+    kind, i = s.ref
+    if kind == "out":
+        return tensor_bytes(plan, sy, s.consumer, i)
+    src = _tensor_args(_node(plan, s.consumer))[i]
+    return tensor_bytes(plan, sy, src.name, 0)
+
+
+# ------------------------------------------------------------------------------ probing
+def _node(plan, name: str) -> fx.Node:
+    nodes = plan.__dict__.get("_nodes_by_name")
+    if nodes is None:
+        nodes = plan.__dict__["_nodes_by_name"] = {n.name: n for n in plan.graph.nodes}
+    return nodes[name]
+
+
+def base_of(node: fx.Node) -> tuple[fx.Node, int]:
+    """The node whose storage ``node``'s value lives in (views walked back), and its output index."""
+    while True:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if op_traits(src.target).work is VIEW:  # unbind, split: views of their input
+                node = _tensor_args(src)[0]
+                continue
+            return src, node.args[1]
+        if node.op == "call_function" and op_traits(node.target).work is VIEW and _tensor_args(node):
+            node = _tensor_args(node)[0]
+            continue
+        return node, 0
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _kept(node: fx.Node, probes: dict) -> list[tuple]:
+    """What ``node``'s backward keeps: ("in", i) its i-th tensor input, ("out", j) its j-th
+    output, ("own", 0, f, ref) a tensor of f times the bytes of its largest tensor ``ref``."""
+    if node.target in DROPOUT_OPS:
+        return [("own", 0, 1.0, ("out", 0))]  # autopar's x * mask keeps the mask, in x's dtype
+    if node.target in ATTENTION_OPS:  # q, k, v, out; logsumexp is (B, H, L) fp32: about out / D
+        d = _hint(node.meta["val"].shape[-1])
+        return [("in", 0, 0.0), ("in", 1, 0.0), ("in", 2, 0.0), ("out", 0, 0.0), ("own", 0, 1.0 / d, ("out", 0))]
+    key = _signature(node)
+    if key not in probes:
+        probes[key] = _probe(node)
+    return probes[key]
+
+
+def _signature(node: fx.Node):
+    def sig(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return ("T", tuple(_hint(s) for s in v.shape), v.dtype, v.requires_grad)
+            return ("N", _hint(v) if isinstance(v, torch.SymInt) else repr(v))
+        return repr(a)
+
+    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), lambda a: a)
+    flat = torch.utils._pytree.tree_leaves((args, kwargs), is_leaf=lambda a: isinstance(a, fx.Node))
+    return (node.target, tuple(sig(a) for a in flat))
+
+
+def _hint(s) -> int:
+    return int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+
+
+def _probe(node: fx.Node) -> list[tuple]:
+    """Run ``node``'s op on meta tensors of its traced sizes and see what autograd keeps."""
+    inputs = _tensor_args(node)
+    made = {}
+    for a in inputs:
+        v = a.meta["val"]
+        t = torch.empty([_hint(s) for s in v.shape], dtype=v.dtype, device="meta")
+        made[a] = t.requires_grad_(v.dtype.is_floating_point)
+
+    def conv(a):
+        if isinstance(a, fx.Node):
+            if a in made:
+                return made[a]
+            v = a.meta.get("val")
+            return _hint(v) if isinstance(v, torch.SymInt) else v
+        return a
+
+    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
+    kept = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = node.target(*args, **kwargs)
+    except Exception:  # an op that does not run on meta: count its output, as before this model
+        return [("out", 0, 0.0)]
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    tins = [made[a] for a in inputs]
+    sized = [(t.numel() * t.element_size(), ("in", k)) for k, t in enumerate(tins)]
+    sized += [(t.numel() * t.element_size(), ("out", k)) for k, t in enumerate(outs)]
+    ref_bytes, ref = max(sized) if sized else (0, ("out", 0))
+    result = []
+    for t in kept:
+        i = next((k for k, x in enumerate(tins) if t is x or _same(t, x)), None)
+        j = next((k for k, o in enumerate(outs) if t is o or _same(t, o)), None)
+        if i is not None:
+            result.append(("in", i, 0.0))
+        elif j is not None:
+            result.append(("out", j, 0.0))
+        elif t.numel() and ref_bytes:
+            result.append(("own", 0, t.numel() * t.element_size() / ref_bytes, ref))
+    return list(dict.fromkeys(result))
+
+
+def _same(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """A saved tensor that is a view of (or the base of) ``x``: it holds x's storage."""
+    return (t._base is not None and t._base is x) or (x._base is not None and x._base is t)

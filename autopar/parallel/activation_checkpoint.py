@@ -1,0 +1,212 @@
+"""Activation checkpointing: ``ap.ActivationCheckpoint(...)`` as ``activation_checkpoint=`` of
+ap.plan / ap.parallelize.
+
+Each chosen block's forward (the model's repeated blocks, or the modules ``pattern``
+matches; every ``every``-th of them) runs in the one emitted program as a checkpointed
+region (ac_regions.py outlines it, runtime/recompute.py runs it):
+
+- ``mode="full"``: the region keeps only its inputs; backward runs its forward again.
+- ``mode="selective"``: per op, as torchtitan's and Megatron's selective recompute: the outputs
+  of matmuls and attention (``save=``: other ATen ops to keep, replacing that default) and of
+  every collective are kept, pointwise ops, norms, activations and dropout are recomputed.
+  Keeping the collectives' outputs means the recompute sends nothing (a tensor-parallel
+  all-reduce is not run again); full mode runs them again, as Megatron's full recompute does.
+- ``offload=True``: the inputs a region keeps live in host memory until its backward
+  (pinned where CUDA exists; on a CPU run nothing moves).
+
+Random draws (dropout, every random op) are replayed: the recompute starts the rank's
+generator where the forward started it, so it draws the forward's masks in both rng modes,
+and leaves the generator where the forward left it. Without autograd (eval, no_grad) a
+region is a plain call. Under torch.compile each region runs eagerly between compiled pieces.
+
+Example:
+    >>> plan = ap.plan(model, mesh, args=(idx, tg), annotations=MEGATRON,
+    ...                activation_checkpoint=ap.ActivationCheckpoint("selective", every=2))
+    >>> print(plan.module(0).code)      # ... checkpoint_blocks_0 = checkpoint_blocks_0(...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.parallel import ac_memory
+from autopar.parallel.ac_regions import chosen_blocks, outline, spans, block_of
+from autopar.parallel.registry import register_technique
+from autopar.parallel.technique import Technique
+from autopar.runtime.recompute import MODES, Region, is_collective
+
+aten = torch.ops.aten
+
+# What a selective policy keeps by default: matmul and attention outputs (graph ops and the
+# ops they run as at dispatch, where the policy decides: aten.linear runs as addmm / mm).
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+ATTENTION = (
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+)
+# a graph op -> the dispatch ops it runs as (a save= entry names either)
+RUNS_AS = {
+    aten.linear.default: (aten.mm.default, aten.addmm.default),
+    aten.matmul.default: (aten.mm.default, aten.bmm.default),
+    aten.scaled_dot_product_attention.default: ATTENTION,
+    aten.einsum.default: (aten.bmm.default, aten.mm.default),
+}
+DEFAULT_SAVE = (*MATMULS, *ATTENTION)
+
+
+@register_technique
+@dataclass(frozen=True)
+class ActivationCheckpoint(Technique):
+    """Recompute activations in backward instead of keeping them (see the module docstring).
+
+    ``mode``: "full" or "selective"; ``every``: checkpoint blocks 0, k, 2k, ...; ``pattern``:
+    fnmatch pattern over module paths (default: the repeated blocks); ``save``: ATen ops whose
+    outputs a selective policy keeps (default: matmuls and attention); ``offload``: kept
+    inputs in host memory.
+    """
+
+    mode: str = "full"
+    every: int = 1
+    pattern: str | None = None
+    save: tuple | None = None
+    offload: bool = False
+
+    name = "activation_checkpoint"
+    order = 90  # last: its regions take in what the other techniques wrote into the program
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise PlanError(f"ActivationCheckpoint(mode={self.mode!r}): use one of {MODES}.")
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise PlanError(
+                f"ActivationCheckpoint(every={self.every!r}) must be an int >= 1 (1: every block, k: blocks 0, k, 2k, ...)."
+            )
+        if self.save is not None:
+            save = tuple(self.save) if isinstance(self.save, (list, tuple)) else (self.save,)
+            bad = [op for op in save if not isinstance(op, torch._ops.OpOverload)]
+            if bad:
+                raise PlanError(
+                    f"ActivationCheckpoint(save=...): {bad[0]!r} is not an ATen op overload; give ops such as "
+                    "torch.ops.aten.mm.default (an overload, not the packet torch.ops.aten.mm)."
+                )
+            if self.mode != "selective":
+                raise PlanError(
+                    "ActivationCheckpoint(save=...) chooses what selective mode keeps: add mode='selective'."
+                )
+            object.__setattr__(self, "save", save)
+
+    @classmethod
+    def of(cls, value):
+        if value is True or value == "full" or value == "selective":
+            return cls("full" if value is True else value)
+        return super().of(value)
+
+    # ------------------------------------------------------------------ planning
+    def save_ops(self) -> frozenset:
+        """The dispatch ops whose outputs a selective region keeps (collectives are kept too)."""
+        chosen = DEFAULT_SAVE if self.save is None else self.save
+        return frozenset(d for op in chosen for d in (op, *RUNS_AS.get(op, ())))
+
+    def graph_save_ops(self) -> frozenset:
+        """The plan graph's ops whose outputs a selective region keeps (the cost model's view)."""
+        chosen = set(DEFAULT_SAVE if self.save is None else self.save)
+        return frozenset(chosen | {g for g, runs in RUNS_AS.items() if chosen & set(runs)})
+
+    def after_plan(self, plan):
+        """The blocks checkpointed (a PlanError when the pattern matches nothing, or save= names
+        an op the program does not run)."""
+        blocks = chosen_blocks(plan, self)
+        if self.save is not None:
+            present = _graph_ops(plan.graph)
+            for op in self.save:
+                if op not in present:
+                    raise PlanError(
+                        f"ActivationCheckpoint(save=[..., {op}, ...]): the model runs no {op}. "
+                        f"Its matmul-like ops: {sorted(str(o) for o in present if o in RUNS_AS or o in MATMULS)}."
+                    )
+        return blocks
+
+    def rewrite_program(self, plan, graph) -> None:
+        blocks = plan.built[self.name]
+        save = self.save_ops()
+
+        def make_region(block, body, inputs, mutated):
+            name = f"checkpoint_{block.replace('.', '_')}"
+            return Region(name, body, self.mode, mutated, save if self.mode == "selective" else (), self.offload)
+
+        outline(graph, blocks, make_region, frozenset(plan.model_tensors["buffers"]))
+
+    # ------------------------------------------------------------------ display
+    def describe(self, plan) -> str:
+        blocks = plan.built[self.name]
+        what = "keeps matmul/attention and collective outputs" if self.mode == "selective" else "keeps block inputs"
+        off = ", kept inputs offloaded to host memory" if self.offload else ""
+        shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+        return f"activation checkpointing ({self.mode}, {what}{off}): {shown}"
+
+    def explain_module(self, plan, path: str) -> list[str]:
+        blocks = plan.built[self.name]
+        if path not in blocks:
+            inside = [b for b in blocks if b.startswith(path + ".")]
+            return [f"  activation checkpointing: {len(inside)} of its blocks recomputed in backward"] if inside else []
+        comms = sum(
+            1
+            for _, nodes in spans(plan.graph, [path])
+            for n in nodes
+            if is_collective(getattr(n.target, "default", n.target))
+        )
+        if self.mode == "full":
+            why = "only its inputs are kept; backward runs its forward again"
+            why += f" (its {comms} collectives too)" if comms else ""
+        else:
+            why = "matmul/attention and collective outputs kept; the rest recomputed in backward (no collective runs twice)"
+        return [
+            f"  activation checkpointing ({self.mode}): {why}; the program calls checkpoint_{path.replace('.', '_')}"
+        ]
+
+    # ------------------------------------------------------------------ memory
+    def activations(self, plan, symbols, terms: dict) -> dict:
+        """Activations as checkpointing keeps them, and ``recompute``: one block's recompute at its peak."""
+        return ac_memory.checkpointed_terms(plan, self, symbols, terms)
+
+    def kept_saves(self, plan, saves: list) -> list:
+        return ac_memory.checkpointed_saves(plan, self)[0]
+
+    def recomputed(self, plan) -> set:
+        """Every node of a checkpointed block; under the selective policy, less the ops it keeps."""
+        blocks = set(plan.built[self.name])
+        keep = self.graph_save_ops() if self.mode == "selective" else frozenset()
+        return {
+            n.name
+            for n in plan.graph.nodes
+            if n.op == "call_function" and n.target not in keep and block_of(n, blocks) is not None
+        }
+
+    def fields(self) -> dict:
+        out = super().fields()
+        out["save"] = None if self.save is None else [str(op) for op in self.save]
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: dict):
+        save = fields.get("save")
+        if save is not None:
+            save = tuple(_op_by_name(s) for s in save)
+        return cls(**{**fields, "save": save})
+
+
+def _graph_ops(graph) -> set:
+    return {n.target for n in graph.nodes if n.op == "call_function"} | {
+        d for n in graph.nodes if n.op == "call_function" for d in RUNS_AS.get(n.target, ())
+    }
+
+
+def _op_by_name(name: str):
+    """'aten.mm.default' -> torch.ops.aten.mm.default."""
+    ns, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)

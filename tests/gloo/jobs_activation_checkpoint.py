@@ -1,0 +1,58 @@
+"""gloo jobs for gloo/test_activation_checkpoint.py (each worker runs the job as its rank)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autopar as ap
+from autopar.models.gpt import GPT, GPTConfig
+from tests.harness.models import MEGATRON, gpt_batch
+from tests.harness.serial import max_rel_diff
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1)).train()
+
+
+def train_matches_serial(mode, steps=2, lr=0.2):
+    """Train the dropout GPT checkpointed (dp x tp, rng='serial') and the serial model with the
+    same seeds; returns the worst relative parameter difference and the losses."""
+    rank = dist.get_rank()
+    mesh = ap.Mesh((2, 2), ("dp", "tp"))
+    module = ap.parallelize(
+        _model(),
+        mesh,
+        args=gpt_batch(),
+        annotations=MEGATRON,
+        data_parallel="dp",
+        rng="serial",
+        activation_checkpoint=ap.ActivationCheckpoint(mode),
+    )
+    plan = module.autopar_plan
+    assert "checkpoint_blocks_0(" in module.code
+    serial = _model()
+    opt, sopt = torch.optim.SGD(module.parameters(), lr=lr), torch.optim.SGD(serial.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        idx, tg = gpt_batch(seed=step + 10)
+        ap.manual_seed(module, step)
+        args, kwargs = plan.local_inputs(rank, idx, tg)
+        loss = module(*args, **kwargs)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(step)
+        sl = serial(idx, tg)[1]
+        sl.backward()
+        sopt.step()
+        sopt.zero_grad()
+        losses.append((loss.item(), sl.item()))
+    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
+    return {
+        "max_rel": max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters())),
+        "losses": losses,
+    }
