@@ -31,9 +31,16 @@ class MLPStack(nn.Module):
         return F.mse_loss(self.norm(x), y)
 
 
-# (hidden, mlp hidden, layers, heads, batch, seq): small is overhead-bound, large matmul-bound
-SIZES = {"small": (128, 512, 2, 4, 8, 64), "large": (512, 2048, 2, 8, 4, 64), "tiny": (32, 64, 1, 4, 2, 8)}
+# (hidden, mlp hidden, layers, heads, batch, seq): small is overhead-bound, large matmul-bound,
+# 30m the ~30M-parameter LM of the data-parallel bench (d 512, 8 layers, sequence 128, 29.4M)
+SIZES = {
+    "small": (128, 512, 2, 4, 8, 64),
+    "large": (512, 2048, 2, 8, 4, 64),
+    "tiny": (32, 64, 1, 4, 2, 8),
+    "30m": (512, 2048, 8, 8, 2, 128),
+}
 VOCAB = 512
+VOCABS = {"30m": 8192}
 
 GPT_TP = {
     "blocks.*.attn.qkv": ap.colwise("tp"),
@@ -47,13 +54,14 @@ MLP_TP = {"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")}
 def build(kind: str, size: str, seed: int = 0):
     """(serial model, example args) for ``kind`` in {"gpt", "mlp"} at ``size``."""
     d, hidden, layers, heads, batch, seq = SIZES[size]
+    vocab = VOCABS.get(size, VOCAB)
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     if kind == "gpt":
         model = GPT(
-            GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=d, mlp_ratio=hidden // d)
+            GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=d, mlp_ratio=hidden // d)
         )
-        args = (torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
+        args = (torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
     else:
         model = MLPStack(d, hidden, layers * 2)
         args = (torch.randn(batch, seq, d, generator=g), torch.randn(batch, seq, d, generator=g))

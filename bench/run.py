@@ -2,11 +2,13 @@
 
 Each module exposes ``run(quick: bool) -> list[dict]`` with rows of keys benchmark, case,
 metric, value, target, note. ``--quick`` runs the tiny sizes (what the tests run);
-``--only tp,compile`` picks modules by name.
+``--only tp,compile`` picks modules by name; ``--sizes small,30m`` the model sizes of the
+step benchmarks (dp, tp, overhead: ``BENCH_SIZES``).
 
 Example:
     $ make bench                         # = python -m bench.run
     $ python -m bench.run --only compile
+    $ python -m bench.run --only dp,tp,overhead --sizes small,30m   # the step-overhead targets
 """
 
 from __future__ import annotations
@@ -63,11 +65,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join([head, *lines])
 
 
-def results_md(data: dict) -> str:
-    """bench/RESULTS.md: the table of a full run, the machine it ran on, and the command."""
+KEPT = "<!-- kept across runs: sections below are not regenerated -->"
+
+
+def results_md(data: dict, old: str = "") -> str:
+    """bench/RESULTS.md: the table of a full run, the machine it ran on, and the command; the
+    sections of ``old`` after the KEPT marker (recorded profiles, focused runs) stay."""
+    kept = old[old.index(KEPT) :] if KEPT in old else ""
     return (
         f"# autopar benchmark results\n\nCommand: `make bench` (= `OMP_NUM_THREADS=1 python -m bench.run`), "
         f"run {data['started']} on {data['machine']}.\n\n{RESULTS_NOTES}\n\n{markdown(data['rows'])}\n"
+        + (f"\n{kept}" if kept else "")
     )
 
 
@@ -124,8 +132,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     ap.add_argument("--only", default="", help="comma-separated benchmark names (tp, compile, memory, ...)")
+    ap.add_argument("--sizes", default="", help="model sizes of dp, tp, overhead (small, large, 30m)")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args(argv)
+    if args.sizes:
+        os.environ["BENCH_SIZES"] = args.sizes
     from bench.common import close_pools
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -138,7 +149,8 @@ def main(argv=None) -> int:
     data = {"started": started, "machine": machine(), "quick": args.quick, "rows": rows}
     Path(args.out).write_text(json.dumps(data, indent=1))
     if not args.quick and not args.only:  # a full run refreshes the published figures
-        (HERE / "RESULTS.md").write_text(results_md(data))
+        path = HERE / "RESULTS.md"
+        path.write_text(results_md(data, path.read_text() if path.exists() else ""))
     return 0
 
 

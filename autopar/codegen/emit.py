@@ -195,7 +195,18 @@ class Emitter:
             if new is not None:
                 keep_meta(node, new)
                 self.env[node] = new
+        self._own_gradients()
         return self.graph
+
+    def _own_gradients(self) -> None:
+        """Megatron's f whose output only matmul-like ops read: its gradient is made afresh by
+        their backward and held by nothing else, so in plain eager mode the backward all-reduce
+        may work in place (``grad_owned``, given the same ``plain_eager()`` flag as ``alias``)."""
+        for node in self.graph.nodes:
+            if node.target is not ops.grad_all_reduce.default or "alias" not in node.kwargs:
+                continue
+            if node.users and all(_fresh_grad_use(u, node) for u in node.users):
+                node.kwargs = {**node.kwargs, "grad_owned": node.kwargs["alias"]}
 
     def _placeholder(self, node):
         fqn = self.plan.attr_name(node.name)
@@ -341,6 +352,25 @@ class Emitter:
 
 # ops whose output is a fresh tensor their backward does not save (their inputs are saved)
 _FRESH_OUTPUT = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+
+
+# ops whose backward makes the gradient of the inputs at these positions afresh (a matmul of
+# the output's gradient; addmm's bias would get the output's gradient itself)
+_FRESH_GRAD = {
+    aten.linear.default: (0, 1),
+    aten.mm.default: (0, 1),
+    aten.bmm.default: (0, 1),
+    aten.matmul.default: (0, 1),
+}
+
+
+def _fresh_grad_use(user: fx.Node, node: fx.Node) -> bool:
+    positions = _FRESH_GRAD.get(user.target) if user.op == "call_function" else None
+    return (
+        positions is not None
+        and all(i in positions for i, a in enumerate(user.args) if a is node)
+        and node not in user.kwargs.values()
+    )
 
 
 @functools.lru_cache(maxsize=4096)

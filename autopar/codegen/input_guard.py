@@ -153,7 +153,34 @@ def check_local_inputs(
     no_grad: tuple = (),
 ) -> None:
     """Raise InputError when ``values`` are not the local pieces the plan expects, or when an
-    input named in ``no_grad`` (planned without a gradient) requires one."""
+    input named in ``no_grad`` (planned without a gradient) requires one.
+
+    The verdict depends on the inputs' shapes, dtypes and requires_grad (and grad mode) only,
+    so a signature seen to pass is remembered per program (``checks`` is the program's
+    constant): a training loop's steps pay a tuple compare, not the walk over every dim.
+    torch.compile traces the check itself (its shape tests become the graph's guards)."""
+    if torch.compiler.is_compiling():
+        _check(values, checks, rank, divisors, links, dtypes, no_grad)
+        return
+    signature = (torch.is_grad_enabled(), rank) + tuple(
+        (v.shape, v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None for v in values
+    )
+    seen = _PASSED.get(id(checks))
+    if seen is not None and seen[0] is checks and signature in seen[1]:
+        return
+    _check(values, checks, rank, divisors, links, dtypes, no_grad)
+    if seen is None or seen[0] is not checks:
+        seen = _PASSED[id(checks)] = (checks, set())
+    if len(seen[1]) >= _REMEMBERED:  # varying sequence lengths: keep the memory bounded
+        seen[1].clear()
+    seen[1].add(signature)
+
+
+_PASSED: dict[int, tuple] = {}  # id(checks) -> (checks, signatures that passed)
+_REMEMBERED = 256
+
+
+def _check(values, checks, rank, divisors, links, dtypes, no_grad) -> None:
     sizes: dict[str, tuple[int, str]] = {}  # dynamic symbol or batch link -> (global size, input that set it)
     need = {sym: (k, where) for sym, k, where in divisors}
     linked = {(name, d): key for name, d, key in links}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.codegen.fast_calls import fast_codegen
 from autopar.codegen.rank_module import RankModule
 
 _MODULE_KEYS = frozenset(nn.Module().__dict__)  # what nn.Module.__init__ makes for every instance
@@ -30,6 +31,7 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)  # what nn.Module.__init__ makes 
 
 class Program:
     def __init__(self, graph: fx.Graph, class_name: str = "RankModule"):
+        graph._codegen = fast_codegen(graph._codegen)  # the fast per-op calls (fast_calls.py)
         root = {n.target: None for n in graph.nodes if n.op == "get_attr"}
         self.carrier = fx.GraphModule(root, graph, class_name=class_name)
         # fx's own state of a GraphModule (graph, generated code, line maps, codegen specs),

@@ -1,24 +1,36 @@
 """Gradient sync: sum the gradients that arrive in parts (data parallel, and norms under
 split activations) over their axes, fused into buckets and overlapped with backward.
 
-Buckets are formed once, the same way on every rank: parameters in the order backward
-finishes their gradients (the reverse of their first use in the forward graph), grouped by
-dtype and by the axes to reduce over, closed when they reach ``bucket_bytes`` or
-``bucket_max_params``. A bucket's collective is launched as soon as its last gradient has
-been accumulated, strictly in bucket order (bucket i+1 never goes before bucket i, so every
-rank issues the same sequence even if some gradient is late or missing); at the end of
-backward every bucket is waited for once and the sums written back into ``.grad``. Frozen
-parameters are left out; a parameter with no gradient in a step counts as zeros, so every
-rank launches the same collectives and none waits forever. A parameter frozen after the
-buckets were made (``requires_grad_(False)`` on the rank module, as fine-tuning code does
-after set-up) still has its zeros in its bucket, but gets no ``.grad``: an optimizer with
-weight decay must not move it.
+Buckets are formed the same way on every rank: parameters in the order backward finishes
+their gradients (the reverse of their first use in the forward graph), grouped by dtype and
+by the axes to reduce over, closed when they reach ``bucket_bytes`` or ``bucket_max_params``.
+After the first synced backward they are formed again from the order the gradients really
+arrived, as DDP rebuilds its buckets (every rank runs the same program, so every rank sees
+the same order); ZeRO-1/2 keep the first buckets, which their parameter shards are laid out by.
 
-On the data-parallel axis the ap.DataParallel options apply: ``reduce_dtype`` (cast for the
-collective, cast back after), ``zero=1`` (all-reduce, then the ZeroOptimizer steps this
-rank's slice), ``zero=2`` (reduce-scatter; each parameter's ``.grad`` is freed as soon as
-its bucket is launched, and only this rank's reduced slice is kept), ``local_sgd_every``
-(no collective: each rank keeps its own gradient). Other axes get a plain all-reduce.
+Gradients live in their buckets, as DDP's ``gradient_as_bucket_view``: each bucket owns one
+flat buffer and each parameter's ``.grad`` is a view of its slot, so the collective reduces
+the gradients in place and nothing is concatenated or copied back. A gradient autograd
+made afresh (after ``zero_grad(set_to_none=True)``, torch's default) is copied into its slot
+once, in the hook, and ``.grad`` becomes the view again; with ``set_to_none=False`` autograd
+accumulates into the views directly. A bucket's collective is launched as soon as its last
+gradient has been accumulated, strictly in bucket order (bucket i+1 never goes before bucket
+i, so every rank issues the same sequence even if some gradient is late or missing); at the
+end of backward every bucket is waited for once. The 1/n of the mean over the data-parallel
+ranks is folded into the loss (the emitted program's ``scale_grad`` on outputs), so the sum
+is the gradient, with no per-gradient division. Frozen parameters are left out; a parameter
+with no gradient in a step counts as zeros, so every rank launches the same collectives and
+none waits forever. A parameter frozen after the buckets were made (``requires_grad_(False)``
+on the rank module, as fine-tuning code does after set-up) still has its zeros in its bucket,
+but gets no ``.grad``: an optimizer with weight decay must not move it.
+
+On the data-parallel axis the ap.DataParallel options apply: ``reduce_dtype`` (one cast per
+bucket into a wire buffer kept for it, one back), ``zero=1`` (all-reduce, then the
+ZeroOptimizer steps this rank's slice, a view of the bucket), ``zero=2`` (reduce-scatter: the
+bucket's buffer is made for the step when its first gradient arrives, each gradient is
+copied in and freed at once, the buffer goes after the launch and only this rank's reduced
+slice is kept), ``local_sgd_every`` (no collective: each rank keeps its own gradient). Other
+axes get a plain all-reduce.
 
 Example:
     >>> sync = GradSync(module, {"fc.weight": (0,)}, mesh, rank)   # attach hooks
@@ -36,6 +48,43 @@ from autopar.runtime.backend import current_backend
 from autopar.errors import DataParallelError
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, Bucket, make_buckets
 from autopar.parallel.zero import ZeroShards
+
+
+class _Slots:
+    """A bucket at run time: its parameters, its flat gradient buffer and each one's view of it.
+
+    ``flat`` is kept for the module's life, except under ZeRO-2 (``per_step``), where it is
+    made when the bucket's first gradient arrives and dropped once its reduce-scatter is
+    launched; ``views`` are then None and ``adopted`` holds who has been copied in this step.
+    """
+
+    __slots__ = ("params", "sizes", "starts", "flat", "views", "wire", "per_step", "adopted", "numel", "dtype")
+
+    def __init__(self, params: list, numel: int, dtype, per_step: bool, wire_dtype, pad_to: int):
+        self.params, self.sizes, self.per_step, self.adopted = params, [p.numel() for p in params], per_step, set()
+        self.starts = [sum(self.sizes[:j]) for j in range(len(params))]
+        self.numel, self.dtype = max(pad_to, numel), dtype if wire_dtype is None or not per_step else wire_dtype
+        self.flat, self.views, self.wire = None, None, None
+        if not per_step:
+            first = params[0]
+            self.flat = torch.zeros(self.numel, dtype=dtype, device=first.device)
+            self.views = [v.view_as(p) for v, p in zip(self.flat[:numel].split(self.sizes), params)]
+            if wire_dtype is not None and wire_dtype != dtype:
+                self.wire = torch.empty(self.numel, dtype=wire_dtype, device=first.device)
+
+    def make_flat(self) -> torch.Tensor:
+        """ZeRO-2's buffer for this step (its padding zeroed: every rank's slice is summed)."""
+        first = self.params[0]
+        flat = torch.empty(self.numel, dtype=self.dtype, device=first.device)
+        used = sum(self.sizes)
+        if used < self.numel:
+            flat[used:].zero_()
+        self.flat = flat
+        return flat
+
+    def slot(self, j: int) -> torch.Tensor:
+        at = self.starts[j]
+        return self.flat[at : at + self.sizes[j]].view_as(self.params[j])
 
 
 class GradSync:
@@ -57,19 +106,41 @@ class GradSync:
         first = None
         if dp is not None:
             bucket_bytes, bucket_max_params, first = dp.bucket_bytes, dp.bucket_max_params, dp.first_bucket_bytes
+        self.sync_axes, self.limits = sync_axes, (bucket_bytes, bucket_max_params, first)
         self.params = dict(module.named_parameters())
         self.buckets = make_buckets(self.params, sync_axes, bucket_bytes, bucket_max_params, order, first)
-        self.bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b.names}
         self.enabled = True
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
         if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
+        # the first synced backward records the order gradients arrive in, to rebuild the buckets
+        self.arrived: list[str] | None = [] if self.zero is None else None
+        self._build()
         self._reset()
         self.held: set[int] = set()  # buckets whose .grad hold synced sums (no zero_grad since)
-        for name in self.bucket_of:
+        for name in self.where:
             self.params[name].register_post_accumulate_grad_hook(self._make_hook(name))
         module.register_forward_pre_hook(self._rescale_held)
+
+    def _build(self) -> None:
+        """The buckets' run-time state: flat buffers, views, and where each parameter goes."""
+        self.slots, self.where, self.modes, self.groups = [], {}, [], []
+        for i, b in enumerate(self.buckets):
+            mode = self._mode(b)
+            n = len(self.dp_group()) if mode != "none" else 1
+            pad_to = -(-b.numel // n) * n if mode == "reduce_scatter" else 0
+            wire = self.dp.reduce_dtype if mode in ("all_reduce", "reduce_scatter") else None
+            slots = _Slots(
+                [self.params[name] for name in b.names], b.numel, b.dtype, mode == "reduce_scatter", wire, pad_to
+            )
+            self.slots.append(slots)
+            self.modes.append(mode)
+            self.groups.append(self.dp_group() if mode != "none" else None)
+            for j, name in enumerate(b.names):
+                self.where[name] = (i, j, slots.views[j] if slots.views is not None else None)
+        self.need = [len(b.names) for b in self.buckets]
+        self.factors = [self.factor(b) for b in self.buckets]
 
     # -------------------------------------------------------------------------- queries
     def on_dp(self, bucket: Bucket) -> bool:
@@ -96,20 +167,29 @@ class GradSync:
     # ---------------------------------------------------------------------------- hooks
     def _rescale_held(self, module, args) -> None:
         """Gradients kept from a synced backward (no zero_grad) would be summed again with the
-        new parts: divide them by the number of parts first, so the next sync adds them once."""
+        new parts: divide them by the number of parts first, so the next sync adds them once
+        (one division per bucket where its gradients are still its views)."""
         if not self.held or not torch.is_grad_enabled():
             return
         with torch.no_grad():
             for i in self.held:
-                for n in self.buckets[i].names:
-                    if self.params[n].grad is not None:
-                        self.params[n].grad.div_(self.factor(self.buckets[i]))
+                slots = self.slots[i]
+                grads = [p.grad for p in slots.params]
+                if all(g is None for g in grads):
+                    continue  # zero_grad(set_to_none=True): nothing is held
+                if slots.views is not None and all(g is v or g is None for g, v in zip(grads, slots.views)):
+                    slots.flat.div_(self.factors[i])  # the None slots are overwritten or zeroed anyway
+                    continue
+                for g in grads:
+                    if g is not None:
+                        g.div_(self.factors[i])
         self.held.clear()
 
     def _reset(self):
         self.ready = [0] * len(self.buckets)
         self.next = 0  # the next bucket to launch: buckets go strictly in order
-        self.pending: dict[int, tuple] = {}
+        self.pending: list[tuple] = []
+        self.zeroed: set[int] = set()  # buckets launched with zeros for missing gradients
         self.callback_queued = False
 
     @contextlib.contextmanager
@@ -122,72 +202,118 @@ class GradSync:
             self.enabled = True
 
     def _make_hook(self, name: str):
-        i = self.bucket_of[name]
-
         def hook(param):
             if not self.enabled:
                 return
             if not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            i, j, view = self.where[name]
+            if param.grad is not view:  # made afresh by autograd: into the bucket, once
+                self._adopt(i, j, param, view)
+            if self.arrived is not None:
+                self.arrived.append(name)
             self.ready[i] += 1
-            while self.next < len(self.buckets) and self.ready[self.next] >= len(self.buckets[self.next].names):
-                self._launch(self.next)
-                self.next += 1
+            if i == self.next and self.ready[i] == self.need[i]:
+                self._launch_ready()
 
         return hook
 
+    def _adopt(self, i: int, j: int, param, view) -> None:
+        """Move a gradient autograd made into bucket ``i``'s slot ``j`` (in backward: grad mode
+        is off, and neither tensor requires grad, so nothing is recorded)."""
+        if view is not None:
+            view.copy_(param.grad)
+            param.grad = view
+            return
+        slots = self.slots[i]
+        if slots.flat is None:  # ZeRO-2: this step's buffer
+            slots.make_flat()
+        slots.slot(j).copy_(param.grad)
+        slots.adopted.add(j)
+        param.grad = None  # only this rank's reduced slice is kept
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.buckets) and self.ready[self.next] >= self.need[self.next]:
+            self._launch(self.next)
+            self.next += 1
+
     # ------------------------------------------------------------------------ launching
-    def _flat(self, bucket: Bucket, pad_to: int) -> torch.Tensor:
-        parts = []
-        for n in bucket.names:
-            p = self.params[n]
-            parts.append(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()))
-        if pad_to > bucket.numel:
-            parts.append(parts[0].new_zeros(pad_to - bucket.numel))
-        return torch.cat(parts)
+    def _fill(self, i: int) -> None:
+        """Bucket ``i`` is launched with gradients that did not arrive through the hook this
+        step (no gradient: zeros; accumulated under no_sync, or set by hand: copied in)."""
+        slots = self.slots[i]
+        if slots.per_step and slots.flat is None:
+            slots.make_flat()
+        dst, src, zeros = [], [], []
+        for j, p in enumerate(slots.params):
+            g = p.grad
+            if slots.views is not None and g is slots.views[j]:
+                continue
+            if slots.per_step and j in slots.adopted:
+                continue
+            slot = slots.views[j] if slots.views is not None else slots.slot(j)
+            if g is None:
+                zeros.append(slot)
+            else:
+                dst.append(slot)
+                src.append(g)
+        with torch.no_grad():
+            if dst:
+                torch._foreach_copy_(dst, src)  # one call for the bucket
+            if zeros:
+                torch._foreach_zero_(zeros)
+                self.zeroed.add(i)
+        for j, p in enumerate(slots.params):
+            if p.grad is not None and (slots.views is None or p.grad is not slots.views[j]):
+                p.grad = None if slots.views is None else slots.views[j]
 
     def _launch(self, i: int) -> None:
-        bucket, backend = self.buckets[i], current_backend()
-        mode = self._mode(bucket)
-        n = len(self.dp_group()) if mode != "none" else 1
-        flat = self._flat(bucket, -(-bucket.numel // n) * n if mode == "reduce_scatter" else 0)
+        bucket, backend, slots, mode = self.buckets[i], current_backend(), self.slots[i], self.modes[i]
+        if self.ready[i] < self.need[i] or (slots.per_step and slots.flat is None):
+            self._fill(i)
+        flat = slots.flat
         for axis in bucket.axes:  # other axes first, in turn (rare: norms under split activations)
             if axis != self.dp_axis:
                 backend.all_reduce_async(flat, self.mesh.group(axis, self.rank), self.rank).wait()
-        work, wire = None, flat
+        work = None
         if mode in ("all_reduce", "reduce_scatter"):
-            if self.dp.reduce_dtype is not None and self.dp.reduce_dtype != flat.dtype:
-                wire = flat.to(self.dp.reduce_dtype)
+            wire = flat if slots.wire is None else slots.wire.copy_(flat)
             launch = backend.reduce_scatter_async if mode == "reduce_scatter" else backend.all_reduce_async
-            work = launch(wire, self.dp_group(), self.rank)
-        if mode == "reduce_scatter":
-            for name in bucket.names:  # ZeRO-2: the flat holds the gradients now; free them
-                self.params[name].grad = None
-        self.pending[i] = (flat, work)
+            work = launch(wire, self.groups[i], self.rank)
+        if slots.per_step:  # ZeRO-2: the work holds the buffer now
+            slots.flat = None
+            slots.adopted = set()
+        self.pending.append((i, flat, work))
 
     def _finish(self) -> None:
         while self.next < len(self.buckets):  # some gradients were None this step: zeros stand in
             self._launch(self.next)
             self.next += 1
-        for i, (flat, work) in sorted(self.pending.items()):
-            bucket = self.buckets[i]
+        for i, flat, work in self.pending:
+            slots, mode = self.slots[i], self.modes[i]
             result = work.wait() if work is not None else flat
-            if result.dtype != bucket.dtype:
-                result = result.to(bucket.dtype)
-            mode = self._mode(bucket)
-            if mode == "local":  # local SGD: this rank's own gradient (its part times dp)
-                result = result.mul_(len(self.dp_group()))
             if mode == "reduce_scatter":
-                self.zero.set_grad(i, result)
+                self.zero.set_grad(
+                    i, result if result.dtype == self.buckets[i].dtype else result.to(self.buckets[i].dtype)
+                )
                 continue
-            self._write_back(bucket, result)
+            if result is not flat:  # the wire buffer (reduce_dtype), or a backend that returns a new tensor
+                flat.copy_(result[: flat.numel()])
+            if mode == "local":  # local SGD: this rank's own gradient (its part times dp)
+                flat.mul_(len(self.groups[i]))
+            if i in self.zeroed:  # no gradient here this step: the sum is its gradient now
+                for p, view in zip(slots.params, slots.views):
+                    if p.grad is None and p.requires_grad:  # frozen since the buckets were made: None
+                        p.grad = view
             self.held.add(i)
             if self.zero is not None and mode == "all_reduce":
-                # a copy of this rank's slice: a view would keep the whole reduced bucket alive
-                # next to the .grad it was written back into, until zero_grad (ZeRO-1's old leak)
-                self.zero.set_grad(i, self.zero.own_slice(i, result).clone(), accumulate=False)
+                # this rank's slice, a view of the bucket the module's .grad are views of too
+                self.zero.set_grad(i, self.zero.own_slice(i, flat), accumulate=False)
+        arrived = self.arrived
         self._reset()
+        if arrived is not None:
+            self._rebuild(arrived)
         if self.zero is not None and self.zero_optimizer is None:
             raise DataParallelError(
                 f"DataParallel(zero={self.dp.zero}): gradients are sharded over the ranks, so a plain optimizer "
@@ -195,19 +321,27 @@ class GradSync:
                 "ap.ZeroOptimizer(module, torch.optim.AdamW, lr=...) (or plan.zero_optimizer(...)) before backward."
             )
 
-    def _write_back(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        params = [self.params[n] for n in bucket.names]
-        pieces = flat[: bucket.numel].split([p.numel() for p in params])  # views, one C++ call
-        have = [
-            (p.grad.view(-1), piece)
-            for p, piece in zip(params, pieces)
-            if p.grad is not None and p.grad.is_contiguous()
-        ]
-        if have:  # one fused copy for the bucket (per-parameter copies cost ~10 us each in Python)
-            torch._foreach_copy_([g for g, _ in have], [piece for _, piece in have])
-        for p, piece in zip(params, pieces):
-            if p.grad is None:
-                if p.requires_grad:  # frozen since the buckets were made: left as None
-                    p.grad = piece.view_as(p).clone()
-            elif not p.grad.is_contiguous():
-                p.grad.copy_(piece.view_as(p))
+    # ---------------------------------------------------------------------- rebuilding
+    def _rebuild(self, arrived: list[str]) -> None:
+        """The buckets again, from the order the first synced backward's gradients arrived in
+        (once, as DDP): the gradients move into the new buffers."""
+        self.arrived = None
+        if not all(self.params[n].requires_grad for n in self.where):
+            return  # frozen since: make_buckets would leave it out, the buckets stay as they are
+        arrived = list(dict.fromkeys(arrived))  # each once, where it first arrived
+        seen = set(arrived)  # the ones that got no gradient follow in the first buckets' order
+        order = arrived + [n for b in self.buckets for n in b.names if n not in seen]
+        buckets = make_buckets(self.params, self.sync_axes, *self.limits[:2], order, self.limits[2])
+        if [b.names for b in buckets] == [b.names for b in self.buckets]:
+            return
+        old = {name: (self.params[name].grad, self.where[name][2]) for name in self.where}
+        self.buckets = buckets
+        self._build()
+        self._reset()
+        with torch.no_grad():
+            for name, (grad, view) in old.items():
+                if grad is not None and grad is view:
+                    new = self.where[name][2]
+                    new.copy_(grad)
+                    self.params[name].grad = new
+        self.held = set(range(len(self.buckets)))

@@ -6,7 +6,9 @@ the dp axis: each rank's gradient is that of its own slice's mean loss. The modu
 ``autopar_local_sgd``; call its ``step()`` after each optimizer step, or ``attach`` it to
 the optimizer once so that every ``optimizer.step()`` counts. Every k-th step the
 parameters (those whose gradients would have been summed over dp) are averaged over the dp
-group, fused into flat buckets like the gradients. Optimizer state stays per rank.
+group: they live as views of one flat buffer per gradient bucket (made once, as ZeRO's
+shards), so an average is one in-place all-reduce and one division per bucket, with nothing
+per parameter. Optimizer state stays per rank.
 
 Example:
     >>> module.autopar_local_sgd.attach(opt)      # opt.step() now averages every k steps
@@ -23,7 +25,8 @@ from autopar.runtime.backend import current_backend
 class LocalSGD:
     def __init__(self, sync, every: int):
         self.sync, self.every, self.steps = sync, every, 0
-        self.buckets = [b for b in sync.buckets if sync.on_dp(b)]
+        self.groups = [[sync.params[n] for n in b.names] for b in sync.buckets if sync.on_dp(b)]
+        self.flats = [_flatten(params) for params in self.groups]
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Count every ``optimizer.step()``; returns the hook handle (``.remove()`` to detach)."""
@@ -43,13 +46,31 @@ class LocalSGD:
         sync, backend = self.sync, current_backend()
         group = sync.dp_group()
         works = []
-        for b in self.buckets:
-            flat = torch.cat([sync.params[n].detach().reshape(-1) for n in b.names])
-            works.append((b, backend.all_reduce_async(flat, group, sync.rank)))
-        for b, work in works:
-            flat = work.wait().div_(len(group))
-            offset = 0
-            for n in b.names:
-                p = sync.params[n]
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        for k, params in enumerate(self.groups):
+            if not _lives_in(params, self.flats[k]):  # .data replaced since (module.to, a reload): again
+                self.flats[k] = _flatten(params)
+            works.append((self.flats[k], backend.all_reduce_async(self.flats[k], group, sync.rank)))
+        for flat, work in works:
+            result = work.wait()
+            if result is not flat:
+                flat.copy_(result)
+            flat.div_(len(group))
+
+
+def _flatten(params: list) -> torch.Tensor:
+    """One flat buffer holding ``params``' values; each parameter becomes a view of its slot."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        p.data = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    return flat
+
+
+def _lives_in(params: list, flat: torch.Tensor) -> bool:
+    base, at = flat.data_ptr(), 0
+    for p in params:
+        if p.data_ptr() != base + at * flat.element_size() or not p.is_contiguous():
+            return False
+        at += p.numel()
+    return True

@@ -128,7 +128,11 @@ class ShardedOptimizer(Storage):
         return out
 
     def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
-        """The ZeRO slices' gradients (ZeRO-2: counted there, the module's full-size gradient not)."""
+        """The ZeRO-2 slices' gradients (counted there, the module's full-size gradient not). ZeRO-1's
+        slices are views of the module's gradients (parallel/grad_sync.py): listing them too would
+        scale them twice when clipping."""
+        if self.level == 1:
+            return pieces
         sync = module.autopar_grad_sync
         coords, default = plan.mesh.coords(rank), (None,) * plan.mesh.ndim
         extra, sliced = [], set()
@@ -136,8 +140,6 @@ class ShardedOptimizer(Storage):
             if piece.tensor.grad is None:
                 continue
             spec = plan.param_specs.get(piece.name, default)
-            counted = self.level == 2 and counts_piece(spec, coords, (plan.dp_axis,))
-            extra.append((piece.name, piece.tensor.grad, counted))  # ZeRO-1: counted via the module's .grad
-            if self.level == 2:
-                sliced.add(piece.name)
+            extra.append((piece.name, piece.tensor.grad, counts_piece(spec, coords, (plan.dp_axis,))))
+            sliced.add(piece.name)
         return extra + [(name, g, counted and name not in sliced) for name, g, counted in pieces]

@@ -106,6 +106,35 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
     _LIB.impl(name, fn.apply, "Autograd")
+    _FUNCTIONS[name] = fn
+
+
+_FUNCTIONS: dict = {}  # op name -> its autograd.Function (what its Autograd kernel runs)
+
+
+def eager_caller(name: str):
+    """A Python callable for op ``name`` as the emitted program calls it (codegen/fast_calls.py):
+    in plain eager mode its autograd.Function directly, with the schema's defaults filled in
+    (what the dispatcher's Autograd kernel would run, without the round trip through the
+    dispatcher, about 10 us a call); otherwise (torch.compile, a tracing mode) the op itself.
+    None for an autopar op defined elsewhere (random draws)."""
+    if name not in _FUNCTIONS:
+        return None
+    op, fn = getattr(ops, name).default, _FUNCTIONS[name]
+    arguments = op._schema.arguments
+    names = [a.name for a in arguments]
+    defaults = [a.default_value if a.has_default_value() else None for a in arguments]
+    n = len(names)
+
+    def call(*args, **kwargs):
+        if not plain_eager():
+            return op(*args, **kwargs)
+        if kwargs or len(args) < n:
+            args = args + tuple(kwargs.get(k, d) for k, d in zip(names[len(args) :], defaults[len(args) :]))
+        return fn.apply(*args)
+
+    call.__name__ = call.__qualname__ = f"eager_{name}"
+    return call
 
 
 def _call(name: str, *args):
@@ -168,11 +197,18 @@ def to_partial(x: torch.Tensor, axis: str, group: list[int], rank: int, op: str)
     return torch.zeros_like(x)
 
 
-def grad_all_reduce(x: torch.Tensor, axis: str, group: list[int], rank: int, alias: bool = False) -> torch.Tensor:
+def grad_all_reduce(
+    x: torch.Tensor, axis: str, group: list[int], rank: int, alias: bool = False, grad_owned: bool = False
+) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's "f").
 
     Placed where a replicated tensor feeds computation that is split on ``axis``: each rank's
     gradient is then only its part's contribution, and the sum over the group is the whole.
+
+    ``grad_owned``: the emitter saw that only matmul-like ops read the output (their backward
+    makes the gradient afresh, nothing else holds it) and the program runs in plain eager mode:
+    the backward may then reduce the gradient in place, as Megatron's f does, instead of
+    copying it first.
     """
     return x.clone()
 
@@ -187,7 +223,7 @@ def scale_grad(x: torch.Tensor, axis: str, factor: float, alias: bool = False) -
     return x.clone()
 
 
-def _grad_all_reduce_eager(x, axis, group, rank, alias=False):
+def _grad_all_reduce_eager(x, axis, group, rank, alias=False, grad_owned=False):
     """The eager path of an identity op: its input itself where the program allowed it
     (``alias``, from ``plain_eager()``), else a fresh copy as the schema promises."""
     return x if alias else x.clone()
@@ -295,7 +331,12 @@ def _to_partial_bwd(ctx, g):
 
 
 def _grad_all_reduce_bwd(ctx, g):
-    return _call("all_reduce", g.contiguous(), ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None
+    g = g.contiguous()
+    if getattr(ctx, "grad_owned", False) and _fast(g) and not (torch.is_grad_enabled() and g.requires_grad):
+        backend = current_backend()
+        if backend.supports_in_place:  # a fresh gradient nothing else reads: reduced in place
+            return backend.all_reduce_(g, tuple(ctx.group), ctx.rank, "sum"), None, None, None, None, None
+    return _call("all_reduce", g, ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None, None
 
 
 def _scale_grad_bwd(ctx, g):
@@ -357,11 +398,11 @@ _define(
 )
 _define(
     "grad_all_reduce",
-    f"(Tensor x, {_G}, bool alias=False) -> Tensor",
+    f"(Tensor x, {_G}, bool alias=False, bool grad_owned=False) -> Tensor",
     grad_all_reduce,
     _same,
     _grad_all_reduce_bwd,
-    ("axis", "group", "rank"),
+    ("axis", "group", "rank", "alias", "grad_owned"),
     eager=_grad_all_reduce_eager,
 )
 _define(

@@ -75,7 +75,7 @@ class DistBackend:
             self.stats.record(kind, group, t)
 
     def all_reduce(self, x, group, rank, op, kind="all_reduce"):
-        y = x.contiguous().clone()
+        y = x.clone() if x.is_contiguous() else x.contiguous()  # a copy of its own, made once
         self._note(kind, group, y)
         pg = self._pg(group, rank)
         self._run(kind, group, lambda a: dist.all_reduce(y, group=pg, async_op=a))
