@@ -31,7 +31,8 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.placement import Shard, shard_factor
+from autopar.placement import Shard, is_uneven, piece_size, piece_start, shard_factor
+from autopar.runtime.uneven import from_padded, pad_piece, to_padded, trim_piece
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from autopar.sharding.rules import op_traits
@@ -94,8 +95,31 @@ class Emitter:
         return glob
 
     def local_size(self, size, f: int):
-        """A (global) size divided into ``f`` pieces: an int, or a value of the program."""
+        """A (global) size divided into ``f`` equal pieces: an int, or a value of the program."""
         return self._local_size(size, f)
+
+    def piece_bounds(self, size, axis: int) -> tuple:
+        """(start, rows) of this rank's piece of a dim of global ``size`` split on mesh ``axis``,
+        as values of the program (uneven pieces included: placement.piece_start / piece_size)."""
+        n, coord = self.mesh.shape[axis], self.coord(axis)
+        call = self.graph.call_function
+        return call(piece_start, (size, n, coord)), call(piece_size, (size, n, coord))
+
+    def piece_of(self, size, spec, dim: int, axes=None):
+        """This rank's size of dim ``dim`` of a (global) ``size`` laid out ``spec``: an int where
+        every rank's piece is the same, else a value of the program (``piece_size`` of its
+        coordinate: the same code on every rank, uneven pieces included). ``axes``: only the split
+        by these axes (None: every axis)."""
+        axis = next(
+            (a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim and (axes is None or a in axes)),
+            None,
+        )
+        if axis is None or (isinstance(size, int) and size == -1):
+            return size
+        n = self.mesh.shape[axis]
+        if is_uneven(size, n):
+            return self.graph.call_function(piece_size, (size, n, self.coord(axis)))
+        return self._local_size(size, n)
 
     def rank_value(self, name: str) -> fx.Node:
         """The module attribute ``name`` of ``rank_attrs`` (read once per program)."""
@@ -119,10 +143,13 @@ class Emitter:
         group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, rank, *extra))
 
-    def _step(self, x: fx.Node, st, gather=None, owned: bool = False) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=()) -> fx.Node:
         gather = gather or ops.all_gather.default
         if st.blocks > 1:
             return self._blocked_step(x, st, gather)
+        n = self.mesh.shape[st.axis]
+        if any(is_uneven(shape[d], n) for d in (st.dim, st.dim2) if d is not None and d < len(shape)):
+            return self._uneven_step(x, st, gather, shape)
         kind = STEP_KINDS[st.kind]
         if kind.op is not None:
             op = gather if st.kind == "all_gather" else getattr(ops, kind.op).default
@@ -136,6 +163,39 @@ class Emitter:
         n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
         return self.graph.call_function(aten.mul.Tensor, (x, factor))
+
+    def _uneven_step(self, x: fx.Node, st, gather, shape) -> fx.Node:
+        """A step on a dim whose pieces differ in size: the even collective between a pad and a
+        trim (runtime/uneven.py), so that gloo and NCCL move equal pieces."""
+        g, n, coord = self.graph, self.mesh.shape[st.axis], self.coord(st.axis)
+
+        def uneven(d):
+            return d is not None and is_uneven(shape[d], n)
+
+        def largest(d):
+            return -(-int(shape[d]) // n)
+
+        if st.kind == "all_gather":
+            x = g.call_function(pad_piece, (x, st.dim, largest(st.dim)))
+            x = self.collective(gather, (x, st.dim), st.axis)
+            return g.call_function(from_padded, (x, st.dim, int(shape[st.dim]), n))
+        if st.kind in ("slice", "reduce_scatter"):
+            op = ops.shard.default if st.kind == "slice" else ops.reduce_scatter.default
+            x = g.call_function(to_padded, (x, st.dim, int(shape[st.dim]), n))
+            x = self.collective(op, (x, st.dim), st.axis, STEP_KINDS[st.kind].op_args(st)[1])
+            return g.call_function(trim_piece, (x, st.dim, int(shape[st.dim]), n, coord))
+        # all_to_all: the split dim leaves in its padded layout, the new one arrives padded
+        src, dst = st.dim, st.dim2
+        if uneven(dst):
+            x = g.call_function(to_padded, (x, dst, int(shape[dst]), n))
+        if uneven(src):
+            x = g.call_function(pad_piece, (x, src, largest(src)))
+        x = self.collective(ops.all_to_all.default, (x, src, dst), st.axis)
+        if uneven(src):
+            x = g.call_function(from_padded, (x, src, int(shape[src]), n))
+        if uneven(dst):
+            x = g.call_function(trim_piece, (x, dst, int(shape[dst]), n, coord))
+        return x
 
     def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
         """Gather or slice a blocked shard: plain collectives around a local regrouping.
@@ -160,13 +220,16 @@ class Emitter:
         if key not in self.edges:
             x = self.env[src]
             f_axes = set(f_axes)
+            val = src.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+            shape = tuple(int(s) if not isinstance(s, torch.SymInt) else None for s in shape)
             for i, st in enumerate(_steps(layout_of(src).spec, target)):
                 if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
-                    x = self._step(x, st, ops.all_gather_rs.default)
+                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape)
                     f_axes.discard(st.axis)
                     continue
-                x = self._step(x, st, owned=i == 0 and self._owned(src))
+                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape)
             for axis in sorted(f_axes):
                 flag = self.eager_flag()  # Megatron's f returns its input only in plain eager mode
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
@@ -288,9 +351,7 @@ class Emitter:
         shape_idx = traits.shape_arg
         if shape_idx is not None and shape_idx < len(args):
             spec = lay.spec
-            args[shape_idx] = [
-                self._local_size(s, shard_factor(spec, self.mesh, d)) for d, s in enumerate(args[shape_idx])
-            ]
+            args[shape_idx] = [self.piece_of(s, spec, d) for d, s in enumerate(args[shape_idx])]
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])

@@ -27,7 +27,7 @@ import torch.fx as fx
 from autopar.sharding.blocked_shards import with_blocks
 from autopar.sharding.data_dependent import data_dependent_error, is_data_dependent_error
 from autopar.errors import NoRuleError, ShardingError
-from autopar.placement import Placement, Replicate, Shard, check_divisible, fmt_spec
+from autopar.placement import Partial, Placement, Replicate, Shard, check_layout, fmt_spec
 from autopar.sharding.redistribute import plan_steps, steps_cost
 from autopar.sharding.rules import OpInfo, Strategy, TensorMeta, get_rule
 from autopar.trace.module_paths import module_path, module_paths
@@ -251,7 +251,7 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
         return Layout([], reason="non-tensor input")
     meta = TensorMeta.of(val)
     what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
-    check_divisible(meta.shape, placements, mesh, what)
+    check_layout(meta.shape, placements, mesh, what, meta.dynamic)
     return Layout([tuple(placements)], reason=reason)
 
 
@@ -388,6 +388,7 @@ def _mutates_first(node) -> bool:
 
 def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:
     n = mesh.shape[axis]
+    split_sizes, uneven = set(), False
     for metas, places, prior in (
         (info.tensors, s.inputs, [c.inputs for c in chosen]),
         (info.outputs, s.outputs, [c.outputs for c in chosen]),
@@ -395,13 +396,36 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
-            # dynamic dims too: the plan must hold at the example's sizes (a batch of 2 on 3 ranks
-            # would leave a rank with nothing, and views of it wrong)
-            if p.dim >= meta.ndim or meta.shape[p.dim] % (n * p.blocks):
+            if p.dim >= meta.ndim:
+                return False
+            size = meta.shape[p.dim]
+            # a dynamic dim (the batch) must divide at the example's sizes: its pieces are sized
+            # at run time by the input guard; a blocked shard must divide in every block
+            dynamic = p.dim < len(meta.dynamic) and meta.dynamic[p.dim]
+            if (dynamic or p.blocks > 1) and size % (n * p.blocks):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis
-    return True
+            split_sizes.add(size)
+            uneven = uneven or size % n != 0
+    return not uneven or _uneven_ok(s, split_sizes)
+
+
+def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
+    """May ``s`` run on pieces of different sizes (a split dim that does not divide)?
+
+    Why this test: a strategy made for even splits pairs row i of a split input dim with row i
+    of the split output dim. With uneven pieces that pairing holds only when every split dim
+    has the same size (the same ``tensor_split`` cuts them all): a view that merges a split dim
+    with others, ``(6, 11) -> (66,)``, does not (6 on 4 ranks is 2,2,1,1 rows; 66 is 17,17,16,16).
+    A mean over a split dim (Partial("avg")) would weight each rank's mean equally, and a
+    lowering must say that it sizes its pieces (``Lowering.uneven``).
+    """
+    if len(split_sizes) > 1:
+        return False
+    if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in s.outputs):
+        return False
+    return s.lowering is None or getattr(s.lowering, "uneven", False)
 
 
 def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) -> tuple:
@@ -497,7 +521,7 @@ def _no_rule(node, ins, info, cur, ctx) -> Layout:
 
 
 def check_layouts(graph: fx.Graph, mesh) -> None:
-    """Sanity: every tensor node got a layout whose split dims divide (raises ShardingError)."""
+    """Sanity: every tensor node got a layout that can be cut (raises ShardingError)."""
     for node in graph.nodes:
         lay = node.meta.get("autopar")
         if lay is None:
@@ -506,6 +530,6 @@ def check_layouts(graph: fx.Graph, mesh) -> None:
             meta = TensorMeta.of(val)
             static = tuple(s if not d else 0 for s, d in zip(meta.shape, meta.dynamic))
             try:
-                check_divisible(static, spec, mesh, f"node {node.name!r}")
+                check_layout(static, spec, mesh, f"node {node.name!r}")
             except ShardingError as e:
                 raise ShardingError(f"{e} (module {module_path(node) or '<top>'!r})") from None
