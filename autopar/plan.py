@@ -270,10 +270,14 @@ class Plan(PlanViews):
         return pytree.tree_unflatten(local, spec)
 
     def _check_input(self, name, value, ispec):
+        """A split dim sized at run time (the batch) must divide; a static one may be cut unevenly."""
+        val = next(n for n in self.graph.nodes if n.op == "placeholder" and n.name == name).meta.get("val")
         for axis, p in enumerate(ispec):
             if isinstance(p, Shard):
                 n = self.mesh.shape[axis]
-                if p.dim >= value.dim() or value.shape[p.dim] % n:
+                size = val.shape[p.dim] if p.dim < val.dim() else None
+                static = isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
+                if p.dim >= value.dim() or (value.shape[p.dim] % n and not static):
                     raise InputError(
                         f"Input {name!r} has shape {tuple(value.shape)}; its dim {p.dim} is split over "
                         f"mesh axis {self.mesh.axis_names[axis]!r} of size {n} and must divide by it. "

@@ -31,7 +31,7 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.placement import Shard, is_uneven, piece_size, piece_start, shard_factor
+from autopar.placement import Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
 from autopar.runtime.uneven import from_padded, pad_piece, to_padded, trim_piece
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
@@ -351,7 +351,7 @@ class Emitter:
         shape_idx = traits.shape_arg
         if shape_idx is not None and shape_idx < len(args):
             spec = lay.spec
-            args[shape_idx] = [self.piece_of(s, spec, d) for d, s in enumerate(args[shape_idx])]
+            args[shape_idx] = self._local_shape_arg(node, args[shape_idx], spec)
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
@@ -366,6 +366,18 @@ class Emitter:
         if fused is not None:
             return fused
         return self.graph.call_function(node.target, tuple(args), dict(kwargs))
+
+    def _local_shape_arg(self, node, sizes, spec) -> list:
+        """A view's global sizes made this rank's. Where a split is uneven, a ``-1`` is spelt out
+        from the output's static size: a rank holding an empty piece cannot infer it."""
+        out = node.meta["val"].shape
+        uneven = uneven_dims(out, spec, self.mesh) if isinstance(node.meta["val"], torch.Tensor) else {}
+        local = []
+        for d, s in enumerate(sizes):
+            if uneven and isinstance(s, int) and s == -1 and d < len(out) and not isinstance(out[d], torch.SymInt):
+                s = int(out[d])
+            local.append(self.piece_of(s, spec, d))
+        return local
 
     def _fuse_bias(self, node, args, kwargs) -> fx.Node | None:
         """linear(x, w) + b -> linear(x, w, b) where nothing runs between the two on this rank.

@@ -50,13 +50,24 @@ def raises(kind, *words):
     return _Check()
 
 
-def test_indivisible_parameter_dim_names_parameter_shape_axis_and_fix():
-    with raises(ap.ShardingError, "layers.0.fc1.weight", "(18, 8)", "18", "'tp'", "divisible by 4"):
+def test_indivisible_parameter_dim_is_cut_unevenly():
+    """18 rows on tp=4 are pieces 5, 5, 4, 4 (issue 24), not an error."""
+    plan = ap.plan(
+        mlp(hidden=18),
+        ap.Mesh((4,), ("tp",)),
+        args=(X,),
+        annotations={"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")},
+    )
+    assert [plan.module(r).get_parameter("layers.0.fc1.weight").shape[0] for r in range(4)] == [5, 5, 4, 4]
+
+
+def test_blocks_that_do_not_divide_name_the_tensor_and_axis():
+    with raises(ap.ShardingError, "'layers.0.fc1.weight'", "blocks", "'tp'"):
         ap.plan(
-            mlp(hidden=18),
+            mlp(),
             ap.Mesh((4,), ("tp",)),
             args=(X,),
-            annotations={"layers.*.fc1": ap.colwise("tp"), "layers.*.fc2": ap.rowwise("tp")},
+            annotations={"layers.0.fc1.weight": ap.place(ap.Shard(0, blocks=3))},
         )
 
 
@@ -189,9 +200,9 @@ def test_guard_checks_divisibility_of_dynamic_sizes_split_inside_the_graph():
 
 
 # ------------------------------------------ messages matched as regular expressions
-def test_indivisible_parameter_dim_names_parameter_and_fix():
-    with pytest.raises(ap.ShardingError, match=r"layers.0.fc1.weight.*size 32.*does not divide by the size 3"):
-        mlp_plan(ap.Mesh((3,), ("tp",)))
+def test_batch_sized_at_run_time_must_divide():
+    with pytest.raises(ap.ShardingError, match=r"input 'x'.*size 6.*does not divide by the size 4.*sized at run time"):
+        mlp_plan(ap.Mesh((4,), ("dp",)), {}, x=torch.randn(6, 16), data_parallel="dp")
 
 
 def test_unknown_axis_in_annotation():
