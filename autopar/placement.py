@@ -205,11 +205,10 @@ def uneven_dims(shape, placements, mesh) -> dict:
     return out
 
 
-def check_layout(shape, placements, mesh, what: str, dynamic=()) -> None:
+def check_layout(shape, placements, mesh, what: str) -> None:
     """Raise ShardingError naming ``what`` if a layout cannot be cut: a dim that is not there, a
-    dim split by two axes, blocks (``Shard(d, blocks=k)``) that do not divide by the axis, or a
-    ``dynamic`` dim (True per dim: sized at run time) that does not divide. A plain shard of a
-    static dim of any size is fine: its pieces are uneven where it does not divide."""
+    dim split by two axes, or blocks (``Shard(d, blocks=k)``) that do not divide by the axis.
+    A plain shard of any size is fine: its pieces are uneven where it does not divide."""
     used = {}
     for axis, (p, size) in enumerate(zip(placements, mesh.shape)):
         if not isinstance(p, Shard):
@@ -231,13 +230,6 @@ def check_layout(shape, placements, mesh, what: str, dynamic=()) -> None:
             raise ShardingError(
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}: its {p.blocks} blocks "
                 f"do not divide by the size {size} of mesh axis {mesh.axis_names[axis]!r}."
-            )
-        if isinstance(n, int) and p.dim < len(dynamic) and dynamic[p.dim] and n % size:
-            raise ShardingError(
-                f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
-                f"by the size {size} of mesh axis {mesh.axis_names[axis]!r}, and it is sized at run "
-                f"time (a batch or sequence dim). Choose sizes divisible by {size}, or leave this "
-                f"tensor replicated on {mesh.axis_names[axis]!r}."
             )
 
 

@@ -40,7 +40,7 @@ from autopar.parallel.registry import plan_method, plan_method_names
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
-from autopar.sharding.propagate import layout_of
+from autopar.sharding.propagate import is_ragged, layout_of
 
 R = Replicate()
 
@@ -165,6 +165,15 @@ class Plan(PlanViews):
         return specs
 
     @cached_property
+    def ragged(self) -> frozenset:
+        """The mesh axes on which dims sized at run time (the batch) may be cut unevenly: the
+        example batch did not divide by them (sharding/propagate.is_ragged). Then any batch size
+        runs, and means over the batch weigh each rank by its rows."""
+        nodes = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        pairs = [(nodes[name].meta.get("val"), spec) for name, spec in zip(self.traced.user_inputs, self.input_specs)]
+        return is_ragged(pairs, self.mesh)
+
+    @cached_property
     def input_specs(self) -> list[tuple | None]:
         nodes = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         return [layout_of(nodes[name]).spec for name in self.traced.user_inputs]
@@ -277,11 +286,12 @@ class Plan(PlanViews):
                 n = self.mesh.shape[axis]
                 size = val.shape[p.dim] if p.dim < val.dim() else None
                 static = isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
-                if p.dim >= value.dim() or (value.shape[p.dim] % n and not static):
+                if p.dim >= value.dim() or (value.shape[p.dim] % n and not static and axis not in self.ragged):
                     raise InputError(
                         f"Input {name!r} has shape {tuple(value.shape)}; its dim {p.dim} is split over "
                         f"mesh axis {self.mesh.axis_names[axis]!r} of size {n} and must divide by it. "
-                        f"Use a batch size that is a multiple of {n}."
+                        f"Use a batch size that is a multiple of {n}, or plan with an example batch that is not "
+                        "(then any batch size runs, cut unevenly)."
                     )
 
     # ----------------------------------------------------------------------- state dicts

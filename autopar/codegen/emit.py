@@ -31,8 +31,9 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.placement import Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
-from autopar.runtime.uneven import from_padded, pad_piece, to_padded, trim_piece
+from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
+from autopar.errors import ShardingError
+from autopar.runtime.uneven import from_padded, pad_piece, piece_share, ragged_share, to_padded, trim_piece, weigh
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from autopar.sharding.rules import op_traits
@@ -148,7 +149,15 @@ class Emitter:
         if st.blocks > 1:
             return self._blocked_step(x, st, gather)
         n = self.mesh.shape[st.axis]
-        if any(is_uneven(shape[d], n) for d in (st.dim, st.dim2) if d is not None and d < len(shape)):
+        dims = [d for d in (st.dim, st.dim2) if d is not None and d < len(shape)]
+        if st.axis in self.plan.ragged and any(shape[d] is None for d in dims):
+            raise ShardingError(
+                f"{st.kind} of dim {st.dim} on mesh axis {self.mesh.axis_names[st.axis]!r}: that dim is sized at run "
+                "time and this plan lets it be cut unevenly (its example batch does not divide by the axis), so "
+                "no rank knows the other pieces' sizes. Plan with an example batch that divides by "
+                f"{n}, or keep that tensor split on {self.mesh.axis_names[st.axis]!r}."
+            )
+        if any(is_uneven(shape[d], n) for d in dims):
             return self._uneven_step(x, st, gather, shape)
         kind = STEP_KINDS[st.kind]
         if kind.op is not None:
@@ -300,11 +309,12 @@ class Emitter:
         x = self.edge(v, target)
         dp = self.plan.dp_axis
         if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
-            n = self.mesh.shape[dp]
+            # a loss taken over this output is each rank's mean: its gradient counts the rank's
+            # share of the rows (1/n when pieces are equal; uneven batches weigh by their rows)
+            share = self.share(v, x, target[dp].dim, dp)
+            factor = 1.0 / self.mesh.shape[dp] if share is None else share
             flag = self.eager_flag()
-            x = self.graph.call_function(
-                ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n), {"alias": flag}
-            )
+            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], factor), {"alias": flag})
         return x
 
     # --------------------------------------------------------------- arguments
@@ -365,7 +375,39 @@ class Emitter:
         fused = self._fuse_bias(node, args, kwargs)
         if fused is not None:
             return fused
-        return self.graph.call_function(node.target, tuple(args), dict(kwargs))
+        out = self.graph.call_function(node.target, tuple(args), dict(kwargs))
+        return self._weigh_averages(node, lay, local_inputs, out)
+
+    def share(self, node: fx.Node, local: fx.Node, dim: int, axis: int):
+        """This rank's share of the rows of ``node``'s dim ``dim`` split on ``axis`` (``local``: its
+        piece in the program): a value of the program where pieces differ, else None."""
+        size, n = node.meta["val"].shape[dim], self.mesh.shape[axis]
+        if isinstance(size, torch.SymInt) and not size.node.expr.is_number:
+            if axis not in self.plan.ragged:
+                return None
+            group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
+            return self.graph.call_function(ragged_share, (local, dim, self.mesh.axis_names[axis], group, rank))
+        if not is_uneven(int(size), n):
+            return None
+        return self.graph.call_function(piece_share, (int(size), n, self.coord(axis)))
+
+    def _weigh_averages(self, node, lay, local_inputs, out):
+        """A mean over rows split unevenly (Partial("avg") from a split input) weighs each rank's
+        mean by its share of the rows (times the axis size, since the reduction averages): the
+        serial mean over every row, not the mean of the ranks' means."""
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            return out
+        for axis, s in enumerate(lay.strategies):
+            if s is None or s.lowering is not None or s.outputs[:1] != (Partial("avg"),):
+                continue
+            split = next((i for i, p in enumerate(s.inputs) if isinstance(p, Shard)), None)
+            if split is None:
+                continue
+            w = self.share(lay.inputs[split], local_inputs[split], s.inputs[split].dim, axis)
+            if w is not None:
+                w = self.graph.call_function(operator.mul, (w, float(self.mesh.shape[axis])))
+                out = self.graph.call_function(weigh, (out, w))
+        return out
 
     def _local_shape_arg(self, node, sizes, spec) -> list:
         """A view's global sizes made this rank's. Where a split is uneven, a ``-1`` is spelt out

@@ -51,8 +51,11 @@ def guard_args(plan, env: dict, rank: int) -> tuple | None:
             vals.append((name, val, lay.spec))
     if not checks:
         return None
-    divisors = symbol_divisors(plan.graph, plan.mesh)
-    links, dtypes = batch_links(vals, plan.dp_axis), expected_dtypes(vals, plan)
+    # on a ragged axis (an uneven example batch) any batch runs: no size split there must divide,
+    # and the batch links (local size times pieces) cannot tell a global size from a rank's
+    divisors = symbol_divisors(plan.graph, plan.mesh, plan.ragged)
+    links = () if plan.dp_axis in plan.ragged else batch_links(vals, plan.dp_axis)
+    dtypes = expected_dtypes(vals, plan)
     return tuple(values), tuple(checks), rank, divisors, links, dtypes, planned_without_grad(plan)
 
 
@@ -98,11 +101,12 @@ def planned_without_grad(plan) -> tuple[str, ...]:
     )
 
 
-def symbol_divisors(graph, mesh) -> tuple:
+def symbol_divisors(graph, mesh, skip_axes=frozenset()) -> tuple:
     """(symbol, k, node) for each dynamic size the plan cuts into k pieces somewhere (at ``node``).
 
     A dynamic dim may be split inside the graph (an intermediate's batch dim on some axis):
     the runtime size must then divide by the pieces, or a rank would hold a ragged piece.
+    ``skip_axes``: axes whose pieces may differ (Plan.ragged), not counted.
     """
     found: dict[str, tuple[int, str]] = {}
     for node in graph.nodes:
@@ -113,7 +117,7 @@ def symbol_divisors(graph, mesh) -> tuple:
             if not any(isinstance(p, Shard) for p in spec):
                 continue  # nothing cut (most values: checked first, it is the cheap test)
             for d, size in enumerate(val.shape):
-                f = shard_factor(spec, mesh, d)
+                f = shard_factor([p if a not in skip_axes else None for a, p in enumerate(spec)], mesh, d)
                 if f == 1 or not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
                     continue
                 sym = str(size.node.expr)

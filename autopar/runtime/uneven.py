@@ -53,3 +53,24 @@ def from_padded(x: torch.Tensor, dim: int, size: int, n: int) -> torch.Tensor:
 def trim_piece(x: torch.Tensor, dim: int, size: int, n: int, k: int) -> torch.Tensor:
     """Piece ``k``'s rows of a padded piece (``c`` rows, this rank's first)."""
     return x.narrow(dim, 0, piece_size(size, n, k))
+
+
+# ------------------------------------------------ weights of uneven pieces in averages
+def piece_share(size: int, n: int, k: int) -> float:
+    """Piece ``k``'s share of a dim of ``size`` rows cut in ``n`` (its rows / all rows)."""
+    return piece_size(size, n, k) / size if size else 0.0
+
+
+def ragged_share(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> float:
+    """This rank's share of the rows of ``x``'s dim ``dim``, split over ``group`` in pieces of any
+    size (a batch cut unevenly at run time): its rows over the sum of every rank's (one
+    all-reduce of one number)."""
+    rows = torch.tensor([float(x.shape[dim])], device=x.device)
+    total = torch.ops.autopar.all_reduce(rows, axis, list(group), rank, "sum")
+    total = float(total.item())
+    return x.shape[dim] / total if total else 0.0
+
+
+def weigh(x: torch.Tensor, weight: float) -> torch.Tensor:
+    """``x * weight``; zeros where the weight is 0 (an empty piece's mean is nan, and counts nothing)."""
+    return x * weight if weight else torch.zeros_like(x)

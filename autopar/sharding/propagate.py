@@ -132,6 +132,7 @@ class Context:
     output_constraints: dict  # node -> {axis: Placement}
     warned: set = field(default_factory=set)
     choices: dict | None = field(default_factory=dict)  # choice cache (see _choice_key); None: off
+    ragged: frozenset = frozenset()  # axes on which dynamic split dims may be cut unevenly (is_ragged)
 
 
 def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> Context:
@@ -143,6 +144,8 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
     graph = traced.gm.graph
     _forget_previous_plan(graph)
     ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
+    phs = [n for n in graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs]
+    ctx.ragged = is_ragged([(n.meta.get("val"), seeds.inputs.get(n.name)) for n in phs], mesh)
     if not cache:
         ctx.choices = None
     for node in graph.nodes:
@@ -167,6 +170,28 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
             _enforce_output_constraint(node, ctx)
     check_layouts(graph, mesh)
     return ctx
+
+
+def is_ragged(inputs, mesh) -> frozenset:
+    """The mesh axes on which a plan's dynamic split dims may be cut unevenly at run time: those
+    where some user input (``(example value, placements)`` pairs) has a dim sized at run time (the
+    batch) that its example cuts unevenly (a batch of 6 on dp=4: 2, 2, 1, 1).
+
+    Why from the example: a plan traced with a batch that divides keeps the faster even forms
+    (a mean over the batch as Partial("avg") with no weighting), and its input guard refuses a
+    batch that does not divide, saying to plan with one that does not; a plan traced with an
+    uneven batch takes any batch size.
+    """
+    axes = set()
+    for val, placements in inputs:
+        if not is_tensor(val) or not placements:
+            continue
+        meta = TensorMeta.of(val)
+        for axis, p in enumerate(placements):
+            if isinstance(p, Shard) and p.dim < meta.ndim and meta.dynamic[p.dim]:
+                if meta.shape[p.dim] % mesh.shape[axis]:
+                    axes.add(axis)
+    return frozenset(axes)
 
 
 def _forget_previous_plan(graph: fx.Graph) -> None:
@@ -251,7 +276,7 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
         return Layout([], reason="non-tensor input")
     meta = TensorMeta.of(val)
     what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
-    check_layout(meta.shape, placements, mesh, what, meta.dynamic)
+    check_layout(meta.shape, placements, mesh, what)
     return Layout([tuple(placements)], reason=reason)
 
 
@@ -358,7 +383,7 @@ def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
         scored = []
         keeps = [s for s in strategies if s.inputs[:1] == (cur[0][axis],)] if in_place else []
         for idx, s in enumerate(strategies):
-            if not _valid(s, axis, info, chosen, mesh):
+            if not _valid(s, axis, info, chosen, mesh, axis in ctx.ragged):
                 continue
             if keeps and s.inputs[:1] != (cur[0][axis],):
                 continue  # an in-place op writes into its first input: redistributing it would write a copy
@@ -386,7 +411,8 @@ def _mutates_first(node) -> bool:
     return alias is not None and alias.is_write
 
 
-def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:
+def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh, ragged: bool = False) -> bool:
+    """May ``s`` run on ``axis``? ``ragged``: dynamic dims split on it may be cut unevenly (is_ragged)."""
     n = mesh.shape[axis]
     split_sizes, uneven = set(), False
     for metas, places, prior in (
@@ -402,10 +428,13 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
             # a dynamic dim (the batch) must divide at the example's sizes: its pieces are sized
             # at run time by the input guard; a blocked shard must divide in every block
             dynamic = p.dim < len(meta.dynamic) and meta.dynamic[p.dim]
-            if (dynamic or p.blocks > 1) and size % (n * p.blocks):
+            if ((dynamic and not ragged) or p.blocks > 1) and size % (n * p.blocks):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis
+            if dynamic and ragged:  # pieces of any size, whose rows stay in order: no size to match
+                uneven = True
+                continue
             split_sizes.add(size)
             uneven = uneven or size % n != 0
     return not uneven or _uneven_ok(s, split_sizes)
@@ -418,12 +447,13 @@ def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
     of the split output dim. With uneven pieces that pairing holds only when every split dim
     has the same size (the same ``tensor_split`` cuts them all): a view that merges a split dim
     with others, ``(6, 11) -> (66,)``, does not (6 on 4 ranks is 2,2,1,1 rows; 66 is 17,17,16,16).
-    A mean over a split dim (Partial("avg")) would weight each rank's mean equally, and a
-    lowering must say that it sizes its pieces (``Lowering.uneven``).
+    A mean over a split dim (Partial("avg")) is weighted by each rank's share of the rows at
+    emission (Emitter.weigh_partial_avg; one tensor output only), and a lowering must say that it
+    sizes its pieces (``Lowering.uneven``).
     """
     if len(split_sizes) > 1:
         return False
-    if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in s.outputs):
+    if len(s.outputs) > 1 and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in s.outputs):
         return False
     return s.lowering is None or getattr(s.lowering, "uneven", False)
 

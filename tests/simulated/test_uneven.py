@@ -6,11 +6,13 @@ sequence parallel on an odd sequence length, and empty pieces (a dim smaller tha
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import autopar as ap
 from autopar.placement import Replicate, Shard, merge_tensors, piece_sizes, shard_tensor
@@ -129,3 +131,80 @@ def test_vocabulary_smaller_than_the_axis_gives_empty_pieces():
     plan = ap.plan(model, ap.Mesh((4,), ("tp",)), args=batch, annotations=GPT_VOCAB, dynamic=False)
     assert plan.module(3).get_parameter("wte.weight").shape[0] == 0
     plan.check(*batch)
+
+
+# ------------------------------------------------------------------ uneven data parallel
+DP_MESHES = [((4,), ("dp",)), ((3, 2), ("tp", "dp")), ((2, 3), ("dp", "tp"))]
+
+
+def _mse_grads_match_serial(plan, model, x, y):
+    """A loss taken outside the module (mse over each rank's output rows), summed gradients."""
+    from autopar.runtime.simulator import run_ranks
+
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(x), y).backward()
+    mods = [plan.module(r) for r in plan.mesh.ranks()]
+    ins = [
+        (plan.local_inputs(r, x)[0][0], shard_tensor(y, plan.output_specs[0], plan.mesh, r)) for r in plan.mesh.ranks()
+    ]
+
+    def step(r):
+        xl, yl = ins[r]
+        F.mse_loss(mods[r](xl), yl).backward()
+        return {n: p.grad.clone() for n, p in mods[r].named_parameters()}
+
+    merged = plan.merge_state_dicts(run_ranks(plan.mesh.size, step))
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(merged[n], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("mesh", DP_MESHES, ids=["dp4", "tp3xdp2", "dp2xtp3"])
+def test_uneven_batch_weighs_each_rank_by_its_rows(mesh):
+    """A batch of 6 (5 on dp=2) cut 2,2,1,1 (3,2): the plan takes any batch size afterwards, a mean
+    over the batch inside the model and a loss over the outputs outside it are the serial means."""
+    torch.manual_seed(0)
+    model = MLP(d=16, hidden=66)
+    batch = 6 if mesh[0][mesh[1].index("dp")] == 4 else 5
+    x, y = torch.randn(batch, 16), torch.randn(batch, 16)
+    ann = MLP_TP if "tp" in mesh[1] else {}
+    plan = ap.plan(model, ap.Mesh(*mesh), args=(x,), annotations=ann, data_parallel="dp")
+    assert plan.ragged
+    dp = plan.mesh.axis_names.index("dp")
+    rows = {plan.local_inputs(r, x)[0][0].shape[0] for r in plan.mesh.ranks()}
+    assert rows == set(piece_sizes(batch, plan.mesh.shape[dp]))
+    plan.check(x)
+    plan.check(torch.randn(7, 16))  # any batch afterwards
+    _mse_grads_match_serial(plan, model, x, y)
+
+
+class MeanLoss(nn.Module):
+    """A model whose loss is a mean over the batch inside it (Partial("avg") weighed by rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(d=16, hidden=32, layers=1)
+
+    def forward(self, x, y):
+        return ((self.mlp(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_mean_over_an_uneven_batch_is_the_serial_mean(dynamic):
+    torch.manual_seed(0)
+    model, x, y = MeanLoss(), torch.randn(6, 16), torch.randn(6, 16)
+    plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x, y), data_parallel="dp", dynamic=dynamic)
+    assert plan.check(x, y)["grads"] == 6
+
+
+@pytest.mark.parametrize("mesh", [((4,), ("dp",)), ((2, 3), ("dp", "tp"))], ids=["dp4", "dp2xtp3"])
+def test_token_weighted_loss_with_ignore_index_on_uneven_batches(mesh):
+    """Cross-entropy with ignore_index over a batch of 5 cut unevenly: ranks hold different numbers
+    of real tokens, and the loss is still the serial mean over all of them."""
+    model = uneven_gpt(67)
+    idx, tg = uneven_batch(67, batch=5)
+    tg[0, :5] = -100
+    tg[4, 2:] = -100  # the last rank's rows are mostly ignored
+    ann = MEGATRON | GPT_VOCAB if "tp" in mesh[1] else {}
+    plan = ap.plan(model, ap.Mesh(*mesh), args=(idx, tg), annotations=ann, data_parallel="dp")
+    assert plan.ragged
+    assert plan.check(idx, tg)["grads"] == len(list(model.parameters()))
