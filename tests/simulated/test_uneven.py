@@ -208,3 +208,23 @@ def test_token_weighted_loss_with_ignore_index_on_uneven_batches(mesh):
     plan = ap.plan(model, ap.Mesh(*mesh), args=(idx, tg), annotations=ann, data_parallel="dp")
     assert plan.ragged
     assert plan.check(idx, tg)["grads"] == len(list(model.parameters()))
+
+
+# ------------------------------------------------------- preset, explain, cost model
+def test_megatron_preset_splits_odd_vocabularies_and_says_so():
+    """A vocabulary of 130 on tp=4 (the preset chose vocab-parallel and the plan then failed)."""
+    model, batch = uneven_gpt(130), uneven_batch(130)
+    ann = ap.presets.megatron(model, "tp", args=batch, size=4)
+    assert "wte: vocab_parallel('tp')" in ann.explain() and "130 on tp=4 are pieces 33, 33, 32, 32" in ann.explain()
+    plan = ap.plan(model, ap.Mesh((4,), ("tp",)), args=batch, annotations=ann)
+    plan.check(*batch)
+
+
+def test_explain_and_cost_count_uneven_pieces():
+    torch.manual_seed(0)
+    plan = ap.plan(MLP(d=16, hidden=66), ap.Mesh((4,), ("tp",)), args=(torch.randn(6, 16),), annotations=MLP_TP)
+    text = plan.explain("layers.0.fc1.weight")
+    assert "local shapes (17, 16) (16, 16)" in text and "66 rows on tp=4: pieces 17, 17, 16, 16" in text
+    # the cost model counts the largest piece: per layer fc1 (17 x 16 + 17) and fc2 (16 x 17 + 16),
+    # two layers, and the norm (32), in fp32
+    assert plan.cost().at()["memory"]["params"] == 4 * (2 * (17 * 16 + 17 + 16 * 17 + 16) + 32)
