@@ -266,3 +266,25 @@ def test_zero_levels_train_like_serial_on_uneven_pieces(zero, mesh):
         opt.zero_grad()
     for n, p in serial.named_parameters():
         torch.testing.assert_close(merged[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------ randomness on uneven pieces
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(16, 66), nn.Linear(66, 16), nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(F.relu(self.fc1(x)))
+        return self.fc2(h + torch.rand_like(h) * 0.1)
+
+
+@pytest.mark.parametrize("shape", [(4,), (3,)], ids=["4", "3"])
+def test_serial_randomness_on_uneven_pieces(shape):
+    """rng='serial': dropout and rand_like on a hidden size of 66 cut 17,17,16,16 draw the serial
+    model's numbers (each rank's piece of the whole draw at its tensor_split offset)."""
+    torch.manual_seed(0)
+    model, x = DropoutMLP(), torch.randn(6, 16)
+    ann = {"fc1": ap.colwise("tp"), "fc2": ap.rowwise("tp")}
+    plan = ap.plan(model, ap.Mesh(shape, ("tp",)), args=(x,), annotations=ann, rng="serial")
+    assert plan.check(x)["grads"] == 4
