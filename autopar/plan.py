@@ -41,6 +41,7 @@ from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_te
 from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
 from autopar.sharding.propagate import is_ragged, layout_of
+from autopar.sharding.ragged import check_ragged
 
 R = Replicate()
 
@@ -71,7 +72,9 @@ class Plan(PlanViews):
         self._modules: dict[int, fx.GraphModule] = {}
 
     def finish(self) -> "Plan":
-        """Let each technique build its structure over the layouts (``Technique.after_plan``)."""
+        """Refuse what a ragged batch cannot do (sharding/ragged.py), then let each technique build
+        its structure over the layouts (``Technique.after_plan``)."""
+        check_ragged(self.graph, self.mesh, self.ragged, self.output_target, self.options.rng == "serial")
         for technique in self.options.techniques:
             built = technique.after_plan(self)
             if built is not None:

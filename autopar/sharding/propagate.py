@@ -470,6 +470,8 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
             fwd, bwd = steps_cost(steps, (src,), _OneAxis(mesh.shape[axis]), nbytes)
             weight = PARAM_COMM_WEIGHT if inp in ctx.param_nodes else 1.0
             total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
+            if axis in ctx.ragged and _moves_dynamic(steps, meta):
+                total += RAGGED_MOVE  # a batch cut unevenly cannot move (sharding/ragged.py): any other way
             comm_steps += sum(st.communicates for st in steps)
             local_steps += sum(not st.communicates for st in steps)
         needs_f = (
@@ -490,6 +492,15 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
         comm_steps += sum(st.communicates for st in steps)
         local_steps += len(steps)
     return (round(total, 3), comm_steps, local_steps)
+
+
+RAGGED_MOVE = 1e18  # the cost of moving a dim a ragged axis cuts: refused at planning if chosen
+
+
+def _moves_dynamic(steps, meta: TensorMeta) -> bool:
+    """Whether ``steps`` move a dim of ``meta`` sized at run time (gather, slice, regroup)."""
+    dims = [d for st in steps for d in (st.dim, st.dim2) if d is not None and st.kind != "partial_cast"]
+    return any(d < len(meta.dynamic) and meta.dynamic[d] for d in dims)
 
 
 class _OneAxis:
