@@ -36,7 +36,7 @@ from autopar.errors import ShardingError
 from autopar.runtime.uneven import from_padded, pad_piece, piece_share, ragged_share, to_padded, trim_piece, weigh
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
-from autopar.sharding.rules import op_traits
+from autopar.sharding.rules import TensorMeta, op_traits
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
@@ -106,15 +106,11 @@ class Emitter:
         call = self.graph.call_function
         return call(piece_start, (size, n, coord)), call(piece_size, (size, n, coord))
 
-    def piece_of(self, size, spec, dim: int, axes=None):
+    def piece_of(self, size, spec, dim: int):
         """This rank's size of dim ``dim`` of a (global) ``size`` laid out ``spec``: an int where
         every rank's piece is the same, else a value of the program (``piece_size`` of its
-        coordinate: the same code on every rank, uneven pieces included). ``axes``: only the split
-        by these axes (None: every axis)."""
-        axis = next(
-            (a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim and (axes is None or a in axes)),
-            None,
-        )
+        coordinate: the same code on every rank, uneven pieces included)."""
+        axis = next((a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim), None)
         if axis is None or (isinstance(size, int) and size == -1):
             return size
         n = self.mesh.shape[axis]
@@ -229,9 +225,7 @@ class Emitter:
         if key not in self.edges:
             x = self.env[src]
             f_axes = set(f_axes)
-            val = src.meta.get("val")
-            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
-            shape = tuple(int(s) if not isinstance(s, torch.SymInt) else None for s in shape)
+            shape = _static_shape(src)
             for i, st in enumerate(_steps(layout_of(src).spec, target)):
                 if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
@@ -456,6 +450,15 @@ class Emitter:
 
 # ops whose output is a fresh tensor their backward does not save (their inputs are saved)
 _FRESH_OUTPUT = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+
+
+def _static_shape(node: fx.Node) -> tuple:
+    """``node``'s global shape, None for each dim sized at run time (the batch)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return ()
+    meta = TensorMeta.of(val)
+    return tuple(None if dyn else size for size, dyn in zip(meta.shape, meta.dynamic))
 
 
 @functools.lru_cache(maxsize=4096)
