@@ -310,3 +310,18 @@ def test_pipeline_stages_with_uneven_tp_pieces(mesh, schedule):
         torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
     assert not [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
     assert not covered([r.params for r in runners], model)
+
+
+# ------------------------------------------- every rule of the rule harness on uneven pieces
+@pytest.mark.parametrize("name", sorted(__import__("tests.simulated.test_rules", fromlist=["CASES"]).CASES))
+def test_rule_harness_on_three_ranks(name):
+    """tests/simulated/test_rules.py's cases (shapes of 4 and 8 rows) split on 3 ranks (2,1,1 and
+    3,3,2 rows) as on 2, every dim static: serial forward and every gradient."""
+    from tests.simulated.test_rules import CASES, OpModule as RuleModule
+
+    fn, shape, placements, *extra = CASES[name]
+    torch.manual_seed(0)
+    model, x = RuleModule(fn, shape, extra[0] if extra else ()), torch.randn(shape)
+    ann = {"x": ap.place(*placements[0])}
+    plan = ap.plan(model, ap.Mesh((3,), ("a",)), args=(x,), annotations=ann, strict=True, dynamic=False)
+    plan.check(x)
