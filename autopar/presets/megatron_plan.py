@@ -176,9 +176,17 @@ sequence_parallel_annotation = sequence_parallel
 
 
 def _rows(model, path: str, dim: int) -> int | None:
-    """Dim ``dim`` of the weight of the module at ``path`` (None where there is none)."""
+    """The output (``dim`` 0) or input (1) features of the layer at ``path``: a Linear's weight is
+    (out, in), HF's Conv1D (GPT-2) keeps (in, out); None where there is no weight."""
     try:
-        return int(model.get_submodule(path).weight.shape[dim])
+        mod = model.get_submodule(path)
+        out = getattr(mod, "out_features", None) or getattr(mod, "nf", None)
+        if dim == 0 and out is not None:
+            return int(out)
+        if dim == 1 and getattr(mod, "in_features", None) is not None:
+            return int(mod.in_features)
+        shape = mod.weight.shape
+        return int(shape[1 - dim] if getattr(mod, "nf", None) is not None else shape[dim])
     except (AttributeError, IndexError, TypeError):
         return None
 

@@ -325,3 +325,19 @@ def test_rule_harness_on_three_ranks(name):
     ann = {"x": ap.place(*placements[0])}
     plan = ap.plan(model, ap.Mesh((3,), ("a",)), args=(x,), annotations=ann, strict=True, dynamic=False)
     plan.check(x)
+
+
+def test_hf_gpt2_with_its_real_vocabulary_on_tp4():
+    """HF GPT-2 (vocabulary 50257, hidden 24) with the Megatron preset on tp=4: 12565, 12564,
+    12564, 12564 rows of the embedding and the head, equal to serial."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=50257, n_positions=16, n_embd=24, n_layer=1, n_head=2, attn_implementation="eager", use_cache=False
+    )
+    model, ids = transformers.GPT2LMHeadModel(cfg).eval(), torch.randint(0, 50257, (2, 6))
+    kwargs = {"input_ids": ids, "labels": ids}
+    ann = ap.presets.megatron(model, "tp", kwargs=kwargs, size=4)
+    assert "50257 on tp=4 are pieces 12565, 12564, 12564, 12564" in ann.explain()
+    plan = ap.plan(model, ap.Mesh((4,), ("tp",)), kwargs=kwargs, annotations=ann)
+    plan.check(**kwargs)
