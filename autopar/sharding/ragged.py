@@ -58,8 +58,8 @@ def _check_edge(src: fx.Node, target, mesh, ragged, what: str) -> None:
         if st.axis in ragged and any(dynamic[d] for d in dims):
             axis = mesh.axis_names[st.axis]
             raise ShardingError(
-                f"{what} (module {module_path(src) or '<top>'!r}) needs a {st.kind} of its dim {st.dim} on mesh "
-                f"axis {axis!r}: that dim is sized at run time, and this plan lets it be cut unevenly on {axis!r} "
+                f"{what} (module {module_path(src) or '<top>'!r}) needs its dim {st.dim} moved across mesh axis "
+                f"{axis!r} ({st.kind}): that dim is sized at run time, and this plan lets it be cut unevenly on {axis!r} "
                 f"(its example batch does not divide by {mesh.shape[st.axis]}), so no rank knows the other pieces' "
                 f"sizes. Plan with an example batch that divides by {mesh.shape[st.axis]}, or keep it split on "
                 f"{axis!r} (data parallel: data_parallel={axis!r} leaves outputs split on it)."
