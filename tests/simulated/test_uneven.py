@@ -341,3 +341,16 @@ def test_hf_gpt2_with_its_real_vocabulary_on_tp4():
     assert "50257 on tp=4 are pieces 12565, 12564, 12564, 12564" in ann.explain()
     plan = ap.plan(model, ap.Mesh((4,), ("tp",)), kwargs=kwargs, annotations=ann)
     plan.check(**kwargs)
+
+
+def test_ragged_batch_that_must_move_is_refused_while_planning():
+    """A batch of 5 placed split on a tensor-parallel axis, with outputs gathered there: no rank
+    knows the others' run-time sizes, so the plan is refused naming the output and the fix."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 16)
+    with pytest.raises(
+        ap.ShardingError, match=r"output .* moved across mesh axis 'tp'.*example batch that divides by 2"
+    ):
+        ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))})
+    ok = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))}, dynamic=False)
+    ok.check(x)  # the same batch as a static size: padded and gathered
