@@ -448,7 +448,7 @@ def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
     has the same size (the same ``tensor_split`` cuts them all): a view that merges a split dim
     with others, ``(6, 11) -> (66,)``, does not (6 on 4 ranks is 2,2,1,1 rows; 66 is 17,17,16,16).
     A mean over a split dim (Partial("avg")) is weighted by each rank's share of the rows at
-    emission (Emitter.weigh_partial_avg; one tensor output only), and a lowering must say that it
+    emission (Emitter._weigh_averages; one tensor output only), and a lowering must say that it
     sizes its pieces (``Lowering.uneven``).
     """
     if len(split_sizes) > 1:
