@@ -228,6 +228,8 @@ def test_explain_and_cost_count_uneven_pieces():
     # the cost model counts the largest piece: per layer fc1 (17 x 16 + 17) and fc2 (16 x 17 + 16),
     # two layers, and the norm (32), in fp32
     assert plan.cost().at()["memory"]["params"] == 4 * (2 * (17 * 16 + 17 + 16 * 17 + 16) + 32)
+    even = ap.plan(MLP(d=16, hidden=68), plan.mesh, args=(torch.randn(6, 16),), annotations=MLP_TP)
+    assert plan.cost().at()["flops"] == pytest.approx(even.cost().at()["flops"], rel=0.02)  # 17 rows, as 68/4
 
 
 # ----------------------------------------------------------- zero 0-3 with uneven pieces
