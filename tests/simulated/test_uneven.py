@@ -113,6 +113,14 @@ def test_gpt_with_odd_vocabulary(mesh):
     assert "cross_entropy_vocab_parallel" in plan.explain("wte") or plan.explain("wte")
 
 
+def test_six_ranks():
+    """An odd mesh size of 6: vocabulary 67 (12,11,11,11,11,11), 4 heads of hidden 24 (the heads'
+    views on 6 ranks do not line up: the plan moves them), a batch of 6."""
+    model, batch = uneven_gpt(67), uneven_batch(67, batch=6)
+    plan = ap.plan(model, ap.Mesh((6,), ("tp",)), args=batch, annotations=MEGATRON | GPT_VOCAB)
+    assert plan.check(*batch)["grads"] == len(list(model.parameters()))
+
+
 @pytest.mark.parametrize("mesh", UNEVEN_MESHES[2:], ids=MESH_IDS[2:])
 def test_sequence_parallel_on_an_odd_sequence(mesh):
     """Sequence 7 on tp=4 (2,2,2,1): reduce-scatter and all-gather of uneven pieces."""
