@@ -61,10 +61,12 @@ def piece_share(size: int, n: int, k: int) -> float:
     return piece_size(size, n, k) / size if size else 0.0
 
 
+@torch.compiler.disable
 def ragged_share(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> float:
     """This rank's share of the rows of ``x``'s dim ``dim``, split over ``group`` in pieces of any
     size (a batch cut unevenly at run time): its rows over the sum of every rank's (one
-    all-reduce of one number)."""
+    all-reduce of one number). Run eagerly under torch.compile (a graph break): the count is a
+    Python number the compiled graph takes as an input, not a value to trace."""
     rows = torch.tensor([float(x.shape[dim])], device=x.device)
     total = torch.ops.autopar.all_reduce(rows, axis, list(group), rank, "sum")
     total = float(total.item())

@@ -372,3 +372,25 @@ def test_ragged_batch_that_must_move_is_refused_while_planning():
         ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))})
     ok = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))}, dynamic=False)
     ok.check(x)  # the same batch as a static size: padded and gathered
+
+
+def test_compiled_rank_modules_on_an_uneven_batch():
+    """torch.compile of a ragged plan's modules (a batch of 3 on dp=2): the rows are counted
+    eagerly (runtime/uneven.ragged_share is not traced) and the gradients equal serial."""
+    from autopar.runtime.simulator import run_ranks
+
+    torch.manual_seed(0)
+    model, x, y = MeanLoss(), torch.randn(3, 16), torch.randn(3, 16)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(x, y), data_parallel="dp")
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+
+    def grads(r):
+        a, k = plan.local_inputs(r, x, y)
+        m = plan.build_module(r)
+        torch.compile(m)(*a, **k).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    merged = plan.merge_state_dicts(run_ranks(2, grads, timeout=300))
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(merged[n], p.grad, rtol=1e-5, atol=1e-6)
