@@ -138,7 +138,7 @@ def megatron(
     sp_out = Shard(1) if sequence_parallel else None
     for row, cols in pairs:
         blocked = [
-            (c, g.blocks(c)) for c in cols if g.blocks(c) > 1 and size and (_rows(model, c, 0) // g.blocks(c)) % size
+            (c, g.blocks(c)) for c in cols if size and g.blocks(c) > 1 and _blocks_uneven(model, c, g.blocks(c), size)
         ]
         if blocked:
             c, k = blocked[0]
@@ -189,6 +189,12 @@ def _rows(model, path: str, dim: int) -> int | None:
         return int(shape[1 - dim] if getattr(mod, "nf", None) is not None else shape[dim])
     except (AttributeError, IndexError, TypeError):
         return None
+
+
+def _blocks_uneven(model, path: str, blocks: int, size: int) -> bool:
+    """Whether each of the ``blocks`` output blocks of the layer at ``path`` fails to divide by ``size``."""
+    rows = _rows(model, path, 0)
+    return rows is not None and (rows // blocks) % size != 0
 
 
 def _uneven_note(rows, size, axis) -> str:
