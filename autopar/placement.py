@@ -233,6 +233,20 @@ def check_layout(shape, placements, mesh, what: str) -> None:
             )
 
 
+def check_divisible(shape, placements, mesh, what: str) -> None:
+    """check_layout, and every split dim must divide by its axis: for layouts whose pieces must be
+    equal (expert weights: each rank runs E/n whole experts). Raises ShardingError naming ``what``."""
+    check_layout(shape, placements, mesh, what)
+    for axis, (p, size) in enumerate(zip(placements, mesh.shape)):
+        n = shape[p.dim] if isinstance(p, Shard) else None
+        if isinstance(n, int) and n % size:
+            raise ShardingError(
+                f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
+                f"by the size {size} of mesh axis {mesh.axis_names[axis]!r}. Choose sizes divisible "
+                f"by {size}, or leave this tensor replicated on {mesh.axis_names[axis]!r}."
+            )
+
+
 def local_shape(shape, placements, mesh, coords=None) -> tuple:
     """The shape of the piece at mesh ``coords`` (None: the largest piece, rank 0's)."""
     out = list(shape)
