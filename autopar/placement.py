@@ -1,7 +1,9 @@
 """Placements (R, S(d), P) and specs: how a global tensor is laid out on a mesh.
 
-A spec holds one placement per mesh axis. ``Shard(d)`` splits tensor dim ``d`` evenly
-over the axis (rank k of the axis holds chunk k), ``Replicate()`` keeps a full copy,
+A spec holds one placement per mesh axis. ``Shard(d)`` splits tensor dim ``d`` over the
+axis as ``torch.tensor_split`` does (rank k of the axis holds piece k; where the dim does not
+divide, the first ``size % n`` ranks hold one row more, and a rank holds an empty piece when the
+dim is smaller than the axis: see ``piece_sizes``), ``Replicate()`` keeps a full copy,
 ``Partial("sum")`` means the global value is the sum (or average) of the ranks' values.
 A tensor dim is split by at most one axis: nested splits are refused by propagation.
 
@@ -64,9 +66,11 @@ class Replicate(Placement):
 
 @dataclass(frozen=True)
 class Shard(Placement):
-    """Tensor dim ``dim`` split evenly over a mesh axis.
+    """Tensor dim ``dim`` split over a mesh axis (pieces as ``piece_sizes``: uneven where it
+    does not divide).
 
-    ``blocks > 1`` splits each of ``blocks`` equal consecutive blocks of the dim instead:
+    ``blocks > 1`` splits each of ``blocks`` equal consecutive blocks of the dim instead (each
+    block must divide by the axis):
     rank k holds chunk k of every block, in block order. A fused projection (GPT-2's
     ``c_attn``: q | k | v along its output features) sharded so keeps whole heads of q, k
     and v on every rank, and splitting its output into the 3 blocks gives plain shards.
@@ -162,8 +166,49 @@ def counts_piece(placements, coords, skip_axes=()) -> bool:
     return all(isinstance(p, Shard) or coords[a] == 0 or a in skip_axes for a, p in enumerate(placements))
 
 
-def check_divisible(shape, placements, mesh, what: str) -> None:
-    """Raise ShardingError naming ``what`` if a sharded dim does not divide evenly."""
+def piece_sizes(size: int, n: int) -> tuple[int, ...]:
+    """The sizes of the ``n`` pieces of a dim of ``size`` rows, as ``torch.tensor_split`` cuts it:
+    the first ``size % n`` pieces one row longer, empty pieces when ``size < n``.
+
+    Example:
+        >>> piece_sizes(6, 4), piece_sizes(66, 4), piece_sizes(2, 3)
+        ((2, 2, 1, 1), (17, 17, 16, 16), (1, 1, 0))
+    """
+    q, r = divmod(int(size), n)
+    return tuple(q + (k < r) for k in range(n))
+
+
+def piece_size(size: int, n: int, k: int) -> int:
+    """The size of piece ``k`` of ``n`` of a dim of ``size`` rows (an emitted program calls it
+    with its coordinate on the axis: the same code on every rank, its own size)."""
+    q, r = divmod(int(size), n)
+    return q + (k < r)
+
+
+def piece_start(size: int, n: int, k: int) -> int:
+    """Where piece ``k`` of ``n`` starts in a dim of ``size`` rows (see piece_sizes)."""
+    q, r = divmod(int(size), n)
+    return k * q + min(k, r)
+
+
+def is_uneven(size, n: int) -> bool:
+    """A static dim of ``size`` rows split into ``n`` pieces that are not all the same size."""
+    return isinstance(size, int) and n > 1 and size % n != 0
+
+
+def uneven_dims(shape, placements, mesh) -> dict:
+    """{dim: (size, axis)} of the dims ``placements`` split into pieces of different sizes."""
+    out = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim < len(shape) and is_uneven(shape[p.dim], mesh.shape[axis]):
+            out[p.dim] = (int(shape[p.dim]), axis)
+    return out
+
+
+def check_layout(shape, placements, mesh, what: str) -> None:
+    """Raise ShardingError naming ``what`` if a layout cannot be cut: a dim that is not there, a
+    dim split by two axes, or blocks (``Shard(d, blocks=k)``) that do not divide by the axis.
+    A plain shard of any size is fine: its pieces are uneven where it does not divide."""
     used = {}
     for axis, (p, size) in enumerate(zip(placements, mesh.shape)):
         if not isinstance(p, Shard):
@@ -186,6 +231,14 @@ def check_divisible(shape, placements, mesh, what: str) -> None:
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}: its {p.blocks} blocks "
                 f"do not divide by the size {size} of mesh axis {mesh.axis_names[axis]!r}."
             )
+
+
+def check_divisible(shape, placements, mesh, what: str) -> None:
+    """check_layout, and every split dim must divide by its axis: for layouts whose pieces must be
+    equal (expert weights: each rank runs E/n whole experts). Raises ShardingError naming ``what``."""
+    check_layout(shape, placements, mesh, what)
+    for axis, (p, size) in enumerate(zip(placements, mesh.shape)):
+        n = shape[p.dim] if isinstance(p, Shard) else None
         if isinstance(n, int) and n % size:
             raise ShardingError(
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
@@ -194,9 +247,26 @@ def check_divisible(shape, placements, mesh, what: str) -> None:
             )
 
 
-def local_shape(shape, placements, mesh) -> tuple:
-    """The shape of each rank's piece (even sharding: every rank's is the same)."""
-    return tuple(n // shard_factor(placements, mesh, d) for d, n in enumerate(shape))
+def local_shape(shape, placements, mesh, coords=None) -> tuple:
+    """The shape of the piece at mesh ``coords`` (None: the largest piece, rank 0's)."""
+    out = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim < len(out):
+            k = 0 if coords is None else coords[axis]
+            n = mesh.shape[axis]
+            if p.blocks > 1:
+                out[p.dim] = p.blocks * piece_size(out[p.dim] // p.blocks, n, k)
+            else:
+                out[p.dim] = piece_size(out[p.dim], n, k)
+    return tuple(out)
+
+
+def narrow_piece(t: torch.Tensor, dim: int, n: int, k: int, blocks: int = 1) -> torch.Tensor:
+    """Piece ``k`` of ``n`` of ``t``'s dim ``dim`` (a view; blocked: piece k of every block)."""
+    parts = t.chunk(blocks, dim) if blocks > 1 else [t]
+    size = parts[0].shape[dim]
+    parts = [b.narrow(dim, piece_start(size, n, k), piece_size(size, n, k)) for b in parts]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tensor:
@@ -205,11 +275,7 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
     out = full
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
-            size = mesh.shape[axis]
-            parts = out.chunk(p.blocks, p.dim) if p.blocks > 1 else [out]
-            n = parts[0].shape[p.dim] // size
-            parts = [b.narrow(p.dim, coords[axis] * n, n) for b in parts]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, p.dim)
+            out = narrow_piece(out, p.dim, mesh.shape[axis], coords[axis], p.blocks)
         elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)
     return out

@@ -40,7 +40,8 @@ from autopar.parallel.registry import plan_method, plan_method_names
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
-from autopar.sharding.propagate import layout_of
+from autopar.sharding.propagate import is_ragged, layout_of
+from autopar.sharding.ragged import check_ragged
 
 R = Replicate()
 
@@ -71,7 +72,9 @@ class Plan(PlanViews):
         self._modules: dict[int, fx.GraphModule] = {}
 
     def finish(self) -> "Plan":
-        """Let each technique build its structure over the layouts (``Technique.after_plan``)."""
+        """Refuse what a ragged batch cannot do (sharding/ragged.py), then let each technique build
+        its structure over the layouts (``Technique.after_plan``)."""
+        check_ragged(self.graph, self.mesh, self.ragged, self.output_target, self.options.rng == "serial")
         for technique in self.options.techniques:
             built = technique.after_plan(self)
             if built is not None:
@@ -163,6 +166,15 @@ class Plan(PlanViews):
             for n in names:
                 specs[n] = used[0]
         return specs
+
+    @cached_property
+    def ragged(self) -> frozenset:
+        """The mesh axes on which dims sized at run time (the batch) may be cut unevenly: the
+        example batch did not divide by them (sharding/propagate.is_ragged). Then any batch size
+        runs, and means over the batch weigh each rank by its rows."""
+        nodes = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        pairs = [(nodes[name].meta.get("val"), spec) for name, spec in zip(self.traced.user_inputs, self.input_specs)]
+        return is_ragged(pairs, self.mesh)
 
     @cached_property
     def input_specs(self) -> list[tuple | None]:
@@ -270,14 +282,19 @@ class Plan(PlanViews):
         return pytree.tree_unflatten(local, spec)
 
     def _check_input(self, name, value, ispec):
+        """A split dim sized at run time (the batch) must divide; a static one may be cut unevenly."""
+        val = next(n for n in self.graph.nodes if n.op == "placeholder" and n.name == name).meta.get("val")
         for axis, p in enumerate(ispec):
             if isinstance(p, Shard):
                 n = self.mesh.shape[axis]
-                if p.dim >= value.dim() or value.shape[p.dim] % n:
+                size = val.shape[p.dim] if p.dim < val.dim() else None
+                static = isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
+                if p.dim >= value.dim() or (value.shape[p.dim] % n and not static and axis not in self.ragged):
                     raise InputError(
                         f"Input {name!r} has shape {tuple(value.shape)}; its dim {p.dim} is split over "
                         f"mesh axis {self.mesh.axis_names[axis]!r} of size {n} and must divide by it. "
-                        f"Use a batch size that is a multiple of {n}."
+                        f"Use a batch size that is a multiple of {n}, or plan with an example batch that is not "
+                        "(then any batch size runs, cut unevenly)."
                     )
 
     # ----------------------------------------------------------------------- state dicts

@@ -22,6 +22,7 @@ DIMS = (4, 6, 8, 12)
 KINDS = ("linear", "act", "norm", "attn", "residual")
 EXTRA_KINDS = ("noise", "bn")  # issue 32: random ops, batch norm (one model in EXTRA_EVERY has one)
 EXTRA_EVERY = 3
+UNEVEN_EVERY = 2  # issue 24: half the models take sizes that divide by no mesh axis (uneven pieces)
 
 
 def model_spec(k: int) -> dict:
@@ -54,6 +55,12 @@ def model_spec(k: int) -> dict:
         kind = rng.choice(EXTRA_KINDS)
         block = {"kind": kind, "ops": rng.randrange(1, 32)} if kind == "noise" else {"kind": kind}
         spec["blocks"].insert(rng.randrange(len(spec["blocks"]) + 1), block)
+    if rng.randrange(UNEVEN_EVERY) == 0:  # drawn last too: odd batch, vocabulary and hidden sizes
+        spec["batch"] = rng.choice((3, 5, 7))
+        spec["vocab"] = rng.choice((7, 13)) if spec["vocab"] else 0
+        for block in spec["blocks"]:
+            if block["kind"] == "residual":
+                block["hidden"] = rng.choice((5, 7, 9))
     return spec
 
 

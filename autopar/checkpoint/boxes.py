@@ -19,7 +19,7 @@ import itertools
 
 import torch
 
-from autopar.placement import Shard
+from autopar.placement import Shard, piece_size, piece_start
 
 
 def dim_segments(shape, spec, mesh, rank) -> list[list[tuple[int, int, int]]]:
@@ -30,8 +30,9 @@ def dim_segments(shape, spec, mesh, rank) -> list[list[tuple[int, int, int]]]:
         if not isinstance(p, Shard):
             continue
         n, size, k = shape[p.dim], mesh.shape[axis], p.blocks
-        piece = n // (k * size)
-        segs[p.dim] = [(b * (n // k) + coords[axis] * piece, b * piece, piece) for b in range(k)]
+        block = n // k  # uneven pieces: torch.tensor_split's (placement.piece_start / piece_size)
+        start, piece = piece_start(block, size, coords[axis]), piece_size(block, size, coords[axis])
+        segs[p.dim] = [(b * block + start, b * piece, piece) for b in range(k)]
     return segs
 
 

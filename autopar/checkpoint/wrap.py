@@ -24,8 +24,10 @@ from autopar.placement import Partial, Shard
 
 def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None, dtype=None):
     """A DTensor with the plan's placements when ``local`` (the rank's whole tensor) has a DTensor
-    layout, else a Pieces (blocked shards, ZeRO pieces, pipeline stages; pieces.py)."""
-    if local is not None and not any(isinstance(p, Shard) and p.blocks > 1 for p in spec):
+    layout, else a Pieces (blocked shards, ZeRO pieces, pipeline stages, uneven pieces: DTensor
+    cuts as torch.chunk, 6 rows on 4 ranks 2,2,2,0, autopar as torch.tensor_split, 2,2,1,1)."""
+    plain = not any(isinstance(p, Shard) and p.blocks > 1 for p in spec)
+    if local is not None and plain and not _uneven(shape, spec, dm):
         from torch.distributed.tensor import DTensor
 
         local = local.detach()
@@ -42,6 +44,12 @@ def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None, dty
             stride=_contiguous_stride(shape),
         )
     return Pieces.of(boxes, shape, dm, dtype)
+
+
+def _uneven(shape, spec, dm) -> bool:
+    """Whether a split dim of ``shape`` does not divide by its axis of the DeviceMesh ``dm``."""
+    sizes = tuple(dm.shape)
+    return any(isinstance(p, Shard) and shape[p.dim] % sizes[a] for a, p in enumerate(spec))
 
 
 def _dt_placement(p):

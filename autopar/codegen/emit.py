@@ -31,10 +31,12 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.placement import Shard, shard_factor
+from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
+from autopar.errors import ShardingError
+from autopar.runtime.uneven import from_padded, pad_piece, piece_share, ragged_share, to_padded, trim_piece, weigh
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
-from autopar.sharding.rules import op_traits
+from autopar.sharding.rules import TensorMeta, op_traits
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
@@ -94,8 +96,27 @@ class Emitter:
         return glob
 
     def local_size(self, size, f: int):
-        """A (global) size divided into ``f`` pieces: an int, or a value of the program."""
+        """A (global) size divided into ``f`` equal pieces: an int, or a value of the program."""
         return self._local_size(size, f)
+
+    def piece_bounds(self, size, axis: int) -> tuple:
+        """(start, rows) of this rank's piece of a dim of global ``size`` split on mesh ``axis``,
+        as values of the program (uneven pieces included: placement.piece_start / piece_size)."""
+        n, coord = self.mesh.shape[axis], self.coord(axis)
+        call = self.graph.call_function
+        return call(piece_start, (size, n, coord)), call(piece_size, (size, n, coord))
+
+    def piece_of(self, size, spec, dim: int):
+        """This rank's size of dim ``dim`` of a (global) ``size`` laid out ``spec``: an int where
+        every rank's piece is the same, else a value of the program (``piece_size`` of its
+        coordinate: the same code on every rank, uneven pieces included)."""
+        axis = next((a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim), None)
+        if axis is None or (isinstance(size, int) and size == -1):
+            return size
+        n = self.mesh.shape[axis]
+        if is_uneven(size, n):
+            return self.graph.call_function(piece_size, (size, n, self.coord(axis)))
+        return self._local_size(size, n)
 
     def rank_value(self, name: str) -> fx.Node:
         """The module attribute ``name`` of ``rank_attrs`` (read once per program)."""
@@ -119,10 +140,21 @@ class Emitter:
         group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
         return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, rank, *extra))
 
-    def _step(self, x: fx.Node, st, gather=None, owned: bool = False) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=()) -> fx.Node:
         gather = gather or ops.all_gather.default
         if st.blocks > 1:
             return self._blocked_step(x, st, gather)
+        n = self.mesh.shape[st.axis]
+        dims = [d for d in (st.dim, st.dim2) if d is not None and d < len(shape)]
+        if st.axis in self.plan.ragged and any(shape[d] is None for d in dims):
+            raise ShardingError(
+                f"{st.kind} of dim {st.dim} on mesh axis {self.mesh.axis_names[st.axis]!r}: that dim is sized at run "
+                "time and this plan lets it be cut unevenly (its example batch does not divide by the axis), so "
+                "no rank knows the other pieces' sizes. Plan with an example batch that divides by "
+                f"{n}, or keep that tensor split on {self.mesh.axis_names[st.axis]!r}."
+            )
+        if any(is_uneven(shape[d], n) for d in dims):
+            return self._uneven_step(x, st, gather, shape)
         kind = STEP_KINDS[st.kind]
         if kind.op is not None:
             op = gather if st.kind == "all_gather" else getattr(ops, kind.op).default
@@ -136,6 +168,39 @@ class Emitter:
         n = self.mesh.shape[st.axis]  # partial_cast: sum <-> avg is a local rescale
         factor = float(n) if st.op == "sum->avg" else 1.0 / n
         return self.graph.call_function(aten.mul.Tensor, (x, factor))
+
+    def _uneven_step(self, x: fx.Node, st, gather, shape) -> fx.Node:
+        """A step on a dim whose pieces differ in size: the even collective between a pad and a
+        trim (runtime/uneven.py), so that gloo and NCCL move equal pieces."""
+        g, n, coord = self.graph, self.mesh.shape[st.axis], self.coord(st.axis)
+
+        def uneven(d):
+            return d is not None and is_uneven(shape[d], n)
+
+        def largest(d):
+            return -(-int(shape[d]) // n)
+
+        if st.kind == "all_gather":
+            x = g.call_function(pad_piece, (x, st.dim, largest(st.dim)))
+            x = self.collective(gather, (x, st.dim), st.axis)
+            return g.call_function(from_padded, (x, st.dim, int(shape[st.dim]), n))
+        if st.kind in ("slice", "reduce_scatter"):
+            op = ops.shard.default if st.kind == "slice" else ops.reduce_scatter.default
+            x = g.call_function(to_padded, (x, st.dim, int(shape[st.dim]), n))
+            x = self.collective(op, (x, st.dim), st.axis, STEP_KINDS[st.kind].op_args(st)[1])
+            return g.call_function(trim_piece, (x, st.dim, int(shape[st.dim]), n, coord))
+        # all_to_all: the split dim leaves in its padded layout, the new one arrives padded
+        src, dst = st.dim, st.dim2
+        if uneven(dst):
+            x = g.call_function(to_padded, (x, dst, int(shape[dst]), n))
+        if uneven(src):
+            x = g.call_function(pad_piece, (x, src, largest(src)))
+        x = self.collective(ops.all_to_all.default, (x, src, dst), st.axis)
+        if uneven(src):
+            x = g.call_function(from_padded, (x, src, int(shape[src]), n))
+        if uneven(dst):
+            x = g.call_function(trim_piece, (x, dst, int(shape[dst]), n, coord))
+        return x
 
     def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
         """Gather or slice a blocked shard: plain collectives around a local regrouping.
@@ -160,13 +225,14 @@ class Emitter:
         if key not in self.edges:
             x = self.env[src]
             f_axes = set(f_axes)
+            shape = _static_shape(src)
             for i, st in enumerate(_steps(layout_of(src).spec, target)):
                 if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
-                    x = self._step(x, st, ops.all_gather_rs.default)
+                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape)
                     f_axes.discard(st.axis)
                     continue
-                x = self._step(x, st, owned=i == 0 and self._owned(src))
+                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape)
             for axis in sorted(f_axes):
                 flag = self.eager_flag()  # Megatron's f returns its input only in plain eager mode
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
@@ -248,11 +314,12 @@ class Emitter:
         x = self.edge(v, target)
         dp = self.plan.dp_axis
         if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
-            n = self.mesh.shape[dp]
+            # a loss taken over this output is each rank's mean: its gradient counts the rank's
+            # share of the rows (1/n when pieces are equal; uneven batches weigh by their rows)
+            share = self.share(v, x, target[dp].dim, dp)
+            factor = 1.0 / self.mesh.shape[dp] if share is None else share
             flag = self.eager_flag()
-            x = self.graph.call_function(
-                ops.scale_grad.default, (x, self.mesh.axis_names[dp], 1.0 / n), {"alias": flag}
-            )
+            x = self.graph.call_function(ops.scale_grad.default, (x, self.mesh.axis_names[dp], factor), {"alias": flag})
         return x
 
     # --------------------------------------------------------------- arguments
@@ -299,9 +366,7 @@ class Emitter:
         shape_idx = traits.shape_arg
         if shape_idx is not None and shape_idx < len(args):
             spec = lay.spec
-            args[shape_idx] = [
-                self._local_size(s, shard_factor(spec, self.mesh, d)) for d, s in enumerate(args[shape_idx])
-            ]
+            args[shape_idx] = self._local_shape_arg(node, args[shape_idx], spec)
         lowering = lowering_for(lay.strategies)
         if lowering is not None:
             return lowering[0].emit(self, node, tuple(args), dict(kwargs), lowering[1])
@@ -315,7 +380,51 @@ class Emitter:
         fused = self._fuse_bias(node, args, kwargs)
         if fused is not None:
             return fused
-        return self.graph.call_function(node.target, tuple(args), dict(kwargs))
+        out = self.graph.call_function(node.target, tuple(args), dict(kwargs))
+        return self._weigh_averages(node, lay, local_inputs, out)
+
+    def share(self, node: fx.Node, local: fx.Node, dim: int, axis: int):
+        """This rank's share of the rows of ``node``'s dim ``dim`` split on ``axis`` (``local``: its
+        piece in the program): a value of the program where pieces differ, else None."""
+        size, n = node.meta["val"].shape[dim], self.mesh.shape[axis]
+        if isinstance(size, torch.SymInt) and not size.node.expr.is_number:
+            if axis not in self.plan.ragged:
+                return None
+            group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
+            return self.graph.call_function(ragged_share, (local, dim, self.mesh.axis_names[axis], group, rank))
+        if not is_uneven(int(size), n):
+            return None
+        return self.graph.call_function(piece_share, (int(size), n, self.coord(axis)))
+
+    def _weigh_averages(self, node, lay, local_inputs, out):
+        """A mean over rows split unevenly (Partial("avg") from a split input) weighs each rank's
+        mean by its share of the rows (times the axis size, since the reduction averages): the
+        serial mean over every row, not the mean of the ranks' means."""
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            return out
+        for axis, s in enumerate(lay.strategies):
+            if s is None or s.lowering is not None or s.outputs[:1] != (Partial("avg"),):
+                continue
+            split = next((i for i, p in enumerate(s.inputs) if isinstance(p, Shard)), None)
+            if split is None:
+                continue
+            w = self.share(lay.inputs[split], local_inputs[split], s.inputs[split].dim, axis)
+            if w is not None:
+                w = self.graph.call_function(operator.mul, (w, float(self.mesh.shape[axis])))
+                out = self.graph.call_function(weigh, (out, w))
+        return out
+
+    def _local_shape_arg(self, node, sizes, spec) -> list:
+        """A view's global sizes made this rank's. Where a split is uneven, a ``-1`` is spelt out
+        from the output's static size: a rank holding an empty piece cannot infer it."""
+        out = node.meta["val"].shape
+        uneven = uneven_dims(out, spec, self.mesh) if isinstance(node.meta["val"], torch.Tensor) else {}
+        local = []
+        for d, s in enumerate(sizes):
+            if uneven and isinstance(s, int) and s == -1 and d < len(out) and not isinstance(out[d], torch.SymInt):
+                s = int(out[d])
+            local.append(self.piece_of(s, spec, d))
+        return local
 
     def _fuse_bias(self, node, args, kwargs) -> fx.Node | None:
         """linear(x, w) + b -> linear(x, w, b) where nothing runs between the two on this rank.
@@ -352,6 +461,15 @@ class Emitter:
 
 # ops whose output is a fresh tensor their backward does not save (their inputs are saved)
 _FRESH_OUTPUT = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+
+
+def _static_shape(node: fx.Node) -> tuple:
+    """``node``'s global shape, None for each dim sized at run time (the batch)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return ()
+    meta = TensorMeta.of(val)
+    return tuple(None if dyn else size for size, dyn in zip(meta.shape, meta.dynamic))
 
 
 # ops whose backward makes the gradient of the inputs at these positions afresh (a matmul of

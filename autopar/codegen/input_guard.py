@@ -35,7 +35,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from autopar.errors import InputError
-from autopar.placement import Shard, fmt_spec, shard_factor
+from autopar.placement import Shard, fmt_spec, local_shape, shard_factor
 from autopar.sharding.propagate import input_requires_grad, tensor_outputs
 
 
@@ -51,8 +51,11 @@ def guard_args(plan, env: dict, rank: int) -> tuple | None:
             vals.append((name, val, lay.spec))
     if not checks:
         return None
-    divisors = symbol_divisors(plan.graph, plan.mesh)
-    links, dtypes = batch_links(vals, plan.dp_axis), expected_dtypes(vals, plan)
+    # on a ragged axis (an uneven example batch) any batch runs: no size split there must divide,
+    # and the batch links (local size times pieces) cannot tell a global size from a rank's
+    divisors = symbol_divisors(plan.graph, plan.mesh, plan.ragged)
+    links = () if plan.dp_axis in plan.ragged else batch_links(vals, plan.dp_axis)
+    dtypes = expected_dtypes(vals, plan)
     return tuple(values), tuple(checks), rank, divisors, links, dtypes, planned_without_grad(plan)
 
 
@@ -98,11 +101,12 @@ def planned_without_grad(plan) -> tuple[str, ...]:
     )
 
 
-def symbol_divisors(graph, mesh) -> tuple:
+def symbol_divisors(graph, mesh, skip_axes=frozenset()) -> tuple:
     """(symbol, k, node) for each dynamic size the plan cuts into k pieces somewhere (at ``node``).
 
     A dynamic dim may be split inside the graph (an intermediate's batch dim on some axis):
     the runtime size must then divide by the pieces, or a rank would hold a ragged piece.
+    ``skip_axes``: axes whose pieces may differ (Plan.ragged), not counted.
     """
     found: dict[str, tuple[int, str]] = {}
     for node in graph.nodes:
@@ -113,7 +117,7 @@ def symbol_divisors(graph, mesh) -> tuple:
             if not any(isinstance(p, Shard) for p in spec):
                 continue  # nothing cut (most values: checked first, it is the cheap test)
             for d, size in enumerate(val.shape):
-                f = shard_factor(spec, mesh, d)
+                f = shard_factor([p if a not in skip_axes else None for a, p in enumerate(spec)], mesh, d)
                 if f == 1 or not (isinstance(size, torch.SymInt) and size.node.expr.is_Symbol):
                     continue
                 sym = str(size.node.expr)
@@ -126,9 +130,12 @@ def symbol_divisors(graph, mesh) -> tuple:
 def input_checks(name: str, val, spec, mesh) -> tuple:
     """What the guard checks for one input: (name, spec text, global shape, dims).
 
-    Each dim is (local size or None when dynamic, shard factor, symbol or None).
+    Each dim is (local size or None when dynamic, shard factor, symbol or None); the local size
+    of a static dim cut into uneven pieces is a tuple, each global rank's (placement.local_shape).
     """
     dims, global_shape = [], []
+    static = tuple(int(s) if not isinstance(s, torch.SymInt) or s.node.expr.is_number else 0 for s in val.shape)
+    per_rank = [local_shape(static, spec, mesh, mesh.coords(r)) for r in mesh.ranks()]
     for d, s in enumerate(val.shape):
         f = shard_factor(spec, mesh, d)
         if isinstance(s, torch.SymInt) and s.node.expr.is_number:  # specialised by export
@@ -137,7 +144,8 @@ def input_checks(name: str, val, spec, mesh) -> tuple:
             dims.append((None, f, str(s.node.expr)))
             global_shape.append(str(s.node.expr))
         else:
-            dims.append((int(s) // f, f, None))
+            sizes = tuple(p[d] for p in per_rank)
+            dims.append((sizes[0] if len(set(sizes)) == 1 else sizes, f, None))
             global_shape.append(int(s))
     return (name, fmt_spec(spec), tuple(global_shape), tuple(dims))
 
@@ -194,11 +202,11 @@ def _check(values, checks, rank, divisors, links, dtypes, no_grad) -> None:
                 f"Plan with an example {name!r} that requires grad (tensor.requires_grad_()), or pass it detached."
             )
         shape = tuple(value.shape)
-        why = _mismatch(shape, dims, name, sizes, need) or _wrong_dtype(value, dtypes[i] if dtypes else None)
+        why = _mismatch(shape, dims, name, sizes, need, rank) or _wrong_dtype(value, dtypes[i] if dtypes else None)
         if why is None and linked:
             why = _unlinked(shape, dims, name, sizes, linked)
         if why is not None:
-            expected = tuple(n if n is not None else "*" for n, _, _ in dims)
+            expected = tuple(_local(n, rank) if n is not None else "*" for n, _, _ in dims)
             _fail(rank, name, shape, expected, spec, global_shape, why)
 
 
@@ -226,12 +234,18 @@ def _unlinked(shape: tuple, dims: tuple, name: str, sizes: dict, linked: dict) -
     return None
 
 
-def _mismatch(shape: tuple, dims: tuple, name: str, sizes: dict, need: dict) -> str | None:
+def _local(n, rank: int):
+    """A static dim's local size on ``rank`` (a tuple: uneven pieces, one size per rank)."""
+    return n[rank] if isinstance(n, tuple) else n
+
+
+def _mismatch(shape: tuple, dims: tuple, name: str, sizes: dict, need: dict, rank: int = 0) -> str | None:
     """Why ``shape`` is not the local piece ``dims`` describes (None when it is); records each
     dynamic dim's global size in ``sizes`` so that inputs sharing the dim must agree."""
     if len(shape) != len(dims):
         return f"it has {len(shape)} dims, the plan expects {len(dims)}"
     for d, (n, f, sym) in enumerate(dims):
+        n = _local(n, rank)
         if n is not None and shape[d] != n:
             if shape[d] == n * f and f > 1:
                 return "it looks like the global input was passed where the local piece was expected"

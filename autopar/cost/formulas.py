@@ -22,7 +22,7 @@ import re
 import sympy
 import torch
 
-from autopar.placement import Shard
+from autopar.placement import Shard, is_uneven
 
 
 def _sym(name: str) -> sympy.Symbol:
@@ -94,11 +94,15 @@ class PlanSymbols:
         return sympy.Integer(n)
 
     def shape(self, shape, placements=None) -> list[sympy.Expr]:
-        """The local shape (global / product of the axes that split each dim)."""
+        """The local shape (global / product of the axes that split each dim); a static dim that
+        does not divide by its axis counts its largest piece (ceiling: the first ranks' rows,
+        the ones that set a step's time and a rank's peak memory)."""
         out = [self.dim(s) for s in shape]
         for axis, p in enumerate(placements or ()):
             if isinstance(p, Shard):
                 out[p.dim] = out[p.dim] / self.axes[axis]
+                if is_uneven(shape[p.dim], self.mesh.shape[axis]):
+                    out[p.dim] = sympy.ceiling(out[p.dim])
         return out
 
     def numel(self, shape, placements=None) -> sympy.Expr:

@@ -25,10 +25,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 import sympy
+import torch
 
 from autopar.cost.activation_memory import activation_bytes
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import PlanSymbols, simplify
+from autopar.placement import Shard, is_uneven
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.sharding.rules import VIEW, Work, op_traits
@@ -191,12 +193,30 @@ def split_factor(spec, sy) -> sympy.Expr:
     return f
 
 
+def largest_piece(node, sy: PlanSymbols) -> sympy.Expr:
+    """How much more than an even share of ``node``'s work the busiest rank does: per axis where
+    the op's split dims do not divide (every split dim of an op on one axis has the same size:
+    propagate._uneven_ok), ceiling(N / n) / (N / n), the first ranks' rows over the average."""
+    lay, f = layout_of(node), sympy.Integer(1)
+    tensors = [(v, spec) for v, spec in zip([v for v in tensor_outputs(node) if v is not None], lay.outputs)]
+    tensors += [(i.meta.get("val"), spec) for i, spec in zip(lay.inputs, lay.input_targets)]
+    for axis in range(len(sy.axes)):
+        for val, spec in tensors:
+            p = spec[axis] if spec else None
+            size = val.shape[p.dim] if isinstance(p, Shard) and isinstance(val, torch.Tensor) else None
+            if size is not None and is_uneven(size, sy.mesh.shape[axis]):
+                n = sy.axes[axis]
+                f *= sympy.ceiling(sympy.Integer(int(size)) / n) * n / int(size)
+                break
+    return f
+
+
 def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
     """FLOPs per rank and step: forward, plus twice that for ops whose output needs a gradient."""
     total = sympy.Integer(0)
     for node in plan.graph.nodes:
         if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
             continue
-        f = node_flops(node, sy) / split_factor(layout_of(node).spec, sy)
+        f = node_flops(node, sy) / split_factor(layout_of(node).spec, sy) * largest_piece(node, sy)
         total += f * (3 if plan.ctx.needs_grad.get(node) else 1)
     return simplify(total)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.explore.display import Text, comm_label, fmt_bytes, op_name
 from autopar.errors import PlanError, close_matches
-from autopar.placement import Replicate, fmt_spec, local_shape
+from autopar.placement import Replicate, fmt_spec, local_shape, piece_sizes, uneven_dims
 from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path, module_paths
 from autopar.sharding.redistribute import plan_steps
@@ -177,6 +177,19 @@ def _origins(plan, node) -> list[str]:
     return ["  where the split comes from:"] + out if out else []
 
 
+def _local_shapes(shape, spec, mesh) -> str:
+    """'local shape (17, 16) on every rank', or each rank's where the pieces are uneven."""
+    shapes = [local_shape(shape, spec, mesh, mesh.coords(r)) for r in mesh.ranks()]
+    if len(set(shapes)) == 1:
+        return f"local shape {shapes[0]} on every rank"
+    uneven = ", ".join(
+        f"dim {d} ({size} rows on {mesh.axis_names[axis]}={mesh.shape[axis]}: pieces "
+        f"{', '.join(map(str, piece_sizes(size, mesh.shape[axis])))})"
+        for d, (size, axis) in uneven_dims(shape, spec, mesh).items()
+    )
+    return f"local shapes {' '.join(str(s) for s in dict.fromkeys(shapes))} (uneven pieces, as torch.tensor_split cuts: {uneven})"
+
+
 def _explain_param(plan, fqn, comms) -> str:
     spec = plan.param_specs.get(fqn, (R,) * plan.mesh.ndim)
     p = dict(plan.model.named_parameters(remove_duplicate=False))[fqn]
@@ -184,11 +197,8 @@ def _explain_param(plan, fqn, comms) -> str:
     same = set(tied[0]) if tied else {fqn}
     phs = [n for n in plan.graph.nodes if n.op == "placeholder" and plan.attr_name(n.name) in same]
     reason = plan.seeds.reasons.get(fqn) or next((layout_of(n).reason for n in phs), "replicated (no annotation)")
-    lines = [
-        f"parameter {fqn} {tuple(p.shape)} -> {fmt_spec(spec)}, local shape "
-        f"{local_shape(tuple(p.shape), spec, plan.mesh)} on every rank",
-        f"  why: {reason}",
-    ]
+    lines = [f"parameter {fqn} {tuple(p.shape)} -> {fmt_spec(spec)}, {_local_shapes(tuple(p.shape), spec, plan.mesh)}"]
+    lines.append(f"  why: {reason}")
     if tied:
         lines.append(f"  tied with {', '.join(n for n in tied[0] if n != fqn)}: one tensor, one layout")
     axes = sync_axes_all_names(plan).get(fqn, ())  # what the gradient buckets sync (tied names, techniques)

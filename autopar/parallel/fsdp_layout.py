@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.placement import uneven_dims
+
 from autopar.parallel.param_names import canonical_names, first_use_order, local_params
 
 RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
@@ -67,7 +69,9 @@ def buckets(plan) -> list[FlatBucket]:
     parameters of one block, dtype and program unit (the embedding and the head are separate
     buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
     on the dp axis itself is left out: its pieces already differ per dp rank, and gathering
-    them over dp would mix different pieces."""
+    them over dp would mix different pieces. So is one cut unevenly on another axis (a vocabulary
+    of 67 on tp=4): its pieces differ in size from one tp rank to the next, and one flat layout
+    serves every rank; it stays whole on each dp rank, its gradient all-reduced over dp."""
     local, k, units = local_params(plan), shard_size(plan), program_units(plan)
     out: list[FlatBucket] = []
     last = None
@@ -77,6 +81,8 @@ def buckets(plan) -> list[FlatBucket]:
         spec = plan.param_specs.get(name)
         if spec is not None and not spec[plan.dp_axis].is_replicate():
             continue  # already split on the dp axis (annotated so): each rank's piece differs, stays as is
+        if spec is not None and uneven_dims(tuple(plan.model.get_parameter(name).shape), spec, plan.mesh):
+            continue  # pieces of different sizes on another axis: not one flat layout for every rank
         p = local[name]
         key = (units.get(name, 0), block_key(name), p.dtype)
         if key != last:

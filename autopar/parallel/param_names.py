@@ -62,7 +62,7 @@ def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
     out = {}
     for n, p in plan.model.named_parameters():
         spec = plan.param_specs.get(n, (Replicate(),) * plan.mesh.ndim)
-        shape = local_shape(tuple(p.shape), spec, plan.mesh)
+        shape = local_shape(tuple(p.shape), spec, plan.mesh, plan.mesh.coords(rank))
         out[n] = torch.empty(shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad)
     return out
 

@@ -38,7 +38,7 @@ from autopar.sharding.annotations import (
     vocab_parallel,
 )
 from autopar.errors import AnnotationError
-from autopar.placement import Shard
+from autopar.placement import Shard, piece_sizes
 from autopar.trace.module_paths import module_path
 from autopar.trace.export import trace
 
@@ -97,6 +97,7 @@ def megatron(
     experts: bool = True,
     expert_axis: str | None = None,
     expert_tp: bool = False,
+    size: int | None = None,
 ) -> Preset:
     """The Megatron tensor-parallel annotations for ``model`` on mesh axis ``axis``.
 
@@ -108,6 +109,10 @@ def megatron(
     dispatched to their experts' ranks by all-to-all (expert parallelism, docs/experts.md)
     while the dense layers stay tensor-parallel on ``axis``; with ``expert_tp`` each expert is
     split over ``axis`` too (expert tensor parallelism: ``expert_parallel(expert_axis, tp=axis)``).
+    ``size``: the number of ranks on ``axis`` where known. Any size splits (uneven pieces, as
+    torch.tensor_split cuts: a vocabulary of 50257 on 4 ranks is 12565, 12564, 12564, 12564 rows)
+    and explain() says which splits are uneven; a fused layer whose blocks do not divide by it
+    (q|k|v of 3 x 20 features on 3 ranks divides, on 8 does not) stays replicated with its pair.
 
     Example:
         >>> ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp")   # mesh ("dp", "tp")
@@ -132,14 +137,28 @@ def megatron(
         )
     sp_out = Shard(1) if sequence_parallel else None
     for row, cols in pairs:
+        blocked = [
+            (c, g.blocks(c)) for c in cols if size and g.blocks(c) > 1 and _blocks_uneven(model, c, g.blocks(c), size)
+        ]
+        if blocked:
+            c, k = blocked[0]
+            why.append(f"{row}, {', '.join(cols)}: left replicated, {c}'s {k} blocks do not divide by {axis}={size}")
+            g.why_not.update({p: "its pair cannot split (blocks)" for p in [row, *cols]})
+            continue
         for c in cols:
             k = g.blocks(c)
             ann[c] = colwise(axis, blocks=k) if k > 1 else colwise(axis)
-            why.append(f"{c}: {ann[c]!r}, feeds {row}" + (f" (output split into {k} blocks)" if k > 1 else ""))
+            why.append(
+                f"{c}: {ann[c]!r}, feeds {row}"
+                + (f" (output split into {k} blocks)" if k > 1 else "")
+                + _uneven_note(_rows(model, c, 0), size, axis)
+            )
         ann[row] = rowwise(axis, output=sp_out) if sp_out else rowwise(axis)
-        why.append(f"{row}: {ann[row]!r}, reads only {', '.join(cols)}")
+        why.append(
+            f"{row}: {ann[row]!r}, reads only {', '.join(cols)}" + _uneven_note(_rows(model, row, 1), size, axis)
+        )
     if vocab:
-        _vocab(g, ann, why, axis, sp_out)
+        _vocab(g, ann, why, axis, sp_out, size)
     on = expert_axis or axis
     for path, count in moe.items():
         ann[path] = expert_parallel(on, tp=axis if expert_tp and on != axis else None)
@@ -156,18 +175,49 @@ def megatron(
 sequence_parallel_annotation = sequence_parallel
 
 
-def _vocab(g, ann, why, axis, sp_out) -> None:
+def _rows(model, path: str, dim: int) -> int | None:
+    """The output (``dim`` 0) or input (1) features of the layer at ``path``: a Linear's weight is
+    (out, in), HF's Conv1D (GPT-2) keeps (in, out); None where there is no weight."""
+    try:
+        mod = model.get_submodule(path)
+        out = getattr(mod, "out_features", None) or getattr(mod, "nf", None)
+        if dim == 0 and out is not None:
+            return int(out)
+        if dim == 1 and getattr(mod, "in_features", None) is not None:
+            return int(mod.in_features)
+        shape = mod.weight.shape
+        return int(shape[1 - dim] if getattr(mod, "nf", None) is not None else shape[dim])
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _blocks_uneven(model, path: str, blocks: int, size: int) -> bool:
+    """Whether each of the ``blocks`` output blocks of the layer at ``path`` fails to divide by ``size``."""
+    rows = _rows(model, path, 0)
+    return rows is not None and (rows // blocks) % size != 0
+
+
+def _uneven_note(rows, size, axis) -> str:
+    """', uneven: 50257 rows on tp=4 are 12565, 12564, ...' where ``rows`` does not divide by ``size``."""
+    if not size or rows is None or rows % size == 0:
+        return ""
+    pieces = piece_sizes(rows, size)
+    return f"; uneven: {rows} on {axis}={size} are pieces {', '.join(map(str, pieces))}"
+
+
+def _vocab(g, ann, why, axis, sp_out, size=None) -> None:
     emb = g.word_embedding()
     if emb is None:
         return
     path, rows = emb
     ann[path] = vocab_parallel(axis, output=sp_out) if sp_out else vocab_parallel(axis)
-    why.append(f"{path}: {ann[path]!r}, the word embedding ({rows} rows, looked up from an input)")
+    note = _uneven_note(rows, size, axis)
+    why.append(f"{path}: {ann[path]!r}, the word embedding ({rows} rows, looked up from an input){note}")
     paired = set(ann)
     for head in g.heads(rows, path):
         if head not in paired:
             ann[head] = vocab_parallel(axis)
-            why.append(f"{head}: vocab_parallel({axis!r}), the LM head ({rows} outputs)")
+            why.append(f"{head}: vocab_parallel({axis!r}), the LM head ({rows} outputs){note}")
 
 
 class _Graph:

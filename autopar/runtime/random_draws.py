@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from autopar.runtime.rng import _MIX, _piece, empty_in_order
+from autopar.runtime.rng import _MIX, CUT, _piece, empty_in_order, full_shape, local_shape_of
 
 _SERIAL, _PLACEMENT = 1, 0
 FILLER = {"bernoulli_tensor": 0.5, "multinomial": 1.0}  # valid values where other ranks' pieces go
@@ -71,9 +71,9 @@ def sample(kind: str, shape, dtype, params, like, gen, order=()) -> torch.Tensor
 
 def _full_shape(local_shape, cuts) -> list:
     full = list(local_shape)
-    for i in range(0, len(cuts), 4):
+    for i in range(0, len(cuts), CUT):
         full[cuts[i]] *= cuts[i + 1]
-    return full
+    return full_shape(full, cuts)
 
 
 def _embed(local: torch.Tensor, cuts, filler: float, order=()) -> torch.Tensor:
@@ -93,8 +93,7 @@ def _shapes(like, shape, kind, params, cuts, mode) -> tuple[list, list]:
         drawn = list(shape)
         local = list(drawn)
         if mode == _SERIAL:
-            for i in range(0, len(cuts), 4):
-                local[cuts[i]] = local[cuts[i]] // cuts[i + 1]
+            local = local_shape_of(drawn, cuts)
         return drawn, local
     local = list(like.shape[:-1]) + [int(params[0])] if kind == "multinomial" else list(like.shape)
     return (_full_shape(local, cuts) if mode == _SERIAL else local), local
@@ -120,7 +119,7 @@ def _kernel(state, like, shape, kind, params, dtype, cuts, rng_mode, reads_value
         return _piece(full, cuts).contiguous().to(device)
     key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=gen))
     state.copy_(gen.get_state())
-    for i in range(0, len(cuts), 4):  # only the axes that split the tensor tell ranks apart
+    for i in range(0, len(cuts), CUT):  # only the axes that split the tensor tell ranks apart
         key = (key * _MIX + (cuts[i] + 1) * 1009 + cuts[i + 2] + 1) % (2**63)
     values = like.cpu() if reads_values else None
     return sample(kind, drawn, dtype, params, values, torch.Generator().manual_seed(key), order).to(device)

@@ -32,6 +32,7 @@ import contextlib
 import torch
 
 from autopar.errors import PlanError
+from autopar.placement import narrow_piece, piece_size
 from autopar.runtime.recompute import replayed_state
 
 STATE = "autopar_rng_state"
@@ -96,11 +97,12 @@ def dropout(
     """What one dropout becomes on a rank (the emitted program calls it; see lowering_modes).
 
     ``factors[d]``: into how many pieces dim d of the global tensor is cut; ``cuts``: for each
-    axis that splits it, (dim, pieces, this rank's coordinate, blocks), flattened, axis order.
+    axis that splits it, (dim, pieces, this rank's coordinate, blocks, global size or 0 where it
+    is sized at run time and cut evenly), flattened, axis order (CUT entries each).
     """
     if not train or p == 0.0:
         return torch.ops.aten.dropout.default(x, p, train)
-    shape = [s * f for s, f in zip(x.shape, factors)] if mode == _SERIAL else list(x.shape)
+    shape = full_shape([s * f for s, f in zip(x.shape, factors)], cuts) if mode == _SERIAL else list(x.shape)
     mask = torch.ops.autopar.dropout_mask(state, shape, p, x.dtype, x.device, cuts, mode, list(order))
     return x * mask
 
@@ -113,7 +115,7 @@ def _kernel(state, shape, p, dtype, device, cuts, mode, order=()):
         return _piece(mask, cuts).contiguous()
     key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=gen))
     state.copy_(gen.get_state())
-    for i in range(0, len(cuts), 4):  # only the axes that split the tensor tell ranks apart
+    for i in range(0, len(cuts), CUT):  # only the axes that split the tensor tell ranks apart
         key = (key * _MIX + (cuts[i] + 1) * 1009 + cuts[i + 2] + 1) % (2**63)
     return _draw(shape, p, dtype, torch.Generator().manual_seed(key), device)
 
@@ -127,15 +129,33 @@ def _draw(shape, p, dtype, gen, device, order=()):
     return mask.to(device)
 
 
+CUT = 5  # entries per axis in ``cuts``: (dim, pieces, coordinate, blocks, global size or 0)
+
+
 def _piece(full, cuts):
     """This rank's piece of a full-size tensor, as placement.shard_tensor cuts it."""
     out = full
-    for i in range(0, len(cuts), 4):
+    for i in range(0, len(cuts), CUT):
         dim, n, coord, blocks = cuts[i : i + 4]
-        parts = out.chunk(blocks, dim) if blocks > 1 else [out]
-        size = parts[0].shape[dim] // n
-        parts = [b.narrow(dim, coord * size, size) for b in parts]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        out = narrow_piece(out, dim, n, coord, blocks)
+    return out
+
+
+def full_shape(shape, cuts) -> list:
+    """``shape`` with each cut dim's global size where ``cuts`` knows it (uneven pieces)."""
+    out = list(shape)
+    for i in range(0, len(cuts), CUT):
+        if cuts[i + 4]:
+            out[cuts[i]] = cuts[i + 4]
+    return out
+
+
+def local_shape_of(shape, cuts) -> list:
+    """This rank's piece's shape of a full ``shape`` (placement.local_shape from the cuts)."""
+    out = list(shape)
+    for i in range(0, len(cuts), CUT):
+        dim, n, coord, blocks = cuts[i : i + 4]
+        out[dim] = blocks * piece_size(out[dim] // blocks, n, coord)
     return out
 
 
@@ -223,10 +243,7 @@ def empty_in_order(shape, order, dtype) -> torch.Tensor:
 
 
 def _fake(state, shape, p, dtype, device, cuts, mode, order=()):
-    out_shape = list(shape)
-    if mode == _SERIAL:
-        for i in range(0, len(cuts), 4):
-            out_shape[cuts[i]] = out_shape[cuts[i]] // cuts[i + 1]
+    out_shape = local_shape_of(shape, cuts) if mode == _SERIAL else list(shape)
     return torch.empty(out_shape, dtype=dtype, device=device)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from autopar.errors import AnnotationError, close_matches
-from autopar.placement import Annotation, Placement, Replicate, Shard, check_divisible, fmt_spec
+from autopar.placement import Annotation, Placement, Replicate, Shard, check_layout, fmt_spec
 
 R = Replicate()
 
@@ -222,7 +222,7 @@ def resolve(
     for fqn, axes in per_axis.items():
         placements = tuple(axes.get(a, (R, ""))[0] for a in range(mesh.ndim))
         if fqn in params:
-            check_divisible(tuple(params[fqn].shape), placements, mesh, f"parameter {fqn!r}")
+            check_layout(tuple(params[fqn].shape), placements, mesh, f"parameter {fqn!r}")
             seeds.params[fqn] = placements
         else:
             seeds.inputs[fqn] = placements

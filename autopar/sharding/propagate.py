@@ -27,7 +27,7 @@ import torch.fx as fx
 from autopar.sharding.blocked_shards import with_blocks
 from autopar.sharding.data_dependent import data_dependent_error, is_data_dependent_error
 from autopar.errors import NoRuleError, ShardingError
-from autopar.placement import Placement, Replicate, Shard, check_divisible, fmt_spec
+from autopar.placement import Partial, Placement, Replicate, Shard, check_layout, fmt_spec
 from autopar.sharding.redistribute import plan_steps, steps_cost
 from autopar.sharding.rules import OpInfo, Strategy, TensorMeta, get_rule
 from autopar.trace.module_paths import module_path, module_paths
@@ -132,6 +132,7 @@ class Context:
     output_constraints: dict  # node -> {axis: Placement}
     warned: set = field(default_factory=set)
     choices: dict | None = field(default_factory=dict)  # choice cache (see _choice_key); None: off
+    ragged: frozenset = frozenset()  # axes on which dynamic split dims may be cut unevenly (is_ragged)
 
 
 def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> Context:
@@ -143,6 +144,8 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
     graph = traced.gm.graph
     _forget_previous_plan(graph)
     ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
+    phs = [n for n in graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs]
+    ctx.ragged = is_ragged([(n.meta.get("val"), seeds.inputs.get(n.name)) for n in phs], mesh)
     if not cache:
         ctx.choices = None
     for node in graph.nodes:
@@ -167,6 +170,28 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
             _enforce_output_constraint(node, ctx)
     check_layouts(graph, mesh)
     return ctx
+
+
+def is_ragged(inputs, mesh) -> frozenset:
+    """The mesh axes on which a plan's dynamic split dims may be cut unevenly at run time: those
+    where some user input (``(example value, placements)`` pairs) has a dim sized at run time (the
+    batch) that its example cuts unevenly (a batch of 6 on dp=4: 2, 2, 1, 1).
+
+    Why from the example: a plan traced with a batch that divides keeps the faster even forms
+    (a mean over the batch as Partial("avg") with no weighting), and its input guard refuses a
+    batch that does not divide, saying to plan with one that does not; a plan traced with an
+    uneven batch takes any batch size.
+    """
+    axes = set()
+    for val, placements in inputs:
+        if not is_tensor(val) or not placements:
+            continue
+        meta = TensorMeta.of(val)
+        for axis, p in enumerate(placements):
+            if isinstance(p, Shard) and p.dim < meta.ndim and meta.dynamic[p.dim]:
+                if meta.shape[p.dim] % mesh.shape[axis]:
+                    axes.add(axis)
+    return frozenset(axes)
 
 
 def _forget_previous_plan(graph: fx.Graph) -> None:
@@ -251,7 +276,7 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
         return Layout([], reason="non-tensor input")
     meta = TensorMeta.of(val)
     what = f"input {node.name!r}" if node.name in traced.user_inputs else f"{node.name!r}"
-    check_divisible(meta.shape, placements, mesh, what)
+    check_layout(meta.shape, placements, mesh, what)
     return Layout([tuple(placements)], reason=reason)
 
 
@@ -358,7 +383,7 @@ def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
         scored = []
         keeps = [s for s in strategies if s.inputs[:1] == (cur[0][axis],)] if in_place else []
         for idx, s in enumerate(strategies):
-            if not _valid(s, axis, info, chosen, mesh):
+            if not _valid(s, axis, info, chosen, mesh, axis in ctx.ragged):
                 continue
             if keeps and s.inputs[:1] != (cur[0][axis],):
                 continue  # an in-place op writes into its first input: redistributing it would write a copy
@@ -386,8 +411,10 @@ def _mutates_first(node) -> bool:
     return alias is not None and alias.is_write
 
 
-def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -> bool:
+def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh, ragged: bool = False) -> bool:
+    """May ``s`` run on ``axis``? ``ragged``: dynamic dims split on it may be cut unevenly (is_ragged)."""
     n = mesh.shape[axis]
+    split_sizes, uneven = set(), False
     for metas, places, prior in (
         (info.tensors, s.inputs, [c.inputs for c in chosen]),
         (info.outputs, s.outputs, [c.outputs for c in chosen]),
@@ -395,13 +422,40 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh) -
         for k, (meta, p) in enumerate(zip(metas, places)):
             if not isinstance(p, Shard):
                 continue
-            # dynamic dims too: the plan must hold at the example's sizes (a batch of 2 on 3 ranks
-            # would leave a rank with nothing, and views of it wrong)
-            if p.dim >= meta.ndim or meta.shape[p.dim] % (n * p.blocks):
+            if p.dim >= meta.ndim:
+                return False
+            size = meta.shape[p.dim]
+            # a dynamic dim (the batch) must divide at the example's sizes: its pieces are sized
+            # at run time by the input guard; a blocked shard must divide in every block
+            dynamic = p.dim < len(meta.dynamic) and meta.dynamic[p.dim]
+            if ((dynamic and not ragged) or p.blocks > 1) and size % (n * p.blocks):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis
-    return True
+            if dynamic and ragged:  # pieces of any size, whose rows stay in order: no size to match
+                uneven = True
+                continue
+            split_sizes.add(size)
+            uneven = uneven or size % n != 0
+    return not uneven or _uneven_ok(s, split_sizes)
+
+
+def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
+    """May ``s`` run on pieces of different sizes (a split dim that does not divide)?
+
+    Why this test: a strategy made for even splits pairs row i of a split input dim with row i
+    of the split output dim. With uneven pieces that pairing holds only when every split dim
+    has the same size (the same ``tensor_split`` cuts them all): a view that merges a split dim
+    with others, ``(6, 11) -> (66,)``, does not (6 on 4 ranks is 2,2,1,1 rows; 66 is 17,17,16,16).
+    A mean over a split dim (Partial("avg")) is weighted by each rank's share of the rows at
+    emission (Emitter._weigh_averages; one tensor output only), and a lowering must say that it
+    sizes its pieces (``Lowering.uneven``).
+    """
+    if len(split_sizes) > 1:
+        return False
+    if len(s.outputs) > 1 and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in s.outputs):
+        return False
+    return s.lowering is None or getattr(s.lowering, "uneven", False)
 
 
 def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) -> tuple:
@@ -416,6 +470,8 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
             fwd, bwd = steps_cost(steps, (src,), _OneAxis(mesh.shape[axis]), nbytes)
             weight = PARAM_COMM_WEIGHT if inp in ctx.param_nodes else 1.0
             total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
+            if axis in ctx.ragged and _moves_dynamic(steps, meta):
+                total += RAGGED_MOVE  # a batch cut unevenly cannot move (sharding/ragged.py): any other way
             comm_steps += sum(st.communicates for st in steps)
             local_steps += sum(not st.communicates for st in steps)
         needs_f = (
@@ -436,6 +492,15 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
         comm_steps += sum(st.communicates for st in steps)
         local_steps += len(steps)
     return (round(total, 3), comm_steps, local_steps)
+
+
+RAGGED_MOVE = 1e18  # the cost of moving a dim a ragged axis cuts: refused at planning if chosen
+
+
+def _moves_dynamic(steps, meta: TensorMeta) -> bool:
+    """Whether ``steps`` move a dim of ``meta`` sized at run time (gather, slice, regroup)."""
+    dims = [d for st in steps for d in (st.dim, st.dim2) if d is not None and st.kind != "partial_cast"]
+    return any(d < len(meta.dynamic) and meta.dynamic[d] for d in dims)
 
 
 class _OneAxis:
@@ -497,7 +562,7 @@ def _no_rule(node, ins, info, cur, ctx) -> Layout:
 
 
 def check_layouts(graph: fx.Graph, mesh) -> None:
-    """Sanity: every tensor node got a layout whose split dims divide (raises ShardingError)."""
+    """Sanity: every tensor node got a layout that can be cut (raises ShardingError)."""
     for node in graph.nodes:
         lay = node.meta.get("autopar")
         if lay is None:
@@ -506,6 +571,6 @@ def check_layouts(graph: fx.Graph, mesh) -> None:
             meta = TensorMeta.of(val)
             static = tuple(s if not d else 0 for s, d in zip(meta.shape, meta.dynamic))
             try:
-                check_divisible(static, spec, mesh, f"node {node.name!r}")
+                check_layout(static, spec, mesh, f"node {node.name!r}")
             except ShardingError as e:
                 raise ShardingError(f"{e} (module {module_path(node) or '<top>'!r})") from None

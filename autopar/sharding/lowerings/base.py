@@ -24,6 +24,10 @@ LOWERINGS: dict[str, "Lowering"] = {}
 class Lowering:
     name: str = ""
     priority: int = 0
+    # Whether emit() handles pieces of different sizes (a dim that does not divide by its
+    # axis: placement.piece_sizes). Propagation offers a strategy with such a lowering on an
+    # uneven split only when it does; the others need the split to divide.
+    uneven: bool = False
 
     def emit(self, em, node, args: tuple, kwargs: dict, axis: int):
         """Add the rank's nodes for ``node`` to ``em.graph`` (args are already local)."""

@@ -55,6 +55,7 @@ def row_count(em, count, axis: int):
 
 class CrossEntropySplitRows(Lowering):
     name = "cross_entropy_split_rows"
+    uneven = True  # local sum / global count: right for rows cut in pieces of any size
 
     def emit(self, em, node, args, kwargs, axis: int):
         logits, target = args[0], args[1]

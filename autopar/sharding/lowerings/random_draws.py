@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.sharding.lowerings.train_modes import follows_mode, lower_dropout, training
+from autopar.sharding.lowerings.train_modes import cuts_of, follows_mode, lower_dropout, training
 from autopar.errors import ShardingError
-from autopar.placement import Shard
 from autopar.runtime import rng
 from autopar.runtime.random_draws import feature_noise, sdpa_with_dropout
 
@@ -100,15 +99,6 @@ DRAWS = {
 FRESH = ("multinomial", "poisson", "randperm")  # outputs not laid out like an input (order: contiguous)
 
 
-def cuts_of(em, spec, dims=None) -> list:
-    """(dim, pieces, this rank's coordinate, blocks) per axis splitting the tensor (on ``dims``)."""
-    cuts = []
-    for axis, pl in enumerate(spec):
-        if isinstance(pl, Shard) and (dims is None or pl.dim in dims):
-            cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks]
-    return cuts
-
-
 def _serial_order(em, node) -> list[int]:
     """How the serial model lays ``node``'s value out in memory (rng.serial_order): the order a
     draw into ``empty_like`` of it fills; only serial mode needs it (placement mode's draws are
@@ -130,9 +120,8 @@ def _mode(em) -> int:
 def lower_random(em, node, args, kwargs):
     """A random op of the table as a draw by placement (see the module docstring)."""
     d = DRAWS[node.target](args, kwargs)
-    spec = node.meta["autopar"].spec
     g, state = em.graph, em.rank_value(rng.STATE)
-    cuts = cuts_of(em, spec)
+    cuts = cuts_of(em, node)
     like = _detached(g, d.like)
     order = _serial_order(em, node) if d.like is not None and d.kind not in FRESH else []
     params = [float(p) for p in d.params]
@@ -153,12 +142,11 @@ def lower_normal(em, node, args, kwargs):
     scale_std = isinstance(std, torch.fx.Node)
     params = [0.0, 1.0 if scale_std else float(std)]
     g = em.graph
-    spec = node.meta["autopar"].spec
     state = em.rank_value(rng.STATE)
     order = _serial_order(em, node)  # ATen's output layout (contiguous for most)
     draw = g.call_function(
         torch.ops.autopar.random_draw.default,
-        (state, _detached(g, like), [], "normal", params, None, cuts_of(em, spec), _mode(em), False, order),
+        (state, _detached(g, like), [], "normal", params, None, cuts_of(em, node), _mode(em), False, order),
     )
     if scale_std:  # torch gives normal() no gradient (zeros for mean and std): neither do we
         draw = g.call_function(aten.mul.Tensor, (draw, _detached(g, std)))
@@ -174,7 +162,7 @@ def lower_feature_noise(em, node, args, kwargs):
         train = training(em)
     name = node.target.overloadpacket.__name__.rstrip("_")  # in-place forms alike
     feature, alpha = name.startswith("feature"), "alpha" in name
-    cuts = cuts_of(em, node.meta["autopar"].spec, dims=(0, 1) if feature else None)
+    cuts = cuts_of(em, node, dims=(0, 1) if feature else None)
     state, order = em.rank_value(rng.STATE), _serial_order(em, node.args[0])
     return em.graph.call_function(feature_noise, (x, p, train, state, cuts, _mode(em), alpha, feature, order))
 
@@ -187,8 +175,7 @@ def lower_sdpa(em, node, args, kwargs):
     if not p:
         return None
     train = training(em) if em.plan.traced.training else False
-    spec = node.meta["autopar"].spec
-    cuts = cuts_of(em, spec, dims=(0, 1, 2))  # the weights (B, H, L, S) are split like the output (B, H, L, E)
+    cuts = cuts_of(em, node, dims=(0, 1, 2))  # the weights (B, H, L, S) are split like the output (B, H, L, E)
     state = em.rank_value(rng.STATE)
     names = ("attn_mask", "dropout_p", "is_causal")
     rest = [_arg(args, kwargs, 3 + i, n, d) for i, (n, d) in enumerate(zip(names, (None, 0.0, False)))]

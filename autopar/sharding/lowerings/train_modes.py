@@ -29,6 +29,25 @@ def follows_mode(em, node, flag) -> bool:
     return isinstance(flag, bool) and flag == em.plan.traced.training
 
 
+def cuts_of(em, node, dims=None) -> list:
+    """(dim, pieces, this rank's coordinate, blocks, global size) per axis splitting ``node``'s
+    value (on ``dims``): rng.CUT entries each; the size is 0 where it is known at run time only."""
+    cuts = []
+    val = node.meta.get("val")
+    for axis, pl in enumerate(node.meta["autopar"].spec):
+        if isinstance(pl, Shard) and (dims is None or pl.dim in dims):
+            cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks, static_size(val, pl.dim)]
+    return cuts
+
+
+def static_size(val, dim: int) -> int:
+    """Dim ``dim`` of ``val`` where it is static, else 0 (sized at run time)."""
+    size = val.shape[dim] if isinstance(val, torch.Tensor) and dim < val.dim() else None
+    if isinstance(size, torch.SymInt):
+        return int(size.node.expr) if size.node.expr.is_number else 0
+    return int(size) if size is not None else 0
+
+
 def training(em):
     """The rank module's ``training`` attribute, read once per forward."""
     return em.rank_value("training")
@@ -45,10 +64,7 @@ def lower_dropout(em, node, args, kwargs):
     spec = node.meta["autopar"].spec
     ndim = node.meta["val"].dim()
     factors = [shard_factor(spec, em.mesh, d) for d in range(ndim)]
-    cuts = []
-    for axis, pl in enumerate(spec):
-        if isinstance(pl, Shard):
-            cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks]
+    cuts = cuts_of(em, node)
     mode = rng._SERIAL if em.plan.options.rng == "serial" else rng._PLACEMENT
     state = em.rank_value(rng.STATE)
     order = rng.serial_order(em.plan.traced, em.plan.model, node.args[0]) if mode == rng._SERIAL else []

@@ -1,6 +1,7 @@
 """The vocab-parallel cross-entropy lowering, and the collectives it runs (for Plan.collectives).
 
-Per rank, with logits (N, V/n) holding classes [start, start + V/n):
+Per rank, with logits (N, L) holding classes [start, start + L) (L: the rank's piece of V,
+placement.piece_sizes; any V, uneven pieces included):
     m   = max over ranks of the row maxima   (all_gather of N values, no gradient)
     se  = all_reduce(sum exp(logits - m))    (N values)
     t   = all_reduce(logits[target] - m, where the target is in this rank's range, else 0)
@@ -14,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import operator
 
 import torch
 
@@ -22,6 +22,7 @@ from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.sharding.lowerings.cross_entropy_rows import COUNT_BYTES, per_rank_mean, row_count
 from autopar.sharding.lowerings.cross_entropy_rows import node_arg as _arg
 from autopar.placement import Shard
+from autopar.runtime.uneven import pad_piece
 from autopar.runtime.ring import ring_bytes
 
 aten = torch.ops.aten
@@ -40,8 +41,10 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     ignore_index = _arg(node, 4, "ignore_index", -100)
     reduction = _arg(node, 3, "reduction", REDUCTION_MEAN)
     call = em.graph.call_function
-    n_local = em.local_size(em.global_shape(node.args[0])[1], em.mesh.shape[axis])
-    start = call(operator.mul, (em.coord(axis), n_local))
+    vocab = em.global_shape(node.args[0])[1]
+    start, n_local = em.piece_bounds(vocab, axis)
+    if isinstance(vocab, int) and vocab < em.mesh.shape[axis]:  # a rank may hold no class: one -inf column
+        logits = call(pad_piece, (logits, 1, 1, float("-inf")))
     local_max = call(aten.amax.default, (call(aten.detach.default, (logits,)), [1], True))
     maxes = em.collective(ops.all_gather.default, (local_max, 1), axis)
     shifted = call(aten.sub.Tensor, (logits, call(aten.amax.default, (maxes, [1], True))))
@@ -74,6 +77,7 @@ class CrossEntropyVocabParallel(Lowering):
     """Cross-entropy on logits split by class: never gathers a row (3 collectives of N values)."""
 
     name = "cross_entropy_vocab_parallel"
+    uneven = True  # any vocabulary: each rank's classes are placement.piece_start/piece_size
     priority = 1  # also counts rows split on other axes: it takes over cross_entropy_split_rows
 
     def emit(self, em, node, args, kwargs, axis: int):

@@ -1,6 +1,9 @@
 """Vocabulary-parallel embedding: each rank holds a range of rows; ids outside it read zeros
 and the partial results are summed by the consumer's all-reduce.
 
+Any vocabulary: rank k holds rows ``piece_start .. piece_start + piece_size`` (torch.tensor_split's
+pieces: 50257 rows on 4 ranks are 12565, 12564, 12564, 12564).
+
 Example (vocabulary split over 2 ranks, rank 1 holds rows 32..63):
     ids 40 -> local row 8; ids 5 -> masked: the rank returns zeros there, rank 0 the row.
 """
@@ -11,6 +14,7 @@ import operator
 
 import torch
 
+from autopar.runtime.uneven import pad_piece
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 
 aten = torch.ops.aten
@@ -18,13 +22,16 @@ aten = torch.ops.aten
 
 class VocabParallelEmbedding(Lowering):
     name = "vocab_parallel_embedding"
+    uneven = True  # any vocabulary: each rank's range is placement.piece_start/piece_size
 
     def emit(self, em, node, args, kwargs, axis: int):
         weight, ids = args[0], args[1]
         n = em.mesh.shape[axis]
-        rows = em.local_size(em.global_shape(node.args[0])[0], n)
+        vocab = em.global_shape(node.args[0])[0]
+        start, rows = em.piece_bounds(vocab, axis)
         g = em.graph
-        start = g.call_function(operator.mul, (em.coord(axis), rows))
+        if isinstance(vocab, int) and vocab < n:  # a rank may hold no row: look up in one zero row
+            weight = g.call_function(pad_piece, (weight, 0, 1))
         below = g.call_function(aten.lt.Scalar, (ids, start))
         above = g.call_function(aten.ge.Scalar, (ids, g.call_function(operator.add, (start, rows))))
         outside = g.call_function(aten.bitwise_or.Tensor, (below, above))

@@ -26,6 +26,7 @@ class TriangularLocal(Lowering):
     """tril/triu with the diagonal shifted by this rank's first row (or minus its first column)."""
 
     name = "triangular_local"
+    uneven = True  # the diagonal shifts by the rank's first row, uneven pieces included
 
     def emit(self, em, node, args, kwargs, axis: int):
         x_node = node.args[0]
@@ -36,8 +37,7 @@ class TriangularLocal(Lowering):
             if s is None or s.lowering is not self:
                 continue
             dim = lay.input_targets[0][a].dim
-            piece = em.local_size(em.global_shape(x_node)[dim], em.mesh.shape[a])
-            start = em.graph.call_function(operator.mul, (em.coord(a), piece))
+            start, _ = em.piece_bounds(em.global_shape(x_node)[dim], a)
             shift = operator.add if dim == ndim - 2 else operator.sub
             diagonal = em.graph.call_function(shift, (diagonal, start))
         return em.graph.call_function(node.target, (args[0], diagonal), kwargs)

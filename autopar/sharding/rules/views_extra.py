@@ -18,7 +18,6 @@ from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register
 from autopar.sharding.rules.views import _moved, view_rule
-from autopar.placement import shard_factor
 
 R = Replicate()
 
@@ -45,13 +44,12 @@ class UnflattenLocal(Lowering):
     """unflatten with its sizes made local: the output dims that carry a split shrink."""
 
     name = "unflatten_local"
+    uneven = True  # sizes made local by Emitter.piece_of, uneven pieces included
 
     def emit(self, em, node, args, kwargs, axis: int):
         dim = node.args[1] % node.args[0].meta["val"].dim()
         spec = node.meta["autopar"].spec
-        sizes = [
-            s if s == -1 else em._local_size(s, shard_factor(spec, em.mesh, dim + i)) for i, s in enumerate(args[2])
-        ]
+        sizes = [em.piece_of(s, spec, dim + i) for i, s in enumerate(args[2])]
         return em.graph.call_function(node.target, (args[0], args[1], sizes), kwargs)
 
 
