@@ -19,6 +19,7 @@ from autopar.placement import Replicate, Shard, merge_tensors, piece_sizes, shar
 from autopar.runtime.uneven import from_padded, pad_piece, to_padded, trim_piece
 from tests.harness.models import GPT_SEQUENCE_PARALLEL, GPT_VOCAB, MEGATRON, MLP, MLP_TP
 from tests.harness.uneven import UNEVEN_MESHES, uneven_batch, uneven_gpt
+from tests.simulated.test_rules import OpModule
 
 R, S = Replicate(), Shard
 MESH_IDS = ["x".join(map(str, s)) for s, _ in UNEVEN_MESHES]
@@ -43,17 +44,6 @@ def test_padded_layout_round_trips(size, n):
         mine = padded[:, k * c : (k + 1) * c]
         assert torch.equal(pad_piece(piece, 1, c), mine) and torch.equal(trim_piece(mine, 1, size, n, k), piece)
     assert torch.equal(from_padded(padded, 1, size, n), x)
-
-
-class OpModule(nn.Module):
-    def __init__(self, fn, shape, extra=()):
-        super().__init__()
-        self.fn = fn
-        self.w = nn.Parameter(torch.randn(shape[-1]) + 2.0)
-        self.extra = nn.ParameterList(nn.Parameter(torch.randn(s)) for s in extra)
-
-    def forward(self, x):
-        return self.fn(x * self.w, *self.extra)
 
 
 # x placed on its uneven dim; the op makes the plan move it: all_to_all, all_gather, slice
@@ -335,11 +325,9 @@ def test_rule_harness_on_uneven_and_empty_pieces(name, ranks):
     """tests/simulated/test_rules.py's cases (shapes of 4 and 8 rows) split on 3 ranks (2,1,1 and
     3,3,2 rows) as on 2, and on 8 ranks where the dim is smaller (4 rows: 1,1,1,1,0,0,0,0), every
     dim static: serial forward and every gradient."""
-    from tests.simulated.test_rules import OpModule as RuleModule
-
     fn, shape, placements, *extra = RULE_CASES[name]
     torch.manual_seed(0)
-    model, x = RuleModule(fn, shape, extra[0] if extra else ()), torch.randn(shape)
+    model, x = OpModule(fn, shape, extra[0] if extra else ()), torch.randn(shape)
     ann = {"x": ap.place(*placements[0])}
     plan = ap.plan(model, ap.Mesh((ranks,), ("a",)), args=(x,), annotations=ann, strict=True, dynamic=False)
     plan.check(x)
