@@ -37,18 +37,15 @@ class Comm:
     formula: sympy.Expr | None = field(default=None, compare=False)  # bytes in B, S, ..., dp, tp
     src: str = ""  # the value moved (a node name), "" for gradient buckets
     reason: str = field(default="", compare=False)  # why it runs, when its maker says (explain)
-    # started ahead of its use on the communication stream (zero=3's prefetched gathers): it can
-    # hide behind any compute of the step, not only backward's
-    prefetched: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         where = f"{self.node} ({self.module})" if self.module else self.node
         return f"{self.kind} on {self.axis}, {self.phase}, {self.bytes:.0f} B, at {where}"
 
 
-def make_comm(sy: PlanSymbols, kind, axis, phase, formula, node, module, src="", reason="", prefetched=False) -> Comm:
+def make_comm(sy: PlanSymbols, kind, axis, phase, formula, node, module, src="", reason="") -> Comm:
     formula = simplify(formula)
-    return Comm(kind, axis, phase, sy.value(formula), node, module, formula, src, reason, prefetched)
+    return Comm(kind, axis, phase, sy.value(formula), node, module, formula, src, reason)
 
 
 def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) -> None:

@@ -241,11 +241,9 @@ def collectives(plan, sy) -> list:
             "scatter": f"zero=3: {unit}'s gradient summed over {axis} and scattered into each rank's stored piece",
             "replicas": f"HSDP: the reduced pieces summed across the {r} replica groups of {axis}",
         }
-        ahead = dp.prefetch > 0  # the runtime starts these gathers a block early (fsdp_runtime.py)
-        out.append(make_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"], prefetched=ahead))
+        out.append(make_comm(sy, "all_gather", axis, "forward", gather, *where, reason=why["gather"]))
         if dp.reshard_after_forward and read_in_backward(plan, b):
-            again = make_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"], prefetched=ahead)
-            out.append(again)
+            out.append(make_comm(sy, "all_gather", axis, "backward", gather, *where, reason=why["again"]))
         rs = sympy.Float(ring_bytes("reduce_scatter", grad * k, k))
         out.append(make_comm(sy, "reduce_scatter", axis, "grad sync", rs, *where, reason=why["scatter"]))
         if r > 1:
