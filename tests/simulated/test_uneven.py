@@ -235,7 +235,7 @@ def test_explain_and_cost_count_uneven_pieces():
 @pytest.mark.parametrize("mesh", [((4,), ("dp",)), ((2, 3), ("dp", "tp"))], ids=["dp4", "dp2xtp3"])
 def test_zero_levels_train_like_serial_on_uneven_pieces(zero, mesh):
     """AdamW steps with ZeRO 0-3 on an uneven batch (5 rows: 2,1,1,1 on dp=4, 3,2 on dp=2) and a
-    hidden size of 64 on tp=3 (22, 21, 21; zero=3 leaves those pieces whole): parameters after 3
+    hidden size of 64 on tp=3 (22, 21, 21; zero=3 buckets them at each tp rank's own sizes): parameters after 3
     steps equal serial."""
     from autopar.runtime.simulator import run_ranks
     from tests.harness.data_parallel import loss_of, make_optimizer
@@ -246,6 +246,12 @@ def test_zero_levels_train_like_serial_on_uneven_pieces(zero, mesh):
     ann = MLP_TP if "tp" in mesh[1] else {}
     dp = ap.DataParallel("dp", zero=zero, bucket_max_params=3)
     plan = ap.plan(model, ap.Mesh(*mesh), args=(data[0],), annotations=ann, data_parallel=dp)
+    if zero == 3:  # every weight sharded over dp, the uneven tp pieces too (at their own sizes)
+        from autopar.parallel.fsdp_layout import bucket_index, rank_buckets
+
+        assert {n for n, _ in model.named_parameters()} == set(bucket_index(plan))
+        sizes = {b.numel for r in plan.mesh.ranks() for b in rank_buckets(plan, r)}
+        assert len(sizes) > (1 if "tp" in mesh[1] else 0)
 
     def train(rank):
         module = plan.build_module(rank)
