@@ -318,6 +318,35 @@ def test_pipeline_stages_with_uneven_tp_pieces(mesh, schedule):
     assert not covered([r.params for r in runners], model)
 
 
+@pytest.mark.parametrize(
+    "mesh,batch", [(((2,), ("pp",)), 6), (((2, 2), ("pp", "dp")), 12)], ids=["pp2-batch6", "pp2xdp2-batch12"]
+)
+def test_micro_batches_that_do_not_divide_the_batch(mesh, batch):
+    """6 rows per rank in 4 micro-batches (2, 2, 1, 1): each micro-batch's loss weighted by its
+    share of the rows, so the step's loss and every gradient are the serial ones over the whole
+    batch (not the mean of the micro-batches' means)."""
+    from autopar.runtime.simulator import run_ranks
+    from tests.harness.serial import grad_errors, serial_step
+
+    model, data = uneven_gpt(67, layers=2), uneven_batch(67, batch=batch, seq=5)
+    serial_loss, serial_grads = serial_step(model, data)
+    dp = "dp" if "dp" in mesh[1] else None
+    plan = ap.plan(model, ap.Mesh(*mesh), args=data, pipeline=ap.Pipeline("pp", microbatches=4), data_parallel=dp)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    losses = run_ranks(plan.mesh.size, lambda r: runners[r].step(data, None), timeout=60)
+    assert runners[0]._weights == [2 / 6, 2 / 6, 1 / 6, 1 / 6]
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    assert not [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+
+
+def test_fewer_rows_than_micro_batches_is_refused():
+    model, data = uneven_gpt(67, layers=2), uneven_batch(67, batch=3, seq=5)
+    plan = ap.plan(model, ap.Mesh((2,), ("pp",)), args=data, pipeline=ap.Pipeline("pp", microbatches=4))
+    with pytest.raises(ap.InputError, match="at least 4 rows"):
+        plan.pipeline_runner(0).step(data, None)
+
+
 # ------------------------------------------- every rule of the rule harness on uneven pieces
 RULE_CASES = __import__("tests.simulated.test_rules", fromlist=["CASES"]).CASES
 # the cases whose placed dim is smaller than 8: on 8 ranks some hold an empty piece
