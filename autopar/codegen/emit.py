@@ -33,7 +33,16 @@ from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
 from autopar.errors import ShardingError
-from autopar.runtime.uneven import from_padded, pad_piece, piece_share, ragged_share, to_padded, trim_piece, weigh
+from autopar.runtime.uneven import (
+    from_padded,
+    pad_piece,
+    piece_share,
+    ragged_all_gather,
+    ragged_share,
+    to_padded,
+    trim_piece,
+    weigh,
+)
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from autopar.sharding.rules import TensorMeta, op_traits
@@ -147,6 +156,10 @@ class Emitter:
         n = self.mesh.shape[st.axis]
         dims = [d for d in (st.dim, st.dim2) if d is not None and d < len(shape)]
         if st.axis in self.plan.ragged and any(shape[d] is None for d in dims):
+            if st.kind == "all_gather" and st.blocks == 1:  # sizes exchanged at run time
+                group, rank = self.rank_value(f"autopar_group_{st.axis}"), self.rank_value(RANK_ATTR)
+                args = (gather, x, st.dim, self.mesh.axis_names[st.axis], group, rank)
+                return self.graph.call_function(ragged_all_gather, args)
             raise ShardingError(
                 f"{st.kind} of dim {st.dim} on mesh axis {self.mesh.axis_names[st.axis]!r}: that dim is sized at run "
                 "time and this plan lets it be cut unevenly (its example batch does not divide by the axis), so "

@@ -384,17 +384,35 @@ def test_hf_gpt2_with_its_real_vocabulary_on_tp4():
     plan.check(**kwargs)
 
 
-def test_ragged_batch_that_must_move_is_refused_while_planning():
-    """A batch of 5 placed split on a tensor-parallel axis, with outputs gathered there: no rank
-    knows the others' run-time sizes, so the plan is refused naming the output and the fix."""
+def test_ragged_batch_gathered_with_its_sizes_exchanged():
+    """A batch of 5 placed split on a tensor-parallel axis, outputs gathered there: each rank's
+    run-time size is exchanged first, the pieces padded to the largest, gathered and trimmed
+    (runtime/uneven.ragged_all_gather); any batch runs (5, then 7), equal to serial."""
     torch.manual_seed(0)
     x = torch.randn(5, 16)
-    with pytest.raises(
-        ap.ShardingError, match=r"output .* moved across mesh axis 'tp'.*example batch that divides by 2"
-    ):
-        ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))})
-    ok = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))}, dynamic=False)
-    ok.check(x)  # the same batch as a static size: padded and gathered
+    plan = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))})
+    assert plan.ragged and "ragged_all_gather" in plan.module(0).code
+    plan.check(x)
+    plan.check(torch.randn(7, 16))
+
+
+class AddInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return self.fc(x + y)
+
+
+def test_ragged_batch_that_must_be_sliced_is_refused_while_planning():
+    """x's batch of 5 placed split on tp, y's whole: y would be cut to x's pieces, whose run-time
+    sizes no rank knows, so the plan is refused naming the input and the fix."""
+    x, y = torch.randn(5, 16), torch.randn(5, 16)
+    with pytest.raises(ap.ShardingError, match=r"input 'y' .* moved across mesh axis 'tp' \(slice\).*divides by 2"):
+        ap.plan(AddInputs(), ap.Mesh((2,), ("tp",)), args=(x, y), annotations={"x": ap.place(S(0))})
+    ok = ap.plan(AddInputs(), ap.Mesh((2,), ("tp",)), args=(x, y), annotations={"x": ap.place(S(0))}, dynamic=False)
+    ok.check(x, y)  # the same batch as a static size: padded and sliced
 
 
 def test_compiled_rank_modules_on_an_uneven_batch():
