@@ -39,6 +39,7 @@ from autopar.runtime.uneven import (
     piece_share,
     ragged_all_gather,
     ragged_share,
+    ragged_total,
     to_padded,
     trim_piece,
     weigh,
@@ -97,10 +98,19 @@ class Emitter:
     def global_size(self, x: fx.Node, dim: int) -> fx.Node:
         """The global size of ``x``'s dim ``dim`` at run time, from its local value."""
         local = self.graph.call_function(aten.sym_size.int, (self.env[x], dim))
-        f = shard_factor(layout_of(x).spec, self.mesh, dim % x.meta["val"].dim())
+        spec, d = layout_of(x).spec, dim % x.meta["val"].dim()
+        f = shard_factor(spec, self.mesh, d)
         if f == 1:
             return local
-        glob = self.graph.call_function(operator.mul, (local, f))
+        axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == d]
+        if len(axes) == 1 and axes[0] in self.plan.ragged:
+            # pieces of any size: the global size is their sum (one all-reduce of one number);
+            # local * f would be wrong wherever the whole dim is used (a gathered tensor's view)
+            a = axes[0]
+            group, rank = self.rank_value(f"autopar_group_{a}"), self.rank_value(RANK_ATTR)
+            glob = self.graph.call_function(ragged_total, (self.env[x], d, self.mesh.axis_names[a], group, rank))
+        else:
+            glob = self.graph.call_function(operator.mul, (local, f))
         self.scaled[glob] = (local, f)
         return glob
 

@@ -74,6 +74,14 @@ def ragged_share(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: i
 
 
 @torch.compiler.disable
+def ragged_total(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> int:
+    """The whole size of ``x``'s dim ``dim``, cut in pieces of any size over ``group`` (a batch cut
+    unevenly at run time): the sum of every rank's rows (one all-reduce of one number)."""
+    rows = torch.tensor([float(x.shape[dim])], device=x.device)
+    return int(torch.ops.autopar.all_reduce(rows, axis, list(group), rank, "sum").item())
+
+
+@torch.compiler.disable
 def ragged_all_gather(gather, x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """``gather`` (an all-gather op: S(dim) -> R) of pieces whose sizes only their own ranks know
     (a batch cut unevenly at run time): the sizes exchanged first (one all-gather of one number
