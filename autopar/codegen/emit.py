@@ -285,7 +285,16 @@ class Emitter:
                 keep_meta(node, new)
                 self.env[node] = new
         self._own_gradients()
+        self._drop_unused_totals()
         return self.graph
+
+    def _drop_unused_totals(self) -> None:
+        """A ragged dim's global size is an all-reduce (``ragged_total``), emitted with every
+        ``sym_size`` of it; most are only divided back into the local size (``local_size``) and
+        never read: those are removed, every rank alike, so no collective runs for nothing."""
+        for node in reversed(list(self.graph.nodes)):
+            if node.op == "call_function" and node.target is ragged_total and not node.users:
+                self.graph.erase_node(node)
 
     def _own_gradients(self) -> None:
         """Megatron's f whose output only matmul-like ops read: its gradient is made afresh by
