@@ -435,3 +435,24 @@ def test_compiled_rank_modules_on_an_uneven_batch():
     merged = plan.merge_state_dicts(run_ranks(2, grads, timeout=300))
     for n, p in ref.named_parameters():
         torch.testing.assert_close(merged[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+class BatchNormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x)))).pow(2).mean()
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["ragged", "static"])
+def test_synced_batch_norm_over_an_uneven_batch(dynamic):
+    """A batch of 6 on dp=4 (2, 2, 1, 1 rows) through a synced BatchNorm: the per-channel sums and
+    counts are summed over the pieces, so statistics, output and every gradient equal serial."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    model = ap.sync_batch_norm(BatchNormMLP())
+    plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel="dp", dynamic=dynamic)
+    assert bool(plan.ragged) == dynamic
+    assert plan.check(x)["grads"] == 6
