@@ -76,6 +76,10 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
     nodes = list(traced.gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     linears = g.linears()
+    by_path: dict[str, set] = {}  # module path -> its call_function nodes' names (one pass, not one per pair)
+    for n in nodes:
+        if n.op == "call_function":
+            by_path.setdefault(module_path(n), set()).add(n.name)
     by_key: dict[str, Component] = {}
     for row, cols in g.pairs():
         key = pattern(_common(row, *cols))
@@ -84,7 +88,7 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
             comp.cols[pattern(c)] = g.blocks(c)
         comp.rows.add(pattern(row))
         comp.instances += 1
-        comp.nodes |= _region([linears[c] for c in cols], linears[row], index, {row, *cols})
+        comp.nodes |= _region([linears[c] for c in cols], linears[row], index, {row, *cols}, by_path)
         comp.params |= _params_of(model, [row, *cols])
     comps = list(by_key.values())
     emb = g.word_embedding()
@@ -117,9 +121,10 @@ def _common(*paths: str) -> str:
     return ".".join(out) or "+".join(sorted(paths))
 
 
-def _region(col_nodes, row_node, index, paths) -> set:
+def _region(col_nodes, row_node, index, paths, by_path) -> set:
     """Node names between the column layers' matmuls and the row layer's (inclusive), plus
-    the nodes of the layers themselves (bias adds, views): what the pair's split changes."""
+    the nodes of the layers themselves (bias adds, views; ``by_path``: module path -> node
+    names): what the pair's split changes."""
     lo, hi = min(index[c] for c in col_nodes), index[row_node]
     fwd, todo = set(col_nodes), list(col_nodes)
     while todo:
@@ -134,7 +139,8 @@ def _region(col_nodes, row_node, index, paths) -> set:
                 back.add(a)
                 todo.append(a)
     out = {n.name for n in fwd & back}
-    out |= {n.name for n in index if module_path(n) in paths and n.op == "call_function"}
+    for p in paths:
+        out |= by_path.get(p, set())
     return out
 
 

@@ -144,12 +144,26 @@ class Terms:
 
 
 def plan_terms(
-    plan, comp_of: dict, profile, states: int = 2, node_weight=None, param_weight=None, param_comp: dict | None = None
+    plan,
+    comp_of: dict,
+    profile,
+    states: int = 2,
+    node_weight=None,
+    param_weight=None,
+    param_comp: dict | None = None,
+    shared: dict | None = None,
 ) -> dict[str, Terms]:
     """Terms per component key ("base" for the rest) of ``plan``; ``comp_of`` maps node names to
     component keys, ``param_comp`` parameter names; weights count a node / parameter that stands
-    for several (the blocks of a repeated stack)."""
-    sy, mesh = Numbers(plan.mesh), plan.mesh
+    for several (the blocks of a repeated stack).
+
+    ``shared``: a dict kept across plans with the same graph, layouts and data parallel that
+    differ only in activation checkpointing (the search's variants of one probe): the activation
+    collectives and the parameters' terms are the same for them (checkpointing keeps every
+    collective's output: its recompute sends nothing), so they are computed for the first and
+    reused (a third of a 512-rank search's time went to computing them again)."""
+    sy = Numbers(plan.mesh)
+    shared = {} if shared is None else shared
     nw = node_weight or {}
     out: dict[str, Terms] = {}
     saves = saved_activations(plan)
@@ -179,18 +193,35 @@ def plan_terms(
     per_block = float(extra.pop("activations")) - float(sum(kept.values()))
     terms("base").acts += blocks * per_block + float(sum(extra.values()))
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
+    if "comms" not in shared:
+        shared["comms"] = _comm_terms(plan, sy, comp_of, nw, profile)
+    for key, seconds, axis, nbytes in shared["comms"]:
+        t = terms(key)
+        t.comm += seconds
+        t.comm_bytes[axis] = t.comm_bytes.get(axis, 0.0) + nbytes
+    if "params" not in shared:
+        params: dict[str, Terms] = {}
+        _param_terms(
+            plan, sy, lambda k: params.setdefault(k, Terms()), profile, states, param_weight or {}, param_comp or {}
+        )
+        shared["params"] = params
+    for key, t in shared["params"].items():
+        terms(key).add(t)
+    return out
+
+
+def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
+    """(component key, seconds, axis name, bytes) of each activation collective of ``plan``."""
+    mesh, out = plan.mesh, []
     in_graph = {n.name for n in plan.graph.nodes}
     for c in collectives(plan, sy):
         if c.phase not in ("forward", "backward") or c.node not in in_graph:
-            continue  # the gradient sync (zero=3's gathers too) is counted per parameter below
+            continue  # the gradient sync (zero=3's gathers too) is counted per parameter (_param_terms)
         key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
         w = nw.get(c.node, nw.get(c.src, 1.0))
         a = mesh.axis_index(c.axis)
         alpha, beta = profile.link(mesh, a)
-        t = terms(key)
-        t.comm += w * (alpha * ring_steps(c.kind, mesh.shape[a]) + c.bytes / beta)
-        t.comm_bytes[c.axis] = t.comm_bytes.get(c.axis, 0.0) + w * c.bytes
-    _param_terms(plan, sy, terms, profile, states, param_weight or {}, param_comp or {})
+        out.append((key, w * (alpha * ring_steps(c.kind, mesh.shape[a]) + c.bytes / beta), c.axis, w * c.bytes))
     return out
 
 
