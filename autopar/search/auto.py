@@ -77,6 +77,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     probes: dict = {}
     short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)
     graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
+    blocks = getattr(getattr(traced, "repeated", None), "count", 0)  # a repeated stack's blocks
 
     def probe(s, tp_axis, sp):
         key = (s.dp, s.rep, tp_axis, sp)
@@ -111,8 +112,8 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         rep_by = probe(s, None, False) if not s.sp else None
         if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
-        pipe = _pipeline(s, mesh, batch, pipeline)
-        if s.pp is not None and pipe is None:
+        pipes = _pipelines(s, mesh, batch, pipeline, blocks)
+        if s.pp is not None and not pipes:
             continue  # fewer rows per data-parallel rank than one micro-batch per stage
         for mode in modes:
             split, rep = (split_by or {}).get(mode), (rep_by or {}).get(mode)
@@ -120,7 +121,8 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 continue  # no block to checkpoint
             base = (split or rep).get("base", Terms())
             for z in _storages(s, mesh, dp, auto):
-                options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile))
+                for pipe in pipes or [None]:
+                    options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -135,10 +137,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
-    s, storage, mode = best.option
+    s, storage, mode, pipe = best.option
     if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
-        record["chosen"] = _label(mesh, (s, storage, mode)) + " (the tp axis split nothing)"
+        record["chosen"] = _label(mesh, (s, storage, mode, pipe)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
@@ -150,7 +152,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
     chosen = {
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
-        "pipeline": _pipeline(s, mesh, batch, pipeline),
+        "pipeline": pipe,
         "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
     }
     record["search_s"] = time.perf_counter() - t0
@@ -195,7 +197,7 @@ def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profi
         plan = plan_probe(traced, options, ann)
     except PlanError:
         return None
-    out = {}
+    out, shared = {}, {}  # shared: what the checkpointing variants have in common (plan_terms)
     saves = saved_activations(plan)
     for mode in modes:
         variant = plan
@@ -205,7 +207,9 @@ def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profi
             except PlanError:
                 continue
             share_saved_activations(variant, saves)  # same graph and layouts: the same saved tensors
-        out[mode] = plan_terms(variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+        out[mode] = plan_terms(
+            variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp, shared=shared
+        )
     return out
 
 
@@ -221,18 +225,31 @@ def batch_size(traced) -> int | None:
     return None
 
 
-def _pipeline(s, mesh, batch, user):
-    """The pipeline of structure ``s``: the user's, or 1F1B over its pp axis with one micro-batch
-    per row of a data-parallel rank's batch (the fewest idle slots, the least in flight); None
-    when ``s`` has no pp axis or the rows are too few for one micro-batch per stage."""
+INTERLEAVE = (2, 4)  # model chunks per pipeline rank the search tries besides 1F1B's one
+
+
+def _pipelines(s, mesh, batch, user, blocks: int = 0) -> list:
+    """The pipelines of structure ``s``: the user's, or over its pp axis with one micro-batch per
+    row of a data-parallel rank's batch (the fewest idle slots, the least in flight): 1F1B, and
+    the interleaved 1F1B with v model chunks per rank (a bubble of (pp - 1) / v micro-batch
+    slots instead of pp - 1, v times the point-to-point sends, more in flight) where the
+    micro-batches come in groups of pp (the schedule needs it) and the stack has at least one
+    block per stage (pp x v of them). [] when ``s`` has no pp axis or the rows are too few for
+    one micro-batch per stage."""
     if s.pp is None:
-        return None
+        return []
     if user is not None:
-        return user
+        return [user]
     dp_size = (mesh.shape[s.dp] if s.dp is not None else 1) * (mesh.shape[s.rep] if s.rep is not None else 1)
-    if batch is None or batch % dp_size or batch // dp_size < mesh.shape[s.pp]:
-        return None
-    return Pipeline(mesh.axis_names[s.pp], microbatches=batch // dp_size, schedule="1f1b")
+    pp = mesh.shape[s.pp]
+    if batch is None or batch % dp_size or batch // dp_size < pp:
+        return []
+    m, axis = batch // dp_size, mesh.axis_names[s.pp]
+    out = [Pipeline(axis, microbatches=m, schedule="1f1b")]
+    for v in INTERLEAVE:
+        if m % pp == 0 and pp * v <= blocks:
+            out.append(Pipeline(axis, microbatches=m, schedule="interleaved", chunks=v))
+    return out
 
 
 def _coefs(t: Terms, mesh, profile, dp, pipe=None, base=False) -> tuple:
@@ -270,7 +287,7 @@ def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profi
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
-    return Option((s, storage, mode), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
+    return Option((s, storage, mode, pipe), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -314,12 +331,14 @@ def job_device(traced):
 
 
 def _label(mesh, option) -> str:
-    s, (zero, shard), mode = option
+    s, (zero, shard), mode, pipe = option
     label = s.roles(mesh)
     if s.dp is not None:
         label += f", ZeRO-{zero}"
         if shard is not None and s.rep is not None:
             label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+    if pipe is not None and pipe.chunks > 1:
+        label += f", interleaved 1F1B x{pipe.chunks}"
     return label + (f", {mode} checkpointing" if mode else "")
 
 

@@ -290,3 +290,27 @@ def test_checkpointing_when_the_budget_asks():
     assert pred["time_s"] == pytest.approx(chosen["time_s"], rel=1e-6)
     assert pred["memory"] == pytest.approx(chosen["memory"], rel=1e-6) and pred["memory"] <= budget
     plan.check(*args)
+
+
+def test_interleaved_pipeline_when_the_bubble_costs():
+    """Compute-bound (slow FLOP/s, free links) on (2,) with a budget only pipeline stages meet:
+    among the stages, the interleaved 1F1B (v model chunks per rank: a bubble of 1/v micro-batch
+    slots) is predicted faster than 1F1B and chosen; the plan runs v x 2 stages, equals serial,
+    and ap.predict of it is the search's prediction."""
+    model, args = gpt(layers=8)
+    mesh = mesh_of((2,))
+    slow = dict(device="cpu-gloo", flops_per_s=1e6, alpha=0.0, beta=1e12, activation_checkpoint=(None,), zero=(0,))
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(**slow))
+    runners = {r["option"]: r for r in free.built["auto"]["runners_up"]}
+    one, inter = runners["a=pp"], runners["a=pp, interleaved 1F1B x4"]
+    assert inter["time_s"] < one["time_s"]
+    others = min(r["memory"] for k, r in runners.items() if not k.startswith("a=pp"))
+    pipes = max(r["memory"] for k, r in runners.items() if k.startswith("a=pp"))
+    assert pipes < others
+    plan = ap.plan(model, mesh, args=args, auto=ap.Auto(memory_budget=(pipes + others) / 2, **slow))
+    rec = plan.built["auto"]
+    assert rec["chosen"] == "a=pp, interleaved 1F1B x4", rec["chosen"]
+    assert plan.options.pipeline.chunks == 4 and len(plan.stage_layout.stages) == 8
+    pred = ap.predict(plan, ap.Auto(**slow))
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    plan.check(*args)
