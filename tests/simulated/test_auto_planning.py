@@ -314,3 +314,27 @@ def test_interleaved_pipeline_when_the_bubble_costs():
     pred = ap.predict(plan, ap.Auto(**slow))
     assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
     plan.check(*args)
+
+
+def test_h100_500w_profile_is_derived_from_the_measured_layer():
+    """The profile of torchtitan's 500 W HBM2e H100s comes from the H100 measurement (its layer's
+    tensor-core share recomputed here from bench/gpu_calibration_h100.json) and datasheet ratios."""
+    import json
+    import os
+
+    from autopar.search import profiles as P
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_calibration_h100.json")) as f:
+        cal = json.load(f)
+    tensor_s = 0.0
+    for mm in cal["matmul"][:4]:  # the 8B layer's qkv, o, gate_up, down
+        flops = 2 * mm["m"] * mm["k"] * mm["n"]
+        tensor_s += flops / (mm["fwd_tflops"] * 1e12) + 2 * flops / (mm["bwd_tflops"] * 1e12)
+    attn = 4 * 2 * 32 * 8192 * 8192 * 128 / 2  # causal QK^T and PV, batch 2, 32 heads, d 128
+    tensor_s += 3.5 * attn / (cal["attention"]["fwd_bwd_tflops"] * 1e12)
+    layer_s = cal["layers"][0]["step_ms_per_layer"] / 1e3
+    assert P.H100_TENSOR_SHARE == pytest.approx(tensor_s / layer_s, abs=0.001)
+    slower = P.H100_TENSOR_SHARE / P.H100_500W_TENSOR + (1 - P.H100_TENSOR_SHARE) / P.H100_HBM2E_BANDWIDTH
+    prof = ap.Auto(device="h100-500w").profile()
+    assert prof.flops_per_s == pytest.approx(P.H100_LAYER_FLOPS / slower)
+    assert 0.8 < prof.flops_per_s / P.H100_LAYER_FLOPS < 0.9 and prof.inter == P.PROFILES["h100"].inter
