@@ -36,6 +36,7 @@ from autopar.search.evaluate import Terms, plan_terms
 from autopar.search.options import Auto
 from autopar.search.short import copied, shortened
 from autopar.search.solver import Option, solve
+from autopar.trace.module_paths import module_path
 
 
 class NoPlanError(PlanError):
@@ -55,6 +56,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     comps, norms = components(model, traced)
     touched = {c.key for c in comps if _touched(c, user, model)}
     free = [c for c in comps if c.key not in touched]
+    if not auto.expert_parallel:
+        free = [c for c in free if c.kind != "experts"]
+    dense = [c for c in free if c.kind != "experts"]  # decided on the tp axis
+    experts = [c for c in free if c.kind == "experts"]  # decided on the dp axis
     comp_of = {n: c.key for c in free for n in c.nodes}
     param_comp = {p: c.key for c in free for p in c.params}
     user_axes = {a.axis for a in user.values() if getattr(a, "axis", None) is not None}
@@ -79,17 +84,20 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
     blocks = getattr(getattr(traced, "repeated", None), "count", 0)  # a repeated stack's blocks
 
-    def probe(s, tp_axis, sp):
-        key = (s.dp, s.rep, tp_axis, sp)
+    def probe(s, tp_axis, sp, ep=False):
+        key = (s.dp, s.rep, tp_axis, sp, ep)
         if key not in probes:
             ann = dict(user)
             if tp_axis is not None:
                 name = mesh.axis_names[tp_axis]
-                for c in free:
+                for c in dense:
                     if c.kind != "vocab" or auto.vocab_parallel or sp:
                         ann.update(c.annotations(name, sp))
                 if sp:
                     ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
+            if ep:
+                for c in experts:
+                    ann.update(c.annotations(mesh.axis_names[s.dp], False))
             probes[key] = _probe(
                 plan_probe,
                 mesh,
@@ -103,12 +111,14 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 auto.optimizer_states,
                 weights,
                 modes,
+                [c.module for c in experts],
             )
         return probes[key]
 
     options = []
     for s in structs:
-        split_by = probe(s, s.tp, s.sp) if s.tp is not None else None
+        ep = _expert_parallel_ok(s, mesh, experts)
+        split_by = probe(s, s.tp, s.sp, ep) if s.tp is not None or ep else None
         rep_by = probe(s, None, False) if not s.sp else None
         if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
@@ -122,7 +132,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             base = (split or rep).get("base", Terms())
             for z in _storages(s, mesh, dp, auto):
                 for pipe in pipes or [None]:
-                    options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile))
+                    options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile, ep))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -138,18 +148,21 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
     s, storage, mode, pipe = best.option
-    if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
+    if s.tp is not None and fixed_tp is None and all(best.choices.get(c.key) != "split" for c in dense):
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
         record["chosen"] = _label(mesh, (s, storage, mode, pipe)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
         name = mesh.axis_names[s.tp]
-        for c in free:
+        for c in dense:
             if best.choices.get(c.key) == "split":
                 ann.update(c.annotations(name, s.sp))
         if s.sp:
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
+    for c in experts:
+        if best.choices.get(c.key) == "ep":
+            ann.update(c.annotations(mesh.axis_names[s.dp], False))
     chosen = {
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
         "pipeline": pipe,
@@ -160,7 +173,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
 
 
 def _touched(comp, user, model) -> bool:
-    pats = [*comp.cols, *comp.rows, *([comp.embedding] if comp.embedding else []), *comp.heads]
+    pats = comp.patterns
     paths = [p for p, _ in model.named_modules() if any(fnmatch.fnmatchcase(p, q) for q in pats)]
     return any(fnmatch.fnmatchcase(p, u) for p in paths for u in user) or any(
         fnmatch.fnmatchcase(n, u) for n in comp.params for u in user
@@ -188,22 +201,34 @@ def _storages(s, mesh, dp, auto) -> list[tuple]:
     return out
 
 
-def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes):
+def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes, moe=()):
     """{checkpointing mode: the probe plan's Terms per component} (None when it cannot be
     planned; a mode missing when the plan has no block to checkpoint). The checkpointed
-    variants are the same layouts under other options (Plan.with_options: no propagation)."""
+    variants are the same layouts under other options (Plan.with_options: no propagation).
+    ``moe``: the experts components' module patterns, whose nodes planning made anew (each
+    experts module became one moe_experts node): attributed to them by module path."""
     options = PlanOptions(data_parallel=dp, strict=strict)
     try:
         plan = plan_probe(traced, options, ann)
     except PlanError:
         return None
+    if moe:
+        comp_of = dict(comp_of)
+        for node in plan.graph.nodes:
+            path = module_path(node)
+            key = next((m for m in moe if path and fnmatch.fnmatchcase(path, m)), None)
+            if key is not None and node.name not in comp_of:
+                comp_of[node.name] = key
     out, shared = {}, {}  # shared: what the checkpointing variants have in common (plan_terms)
     saves = saved_activations(plan)
     for mode in modes:
         variant = plan
         if mode is not None:
             try:
-                variant = plan.with_options(options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
+                # the plan's own options: data parallel over two axes is planned on their merged axis
+                # (with the probe's options the axes differ, and every checkpointed variant of
+                # such a probe was refused: two-axis data parallel was only searched without it)
+                variant = plan.with_options(plan.options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
             except PlanError:
                 continue
             share_saved_activations(variant, saves)  # same graph and layouts: the same saved tensors
@@ -273,12 +298,30 @@ def prefetches(dp, mesh, dp_axis) -> bool:
     return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
 
 
-def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile) -> Option:
+def _expert_parallel_ok(s, mesh, experts) -> bool:
+    """Whether structure ``s`` may put the experts on its dp axis: one dp axis (not two: the
+    dispatch runs over one axis) whose size divides every experts module's count."""
+    return (
+        bool(experts) and s.dp is not None and s.rep is None and all(c.experts % mesh.shape[s.dp] == 0 for c in experts)
+    )
+
+
+def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile, ep=False) -> Option:
+    """An option: a pair's or the vocabulary's choices ``split`` (on the tp axis, from the
+    split probe) and ``R``; an experts module's ``ep`` (expert parallel on dp, from the split
+    probe when ``ep``) and ``local`` (every expert on each rank: the probe without it)."""
     dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
         ch = {}
-        if split is not None:
+        if c.kind == "experts":
+            if ep and split is not None:
+                ch["ep"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
+            if rep is not None or not ep:
+                ch["local"] = _coefs((rep if rep is not None else split).get(c.key, Terms()), mesh, profile, dp, pipe)
+            comps[c.key] = ch
+            continue
+        if split is not None and s.tp is not None:
             ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
         if rep is not None:
             ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp, pipe)
@@ -286,7 +329,7 @@ def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profi
     idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and not s.uses(a))
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
-    idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
+    idle_choice = {"R": 1.0 / (sum(c.kind != "experts" for c in free) + 1)} if s.tp is not None else {}
     return Option((s, storage, mode, pipe), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
 
 
@@ -368,7 +411,7 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
     comps = []
     for c in free:
         opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
-        pats = sorted({*c.cols, *c.rows, *c.heads, *([c.embedding] if c.embedding else [])})
+        pats = sorted(set(c.patterns))
         comps.append(
             {"key": c.key, "what": c.describe(), "choice": best.choices[c.key], "options": opts, "patterns": pats}
         )
