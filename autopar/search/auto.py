@@ -119,6 +119,9 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     for s in structs:
         ep = _expert_parallel_ok(s, mesh, experts)
         split_by = probe(s, s.tp, s.sp, ep) if s.tp is not None or ep else None
+        if split_by is None and ep:  # experts the dispatch cannot run (refused): the rest still searched
+            ep = False
+            split_by = probe(s, s.tp, s.sp) if s.tp is not None else None
         rep_by = probe(s, None, False) if not s.sp else None
         if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
