@@ -13,6 +13,7 @@ the mean loss on every rank (one scalar all-reduce a step), which the hand-writt
 
 Example:
     $ OMP_NUM_THREADS=1 PYTHONPATH=. python -m bench.bench_pipeline_overhead
+    $ OMP_NUM_THREADS=1 PYTHONPATH=. python -m bench.bench_pipeline_overhead --profile   # cProfile, both ranks
 """
 
 from __future__ import annotations
@@ -139,6 +140,39 @@ def overhead_job(size: str, iters: int, warmup: int) -> dict:
     return {"times": times, "loss": (loss_autopar, None if loss_hand is None else float(loss_hand))}
 
 
+def profile_job(size: str, steps: int, top: int) -> dict:
+    """Runs on both ranks: cProfile of ``steps`` steps of each pipeline (after a warm-up), call
+    counts per step and the top entries by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    torch.set_num_threads(1)
+    runner, hand, (x, y), (xs, ys), _ = _setup(size)
+    steps_of = {
+        "autopar": _step(lambda: runner.step((x,), y), list(runner.parameters())),
+        "hand": _step(lambda: hand[0].step(xs, ys), list(hand[0].parameters())),
+    }
+    out = {}
+    for name, step in steps_of.items():
+        for _ in range(3):
+            step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text).strip_dirs()
+        calls = sum(v[1] for v in stats.stats.values())
+        text.write(f"function calls per step: {calls / steps:.0f}\n")
+        stats.sort_stats("tottime").print_stats(top)
+        out[name] = text.getvalue()
+    return out
+
+
 def run(quick: bool) -> list[dict]:
     sizes = ["quick"] if quick else [s for s in os.environ.get("BENCH_SIZES", "small").split(",") if s in SIZES]
     rows = []
@@ -173,4 +207,18 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(run)
+    import sys
+
+    if "--profile" in sys.argv:
+        from bench.common import close_pools
+
+        try:
+            res = pool(2).run("bench.bench_pipeline_overhead:profile_job", "small", 20, 30)
+        finally:
+            close_pools()
+        for rank, r in enumerate(res):
+            for name, text in r.items():
+                print(f"==== rank {rank} {name}")
+                print(text)
+    else:
+        main(run)
