@@ -30,7 +30,7 @@ from torch.export._unlift import _get_codegen
 
 from autopar.codegen.emit import emit_graph
 from autopar.codegen.program import Program
-from autopar.codegen.rank_module import build_rank_module
+from autopar.codegen.rank_module import build_rank_module, tensor_slots
 from autopar.codegen.rank_state import merge_states, shard_state
 from autopar.errors import DataParallelError, InputError
 from autopar.explore.plan_views import PlanViews
@@ -260,7 +260,7 @@ class Plan(PlanViews):
         graph.lint()
         t = self.traced
         graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
-        return Program(graph)
+        return Program(graph, slots=tensor_slots(self))
 
     # -------------------------------------------------------------------------- inputs
     def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:

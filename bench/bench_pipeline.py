@@ -118,7 +118,7 @@ def gloo_job(kind, chunks, width, hidden, rows, m, steps=REAL_STEPS, warmup=WARM
 
     torch.set_num_threads(1)  # one core per rank (the GlooPool worker sets it too)
     plan, x, y = _plan(kind, chunks, dist.get_world_size(), width, hidden, rows, m)
-    runner = plan.pipeline_runner(dist.get_rank())
+    runner = plan.pipeline_runner(dist.get_rank(), measure=True)  # CPU times: the disturbed-step test
     per_step = []
     for step in range(warmup + steps):
         dist.barrier()  # every step starts together: its span is the pipeline's, not a late start

@@ -9,6 +9,7 @@ Example:
     $ make bench                         # = python -m bench.run
     $ python -m bench.run --only compile
     $ python -m bench.run --only dp,tp,overhead --sizes small,30m   # the step-overhead targets
+    $ python -m bench.run --only pipeline_overhead                   # 1F1B against a hand-written pipeline
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ How to read it:
 - **pipeline**: idle fraction per rank against the schedule's bubble. "replayed": each action's
   measured CPU time put back on the schedule (simulated ranks); "real gloo": wall clock of 2 real
   processes, per step from the runners' timelines, median over steps.
+- **pipeline_step**: autopar's 1F1B runner against a hand-written two-process 1F1B pipeline of the
+  same balanced MLP (2 gloo processes, all receives posted at the step's start), alternating,
+  medians of per-step ratios, with the hand-written pair's noise row; `--profile` prints both
+  ranks' cProfile (bench/bench_pipeline_overhead.py).
 - **memory**: one rank's module run alone with shape-only collectives under a tensor-allocation
   counter: parameter bytes, and the peak bytes a step allocates (activations kept for backward,
   gradients, temporaries). Embeddings, norms and logits stay replicated under the Megatron

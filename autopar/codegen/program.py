@@ -30,8 +30,11 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)  # what nn.Module.__init__ makes 
 
 
 class Program:
-    def __init__(self, graph: fx.Graph, class_name: str = "RankModule"):
-        graph._codegen = fast_codegen(graph._codegen)  # the fast per-op calls (fast_calls.py)
+    """``slots``: the parameters and buffers the program reads, target -> the dict of its module
+    that holds it (``tensor_slots(plan)``), read directly by the generated code."""
+
+    def __init__(self, graph: fx.Graph, class_name: str = "RankModule", slots: dict | None = None):
+        graph._codegen = fast_codegen(graph._codegen, slots)  # the fast per-op calls (fast_calls.py)
         root = {n.target: None for n in graph.nodes if n.op == "get_attr"}
         self.carrier = fx.GraphModule(root, graph, class_name=class_name)
         # fx's own state of a GraphModule (graph, generated code, line maps, codegen specs),

@@ -141,6 +141,15 @@ def _own(local: torch.Tensor, device) -> torch.Tensor:
     return local.clone()
 
 
+def tensor_slots(plan) -> dict[str, str]:
+    """Where a rank module holds each parameter and buffer of the plan (``piece`` registers them
+    so, on the module of their path): target -> ``"_parameters"`` or ``"_buffers"``. The
+    program reads them from these dicts (codegen/fast_calls.py); a constant, a plain
+    attribute, is read through its path."""
+    tensors = plan.model_tensors
+    return {**{n: "_parameters" for n in tensors["params"]}, **{n: "_buffers" for n in tensors["buffers"]}}
+
+
 def _names(plan) -> list[str]:
     t = plan.model_tensors
     return list(t["params"]) + list(t["buffers"]) + list(plan.traced.constants)

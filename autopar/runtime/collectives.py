@@ -107,19 +107,86 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
     )
     _LIB.impl(name, fn.apply, "Autograd")
     _FUNCTIONS[name] = fn
+    _EAGER[name] = (op, run_eager, backward, saved)
 
 
 _FUNCTIONS: dict = {}  # op name -> its autograd.Function (what its Autograd kernel runs)
+_EAGER: dict = {}  # op name -> (op overload, eager kernel, backward, saved argument names)
 
 
 def eager_caller(name: str):
     """A Python callable for op ``name`` as the emitted program calls it (codegen/fast_calls.py):
-    in plain eager mode its autograd.Function directly, with the schema's defaults filled in
-    (what the dispatcher's Autograd kernel would run, without the round trip through the
-    dispatcher, about 10 us a call); otherwise (torch.compile, a tracing mode) the op itself.
-    None for an autopar op defined elsewhere (random draws)."""
-    if name not in _FUNCTIONS:
+    in plain eager mode an autograd.Function of the call site (``site_function``), otherwise
+    (torch.compile, a tracing mode) the op itself. None for an autopar op defined elsewhere
+    (random draws).
+
+    Why: the dispatcher's round trip to the op's Autograd kernel costs about 10 us a call, and
+    a Function that takes the op's constants as arguments and stores them on its ``ctx`` about
+    as much again (the first attribute set on a ``ctx`` makes its ``__dict__``). A call site's
+    Function takes the tensor alone, its constants are class attributes, as the constants of a
+    hand-written Megatron f or g are in its code: one ``apply(x)``, the same per-call cost."""
+    if name not in _EAGER:
         return None
+    op = getattr(ops, name).default
+    arguments = op._schema.arguments
+    names = [a.name for a in arguments]
+    if any(str(a.type).startswith("Tensor") for a in arguments[1:]):  # counts as tensors: the op's Function
+        return _generic_caller(name)
+    params = ", ".join(a.name + (f"={a.default_value!r}" if a.has_default_value() else "") for a in arguments)
+    key = ", ".join("tuple(group)" if n == "group" else n for n in names[1:])
+    source = (
+        f"def eager_{name}({params}):\n"
+        f"    if not _plain_eager():\n"
+        f"        return _op({', '.join(names)})\n"
+        f"    key = ({key},)\n"
+        f"    fn = _sites.get(key)\n"
+        f"    if fn is None:\n"
+        f"        fn = _new_site(key)\n"
+        f"    return fn.apply({names[0]})\n"
+    )
+    sites: dict = {}
+
+    def new_site(key):
+        if len(sites) >= _SITES:  # a constant that varies per call (an uneven batch's share): bounded
+            sites.clear()
+        sites[key] = site_function(name, key)
+        return sites[key]
+
+    scope = {"_plain_eager": plain_eager, "_op": op, "_sites": sites, "_new_site": new_site}
+    exec(compile(source, f"<autopar eager {name}>", "exec"), scope)  # noqa: S102 - generated from the schema
+    return scope[f"eager_{name}"]
+
+
+_SITES = 1024  # call-site Functions kept per op
+
+
+def site_function(name: str, consts: tuple):
+    """An autograd.Function computing op ``name`` on its one tensor argument with the other
+    arguments fixed to ``consts``: they are class attributes of its backward node (the op's
+    ``ctx``), where the op's backward reads them, so no call stores anything on a ``ctx``."""
+    op, run_eager, backward, saved = _EAGER[name]
+    arguments = op._schema.arguments[1:]
+    consts = tuple(consts)
+
+    def forward(ctx, x):  # the caller saw plain eager mode: the tensor alone is left to check
+        if type(x) is torch.Tensor and not torch._is_functional_tensor(x) and not _functorch_wrapped(x):
+            return run_eager(x, *consts)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(x, *consts)
+
+    fn = type(
+        f"{name}_site",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+    for a, value in zip(arguments, consts):
+        if a.name in saved:
+            setattr(fn._backward_cls, a.name, value)
+    return fn
+
+
+def _generic_caller(name: str):
+    """The call of an op with more than one tensor argument: its Function with every argument."""
     op, fn = getattr(ops, name).default, _FUNCTIONS[name]
     arguments = op._schema.arguments
     names = [a.name for a in arguments]

@@ -32,9 +32,10 @@ class DistBackend:
         self.timeout = timeout  # seconds a collective may wait before failing (None: the group's)
         self.groups_timeout = groups_timeout  # the timeout the process groups were made with
 
-    def _run(self, kind, group, call):
-        """Run a blocking collective ``call(async_op)``; a failure or a timeout raises
-        CollectiveError naming the rank that failed (see failures.py), never hangs past timeout.
+    def _run(self, kind, ranks, collective, /, *args, **kwargs):
+        """Run ``collective(*args, **kwargs)`` (a torch.distributed call) blocking; a failure or a
+        timeout raises CollectiveError naming the rank that failed (see failures.py), never hangs
+        past timeout.
 
         Why blocking: on gloo, async_op=True plus work.wait() costs about 0.3 ms more per
         collective than the blocking call, and a wait with a timeout another 0.4 ms, which is
@@ -43,12 +44,12 @@ class DistBackend:
         collective waits with the timeout explicitly.
         """
         if self.timeout is not None and self.timeout != self.groups_timeout:
-            return self._wait(kind, group, lambda: call(True))
+            return self._wait(kind, ranks, lambda: collective(*args, async_op=True, **kwargs))
         start = time.monotonic()
         try:
-            call(False)
+            collective(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised with the failed rank named
-            raise explain(kind, group, self.rank, self.timeout, e, time.monotonic() - start) from e
+            raise explain(kind, ranks, self.rank, self.timeout, e, time.monotonic() - start) from e
 
     def _wait(self, kind, group, start):
         """Run ``start()`` (an async collective) and wait for it; a failure or a timeout raises
@@ -76,26 +77,25 @@ class DistBackend:
 
     def all_reduce(self, x, group, rank, op, kind="all_reduce"):
         y = x.clone() if x.is_contiguous() else x.contiguous()  # a copy of its own, made once
-        self._note(kind, group, y)
-        pg = self._pg(group, rank)
-        self._run(kind, group, lambda a: dist.all_reduce(y, group=pg, async_op=a))
+        if self.stats is not None:
+            self.stats.record(kind, group, y)
+        self._run(kind, group, dist.all_reduce, y, group=self._pg(group, rank))
         return y / len(group) if op == "avg" else y
 
     def all_reduce_(self, x, group, rank, op):
         """In place, for inputs nothing else reads (see the ``owned`` hint of autopar::all_reduce)."""
         if not x.is_contiguous():
             return self.all_reduce(x, group, rank, op)
-        self._note("all_reduce", group, x)
-        pg = self._pg(group, rank)
-        self._run("all_reduce", group, lambda a: dist.all_reduce(x, group=pg, async_op=a))
+        if self.stats is not None:
+            self.stats.record("all_reduce", group, x)
+        self._run("all_reduce", group, dist.all_reduce, x, group=self._pg(group, rank))
         return x.div_(len(group)) if op == "avg" else x
 
     def all_gather(self, x, dim, group, rank, kind="all_gather"):
         x = x.contiguous()
         self._note(kind, group, x)
         out = [torch.empty_like(x) for _ in group]
-        pg = self._pg(group, rank)
-        self._run(kind, group, lambda a: dist.all_gather(out, x, group=pg, async_op=a))
+        self._run(kind, group, dist.all_gather, out, x, group=self._pg(group, rank))
         return torch.cat(out, dim=dim)
 
     def reduce_scatter(self, x, dim, group, rank, op):
@@ -112,11 +112,8 @@ class DistBackend:
         x = x.contiguous()
         self._note("all_to_all", group, x)
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        pg = self._pg(group, rank)
         self._run(
-            "all_to_all",
-            group,
-            lambda a: dist.all_to_all_single(out, x, list(recv), list(send), group=pg, async_op=a),
+            "all_to_all", group, dist.all_to_all_single, out, x, list(recv), list(send), group=self._pg(group, rank)
         )
         return out
 
@@ -131,8 +128,7 @@ class DistBackend:
 
     def broadcast(self, x, group, rank):
         self._note("broadcast", group, x)
-        pg = self._pg(group, rank)
-        self._run("broadcast", group, lambda a: dist.broadcast(x, src=group[0], group=pg, async_op=a))
+        self._run("broadcast", group, dist.broadcast, x, src=group[0], group=self._pg(group, rank))
 
     # -- used by the data-parallel gradient sync and ZeRO ------------------------------------
     def reduce_scatter_async(self, flat, group, rank):

@@ -276,3 +276,21 @@ def test_p2p_streams_shape_once_then_prefetch():
     assert b.recv(0, 2, torch.float32, "h").shape == (2, 3)
     with pytest.raises(PipelineError, match="every micro-batch"):
         a.send(torch.ones(4, 3), 1, 3, "h")
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_unmeasured_step_equals_serial_and_records_no_cpu_or_bytes(gpt, ckpt):
+    """measure=False (a real job's default): no CPU clocks, no saved-tensor hook; the same step."""
+    model, batch, (serial_loss, serial_grads) = gpt
+    plan = with_pipeline(gpt_plan("pp2", gpt), ap.Pipeline("pp", microbatches=4, schedule="1f1b", checkpoint=ckpt))
+    for _ in range(2):  # the second step reuses the schedule and the receives worked out in the first
+        runners, losses = run_step(plan, batch, measure=False)
+        for loss in losses:
+            torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    errors = [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+    assert not errors, errors[:5]
+    for r in runners:
+        assert all(e.cpu is None and e.end >= e.start for e in r.timeline)
+        assert r.stats["peak_activation_bytes"] is None and r.stats["max_in_flight"] > 0
+    idle = timeline.replayed_idle(plan, [r.timeline for r in runners])  # wall times stand in
+    assert len(idle) == 2 and all(0 <= v < 1 for v in idle)

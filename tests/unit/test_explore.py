@@ -29,7 +29,7 @@ def test_rows_name_collectives_and_bytes(plan):
     bucket = [r for r in rows.values() if r.module == "(grad sync)"]
     params_local = plan.cost().at()["memory"]["params"]
     assert len(bucket) == 1 and bucket[0].bytes == params_local  # 2(n-1)/n = 1 for dp=2
-    assert sum(len(r.comms) for r in rows.values()) == len(plan.collectives()) == 11
+    assert sum(len(r.comms) for r in rows.values()) == len(plan.collectives()) == 10  # the loss: one on dp
 
 
 def test_text_table_and_summary(plan):
@@ -55,11 +55,11 @@ def test_html_groups_by_module_and_highlights(plan):
     from autopar.cost.plan_cost import layer_of
 
     layers = {layer_of(r.module) for r in rows}
-    assert {"blocks.0", "blocks.1", "(grad sync)", "(outputs)"} <= layers
+    assert {"blocks.0", "blocks.1", "(grad sync)"} <= layers  # the loss is whole where it is made: no output collective
     assert html.count('<tr class="group">') >= len(layers)
     assert '<tr class="group"><td colspan="5">blocks.0</td><td class="num">16.0 KiB</td></tr>' in html
     assert "<td>attn.proj</td><td>add_tensor_1</td>" in html
-    assert html.count("background:#f4a3a3") == 11  # every collective here is an all-reduce
+    assert html.count("background:#f4a3a3") == 10  # every collective here is an all-reduce
     assert "communication on <b>tp</b>: 8 collectives, 32.0 KiB" in html
     assert "memory per rank: params" in html and "on mesh dp=2, tp=2 (4 ranks)" in html
 
@@ -114,7 +114,7 @@ def test_draw_colours_collectives(plan, tmp_path):
     d = plan.draw(0)
     assert d.dot.count('label="all_reduce\\ntp"') == 4
     assert d.dot.count('label="grad_all_reduce\\ntp"') == 4
-    assert d.dot.count('label="all_reduce\\ndp"') == 2
+    assert d.dot.count('label="all_reduce\\ndp"') == 1  # the loss's sum and count, together
     assert "subgraph cluster_" in d.dot and 'label="blocks.1"' in d.dot
     assert "sym_size" not in d.dot  # size arithmetic is left out
     path = d.save(tmp_path / "rank0.dot")

@@ -14,6 +14,12 @@ autograd graph and recomputes it just before the backward. ``runner.evaluate`` r
 forwards only, under no_grad. Every action's start and end go to ``runner.timeline``;
 ``runner.stats`` has the peak number of micro-batches held and the peak activation bytes.
 
+``measure`` (default: on in the simulator, off in a real job): also record each action's CPU
+time (``Event.cpu``, a system call per clock read) and the activation bytes autograd saves
+(a saved-tensor hook, Python per saved tensor: ``stats["peak_activation_bytes"]``). A real
+job's runner pays neither unless asked: a hand-written pipeline pays nothing per micro-batch
+but its math and its messages (bench/bench_pipeline_overhead.py).
+
 Example:
     >>> runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
     >>> losses = run_ranks(plan.mesh.size, lambda r: runners[r].step((idx, tg)))
@@ -35,6 +41,7 @@ from autopar.errors import InputError
 from autopar.parallel.dp_module import bucket_limits, sync_axes_all_names
 from autopar.parallel.grad_sync import GradSync
 from autopar.runtime.rng import replayed_rng, rng_state
+from autopar.runtime.simulator import SimBackend
 from autopar.codegen.rank_state import set_attr
 from autopar.parallel.pipeline import schedules
 from autopar.errors import PipelineError
@@ -54,7 +61,7 @@ class Event:
     stage: int
     start: float
     end: float
-    cpu: float = 0.0
+    cpu: float | None = None  # None: not measured (the runner's ``measure`` is off)
 
 
 @dataclass
@@ -80,7 +87,7 @@ class PipelineRunner:
         >>> loss = runner.step((idx, targets)); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, plan, rank: int, loss=None, metric=None, p2p_group=None):
+    def __init__(self, plan, rank: int, loss=None, metric=None, p2p_group=None, measure: bool | None = None):
         self.plan, self.rank = plan, plan.mesh.check_rank(rank)
         self.layout = lay = plan.stage_layout
         if lay is None:
@@ -100,6 +107,9 @@ class PipelineRunner:
         self.dtypes = {n.name: _dtype(n) for n in plan.graph.nodes if n.name in lay.value_ids}
         self.timeline: list[Event] = []
         self.stats: dict = {}
+        self.measure = measure  # None: on under the simulator (see the module docstring)
+        self._schedules: dict = {}  # (kind, train) -> this rank's actions
+        self._receive_lists: dict = {}  # (kind, stage, micro-batch) -> its receives (_receives)
 
     # ------------------------------------------------------------------ parameters
     def _holder(self) -> nn.Module:
@@ -249,13 +259,20 @@ class PipelineRunner:
     def _run(self, batch, labels, train: bool, keep_outputs: bool = False):
         o, lay = self.options, self.layout
         self._inputs, self._labels = self._micro_inputs(batch), self._micro_labels(labels)
-        acts = schedules.build(o.kind, lay.pp, o.microbatches, o.chunks, forward_only=not train)[self.pp_rank]
-        self._ch = channel(current_backend(), self.rank, self.p2p_group)
+        if train not in self._schedules:  # the same every step
+            built = schedules.build(o.kind, lay.pp, o.microbatches, o.chunks, forward_only=not train)
+            self._schedules[train] = built[self.pp_rank]
+        acts = self._schedules[train]
+        backend = current_backend()
+        self._ch = channel(backend, self.rank, self.p2p_group)
+        self._measuring = isinstance(backend, SimBackend) if self.measure is None else self.measure
+        # the parameters' storages, which the saved-bytes count leaves out: once a step
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.parameters()} if self._measuring else None
         self._saved: dict = {}
         self._losses, self._metrics, self.outputs = [], [], []
         self._keep, self._training = keep_outputs, train
         self.timeline = []
-        self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0}
+        self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0 if self._measuring else None}
         self._held_bytes = 0
         self._backwards: dict[int, int] = {}
         for i, a in enumerate(acts):
@@ -270,7 +287,15 @@ class PipelineRunner:
         return self._reduce_results()
 
     def _receives(self, a) -> list[tuple]:
-        """The messages action ``a`` receives: (src rank, tag, dtype, stream) each."""
+        """The messages action ``a`` receives: (src rank, tag, dtype, stream) each (worked out
+        once per action: the layout and the mesh do not change between steps)."""
+        key = (a.kind, a.stage, a.microbatch)
+        found = self._receive_lists.get(key)
+        if found is None:
+            found = self._receive_lists[key] = self._work_out_receives(a)
+        return found
+
+    def _work_out_receives(self, a) -> list[tuple]:
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
         if a.kind == "F":
             return [
@@ -320,14 +345,15 @@ class PipelineRunner:
         st = self.layout.stages[a.stage]
         args, received = self._recv_inputs(a, train)
         keep_graph = train and not self.options.checkpoint
-        counter = _SavedBytes(self.holder)
+        measuring = self._measuring
+        counter = _SavedBytes(self._param_ptrs) if keep_graph and measuring else contextlib.nullcontext()
         rng = (torch.get_rng_state(), rng_state(self.modules[a.stage])) if train and not keep_graph else None
-        t0, c0 = time.perf_counter(), time.thread_time()
-        with counter if keep_graph else contextlib.nullcontext(), torch.set_grad_enabled(keep_graph):
+        t0, c0 = time.perf_counter(), time.thread_time() if measuring else None
+        with counter, torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
             sends, loss = self._split_outputs(st, outs, a.microbatch)
         t1 = time.perf_counter()
-        self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0))
+        self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0 if measuring else None))
         for (name, dsts), v in zip(st.send, sends):
             for d in dsts:
                 x = self._wire(name, v)
@@ -338,12 +364,13 @@ class PipelineRunner:
                     self._stream(a.microbatch, name, d, 0),
                 )
         if train:
-            nbytes = counter.bytes if keep_graph else sum(_nbytes(x) for x in args)
+            nbytes = (counter.bytes if keep_graph else sum(_nbytes(x) for x in args)) if measuring else 0
             self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
             self._held_bytes += nbytes
             held = len(self._saved)
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], held)
-            self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes)
+            if measuring:
+                self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes)
 
     def _wire(self, name: str, v) -> torch.Tensor:
         """A boundary value as it travels: in its traced dtype (under a precision policy a stage
@@ -379,12 +406,13 @@ class PipelineRunner:
     def _backward(self, a) -> None:
         st, lay = self.layout.stages[a.stage], self.layout
         sv = self._saved.pop((a.microbatch, a.stage))
-        t0, c0 = time.perf_counter(), time.thread_time()
+        clock = time.thread_time if self._measuring else _no_clock
+        t0, c0 = time.perf_counter(), clock()
         if self.options.checkpoint:
             self._recompute(a, st, sv)
-        t_wait, c_wait = time.perf_counter(), time.thread_time()
+        t_wait, c_wait = time.perf_counter(), clock()
         tensors, grads = self._output_grads(a, st, sv)
-        t_go, c_go = time.perf_counter(), time.thread_time()
+        t_go, c_go = time.perf_counter(), clock()
         if st.has_output:
             tensors.append(sv.loss)
             grads.append(torch.full_like(sv.loss, self._weights[a.microbatch]))
@@ -394,7 +422,7 @@ class PipelineRunner:
         t1 = time.perf_counter()
         # The event's time is compute only (as the forward's): recomputation plus backward, not the
         # gradient wait nor the sends.
-        cpu = time.thread_time() - c0 - (c_go - c_wait)
+        cpu = clock() - c0 - (c_go - c_wait) if self._measuring else None
         self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
         for name, src, t in sv.received:
             g = t.grad if t.grad is not None else torch.zeros_like(t)
@@ -416,14 +444,15 @@ class PipelineRunner:
 
     def _recompute(self, a, st, sv) -> None:
         """Checkpointing: run the stage's forward again, now keeping its graph."""
-        counter = _SavedBytes(self.holder)
+        counter = _SavedBytes(self._param_ptrs) if self._measuring else contextlib.nullcontext()
         module = self.modules[a.stage]
         with counter, torch.enable_grad(), torch.random.fork_rng(devices=[]), replayed_rng(module, sv.rng[1]):
             torch.set_rng_state(sv.rng[0])  # the same dropout masks as the forward
             outs = module(*sv.args)
             sv.sends, sv.loss = self._split_outputs_quiet(st, outs, a.microbatch)
-        peak = self._held_bytes + counter.bytes
-        self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], peak)
+        if self._measuring:
+            peak = self._held_bytes + counter.bytes
+            self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], peak)
 
     def _output_grads(self, a, st, sv):
         """The gradients of this stage's sent values, summed over the stages that read them."""
@@ -537,13 +566,17 @@ def _nbytes(x) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd saves for backward (parameters and their views excluded)."""
+def _no_clock() -> float:
+    return 0.0
 
-    def __init__(self, params_module: nn.Module):
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd saves for backward (parameters and their views excluded:
+    ``param_ptrs``, their storages' addresses)."""
+
+    def __init__(self, param_ptrs: set):
         self.bytes = 0
         self._seen: set = set()
-        param_ptrs = {p.untyped_storage().data_ptr() for p in params_module.parameters()}
 
         def pack(t):
             ptr = t.untyped_storage().data_ptr()

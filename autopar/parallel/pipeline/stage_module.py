@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from autopar.codegen.emit import Emitter, keep_meta
 from autopar.parallel.optimizer import mark_pieces
 from autopar.codegen.program import Program
-from autopar.codegen.rank_module import build_rank_module
+from autopar.codegen.rank_module import build_rank_module, tensor_slots
 
 
 class StageEmitter(Emitter):
@@ -78,5 +78,5 @@ def _program(plan, stage: int) -> Program:
         for technique in plan.options.techniques:  # e.g. zero=3's gathers of the stage's buckets
             technique.rewrite_program(plan, graph)
         graph.lint()
-        programs[stage] = Program(graph, class_name=f"Stage{stage}")
+        programs[stage] = Program(graph, class_name=f"Stage{stage}", slots=tensor_slots(plan))
     return programs[stage]

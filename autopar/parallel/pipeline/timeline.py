@@ -55,7 +55,7 @@ def replayed_idle(plan, events_per_rank, cpu: bool = True) -> list[float]:
     dependencies (each rank on its own core, messages free).
 
     Each stage's forward (and backward) takes its mean CPU time (wall-clock with
-    ``cpu=False``) over the micro-batches of one step, and with several steps' timelines
+    ``cpu=False``, or where the runner did not measure it) over the micro-batches of one step, and with several steps' timelines
     concatenated, the smallest of those step means: a shared machine only ever adds time.
     """
     per_step: dict = {}  # (kind, stage) -> {step: [durations]}
@@ -64,7 +64,8 @@ def replayed_idle(plan, events_per_rank, cpu: bool = True) -> list[float]:
         for e in evs:
             key = (e.kind, e.microbatch, e.stage)
             step = seen[key] = seen.get(key, -1) + 1  # the k-th time an action appears: step k
-            per_step.setdefault((e.kind, e.stage), {}).setdefault(step, []).append(e.cpu if cpu else e.end - e.start)
+            took = e.cpu if cpu and e.cpu is not None else e.end - e.start  # cpu None: not measured
+            per_step.setdefault((e.kind, e.stage), {}).setdefault(step, []).append(took)
     dur = {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per_step.items()}
     sched = plan_schedule(plan, forward_only=not any(e.kind == "B" for evs in events_per_rank for e in evs))
     played = schedules.replay(sched, plan.stage_layout.n_stages, lambda a: dur[(a.kind, a.stage)])

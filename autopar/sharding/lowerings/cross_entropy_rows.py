@@ -1,11 +1,17 @@
-"""Cross-entropy over rows split across ranks: the mean is the local sum divided by the
-global count of counted targets (ranks may drop different numbers of ignore_index rows, or hold
-different numbers of rows: a dynamic-padding loader's sequence lengths; with class probabilities
-as targets every row counts), so each rank's loss is its partial sum of the serial mean over the
-union of the ranks' rows. ``ap.DataParallel(axis, loss_mean="per_rank")`` makes it DDP's instead
-(``row_count``).
+"""Cross-entropy over rows split across ranks: the mean is the sum over every rank's rows
+divided by the global count of counted targets (ranks may drop different numbers of ignore_index
+rows, or hold different numbers of rows: a dynamic-padding loader's sequence lengths; with class
+probabilities as targets every row counts): the serial mean over the union of the ranks' rows,
+the same value on every rank. ``ap.DataParallel(axis, loss_mean="per_rank")`` makes it DDP's
+instead: the mean of the ranks' own means.
 
-Example (rows split over dp=2, 3 and 1 counted targets): rank 0 returns sum0 / 4, rank 1 sum1 / 4.
+One all-reduce of two numbers (the rank's sum and its count) gives both totals: the mean is
+whole on every rank (its strategy's output is replicated), where dividing the local sum by an
+all-reduced count first left a partial loss for the output to all-reduce again (two blocking
+scalar all-reduces in forward). Autograd through the sum's all-reduce (identity backward) gives
+each rank's rows the serial gradient, 1 / global count.
+
+Example (rows split over dp=2, 3 and 1 counted targets): every rank returns (sum0 + sum1) / 4.
 """
 
 from __future__ import annotations
@@ -43,14 +49,35 @@ def per_rank_mean(plan, axis: int) -> bool:
     return dp is not None and axis == plan.dp_axis and dp.loss_mean == "per_rank"
 
 
-def row_count(em, count, axis: int):
-    """What a mean over rows split on ``axis`` divides the rank's sum by: the count summed over
-    the axis (a token-weighted mean of all ranks' rows, whatever each rank holds), or for a
-    per-rank mean the rank's own count times the axis size (the ranks' means, averaged when the
-    loss is summed over the axis: the gradient DDP gives)."""
-    if per_rank_mean(em.plan, axis):
-        return em.graph.call_function(aten.mul.Tensor, (count, float(em.mesh.shape[axis])))
-    return em.collective(ops.all_reduce.default, (count,), axis, extra=("sum",))
+def rows_mean(em, node, total, count, axes: list[int]):
+    """The mean of rows split on ``axes`` from a rank's ``total`` (its rows' loss sum) and its
+    ``count`` (float32), whole on every rank: over the global-mean axes the sum and the count are
+    all-reduced together (one collective of two numbers per axis: a token-weighted mean of every
+    rank's rows, whatever each rank holds); over a per-rank-mean axis the ranks' means are
+    averaged (DDP's loss and gradient)."""
+    call, dtype = em.graph.call_function, node.meta["val"].dtype
+    per_rank = [a for a in axes if per_rank_mean(em.plan, a)]
+    pair = call(aten.stack.default, ([call(aten._to_copy.default, (total,), {"dtype": torch.float32}), count],))
+    for a in axes:
+        if a not in per_rank:
+            pair = em.collective(ops.all_reduce.default, (pair,), a, extra=("sum",))
+    mean = call(aten.div.Tensor, (call(aten.select.int, (pair, 0, 0)), call(aten.select.int, (pair, 0, 1))))
+    for a in per_rank:
+        mean = em.collective(ops.all_reduce.default, (mean,), a, extra=("avg",))
+    return call(aten._to_copy.default, (mean,), {"dtype": dtype})
+
+
+def mean_comms(plan, axes: list[int], symbols) -> list[tuple]:
+    """The collectives of ``rows_mean`` (for Plan.collectives and the cost model)."""
+    return [
+        (
+            "all_reduce",
+            a,
+            "forward",
+            ring_bytes("all_reduce", COUNT_BYTES * (1 if per_rank_mean(plan, a) else 2), symbols.axes[a]),
+        )
+        for a in axes
+    ]
 
 
 class CrossEntropySplitRows(Lowering):
@@ -69,19 +96,15 @@ class CrossEntropySplitRows(Lowering):
         count = g.call_function(
             aten.sum.dim_IntList, (_counted(g, node, target, ignore_index), []), {"dtype": torch.float32}
         )
-        total = row_count(em, count, axis)
-        total = g.call_function(aten._to_copy.default, (total,), {"dtype": node.meta["val"].dtype})
-        return g.call_function(aten.div.Tensor, (local_sum, total))
+        return rows_mean(em, node, local_sum, count, [axis])
 
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
-        if per_rank_mean(plan, axis):
-            return []
-        return [("all_reduce", axis, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[axis]))]
+        return mean_comms(plan, [axis], symbols)
 
     def reason(self, axis_name: str) -> str:
         return (
-            f"the loss's rows are split on {axis_name}: the count of targets is summed over {axis_name} "
-            "so that local sum / global count is the serial mean"
+            f"the loss's rows are split on {axis_name}: the rows' loss sum and count of targets are summed "
+            f"over {axis_name} together (one all-reduce of two numbers), their ratio the serial mean"
         )
 
 

@@ -6,8 +6,9 @@ placement.piece_sizes; any V, uneven pieces included):
     se  = all_reduce(sum exp(logits - m))    (N values)
     t   = all_reduce(logits[target] - m, where the target is in this rank's range, else 0)
     row = log(se) - t, zero where target == ignore_index
-Reductions: none -> rows; sum -> sum of rows; mean -> sum / count, the count all-reduced
-over every axis that splits the rows (data parallel), as cross_entropy_split_rows does.
+Reductions: none -> rows; sum -> sum of rows; mean -> sum / count, the sum and the count
+all-reduced together over every axis that splits the rows (data parallel), as
+cross_entropy_split_rows does (``rows_mean``).
 
 Example:
     >>> CROSS_ENTROPY_VOCAB_PARALLEL.comms(plan, node, axis, symbols)   # 3 collectives on tp
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from autopar.sharding.lowerings.base import Lowering, register_lowering
-from autopar.sharding.lowerings.cross_entropy_rows import COUNT_BYTES, per_rank_mean, row_count
+from autopar.sharding.lowerings.cross_entropy_rows import mean_comms, rows_mean
 from autopar.sharding.lowerings.cross_entropy_rows import node_arg as _arg
 from autopar.placement import Shard
 from autopar.runtime.uneven import pad_piece
@@ -67,10 +68,7 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     if reduction == REDUCTION_SUM:
         return total
     count = call(aten.sum.dim_IntList, (counted, []), {"dtype": torch.float32})
-    for a in row_axes(node, axis):
-        count = row_count(em, count, a)
-    count = call(aten._to_copy.default, (count,), {"dtype": node.meta["val"].dtype})
-    return call(aten.div.Tensor, (total, count))
+    return rows_mean(em, node, total, count, row_axes(node, axis))
 
 
 class CrossEntropyVocabParallel(Lowering):
@@ -94,9 +92,7 @@ class CrossEntropyVocabParallel(Lowering):
             ("all_reduce", axis, "forward", ring_bytes("all_reduce", row_bytes, n)),
         ]
         if _arg(node, 3, "reduction", REDUCTION_MEAN) == REDUCTION_MEAN:
-            for a in row_axes(node, axis):
-                if not per_rank_mean(plan, a):
-                    out.append(("all_reduce", a, "forward", ring_bytes("all_reduce", COUNT_BYTES, symbols.axes[a])))
+            out += mean_comms(plan, row_axes(node, axis), symbols)
         return out
 
     def reason(self, axis_name: str) -> str:

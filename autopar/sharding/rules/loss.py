@@ -1,8 +1,8 @@
 """Losses: cross-entropy over rows split across ranks.
 
 With rows (the batch) split, "mean" needs the global number of counted targets (ignore_index
-may drop some on one rank and not another), so the lowering divides each rank's loss sum by
-the all-reduced count: the per-rank values then sum exactly to the serial mean.
+may drop some on one rank and not another), so the lowering all-reduces each rank's loss sum
+and count together and divides: the serial mean, whole on every rank (sharding/lowerings/cross_entropy_rows.py).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def cross_entropy_rule(op: OpInfo) -> list[Strategy]:
         strategies.append(
             op.strategy(
                 placed,
-                Partial("sum"),
+                R,
                 lowering=CROSS_ENTROPY_SPLIT_ROWS,
-                note="mean over split rows: local sum / global count",
+                note="mean over split rows: global sum / global count",
             )
         )
     return strategies
