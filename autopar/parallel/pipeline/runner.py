@@ -209,6 +209,7 @@ class PipelineRunner:
             for i in range(m):
                 per[i][name] = pieces[i]
         self._weights = _weights(rows, m, self.plan.ragged, self.plan.dp_axis)
+        self._uneven = None if len(set(self._weights)) == 1 else tuple(self._weights)
         return per
 
     def _micro_labels(self, labels) -> list:
@@ -289,7 +290,7 @@ class PipelineRunner:
     def _receives(self, a) -> list[tuple]:
         """The messages action ``a`` receives: (src rank, tag, dtype, stream) each (worked out
         once per action: the layout and the mesh do not change between steps)."""
-        key = (a.kind, a.stage, a.microbatch)
+        key = (a.kind, a.stage, a.microbatch, self._uneven)  # streams differ with the micro-batch sizes
         found = self._receive_lists.get(key)
         if found is None:
             found = self._receive_lists[key] = self._work_out_receives(a)
@@ -486,7 +487,7 @@ class PipelineRunner:
     def _stream(self, mb: int, name: str, consumer: int, direction: int) -> tuple:
         """The p2p stream of one boundary value (its messages share one shape within a step): per
         micro-batch size where the micro-batches are uneven (2, 2, 1, 1 rows: two streams)."""
-        if len(set(self._weights)) == 1:
+        if self._uneven is None:
             return (name, consumer, direction)
         return (name, consumer, direction, self._weights[mb])
 
