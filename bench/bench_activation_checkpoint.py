@@ -8,7 +8,10 @@ processes; rank 0 reports. Per rank, ``measure_step`` records:
 - ``held``: bytes alive right after the forward among the tensors the step made: what autograd
   keeps for backward plus the outputs (the model's ``activations``);
 - ``peak``: the most bytes alive at once over forward + backward (gradients preallocated by a
-  warm-up step, so that what is counted is activations, recompute and backward temporaries).
+  warm-up step, so that what is counted is activations, recompute and backward temporaries);
+- ``host``: under ``offload=True``, the bytes of the host copies alive after the forward
+  (runtime/offload.py; on the CPU a separate storage all the same), held against the model's
+  ``offloaded``; ``held`` and ``peak`` leave them out.
 
 On the CPU both come from autopar/runtime/live_bytes.LiveBytes (a dispatch mode seeing every
 storage an op makes, alive until it dies: torch keeps no allocator statistics on the CPU); on
@@ -32,9 +35,16 @@ import torch
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.runtime.live_bytes import LiveBytes
+from autopar.runtime.offload import host_storages
 from bench.common import alternate, median_ratio, ms, pool, row
 
-POLICIES = {"none": None, "full": ap.ActivationCheckpoint("full"), "selective": ap.ActivationCheckpoint("selective")}
+POLICIES = {
+    "none": None,
+    "full": ap.ActivationCheckpoint("full"),
+    "selective": ap.ActivationCheckpoint("selective"),
+    "full+offload": ap.ActivationCheckpoint("full", offload=True),
+    "selective+offload": ap.ActivationCheckpoint("selective", offload=True),
+}
 MEGATRON = {
     "blocks.*.attn.qkv": ap.colwise("tp"),
     "blocks.*.attn.proj": ap.rowwise("tp"),
@@ -114,15 +124,17 @@ def measure_step(forward, cuda: bool = False) -> dict:
         t0 = time.perf_counter()
         loss = forward()
         held = torch.cuda.memory_allocated() - base
+        host = sum(s.nbytes() for s in host_storages())
         loss.backward()
         torch.cuda.synchronize()
-        return {"held": held, "peak": torch.cuda.max_memory_allocated() - base, "s": time.perf_counter() - t0}
+        peak = torch.cuda.max_memory_allocated() - base
+        return {"held": held, "peak": peak, "host": host, "s": time.perf_counter() - t0}
     t0 = time.perf_counter()
     with LiveBytes() as mem:
         loss = forward()
-        held = mem.live
+        held, host = mem.live, mem.host
         loss.backward()
-    return {"held": held, "peak": mem.peak, "s": time.perf_counter() - t0}
+    return {"held": held, "peak": mem.peak, "host": host, "s": time.perf_counter() - t0}
 
 
 def ac_job(kind, quick, policy, steps=3) -> dict:
@@ -146,6 +158,7 @@ def ac_job(kind, quick, policy, steps=3) -> dict:
     return out[-1] | {
         "model_held": mem["activations"],
         "model_peak": mem["activations"] + mem.get("recompute", 0),
+        "model_host": mem.get("offloaded", 0),
     }
 
 
@@ -182,7 +195,13 @@ def step_times(kind, quick) -> dict:
 
 
 NAME = "activation_checkpoint"
-TARGETS = {"none": "", "full": "<= 0.55", "selective": "between full and none"}
+TARGETS = {
+    "none": "",
+    "full": "<= 0.55",
+    "selective": "between full and none",
+    "full+offload": "below full",
+    "selective+offload": "below selective",
+}
 PEAK_NOTE = " (the model's peak leaves out backward's temporaries and gradients)"
 
 
@@ -214,6 +233,9 @@ def run(quick: bool) -> list[dict]:
                 row(NAME, c, "held MB (measured / model)", held, "within 15%", _off(r["model_held"], r["held"])),
                 row(NAME, c, "peak MB (measured / model)", peak, "", _off(r["model_peak"], r["peak"]) + PEAK_NOTE),
             ]
+            if r["model_host"] or r["host"]:
+                host = f"{r['host'] / 1e6:.3f} / {r['model_host'] / 1e6:.3f}"
+                rows.append(row(NAME, c, "host MB (measured / model)", host, "", _off(r["model_host"], r["host"])))
     return rows
 
 

@@ -177,6 +177,7 @@ def plan_terms(
     extra = activation_terms(plan, sy)
     blocks = (1 + max(nw.values())) / 2 if nw else 1.0
     per_block = float(extra.pop("activations")) - float(sum(kept.values()))
+    extra.pop("offloaded", None)  # host memory (offloading checkpoints): not the device's budget
     terms("base").acts += blocks * per_block + float(sum(extra.values()))
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     in_graph = {n.name for n in plan.graph.nodes}

@@ -16,9 +16,10 @@ def _model():
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1)).train()
 
 
-def train_matches_serial(mode, steps=2, lr=0.2):
-    """Train the dropout GPT checkpointed (dp x tp, rng='serial') and the serial model with the
-    same seeds; returns the worst relative parameter difference and the losses."""
+def train_matches_serial(mode, steps=2, lr=0.2, offload=False):
+    """Train the dropout GPT checkpointed (dp x tp, rng='serial'; ``offload``: kept tensors in
+    host memory) and the serial model with the same seeds; returns the worst relative parameter
+    difference and the losses."""
     rank = dist.get_rank()
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
     module = ap.parallelize(
@@ -28,7 +29,7 @@ def train_matches_serial(mode, steps=2, lr=0.2):
         annotations=MEGATRON,
         data_parallel="dp",
         rng="serial",
-        activation_checkpoint=ap.ActivationCheckpoint(mode),
+        activation_checkpoint=ap.ActivationCheckpoint(mode, offload=offload),
     )
     plan = module.autopar_plan
     assert "checkpoint_blocks_0(" in module.code

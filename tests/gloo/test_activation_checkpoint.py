@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointed_training_matches_serial_over_gloo(gloo, mode):
-    for r in gloo(4).run("tests.gloo.jobs_activation_checkpoint:train_matches_serial", mode):
+@pytest.mark.parametrize("mode,offload", [("full", False), ("selective", False), ("selective", True)])
+def test_checkpointed_training_matches_serial_over_gloo(gloo, mode, offload):
+    for r in gloo(4).run("tests.gloo.jobs_activation_checkpoint:train_matches_serial", mode, offload=offload):
         assert r["max_rel"] < 1e-5, r
         for got, want in r["losses"]:
             assert abs(got - want) < 1e-5 * max(1.0, abs(want))
@@ -17,7 +17,8 @@ def test_checkpointed_training_matches_serial_over_gloo(gloo, mode):
 def test_bench_quick_memory_per_rank_and_model(gloo):
     """bench/bench_activation_checkpoint.py at tiny sizes on 4 gloo ranks: full keeps at most 0.55
     of none's peak, selective lies between, and the model's activations are within 15% of the
-    bytes alive after the forward."""
+    bytes alive after the forward; offloading moves the selective policy's kept outputs (and the
+    blocks' inputs) to host bytes: fewer device bytes held, the host bytes as the model says."""
     from bench import bench_activation_checkpoint as bench
     from bench import common
 
@@ -27,3 +28,9 @@ def test_bench_quick_memory_per_rank_and_model(gloo):
     assert got["full"]["peak"] < got["selective"]["peak"] < got["none"]["peak"]
     for policy, r in got.items():
         assert abs(r["model_held"] / r["held"] - 1) < 0.15, (policy, r)
+    for policy in ("full", "selective"):
+        plain, off = got[policy], got[policy + "+offload"]
+        assert plain["host"] == 0 < off["host"] and off["held"] < plain["held"], (plain, off)
+        assert abs(off["model_host"] / off["host"] - 1) < 0.15, (policy, off)
+        # what left the device is what arrived on the host
+        assert abs((plain["held"] - off["held"]) / off["host"] - 1) < 0.15, (plain, off)

@@ -135,10 +135,42 @@ def test_every_and_pattern_choose_blocks():
     plan.check(*gpt_batch())
 
 
-def test_offload_equals_serial():
-    ac = ap.ActivationCheckpoint("full", offload=True)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_equals_serial(mode):
+    ac = ap.ActivationCheckpoint(mode, offload=True)
     plan = gpt_plan("dp2xtp2", model=dropout_gpt(), activation_checkpoint=ac, rng="serial")
+    assert "offloaded to host memory" in str(plan)
     plan.check(*gpt_batch())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_moves_the_kept_bytes_to_the_host(mode):
+    """offload=True: what a region keeps (its inputs; under the selective policy the matmul,
+    attention and collective outputs too) leaves the device bytes and is held as host copies
+    (LiveBytes.host), as many bytes as the model's ``offloaded``; the device bytes fall by as
+    much, within the model's 15%."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    def held(module, *a):
+        with LiveBytes() as mem:
+            out = module(*a)
+            got = (mem.live, mem.host)
+        loss_of(out).backward()
+        return got
+
+    batch = gpt_batch(seq=16)
+    got = {}
+    for offload in (False, True):
+        ac = ap.ActivationCheckpoint(mode, offload=offload)
+        plan = gpt_plan("dp2", model=dropout_gpt(), activation_checkpoint=ac, batch=batch)
+        got[offload] = plan.simulate(held, *batch)[0], plan.memory_per_rank(0)
+    (device, host), model = got[True]
+    (device_before, none), model_before = got[False]
+    assert none == 0 and "offloaded" not in model_before
+    assert host > 0 and host == pytest.approx(model["offloaded"], rel=0.15)
+    assert device_before - device == pytest.approx(host, rel=0.15)
+    assert model_before["activations"] - model["activations"] == pytest.approx(model["offloaded"], rel=0.15)
+    assert model["activations"] == pytest.approx(device, rel=0.15)
 
 
 class BNBlock(nn.Module):
