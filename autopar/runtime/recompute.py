@@ -88,7 +88,14 @@ def _all(*contexts):
 
 
 def _activation(a) -> bool:
-    return isinstance(a, torch.Tensor) and a.is_floating_point() and a.grad_fn is not None
+    """A tensor autograd made in this step (an input an offloading region moves to the host); not a
+    parameter, though a gather made it (zero=3's gathered blocks: marked ``autopar_parameter``)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and a.is_floating_point()
+        and a.grad_fn is not None
+        and not getattr(a, "autopar_parameter", False)
+    )
 
 
 class _Moved:

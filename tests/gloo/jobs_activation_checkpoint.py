@@ -16,10 +16,10 @@ def _model():
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1)).train()
 
 
-def train_matches_serial(mode, steps=2, lr=0.2, offload=False):
+def train_matches_serial(mode, steps=2, lr=0.2, offload=False, zero=0):
     """Train the dropout GPT checkpointed (dp x tp, rng='serial'; ``offload``: kept tensors in
-    host memory) and the serial model with the same seeds; returns the worst relative parameter
-    difference and the losses."""
+    host memory; ``zero``: the dp axis's ZeRO level) and the serial model with the same seeds;
+    returns the worst relative parameter difference and the losses."""
     rank = dist.get_rank()
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
     module = ap.parallelize(
@@ -27,7 +27,7 @@ def train_matches_serial(mode, steps=2, lr=0.2, offload=False):
         mesh,
         args=gpt_batch(),
         annotations=MEGATRON,
-        data_parallel="dp",
+        data_parallel=ap.DataParallel("dp", zero=zero),
         rng="serial",
         activation_checkpoint=ap.ActivationCheckpoint(mode, offload=offload),
     )

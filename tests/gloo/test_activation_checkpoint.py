@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize("mode,offload", [("full", False), ("selective", False), ("selective", True)])
-def test_checkpointed_training_matches_serial_over_gloo(gloo, mode, offload):
-    for r in gloo(4).run("tests.gloo.jobs_activation_checkpoint:train_matches_serial", mode, offload=offload):
+@pytest.mark.parametrize(
+    "mode,offload,zero", [("full", False, 0), ("selective", False, 0), ("selective", True, 0), ("full", False, 3)]
+)
+def test_checkpointed_training_matches_serial_over_gloo(gloo, mode, offload, zero):
+    """zero=3: the recompute gathers the block again (tests/simulated/test_activation_checkpoint.py
+    counts the gathers and the bytes held)."""
+    job = "tests.gloo.jobs_activation_checkpoint:train_matches_serial"
+    for r in gloo(4).run(job, mode, offload=offload, zero=zero):
         assert r["max_rel"] < 1e-5, r
         for got, want in r["losses"]:
             assert abs(got - want) < 1e-5 * max(1.0, abs(want))

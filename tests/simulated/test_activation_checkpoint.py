@@ -323,3 +323,72 @@ def test_zero3_gathers_stay_out_of_regions(ac):
     ac = ap.ActivationCheckpoint(ac.mode, pattern="*")
     plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(x,), data_parallel=dp, activation_checkpoint=ac)
     plan.check(x)
+
+
+@pytest.mark.parametrize("mesh", ["dp2", "dp2xtp2"])
+@pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])
+def test_zero3_frees_the_gathered_block_after_the_region_and_regathers_it_once(mesh, ac):
+    """zero=3 with checkpointing (as FSDP2 + AC): a region does not hold its gathered block until
+    backward: after the forward the step holds what zero=0 holds (the checkpoint's kept inputs that
+    live in a gathered flat are packed as (bucket, view)); the recompute gathers the block again,
+    and backward uses that same gather: each bucket is gathered twice a step, as without
+    checkpointing (the backward re-gather is the collective that must run again; no other does).
+    Outputs and every gradient equal serial."""
+    from autopar.parallel.fsdp_layout import buckets_cached
+    from autopar.runtime.live_bytes import LiveBytes
+    from tests.harness.meshes import MESHES
+    from tests.harness.models import MEGATRON
+
+    spec, batch = MESHES[mesh], gpt_batch(seq=16)
+
+    def held(module, *a):
+        with LiveBytes() as mem:
+            out = module(*a)
+            got = mem.live
+        loss_of(out).backward()
+        return got
+
+    got = {}
+    for zero, checkpoint in [(0, ac), (3, ac), (3, None)]:
+        plan = ap.plan(
+            dropout_gpt(layers=3),
+            spec.mesh(),
+            args=batch,
+            annotations=MEGATRON if "tp" in spec.axes else {},
+            data_parallel=ap.DataParallel("dp", zero=zero),
+            activation_checkpoint=checkpoint,
+            rng="serial",
+        )
+        with ap.comm_stats() as stats:
+            got[zero, checkpoint] = plan.simulate(held, *batch)[0]
+        if zero == 3:
+            gathers = stats.counts(rank=0, mesh=plan.mesh).get(("all_gather", "dp"), 0)
+            assert gathers == 2 * len(buckets_cached(plan)), (gathers, checkpoint)
+            if checkpoint is not None:
+                plan.check(*batch)
+    assert got[3, ac] == got[0, ac] < got[3, None]
+
+
+def test_offload_under_zero3_moves_activations_not_the_gathered_parameters():
+    """A region's gathered parameters are inputs autograd made (the gather's outputs), but
+    parameters: offload leaves them to zero=3 (freed after the region, gathered again), so the
+    host holds what it holds under zero=0, as the model says."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    def held(module, *a):
+        with LiveBytes() as mem:
+            out = module(*a)
+            got = (mem.live, mem.host)
+        loss_of(out).backward()
+        return got
+
+    batch, got = gpt_batch(seq=16), {}
+    for zero in (0, 3):
+        ac = ap.ActivationCheckpoint("selective", offload=True)
+        dp = ap.DataParallel("dp", zero=zero)
+        plan = ap.plan(
+            dropout_gpt(), ap.Mesh((2,), ("dp",)), args=batch, data_parallel=dp, activation_checkpoint=ac, rng="serial"
+        )
+        got[zero] = plan.simulate(held, *batch)[0]
+    assert got[3] == got[0] and got[3][1] == pytest.approx(plan.memory_per_rank(0)["offloaded"], rel=0.15)
+    plan.check(*batch)
