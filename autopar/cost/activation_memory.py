@@ -8,7 +8,8 @@ A saved tensor counts once (two consumers saving the same activation hold one st
 outputs (the logits a loss reads) count too: the caller holds them.
 
 Where the runtime differs from the op autograd would run, the table below says what is kept:
-autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), and CPU/GPU
+autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), a dropout of
+p == 0 returns its input (no mask, no new tensor: it counts as a view), and CPU/GPU
 attention kernels (flash, efficient, the CPU flash kernel) keep q, k, v, the output and the
 log-sum-exp rows, never the s x s matrix the meta device's math path would.
 
@@ -162,9 +163,10 @@ def base_of(node: fx.Node) -> tuple[fx.Node, int]:
                 node = _tensor_args(src)[0]
                 continue
             return src, node.args[1]
-        if node.op == "call_function" and op_traits(node.target).work is VIEW and _tensor_args(node):
-            node = _tensor_args(node)[0]
-            continue
+        if node.op == "call_function" and (op_traits(node.target).work is VIEW or identity_dropout(node)):
+            if _tensor_args(node):
+                node = _tensor_args(node)[0]
+                continue
         return node, 0
 
 
@@ -172,9 +174,22 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
+def identity_dropout(node: fx.Node) -> bool:
+    """A dropout that returns its input (p == 0, or traced with train=False): ATen's dropout
+    then makes no mask and no new tensor (on the CPU and on CUDA alike), and autopar's lowering
+    calls it as it is (sharding/lowerings/train_modes.py)."""
+    if node.target not in DROPOUT_OPS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return p == 0 or train is False
+
+
 def _kept(node: fx.Node, probes: dict) -> list[tuple]:
     """What ``node``'s backward keeps: ("in", i) its i-th tensor input, ("out", j) its j-th
     output, ("own", 0, f, ref) a tensor of f times the bytes of its largest tensor ``ref``."""
+    if identity_dropout(node):
+        return []
     if node.target in DROPOUT_OPS:
         return [("own", 0, 1.0, ("out", 0))]  # autopar's x * mask keeps the mask, in x's dtype
     if node.target in ATTENTION_OPS:  # q, k, v, out; logsumexp is (B, H, L) fp32: about out / D

@@ -154,12 +154,18 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
     return {k: simplify(sympy.sympify(v)) for k, v in out.items()}
 
 
-def activation_terms(plan, sy) -> dict:
-    """``activations`` (and ``recompute`` under checkpointing) as numbers or formulas of ``sy``,
-    as the plan's techniques change them: what ap.predict and memory_per_rank add."""
+def activation_terms(plan, sy, rank: int | None = None, whole_model: bool = False) -> dict:
+    """``activations`` (and ``recompute`` under checkpointing, ``offloaded`` in host memory) as
+    numbers or formulas of ``sy``, as the plan's techniques change them: what ap.predict and
+    memory_per_rank add. Where a rank runs part of the model (pipeline stages), ``rank``'s share
+    (None: the rank that holds the most); ``whole_model``: the whole model's at the whole batch
+    (the search scales those by the techniques' step shares itself)."""
     out = {"activations": activation_bytes(plan, sy)}
     for technique in plan.options.techniques:  # activation checkpointing keeps fewer
         out = technique.activations(plan, sy, out)
+    if not whole_model:
+        for technique in plan.options.techniques:  # a pipeline rank holds its stages' only
+            out = technique.rank_activations(plan, sy, out, rank)
     return out
 
 

@@ -57,3 +57,35 @@ def train_matches_serial(mode, steps=2, lr=0.2, offload=False, zero=0):
         "max_rel": max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters())),
         "losses": losses,
     }
+
+
+def pipeline_memory(schedule, checkpoint=False, microbatches=4):
+    """A 4-block GPT on 4 pipeline ranks: the bytes this rank holds after each of its forwards
+    (LiveBytes: what its in-flight micro-batches keep), the most of them, against the model's
+    ``memory_per_rank(rank)["activations"]`` (its stage, its schedule's micro-batches in flight)."""
+    from autopar.runtime.live_bytes import LiveBytes
+    from tests.harness.models import small_gpt
+
+    rank = dist.get_rank()
+    batch = gpt_batch(batch=8, seq=16)
+    pipe = ap.Pipeline("pp", microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    plan = ap.plan(small_gpt(layers=4), ap.Mesh((4,), ("pp",)), args=batch, pipeline=pipe)
+    runner = plan.pipeline_runner(rank)
+    runner.step(batch)  # warm-up: gradients allocated
+    forward, held = runner._forward, []
+    with LiveBytes() as mem:
+
+        def counted(*a, **k):
+            forward(*a, **k)
+            held.append(mem.live)
+
+        runner._forward = counted
+        runner.step(batch)
+    runner._forward = forward
+    predicted = plan.memory_per_rank(rank)
+    return {
+        "held": max(held),
+        "model": predicted["activations"],
+        "in_flight": runner.stats["max_in_flight"],
+        "cost": plan.cost().at()["memory"]["activations"],
+    }

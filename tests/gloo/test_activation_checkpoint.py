@@ -39,3 +39,18 @@ def test_bench_quick_memory_per_rank_and_model(gloo):
         assert abs(off["model_host"] / off["host"] - 1) < 0.15, (policy, off)
         # what left the device is what arrived on the host
         assert abs((plain["held"] - off["held"]) / off["host"] - 1) < 0.15, (plain, off)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_memory_per_rank_counts_its_stage_and_micro_batches(gloo, schedule):
+    """memory_per_rank(rank) of a pipelined plan: the rank's own stage's activations at the
+    micro-batch's size, times the micro-batches its schedule keeps in flight (1F1B: 4 - r on
+    rank r; GPipe: all 4), within 15% of the bytes LiveBytes sees held after the rank's forwards;
+    plan.cost() gives the rank that holds the most."""
+    got = gloo(4).run("tests.gloo.jobs_activation_checkpoint:pipeline_memory", schedule)
+    for rank, r in enumerate(got):
+        assert r["in_flight"] == (4 - rank if schedule == "1f1b" else 4), (rank, r)
+        assert abs(r["model"] / r["held"] - 1) < 0.15, (rank, r)
+    assert got[0]["cost"] == max(r["model"] for r in got)
+    if schedule == "1f1b":  # the first stage holds the most micro-batches
+        assert got[0]["model"] > got[-1]["model"]
