@@ -131,7 +131,8 @@ def measure_step(forward, cuda: bool = False) -> dict:
         return {"held": held, "peak": peak, "host": host, "s": time.perf_counter() - t0}
     t0 = time.perf_counter()
     with LiveBytes() as mem:
-        loss = forward()
+        loss = forward()  # the loss kept, the model's other outputs dropped (a training loop)
+        mem.refresh()  # what died after the last op (those outputs) counted out
         held, host = mem.live, mem.host
         loss.backward()
     return {"held": held, "peak": mem.peak, "host": host, "s": time.perf_counter() - t0}

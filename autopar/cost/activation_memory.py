@@ -5,7 +5,8 @@ Each op of the plan's graph is run once on the meta device at its traced sizes u
 its inputs, which of its outputs, and any other tensor (a norm's mean and rstd, a max's indices).
 A saved tensor counts once (two consumers saving the same activation hold one storage), at its
 *producer's* local size on a rank (a view counts as its base, whose storage it keeps). The model
-outputs (the logits a loss reads) count too: the caller holds them.
+outputs (the logits a loss reads) count too: the caller holds them; not when the model returns
+its own loss (the caller keeps the loss and drops the rest: ``held_outputs``).
 
 Where the runtime differs from the op autograd would run, the table below says what is kept:
 autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), a dropout of
@@ -82,14 +83,27 @@ def saved_activations(plan) -> list[Saved]:
 
 
 def held_outputs(plan) -> list[tuple[str, int]]:
-    """The model's outputs that are activations (the caller holds them: logits a loss reads)."""
+    """The model's outputs that are activations the caller holds: the logits its loss reads.
+    A model that returns its own loss (a 0-dim float output) is not counted for the others: the
+    caller keeps the loss and drops the rest before backward (HF's Trainer, torchtitan's ``del
+    pred``, the benches), and what backward needs of them is in the saved tensors already.
+    Measured: on an H100 the HF LLaMA's 500 MiB of bf16 logits were the whole of the model's
+    over-count (bench/gpu_activation_memory.py, docs/activation_checkpointing.md)."""
     out_node = next(n for n in plan.graph.nodes if n.op == "output")
+    leaves = [v for v in torch.utils._pytree.tree_leaves(out_node.args[0]) if isinstance(v, fx.Node)]
+    if any(_is_loss(v) for v in leaves):
+        return []
     held = []
-    for v in torch.utils._pytree.tree_leaves(out_node.args[0]):
-        if isinstance(v, fx.Node) and v.op == "call_function":
+    for v in leaves:
+        if v.op == "call_function":
             base, idx = base_of(v)
             held.append((base.name, idx))
     return held
+
+
+def _is_loss(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
 
 
 def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False):

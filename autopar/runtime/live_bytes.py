@@ -24,6 +24,7 @@ Example:
     >>> with LiveBytes(base=bytes_of(module.parameters())) as mem:
     ...     loss_fn(module(x)).backward(); opt.step()
     >>> mem.peak
+    >>> mem.refresh().live        # bytes alive now (``live`` is as of the last op)
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.base + self.live)
         self.host_peak = max(self.host_peak, self.host)
         return out
+
+    def refresh(self) -> "LiveBytes":
+        """Count again now: ``live`` and ``host`` are as of the last op, and what died since
+        (a model's outputs the caller dropped after the last op) is still in them."""
+        self.live, self.host = self._live(), self._host()
+        return self
 
     def _live(self) -> int:
         # current sizes, not sizes at creation: a storage resized to 0 (FSDP2 frees its gathered

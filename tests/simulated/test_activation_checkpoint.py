@@ -153,9 +153,9 @@ def test_offload_moves_the_kept_bytes_to_the_host(mode):
 
     def held(module, *a):
         with LiveBytes() as mem:
-            out = module(*a)
-            got = (mem.live, mem.host)
-        loss_of(out).backward()
+            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits
+            got = (mem.refresh().live, mem.host)
+        loss.backward()
         return got
 
     batch = gpt_batch(seq=16)
@@ -246,9 +246,9 @@ def test_memory_model_against_the_allocator(ac):
 
     def held(module, *a):
         with LiveBytes() as mem:
-            out = module(*a)
-            got = mem.live
-        loss_of(out).backward()
+            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits (a training loop)
+            got = mem.refresh().live
+        loss.backward()
         return got
 
     # dp only: simulated ranks share the results of tp collectives across threads, which blurs a
@@ -377,9 +377,9 @@ def test_offload_under_zero3_moves_activations_not_the_gathered_parameters():
 
     def held(module, *a):
         with LiveBytes() as mem:
-            out = module(*a)
-            got = (mem.live, mem.host)
-        loss_of(out).backward()
+            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits
+            got = (mem.refresh().live, mem.host)
+        loss.backward()
         return got
 
     batch, got = gpt_batch(seq=16), {}
@@ -390,5 +390,6 @@ def test_offload_under_zero3_moves_activations_not_the_gathered_parameters():
             dropout_gpt(), ap.Mesh((2,), ("dp",)), args=batch, data_parallel=dp, activation_checkpoint=ac, rng="serial"
         )
         got[zero] = plan.simulate(held, *batch)[0]
-    assert got[3] == got[0] and got[3][1] == pytest.approx(plan.memory_per_rank(0)["offloaded"], rel=0.15)
+    assert got[3][1] == got[0][1] and got[3][0] == pytest.approx(got[0][0], abs=64)  # a scalar's timing
+    assert got[3][1] == pytest.approx(plan.memory_per_rank(0)["offloaded"], rel=0.15)
     plan.check(*batch)
