@@ -16,7 +16,7 @@ processes; rank 0 reports. Per rank, ``measure_step`` records:
 On the CPU both come from autopar/runtime/live_bytes.LiveBytes (a dispatch mode seeing every
 storage an op makes, alive until it dies: torch keeps no allocator statistics on the CPU); on
 CUDA from torch.cuda.memory_allocated / max_memory_allocated. The model's prediction is
-``memory_per_rank``'s ``activations`` (and ``+ recompute`` for the peak).
+``memory_per_rank``'s ``activations`` (and ``+ recompute + backward`` for the peak).
 
 Example:
     $ python -m bench.run --only activation_checkpoint
@@ -158,7 +158,7 @@ def ac_job(kind, quick, policy, steps=3) -> dict:
     mem = plan.memory_per_rank(rank)
     return out[-1] | {
         "model_held": mem["activations"],
-        "model_peak": mem["activations"] + mem.get("recompute", 0),
+        "model_peak": mem["activations"] + mem.get("recompute", 0) + mem.get("backward", 0),
         "model_host": mem.get("offloaded", 0),
     }
 
@@ -203,7 +203,7 @@ TARGETS = {
     "full+offload": "below full",
     "selective+offload": "below selective",
 }
-PEAK_NOTE = " (the model's peak leaves out backward's temporaries and gradients)"
+PEAK_NOTE = " (the model's peak: activations + recompute + the loss's backward)"
 
 
 def _off(model, measured) -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from autopar.sharding.propagate import layout_of, tensor_outputs
+from autopar.trace.module_paths import module_paths
 from autopar.sharding.rules import VIEW, op_traits
 
 aten = torch.ops.aten
@@ -148,6 +149,27 @@ def activation_bytes(plan, sy, saves: list[Saved] | None = None, with_outputs: b
     """Bytes the kept tensors ``saves`` (default: all of the plan's) hold on one rank, each
     storage once, plus the model's outputs."""
     return sum(bytes_by_node(plan, sy, saves, with_outputs).values(), 0)
+
+
+def loss_backward_bytes(plan, sy):
+    """What backward's first steps hold beside the kept tensors: at the loss, the gradient of its
+    largest kept tensor and the gradient of that tensor's input, alive at once (a cross entropy's
+    fp32 log-softmax: its gradient, then the logits' gradient, before the first is freed): two
+    tensors of the largest tensor the ops after the repeated blocks keep (the head and the loss;
+    the whole model's largest without repeated blocks). Measured on an H100 (bench/RESULTS.md,
+    GPU section): the HF LLaMA's peak is its held bytes + 2000 MiB (2 x its 1000 MiB log-softmax)
+    under none, full and selective checkpointing alike; the GPT's none and selective peaks, its
+    held bytes + 2 x its 64 MiB log-softmax."""
+    saves = saved_activations(plan)
+    nodes = list(plan.graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    found = plan.traced.repeated
+    if found is not None:
+        inside = [i for i, n in enumerate(nodes) if any(p.startswith(found.prefix + ".") for p in module_paths(n))]
+        if inside:
+            saves = [s for s in saves if index[s.consumer] > max(inside)]
+    sizes = [activation_bytes(plan, sy, [s], with_outputs=False) for s in saves]
+    return 2 * max(sizes, key=sy.value) if sizes else 0
 
 
 def _ref_bytes(plan, sy, s: Saved):

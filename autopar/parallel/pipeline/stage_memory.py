@@ -64,6 +64,9 @@ def _position_terms(plan, pipeline, sy, terms: dict, pos: int) -> dict:
         out["recompute"] = max(whole, key=sy.value)
     elif "recompute" in terms:  # checkpointed blocks inside the stage: one block, one micro-batch
         out["recompute"] = sympy.sympify(terms["recompute"]).xreplace(micro)
+    if "backward" in terms:  # the loss's backward: the last stage's, one micro-batch
+        last = any(st.has_output for st in mine)
+        out["backward"] = sympy.sympify(terms["backward"]).xreplace(micro) if last else sympy.Integer(0)
     if "offloaded" in terms:  # host copies, for each micro-batch in flight (the stages' share)
         share = sum(len(st.nodes) for st in mine) / max(1, sum(len(st.nodes) for st in lay.stages))
         most = schedules.max_in_flight(actions)
