@@ -41,8 +41,9 @@ _MINE = threading.local()
 def to_host(x: torch.Tensor) -> torch.Tensor:
     """A detached copy of ``x`` in host memory (pinned where CUDA exists), registered as host."""
     pinned = torch.cuda.is_available()
-    with _disable_current_modes(), torch.no_grad():
-        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pinned)
+    with _disable_current_modes(), torch.no_grad():  # x's strides kept: the recompute's ops (a
+        # reshape that copies a transposed tensor, not a contiguous one) must run as the forward's
+        host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=pinned)
         host.copy_(x.detach(), non_blocking=pinned)
     storage = host.untyped_storage()
     _HOST[id(storage)] = storage
@@ -51,10 +52,10 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` copied back to ``device`` (differentiable; on the CPU a new storage, as on a GPU)."""
-    if device.type == "cpu":
-        return host.clone()
-    return host.to(device, non_blocking=True)
+    """``host`` copied back to ``device`` with its strides (differentiable; on the CPU a new
+    storage, as on a GPU)."""
+    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    return out.copy_(host, non_blocking=device.type != "cpu")
 
 
 def is_host(storage) -> bool:

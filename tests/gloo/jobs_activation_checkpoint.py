@@ -77,7 +77,7 @@ def pipeline_memory(schedule, checkpoint=False, microbatches=4):
 
         def counted(*a, **k):
             forward(*a, **k)
-            held.append(mem.live)
+            held.append(mem.refresh().live)  # what the forward dropped after its last op counted out
 
         runner._forward = counted
         runner.step(batch)

@@ -51,6 +51,6 @@ def test_pipeline_memory_per_rank_counts_its_stage_and_micro_batches(gloo, sched
     for rank, r in enumerate(got):
         assert r["in_flight"] == (4 - rank if schedule == "1f1b" else 4), (rank, r)
         assert abs(r["model"] / r["held"] - 1) < 0.15, (rank, r)
-    assert got[0]["cost"] == max(r["model"] for r in got)
+    assert got[0]["cost"] == pytest.approx(max(r["model"] for r in got))
     if schedule == "1f1b":  # the first stage holds the most micro-batches
         assert got[0]["model"] > got[-1]["model"]

@@ -393,3 +393,17 @@ def test_offload_under_zero3_moves_activations_not_the_gathered_parameters():
     assert got[3][1] == got[0][1] and got[3][0] == pytest.approx(got[0][0], abs=64)  # a scalar's timing
     assert got[3][1] == pytest.approx(plan.memory_per_rank(0)["offloaded"], rel=0.15)
     plan.check(*batch)
+
+
+def test_offload_keeps_strides_hf_llama():
+    """An HF LLaMA's attention reshapes a transposed tensor (a copy); its host copy must keep the
+    strides, or the selective recompute copies where the forward did not and torch refuses the
+    cache (found by the bench); equal serial, full and selective."""
+    from bench.bench_activation_checkpoint import llama
+
+    model, (ids, labels), _, _ = llama(True)
+    for mode in ("selective", "full"):
+        ac = ap.ActivationCheckpoint(mode, offload=True)
+        kw = {"input_ids": ids, "labels": labels}
+        plan = ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs=kw, data_parallel="dp", activation_checkpoint=ac)
+        plan.check(**kw)
