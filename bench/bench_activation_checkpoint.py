@@ -8,12 +8,15 @@ processes; rank 0 reports. Per rank, ``measure_step`` records:
 - ``held``: bytes alive right after the forward among the tensors the step made: what autograd
   keeps for backward plus the outputs (the model's ``activations``);
 - ``peak``: the most bytes alive at once over forward + backward (gradients preallocated by a
-  warm-up step, so that what is counted is activations, recompute and backward temporaries).
+  warm-up step, so that what is counted is activations, recompute and backward temporaries);
+- ``host``: under ``offload=True``, the bytes of the host copies alive after the forward
+  (runtime/offload.py; on the CPU a separate storage all the same), held against the model's
+  ``offloaded``; ``held`` and ``peak`` leave them out.
 
 On the CPU both come from autopar/runtime/live_bytes.LiveBytes (a dispatch mode seeing every
 storage an op makes, alive until it dies: torch keeps no allocator statistics on the CPU); on
 CUDA from torch.cuda.memory_allocated / max_memory_allocated. The model's prediction is
-``memory_per_rank``'s ``activations`` (and ``+ recompute`` for the peak).
+``memory_per_rank``'s ``activations`` (and ``+ recompute + backward`` for the peak).
 
 Example:
     $ python -m bench.run --only activation_checkpoint
@@ -32,9 +35,16 @@ import torch
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.runtime.live_bytes import LiveBytes
+from autopar.runtime.offload import host_storages
 from bench.common import alternate, median_ratio, ms, pool, row
 
-POLICIES = {"none": None, "full": ap.ActivationCheckpoint("full"), "selective": ap.ActivationCheckpoint("selective")}
+POLICIES = {
+    "none": None,
+    "full": ap.ActivationCheckpoint("full"),
+    "selective": ap.ActivationCheckpoint("selective"),
+    "full+offload": ap.ActivationCheckpoint("full", offload=True),
+    "selective+offload": ap.ActivationCheckpoint("selective", offload=True),
+}
 MEGATRON = {
     "blocks.*.attn.qkv": ap.colwise("tp"),
     "blocks.*.attn.proj": ap.rowwise("tp"),
@@ -114,15 +124,18 @@ def measure_step(forward, cuda: bool = False) -> dict:
         t0 = time.perf_counter()
         loss = forward()
         held = torch.cuda.memory_allocated() - base
+        host = sum(s.nbytes() for s in host_storages())
         loss.backward()
         torch.cuda.synchronize()
-        return {"held": held, "peak": torch.cuda.max_memory_allocated() - base, "s": time.perf_counter() - t0}
+        peak = torch.cuda.max_memory_allocated() - base
+        return {"held": held, "peak": peak, "host": host, "s": time.perf_counter() - t0}
     t0 = time.perf_counter()
     with LiveBytes() as mem:
-        loss = forward()
-        held = mem.live
+        loss = forward()  # the loss kept, the model's other outputs dropped (a training loop)
+        mem.refresh()  # what died after the last op (those outputs) counted out
+        held, host = mem.live, mem.host
         loss.backward()
-    return {"held": held, "peak": mem.peak, "s": time.perf_counter() - t0}
+    return {"held": held, "peak": mem.peak, "host": host, "s": time.perf_counter() - t0}
 
 
 def ac_job(kind, quick, policy, steps=3) -> dict:
@@ -145,7 +158,8 @@ def ac_job(kind, quick, policy, steps=3) -> dict:
     mem = plan.memory_per_rank(rank)
     return out[-1] | {
         "model_held": mem["activations"],
-        "model_peak": mem["activations"] + mem.get("recompute", 0),
+        "model_peak": mem["activations"] + mem.get("recompute", 0) + mem.get("backward", 0),
+        "model_host": mem.get("offloaded", 0),
     }
 
 
@@ -182,8 +196,14 @@ def step_times(kind, quick) -> dict:
 
 
 NAME = "activation_checkpoint"
-TARGETS = {"none": "", "full": "<= 0.55", "selective": "between full and none"}
-PEAK_NOTE = " (the model's peak leaves out backward's temporaries and gradients)"
+TARGETS = {
+    "none": "",
+    "full": "<= 0.55",
+    "selective": "between full and none",
+    "full+offload": "below full",
+    "selective+offload": "below selective",
+}
+PEAK_NOTE = " (the model's peak: activations + recompute + the loss's backward)"
 
 
 def _off(model, measured) -> str:
@@ -214,6 +234,9 @@ def run(quick: bool) -> list[dict]:
                 row(NAME, c, "held MB (measured / model)", held, "within 15%", _off(r["model_held"], r["held"])),
                 row(NAME, c, "peak MB (measured / model)", peak, "", _off(r["model_peak"], r["peak"]) + PEAK_NOTE),
             ]
+            if r["model_host"] or r["host"]:
+                host = f"{r['host'] / 1e6:.3f} / {r['model_host'] / 1e6:.3f}"
+                rows.append(row(NAME, c, "host MB (measured / model)", host, "", _off(r["model_host"], r["host"])))
     return rows
 
 

@@ -117,4 +117,6 @@ def cases(draw, pool: int = 12) -> dict:
         case["zero"] = draw(st.sampled_from([0, 0, 3]))  # a third of the dp cases fully sharded
     # activation checkpointing of every block, two cases in five (drawn last, as zero)
     case["checkpoint"] = draw(st.sampled_from([None, None, None, "full", "selective"]))
+    if case["checkpoint"]:  # kept tensors in host memory, half the checkpointed cases (drawn last)
+        case["offload"] = draw(st.booleans())
     return case

@@ -155,6 +155,10 @@ def check_bf16(case, plan, args) -> None:
             obj.backward()
         return out, {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
+    # the policy's program (a trace in the low dtype) made here, not lazily by the first rank thread
+    # under run_ranks' timeout: on a loaded machine the trace outlived it, and the abandoned
+    # thread's torch.export then broke the next case's serial run (a fake tensor in its forward)
+    policy.program  # noqa: B018
     results = run_ranks(policy.mesh.size, step)
     merged = policy.merge_outputs([r[0] for r in results])
     _compare("bf16 output", serial_out.float().detach(), merged.float(), BF16_RTOL, BF16_ATOL)

@@ -5,10 +5,12 @@ Each op of the plan's graph is run once on the meta device at its traced sizes u
 its inputs, which of its outputs, and any other tensor (a norm's mean and rstd, a max's indices).
 A saved tensor counts once (two consumers saving the same activation hold one storage), at its
 *producer's* local size on a rank (a view counts as its base, whose storage it keeps). The model
-outputs (the logits a loss reads) count too: the caller holds them.
+outputs (the logits a loss reads) count too: the caller holds them; not when the model returns
+its own loss (the caller keeps the loss and drops the rest: ``held_outputs``).
 
 Where the runtime differs from the op autograd would run, the table below says what is kept:
-autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), and CPU/GPU
+autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), a dropout of
+p == 0 returns its input (no mask, no new tensor: it counts as a view), and CPU/GPU
 attention kernels (flash, efficient, the CPU flash kernel) keep q, k, v, the output and the
 log-sum-exp rows, never the s x s matrix the meta device's math path would.
 
@@ -26,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from autopar.sharding.propagate import layout_of, tensor_outputs
+from autopar.trace.module_paths import module_paths
 from autopar.sharding.rules import VIEW, op_traits
 
 aten = torch.ops.aten
@@ -81,14 +84,27 @@ def saved_activations(plan) -> list[Saved]:
 
 
 def held_outputs(plan) -> list[tuple[str, int]]:
-    """The model's outputs that are activations (the caller holds them: logits a loss reads)."""
+    """The model's outputs that are activations the caller holds: the logits its loss reads.
+    A model that returns its own loss (a 0-dim float output) is not counted for the others: the
+    caller keeps the loss and drops the rest before backward (HF's Trainer, torchtitan's ``del
+    pred``, the benches), and what backward needs of them is in the saved tensors already.
+    Measured: on an H100 the HF LLaMA's 500 MiB of bf16 logits were the whole of the model's
+    over-count (bench/gpu_activation_memory.py, docs/activation_checkpointing.md)."""
     out_node = next(n for n in plan.graph.nodes if n.op == "output")
+    leaves = [v for v in torch.utils._pytree.tree_leaves(out_node.args[0]) if isinstance(v, fx.Node)]
+    if any(_is_loss(v) for v in leaves):
+        return []
     held = []
-    for v in torch.utils._pytree.tree_leaves(out_node.args[0]):
-        if isinstance(v, fx.Node) and v.op == "call_function":
+    for v in leaves:
+        if v.op == "call_function":
             base, idx = base_of(v)
             held.append((base.name, idx))
     return held
+
+
+def _is_loss(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
 
 
 def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False):
@@ -135,6 +151,27 @@ def activation_bytes(plan, sy, saves: list[Saved] | None = None, with_outputs: b
     return sum(bytes_by_node(plan, sy, saves, with_outputs).values(), 0)
 
 
+def loss_backward_bytes(plan, sy):
+    """What backward's first steps hold beside the kept tensors: at the loss, the gradient of its
+    largest kept tensor and the gradient of that tensor's input, alive at once (a cross entropy's
+    fp32 log-softmax: its gradient, then the logits' gradient, before the first is freed): two
+    tensors of the largest tensor the ops after the repeated blocks keep (the head and the loss;
+    the whole model's largest without repeated blocks). Measured on an H100 (bench/RESULTS.md,
+    GPU section): the HF LLaMA's peak is its held bytes + 2000 MiB (2 x its 1000 MiB log-softmax)
+    under none, full and selective checkpointing alike; the GPT's none and selective peaks, its
+    held bytes + 2 x its 64 MiB log-softmax."""
+    saves = saved_activations(plan)
+    nodes = list(plan.graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    found = plan.traced.repeated
+    if found is not None:
+        inside = [i for i, n in enumerate(nodes) if any(p.startswith(found.prefix + ".") for p in module_paths(n))]
+        if inside:
+            saves = [s for s in saves if index[s.consumer] > max(inside)]
+    sizes = [activation_bytes(plan, sy, [s], with_outputs=False) for s in saves]
+    return 2 * max(sizes, key=sy.value) if sizes else 0
+
+
 def _ref_bytes(plan, sy, s: Saved):
     """Local bytes of the tensor an own saved tensor is sized after (a loss's log-softmax after
     its logits input, not after the scalar it returns)."""
@@ -162,9 +199,10 @@ def base_of(node: fx.Node) -> tuple[fx.Node, int]:
                 node = _tensor_args(src)[0]
                 continue
             return src, node.args[1]
-        if node.op == "call_function" and op_traits(node.target).work is VIEW and _tensor_args(node):
-            node = _tensor_args(node)[0]
-            continue
+        if node.op == "call_function" and (op_traits(node.target).work is VIEW or identity_dropout(node)):
+            if _tensor_args(node):
+                node = _tensor_args(node)[0]
+                continue
         return node, 0
 
 
@@ -172,9 +210,22 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
+def identity_dropout(node: fx.Node) -> bool:
+    """A dropout that returns its input (p == 0, or traced with train=False): ATen's dropout
+    then makes no mask and no new tensor (on the CPU and on CUDA alike), and autopar's lowering
+    calls it as it is (sharding/lowerings/train_modes.py)."""
+    if node.target not in DROPOUT_OPS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return p == 0 or train is False
+
+
 def _kept(node: fx.Node, probes: dict) -> list[tuple]:
     """What ``node``'s backward keeps: ("in", i) its i-th tensor input, ("out", j) its j-th
     output, ("own", 0, f, ref) a tensor of f times the bytes of its largest tensor ``ref``."""
+    if identity_dropout(node):
+        return []
     if node.target in DROPOUT_OPS:
         return [("own", 0, 1.0, ("out", 0))]  # autopar's x * mask keeps the mask, in x's dtype
     if node.target in ATTENTION_OPS:  # q, k, v, out; logsumexp is (B, H, L) fp32: about out / D

@@ -9,7 +9,9 @@ Memory per rank: ``params`` and ``grads`` (trainable parameters' local pieces),
 ``optimizer`` (``optimizer_states`` fp32-sized copies of the trainable pieces, 2 for Adam),
 ``activations`` (the tensors autograd saves for backward and the model's outputs, each storage
 once, at its local size: cost/activation_memory.py; activation checkpointing keeps fewer and
-adds ``recompute``, one block's recompute at its peak). Time: per collective ``alpha * rounds + bytes / beta``
+adds ``recompute``, one block's recompute at its peak; ``backward``: what the loss's backward
+holds beyond that, two gradients of the loss's largest kept tensor, where they outweigh the
+recompute: activations + recompute + backward is the step's peak less the parameters' state). Time: per collective ``alpha * rounds + bytes / beta``
 (ring: 2(n-1) rounds for all-reduce, n-1 otherwise), compute ``flops / flops_per_s`` with
 backward counted as twice the forward; the total adds them (no overlap assumed).
 
@@ -27,9 +29,9 @@ from collections import defaultdict
 import sympy
 import torch
 
-from autopar.cost.activation_memory import activation_bytes
+from autopar.cost.activation_memory import activation_bytes, loss_backward_bytes
 from autopar.cost.collectives import collectives
-from autopar.cost.formulas import PlanSymbols, simplify
+from autopar.cost.formulas import Numbers, PlanSymbols, simplify
 from autopar.placement import Shard, is_uneven
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
@@ -154,13 +156,28 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
     return {k: simplify(sympy.sympify(v)) for k, v in out.items()}
 
 
-def activation_terms(plan, sy) -> dict:
-    """``activations`` (and ``recompute`` under checkpointing) as numbers or formulas of ``sy``,
-    as the plan's techniques change them: what ap.predict and memory_per_rank add."""
+def activation_terms(plan, sy, rank: int | None = None, whole_model: bool = False) -> dict:
+    """``activations`` (and ``recompute`` under checkpointing, ``offloaded`` in host memory) as
+    numbers or formulas of ``sy``, as the plan's techniques change them: what ap.predict and
+    memory_per_rank add. Where a rank runs part of the model (pipeline stages), ``rank``'s share
+    (None: the rank that holds the most); ``whole_model``: the whole model's at the whole batch
+    (the search scales those by the techniques' step shares itself)."""
     out = {"activations": activation_bytes(plan, sy)}
     for technique in plan.options.techniques:  # activation checkpointing keeps fewer
         out = technique.activations(plan, sy, out)
+    if any(plan.ctx.needs_grad.values()):  # the loss's backward, where it outweighs the recompute
+        out["backward"] = _beyond(loss_backward_bytes(plan, sy), out.get("recompute", 0), sy)
+    if not whole_model:
+        for technique in plan.options.techniques:  # a pipeline rank holds its stages' only
+            out = technique.rank_activations(plan, sy, out, rank)
     return out
+
+
+def _beyond(a, b, sy):
+    """max(0, a - b): numbers, or a formula where ``sy`` makes formulas."""
+    if isinstance(sy, Numbers):
+        return max(0.0, float(a) - float(b))
+    return sympy.Max(0, sympy.sympify(a) - sympy.sympify(b))
 
 
 def node_flops(node, sy: PlanSymbols) -> sympy.Expr:

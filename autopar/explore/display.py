@@ -152,6 +152,8 @@ def summary(plan, comms=None) -> str:
         f"  parameters per rank: {fmt_bytes(mem['params'])} (serial {fmt_bytes(mem['serial params'])})",
         f"  activations per rank: {fmt_bytes(mem['activations'])} (outputs kept for backward, upper bound)",
     ]
+    if "offloaded" in mem:
+        lines.append(f"  activations in host memory per rank: {fmt_bytes(mem['offloaded'])} (offloading checkpoints)")
     if "gathered" in mem:
         lines.append(
             f"  gathered per rank (zero=3): {fmt_bytes(mem['gathered'])} (blocks in use and prefetched, reduce buffers)"

@@ -1,13 +1,17 @@
 """What activation checkpointing keeps, in the cost model's terms (cost/activation_memory.py):
 the saved tensors of the ops outside the checkpointed blocks, each block's inputs, and under
 a selective policy the outputs of the ops it keeps; plus the recompute's peak: while one block's
-backward runs, the tensors its recompute made, less what the backwards before it freed.
+backward runs, the tensors its recompute made, less what the backwards before it freed. Under
+``offload=True`` a block's activation inputs and what its policy keeps are host bytes
+(``offloaded``), back on the device only during that block's backward.
 
 Example:
-    >>> kept, peak = checkpointed_saves(plan, ap.ActivationCheckpoint("full"))
+    >>> kept, redone, host = checkpointed_saves(plan, ap.ActivationCheckpoint("full", offload=True))
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -18,12 +22,14 @@ from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.propagate import layout_of
 
 
-def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Saved]]]:
-    """(the saves kept through the step, per block the saves its recompute makes again)."""
+def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Saved]], list[Saved]]:
+    """(the saves kept on the device through the step, per block the saves its recompute makes
+    again, the saves kept in host memory: under ``offload``, each block's activation inputs and
+    what its selective policy keeps; empty without it)."""
     blocks = set(plan.built[technique.name])
     nodes = {n.name: n for n in plan.graph.nodes}
     keep_ops = technique.graph_save_ops() if technique.mode == "selective" else frozenset()
-    kept, redone = [], {b: [] for b in blocks}
+    kept, redone, edges = [], {b: [] for b in blocks}, []
     for s in saved_activations(plan):
         block = block_of(nodes[s.consumer], blocks)
         if block is None:
@@ -31,17 +37,40 @@ def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Sav
             continue
         inside = s.producer is not None and block_of(nodes[s.producer], blocks) == block
         if not inside and s.producer is not None:
-            kept.append(s)  # the block's input: the checkpoint holds it
+            edges.append(s)  # the block's input: the checkpoint holds it
         elif nodes[s.producer or s.consumer].target in keep_ops:
-            kept.append(s)  # a selective policy keeps this op's outputs
+            edges.append(s)  # a selective policy keeps this op's outputs
         else:
             redone[block].append(s)
-    kept += _block_inputs(plan, blocks, nodes)
+    edges += _block_inputs(plan, blocks, nodes)
     # a selective policy stores every output of the ops it keeps, read by backward or not
-    kept += [Saved(n.name, n.name, 0) for n in plan.graph.nodes if n.target in keep_ops and block_of(n, blocks)]
+    # (consumer "<op>:cache": the policy's cache holds it, no backward op; alive in a recompute
+    # only while the recompute reads it, unless a backward op saves it too)
+    edges += [
+        Saved(f"{n.name}:cache", n.name, 0) for n in plan.graph.nodes if n.target in keep_ops and block_of(n, blocks)
+    ]
     if technique.mode == "selective":
-        kept += _collective_outputs(plan, blocks)
-    return kept, redone
+        edges += _collective_outputs(plan, blocks)
+    if not technique.offload:
+        return kept + edges, redone, []
+    host = [s for s in edges if _offloaded(s, nodes, blocks, plan.ctx.needs_grad.get)]
+    return kept + [s for s in edges if s not in host], redone, host
+
+
+def _offloaded(s: Saved, nodes: dict, blocks: set, plan_needs_grad) -> bool:
+    """Whether an offloading region keeps ``s`` in host memory (runtime/recompute.Region): its
+    inputs that autograd made (floating point, made outside the block with a gradient) and
+    everything its selective policy keeps (the tensors made inside it, collectives' outputs)."""
+    if s.producer is None or s.index == -1:
+        return True  # a kept op's own tensor (attention's log-sum-exp), a collective's output
+    block = block_of(nodes[s.consumer.split(":")[0]], blocks)
+    producer = nodes[s.producer]
+    if block_of(producer, blocks) == block:
+        return True
+    val = producer.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    v = vals[s.index] if s.index < len(vals) else None
+    return isinstance(v, torch.Tensor) and v.is_floating_point() and bool(plan_needs_grad(producer))
 
 
 def _collective_outputs(plan, blocks) -> list[Saved]:
@@ -80,27 +109,39 @@ def _block_inputs(plan, blocks, nodes) -> list[Saved]:
 
 def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
     """plan.cost()'s ``activations`` under checkpointing and ``recompute``: what the step's peak
-    adds to them. A block that draws random numbers also keeps a copy of the generator state
+    adds to them; with ``offload``, ``offloaded``: the bytes kept in host memory instead (not
+    device memory). A block that draws random numbers also keeps a copy of the generator state
     until its backward (the recompute starts from it: runtime/recompute.Region), a CPU
     generator's state in bytes."""
-    kept, redone = checkpointed_saves(plan, technique)
-    peak = recompute_peak(plan, technique, sy, kept, redone)
+    kept, redone, host = checkpointed_saves(plan, technique)
+    if technique.offload and technique.mode == "selective":
+        # every tensor of the block is on the device again in its recompute (what the policy kept
+        # copied back, the rest recomputed): as a full recompute's. Measured (the bench's five
+        # policies): selective+offload's peak equals full+offload's on all three models
+        full = dataclasses.replace(technique, mode="full", save=None)
+        peak = recompute_peak(plan, full, sy, *checkpointed_saves(plan, full))
+    else:
+        peak = recompute_peak(plan, technique, sy, kept, redone, host)
     blocks = set(plan.built[technique.name])
     drawing = {block_of(n, blocks) for n in plan.graph.nodes if n.op == "call_function" and _draws(n)} - {None}
     snapshots = len(drawing) * initial_state(0).numel()
-    return dict(terms, activations=activation_bytes(plan, sy, kept) + snapshots, recompute=peak)
+    out = dict(terms, activations=activation_bytes(plan, sy, kept) + snapshots, recompute=peak)
+    if technique.offload:
+        out["offloaded"] = activation_bytes(plan, sy, host, with_outputs=False)
+    return out
 
 
-def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict):
+def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict, host: list[Saved] = ()):
     """The most the recompute adds to the kept bytes at one moment: block b's backward holds what
-    its recompute made, while what the ops after it kept (the head and loss, the later blocks'
-    kept tensors) is already freed by their backwards. Backward's own temporaries (activation
-    gradients) are left out. 0 when no block's recompute outweighs what is freed before it."""
+    its recompute made (and, offloaded, what it kept in host memory, moved back), while what the
+    ops after it kept on the device (the head and loss, the later blocks' kept tensors) is
+    already freed by their backwards. Backward's own temporaries (activation gradients) are
+    left out. 0 when no block's recompute outweighs what is freed before it."""
     order = plan.built[technique.name]  # program order: backward runs them last to first
     nodes = {n.name: n for n in plan.graph.nodes}
     index = {n.name: i for i, n in enumerate(plan.graph.nodes)}
     first = min((index[n.name] for n in plan.graph.nodes if block_of(n, set(order))), default=0)
-    by_block = {b: [] for b in order}
+    by_block, back = {b: [] for b in order}, {b: [] for b in order}
     tail = []
     for s in kept:
         block = block_of(nodes[s.consumer.split(":")[0]], set(order))
@@ -108,12 +149,14 @@ def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict):
             by_block[block].append(s)
         elif index.get(s.consumer.split(":")[0], 0) > first:
             tail.append(s)
+    for s in host:  # moved back for the recompute
+        back[block_of(nodes[s.consumer.split(":")[0]], set(order))].append(s)
     freed = activation_bytes(plan, sy, tail, with_outputs=False)
     best, best_value = 0, 0.0
     for b in reversed(order):
         redo = redone.get(b, [])
         grads = GRADIENTS_ALIVE * _largest(plan, sy, redo) if technique.mode == "full" else 0
-        extra = activation_bytes(plan, sy, redo, with_outputs=False) - freed + grads
+        extra = activation_bytes(plan, sy, redo + back[b], with_outputs=False) - freed + grads
         if sy.value(extra) > best_value:
             best, best_value = extra, sy.value(extra)
         freed = freed + activation_bytes(plan, sy, by_block[b], with_outputs=False)

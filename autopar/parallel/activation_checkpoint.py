@@ -11,8 +11,9 @@ region (ac_regions.py outlines it, runtime/recompute.py runs it):
   every collective are kept, pointwise ops, norms, activations and dropout are recomputed.
   Keeping the collectives' outputs means the recompute sends nothing (a tensor-parallel
   all-reduce is not run again); full mode runs them again, as Megatron's full recompute does.
-- ``offload=True``: the inputs a region keeps live in host memory until its backward
-  (pinned where CUDA exists; on a CPU run nothing moves).
+- ``offload=True``: what a region keeps lives in host memory until its backward (pinned where
+  CUDA exists; runtime/offload.py): its activation inputs and, under the selective policy, the
+  outputs the policy keeps; the cost model counts them as ``offloaded`` (host) bytes.
 
 Random draws (dropout, every random op) are replayed: the recompute starts the rank's
 generator where the forward started it, so it draws the forward's masks in both rng modes,
@@ -66,8 +67,8 @@ class ActivationCheckpoint(Technique):
 
     ``mode``: "full" or "selective"; ``every``: checkpoint blocks 0, k, 2k, ...; ``pattern``:
     fnmatch pattern over module paths (default: the repeated blocks); ``save``: ATen ops whose
-    outputs a selective policy keeps (default: matmuls and attention); ``offload``: kept
-    inputs in host memory.
+    outputs a selective policy keeps (default: matmuls and attention); ``offload``: what a
+    region keeps (its inputs, the policy's outputs) in host memory until its backward.
     """
 
     mode: str = "full"
@@ -145,7 +146,7 @@ class ActivationCheckpoint(Technique):
     def describe(self, plan) -> str:
         blocks = plan.built[self.name]
         what = "keeps matmul/attention and collective outputs" if self.mode == "selective" else "keeps block inputs"
-        off = ", kept inputs offloaded to host memory" if self.offload else ""
+        off = ", kept tensors offloaded to host memory" if self.offload else ""
         shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
         return f"activation checkpointing ({self.mode}, {what}{off}): {shown}"
 

@@ -85,5 +85,5 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
-    mem.update({k: int(v) for k, v in activation_terms(plan, Numbers(plan.mesh)).items()})
+    mem.update({k: int(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
     return mem

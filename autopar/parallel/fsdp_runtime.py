@@ -28,11 +28,16 @@ def fsdp_gather(runtime, k: int, *pieces):
     FSDP2's hooks): it starts and waits for asynchronous collectives and keeps run-time state
     (prefetches, the buckets to gather again), which a traced graph cannot hold. Traced, it
     was retraced for every bucket until Dynamo's recompile limit."""
-    return _Gather.apply(runtime, k, *pieces)
+    out = _Gather.apply(runtime, k, *pieces)
+    for t in out:  # parameters, not activations: a checkpoint that offloads keeps them where they are
+        t.autopar_parameter = True
+    return out
 
 
 # Run once per forward, never again in a recompute: its prefetches and the buckets it regathers are
-# run-time state (an activation checkpoint region leaves it before the region: parallel/ac_regions.py)
+# run-time state (an activation checkpoint region leaves it before the region: parallel/ac_regions.py).
+# The recompute gathers the block again all the same, through the saved-tensor hooks below: the
+# checkpoint saves its inputs, the gathered parameters among them, as (bucket, view).
 fsdp_gather.autopar_not_recomputed = True
 
 

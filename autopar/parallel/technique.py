@@ -148,6 +148,12 @@ class Technique:
         or formulas, as ``symbols`` gives them (plan.cost(), memory_per_rank, ap.predict)."""
         return terms
 
+    def rank_activations(self, plan, symbols, terms: dict, rank: int | None) -> dict:
+        """``terms`` (after every technique's ``activations``) for what ``rank`` holds when it runs
+        part of the model (a pipeline stage: its own activations, its in-flight micro-batches);
+        ``rank`` None: the rank that holds the most (plan.cost())."""
+        return terms
+
     def kept_saves(self, plan, saves: list) -> list:
         """Of the tensors autograd would keep (cost/activation_memory.Saved), those kept through
         the step under this technique (checkpointing keeps its blocks' inputs instead): the

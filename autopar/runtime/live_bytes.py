@@ -12,6 +12,10 @@ Two things no op shows, and how they are counted:
   keeps its unsharded parameters in storages it resizes to 0 after use and back before the
   next all-gather (``UntypedStorage.resize_``, not a dispatched op); they count at their
   current size after every op, so a gathered block is not invisible.
+- Host copies (runtime/offload.py: activations an offloading checkpoint keeps until backward)
+  are not device bytes: ``live`` and ``peak`` leave them out, ``host`` and ``host_peak`` count
+  the host copies made inside the block (on a CPU run too, where "host" is the same memory: the
+  split is what a GPU step would hold on each side).
 - An observer, not a transform: the mode is marked ``observer`` and autopar's programs keep
   their eager fast paths under it (runtime/collectives.plain_eager), so what is measured is
   what an unobserved step allocates.
@@ -20,6 +24,7 @@ Example:
     >>> with LiveBytes(base=bytes_of(module.parameters())) as mem:
     ...     loss_fn(module(x)).backward(); opt.step()
     >>> mem.peak
+    >>> mem.refresh().live        # bytes alive now (``live`` is as of the last op)
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import weakref
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.offload import host_storages, is_host
 
 
 def bytes_of(tensors) -> int:
@@ -49,8 +56,9 @@ class LiveBytes(TorchDispatchMode):
         self._storages: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> storage
         for s in watch:
             self._storages[id(s)] = s
-        self.base, self.live = base, self._live()
-        self.peak = base + self.live
+        self._host_before = {id(s) for s in host_storages()}
+        self.base, self.live, self.host = base, self._live(), self._host()
+        self.peak, self.host_peak = base + self.live, self.host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = {id(s) for s in _storages(pytree.tree_leaves((args, kwargs)))}
@@ -58,14 +66,24 @@ class LiveBytes(TorchDispatchMode):
         for s in _storages(pytree.tree_leaves(out)):
             if id(s) not in before:
                 self._storages[id(s)] = s
-        self.live = self._live()
+        self.live, self.host = self._live(), self._host()
         self.peak = max(self.peak, self.base + self.live)
+        self.host_peak = max(self.host_peak, self.host)
         return out
+
+    def refresh(self) -> "LiveBytes":
+        """Count again now: ``live`` and ``host`` are as of the last op, and what died since
+        (a model's outputs the caller dropped after the last op) is still in them."""
+        self.live, self.host = self._live(), self._host()
+        return self
 
     def _live(self) -> int:
         # current sizes, not sizes at creation: a storage resized to 0 (FSDP2 frees its gathered
         # parameters that way) counts as freed, and resized back as alive again
-        return sum(s.nbytes() for s in list(self._storages.values()))
+        return sum(s.nbytes() for s in list(self._storages.values()) if not is_host(s))
+
+    def _host(self) -> int:
+        return sum(s.nbytes() for s in host_storages() if id(s) not in self._host_before)
 
 
 def _storages(leaves):

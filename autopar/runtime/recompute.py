@@ -14,8 +14,11 @@ program like a function (``checkpoint_blocks_3(...)`` in ``gm.code``). Calling i
 - the dropout generator (runtime/rng.py: a state tensor the body's draws advance in place)
   is put back where it was at the region's forward for the recompute and restored after it,
   so the recompute draws exactly the forward's masks, in both rng modes;
-- ``offload``: the region's kept inputs live in host memory (pinned where CUDA exists): the
-  program hands the region a host copy (a differentiable ``to``), the body moves it back.
+- ``offload``: what the region keeps lives in host memory until its backward (runtime/offload.py:
+  pinned where CUDA exists): its inputs that autograd made (the forward runs on the device
+  tensors themselves; checkpoint keeps only host copies, moved back for the recompute) and,
+  under a selective policy, the outputs the policy keeps (copied out as the forward makes them,
+  back when the recompute asks for them).
 
 Example:
     >>> region = Region("checkpoint_blocks_0", body, mode="full", mutated=[4])
@@ -29,6 +32,8 @@ import functools
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autopar.runtime.offload import host_cache, to_device, to_host
 
 MODES = ("full", "selective")
 ops = torch.ops.autopar
@@ -75,32 +80,57 @@ def replayed_state(states: list, snapshots: list):
 
 
 @contextlib.contextmanager
-def _both(first, second):
-    with first, second:
+def _all(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
         yield
 
 
-class _ToHost(torch.autograd.Function):
-    """A device activation copied into host memory (pinned where CUDA exists); its gradient
-    goes back to the device. On the CPU it is the tensor itself (nothing to move)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.device = x.device
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=torch.cuda.is_available())
-        return host.copy_(x, non_blocking=True)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.to(ctx.device, non_blocking=True)
-
-
-def to_host(x):
-    return x if x.device.type == "cpu" else _ToHost.apply(x)
-
-
 def _activation(a) -> bool:
-    return isinstance(a, torch.Tensor) and a.is_floating_point() and a.grad_fn is not None
+    """A tensor autograd made in this step (an input an offloading region moves to the host); not a
+    parameter, though a gather made it (zero=3's gathered blocks: marked ``autopar_parameter``)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and a.is_floating_point()
+        and a.grad_fn is not None
+        and not getattr(a, "autopar_parameter", False)
+    )
+
+
+class _Moved:
+    """A region's offloaded inputs: checkpoint is handed (and keeps) host copies; the forward runs
+    on the device tensors themselves (``inputs``' first call), the recompute on copies moved back
+    by ``back()``, a context entered before a selective policy's mode (the copies are no op of
+    the region's, which the policy would find missing in the forward's record)."""
+
+    def __init__(self, originals: dict):
+        self.originals, self.devices = originals, {i: a.device for i, a in originals.items()}
+        self.hosts: dict = {}
+        self.back_copies: dict = {}
+
+    def host(self, i: int, a):
+        if i not in self.devices:
+            return a
+        # a leaf asking for a gradient like the tensor it copies: the recompute then saves what
+        # the forward saved (no gradient flows through it: backward runs the forward's graph)
+        self.hosts[i] = to_host(a).requires_grad_(a.requires_grad)
+        return self.hosts[i]
+
+    def inputs(self, kept) -> list:
+        if not self.devices:
+            return list(kept)
+        first, self.originals = self.originals, None  # the forward: the device tensors, once
+        chosen = first if first is not None else self.back_copies
+        return [chosen.get(i, a) for i, a in enumerate(kept)]
+
+    @contextlib.contextmanager
+    def back(self):
+        self.back_copies = {i: to_device(h, self.devices[i]) for i, h in self.hosts.items()}
+        try:
+            yield
+        finally:
+            self.back_copies = {}
 
 
 class Region:
@@ -109,8 +139,9 @@ class Region:
     ``body``: the region's nodes as a GraphModule of its inputs (parameters and the generator
     state included, passed in by the program); ``mutated``: the inputs the body writes in
     place (the generator state, running statistics); ``save_ops``: the ops a selective
-    policy keeps; ``offload``: hold the activation inputs (those autograd made: parameters and
-    the model's inputs are held by their owners anyway) in host memory.
+    policy keeps; ``offload``: hold what the region keeps in host memory: the activation inputs
+    (those autograd made: parameters and the model's inputs are held by their owners anyway) and
+    the selective policy's outputs.
     """
 
     def __init__(self, name, body, mode="full", mutated=(), save_ops=frozenset(), offload=False):
@@ -127,26 +158,28 @@ class Region:
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is kept, nothing to recompute
             return self.body(*args)
         states = [args[i] for i in self.mutated]
-        context_fn = functools.partial(self._contexts, states, [s.clone() for s in states])
         # the written inputs reach the body from here, not through checkpoint: it would refuse to
         # recompute from an input whose version moved (the forward's draws advanced the generator)
         kept = [a for i, a in enumerate(args) if i not in self.mutated]
-        devices = {i: a.device for i, a in enumerate(kept) if self.offload and _activation(a)}
-        if devices:
-            kept = [to_host(a) if i in devices else a for i, a in enumerate(kept)]
-        run = functools.partial(self._run, devices, states)
+        moved = _Moved({i: a for i, a in enumerate(kept) if self.offload and _activation(a)})
+        kept = [moved.host(i, a) for i, a in enumerate(kept)]
+        context_fn = functools.partial(self._contexts, states, [s.clone() for s in states], moved)
+        run = functools.partial(self._run, moved, states)
         return checkpoint(run, *kept, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
 
-    def _run(self, devices: dict, states: list, *kept):
-        if devices:  # the kept inputs come back from host memory (in the forward and the recompute)
-            kept = [a.to(devices[i]) if i in devices else a for i, a in enumerate(kept)]
+    def _run(self, moved: _Moved, states: list, *kept):
+        kept = moved.inputs(kept)
         it, written = iter(kept), iter(states)
         n = len(kept) + len(states)
         return self.body(*(next(written) if i in self.mutated else next(it) for i in range(n)))
 
-    def _contexts(self, states, snapshots):
+    def _contexts(self, states, snapshots, moved: _Moved):
         if self.mode == "selective":
             forward, recompute = create_selective_checkpoint_contexts(save_policy(self.save_ops))
+            if self.offload:  # the policy's cache, its tensors on the host (shared by both modes)
+                assert hasattr(forward, "storage") and hasattr(recompute, "storage"), "torch's SAC modes changed"
+                forward.storage = recompute.storage = host_cache()
         else:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-        return forward, _both(replayed_state(states, snapshots), recompute)  # state set outside the policy's mode
+        # the state is set and the inputs moved back outside the policy's mode
+        return forward, _all(replayed_state(states, snapshots), moved.back(), recompute)

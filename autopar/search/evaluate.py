@@ -198,9 +198,10 @@ def plan_terms(
         terms(comp_of.get(name, "base")).acts += nw.get(name, 1.0) * b
     # what the techniques add beyond the kept tensors: per block (checkpointing's generator-state
     # copies: a short probe's two blocks stand for 1 + (n - 1)), and once (a recompute's peak)
-    extra = activation_terms(plan, sy)
+    extra = activation_terms(plan, sy, whole_model=True)
     blocks = (1 + max(nw.values())) / 2 if nw else 1.0
     per_block = float(extra.pop("activations")) - float(sum(kept.values()))
+    extra.pop("offloaded", None)  # host memory (offloading checkpoints): not the device's budget
     terms("base").acts += blocks * per_block + float(sum(extra.values()))
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     if "comms" not in shared:

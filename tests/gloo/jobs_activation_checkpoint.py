@@ -16,9 +16,10 @@ def _model():
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1)).train()
 
 
-def train_matches_serial(mode, steps=2, lr=0.2):
-    """Train the dropout GPT checkpointed (dp x tp, rng='serial') and the serial model with the
-    same seeds; returns the worst relative parameter difference and the losses."""
+def train_matches_serial(mode, steps=2, lr=0.2, offload=False, zero=0):
+    """Train the dropout GPT checkpointed (dp x tp, rng='serial'; ``offload``: kept tensors in
+    host memory; ``zero``: the dp axis's ZeRO level) and the serial model with the same seeds;
+    returns the worst relative parameter difference and the losses."""
     rank = dist.get_rank()
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
     module = ap.parallelize(
@@ -26,9 +27,9 @@ def train_matches_serial(mode, steps=2, lr=0.2):
         mesh,
         args=gpt_batch(),
         annotations=MEGATRON,
-        data_parallel="dp",
+        data_parallel=ap.DataParallel("dp", zero=zero),
         rng="serial",
-        activation_checkpoint=ap.ActivationCheckpoint(mode),
+        activation_checkpoint=ap.ActivationCheckpoint(mode, offload=offload),
     )
     plan = module.autopar_plan
     assert "checkpoint_blocks_0(" in module.code
@@ -55,4 +56,36 @@ def train_matches_serial(mode, steps=2, lr=0.2):
     return {
         "max_rel": max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters())),
         "losses": losses,
+    }
+
+
+def pipeline_memory(schedule, checkpoint=False, microbatches=4):
+    """A 4-block GPT on 4 pipeline ranks: the bytes this rank holds after each of its forwards
+    (LiveBytes: what its in-flight micro-batches keep), the most of them, against the model's
+    ``memory_per_rank(rank)["activations"]`` (its stage, its schedule's micro-batches in flight)."""
+    from autopar.runtime.live_bytes import LiveBytes
+    from tests.harness.models import small_gpt
+
+    rank = dist.get_rank()
+    batch = gpt_batch(batch=8, seq=16)
+    pipe = ap.Pipeline("pp", microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    plan = ap.plan(small_gpt(layers=4), ap.Mesh((4,), ("pp",)), args=batch, pipeline=pipe)
+    runner = plan.pipeline_runner(rank)
+    runner.step(batch)  # warm-up: gradients allocated
+    forward, held = runner._forward, []
+    with LiveBytes() as mem:
+
+        def counted(*a, **k):
+            forward(*a, **k)
+            held.append(mem.refresh().live)  # what the forward dropped after its last op counted out
+
+        runner._forward = counted
+        runner.step(batch)
+    runner._forward = forward
+    predicted = plan.memory_per_rank(rank)
+    return {
+        "held": max(held),
+        "model": predicted["activations"],
+        "in_flight": runner.stats["max_in_flight"],
+        "cost": plan.cost().at()["memory"]["activations"],
     }

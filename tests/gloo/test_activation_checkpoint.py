@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointed_training_matches_serial_over_gloo(gloo, mode):
-    for r in gloo(4).run("tests.gloo.jobs_activation_checkpoint:train_matches_serial", mode):
+@pytest.mark.parametrize(
+    "mode,offload,zero", [("full", False, 0), ("selective", False, 0), ("selective", True, 0), ("full", False, 3)]
+)
+def test_checkpointed_training_matches_serial_over_gloo(gloo, mode, offload, zero):
+    """zero=3: the recompute gathers the block again (tests/simulated/test_activation_checkpoint.py
+    counts the gathers and the bytes held)."""
+    job = "tests.gloo.jobs_activation_checkpoint:train_matches_serial"
+    for r in gloo(4).run(job, mode, offload=offload, zero=zero):
         assert r["max_rel"] < 1e-5, r
         for got, want in r["losses"]:
             assert abs(got - want) < 1e-5 * max(1.0, abs(want))
@@ -17,7 +22,8 @@ def test_checkpointed_training_matches_serial_over_gloo(gloo, mode):
 def test_bench_quick_memory_per_rank_and_model(gloo):
     """bench/bench_activation_checkpoint.py at tiny sizes on 4 gloo ranks: full keeps at most 0.55
     of none's peak, selective lies between, and the model's activations are within 15% of the
-    bytes alive after the forward."""
+    bytes alive after the forward; offloading moves the selective policy's kept outputs (and the
+    blocks' inputs) to host bytes: fewer device bytes held, the host bytes as the model says."""
     from bench import bench_activation_checkpoint as bench
     from bench import common
 
@@ -27,3 +33,24 @@ def test_bench_quick_memory_per_rank_and_model(gloo):
     assert got["full"]["peak"] < got["selective"]["peak"] < got["none"]["peak"]
     for policy, r in got.items():
         assert abs(r["model_held"] / r["held"] - 1) < 0.15, (policy, r)
+    for policy in ("full", "selective"):
+        plain, off = got[policy], got[policy + "+offload"]
+        assert plain["host"] == 0 < off["host"] and off["held"] < plain["held"], (plain, off)
+        assert abs(off["model_host"] / off["host"] - 1) < 0.15, (policy, off)
+        # what left the device is what arrived on the host
+        assert abs((plain["held"] - off["held"]) / off["host"] - 1) < 0.15, (plain, off)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_memory_per_rank_counts_its_stage_and_micro_batches(gloo, schedule):
+    """memory_per_rank(rank) of a pipelined plan: the rank's own stage's activations at the
+    micro-batch's size, times the micro-batches its schedule keeps in flight (1F1B: 4 - r on
+    rank r; GPipe: all 4), within 15% of the bytes LiveBytes sees held after the rank's forwards;
+    plan.cost() gives the rank that holds the most."""
+    got = gloo(4).run("tests.gloo.jobs_activation_checkpoint:pipeline_memory", schedule)
+    for rank, r in enumerate(got):
+        assert r["in_flight"] == (4 - rank if schedule == "1f1b" else 4), (rank, r)
+        assert abs(r["model"] / r["held"] - 1) < 0.15, (rank, r)
+    assert got[0]["cost"] == pytest.approx(max(r["model"] for r in got))
+    if schedule == "1f1b":  # the first stage holds the most micro-batches
+        assert got[0]["model"] > got[-1]["model"]

@@ -135,10 +135,42 @@ def test_every_and_pattern_choose_blocks():
     plan.check(*gpt_batch())
 
 
-def test_offload_equals_serial():
-    ac = ap.ActivationCheckpoint("full", offload=True)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_equals_serial(mode):
+    ac = ap.ActivationCheckpoint(mode, offload=True)
     plan = gpt_plan("dp2xtp2", model=dropout_gpt(), activation_checkpoint=ac, rng="serial")
+    assert "offloaded to host memory" in str(plan)
     plan.check(*gpt_batch())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_moves_the_kept_bytes_to_the_host(mode):
+    """offload=True: what a region keeps (its inputs; under the selective policy the matmul,
+    attention and collective outputs too) leaves the device bytes and is held as host copies
+    (LiveBytes.host), as many bytes as the model's ``offloaded``; the device bytes fall by as
+    much, within the model's 15%."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    def held(module, *a):
+        with LiveBytes() as mem:
+            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits
+            got = (mem.refresh().live, mem.host)
+        loss.backward()
+        return got
+
+    batch = gpt_batch(seq=16)
+    got = {}
+    for offload in (False, True):
+        ac = ap.ActivationCheckpoint(mode, offload=offload)
+        plan = gpt_plan("dp2", model=dropout_gpt(), activation_checkpoint=ac, batch=batch)
+        got[offload] = plan.simulate(held, *batch)[0], plan.memory_per_rank(0)
+    (device, host), model = got[True]
+    (device_before, none), model_before = got[False]
+    assert none == 0 and "offloaded" not in model_before
+    assert host > 0 and host == pytest.approx(model["offloaded"], rel=0.15)
+    assert device_before - device == pytest.approx(host, rel=0.15)
+    assert model_before["activations"] - model["activations"] == pytest.approx(model["offloaded"], rel=0.15)
+    assert model["activations"] == pytest.approx(device, rel=0.15)
 
 
 class BNBlock(nn.Module):
@@ -214,9 +246,9 @@ def test_memory_model_against_the_allocator(ac):
 
     def held(module, *a):
         with LiveBytes() as mem:
-            out = module(*a)
-            got = mem.live
-        loss_of(out).backward()
+            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits (a training loop)
+            got = mem.refresh().live
+        loss.backward()
         return got
 
     # dp only: simulated ranks share the results of tp collectives across threads, which blurs a
@@ -291,3 +323,87 @@ def test_zero3_gathers_stay_out_of_regions(ac):
     ac = ap.ActivationCheckpoint(ac.mode, pattern="*")
     plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(x,), data_parallel=dp, activation_checkpoint=ac)
     plan.check(x)
+
+
+@pytest.mark.parametrize("mesh", ["dp2", "dp2xtp2"])
+@pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])
+def test_zero3_frees_the_gathered_block_after_the_region_and_regathers_it_once(mesh, ac):
+    """zero=3 with checkpointing (as FSDP2 + AC): a region does not hold its gathered block until
+    backward: after the forward the step holds what zero=0 holds (the checkpoint's kept inputs that
+    live in a gathered flat are packed as (bucket, view)); the recompute gathers the block again,
+    and backward uses that same gather: each bucket is gathered twice a step, as without
+    checkpointing (the backward re-gather is the collective that must run again; no other does).
+    Outputs and every gradient equal serial."""
+    from autopar.parallel.fsdp_layout import buckets_cached
+    from autopar.runtime.live_bytes import LiveBytes
+    from tests.harness.meshes import MESHES
+    from tests.harness.models import MEGATRON
+
+    spec, batch = MESHES[mesh], gpt_batch(seq=16)
+
+    def held(module, *a):
+        with LiveBytes() as mem:
+            out = module(*a)
+            got = mem.live
+        loss_of(out).backward()
+        return got
+
+    got = {}
+    for zero, checkpoint in [(0, ac), (3, ac), (3, None)]:
+        plan = ap.plan(
+            dropout_gpt(layers=3),
+            spec.mesh(),
+            args=batch,
+            annotations=MEGATRON if "tp" in spec.axes else {},
+            data_parallel=ap.DataParallel("dp", zero=zero),
+            activation_checkpoint=checkpoint,
+            rng="serial",
+        )
+        with ap.comm_stats() as stats:
+            got[zero, checkpoint] = plan.simulate(held, *batch)[0]
+        if zero == 3:
+            gathers = stats.counts(rank=0, mesh=plan.mesh).get(("all_gather", "dp"), 0)
+            assert gathers == 2 * len(buckets_cached(plan)), (gathers, checkpoint)
+            if checkpoint is not None:
+                plan.check(*batch)
+    assert got[3, ac] == got[0, ac] < got[3, None]
+
+
+def test_offload_under_zero3_moves_activations_not_the_gathered_parameters():
+    """A region's gathered parameters are inputs autograd made (the gather's outputs), but
+    parameters: offload leaves them to zero=3 (freed after the region, gathered again), so the
+    host holds what it holds under zero=0, as the model says."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    def held(module, *a):
+        with LiveBytes() as mem:
+            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits
+            got = (mem.refresh().live, mem.host)
+        loss.backward()
+        return got
+
+    batch, got = gpt_batch(seq=16), {}
+    for zero in (0, 3):
+        ac = ap.ActivationCheckpoint("selective", offload=True)
+        dp = ap.DataParallel("dp", zero=zero)
+        plan = ap.plan(
+            dropout_gpt(), ap.Mesh((2,), ("dp",)), args=batch, data_parallel=dp, activation_checkpoint=ac, rng="serial"
+        )
+        got[zero] = plan.simulate(held, *batch)[0]
+    assert got[3][1] == got[0][1] and got[3][0] == pytest.approx(got[0][0], abs=64)  # a scalar's timing
+    assert got[3][1] == pytest.approx(plan.memory_per_rank(0)["offloaded"], rel=0.15)
+    plan.check(*batch)
+
+
+def test_offload_keeps_strides_hf_llama():
+    """An HF LLaMA's attention reshapes a transposed tensor (a copy); its host copy must keep the
+    strides, or the selective recompute copies where the forward did not and torch refuses the
+    cache (found by the bench); equal serial, full and selective."""
+    from bench.bench_activation_checkpoint import llama
+
+    model, (ids, labels), _, _ = llama(True)
+    for mode in ("selective", "full"):
+        ac = ap.ActivationCheckpoint(mode, offload=True)
+        kw = {"input_ids": ids, "labels": labels}
+        plan = ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs=kw, data_parallel="dp", activation_checkpoint=ac)
+        plan.check(**kw)

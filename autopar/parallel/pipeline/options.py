@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.errors import PipelineError
-from autopar.parallel.pipeline import api
+from autopar.parallel.pipeline import api, stage_memory
 from autopar.parallel.pipeline.schedules import SCHEDULES
 from autopar.parallel.pipeline.split import describe
 from autopar.parallel.registry import register_technique
@@ -102,6 +102,11 @@ class Pipeline(Technique):
         else:
             acts = min(m, pp) / (pp * m)
         return {"time": time, "state": 1 / pp, "acts": acts, "sends": (self.axis, 2 * m * v, 1 / m)}
+
+    def rank_activations(self, plan, symbols, terms: dict, rank: int | None) -> dict:
+        """The rank's own stages' activations times the micro-batches its schedule keeps in
+        flight, at the micro-batch's size (stage_memory.py)."""
+        return stage_memory.rank_terms(plan, self, symbols, terms, rank)
 
     def describe(self, plan) -> str:
         """The stages: their nodes, modules, FLOPs and what they send (split.describe)."""

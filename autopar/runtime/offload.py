@@ -1,0 +1,106 @@
+"""Activations held in host memory until backward (``ActivationCheckpoint(offload=True)``).
+
+Two kinds of tensor a checkpointed region keeps go to the host (runtime/recompute.py):
+
+- the region's inputs that autograd made (checkpoint keeps them for the recompute), and
+- under a selective policy, the outputs of the ops it keeps (matmuls, attention, collectives):
+  torch's selective checkpoint caches them in a dict until the recompute asks for them;
+  ``HostCache`` is that dict with each tensor copied to the host on the way in and back to its
+  device on the way out.
+
+``to_host`` copies into pinned memory where CUDA exists (the copy overlaps the next kernels);
+on a CPU run it copies into a separate host storage all the same, so that a CPU step holds
+what a GPU step would hold on each side. Host storages are registered here (weakly), and
+``runtime/live_bytes.LiveBytes`` counts them as ``host`` bytes, not device bytes; the copy
+itself runs below every dispatch mode (an observer, the policy's mode), so it is neither
+counted as a device allocation nor recorded by the policy. ``to_device`` is an ordinary op
+(its copy is a device allocation, and LiveBytes sees it).
+
+Example:
+    >>> h = to_host(x)                         # x's bytes now live on the host
+    >>> is_host(h.untyped_storage())           # True
+    >>> y = to_device(h, x.device)             # back for the recompute (a new device tensor)
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+# id(storage) -> storage, for the host copies alive (a storage's Python object is kept with it);
+# also per thread: the simulator runs every rank in one process, one thread each
+_HOST: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_MINE = threading.local()
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``x`` in host memory (pinned where CUDA exists), registered as host."""
+    pinned = torch.cuda.is_available()
+    with _disable_current_modes(), torch.no_grad():  # x's strides kept: the recompute's ops (a
+        # reshape that copies a transposed tensor, not a contiguous one) must run as the forward's
+        host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=pinned)
+        host.copy_(x.detach(), non_blocking=pinned)
+    storage = host.untyped_storage()
+    _HOST[id(storage)] = storage
+    _mine()[id(storage)] = storage
+    return host
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied back to ``device`` with its strides (differentiable; on the CPU a new
+    storage, as on a GPU)."""
+    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    return out.copy_(host, non_blocking=device.type != "cpu")
+
+
+def is_host(storage) -> bool:
+    """Whether ``storage`` is a host copy made by ``to_host``."""
+    return _HOST.get(id(storage)) is storage
+
+
+def host_storages() -> list:
+    """The host copies this thread made that are alive now."""
+    return list(_mine().values())
+
+
+def _mine() -> weakref.WeakValueDictionary:
+    if not hasattr(_MINE, "storages"):
+        _MINE.storages = weakref.WeakValueDictionary()
+    return _MINE.storages
+
+
+class _OnHost:
+    """A cached output of the selective policy, in host memory; ``get_val`` (what torch's
+    recompute mode calls on a cache entry) brings it back to its device."""
+
+    __slots__ = ("host", "device")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.host, self.device = to_host(tensor), tensor.device
+
+    def get_val(self, allow_cache_entry_mutation=False):
+        return to_device(self.host, self.device)
+
+
+class _HostSlots(dict):
+    """One op's cache entries (invocation index -> entry), tensors stored on the host. An entry
+    is a pytree of torch's version wrappers (``.val``, ``.get_val``) or a marker (recompute,
+    consumed), which passes through."""
+
+    def __setitem__(self, idx, entry):
+        def move(leaf):
+            val = getattr(leaf, "val", None)
+            return _OnHost(val) if hasattr(leaf, "get_val") and isinstance(val, torch.Tensor) else leaf
+
+        super().__setitem__(idx, pytree.tree_map(move, entry))
+
+
+def host_cache() -> defaultdict:
+    """The storage of torch's selective checkpoint contexts with every cached tensor on the host
+    (op -> {invocation index -> entry}, as ``create_selective_checkpoint_contexts`` makes it)."""
+    return defaultdict(_HostSlots)
