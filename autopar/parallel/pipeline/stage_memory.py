@@ -108,7 +108,8 @@ def _value_bytes(plan, sy, name: str):
 
 
 def _micro_batch(plan, sy, m: int) -> dict:
-    """Each user input's batch symbol -> itself / m (the runner splits dim 0 into m pieces)."""
+    """Each user input's batch symbol -> ceiling(itself / m): the runner cuts dim 0 into m pieces as
+    torch.tensor_split does, so the largest micro-batch has that many rows."""
     out = {}
     for node in plan.graph.nodes:
         val = node.meta.get("val")
@@ -116,5 +117,5 @@ def _micro_batch(plan, sy, m: int) -> dict:
             if val.dim() and isinstance(val.shape[0], torch.SymInt):
                 b = sy.dim(val.shape[0])
                 for s in b.free_symbols:
-                    out[s] = s / m
+                    out[s] = sympy.ceiling(s / m)
     return out
