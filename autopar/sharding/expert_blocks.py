@@ -180,7 +180,8 @@ def _fail(path: str, why: str) -> AnnotationError:
         f"expert_parallel on module {path!r}: not recognised as a MoE experts module ({why}). "
         "autopar recognises modules called as experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) "
         "that run their experts by grouped matmuls (HF's grouped_mm experts implementation: "
-        "config._experts_implementation = 'grouped_mm'); annotate such a module, or split its weights "
+        "config._experts_implementation = 'grouped_mm'), or per-expert ModuleLists looped over as HF's "
+        "MoE blocks did up to transformers 4.4x; annotate such a module, or split its weights "
         "with ap.place / ap.colwise instead."
     )
 

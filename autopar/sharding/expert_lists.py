@@ -33,6 +33,7 @@ from autopar.trace.module_paths import module_paths
 
 aten = torch.ops.aten
 ITEM = re.compile(r"^(.+)\.(\d+)\.(.+)$")  # 'path.3.w1.weight' -> path, 3, 'w1.weight'
+FRESH = {aten.zeros_like.default, aten.new_zeros.default, aten.empty_like.default, aten.full_like.default}
 VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default, aten.alias.default}
 
 
@@ -144,7 +145,7 @@ def _region(path, nodes, inside, out) -> list[fx.Node]:
         raise _fail(path, f"{len(hots)} one_hot of the top-k indices, expected one")
     index = hots[0].args[0]
     routed = _descendants([index], inside)
-    core = {n for n in before if n in routed or all(_is_size(a) for a in n.all_input_nodes)}
+    core = {n for n in before if n in routed or n.target in FRESH or all(_is_size(a) for a in n.all_input_nodes)}
     for n in sorted(before - core, key=nodes.index, reverse=True):  # users first
         if n.target in VIEWS and n.users and all(u in core for u in n.users):
             core.add(n)

@@ -15,9 +15,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import autopar as ap
 from tests.harness import moe as M
 
 EP = M.EP  # {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
+EP_ROUTED = {"experts": ap.expert_parallel("dp")}  # RoutedListExperts' list
 LIST_KINDS = ("mixtral", "qwen2_moe", "olmoe")
 
 
@@ -136,3 +138,24 @@ def list_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 8):
                 block.shared_expert_gate.load_state_dict(fused.shared_expert_gate.state_dict())
         layer.mlp = block
     return model, kw
+
+
+class RoutedListExperts(nn.Module):
+    """HF's per-expert loop (transformers 4.4x) over a ModuleList, fed a given routing (the last
+    expert never chosen: moe.routing), then a linear: the loop alone, without a router's top-k
+    whose ties float noise could flip."""
+
+    def __init__(self, kind: str = "mixtral", seed: int = 0):
+        super().__init__()
+        model, _ = list_model(kind, seed)
+        self.experts = model.model.layers[0].mlp.experts
+        self.out = nn.Linear(M.HIDDEN, M.HIDDEN)
+
+    def forward(self, x, index, weights):
+        final = torch.zeros_like(x)
+        expert_mask = torch.nn.functional.one_hot(index, num_classes=len(self.experts)).permute(2, 1, 0)
+        for expert_idx in range(len(self.experts)):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current = self.experts[expert_idx](x[None, top_x].reshape(-1, x.shape[-1])) * weights[top_x, idx, None]
+            final.index_add_(0, top_x, current.to(x.dtype))
+        return self.out(final)
