@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import autopar as ap
 from tests.harness import moe as M
+from tests.harness import moe_lists as L
 from tests.harness.serial import max_rel_diff
 
 
@@ -15,9 +16,11 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = F
     on real processes; rank 0 returns the worst relative difference from serial, every rank the
     number of expert-weight elements it holds and the collectives it ran in one step."""
     mesh = ap.Mesh(shape, ("dp", "tp")[: len(shape)])
+    listed = kind.endswith("_list")  # HF's loop over a per-expert ModuleList (tests/harness/moe_lists.py)
+    routed_model = (lambda: L.RoutedListExperts(kind[: -len("_list")])) if listed else (lambda: M.RoutedExperts(kind))
     if routed:  # HF's experts module fed a routing with one expert never chosen
         batches = [M.routing(16, seed=s) for s in range(3)]
-        model, ann, ex = M.RoutedExperts(kind), {"experts": ap.expert_parallel("dp")}, dict(args=batches[0])
+        model, ann, ex = routed_model(), {"experts": ap.expert_parallel("dp")}, dict(args=batches[0])
     else:
         model, kw = M.moe_model(kind)
         batches = [kw] + [M.moe_model(kind, seed=s)[1] for s in (5, 6)]
@@ -44,5 +47,5 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = F
     dist.all_gather_object(gathered, mine)
     if rank != 0:
         return None, held, kinds
-    serial = M.RoutedExperts(kind) if routed else M.moe_model(kind)[0]
+    serial = routed_model() if routed else M.moe_model(kind)[0]
     return max_rel_diff(plan.merge_state_dicts(gathered), M.train_serial(serial, batches)), held, kinds

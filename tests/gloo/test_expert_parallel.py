@@ -1,12 +1,13 @@
 """Expert parallelism on 4 real gloo processes (jobs in jobs_experts.py): tokens dispatched to
 their experts' ranks by all-to-all (variable sizes, one expert without a token), 3 AdamW steps
-equal serial, each rank holding 1/dp of the experts."""
+equal serial, each rank holding 1/dp of the experts (stacked, or a per-expert ModuleList's)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.harness import moe as M
+from tests.harness import moe_lists as L
 
 
 @pytest.mark.parametrize(
@@ -16,13 +17,21 @@ from tests.harness import moe as M
         ("qwen3_moe", (2, 2), True, False),
         ("mixtral", (2, 2), False, False),
         ("mixtral", (2, 2), False, True),
+        ("mixtral_list", (4,), True, False),
     ],
-    ids=["mixtral-routed-dp4", "qwen3-routed-dp2xtp2", "mixtral-model-dp2xtp2", "mixtral-expert-tp-dp2xtp2"],
+    ids=[
+        "mixtral-routed-dp4",
+        "qwen3-routed-dp2xtp2",
+        "mixtral-model-dp2xtp2",
+        "mixtral-expert-tp-dp2xtp2",
+        "mixtral-modulelist-routed-dp4",
+    ],
 )
 def test_real_gloo_dispatch_equals_serial(gloo, kind, shape, routed, expert_tp):
     results = gloo(4).run("tests.gloo.jobs_experts:three_adamw_steps", kind, shape, routed, expert_tp, timeout=300)
     assert results[0][0] < (2e-5 if routed else 2e-3), results[0][0]
-    model = M.RoutedExperts(kind) if routed else M.moe_model(kind)[0]
+    listed = kind.endswith("_list")  # a per-expert ModuleList: expert i's tensors whole on its rank
+    model = (L.RoutedListExperts(kind[:-5]) if listed else M.RoutedExperts(kind)) if routed else M.moe_model(kind)[0]
     full = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
     share = shape[0] * (2 if expert_tp else 1)  # 1/dp of the experts, each split over tp too
     assert all(held == full // share for _, held, _ in results), [r[1] for r in results]
