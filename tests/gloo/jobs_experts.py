@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import autopar as ap
 from tests.harness import moe as M
@@ -49,3 +50,45 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = F
         return None, held, kinds
     serial = routed_model() if routed else M.moe_model(kind)[0]
     return max_rel_diff(plan.merge_state_dicts(gathered), M.train_serial(serial, batches)), held, kinds
+
+
+def list_experts_save(path: str):
+    """A ModuleList's experts on dp=4 (expert i whole on its rank), one AdamW step, saved through
+    DCP, then loaded on every rank into a plain serial model's state dict: (whether the saved
+    keys are the serial model's, the worst difference from the merged ranks' parameters)."""
+    batch = M.routing(16)
+    ann = {"experts": ap.expert_parallel("dp")}
+    module = ap.parallelize(
+        L.RoutedListExperts(), ap.Mesh((4,), ("dp",)), args=batch, annotations=ann, data_parallel="dp"
+    )
+    plan, rank = module.autopar_plan, dist.get_rank()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+    args, _ = plan.local_inputs(rank, *batch)
+    M.loss_of(module(*args)).backward()
+    opt.step()
+    model_sd, _ = ap.get_state_dict(module)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in module.named_parameters()})
+    want = plan.merge_state_dicts(gathered)
+    if rank == 0:
+        torch.save(want, path + ".want.pt")
+    serial = {n: torch.zeros_like(t) for n, t in L.RoutedListExperts().state_dict().items()}
+    dcp.load({"model": serial}, checkpoint_id=path)
+    return sorted(model_sd) == sorted(serial), max((serial[n] - want[n]).abs().max().item() for n in want)
+
+
+def list_experts_load(path: str):
+    """That checkpoint loaded into a dp=2 plan of the same ModuleList: the worst difference."""
+    batch = M.routing(16)
+    ann = {"experts": ap.expert_parallel("dp")}
+    module = ap.parallelize(
+        L.RoutedListExperts(seed=1), ap.Mesh((2,), ("dp",)), args=batch, annotations=ann, data_parallel="dp"
+    )
+    sd, _ = ap.get_state_dict(module)
+    dcp.load({"model": sd}, checkpoint_id=path)
+    ap.set_state_dict(module, model_state_dict=sd)
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, {n: p.detach().clone() for n, p in module.named_parameters()})
+    got, want = module.autopar_plan.merge_state_dicts(pieces), torch.load(path + ".want.pt")
+    return max((got[n] - want[n]).abs().max().item() for n in want)

@@ -36,3 +36,12 @@ def test_real_gloo_dispatch_equals_serial(gloo, kind, shape, routed, expert_tp):
     share = shape[0] * (2 if expert_tp else 1)  # 1/dp of the experts, each split over tp too
     assert all(held == full // share for _, held, _ in results), [r[1] for r in results]
     assert all("all_to_all" in kinds and "all_gather" not in kinds for _, _, kinds in results), results
+
+
+def test_list_experts_checkpoint_keeps_serial_names(gloo, tmp_path):
+    """DCP of a ModuleList's experts split over dp=4 (each whole on its rank): the serial names,
+    loaded into a plain serial state dict and into a dp=2 plan, the same tensors."""
+    path = str(tmp_path / "ck")
+    saved = gloo(4).run("tests.gloo.jobs_experts:list_experts_save", path, timeout=300)
+    assert all(same and worst == 0 for same, worst in saved), saved
+    assert gloo(2).run("tests.gloo.jobs_experts:list_experts_load", path, timeout=300) == [0, 0]
