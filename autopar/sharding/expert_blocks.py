@@ -328,6 +328,8 @@ def _chain(path, region, hidden, index, weights, params):
     for src, ph in env.items():
         ph.meta["val"] = src.meta.get("val") if isinstance(src, fx.Node) else None
     for n in region:
+        if n in env:  # the offsets stay the placeholder: a rank's own (E/n entries after a dispatch)
+            continue
         if n in body or (n in from_params and any(u in body for u in _all_users(n, inside))):
             for a in n.all_input_nodes:
                 if a not in env:
@@ -335,6 +337,10 @@ def _chain(path, region, hidden, index, weights, params):
                     raise _fail(path, f"{n.name} reads {a.name} from {bad}; only offsets may reach the experts")
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[last[0]])
+    # HF computes the offsets from the sorted ids (histc over all E experts): computed so again
+    # inside the chain, they would have E entries where a rank holds E/n experts (eager's
+    # grouped matmul read the first E/n; torch.compile's fake kernel refuses); left out, unused
+    g.eliminate_dead_code()
     top_k = int(index.meta["val"].shape[-1])
     return fx.GraphModule(torch.nn.Module(), g), top_k
 

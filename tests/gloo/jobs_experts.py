@@ -92,3 +92,51 @@ def list_experts_load(path: str):
     dist.all_gather_object(pieces, {n: p.detach().clone() for n, p in module.named_parameters()})
     got, want = module.autopar_plan.merge_state_dicts(pieces), torch.load(path + ".want.pt")
     return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+def compiled_step(kind: str):
+    """torch.compile (aot_eager) of a rank module with the experts dispatched on dp=4: one step's
+    output and gradients against the eager module's, and against serial through the merged
+    gradients; (worst difference from eager, from serial, graph breaks, graphs compiled) on
+    this rank."""
+    from torch._dynamo.utils import counters
+
+    batch = M.routing(16)
+    build = (lambda: L.RoutedListExperts("mixtral")) if kind == "mixtral_list" else (lambda: M.RoutedExperts(kind))
+    ann = {"experts": ap.expert_parallel("dp")}
+    module = ap.parallelize(build(), ap.Mesh((4,), ("dp",)), args=batch, annotations=ann, data_parallel="dp")
+    plan, rank = module.autopar_plan, dist.get_rank()
+    args, _ = plan.local_inputs(rank, *batch)
+
+    def step(m):
+        module.zero_grad(set_to_none=True)
+        out = m(*args)
+        M.loss_of(out).backward()
+        return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    eager_out, eager = step(module)
+    torch._dynamo.reset()
+    counters.clear()
+    out, grads = step(torch.compile(module, backend="aot_eager"))
+    breaks = {}  # the reasons' first lines (with the operator where dynamo names one) -> count
+    for reason, count in counters["graph_break"].items():
+        op = reason.split("Operator `")[1].split("`")[0] if "Operator `" in reason else ""
+        key = reason.splitlines()[0] + (f": {op}" if op else "")
+        breaks[key] = breaks.get(key, 0) + count
+    graphs = counters["stats"]["unique_graphs"]
+    vs_eager = max(
+        [(out - eager_out).abs().max().item()]
+        + [(grads[n] - eager[n]).abs().max().item() for n in eager if eager[n].numel()]
+    )
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    serial = build()
+    M.loss_of(serial(*batch)).backward()
+    want = {n: p.grad for n, p in serial.named_parameters()}
+    merged = plan.merge_state_dicts(gathered)
+    vs_serial = max(
+        ((merged[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item()
+        for n in want
+        if want[n].numel()
+    )
+    return vs_eager, vs_serial, breaks, graphs

@@ -45,3 +45,15 @@ def test_list_experts_checkpoint_keeps_serial_names(gloo, tmp_path):
     saved = gloo(4).run("tests.gloo.jobs_experts:list_experts_save", path, timeout=300)
     assert all(same and worst == 0 for same, worst in saved), saved
     assert gloo(2).run("tests.gloo.jobs_experts:list_experts_load", path, timeout=300) == [0, 0]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "mixtral_list"])
+def test_compiled_rank_module_equals_eager_and_serial(gloo, kind):
+    """torch.compile of a rank module with the experts dispatched (stacked or a ModuleList): the
+    eager numbers, the serial gradients; graph breaks at the data-dependent sizes (the counts, the
+    all-to-alls' row counts, a ModuleList's split by expert): docs/experts.md gives the counts."""
+    results = gloo(4).run("tests.gloo.jobs_experts:compiled_step", kind, timeout=300)
+    for vs_eager, vs_serial, breaks, graphs in results:
+        assert vs_eager < 1e-6 and vs_serial < 1e-5, results
+        assert breaks and graphs > 1, results
+    print(kind, results[0][2], results[0][3])
