@@ -29,7 +29,7 @@ from tests.harness import moe_lists as L
 )
 def test_real_gloo_dispatch_equals_serial(gloo, kind, shape, routed, expert_tp):
     results = gloo(4).run("tests.gloo.jobs_experts:three_adamw_steps", kind, shape, routed, expert_tp, timeout=300)
-    assert results[0][0] < (2e-5 if routed else 2e-3), results[0][0]
+    assert results[0][0] < 2e-5, results[0][0]  # whole models with AdamW's eps 1e-3: no top-k flip, no eps-scale step
     listed = kind.endswith("_list")  # a per-expert ModuleList: expert i's tensors whole on its rank
     model = (L.RoutedListExperts(kind[:-5]) if listed else M.RoutedExperts(kind)) if routed else M.moe_model(kind)[0]
     full = sum(p.numel() for n, p in model.named_parameters() if "experts." in n)
