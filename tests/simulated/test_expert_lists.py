@@ -88,6 +88,18 @@ def test_whole_list_model_three_adamw_steps():
     assert_params_close(merged, M.train_serial(model, batches), rtol=1e-3, atol=5e-5)
 
 
+def test_list_experts_dynamic_shapes():
+    """Traced with dynamic batch and sequence (the default): the loop's data-dependent row counts
+    beside the symbolic sizes; equal to serial, and at another batch and sequence length."""
+    model, kw = L.list_model("mixtral")
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=dict(L.EP), data_parallel="dp")
+    assert plan.traced.dynamic
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+    _, other = L.list_model("mixtral", batch=8, seq=4)
+    losses = plan.simulate(lambda module, *a, **k: module(*a, **k).loss.item(), **other)
+    assert losses == pytest.approx([model(**other).loss.item()] * 4, rel=1e-5)
+
+
 def test_plain_data_parallel_keeps_list_tokens_split():
     """No annotation: the list is still one op, each rank runs its tokens through every expert."""
     model, kw = L.list_model("olmoe")
