@@ -88,6 +88,19 @@ def test_whole_list_model_three_adamw_steps():
     assert_params_close(merged, M.train_serial(model, batches), rtol=1e-3, atol=5e-5)
 
 
+def test_list_experts_on_an_axis_that_does_not_split_the_batch():
+    """Experts on tp, batch on dp: each tp rank runs the rows of its own experts (no dispatch),
+    the outputs summed over tp; expert 0 held by tp rank 0 only."""
+    model, kw = L.list_model("qwen2_moe")
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("tp")}
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    moe = {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")}
+    assert moe == {("all_reduce", "tp")}, moe
+    first = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert [tuple(plan.module(r).get_parameter(first).shape) for r in (0, 1)] == [(32, 16), (0, 16)]
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+
+
 def test_list_experts_dynamic_shapes():
     """Traced with dynamic batch and sequence (the default): the loop's data-dependent row counts
     beside the symbolic sizes; equal to serial, and at another batch and sequence length."""
