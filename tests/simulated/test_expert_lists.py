@@ -101,6 +101,16 @@ def test_list_experts_on_an_axis_that_does_not_split_the_batch():
     plan.check(**kw, rtol=1e-4, atol=1e-5)
 
 
+def test_list_experts_with_zero3():
+    """zero=3 on dp shards the dense parameters (1-D pieces); the experts stay whole on their ranks."""
+    model, kw = L.list_model("mixtral")
+    plan = ap.plan(model, DP4, kwargs=kw, annotations=dict(L.EP), data_parallel=ap.DataParallel("dp", zero=3))
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+    local = dict(plan.module(1).named_parameters())
+    assert local["model.embed_tokens.weight"].dim() == 1
+    assert local["model.layers.0.mlp.experts.1.w1.weight"].shape == (M.FFN, M.HIDDEN)
+
+
 def test_list_experts_dynamic_shapes():
     """Traced with dynamic batch and sequence (the default): the loop's data-dependent row counts
     beside the symbolic sizes; equal to serial, and at another batch and sequence length."""
