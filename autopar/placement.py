@@ -74,19 +74,36 @@ class Shard(Placement):
     rank k holds chunk k of every block, in block order. A fused projection (GPT-2's
     ``c_attn``: q | k | v along its output features) sharded so keeps whole heads of q, k
     and v on every rank, and splitting its output into the 3 blocks gives plain shards.
+
+    ``of=(i, count)``: the tensor is item ``i`` of a list of ``count`` (one expert of a per-expert
+    ``nn.ModuleList``) and the list is split over the axis: the rank whose share of the ``count``
+    items (``count / n`` consecutive ones) holds item ``i`` keeps the whole tensor, every other
+    rank an empty piece (dim ``dim`` of size 0). So a list of E experts' weights is stored E/n
+    experts per rank under their own names, and merging the pieces gives the tensor back.
     """
 
     dim: int
     blocks: int = 1
+    of: tuple[int, int] | None = None
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def owner(self, n: int) -> int:
+        """The rank (coordinate on an axis of ``n``) holding the whole tensor of an ``of`` shard."""
+        i, count = self.of
+        return i // (count // n)
+
     def __repr__(self) -> str:
+        if self.of is not None:
+            return f"S({self.dim},of={self.of[0]}/{self.of[1]})"
         return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks})"
 
     @classmethod
     def _parse(cls, text: str) -> "Shard | None":
+        m = re.fullmatch(r"S\((-?\d+),\s*of=(\d+)/(\d+)\)", text)
+        if m:
+            return cls(int(m.group(1)), of=(int(m.group(2)), int(m.group(3))))
         m = re.fullmatch(r"S\((-?\d+)(?:,\s*blocks=(\d+))?\)", text)
         return cls(int(m.group(1)), int(m.group(2) or 1)) if m else None
 
@@ -134,7 +151,7 @@ def parse_placement(text: str) -> Placement:
         found = kind._parse(text)
         if found is not None:
             return found
-    raise ShardingError(f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), P or P(avg).")
+    raise ShardingError(f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), S(d,of=i/n), P or P(avg).")
 
 
 R = Replicate()
@@ -200,7 +217,8 @@ def uneven_dims(shape, placements, mesh) -> dict:
     """{dim: (size, axis)} of the dims ``placements`` split into pieces of different sizes."""
     out = {}
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard) and p.dim < len(shape) and is_uneven(shape[p.dim], mesh.shape[axis]):
+        owned = isinstance(p, Shard) and p.of is not None and mesh.shape[axis] > 1  # whole or empty
+        if isinstance(p, Shard) and p.dim < len(shape) and (owned or is_uneven(shape[p.dim], mesh.shape[axis])):
             out[p.dim] = (int(shape[p.dim]), axis)
     return out
 
@@ -254,7 +272,9 @@ def local_shape(shape, placements, mesh, coords=None) -> tuple:
         if isinstance(p, Shard) and p.dim < len(out):
             k = 0 if coords is None else coords[axis]
             n = mesh.shape[axis]
-            if p.blocks > 1:
+            if p.of is not None:
+                out[p.dim] = out[p.dim] if k == p.owner(n) else 0
+            elif p.blocks > 1:
                 out[p.dim] = p.blocks * piece_size(out[p.dim] // p.blocks, n, k)
             else:
                 out[p.dim] = piece_size(out[p.dim], n, k)
@@ -274,7 +294,9 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
     coords = mesh.coords(rank)
     out = full
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and p.of is not None:
+            out = out.narrow(p.dim, 0, out.shape[p.dim] if coords[axis] == p.owner(mesh.shape[axis]) else 0)
+        elif isinstance(p, Shard):
             out = narrow_piece(out, p.dim, mesh.shape[axis], coords[axis], p.blocks)
         elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)

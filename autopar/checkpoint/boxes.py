@@ -30,6 +30,9 @@ def dim_segments(shape, spec, mesh, rank) -> list[list[tuple[int, int, int]]]:
         if not isinstance(p, Shard):
             continue
         n, size, k = shape[p.dim], mesh.shape[axis], p.blocks
+        if p.of is not None:  # one item of a list split over the axis: whole on its owner, empty elsewhere
+            segs[p.dim] = [(0, 0, n if coords[axis] == p.owner(size) else 0)]
+            continue
         block = n // k  # uneven pieces: torch.tensor_split's (placement.piece_start / piece_size)
         start, piece = piece_start(block, size, coords[axis]), piece_size(block, size, coords[axis])
         segs[p.dim] = [(b * block + start, b * piece, piece) for b in range(k)]

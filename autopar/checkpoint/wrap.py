@@ -24,9 +24,10 @@ from autopar.placement import Partial, Shard
 
 def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None, dtype=None):
     """A DTensor with the plan's placements when ``local`` (the rank's whole tensor) has a DTensor
-    layout, else a Pieces (blocked shards, ZeRO pieces, pipeline stages, uneven pieces: DTensor
+    layout, else a Pieces (blocked shards, a list's items, ZeRO pieces, pipeline stages, uneven pieces: DTensor
     cuts as torch.chunk, 6 rows on 4 ranks 2,2,2,0, autopar as torch.tensor_split, 2,2,1,1)."""
-    plain = not any(isinstance(p, Shard) and p.blocks > 1 for p in spec)
+    # a blocked shard, or an item of a split list (a ModuleList's expert: whole on one rank), is no DTensor layout
+    plain = not any(isinstance(p, Shard) and (p.blocks > 1 or p.of is not None) for p in spec)
     if local is not None and plain and not _uneven(shape, spec, dm):
         from torch.distributed.tensor import DTensor
 

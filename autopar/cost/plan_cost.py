@@ -33,6 +33,7 @@ from autopar.cost.activation_memory import activation_bytes, loss_backward_bytes
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers, PlanSymbols, simplify
 from autopar.placement import Shard, is_uneven
+from autopar.sharding.expert_blocks import BLOCKS
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.sharding.rules import VIEW, Work, op_traits
@@ -196,8 +197,10 @@ def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
         q, key = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4 * sy.numel(q.shape) * sy.dim(key.shape[-2])
     if work.kind == "experts":  # every routed row through one expert's weights
-        weights = [p.meta["val"] for p in node.args[3] if p.meta["val"].dim() == 3]
-        return 2 * sy.numel(node.args[1].meta["val"].shape) * sum(sy.numel(w.shape[1:]) for w in weights)
+        stacked = [p.meta["val"].shape[1:] for p in node.args[3] if p.meta["val"].dim() == 3]
+        per_expert = BLOCKS[node.args[4]].per_expert  # a ModuleList's: expert 0's own tensors
+        one = stacked or [p.meta["val"].shape for p in node.args[3][:per_expert]]
+        return 2 * sy.numel(node.args[1].meta["val"].shape) * sum(sy.numel(shape) for shape in one)
     return out_numel
 
 

@@ -2,7 +2,8 @@
 
 An experts module is the owner of the stacked 3-D weights (experts, in, out) that reach a
 grouped expert matmul (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``) as
-its weight, directly or through transposes, casts and views.
+its weight, directly or through transposes, casts and views; or a per-expert ``ModuleList``
+of identical modules run on the rows routed to each (sharding/expert_lists.py).
 
 Example:
     >>> expert_modules(model, traced)     # {'model.layers.0.mlp.experts': 8, ...}
@@ -13,9 +14,12 @@ from __future__ import annotations
 import torch
 
 from autopar.sharding.expert_blocks import grouped_weight_modules
+from autopar.sharding.expert_lists import list_expert_modules
 
 
 def expert_modules(model: torch.nn.Module, traced) -> dict[str, int]:
-    """{module path: number of experts} for every module whose weights feed a grouped matmul."""
+    """{module path: number of experts} for every module whose weights feed a grouped matmul
+    and every per-expert ModuleList."""
     modules = dict(model.named_modules())
-    return {path: n for path, n in grouped_weight_modules(traced).items() if path in modules}
+    found = {**grouped_weight_modules(traced), **list_expert_modules(traced)}
+    return {path: n for path, n in found.items() if path in modules}

@@ -129,8 +129,9 @@ def megatron(
     traced = trace(model, args if isinstance(args, tuple) else (args,), kwargs, dynamic=False)
     g = _Graph(model, traced)
     ann, why = {}, []
-    pairs = g.pairs()
     moe = expert_modules(model, traced) if experts else {}
+    # the linears of a per-expert ModuleList belong to its experts (split whole, by expert)
+    pairs = [(r, c) for r, c in g.pairs() if not any(x.startswith(p + ".") for p in moe for x in [r, *c])]
     if not pairs and not moe:
         raise AnnotationError(
             f"presets.megatron({type(model).__name__}): found no column/row-parallel "
@@ -164,7 +165,12 @@ def megatron(
     on = expert_axis or axis
     for path, count in moe.items():
         ann[path] = expert_parallel(on, tp=axis if expert_tp and on != axis else None)
-        why.append(f"{path}: {ann[path]!r}, {count} experts run by grouped matmuls")
+        how = (
+            "a ModuleList of experts"
+            if isinstance(model.get_submodule(path), torch.nn.ModuleList)
+            else "grouped matmuls"
+        )
+        why.append(f"{path}: {ann[path]!r}, {count} experts run by {how}")
     for path in sorted(set(g.linears()) - set(ann)):
         why.append(f"{path}: left replicated, {g.why_not.get(path, 'not part of a column/row pair')}")
     if sequence_parallel:

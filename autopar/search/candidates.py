@@ -101,7 +101,10 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
         if n.op == "call_function":
             by_path.setdefault(module_path(n), set()).add(n.name)
     by_key: dict[str, Component] = {}
+    moe = expert_modules(model, traced)
     for row, cols in g.pairs():
+        if any(x.startswith(p + ".") for p in moe for x in [row, *cols]):
+            continue  # a per-expert ModuleList's own linears: the list is split whole, by expert
         key = pattern(_common(row, *cols))
         comp = by_key.setdefault(key, Component(key, "pair"))
         for c in cols:
@@ -123,7 +126,7 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
             comp.nodes |= _downstream(linears[h], index)
         comp.params = _params_of(model, own)
         comps.append(comp)
-    for path, n_experts in expert_modules(model, traced).items():
+    for path, n_experts in moe.items():
         key = pattern(path)
         comp = by_key.get(key) or Component(key, "experts", module=key, experts=n_experts)
         if comp.kind != "experts":

@@ -266,6 +266,9 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
 def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
     axis = mesh.axis_index(ann.axis)
     for path in _matching(pattern, [n for n in modules if n], "module path"):
+        if isinstance(modules[path], nn.ModuleList):
+            _apply_expert_list(path, ann, modules[path], mesh, put, why, seeds)
+            continue
         own = dict(modules[path].named_parameters(recurse=False))
         counts = {p.shape[0] for p in own.values() if p.dim() == 3}
         if len(counts) != 1:
@@ -287,6 +290,34 @@ def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
             seeds.expert_tp[path] = mesh.axis_index(ann.tp)
         for pname, p in own.items():
             put(f"{path}.{pname}", axis, Shard(0) if p.dim() >= 2 and p.shape[0] == experts else R, why)
+
+
+def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds):
+    """A per-expert ModuleList: expert i's tensors whole on the rank holding it (``Shard(0,
+    of=(i, E))``: E/n experts per rank, under their own names), empty on the others."""
+    axis, n, count = mesh.axis_index(ann.axis), mesh.shape[mesh.axis_index(ann.axis)], len(experts)
+    names = [sorted(name for name, _ in e.named_parameters()) for e in experts]
+    if count < 2 or any(nm != names[0] for nm in names) or not names[0]:
+        raise AnnotationError(
+            f"{ann!r} on module {path!r} (a ModuleList of {count}): expected at least 2 expert modules with "
+            f"the same parameters, found {[nm for nm in names[:3]]}. Annotate the list of the MoE block's experts."
+        )
+    if count % n:
+        raise AnnotationError(
+            f"{ann!r} on module {path!r}: {count} experts do not divide over the {n} ranks of axis "
+            f"{ann.axis!r}" + (" (more ranks than experts)" if n > count else "") + ". Put the experts on an "
+            f"axis whose size divides {count}, or use a smaller mesh axis."
+        )
+    if ann.tp is not None:
+        raise AnnotationError(
+            f"{ann!r} on module {path!r}: expert tensor parallelism (tp=) splits stacked 3-D expert weights; "
+            "a per-expert ModuleList is not split within an expert yet. Drop tp=, or annotate the experts' "
+            "linears with ap.colwise / ap.rowwise."
+        )
+    seeds.experts[path] = axis
+    for i, expert in enumerate(experts):
+        for pname, _ in expert.named_parameters():
+            put(f"{path}.{i}.{pname}", axis, Shard(0, of=(i, count)), why)
 
 
 def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):

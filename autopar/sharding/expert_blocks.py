@@ -36,6 +36,7 @@ import torch.fx as fx
 from autopar.errors import AnnotationError
 from autopar.placement import Replicate, check_divisible
 from autopar.runtime.moe_dispatch import route, unroute
+from autopar.sharding.expert_lists import list_chain, list_expert_modules, list_items, list_region
 from autopar.sharding.expert_tp import expert_tp_placements
 from autopar.trace.module_paths import module_paths
 
@@ -58,7 +59,9 @@ CHECK_NUMEL = 1 << 24  # expert weights larger than this (meta-sized models) are
 @dataclass
 class ExpertBlock:
     """One experts module: its expert count, top-k, and its chain (rows, offsets, ids, *params) ->
-    rows (``ids``: each row's expert among the weights given, for expert biases)."""
+    rows (``ids``: each row's expert among the weights given, for expert biases). A per-expert
+    ModuleList (expert_lists.py) also has its ``expert`` graph (rows, *one expert's params) ->
+    rows and ``per_expert`` parameters each, the op's parameters expert after expert."""
 
     path: str
     experts: int
@@ -66,6 +69,15 @@ class ExpertBlock:
     chain: fx.GraphModule
     params: list[str]  # the parameters' serial names, in the op's order
     tp: tuple | None = None  # (mesh axis, each parameter's placement on it): expert tensor parallelism
+    expert: fx.GraphModule | None = None  # a ModuleList's one expert
+    per_expert: int = 0
+
+    def local_chain(self, params: int) -> fx.GraphModule:
+        """The chain of a rank given ``params`` of the op's parameters (its experts' ones)."""
+        if self.expert is None:
+            return self.chain
+        held = params // self.per_expert
+        return self.chain if held == self.experts else list_chain(self.expert, self.per_expert, held)
 
 
 BLOCKS: dict[str, ExpertBlock] = {}  # key (the op's last argument) -> block
@@ -126,14 +138,19 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
     graph = traced.gm.graph
     changed = False
     todo = dict(seeds.experts)
-    for path in grouped_weight_modules(traced):
+    for path in [*grouped_weight_modules(traced), *list_expert_modules(traced)]:
         if path not in todo and not any(fqn.startswith(path + ".") for fqn in seeds.params):
             todo[path] = None
+    lists = list_items(traced)
     for path, axis in todo.items():
-        region = _region(graph, path)
+        region = _region(graph, path)  # a ModuleList is never called: its items' nodes
+        if path in lists:
+            region = [n for n in graph.nodes if any(p.startswith(path + ".") for p in module_paths(n))]
         if region and not any(n.target is MOE_EXPERTS for n in region):
             try:
-                block = _collapse(traced, path, region)
+                block = (
+                    _collapse_list(traced, path, len(lists[path])) if path in lists else _collapse(traced, path, region)
+                )
             except AnnotationError:
                 if (axis is not None and axis == data_axis) or path in seeds.expert_tp:
                     raise
@@ -163,7 +180,8 @@ def _fail(path: str, why: str) -> AnnotationError:
         f"expert_parallel on module {path!r}: not recognised as a MoE experts module ({why}). "
         "autopar recognises modules called as experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) "
         "that run their experts by grouped matmuls (HF's grouped_mm experts implementation: "
-        "config._experts_implementation = 'grouped_mm'); annotate such a module, or split its weights "
+        "config._experts_implementation = 'grouped_mm'), or per-expert ModuleLists looped over as HF's "
+        "MoE blocks did up to transformers 4.4x; annotate such a module, or split its weights "
         "with ap.place / ap.colwise instead."
     )
 
@@ -184,6 +202,35 @@ def _collapse(traced, path: str, region: list[fx.Node]) -> ExpertBlock:
     hidden, index, weights = _token_inputs(path, [a for a in outside_inputs if a not in params + sizes], out)
     chain, top_k = _chain(path, region, hidden, index, weights, params)
     block = ExpertBlock(path, _experts(path, params), top_k, chain, [traced.param_fqn[p.name] for p in params])
+    return _replace(traced, block, region, [hidden, index, weights], params, sizes, out)
+
+
+def _collapse_list(traced, path: str, experts: int) -> ExpertBlock:
+    """A per-expert ModuleList's loop as one op (expert_lists.py): the parameters expert after
+    expert, each expert's in the order of its names."""
+    region, out, expert, suffixes = list_region(traced, path, experts)
+    inside = set(region)
+    outside_inputs: list[fx.Node] = []
+    for n in region:
+        outside_inputs += [a for a in n.all_input_nodes if a not in inside and a not in outside_inputs]
+    by_name = {traced.param_fqn[a.name]: a for a in outside_inputs if a.name in traced.param_fqn}
+    names = [f"{path}.{i}.{s}" for i in range(experts) for s in suffixes]
+    missing = [n for n in names if n not in by_name]
+    if missing or len(by_name) != len(names):
+        raise _fail(path, f"its loop reads parameters {sorted(set(by_name) ^ set(names))} unlike its experts'")
+    params = [by_name[n] for n in names]
+    sizes = [a for a in outside_inputs if isinstance(a.meta.get("val"), (int, torch.SymInt))]
+    hidden, index, weights = _token_inputs(path, [a for a in outside_inputs if a not in params + sizes], out)
+    top_k = int(index.meta["val"].shape[-1])
+    chain = list_chain(expert, len(suffixes), experts)
+    block = ExpertBlock(path, experts, top_k, chain, names, expert=expert, per_expert=len(suffixes))
+    return _replace(traced, block, region, [hidden, index, weights], params, sizes, out)
+
+
+def _replace(traced, block: ExpertBlock, region, tokens: list[fx.Node], params, sizes, out) -> ExpertBlock:
+    """``region`` replaced by one moe_experts node, once the block is checked against it."""
+    hidden, index, weights = tokens
+    path = block.path
     _check(path, block, region, [hidden, index, weights, *params], sizes, out)
     key = f"{path}#{id(traced)}"
     BLOCKS[key] = block
@@ -281,6 +328,8 @@ def _chain(path, region, hidden, index, weights, params):
     for src, ph in env.items():
         ph.meta["val"] = src.meta.get("val") if isinstance(src, fx.Node) else None
     for n in region:
+        if n in env:  # the offsets stay the placeholder: a rank's own (E/n entries after a dispatch)
+            continue
         if n in body or (n in from_params and any(u in body for u in _all_users(n, inside))):
             for a in n.all_input_nodes:
                 if a not in env:
@@ -288,6 +337,10 @@ def _chain(path, region, hidden, index, weights, params):
                     raise _fail(path, f"{n.name} reads {a.name} from {bad}; only offsets may reach the experts")
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[last[0]])
+    # HF computes the offsets from the sorted ids (histc over all E experts): computed so again
+    # inside the chain, they would have E entries where a rank holds E/n experts (eager's
+    # grouped matmul read the first E/n; torch.compile's fake kernel refuses); left out, unused
+    g.eliminate_dead_code()
     top_k = int(index.meta["val"].shape[-1])
     return fx.GraphModule(torch.nn.Module(), g), top_k
 

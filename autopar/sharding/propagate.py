@@ -518,6 +518,8 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh, r
                 continue
             if p.dim >= meta.ndim:
                 return False
+            if p.of is not None:  # an item of a split list (an expert's weight): whole or empty by construction
+                continue
             size = meta.shape[p.dim]
             # a dynamic dim (the batch) must divide at the example's sizes: its pieces are sized
             # at run time by the input guard; a blocked shard must divide in every block

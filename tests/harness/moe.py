@@ -123,9 +123,9 @@ def loss_of(out):
     return out["loss"] if isinstance(out, dict) else out[0]
 
 
-def train_serial(model, batches: list, steps: int = 3, lr: float = 0.01):
+def train_serial(model, batches: list, steps: int = 3, lr: float = 0.01, eps: float = 1e-8):
     """AdamW steps on the serial model; its parameters after them."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=eps)
     for b in batches[:steps]:
         out = model(*b) if isinstance(b, tuple) else model(**b)
         loss_of(out).backward()
@@ -134,12 +134,15 @@ def train_serial(model, batches: list, steps: int = 3, lr: float = 0.01):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_ranks(plan, batches: list, steps: int = 3, lr: float = 0.01):
-    """The same AdamW steps on every rank (simulated); the merged parameters."""
+def train_ranks(plan, batches: list, steps: int = 3, lr: float = 0.01, eps: float = 1e-8, routes=None):
+    """The same AdamW steps on every rank (simulated); the merged parameters. ``routes``: a dict
+    that gets {rank: [the top-k indices each MoE layer's dispatch routed, in call order]}."""
 
     def rank_steps(rank):
         module = plan.build_module(rank)
-        opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.1)
+        if routes is not None:
+            _record_routes(module, routes)
+        opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.1, eps=eps)
         for b in batches[:steps]:
             args, kwargs = plan.local_inputs(rank, *b) if isinstance(b, tuple) else plan.local_inputs(rank, **b)
             loss_of(module(*args, **kwargs)).backward()
@@ -148,3 +151,45 @@ def train_ranks(plan, batches: list, steps: int = 3, lr: float = 0.01):
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
     return plan.merge_state_dicts(run_ranks(plan.mesh.size, rank_steps))
+
+
+def _record_routes(module, routes: dict) -> None:
+    """Wrap the route step (runtime/moe_dispatch.route) the rank program calls, once for the
+    program's code (shared by the ranks' threads, named autopar-rank<r> by the simulator)."""
+    import threading
+
+    names = module.forward.__globals__
+    key = next(k for k in names if k.endswith("moe_dispatch_route"))
+    if getattr(names[key], "recording", None) is routes:
+        return
+    route = getattr(names[key], "inner", names[key])
+
+    def recorded(hidden, index, experts):
+        rank = int(threading.current_thread().name.removeprefix("autopar-rank"))
+        routes.setdefault(rank, []).append(index.detach().clone())
+        return route(hidden, index, experts)
+
+    recorded.recording, recorded.inner = routes, route
+    names[key] = recorded
+
+
+def serial_routes(model, batches: list, steps: int = 3, lr: float = 0.01, eps: float = 1e-8) -> list:
+    """The top-k indices the serial model's routers chose at each of the AdamW steps (a hook on
+    each MoE block's experts module, which HF calls with them)."""
+    seen = []
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: seen.append(args[1].detach().clone()))
+        for name, m in model.named_modules()
+        if name.endswith("mlp.experts")
+    ]
+    train_serial(model, batches, steps, lr, eps)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def other_experts(rank_routes: list, serial: list) -> int:
+    """Tokens whose set of chosen experts differs from serial's: ``rank_routes`` the dp ranks'
+    indices of one call each (in dp order, their rows in batch order), ``serial`` that call's."""
+    ranks = torch.cat(rank_routes)
+    return int((ranks.sort(-1).values != serial.sort(-1).values).any(-1).sum())

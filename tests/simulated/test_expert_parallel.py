@@ -34,14 +34,10 @@ def _assert_dispatched(plan, model, kind):
     moe = [c for c in comms if c.node.startswith("moe_experts")]
     assert [c.kind for c in moe] == ["all_to_all"] * 5 and {c.axis for c in moe} == {"dp"}, moe
     assert [c.phase for c in moe].count("backward") == 2
-    # on dp, in and after the MoE blocks, only the dispatch and the loss's count of rows: no
-    # gather of tokens, nothing replicated (DeepSeek-V3's MLA attention gathers on dp before it,
-    # with or without experts: not the MoE block's doing)
+    # on dp, only the dispatch and the loss's count of rows: no gather of tokens, nothing
+    # replicated (DeepSeek-V3's MLA attention included: its keys' new_empty is made split)
     on_dp = [c for c in comms if c.axis == "dp" and c.phase != "grad sync" and c not in moe]
-    if kind != "deepseek_v3":
-        assert {(c.kind, c.node) for c in on_dp} == {("all_reduce", "cross_entropy_loss"), ("all_reduce", "output")}, (
-            on_dp
-        )
+    assert {(c.kind, c.node) for c in on_dp} == {("all_reduce", "cross_entropy_loss"), ("all_reduce", "output")}, on_dp
     synced = {n for b in plan.grad_buckets(0) for n in b.names if 0 in b.axes}
     experts = _expert_names(model)
     assert experts and not synced & set(experts), synced & set(experts)
@@ -84,13 +80,23 @@ def test_routed_experts_three_adamw_steps(kind, mesh):
 
 @pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
 def test_hf_moe_three_adamw_steps(kind):
+    """Whole models on (2, 2), Megatron on tp and experts on dp, 3 AdamW steps: no token's
+    experts differ from serial's at any step (the routers' top-k counted on every dp rank), so
+    the parameters equal serial as closely as the routed cases'. AdamW's eps is 1e-3: with the
+    default 1e-8, a gradient element of ~4e-9 (Mixtral's expert 2, down_proj[19, 6], first step)
+    is normalised at eps's scale, where its float noise (3e-11, the rows summed in another
+    order after the dispatch) moves the step by 0.2% of lr: 1.8e-5, the 1.9e-4 relative drift
+    that was put down to top-k flips (docs/experts.md)."""
     model, kw = M.moe_model(kind)
     batches = [M.moe_model(kind, seed=0)[1]] + [M.moe_model(kind, seed=s)[1] for s in (5, 6)]
     plan = _plan(model, kw, DP2TP2)
-    merged = M.train_ranks(plan, batches)
-    # AdamW's normalised steps carry float noise of near-zero gradients (the router's, an expert
-    # weight's; ~1e-6 after one step, the gradients equal to 1e-5) into whole steps of lr 0.01
-    assert_params_close(merged, M.train_serial(model, batches), rtol=1e-3, atol=5e-5)
+    routes = {}
+    merged = M.train_ranks(plan, batches, eps=1e-3, routes=routes)
+    serial = M.serial_routes(model, batches, eps=1e-3)
+    dp_ranks = [r for r in range(plan.mesh.size) if plan.mesh.coords(r)[1] == 0]
+    assert len(serial) == 3 and all(len(routes[r]) == 3 for r in dp_ranks)
+    assert [M.other_experts([routes[r][i] for r in dp_ranks], serial[i]) for i in range(3)] == [0, 0, 0]
+    assert_params_close(merged, {n: p.detach() for n, p in model.named_parameters()}, rtol=1e-5, atol=1e-6)
 
 
 def test_more_ranks_than_experts_is_refused():

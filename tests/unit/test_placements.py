@@ -97,3 +97,18 @@ def test_blocked_shard_roundtrip():
     pieces = [shard_tensor(full, spec, mesh, r) for r in mesh.ranks()]
     assert pieces[1][0].tolist() == [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
     assert torch.equal(merge_tensors(pieces, spec, mesh), full)
+
+
+def test_list_item_shard_is_whole_on_its_owner_and_empty_elsewhere():
+    """Shard(0, of=(i, E)): expert i of E split over 4 ranks (E/4 each) is whole on rank i // (E/4)."""
+    import torch
+
+    from autopar.mesh import Mesh
+    from autopar.placement import Shard, local_shape, merge_tensors, parse_placement, shard_tensor
+
+    mesh, p, t = Mesh((4,), ("dp",)), Shard(0, of=(5, 8)), torch.randn(6, 3)
+    assert repr(p) == "S(0,of=5/8)" and parse_placement(repr(p)) == p and p.owner(4) == 2
+    pieces = [shard_tensor(t, (p,), mesh, r) for r in range(4)]
+    assert [x.shape[0] for x in pieces] == [0, 0, 6, 0]
+    assert [local_shape((6, 3), (p,), mesh, (r,)) for r in (1, 2)] == [(0, 3), (6, 3)]
+    assert torch.equal(merge_tensors(pieces, (p,), mesh), t)

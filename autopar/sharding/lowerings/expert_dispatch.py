@@ -31,6 +31,7 @@ from autopar.errors import ShardingError
 from autopar.placement import Shard
 from autopar.runtime import moe_dispatch as md
 from autopar.sharding.expert_blocks import BLOCKS
+from autopar.sharding.expert_lists import owned_items, tie_others
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 
 aten = torch.ops.aten
@@ -45,7 +46,9 @@ def axis_modes(strategies) -> dict[int, str]:
         if s is None:
             continue
         tok = isinstance(s.inputs[0], Shard)
-        par = len(s.inputs) > 3 and s.inputs[3] == Shard(0)  # a split of each expert (tp) runs as it is
+        # whole experts split (stacked: S(0); a ModuleList's: S(0, of=...)); a split of each expert (tp) runs as it is
+        par = len(s.inputs) > 3 and isinstance(s.inputs[3], Shard) and s.inputs[3].dim == 0 and s.inputs[3].blocks == 1
+        par = par and (s.inputs[3].of is not None or s.inputs[3] == Shard(0))
         if tok or par:
             out[axis] = "dispatch" if tok and par else "tokens" if tok else "experts"
     return out
@@ -82,8 +85,28 @@ class ExpertDispatch(Lowering):
     @staticmethod
     def _chain(em, block, rows, offsets, ids, params):
         """The expert chain's nodes, copied into the rank's program."""
-        ph = [n for n in block.chain.graph.nodes if n.op == "placeholder"]
-        return em.graph.graph_copy(block.chain.graph, dict(zip(ph, [rows, offsets, ids, *params])))
+        chain = block.local_chain(len(params))
+        ph = [n for n in chain.graph.nodes if n.op == "placeholder"]
+        return em.graph.graph_copy(chain.graph, dict(zip(ph, [rows, offsets, ids, *params])))
+
+    @staticmethod
+    def _held_params(em, block, params, first, held):
+        """(a ModuleList's parameters of experts ``first .. first + held - 1``, the arguments of
+        ``tie_others`` for the rest): ``first`` is a value of the program; the rank gets every
+        expert's tensors (the others' empty) and runs its own."""
+        m = block.per_expert
+        start = em.graph.call_function(operator.mul, (first, m))
+        mine = em.graph.call_function(owned_items, (params, start, held * m))
+        return [em.graph.call_function(operator.getitem, (mine, j)) for j in range(held * m)], (params, start, held * m)
+
+    def _run_held(self, em, block, rows, offsets, ids, params, first, held):
+        """The chain on experts ``first .. first + held - 1``; a ModuleList's other experts' (empty)
+        tensors tied in with an exact 0 so that each gets its (empty) gradient."""
+        if block.expert is None:
+            return self._chain(em, block, rows, offsets, ids, params)
+        mine, others = self._held_params(em, block, params, first, held)
+        y = self._chain(em, block, rows, offsets, ids, mine)
+        return em.graph.call_function(tie_others, (y, *others))  # stacked weights: already E/n here
 
     def _dispatched(self, em, block, rows, counts, params, axis):
         """Counts exchanged, rows to their experts' ranks, the chain on this rank's E/n experts
@@ -98,7 +121,8 @@ class ExpertDispatch(Lowering):
         x = g.call_function(md.regroup_rows, (arrived, regroup))
         offsets = g.call_function(aten.cumsum.default, (per_expert, 0), {"dtype": torch.int32})
         ids = g.call_function(md.expert_ids, (per_expert,))
-        y = self._chain(em, block, x, offsets, ids, params)
+        first = g.call_function(operator.mul, (em.coord(axis), held))
+        y = self._run_held(em, block, x, offsets, ids, params, first, held)
         y = g.call_function(md.ungroup_rows, (y, regroup))
         return em.collective(ops.all_to_all_v.default, (y, recv, send), axis)
 
@@ -115,7 +139,7 @@ class ExpertDispatch(Lowering):
         held = block.experts // pieces
         mine = g.call_function(md.expert_rows, (rows, counts, first, held))
         x, offsets, ids = (g.call_function(operator.getitem, (mine, i)) for i in range(3))
-        y = self._chain(em, block, x, offsets, ids, params)
+        y = self._run_held(em, block, x, offsets, ids, params, first, held)
         total = g.call_function(aten.sym_size.int, (rows, 0))
         return g.call_function(md.place_rows, (y, counts, first, total))
 

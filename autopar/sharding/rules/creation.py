@@ -1,6 +1,7 @@
-"""Ops that make tensors from sizes alone (arange, ones, full, ...): always replicated.
+"""Ops that make tensors from sizes alone (arange, ones, full, ...): replicated.
 
-A sharded consumer slices them locally (R -> S costs no communication).
+A sharded consumer slices them locally (R -> S costs no communication). ``x.new_empty(size)``
+and kin may also be made split like ``x`` (each rank its piece, one value everywhere).
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ aten = torch.ops.aten
         "tensor.bool",
         "tensor.float",
         "tensor.int",
-        "new_ones",
-        "new_zeros",
-        "new_full",
-        "new_empty",
         "randn",
         "randn.generator",
         "rand",
@@ -52,3 +49,15 @@ def creation_rule(op: OpInfo) -> list[Strategy]:
         others = [Shard(d) for d in range(x.ndim)] + [Partial("sum"), Partial("avg")]
         strategies += [Strategy((p,), (Replicate(),), None, "size only") for p in others]
     return strategies
+
+
+@register(*aten_ops("new_ones", "new_zeros", "new_full", "new_empty"), shape_arg=1)
+def new_filled_rule(op: OpInfo) -> list[Strategy]:
+    """``x.new_empty(size)`` and kin: one value everywhere (or none), so a rank can make its own
+    piece of the output (its size made local by the emitter: ``shape_arg``) where ``x`` is split
+    on the same dim: DeepSeek-V3's attention makes its keys with ``new_empty(B, H, S, D)`` and
+    copies the batch-split parts in; replicated, it was gathered over dp."""
+    strategies = creation_rule(op)
+    x, out = op.tensors[0], op.outputs[0]
+    split = [Strategy((Shard(d),), (Shard(d),), None, "each rank its piece") for d in range(min(x.ndim, out.ndim))]
+    return strategies[:1] + split + strategies[1:]

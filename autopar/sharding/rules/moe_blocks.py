@@ -4,7 +4,8 @@ depends on row t of hidden, index and weights only. Strategies, per mesh axis:
 
 - tokens split (hidden, index, weights S(0)), experts replicated -> out S(0): each rank runs its
   tokens through every expert (plain data parallelism);
-- tokens split and experts split (params S(0)) on the same axis -> out S(0): expert parallelism
+- tokens split and experts split (params S(0); a per-expert ModuleList's S(0, of=(i, E)): expert
+  i's tensors whole on the rank holding it, empty elsewhere) on the same axis -> out S(0): expert parallelism
   with an all-to-all dispatch (lowering ``expert_dispatch``): each rank sends every routed row
   to the rank holding its expert and gets the outputs back;
 - tokens replicated, experts split -> out Partial: each rank runs the rows routed to its own
@@ -34,11 +35,15 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     hidden, index, weights, *params = op.tensors
     tokens = (hidden, index, weights)
 
-    def strategy(tok, par, out, note):
-        ins = tuple(tok for _ in tokens) + tuple(par for _ in params)
-        return Strategy(ins, (out,), EXPERT_DISPATCH, note)
-
     block = BLOCKS[op.args[4]]
+
+    def strategy(tok, par, out, note):
+        if par == Shard(0) and block.expert is not None:  # a ModuleList: each expert's tensors on its rank
+            split = tuple(Shard(0, of=(j // block.per_expert, block.experts)) for j in range(len(params)))
+        else:
+            split = tuple(par for _ in params)
+        return Strategy(tuple(tok for _ in tokens) + split, (out,), EXPERT_DISPATCH, note)
+
     tp = []
     if block.tp is not None:  # each expert split column- then row-parallel: a partial sum
         ins = (R,) * len(tokens) + block.tp[1]
