@@ -160,6 +160,13 @@ def loss_backward_bytes(plan, sy):
     GPU section): the HF LLaMA's peak is its held bytes + 2000 MiB (2 x its 1000 MiB log-softmax)
     under none, full and selective checkpointing alike; the GPT's none and selective peaks, its
     held bytes + 2 x its 64 MiB log-softmax."""
+    return loss_backward_source(plan, sy)[0]
+
+
+def loss_backward_source(plan, sy) -> tuple:
+    """(``loss_backward_bytes``, the node whose saved tensor sets it: None when nothing is kept).
+    The search charges the bytes to that node's component (the head's logits: whether the
+    vocabulary is split decides them)."""
     saves = saved_activations(plan)
     nodes = list(plan.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
@@ -168,8 +175,11 @@ def loss_backward_bytes(plan, sy):
         inside = [i for i, n in enumerate(nodes) if any(p.startswith(found.prefix + ".") for p in module_paths(n))]
         if inside:
             saves = [s for s in saves if index[s.consumer] > max(inside)]
-    sizes = [activation_bytes(plan, sy, [s], with_outputs=False) for s in saves]
-    return 2 * max(sizes, key=sy.value) if sizes else 0
+    sizes = [(activation_bytes(plan, sy, [s], with_outputs=False), s.consumer) for s in saves]
+    if not sizes:
+        return 0, None
+    largest, node = max(sizes, key=lambda v: sy.value(v[0]))
+    return 2 * largest, node
 
 
 def _ref_bytes(plan, sy, s: Saved):

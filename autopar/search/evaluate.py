@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 
-from autopar.cost.activation_memory import bytes_by_node, saved_activations
+from autopar.cost.activation_memory import bytes_by_node, loss_backward_source, saved_activations
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
 from autopar.cost.plan_cost import activation_terms, node_flops, split_factor
@@ -202,7 +202,10 @@ def plan_terms(
     blocks = (1 + max(nw.values())) / 2 if nw else 1.0
     per_block = float(extra.pop("activations")) - float(sum(kept.values()))
     extra.pop("offloaded", None)  # host memory (offloading checkpoints): not the device's budget
+    backward = float(extra.pop("backward", 0.0))
     terms("base").acts += blocks * per_block + float(sum(extra.values()))
+    if backward:  # the loss's backward holds two of its largest kept tensor: that node's component's
+        terms(comp_of.get(loss_backward_source(plan, sy)[1], "base")).acts += backward
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     if "comms" not in shared:
         shared["comms"] = _comm_terms(plan, sy, comp_of, nw, profile)
