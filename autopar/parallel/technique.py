@@ -75,6 +75,15 @@ class Technique:
         """The mesh axis that splits the batch (dim 0 of every input), if this technique does."""
         return None
 
+    def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
+        """Place user inputs the technique splits (``inputs``: name -> example value) into
+        ``seeds.inputs`` / ``seeds.reasons``, leaving inputs the annotations placed on its axis."""
+
+    def attention_method(self, axis: str) -> str | None:
+        """How attention split on mesh axis ``axis`` by its sequence meets every key ("ring" or
+        "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""
+        return None
+
     def after_plan(self, plan):
         """Structure built once the layouts are known (the pipeline cuts the graph into stages);
         what it returns is kept as ``plan.built[self.name]``."""

@@ -1,0 +1,162 @@
+"""Context parallel: ``ap.ContextParallel(axis, method=...)`` as ``context_parallel=`` of ap.plan /
+ap.parallelize. Long sequences are split across the ranks of one mesh axis.
+
+- Every user input of two or more dims is split on its sequence dim (``seq_dim``, 1: (batch,
+  sequence, ...)) over ``axis`` unless an annotation placed it on that axis: ``plan.local_inputs``
+  gives each rank 1/cp of every sequence (rank k: positions [k L/cp, (k+1) L/cp)).
+- Token-wise ops (embeddings, norms, MLPs, the LM head) run on the local tokens as the layouts
+  say; positions built with ``arange`` (RoPE, learned positions) are cut to the rank's positions
+  by the ordinary replicated-to-split slice; the loss over split rows divides by the global count.
+- ``scaled_dot_product_attention`` (causal or not, GQA, a mask given to it) meets the local
+  queries with every key (lowerings/context_attention.py): ``method="allgather"`` gathers K and V
+  on the axis (backward reduce-scatters their gradients); ``method="ring"`` passes K/V blocks
+  around the axis, merges the partial results with the log-sum-exp correction and skips the
+  blocks the causal mask hides; its backward is exact (runtime/context_attention.py).
+- An attention the rule cannot place on the split sequence (attention dropout, a mask
+  broadcast along the keys) would gather the whole sequence: PlanError, naming the module.
+  A model that keeps a KV cache (HF ``use_cache=True``) is refused too.
+
+Not yet: ``load_balance=True`` (the head-tail zig-zag order); the eager matmul-softmax-matmul
+attention form (it runs, gathering K/V through the ordinary rules, but is not refused or
+lowered).
+
+Example:
+    >>> plan = ap.plan(model, ap.Mesh((4,), ("cp",)), args=(ids, labels),
+    ...                context_parallel=ap.ContextParallel("cp", method="ring"))
+    >>> plan.local_inputs(1, ids, labels)[0][0].shape     # (B, L/4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.parallel.registry import register_technique
+from autopar.parallel.technique import Technique
+from autopar.placement import Replicate, Shard
+from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
+from autopar.sharding.rules.attention import ATTENTION_KERNELS
+from autopar.trace.module_paths import module_path
+
+METHODS = ("allgather", "ring")
+
+
+@register_technique
+@dataclass(frozen=True)
+class ContextParallel(Technique):
+    axis: str
+    method: str = "allgather"
+    load_balance: bool = False
+    seq_dim: int = 1
+
+    name = "context_parallel"
+    order = 15  # after data parallel (the batch split), before the others
+
+    def __post_init__(self):
+        if not isinstance(self.axis, str):
+            raise PlanError(f"ContextParallel axis must be a mesh axis name, got {self.axis!r}.")
+        if self.method not in METHODS:
+            raise PlanError(
+                f"ContextParallel(method={self.method!r}): 'allgather' (K/V gathered: short sequences, "
+                "GQA) or 'ring' (K/V blocks passed around the axis: memory ~1/cp)."
+            )
+        if self.load_balance:
+            raise PlanError(
+                "ContextParallel(load_balance=True): the zig-zag order is not implemented yet; "
+                "use load_balance=False (contiguous pieces; causal attention's work is uneven across ranks)."
+            )
+        if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
+            raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
+
+    @classmethod
+    def of(cls, value):
+        """``context_parallel="cp"`` (an axis name, the defaults) or an ap.ContextParallel."""
+        if value is None or isinstance(value, ContextParallel):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise PlanError(f"context_parallel={value!r}: give a mesh axis name ('cp') or ap.ContextParallel('cp', ...).")
+
+    def validate(self, mesh, options, annotations: dict) -> None:
+        mesh.axis_index(self.axis)
+        dp = options.data_parallel
+        if dp is not None and dp.axis == self.axis:
+            raise PlanError(
+                f"context_parallel and data_parallel both on axis {self.axis!r}: one axis splits the batch, "
+                "the other the sequence; give them different mesh axes."
+            )
+
+    def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
+        axis = mesh.axis_index(self.axis)
+        n = mesh.shape[axis]
+        for name, val in inputs.items():
+            if not isinstance(val, torch.Tensor) or val.dim() <= self.seq_dim:
+                continue
+            current = list(seeds.inputs.get(name, (Replicate(),) * mesh.ndim))
+            if not current[axis].is_replicate() or any(p.is_shard(self.seq_dim) for p in current):
+                continue  # placed on this axis by an annotation, or its sequence split elsewhere
+            size = val.shape[self.seq_dim]
+            hint = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
+            if isinstance(hint, int) and hint % n:
+                raise PlanError(
+                    f"context_parallel on {self.axis!r}: input {name!r} has sequence length {hint} (dim "
+                    f"{self.seq_dim}), which does not split into {n} equal pieces. Pad the sequence to a "
+                    f"multiple of {n}, or place the input yourself (annotations={{{name!r}: ap.place(...)}})."
+                )
+            current[axis] = Shard(self.seq_dim)
+            seeds.inputs[name] = tuple(current)
+            seeds.reasons[name] = f"sequence dim {self.seq_dim} split on context-parallel axis {self.axis!r}"
+
+    def attention_method(self, axis: str) -> str | None:
+        return self.method if axis == self.axis else None
+
+    def after_plan(self, plan):
+        """Refuse a KV cache and an attention that gathers the split sequence; the attention
+        calls lowered on the axis (kept as ``plan.built["context_parallel"]``)."""
+        config = getattr(plan.model, "config", None)
+        if getattr(config, "use_cache", False):
+            raise PlanError(
+                f"context_parallel on {self.axis!r}: the model keeps a KV cache (config.use_cache=True); its "
+                "cached keys would be the rank's piece only. Plan it with use_cache=False "
+                "(model.config.use_cache = False) for training and prefill."
+            )
+        axis = plan.mesh.axis_index(self.axis)
+        lowered = []
+        for node in plan.graph.nodes:
+            if (
+                node.op != "call_function"
+                or getattr(node.target, "__name__", "").split(".")[0] not in ATTENTION_KERNELS
+            ):
+                continue
+            lay = node.meta.get("autopar")
+            chosen = lay.strategies[axis] if lay is not None and lay.strategies else None
+            if chosen is not None and chosen.lowering is CONTEXT_ATTENTION:
+                lowered.append(node.name)
+                continue
+            q = node.args[0]
+            q_spec = q.meta["autopar"].spec if "autopar" in q.meta else None
+            if q_spec is not None and isinstance(q_spec[axis], Shard):
+                raise PlanError(
+                    f"context_parallel on {self.axis!r}: the attention in module {module_path(node)!r} "
+                    f"({node.name}) cannot run on the split sequence ({lay.reason if lay else 'no rule'}); "
+                    "it would gather the whole sequence on every rank. Context parallel takes "
+                    "scaled_dot_product_attention without dropout, causal or with a mask over "
+                    "(..., queries, keys); drop the custom mask or its key broadcast, or set dropout to 0."
+                )
+        return lowered
+
+    def describe(self, plan) -> str:
+        calls = plan.built.get(self.name) or []
+        return (
+            f"context parallel on {self.axis!r} ({self.method}): every sequence split in "
+            f"{plan.mesh.axis_size(self.axis)}, {len(calls)} attention calls meet every key"
+        )
+
+    def explain_module(self, plan, path: str) -> list[str]:
+        calls = set(plan.built.get(self.name) or [])
+        here = [n for n in plan.graph.nodes if n.name in calls and module_path(n).startswith(path)]
+        if not here:
+            return []
+        return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {self.method}"]

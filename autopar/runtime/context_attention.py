@@ -1,0 +1,149 @@
+"""Attention over a sequence split across the ranks of one mesh axis (context parallel).
+
+Each rank holds the queries, keys and values of its piece of the sequence (dim -2; piece k of n
+holds positions [k L, (k + 1) L)). ``cp_attention`` computes the rank's queries against every
+key, as the serial ``scaled_dot_product_attention`` would:
+
+- ``"allgather"``: K and V are all-gathered on the axis (backward: their gradients
+  reduce-scattered back) and one SDPA runs with the causal mask shifted to the rank's query
+  positions. Memory: the whole K/V per rank; cheap when K/V are small (GQA, short sequences).
+- ``"ring"``: K/V blocks travel around the axis (``n - 1`` ring shifts of K and V forward);
+  each block's partial result is merged with the log-sum-exp correction (online softmax), and
+  blocks that the causal mask hides entirely are skipped. Backward (``RingAttention``) is exact:
+  the flash-attention identity dS = P * (dP - rowsum(dO * O)) per block with the forward's
+  final log-sum-exp, dK/dV accumulated on the block as it travels and shifted home at the end.
+
+A mask given by the model (``attn_mask``: boolean, True = attend, or additive float) arrives
+split with the queries and whole along the keys (rules/attention.py places it so).
+
+Example:
+    >>> out = cp_attention(q, k, v, None, True, None, True, "ring", "cp", [0, 1], 0)   # on rank 0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from autopar.runtime.collectives import ops, ring_shift
+from autopar.runtime.pieces import _pos
+
+
+def cp_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool, method: str, axis: str, group, rank: int):
+    """This rank's attention output (the shape of ``q``) for sequence pieces split on ``group``."""
+    if method == "ring":
+        return RingAttention.apply(q, k, v, mask, is_causal, scale, axis, list(group), rank)
+    k_all = ops.all_gather_rs.default(k.contiguous(), k.dim() - 2, axis, list(group), rank)
+    v_all = ops.all_gather_rs.default(v.contiguous(), v.dim() - 2, axis, list(group), rank)
+    if is_causal:
+        mask = causal_mask(q.shape[-2], _pos(group, rank) * q.shape[-2], 0, k_all.shape[-2], q.device)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def causal_mask(n_queries: int, q_start: int, k_start: int, n_keys: int, device) -> torch.Tensor:
+    """(queries, keys) boolean mask, True where key position <= query position (SDPA's is_causal,
+    whose query i sees keys 0..i), for queries at [q_start, q_start + n_queries) and keys at
+    [k_start, k_start + n_keys) of the global sequence."""
+    qp = torch.arange(q_start, q_start + n_queries, device=device)
+    kp = torch.arange(k_start, k_start + n_keys, device=device)
+    return kp[None, :] <= qp[:, None]
+
+
+def _block_mask(mask, is_causal, q_start, n_queries, k_start, n_keys, device):
+    """The mask of one key block: the model's mask narrowed to the block's keys, or the causal
+    one; None when every pair attends. ``"skip"`` when the causal mask hides the whole block."""
+    if is_causal:
+        if k_start > q_start + n_queries - 1:
+            return "skip"
+        if k_start + n_keys - 1 <= q_start:
+            return None  # every key precedes every query
+        return causal_mask(n_queries, q_start, k_start, n_keys, device)
+    if mask is None:
+        return None
+    return mask.narrow(-1, k_start, n_keys)
+
+
+def _repeat_kv(x, groups: int):
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def _fold_kv(x, groups: int):
+    """The gradient of ``_repeat_kv``: the query heads of each group summed onto their kv head."""
+    if groups == 1:
+        return x
+    return x.unflatten(-3, (x.shape[-3] // groups, groups)).sum(-3)
+
+
+def _scores(q, k, mask, scale):
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is None:
+        return s
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, float("-inf"))
+    return s + mask
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention with an exact backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, axis, group, rank):
+        n, pos = len(group), _pos(group, rank)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1
+        L, S = q.shape[-2], k.shape[-2]
+        out = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kb, vb = k, v
+        for step in range(n):
+            if step:
+                kb, vb = ring_shift(kb, 1, axis, group, rank), ring_shift(vb, 1, axis, group, rank)
+            src = (pos - step) % n
+            m = _block_mask(mask, is_causal, pos * L, L, src * S, S, q.device)
+            if isinstance(m, str):
+                continue  # hidden by the causal mask: nothing to add
+            s = _scores(q.float(), _repeat_kv(kb, groups).float(), m, scale)
+            blk_lse = torch.logsumexp(s, dim=-1)
+            new = torch.logaddexp(lse, blk_lse)
+            # rows with no key yet (-inf - -inf) keep their zeros
+            keep = torch.where(torch.isinf(new), 0.0, torch.exp(lse - new))
+            p = torch.where(torch.isinf(new)[..., None], 0.0, torch.exp(s - new[..., None]))
+            out = out * keep[..., None] + torch.matmul(p, _repeat_kv(vb, groups).float())
+            lse = new
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.meta = (is_causal, scale, axis, group, rank, groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        is_causal, scale, axis, group, rank, groups = ctx.meta
+        n, pos = len(group), _pos(group, rank)
+        L, S = q.shape[-2], k.shape[-2]
+        d_out = d_out.float()
+        qf = q.float()
+        delta = (d_out * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros_like(qf)
+        kb, vb = k, v
+        dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for step in range(n):
+            if step:
+                kb, vb = ring_shift(kb, 1, axis, group, rank), ring_shift(vb, 1, axis, group, rank)
+                dkb, dvb = ring_shift(dkb, 1, axis, group, rank), ring_shift(dvb, 1, axis, group, rank)
+            src = (pos - step) % n
+            m = _block_mask(mask, is_causal, pos * L, L, src * S, S, q.device)
+            if isinstance(m, str):
+                continue
+            kr, vr = _repeat_kv(kb, groups).float(), _repeat_kv(vb, groups).float()
+            s = _scores(qf, kr, m, scale)
+            p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+            dvb = dvb + _fold_kv(torch.matmul(p.transpose(-2, -1), d_out), groups)
+            ds = p * (torch.matmul(d_out, vr.transpose(-2, -1)) - delta)
+            dq = dq + torch.matmul(ds, kr) * scale
+            dkb = dkb + _fold_kv(torch.matmul(ds.transpose(-2, -1), qf), groups) * scale
+        if n > 1:  # the block now here is the next rank's: one more shift brings each home
+            dkb, dvb = ring_shift(dkb, 1, axis, group, rank), ring_shift(dvb, 1, axis, group, rank)
+        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None, None, None
