@@ -12,7 +12,6 @@ import autopar as ap
 from autopar.errors import PlanError
 from tests.harness.llama_like import llama_batch, llama_like
 
-LOSS = staticmethod(lambda out: out[1])
 TP = {
     "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
     "blocks.*.attn.o_proj": ap.rowwise("tp"),
@@ -91,7 +90,7 @@ def test_ring_collectives_and_costs():
     gathers = [c for c in gather.collectives() if c.kind == "all_gather" and "attn" in c.module]
     assert sum(c.bytes for c in gathers) == pytest.approx(2 * 2 * 3 * kv)  # 2 calls x K, V x (n-1) kv
     with ap.comm_stats() as stats:
-        ring.simulate(lambda m, i, l: m(i, l)[1].backward(), *llama_batch())
+        ring.simulate(lambda m, ids, labels: m(ids, labels)[1].backward(), *llama_batch())
     shifts = [r for r in stats.records if r.kind == "ring_shift"]
     # per call: forward 2 x 3, backward 2 x 3 (K, V) + 2 x 4 (their gradients)
     assert len(shifts) == 2 * (6 + 6 + 8)
