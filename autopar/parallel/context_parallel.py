@@ -16,9 +16,15 @@ ap.parallelize. Long sequences are split across the ranks of one mesh axis.
   broadcast along the keys) would gather the whole sequence: PlanError, naming the module.
   A model that keeps a KV cache (HF ``use_cache=True``) is refused too.
 
-Not yet: ``load_balance=True`` (the head-tail zig-zag order); the eager matmul-softmax-matmul
-attention form (it runs, gathering K/V through the ordinary rules, but is not refused or
-lowered).
+- ``load_balance=True``: each rank holds the head-tail pair of chunks r and 2cp-1-r of every
+  split dim (runtime/zigzag.py), so causal attention's work is the same on every rank. The
+  order is a property of the axis: every redistribution on it reorders around its collective
+  (codegen/emit.py), ``plan.local_inputs`` cuts the inputs so, and positions built with
+  ``arange`` arrive permuted to match (RoPE, learned positions, HF's causal mask stay right).
+  Every dim split on the axis must divide by 2 cp (PlanError otherwise).
+
+Not yet: the eager matmul-softmax-matmul attention form (it runs, K/V gathered by the ordinary
+rules, but is not lowered).
 
 Example:
     >>> plan = ap.plan(model, ap.Mesh((4,), ("cp",)), args=(ids, labels),
@@ -38,6 +44,7 @@ from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
 from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
 from autopar.sharding.rules.attention import ATTENTION_KERNELS
+from autopar.runtime.zigzag import to_zigzag
 from autopar.trace.module_paths import module_path
 
 METHODS = ("allgather", "ring")
@@ -61,11 +68,6 @@ class ContextParallel(Technique):
             raise PlanError(
                 f"ContextParallel(method={self.method!r}): 'allgather' (K/V gathered: short sequences, "
                 "GQA) or 'ring' (K/V blocks passed around the axis: memory ~1/cp)."
-            )
-        if self.load_balance:
-            raise PlanError(
-                "ContextParallel(load_balance=True): the zig-zag order is not implemented yet; "
-                "use load_balance=False (contiguous pieces; causal attention's work is uneven across ranks)."
             )
         if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
             raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
@@ -91,6 +93,8 @@ class ContextParallel(Technique):
     def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
         axis = mesh.axis_index(self.axis)
         n = mesh.shape[axis]
+        if self.load_balance:  # the zig-zag order: 2 chunks per rank of every split dim
+            seeds.piece_multiple[axis] = 2
         for name, val in inputs.items():
             if not isinstance(val, torch.Tensor) or val.dim() <= self.seq_dim:
                 continue
@@ -99,11 +103,14 @@ class ContextParallel(Technique):
                 continue  # placed on this axis by an annotation, or its sequence split elsewhere
             size = val.shape[self.seq_dim]
             hint = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
-            if isinstance(hint, int) and hint % n:
+            pieces = 2 * n if self.load_balance else n
+            if isinstance(hint, int) and hint % pieces:
                 raise PlanError(
                     f"context_parallel on {self.axis!r}: input {name!r} has sequence length {hint} (dim "
-                    f"{self.seq_dim}), which does not split into {n} equal pieces. Pad the sequence to a "
-                    f"multiple of {n}, or place the input yourself (annotations={{{name!r}: ap.place(...)}})."
+                    f"{self.seq_dim}), which does not split into {pieces} equal pieces"
+                    + (" (load_balance: 2 chunks per rank)" if self.load_balance else "")
+                    + f". Pad the sequence to a multiple of {pieces}, or place the input yourself "
+                    f"(annotations={{{name!r}: ap.place(...)}})."
                 )
             current[axis] = Shard(self.seq_dim)
             seeds.inputs[name] = tuple(current)
@@ -111,6 +118,16 @@ class ContextParallel(Technique):
 
     def attention_method(self, axis: str) -> str | None:
         return self.method if axis == self.axis else None
+
+    def piece_order(self, axis: str) -> str | None:
+        return "zigzag" if self.load_balance and axis == self.axis else None
+
+    def input_order(self, plan, value, spec):
+        axis = plan.mesh.axis_index(self.axis)
+        p = spec[axis]
+        if not self.load_balance or not isinstance(p, Shard):
+            return value
+        return to_zigzag(value, p.dim, plan.mesh.shape[axis], p.blocks)
 
     def after_plan(self, plan):
         """Refuse a KV cache and an attention that gathers the split sequence; the attention
@@ -145,7 +162,30 @@ class ContextParallel(Technique):
                     "scaled_dot_product_attention without dropout, causal or with a mask over "
                     "(..., queries, keys); drop the custom mask or its key broadcast, or set dropout to 0."
                 )
+        if self.load_balance:
+            self._check_zigzag(plan, axis)
         return lowered
+
+    def _check_zigzag(self, plan, axis: int) -> None:
+        """Every dim split on the axis must cut into 2 x cp chunks (per block) for the zig-zag order."""
+        n = plan.mesh.shape[axis]
+        for node in plan.graph.nodes:
+            lay = node.meta.get("autopar")
+            val = node.meta.get("val")
+            if lay is None or not lay.outputs or not isinstance(val, torch.Tensor):
+                continue
+            p = lay.outputs[0][axis]
+            if not isinstance(p, Shard) or p.dim >= val.dim():
+                continue
+            size = val.shape[p.dim]
+            size = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
+            if isinstance(size, int) and (size // p.blocks) % (2 * n):
+                raise PlanError(
+                    f"context_parallel on {self.axis!r} with load_balance: {node.name} in module "
+                    f"{module_path(node)!r} is split on dim {p.dim} of {size} rows, which does not cut into "
+                    f"2 x {n} chunks{' per block' if p.blocks > 1 else ''}. Use sizes that divide by {2 * n} "
+                    "(the sequence, and the batch where labels are regrouped), or load_balance=False."
+                )
 
     def describe(self, plan) -> str:
         calls = plan.built.get(self.name) or []

@@ -84,6 +84,17 @@ class Technique:
         "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""
         return None
 
+    def piece_order(self, axis: str) -> str | None:
+        """The order of the pieces of every dim split on mesh axis ``axis``: None (contiguous) or
+        "zigzag" (runtime/zigzag.py: rank r holds chunks r and 2n-1-r). The emitted program's
+        redistributions on the axis and plan.local_inputs follow it."""
+        return None
+
+    def input_order(self, plan, value, spec):
+        """A user input's global value reordered as ``plan.local_inputs`` cuts it (the zig-zag
+        order of piece_order), given its placements ``spec``."""
+        return value
+
     def after_plan(self, plan):
         """Structure built once the layouts are known (the pipeline cuts the graph into stages);
         what it returns is kept as ``plan.built[self.name]``."""

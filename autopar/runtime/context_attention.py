@@ -17,7 +17,7 @@ A mask given by the model (``attn_mask``: boolean, True = attend, or additive fl
 split with the queries and whole along the keys (rules/attention.py places it so).
 
 Example:
-    >>> out = cp_attention(q, k, v, None, True, None, True, "ring", "cp", [0, 1], 0)   # on rank 0
+    >>> out = cp_attention(q, k, v, None, True, None, True, "ring", False, "cp", [0, 1], 0)   # on rank 0
 """
 
 from __future__ import annotations
@@ -29,40 +29,54 @@ import torch.nn.functional as F
 
 from autopar.runtime.collectives import ops, ring_shift
 from autopar.runtime.pieces import _pos
+from autopar.runtime.zigzag import from_zigzag, local_positions
 
 
-def cp_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool, method: str, axis: str, group, rank: int):
-    """This rank's attention output (the shape of ``q``) for sequence pieces split on ``group``."""
+def cp_attention(
+    q, k, v, mask, is_causal: bool, scale, enable_gqa: bool, method: str, zigzag: bool, axis: str, group, rank: int
+):
+    """This rank's attention output (the shape of ``q``) for sequence pieces split on ``group``
+    (``zigzag``: each piece is the head-tail pair of chunks of runtime/zigzag.py)."""
+    n, pos = len(group), _pos(group, rank)
     if method == "ring":
-        return RingAttention.apply(q, k, v, mask, is_causal, scale, axis, list(group), rank)
+        return RingAttention.apply(q, k, v, mask, is_causal, scale, zigzag, axis, list(group), rank)
     k_all = ops.all_gather_rs.default(k.contiguous(), k.dim() - 2, axis, list(group), rank)
     v_all = ops.all_gather_rs.default(v.contiguous(), v.dim() - 2, axis, list(group), rank)
+    if zigzag:  # the pieces arrive in rank order: back to the serial order of the keys
+        k_all, v_all = from_zigzag(k_all, k.dim() - 2, n), from_zigzag(v_all, v.dim() - 2, n)
     if is_causal:
-        mask = causal_mask(q.shape[-2], _pos(group, rank) * q.shape[-2], 0, k_all.shape[-2], q.device)
+        qpos = local_positions(q.shape[-2], n, pos, zigzag, q.device)
+        mask = torch.arange(k_all.shape[-2], device=q.device)[None, :] <= qpos[:, None]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def causal_mask(n_queries: int, q_start: int, k_start: int, n_keys: int, device) -> torch.Tensor:
-    """(queries, keys) boolean mask, True where key position <= query position (SDPA's is_causal,
-    whose query i sees keys 0..i), for queries at [q_start, q_start + n_queries) and keys at
-    [k_start, k_start + n_keys) of the global sequence."""
-    qp = torch.arange(q_start, q_start + n_queries, device=device)
-    kp = torch.arange(k_start, k_start + n_keys, device=device)
-    return kp[None, :] <= qp[:, None]
+def _bounds(n_local: int, n: int, coord: int, zigzag: bool) -> tuple[int, int]:
+    """(first, last) serial position of the rows rank ``coord`` holds (local_positions' range)."""
+    if zigzag:
+        c = n_local // 2
+        return coord * c, (2 * n - coord) * c - 1
+    return coord * n_local, (coord + 1) * n_local - 1
 
 
-def _block_mask(mask, is_causal, q_start, n_queries, k_start, n_keys, device):
-    """The mask of one key block: the model's mask narrowed to the block's keys, or the causal
-    one; None when every pair attends. ``"skip"`` when the causal mask hides the whole block."""
+def _block_mask(mask, is_causal, n, pos, src, L, S, zigzag, device):
+    """The mask of the key block rank ``src`` holds against this rank's (``pos``) queries: the
+    model's mask at the block's key positions, or the causal one; None when every pair attends;
+    ``"skip"`` when the causal mask hides the whole block."""
     if is_causal:
-        if k_start > q_start + n_queries - 1:
+        q_first, q_last = _bounds(L, n, pos, zigzag)
+        k_first, k_last = _bounds(S, n, src, zigzag)
+        if k_first > q_last:
             return "skip"
-        if k_start + n_keys - 1 <= q_start:
+        qpos = local_positions(L, n, pos, zigzag, device)
+        kpos = local_positions(S, n, src, zigzag, device)
+        if k_last <= q_first:
             return None  # every key precedes every query
-        return causal_mask(n_queries, q_start, k_start, n_keys, device)
+        return kpos[None, :] <= qpos[:, None]
     if mask is None:
         return None
-    return mask.narrow(-1, k_start, n_keys)
+    if zigzag:
+        return mask.index_select(-1, local_positions(S, n, src, True, mask.device))
+    return mask.narrow(-1, src * S, S)
 
 
 def _repeat_kv(x, groups: int):
@@ -89,7 +103,7 @@ class RingAttention(torch.autograd.Function):
     """Ring attention with an exact backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, axis, group, rank):
+    def forward(ctx, q, k, v, mask, is_causal, scale, zigzag, axis, group, rank):
         n, pos = len(group), _pos(group, rank)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1
@@ -101,7 +115,7 @@ class RingAttention(torch.autograd.Function):
             if step:
                 kb, vb = ring_shift(kb, 1, axis, group, rank), ring_shift(vb, 1, axis, group, rank)
             src = (pos - step) % n
-            m = _block_mask(mask, is_causal, pos * L, L, src * S, S, q.device)
+            m = _block_mask(mask, is_causal, n, pos, src, L, S, zigzag, q.device)
             if isinstance(m, str):
                 continue  # hidden by the causal mask: nothing to add
             s = _scores(q.float(), _repeat_kv(kb, groups).float(), m, scale)
@@ -114,13 +128,13 @@ class RingAttention(torch.autograd.Function):
             lse = new
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.meta = (is_causal, scale, axis, group, rank, groups)
+        ctx.meta = (is_causal, scale, zigzag, axis, group, rank, groups)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse, mask = ctx.saved_tensors
-        is_causal, scale, axis, group, rank, groups = ctx.meta
+        is_causal, scale, zigzag, axis, group, rank, groups = ctx.meta
         n, pos = len(group), _pos(group, rank)
         L, S = q.shape[-2], k.shape[-2]
         d_out = d_out.float()
@@ -134,7 +148,7 @@ class RingAttention(torch.autograd.Function):
                 kb, vb = ring_shift(kb, 1, axis, group, rank), ring_shift(vb, 1, axis, group, rank)
                 dkb, dvb = ring_shift(dkb, 1, axis, group, rank), ring_shift(dvb, 1, axis, group, rank)
             src = (pos - step) % n
-            m = _block_mask(mask, is_causal, pos * L, L, src * S, S, q.device)
+            m = _block_mask(mask, is_causal, n, pos, src, L, S, zigzag, q.device)
             if isinstance(m, str):
                 continue
             kr, vr = _repeat_kv(kb, groups).float(), _repeat_kv(vb, groups).float()
@@ -146,4 +160,4 @@ class RingAttention(torch.autograd.Function):
             dkb = dkb + _fold_kv(torch.matmul(ds.transpose(-2, -1), qf), groups) * scale
         if n > 1:  # the block now here is the next rank's: one more shift brings each home
             dkb, dvb = ring_shift(dkb, 1, axis, group, rank), ring_shift(dvb, 1, axis, group, rank)
-        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None, None, None, None

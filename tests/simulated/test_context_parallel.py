@@ -10,6 +10,8 @@ import torch
 
 import autopar as ap
 from autopar.errors import PlanError
+from autopar.runtime.context_attention import _block_mask
+from autopar.runtime.zigzag import from_zigzag, to_zigzag, zigzag_index
 from tests.harness.llama_like import llama_batch, llama_like
 
 TP = {
@@ -21,11 +23,12 @@ TP = {
 }
 
 
-def cp_plan(n=2, method="allgather", batch=None, mesh=None, **kw):
+def cp_plan(n=2, method="allgather", batch=None, mesh=None, load_balance=False, **kw):
     model = llama_like(**kw.pop("model", {}))
     ids, labels = batch or llama_batch()
     mesh = mesh or ap.Mesh((n,), ("cp",))
-    plan = ap.plan(model, mesh, args=(ids, labels), context_parallel=ap.ContextParallel("cp", method=method), **kw)
+    cp = ap.ContextParallel("cp", method=method, load_balance=load_balance)
+    plan = ap.plan(model, mesh, args=(ids, labels), context_parallel=cp, **kw)
     return plan, (ids, labels)
 
 
@@ -59,6 +62,39 @@ def test_llama_like_matches_serial(method, n):
 def test_attention_forms_match_serial(method, model):
     plan, batch = cp_plan(4, method, model=model)
     plan.check(*batch, loss=lambda out: out[1])
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_load_balanced_matches_serial(method, n):
+    """The zig-zag order: rank r holds chunks r and 2n-1-r of the sequence; RoPE's positions (from
+    arange) and the causal mask follow, and the labels' shift is taken in serial order."""
+    plan, batch = cp_plan(n, method, load_balance=True, batch=llama_batch(batch=4))
+    plan.check(*batch, loss=lambda out: out[1])
+    c = 16 // (2 * n)
+    ids = plan.local_inputs(0, *batch)[0][0]
+    assert torch.equal(ids, torch.cat([batch[0][:, :c], batch[0][:, 16 - c :]], dim=1))
+    learned = cp_plan(n, method, load_balance=True, model=dict(learned_positions=True, built_mask=True))[0]
+    learned.check(*llama_batch(), loss=lambda out: out[1])
+
+
+def test_zigzag_evens_causal_work():
+    """Attended (query, key) pairs per rank under the causal mask: equal with the zig-zag order,
+    (2r + 1) x a chunk's with contiguous pieces."""
+    n, L = 4, 8  # local rows per rank
+    for zigzag, expect_equal in ((True, True), (False, False)):
+        work = []
+        for pos in range(n):
+            total = 0
+            for src in range(n):
+                m = _block_mask(None, True, n, pos, src, L, L, zigzag, None)
+                total += 0 if isinstance(m, str) else (L * L if m is None else int(m.sum()))
+            work.append(total)
+        assert (len(set(work)) == 1) == expect_equal, work
+    assert zigzag_index(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    x = torch.arange(24).view(2, 12)
+    assert torch.equal(from_zigzag(to_zigzag(x, 1, 3), 1, 3), x)
+    assert torch.equal(from_zigzag(to_zigzag(x.flatten(), 0, 3, blocks=2), 0, 3, blocks=2), x.flatten())
 
 
 @pytest.mark.parametrize("method", ["allgather", "ring"])
@@ -101,8 +137,8 @@ def test_bad_input_is_a_plan_error():
         cp_plan(4, batch=llama_batch(seq=10))
     with pytest.raises(PlanError, match="both on axis"):
         ap.plan(llama_like(), ap.Mesh((2,), ("cp",)), args=llama_batch(), data_parallel="cp", context_parallel="cp")
-    with pytest.raises(PlanError, match="zig-zag"):
-        ap.ContextParallel("cp", load_balance=True)
+    with pytest.raises(PlanError, match="does not split into 8 equal pieces"):
+        cp_plan(4, batch=llama_batch(seq=12), load_balance=True)  # 2 chunks per rank
     with pytest.raises(PlanError, match="method"):
         ap.ContextParallel("cp", method="ulysses")
     model = llama_like()

@@ -55,7 +55,10 @@ class ContextAttention(Lowering):
         method = attention_method(em.plan, axis)
         group, rank = em.rank_value(f"autopar_group_{axis}"), em.rank_value("autopar_rank")
         name = em.mesh.axis_names[axis]
-        return em.graph.call_function(cp_attention, (q, k, v, mask, is_causal, scale, gqa, method, name, group, rank))
+        zigzag = axis in em.zigzag  # load balanced: each rank's positions are two chunks
+        return em.graph.call_function(
+            cp_attention, (q, k, v, mask, is_causal, scale, gqa, method, zigzag, name, group, rank)
+        )
 
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
         lay = node.meta["autopar"]
