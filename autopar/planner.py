@@ -144,6 +144,8 @@ def plan_traced(
         for technique in options.techniques:  # inputs a technique splits (context parallel: sequences)
             technique.seed_inputs(seeds, mesh, _input_values(traced))
     _unify_tied(seeds, traced)
+    for technique in options.techniques:
+        technique.prepare_graph(traced)
     # each expert_parallel module as one moe_experts op
     collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
     ctx = propagate(traced, mesh, seeds, options.strict)

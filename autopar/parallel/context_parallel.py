@@ -22,9 +22,8 @@ ap.parallelize. Long sequences are split across the ranks of one mesh axis.
   (codegen/emit.py), ``plan.local_inputs`` cuts the inputs so, and positions built with
   ``arange`` arrive permuted to match (RoPE, learned positions, HF's causal mask stay right).
   Every dim split on the axis must divide by 2 cp (PlanError otherwise).
-
-Not yet: the eager matmul-softmax-matmul attention form (it runs, K/V gathered by the ordinary
-rules, but is not lowered).
+- The eager attention form (matmul, scale, mask, softmax, matmul: HF's "eager", nanoGPT) is
+  rewritten into one SDPA node before planning (sharding/eager_attention.py).
 
 Example:
     >>> plan = ap.plan(model, ap.Mesh((4,), ("cp",)), args=(ids, labels),
@@ -42,6 +41,7 @@ from autopar.errors import PlanError
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
+from autopar.sharding.eager_attention import fuse_eager_attention
 from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
 from autopar.sharding.rules.attention import ATTENTION_KERNELS
 from autopar.runtime.zigzag import to_zigzag
@@ -119,6 +119,11 @@ class ContextParallel(Technique):
     def attention_method(self, axis: str) -> str | None:
         return self.method if axis == self.axis else None
 
+    def prepare_graph(self, traced) -> None:
+        """The eager matmul-softmax-matmul attention (HF ``attn_implementation="eager"``, nanoGPT)
+        as one SDPA node, so that its rule and lowering keep the sequence split."""
+        fuse_eager_attention(traced)
+
     def piece_order(self, axis: str) -> str | None:
         return "zigzag" if self.load_balance and axis == self.axis else None
 
@@ -140,6 +145,12 @@ class ContextParallel(Technique):
                 "(model.config.use_cache = False) for training and prefill."
             )
         axis = plan.mesh.axis_index(self.axis)
+        if not any(spec is not None and isinstance(spec[axis], Shard) for spec in plan.input_specs):
+            raise PlanError(
+                f"context_parallel on {self.axis!r}: no input is split on the axis (a plan made without it "
+                "and given it by Plan.with_options, or a model without sequence inputs). Pass "
+                "context_parallel= to ap.plan, which splits the sequences before placing the ops."
+            )
         lowered = []
         for node in plan.graph.nodes:
             if (

@@ -79,6 +79,10 @@ class Technique:
         """Place user inputs the technique splits (``inputs``: name -> example value) into
         ``seeds.inputs`` / ``seeds.reasons``, leaving inputs the annotations placed on its axis."""
 
+    def prepare_graph(self, traced) -> None:
+        """Rewrite the traced graph before propagation into a value-preserving form the rules place
+        better (context parallel: eager attention chains as one SDPA node)."""
+
     def attention_method(self, axis: str) -> str | None:
         """How attention split on mesh axis ``axis`` by its sequence meets every key ("ring" or
         "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""

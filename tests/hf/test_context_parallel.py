@@ -1,7 +1,7 @@
 """Context parallel on tiny HF models (LLaMA and Qwen2: GQA, RoPE, causal SDPA with the mask HF
 builds, HF's shifted labels): outputs and every gradient equal serial on (2,) and (4,) cp
 meshes, ring and all-gather, load balanced; with the Megatron preset on tp and with zero=3 on
-dp, on (2, 2). The eager attention form runs right (K/V gathered by the ordinary rules)."""
+dp, on (2, 2); HF's eager attention form too."""
 
 from __future__ import annotations
 
@@ -77,9 +77,14 @@ def test_hf_qwen2_with_zero3():
     plan.check(**kw, loss=_loss)
 
 
-def test_hf_eager_attention_runs_right():
-    plan, kw = _plan("llama", ap.Mesh((2,), ("cp",)), ap.ContextParallel("cp"), attn="eager")
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_hf_eager_attention_on_the_split_sequence(name):
+    """HF's eager attention (matmul, scale, + mask, softmax, dropout p=0, matmul) becomes one SDPA
+    node before planning (sharding/eager_attention.py), placed on the split sequence."""
+    cp = ap.ContextParallel("cp", method="ring", load_balance=True)
+    plan, kw = _plan(name, ap.Mesh((2,), ("cp",)), cp, attn="eager")
     plan.check(**kw, loss=_loss)
+    assert len(plan.built["context_parallel"]) == 2
 
 
 def test_hf_eval_no_grad():

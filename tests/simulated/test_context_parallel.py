@@ -13,6 +13,7 @@ from autopar.errors import PlanError
 from autopar.runtime.context_attention import _block_mask
 from autopar.runtime.zigzag import from_zigzag, to_zigzag, zigzag_index
 from tests.harness.llama_like import llama_batch, llama_like
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt
 
 TP = {
     "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
@@ -113,6 +114,21 @@ def test_with_tensor_parallel(method):
     plan.check(*batch, loss=lambda out: out[1])
     q = _attention_nodes(plan)[0].meta["autopar"].input_targets[0]
     assert q == (ap.Shard(1), ap.Shard(2))  # heads on tp, positions on cp
+
+
+@pytest.mark.parametrize("method, balanced", [("ring", False), ("allgather", True)])
+def test_eager_gpt_with_megatron_and_checkpointing(method, balanced):
+    """The package's GPT computes attention eagerly (matmul, scale, masked_fill, softmax, matmul):
+    rewritten into SDPA before planning, on tp x cp with Megatron on tp, checkpointed."""
+    idx, tg = gpt_batch(batch=4, seq=16)
+    cp = ap.ContextParallel("cp", method=method, load_balance=balanced)
+    ac = ap.ActivationCheckpoint("full" if balanced else "selective")
+    mesh = ap.Mesh((2, 2), ("tp", "cp"))
+    plan = ap.plan(
+        small_gpt(), mesh, args=(idx, tg), annotations=MEGATRON, context_parallel=cp, activation_checkpoint=ac
+    )
+    assert len(plan.built["context_parallel"]) == 2
+    plan.check(idx, tg, loss=lambda out: out[1])
 
 
 def test_ring_collectives_and_costs():
