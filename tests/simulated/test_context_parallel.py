@@ -11,6 +11,7 @@ import torch
 import autopar as ap
 from autopar.errors import PlanError
 from autopar.runtime.context_attention import _block_mask
+from autopar.runtime.ring import ring_bytes, ring_steps
 from autopar.runtime.zigzag import from_zigzag, to_zigzag, zigzag_index
 from tests.harness.llama_like import llama_batch, llama_like
 from tests.harness.models import MEGATRON, gpt_batch, small_gpt
@@ -135,10 +136,11 @@ def test_ring_collectives_and_costs():
     ring, _ = cp_plan(4, "ring")
     gather, _ = cp_plan(4, "allgather")
     kv = 2 * 2 * 4 * 8 * 4  # K (B 2, Hkv 2, L/4 4, E 8) float32
-    ring_comms = [c for c in ring.collectives() if c.kind == "ring_shift"]
+    ring_comms = [c for c in ring.collectives() if c.kind in ("ring_pass", "ring_shift")]
     assert {c.phase for c in ring_comms} == {"forward", "backward"}
     per_call_fwd = sum(c.bytes for c in ring_comms if c.phase == "forward") / 2  # 2 attention calls
     assert per_call_fwd == pytest.approx(2 * 3 * kv)  # K and V, n - 1 = 3 shifts each
+    assert ring_steps("ring_pass", 4) == 3 and ring_bytes("ring_pass", kv, 4) == 3 * kv
     gathers = [c for c in gather.collectives() if c.kind == "all_gather" and "attn" in c.module]
     assert sum(c.bytes for c in gathers) == pytest.approx(2 * 2 * 3 * kv)  # 2 calls x K, V x (n-1) kv
     with ap.comm_stats() as stats:
@@ -146,6 +148,7 @@ def test_ring_collectives_and_costs():
     shifts = [r for r in stats.records if r.kind == "ring_shift"]
     # per call: forward 2 x 3, backward 2 x 3 (K, V) + 2 x 4 (their gradients)
     assert len(shifts) == 2 * (6 + 6 + 8)
+    assert sum(r.bytes for r in shifts) == pytest.approx(sum(c.bytes for c in ring_comms))  # the plan's bytes ran
 
 
 def test_bad_input_is_a_plan_error():

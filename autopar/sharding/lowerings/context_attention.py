@@ -8,11 +8,12 @@ The rule (rules/attention.py) offers it when q, k and v arrive split on their se
 Collectives per attention call, K and V of ``kv`` bytes per rank each, ``n`` ranks on the axis:
     allgather: forward 2 all-gathers ((n-1) kv each), backward 2 reduce-scatters of the gathered
                gradients ((n-1) kv each)
-    ring:      forward 2 (n-1) shifts of kv; backward 2 (n-1) shifts of K/V again and 2 n shifts
-               of their gradients (fp32, they travel with the blocks and come home)
+    ring:      forward a ring pass (n-1 shifts, n-1 steps) of K and of V; backward a pass of K and
+               V again and of their fp32 gradients (they travel with the blocks), plus one shift
+               of each gradient home. ap.comm_stats() records every shift as ring_shift.
 
 Example:
-    >>> CONTEXT_ATTENTION.comms(plan, node, axis, symbols)   # ring: ('ring_shift', axis, 'forward', ...)
+    >>> CONTEXT_ATTENTION.comms(plan, node, axis, symbols)   # ring: ('ring_pass', axis, 'forward', ...)
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ class ContextAttention(Lowering):
             val = node.args[i].meta["val"]
             kv = symbols.numel(val.shape, lay.input_targets[i]) * val.dtype.itemsize
             if attention_method(plan, axis) == "ring":
-                out.append(("ring_shift", axis, "forward", (n - 1) * ring_bytes("ring_shift", kv, n)))
-                out.append(("ring_shift", axis, "backward", (n - 1) * ring_bytes("ring_shift", kv, n)))
                 grad = kv * 4 / val.dtype.itemsize  # fp32 gradient accumulators
-                out.append(("ring_shift", axis, "backward", n * ring_bytes("ring_shift", grad, n)))
+                out.append(("ring_pass", axis, "forward", ring_bytes("ring_pass", kv, n)))
+                out.append(("ring_pass", axis, "backward", ring_bytes("ring_pass", kv, n)))
+                out.append(("ring_pass", axis, "backward", ring_bytes("ring_pass", grad, n)))
+                out.append(("ring_shift", axis, "backward", ring_bytes("ring_shift", grad, n)))
             else:
                 out.append(("all_gather", axis, "forward", ring_bytes("all_gather", kv, n)))
                 out.append(("reduce_scatter", axis, "backward", ring_bytes("reduce_scatter", kv * n, n)))
