@@ -14,7 +14,7 @@ ap.parallelize. Long sequences are split across the ranks of one mesh axis.
   blocks the causal mask hides; its backward is exact (runtime/context_attention.py).
 - An attention the rule cannot place on the split sequence (attention dropout, a mask
   broadcast along the keys) would gather the whole sequence: PlanError, naming the module.
-  A model that keeps a KV cache (HF ``use_cache=True``) is refused too.
+  A model that reads or returns a KV cache (``past_key_values``) is refused too.
 
 - ``load_balance=True``: each rank holds the head-tail pair of chunks r and 2cp-1-r of every
   split dim (runtime/zigzag.py), so causal attention's work is the same on every rank. The
@@ -137,12 +137,12 @@ class ContextParallel(Technique):
     def after_plan(self, plan):
         """Refuse a KV cache and an attention that gathers the split sequence; the attention
         calls lowered on the axis (kept as ``plan.built["context_parallel"]``)."""
-        config = getattr(plan.model, "config", None)
-        if getattr(config, "use_cache", False):
+        cache = [n for n in plan.traced.user_inputs if "past_key_values" in n]
+        if cache or "past_key_values" in str(plan.traced.out_spec):
             raise PlanError(
-                f"context_parallel on {self.axis!r}: the model keeps a KV cache (config.use_cache=True); its "
-                "cached keys would be the rank's piece only. Plan it with use_cache=False "
-                "(model.config.use_cache = False) for training and prefill."
+                f"context_parallel on {self.axis!r}: the model reads or returns a KV cache (past_key_values"
+                f"{': input ' + cache[0] if cache else ' in its outputs'}); its cached keys would be the rank's "
+                "piece of the sequence only. Plan it without the cache (use_cache=False) for training and prefill."
             )
         axis = plan.mesh.axis_index(self.axis)
         if not any(spec is not None and isinstance(spec[axis], Shard) for spec in plan.input_specs):

@@ -160,7 +160,17 @@ def test_bad_input_is_a_plan_error():
         cp_plan(4, batch=llama_batch(seq=12), load_balance=True)  # 2 chunks per rank
     with pytest.raises(PlanError, match="method"):
         ap.ContextParallel("cp", method="ulysses")
-    model = llama_like()
-    model.config = type("Config", (), {"use_cache": True})()
     with pytest.raises(PlanError, match="KV cache"):
-        ap.plan(model, ap.Mesh((2,), ("cp",)), args=llama_batch(), context_parallel="cp")
+        ap.plan(CachedLM(), ap.Mesh((2,), ("cp",)), args=llama_batch(), context_parallel="cp")
+
+
+class CachedLM(torch.nn.Module):
+    """Returns its keys as a cache (HF's legacy past_key_values form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = llama_like(layers=1)
+
+    def forward(self, ids, labels):
+        logits, loss = self.lm(ids, labels)
+        return {"loss": loss, "past_key_values": [self.lm.embed(ids)]}
