@@ -93,14 +93,17 @@ class ContextParallel(Technique):
     def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
         axis = mesh.axis_index(self.axis)
         n = mesh.shape[axis]
+        if n == 1:
+            return
         if self.load_balance:  # the zig-zag order: 2 chunks per rank of every split dim
             seeds.piece_multiple[axis] = 2
         for name, val in inputs.items():
             if not isinstance(val, torch.Tensor) or val.dim() <= self.seq_dim:
                 continue
             current = list(seeds.inputs.get(name, (Replicate(),) * mesh.ndim))
-            if not current[axis].is_replicate() or any(p.is_shard(self.seq_dim) for p in current):
-                continue  # placed on this axis by an annotation, or its sequence split elsewhere
+            placed = name in seeds.inputs and not seeds.reasons.get(name, "").startswith("batch dim split")
+            if placed or any(p.is_shard(self.seq_dim) for p in current):
+                continue  # placed by an annotation (ap.place), or its sequence split elsewhere
             size = val.shape[self.seq_dim]
             hint = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
             pieces = 2 * n if self.load_balance else n
@@ -145,6 +148,8 @@ class ContextParallel(Technique):
                 "piece of the sequence only. Plan it without the cache (use_cache=False) for training and prefill."
             )
         axis = plan.mesh.axis_index(self.axis)
+        if plan.mesh.shape[axis] == 1:
+            return []  # one rank holds every sequence: nothing to do
         if not any(spec is not None and isinstance(spec[axis], Shard) for spec in plan.input_specs):
             raise PlanError(
                 f"context_parallel on {self.axis!r}: no input is split on the axis (a plan made without it "

@@ -74,6 +74,8 @@ def policy_constants(plan, dtype: torch.dtype) -> tuple[dict, dict]:
                 "(it was not made by ap.plan); plan it with ap.plan(..., data_parallel=DataParallel(param_dtype=...))."
             )
         low = trace_in_dtype(plan.model, t.example, dtype, t.opaque, t.dynamic, plan.options.repeat_blocks)
+        for technique in plan.options.techniques:  # the rewrites the planned trace had (eager attention)
+            technique.prepare_graph(low)
         tensors = {
             n: low.constants[n].dtype
             for n, c in t.constants.items()
