@@ -12,6 +12,9 @@ key, as the serial ``scaled_dot_product_attention`` would:
   blocks that the causal mask hides entirely are skipped. Backward (``RingAttention``) is exact:
   the flash-attention identity dS = P * (dP - rowsum(dO * O)) per block with the forward's
   final log-sum-exp, dK/dV accumulated on the block as it travels and shifted home at the end.
+  On the CPU each block runs the fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
+  and its backward, which take the final output and log-sum-exp); elsewhere plain fp32 math
+  (a CUDA kernel returning the log-sum-exp is not wired in yet).
 
 A mask given by the model (``attn_mask``: boolean, True = attend, or additive float) arrives
 split with the queries and whole along the keys (rules/attention.py places it so).
@@ -99,6 +102,64 @@ def _scores(q, k, mask, scale):
     return s + mask
 
 
+FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _fused(q) -> bool:
+    """Blocks by the fused CPU kernel (it returns each row's log-sum-exp): 4-D CPU tensors."""
+    return q.device.type == "cpu" and q.dim() == 4 and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _additive(m, q):
+    """A block mask as the fused kernel takes it (additive, in q's dtype), and the rows it hides."""
+    if m is None:
+        return None, None
+    add = (
+        torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(~m, float("-inf"))
+        if m.dtype == torch.bool
+        else m.to(q.dtype)
+    )
+    hidden = torch.isinf(add).all(-1) if m.dtype != torch.bool else ~m.any(-1)
+    return add, hidden
+
+
+def _block_forward(q, kr, vr, m, scale):
+    """(out, lse) of q against one key block, fp32 (rows the block hides: out 0, lse -inf)."""
+    if _fused(q):
+        add, hidden = _additive(m, q)
+        o, lse = FLASH_CPU(q, kr, vr, 0.0, False, attn_mask=add, scale=scale)
+        lse = lse.float()
+        if hidden is not None:  # the kernel leaves lse 0 there: no key, no mass
+            lse = lse.masked_fill(hidden.expand_as(lse), float("-inf"))
+        return o.float(), lse
+    s = _scores(q.float(), kr.float(), m, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+    return torch.matmul(p, vr.float()), lse
+
+
+def _block_backward(d_out, q, kr, vr, out, lse, delta, m, scale):
+    """(dq, dk, dv) of one key block given the final output and log-sum-exp, fp32."""
+    if _fused(q):
+        add, _ = _additive(m, q)
+        safe = torch.where(torch.isinf(lse), float("inf"), lse)  # a row with no key: P = 0
+        grads = FLASH_CPU_BACKWARD(
+            d_out.to(q.dtype), q, kr, vr, out, safe.to(torch.float32), 0.0, False, attn_mask=add, scale=scale
+        )
+        return tuple(g.float() for g in grads)
+    qf, kf, vf = q.float(), kr.float(), vr.float()
+    s = _scores(qf, kf, m, scale)
+    p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+    d_out = d_out.float()
+    ds = p * (torch.matmul(d_out, vf.transpose(-2, -1)) - delta)
+    return (
+        torch.matmul(ds, kf) * scale,
+        torch.matmul(ds.transpose(-2, -1), qf) * scale,
+        torch.matmul(p.transpose(-2, -1), d_out),
+    )
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention with an exact backward (see the module docstring)."""
 
@@ -118,13 +179,12 @@ class RingAttention(torch.autograd.Function):
             m = _block_mask(mask, is_causal, n, pos, src, L, S, zigzag, q.device)
             if isinstance(m, str):
                 continue  # hidden by the causal mask: nothing to add
-            s = _scores(q.float(), _repeat_kv(kb, groups).float(), m, scale)
-            blk_lse = torch.logsumexp(s, dim=-1)
+            blk_out, blk_lse = _block_forward(q, _repeat_kv(kb, groups), _repeat_kv(vb, groups), m, scale)
             new = torch.logaddexp(lse, blk_lse)
             # rows with no key yet (-inf - -inf) keep their zeros
             keep = torch.where(torch.isinf(new), 0.0, torch.exp(lse - new))
-            p = torch.where(torch.isinf(new)[..., None], 0.0, torch.exp(s - new[..., None]))
-            out = out * keep[..., None] + torch.matmul(p, _repeat_kv(vb, groups).float())
+            take = torch.where(torch.isinf(new), 0.0, torch.exp(blk_lse - new))
+            out = out * keep[..., None] + blk_out * take[..., None]
             lse = new
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -137,10 +197,8 @@ class RingAttention(torch.autograd.Function):
         is_causal, scale, zigzag, axis, group, rank, groups = ctx.meta
         n, pos = len(group), _pos(group, rank)
         L, S = q.shape[-2], k.shape[-2]
-        d_out = d_out.float()
-        qf = q.float()
-        delta = (d_out * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.zeros_like(qf)
+        delta = (d_out.float() * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         kb, vb = k, v
         dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(n):
@@ -151,13 +209,11 @@ class RingAttention(torch.autograd.Function):
             m = _block_mask(mask, is_causal, n, pos, src, L, S, zigzag, q.device)
             if isinstance(m, str):
                 continue
-            kr, vr = _repeat_kv(kb, groups).float(), _repeat_kv(vb, groups).float()
-            s = _scores(qf, kr, m, scale)
-            p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
-            dvb = dvb + _fold_kv(torch.matmul(p.transpose(-2, -1), d_out), groups)
-            ds = p * (torch.matmul(d_out, vr.transpose(-2, -1)) - delta)
-            dq = dq + torch.matmul(ds, kr) * scale
-            dkb = dkb + _fold_kv(torch.matmul(ds.transpose(-2, -1), qf), groups) * scale
+            kr, vr = _repeat_kv(kb, groups), _repeat_kv(vb, groups)
+            g_q, g_k, g_v = _block_backward(d_out, q, kr, vr, out, lse, delta, m, scale)
+            dq = dq + g_q
+            dkb = dkb + _fold_kv(g_k, groups)
+            dvb = dvb + _fold_kv(g_v, groups)
         if n > 1:  # the block now here is the next rank's: one more shift brings each home
             dkb, dvb = ring_shift(dkb, 1, axis, group, rank), ring_shift(dvb, 1, axis, group, rank)
         return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None, None, None, None
