@@ -116,6 +116,11 @@ How to read it:
   (`ap.place(Shard(0))`: the grouped matmuls split op by op, tokens gathered over dp around them),
   and plain dp with every expert on every rank. Step time (SGD, alternating, medians) and bytes per
   step and rank from `Plan.collectives()` (the dispatch's rows at their uniform-routing expectation).
+- **uneven**: what a size that does not divide by its axis costs on 4 gloo processes: a GPT
+  (Megatron + vocab-parallel on tp=4) with an odd vocabulary against the same vocabulary rounded
+  up to a multiple of 4 (Megatron's padding), and a ragged data-parallel batch (two rows short:
+  pieces 8, 8, 7, 7, means weighted by rows) against an even one; both pairs hold the same largest
+  piece per rank, so ~1 is the expectation.
 - Wall-clock figures depend on the machine's load (it is shared); ratios much less so."""
 
 

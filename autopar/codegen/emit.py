@@ -34,7 +34,17 @@ from autopar.sharding.lowerings.base import lowering_for
 from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
 from autopar.errors import ShardingError
 from autopar.runtime.zigzag import from_zigzag, to_zigzag
-from autopar.runtime.uneven import from_padded, pad_piece, piece_share, ragged_share, to_padded, trim_piece, weigh
+from autopar.runtime.uneven import (
+    from_padded,
+    pad_piece,
+    piece_share,
+    ragged_all_gather,
+    ragged_share,
+    ragged_total,
+    to_padded,
+    trim_piece,
+    weigh,
+)
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from autopar.sharding.rules import TensorMeta, op_traits
@@ -95,10 +105,19 @@ class Emitter:
     def global_size(self, x: fx.Node, dim: int) -> fx.Node:
         """The global size of ``x``'s dim ``dim`` at run time, from its local value."""
         local = self.graph.call_function(aten.sym_size.int, (self.env[x], dim))
-        f = shard_factor(layout_of(x).spec, self.mesh, dim % x.meta["val"].dim())
+        spec, d = layout_of(x).spec, dim % x.meta["val"].dim()
+        f = shard_factor(spec, self.mesh, d)
         if f == 1:
             return local
-        glob = self.graph.call_function(operator.mul, (local, f))
+        axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == d]
+        if len(axes) == 1 and axes[0] in self.plan.ragged:
+            # pieces of any size: the global size is their sum (one all-reduce of one number);
+            # local * f would be wrong wherever the whole dim is used (a gathered tensor's view)
+            a = axes[0]
+            group, rank = self.rank_value(f"autopar_group_{a}"), self.rank_value(RANK_ATTR)
+            glob = self.graph.call_function(ragged_total, (self.env[x], d, self.mesh.axis_names[a], group, rank))
+        else:
+            glob = self.graph.call_function(operator.mul, (local, f))
         self.scaled[glob] = (local, f)
         return glob
 
@@ -161,6 +180,10 @@ class Emitter:
         n = self.mesh.shape[st.axis]
         dims = [d for d in (st.dim, st.dim2) if d is not None and d < len(shape)]
         if st.axis in self.plan.ragged and any(shape[d] is None for d in dims):
+            if st.kind == "all_gather" and st.blocks == 1:  # sizes exchanged at run time
+                group, rank = self.rank_value(f"autopar_group_{st.axis}"), self.rank_value(RANK_ATTR)
+                args = (gather, x, st.dim, self.mesh.axis_names[st.axis], group, rank)
+                return self.graph.call_function(ragged_all_gather, args)
             raise ShardingError(
                 f"{st.kind} of dim {st.dim} on mesh axis {self.mesh.axis_names[st.axis]!r}: that dim is sized at run "
                 "time and this plan lets it be cut unevenly (its example batch does not divide by the axis), so "
@@ -304,7 +327,16 @@ class Emitter:
                 keep_meta(node, new)
                 self.env[node] = new
         self._own_gradients()
+        self._drop_unused_totals()
         return self.graph
+
+    def _drop_unused_totals(self) -> None:
+        """A ragged dim's global size is an all-reduce (``ragged_total``), emitted with every
+        ``sym_size`` of it; most are only divided back into the local size (``local_size``) and
+        never read: those are removed, every rank alike, so no collective runs for nothing."""
+        for node in reversed(list(self.graph.nodes)):
+            if node.op == "call_function" and node.target is ragged_total and not node.users:
+                self.graph.erase_node(node)
 
     def _own_gradients(self) -> None:
         """Megatron's f whose output only matmul-like ops read: its gradient is made afresh by

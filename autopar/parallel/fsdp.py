@@ -51,6 +51,7 @@ from autopar.parallel.fsdp_layout import (
     FlatBucket,
     bucket_index,
     buckets_cached,
+    rank_buckets,
     groups,
     process_groups,
     shard_size,
@@ -83,10 +84,11 @@ def stored(plan, rank: int, fqn: str, local: torch.Tensor) -> torch.Tensor:
 def restored(plan, per_rank: list[dict]) -> list[dict]:
     """Every rank's compute pieces from its stored pieces (inverse of ``stored`` over a shard
     group): the chunks of the group concatenated, cut to the bucket, split into parameters."""
-    canon, index, bs = canonical_names(plan), bucket_index(plan), buckets_cached(plan)
+    canon, index = canonical_names(plan), bucket_index(plan)
     out = []
     for rank, state in enumerate(per_rank):
         shard, _ = groups(plan, rank)
+        bs = rank_buckets(plan, rank)  # the group's own sizes (a piece cut unevenly on another axis)
         new = dict(state)
         for key, value in state.items():
             where = index.get(canon.get(key, key))
@@ -177,7 +179,7 @@ def read_in_backward(plan, b: FlatBucket) -> bool:
 def held_buckets(plan, rank: int) -> list[FlatBucket]:
     """The buckets ``rank`` gathers: all, or under a pipeline those of its stages' parameters."""
     held = held_params(plan, rank)
-    return [b for b in buckets_cached(plan) if all(n in held for n in b.names)]
+    return [b for b in rank_buckets(plan, rank) if all(n in held for n in b.names)]
 
 
 def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.placement import uneven_dims
-
 from autopar.parallel.param_names import canonical_names, first_use_order, local_params
 
 RUNTIME_ATTR = "autopar_fsdp"  # the rank module's FSDPRuntime (read by the program)
@@ -69,10 +67,38 @@ def buckets(plan) -> list[FlatBucket]:
     parameters of one block, dtype and program unit (the embedding and the head are separate
     buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
     on the dp axis itself is left out: its pieces already differ per dp rank, and gathering
-    them over dp would mix different pieces. So is one cut unevenly on another axis (a vocabulary
-    of 67 on tp=4): its pieces differ in size from one tp rank to the next, and one flat layout
-    serves every rank; it stays whole on each dp rank, its gradient all-reduced over dp."""
-    local, k, units = local_params(plan), shard_size(plan), program_units(plan)
+    them over dp would mix different pieces. One cut unevenly on another axis (a vocabulary of
+    67 on tp=4: 17, 17, 17, 16 rows) is bucketed like any other: a shard group spans the dp
+    ranks of one tp coordinate, whose pieces are equal, so only the sizes differ from one group
+    to the next (``rank_buckets``). These are rank 0's sizes: the largest pieces."""
+    return _buckets(plan, local_params(plan))
+
+
+def rank_buckets(plan, rank: int) -> list[FlatBucket]:
+    """``buckets_cached(plan)`` at ``rank``'s own local sizes: the same parameters in the same
+    order, their offsets and chunk computed from the pieces this rank holds (they differ from
+    rank 0's where another axis cuts a parameter unevenly; equal across a shard group)."""
+    base = buckets_cached(plan)
+    local = local_params(plan, rank)
+    shapes = tuple(tuple(local[n].shape) for b in base for n in b.names)
+    cache = plan.built.setdefault("fsdp_rank_buckets", {})
+    if shapes not in cache:
+        cache[shapes] = [
+            _laid_out(b.key, b.names, [tuple(local[n].shape) for n in b.names], b.dtype, b.k) for b in base
+        ]
+    return cache[shapes]
+
+
+def _laid_out(key, names, shapes, dtype, k) -> FlatBucket:
+    offsets, numel = [], 0
+    for shape in shapes:
+        offsets.append(numel)
+        numel += _numel(shape)
+    return FlatBucket(key, list(names), list(shapes), offsets, numel, dtype, k)
+
+
+def _buckets(plan, local) -> list[FlatBucket]:
+    k, units = shard_size(plan), program_units(plan)
     out: list[FlatBucket] = []
     last = None
     for name in first_use_order(plan):
@@ -81,8 +107,6 @@ def buckets(plan) -> list[FlatBucket]:
         spec = plan.param_specs.get(name)
         if spec is not None and not spec[plan.dp_axis].is_replicate():
             continue  # already split on the dp axis (annotated so): each rank's piece differs, stays as is
-        if spec is not None and uneven_dims(tuple(plan.model.get_parameter(name).shape), spec, plan.mesh):
-            continue  # pieces of different sizes on another axis: not one flat layout for every rank
         p = local[name]
         key = (units.get(name, 0), block_key(name), p.dtype)
         if key != last:
@@ -153,7 +177,7 @@ def stored_range(plan, rank: int, fqn: str) -> tuple[int, int] | None:
     where = bucket_index(plan).get(canon)
     if where is None:
         return None
-    b = buckets_cached(plan)[where[0]]
+    b = rank_buckets(plan, rank)[where[0]]
     shard, _ = groups(plan, rank)
     lo, hi = b.piece(where[1], shard.index(rank))
     a = shard.index(rank) * b.chunk + lo - b.offsets[where[1]]

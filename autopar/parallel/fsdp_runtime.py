@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, buckets_cached, groups
+from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, groups, rank_buckets
 from autopar.parallel.param_names import canonical_names
 from autopar.runtime.backend import current_backend
 
@@ -71,7 +71,7 @@ class FSDPRuntime:
 
     def __init__(self, plan, module: torch.nn.Module, rank: int):
         dp = plan.data_parallel
-        self.rank, self.buckets = rank, buckets_cached(plan)
+        self.rank, self.buckets = rank, rank_buckets(plan, rank)
         self.shard, self.replica = groups(plan, rank)
         self.pos = self.shard.index(rank)
         self.param_dtype, self.reduce_dtype, self.prefetch = dp.param_dtype, dp.reduce_dtype, dp.prefetch

@@ -32,7 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: float) -> None:
+def _exit_with_parent(parent: int, every: float = 1.0) -> None:
+    """Exit this worker once its parent is gone. A parent killed by a signal (a test run stopped
+    with Ctrl-C twice, a CI timeout) runs no clean-up, so its daemon workers would outlive it:
+    blocked on the job queue forever, or spinning in a collective whose peers died."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="autopar-parent-watch", daemon=True).start()
+
+
+def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: float, parent: int) -> None:
+    _exit_with_parent(parent)
     os.environ.update(
         OMP_NUM_THREADS="1",
         MASTER_ADDR="127.0.0.1",
@@ -84,7 +99,7 @@ class GlooPool:
                 target=_worker,
                 daemon=True,
                 name=f"gloo-rank{r}",
-                args=(r, self.world_size, port, self.jobs[r], self.results, paths, self.pg_timeout),
+                args=(r, self.world_size, port, self.jobs[r], self.results, paths, self.pg_timeout, os.getpid()),
             )
             for r in range(self.world_size)
         ]

@@ -73,6 +73,28 @@ def ragged_share(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: i
     return x.shape[dim] / total if total else 0.0
 
 
+@torch.compiler.disable
+def ragged_total(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> int:
+    """The whole size of ``x``'s dim ``dim``, cut in pieces of any size over ``group`` (a batch cut
+    unevenly at run time): the sum of every rank's rows (one all-reduce of one number)."""
+    rows = torch.tensor([float(x.shape[dim])], device=x.device)
+    return int(torch.ops.autopar.all_reduce(rows, axis, list(group), rank, "sum").item())
+
+
+@torch.compiler.disable
+def ragged_all_gather(gather, x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
+    """``gather`` (an all-gather op: S(dim) -> R) of pieces whose sizes only their own ranks know
+    (a batch cut unevenly at run time): the sizes exchanged first (one all-gather of one number
+    per rank), then every piece padded to the largest, gathered, and each cut back to its size.
+    Pads, narrows and the cat are plain torch ops, so autograd hands each rank the gradient of its
+    own rows through the gather's own backward. Eager under torch.compile, as ``ragged_share``."""
+    rows = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+    sizes = [int(v) for v in torch.ops.autopar.all_gather(rows, 0, axis, list(group), rank).tolist()]
+    c = max(sizes)
+    full = gather(pad_piece(x, dim, c), dim, axis, list(group), rank)
+    return torch.cat([full.narrow(dim, k * c, n) for k, n in enumerate(sizes)], dim)
+
+
 def weigh(x: torch.Tensor, weight: float) -> torch.Tensor:
     """``x * weight``; zeros where the weight is 0 (an empty piece's mean is nan, and counts nothing)."""
     return x * weight if weight else torch.zeros_like(x)

@@ -2,9 +2,10 @@
 
 A plan traced with a batch that does not divide by its axis is *ragged* on that axis
 (propagate.is_ragged): any batch size runs, and no rank knows the sizes of the other ranks'
-pieces. So nothing may move a dim sized at run time across a ragged axis (an all-gather, a
-slice, a reduce-scatter or an all-to-all of it: their pads and trims need every piece's size),
-and ``rng="serial"`` cannot draw the serial model's numbers into a tensor split there (its piece
+pieces. An all-gather of such a dim exchanges the sizes first (runtime/uneven.ragged_all_gather),
+but a slice, a reduce-scatter or an all-to-all would have to cut it where the other tensors'
+pieces were cut, which no rank knows; so those may not move a dim sized at run time across a
+ragged axis, and ``rng="serial"`` cannot draw the serial model's numbers into a tensor split there (its piece
 of one whole draw sits at an offset no rank knows). Both are found here from the layouts, so the
 plan is refused with a ShardingError instead of failing later in emission.
 
@@ -55,6 +56,8 @@ def _check_edge(src: fx.Node, target, mesh, ragged, what: str) -> None:
     dynamic = _dynamic(src)
     for st in plan_steps(spec, target):
         dims = [d for d in (st.dim, st.dim2) if d is not None and d < len(dynamic)]
+        if st.kind == "all_gather" and st.blocks == 1:
+            continue  # gathered with the pieces' sizes exchanged first (runtime/uneven.ragged_all_gather)
         if st.axis in ragged and any(dynamic[d] for d in dims):
             axis = mesh.axis_names[st.axis]
             raise ShardingError(

@@ -16,8 +16,8 @@ from tests.harness.models import gpt_batch, gpt_plan, mse, skipnet_plan, small_g
 from tests.harness.serial import grad_errors, serial_step
 
 
-def _gpt_plan(shape, axes, dp, layers=4):
-    batch = gpt_batch(batch=8)
+def _gpt_plan(shape, axes, dp, layers=4, rows=8):
+    batch = gpt_batch(batch=rows)
     plan = gpt_plan(
         MeshSpec(shape, axes, dp),
         model=small_gpt(layers=layers),
@@ -27,10 +27,11 @@ def _gpt_plan(shape, axes, dp, layers=4):
     return plan.model, plan, batch
 
 
-def gpt_pipeline_matches_serial(shape, axes, dp, configs):
-    """For each (schedule, chunks, checkpoint): one real step; returns losses and gradient errors."""
+def gpt_pipeline_matches_serial(shape, axes, dp, configs, rows=8):
+    """For each (schedule, chunks, checkpoint): one real step on a batch of ``rows`` in 4
+    micro-batches; returns losses and gradient errors."""
     rank = dist.get_rank()
-    model, plan, batch = _gpt_plan(shape, axes, dp)
+    model, plan, batch = _gpt_plan(shape, axes, dp, rows=rows)
     serial_loss, serial_grads = serial_step(model, batch)
     out = []
     for schedule, chunks, ckpt in configs:

@@ -3,6 +3,8 @@ trained with ap.parallelize on real processes, against the serial model."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -89,3 +91,32 @@ def checkpoint_round_trips(path: str, shape, axes, zero: int, load_shape, load_a
         merged = other.autopar_plan.merge_state_dicts(gathered)
         results[how] = max((merged[n] - p).abs().max().item() for n, p in serial.items())
     return results
+
+
+def ragged_gather_matches_serial(rows: int = 5):
+    """A batch of ``rows`` placed split on a 4-way non-data-parallel axis (pieces only their
+    ranks know the sizes of), outputs gathered: the forward output and every gradient after one
+    backward against the serial model's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(rows + 2, 16)
+    module = ap.parallelize(
+        model, ap.Mesh((dist.get_world_size(),), ("a",)), args=(x,), annotations={"input": ap.place(ap.Shard(0))}
+    )
+    serial = copy.deepcopy(model)
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(1))  # another size at run time
+    (local,), _ = module.autopar_plan.local_inputs(dist.get_rank(), x)
+    out = module(local)
+    out.square().sum().backward()
+    ref = serial(x)
+    ref.square().sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    merged = module.autopar_plan.merge_state_dicts(gathered)
+    return {
+        "rows": tuple(local.shape),
+        "out": ((out - ref).abs().max() / ref.abs().max()).item(),
+        "grads": max_rel_diff(merged, {n: p.grad for n, p in serial.named_parameters()}),
+        "ragged": "ragged_all_gather" in module.code,
+    }

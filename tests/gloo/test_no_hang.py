@@ -37,3 +37,44 @@ def test_real_run_rank_raises_before_collective(gloo):
     assert "rank 0: all_reduce over ranks (0, 1) failed" in text, text
     assert "rank 1 failed: ValueError: boom on rank 1" in text, text
     assert time.monotonic() - start < 45
+
+
+def test_workers_exit_when_their_parent_is_killed(tmp_path):
+    """A process holding a pool dies by SIGKILL (no clean-up runs): its workers notice and exit
+    within seconds instead of outliving it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "hold_pool.py"
+    script.write_text(
+        "import time\n"
+        "from autopar.runtime.gloo_pool import GlooPool\n"
+        "if __name__ == '__main__':\n"  # the workers are spawned: they import this file
+        "    pool = GlooPool(2).start()\n"
+        "    pool.run('os:getpid')\n"  # the workers are up
+        "    print(' '.join(str(p.pid) for p in pool.procs), flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in holder.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # an exited child not yet reaped is a zombie
+            return f.read().split(") ")[1][0] != "Z"
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)]

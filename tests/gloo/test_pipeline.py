@@ -20,6 +20,12 @@ def test_pp2_real_gloo(gloo):
     assert "wte.weight" in results[0][0]["names"] and "lm_head.weight" in results[1][0]["names"]
 
 
+def test_pp2_uneven_micro_batches_real_gloo(gloo):
+    """6 rows in 4 micro-batches (2, 2, 1, 1): two message shapes per boundary, losses weighted by rows."""
+    job = "tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial"
+    _check(gloo(2).run(job, (2,), ("pp",), None, [("1f1b", 1, False), ("interleaved", 2, True)], 6))
+
+
 @pytest.mark.parametrize(
     "shape,axes,dp,config",
     [((2, 2), ("pp", "tp"), None, ("1f1b", 1, True)), ((2, 2), ("dp", "pp"), "dp", ("interleaved", 2, False))],

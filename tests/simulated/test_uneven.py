@@ -235,7 +235,7 @@ def test_explain_and_cost_count_uneven_pieces():
 @pytest.mark.parametrize("mesh", [((4,), ("dp",)), ((2, 3), ("dp", "tp"))], ids=["dp4", "dp2xtp3"])
 def test_zero_levels_train_like_serial_on_uneven_pieces(zero, mesh):
     """AdamW steps with ZeRO 0-3 on an uneven batch (5 rows: 2,1,1,1 on dp=4, 3,2 on dp=2) and a
-    hidden size of 64 on tp=3 (22, 21, 21; zero=3 leaves those pieces whole): parameters after 3
+    hidden size of 64 on tp=3 (22, 21, 21; zero=3 buckets them at each tp rank's own sizes): parameters after 3
     steps equal serial."""
     from autopar.runtime.simulator import run_ranks
     from tests.harness.data_parallel import loss_of, make_optimizer
@@ -246,6 +246,12 @@ def test_zero_levels_train_like_serial_on_uneven_pieces(zero, mesh):
     ann = MLP_TP if "tp" in mesh[1] else {}
     dp = ap.DataParallel("dp", zero=zero, bucket_max_params=3)
     plan = ap.plan(model, ap.Mesh(*mesh), args=(data[0],), annotations=ann, data_parallel=dp)
+    if zero == 3:  # every weight sharded over dp, the uneven tp pieces too (at their own sizes)
+        from autopar.parallel.fsdp_layout import bucket_index, rank_buckets
+
+        assert {n for n, _ in model.named_parameters()} == set(bucket_index(plan))
+        sizes = {b.numel for r in plan.mesh.ranks() for b in rank_buckets(plan, r)}
+        assert len(sizes) > (1 if "tp" in mesh[1] else 0)
 
     def train(rank):
         module = plan.build_module(rank)
@@ -312,6 +318,35 @@ def test_pipeline_stages_with_uneven_tp_pieces(mesh, schedule):
     assert not covered([r.params for r in runners], model)
 
 
+@pytest.mark.parametrize(
+    "mesh,batch", [(((2,), ("pp",)), 6), (((2, 2), ("pp", "dp")), 12)], ids=["pp2-batch6", "pp2xdp2-batch12"]
+)
+def test_micro_batches_that_do_not_divide_the_batch(mesh, batch):
+    """6 rows per rank in 4 micro-batches (2, 2, 1, 1): each micro-batch's loss weighted by its
+    share of the rows, so the step's loss and every gradient are the serial ones over the whole
+    batch (not the mean of the micro-batches' means)."""
+    from autopar.runtime.simulator import run_ranks
+    from tests.harness.serial import grad_errors, serial_step
+
+    model, data = uneven_gpt(67, layers=2), uneven_batch(67, batch=batch, seq=5)
+    serial_loss, serial_grads = serial_step(model, data)
+    dp = "dp" if "dp" in mesh[1] else None
+    plan = ap.plan(model, ap.Mesh(*mesh), args=data, pipeline=ap.Pipeline("pp", microbatches=4), data_parallel=dp)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    losses = run_ranks(plan.mesh.size, lambda r: runners[r].step(data, None), timeout=60)
+    assert runners[0]._weights == [2 / 6, 2 / 6, 1 / 6, 1 / 6]
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    assert not [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+
+
+def test_fewer_rows_than_micro_batches_is_refused():
+    model, data = uneven_gpt(67, layers=2), uneven_batch(67, batch=3, seq=5)
+    plan = ap.plan(model, ap.Mesh((2,), ("pp",)), args=data, pipeline=ap.Pipeline("pp", microbatches=4))
+    with pytest.raises(ap.InputError, match="at least 4 rows"):
+        plan.pipeline_runner(0).step(data, None)
+
+
 # ------------------------------------------- every rule of the rule harness on uneven pieces
 RULE_CASES = __import__("tests.simulated.test_rules", fromlist=["CASES"]).CASES
 # the cases whose placed dim is smaller than 8: on 8 ranks some hold an empty piece
@@ -349,17 +384,35 @@ def test_hf_gpt2_with_its_real_vocabulary_on_tp4():
     plan.check(**kwargs)
 
 
-def test_ragged_batch_that_must_move_is_refused_while_planning():
-    """A batch of 5 placed split on a tensor-parallel axis, with outputs gathered there: no rank
-    knows the others' run-time sizes, so the plan is refused naming the output and the fix."""
+def test_ragged_batch_gathered_with_its_sizes_exchanged():
+    """A batch of 5 placed split on a tensor-parallel axis, outputs gathered there: each rank's
+    run-time size is exchanged first, the pieces padded to the largest, gathered and trimmed
+    (runtime/uneven.ragged_all_gather); any batch runs (5, then 7), equal to serial."""
     torch.manual_seed(0)
     x = torch.randn(5, 16)
-    with pytest.raises(
-        ap.ShardingError, match=r"output .* moved across mesh axis 'tp'.*example batch that divides by 2"
-    ):
-        ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))})
-    ok = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))}, dynamic=False)
-    ok.check(x)  # the same batch as a static size: padded and gathered
+    plan = ap.plan(MLP(), ap.Mesh((2,), ("tp",)), args=(x,), annotations={"x": ap.place(S(0))})
+    assert plan.ragged and "ragged_all_gather" in plan.module(0).code
+    plan.check(x)
+    plan.check(torch.randn(7, 16))
+
+
+class AddInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return self.fc(x + y)
+
+
+def test_ragged_batch_that_must_be_sliced_is_refused_while_planning():
+    """x's batch of 5 placed split on tp, y's whole: y would be cut to x's pieces, whose run-time
+    sizes no rank knows, so the plan is refused naming the input and the fix."""
+    x, y = torch.randn(5, 16), torch.randn(5, 16)
+    with pytest.raises(ap.ShardingError, match=r"input 'y' .* moved across mesh axis 'tp' \(slice\).*divides by 2"):
+        ap.plan(AddInputs(), ap.Mesh((2,), ("tp",)), args=(x, y), annotations={"x": ap.place(S(0))})
+    ok = ap.plan(AddInputs(), ap.Mesh((2,), ("tp",)), args=(x, y), annotations={"x": ap.place(S(0))}, dynamic=False)
+    ok.check(x, y)  # the same batch as a static size: padded and sliced
 
 
 def test_compiled_rank_modules_on_an_uneven_batch():
@@ -382,3 +435,24 @@ def test_compiled_rank_modules_on_an_uneven_batch():
     merged = plan.merge_state_dicts(run_ranks(2, grads, timeout=300))
     for n, p in ref.named_parameters():
         torch.testing.assert_close(merged[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+class BatchNormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x)))).pow(2).mean()
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["ragged", "static"])
+def test_synced_batch_norm_over_an_uneven_batch(dynamic):
+    """A batch of 6 on dp=4 (2, 2, 1, 1 rows) through a synced BatchNorm: the per-channel sums and
+    counts are summed over the pieces, so statistics, output and every gradient equal serial."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    model = ap.sync_batch_norm(BatchNormMLP())
+    plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel="dp", dynamic=dynamic)
+    assert bool(plan.ragged) == dynamic
+    assert plan.check(x)["grads"] == 6

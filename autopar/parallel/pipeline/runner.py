@@ -4,8 +4,9 @@
 runs the schedule's forwards and backwards (receiving activations and gradients from the
 neighbouring stages, sending its own), and returns the step's loss (the mean over the
 micro-batches, the same on every rank). Gradients are then in ``runner.parameters()``,
-summed over micro-batches (each micro-batch's loss weighted 1/m, so they equal the serial
-gradients of the whole batch), synced over data parallel (and tp where a norm needs it),
+summed over micro-batches (each micro-batch's loss weighted by its share of the rows: 1/m
+when they are equal, 2/6 and 1/6 for 6 rows in 4; so they equal the serial gradients of the
+whole batch), synced over data parallel (and tp where a norm needs it),
 and summed over the stages that share a tied weight. Call your optimizer step after it.
 
 Activation checkpointing (``checkpoint=True``) runs each forward without keeping its
@@ -190,10 +191,14 @@ class PipelineRunner:
         flat = pytree.tree_leaves((args, kwargs))
         m = self.options.microbatches
         per = [dict() for _ in range(m)]
+        rows = None
         for name, v in zip(self.plan.traced.user_inputs, flat):
             pieces = _chunk(v, m, name) if isinstance(v, torch.Tensor) else [v] * m
+            if isinstance(v, torch.Tensor) and rows is None:
+                rows = [p.shape[0] for p in pieces]
             for i in range(m):
                 per[i][name] = pieces[i]
+        self._weights = _weights(rows, m, self.plan.ragged, self.plan.dp_axis)
         return per
 
     def _micro_labels(self, labels) -> list:
@@ -205,8 +210,8 @@ class PipelineRunner:
         def split(t):
             if not isinstance(t, torch.Tensor):
                 return [t] * m
-            if dp is not None:
-                t = _chunk(t, self.plan.mesh.shape[dp], "labels")[self.coords[dp]]
+            if dp is not None:  # cut as plan.local_inputs cuts the batch (torch.tensor_split)
+                t = _chunk(t, self.plan.mesh.shape[dp], "labels", per="data-parallel rank")[self.coords[dp]]
             return _chunk(t, m, "labels")
 
         pieces = pytree.tree_map(split, labels)
@@ -273,12 +278,17 @@ class PipelineRunner:
                     self.rank_at(lay.rank_of_stage(src)),
                     self._tag(mb, name, a.stage, 0),
                     self.dtypes[name],
-                    (name, a.stage, 0),
+                    self._stream(mb, name, a.stage, 0),
                 )
                 for name, src in st.recv
             ]
         return [
-            (self.rank_at(lay.rank_of_stage(d)), self._tag(mb, name, d, 1), self.dtypes[name], (name, d, 1))
+            (
+                self.rank_at(lay.rank_of_stage(d)),
+                self._tag(mb, name, d, 1),
+                self.dtypes[name],
+                self._stream(mb, name, d, 1),
+            )
             for name, dsts in st.send
             if lay.kinds[name] == "grad"
             for d in dsts
@@ -322,7 +332,10 @@ class PipelineRunner:
             for d in dsts:
                 x = self._wire(name, v)
                 self._ch.send(
-                    x, self.rank_at(self.layout.rank_of_stage(d)), self._tag(a.microbatch, name, d, 0), (name, d, 0)
+                    x,
+                    self.rank_at(self.layout.rank_of_stage(d)),
+                    self._tag(a.microbatch, name, d, 0),
+                    self._stream(a.microbatch, name, d, 0),
                 )
         if train:
             nbytes = counter.bytes if keep_graph else sum(_nbytes(x) for x in args)
@@ -374,7 +387,7 @@ class PipelineRunner:
         t_go, c_go = time.perf_counter(), time.thread_time()
         if st.has_output:
             tensors.append(sv.loss)
-            grads.append(torch.full_like(sv.loss, 1.0 / self.options.microbatches))
+            grads.append(torch.full_like(sv.loss, self._weights[a.microbatch]))
         with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext(), self._stage_no_sync(a):
             if tensors:
                 torch.autograd.backward(tensors, grads)
@@ -386,7 +399,10 @@ class PipelineRunner:
         for name, src, t in sv.received:
             g = t.grad if t.grad is not None else torch.zeros_like(t)
             self._ch.send(
-                g, self.rank_at(lay.rank_of_stage(src)), self._tag(a.microbatch, name, a.stage, 1), (name, a.stage, 1)
+                g,
+                self.rank_at(lay.rank_of_stage(src)),
+                self._tag(a.microbatch, name, a.stage, 1),
+                self._stream(a.microbatch, name, a.stage, 1),
             )
         self._held_bytes -= sv.nbytes
 
@@ -422,7 +438,7 @@ class PipelineRunner:
                     self.rank_at(lay.rank_of_stage(d)),
                     self._tag(a.microbatch, name, d, 1),
                     self.dtypes[name],
-                    (name, d, 1),
+                    self._stream(a.microbatch, name, d, 1),
                 )
                 g = gd if g is None else g + gd
             if v.requires_grad:
@@ -437,6 +453,13 @@ class PipelineRunner:
             return self._split_outputs(st, outs, mb)
         finally:
             self._keep, self._losses, self._metrics = keep, losses, metrics
+
+    def _stream(self, mb: int, name: str, consumer: int, direction: int) -> tuple:
+        """The p2p stream of one boundary value (its messages share one shape within a step): per
+        micro-batch size where the micro-batches are uneven (2, 2, 1, 1 rows: two streams)."""
+        if len(set(self._weights)) == 1:
+            return (name, consumer, direction)
+        return (name, consumer, direction, self._weights[mb])
 
     def _tag(self, mb: int, name: str, consumer: int, direction: int) -> int:
         lay = self.layout
@@ -458,10 +481,10 @@ class PipelineRunner:
     def _reduce_results(self):
         """The mean loss (and metric) over micro-batches and data-parallel ranks, on every rank."""
         backend, mesh = current_backend(), self.plan.mesh
-        m = self.options.microbatches
-        vals = [torch.stack(self._losses).sum() / m if self._losses else torch.zeros(())]
+        w = torch.tensor(self._weights)
+        vals = [(torch.stack(self._losses).float() * w).sum() if self._losses else torch.zeros(())]
         if self.metric_fn is not None:
-            vals.append(torch.stack(self._metrics).sum() / m if self._metrics else torch.zeros(()))
+            vals.append((torch.stack(self._metrics).float() * w).sum() if self._metrics else torch.zeros(()))
         v = torch.stack([x.float() for x in vals])
         v = backend.all_reduce(v, mesh.group(self.layout.axis, self.rank), self.rank, "sum")
         if self.plan.dp_axis is not None:
@@ -477,13 +500,32 @@ def _own_loss(flat):
     return None
 
 
-def _chunk(t: torch.Tensor, m: int, name: str) -> list:
-    if t.dim() == 0 or t.shape[0] % m:
+def _chunk(t: torch.Tensor, m: int, name: str, per: str = "micro-batch") -> list:
+    """``t`` cut into ``m`` pieces along dim 0 as torch.tensor_split cuts (the first pieces one
+    row longer where ``m`` does not divide it: 6 rows in 4 micro-batches are 2, 2, 1, 1)."""
+    if t.dim() == 0 or t.shape[0] < m:
         raise InputError(
-            f"Input {name!r} of shape {tuple(t.shape)} cannot be split into {m} micro-batches "
-            f"along dim 0: use a batch (per data-parallel rank) divisible by {m}."
+            f"Input {name!r} of shape {tuple(t.shape)} cannot give each of {m} {per}es a row along dim 0: "
+            f"use a batch (per data-parallel rank) of at least {m} rows, or fewer micro-batches."
         )
-    return list(t.chunk(m, dim=0))
+    return list(torch.tensor_split(t, m, dim=0))
+
+
+def _weights(rows, m: int, ragged, dp_axis) -> list[float]:
+    """Each micro-batch's share of the rank's rows: the weight of its loss in the step's loss and
+    gradients, so that micro-batches of 2, 2, 1, 1 rows give the mean over all 6 rows (1/m each
+    when they are equal). Under a batch cut unevenly over data-parallel ranks (a ragged plan),
+    uneven micro-batches are refused: the weights would need the other ranks' row counts."""
+    if rows is None or len(set(rows)) == 1:
+        return [1.0 / m] * m
+    if dp_axis is not None and dp_axis in ragged:
+        raise InputError(
+            f"Micro-batches of {rows} rows on a batch that is also cut unevenly over the data-parallel ranks: "
+            f"give each data-parallel rank a batch divisible by the {m} micro-batches, or plan with a batch that "
+            "divides by the data-parallel axis."
+        )
+    total = sum(rows)
+    return [r / total for r in rows]
 
 
 def _dtype(node):
