@@ -2,7 +2,9 @@
 
 1. **rank correlation**: 11 plans of one GPT on 4 real gloo processes (dp with ZeRO 0/1/2/3, tp,
    tp + sequence parallel, dp x tp, dp x (tp + sp), ZeRO-2 x tp, dp over two axes, HSDP over
-   two axes; pipelines are left out: their step is the runner's); each rank calibrates first
+   two axes) and 2 of a mixture-of-experts model (HF Mixtral, 8 experts: data parallel with
+   every expert on each rank, and expert parallel on dp; pipelines are left out: their step is
+   the runner's); each rank calibrates first
    (ap.calibrate: FLOP/s, alpha, beta on this process group), then every plan's step (forward,
    backward, AdamW step) is timed, plans alternating. Spearman's rho between ap.predict's step
    time and the measured median.
@@ -64,6 +66,39 @@ def _plans(cfg):
     )
 
 
+def _moe_plans(cfg):
+    """A Mixtral of the GPT's width and depth (8 experts, top-2) on 4 ranks: data parallel with
+    every expert local, and expert parallel on dp (2 experts per rank, all-to-all dispatch)."""
+    import autopar as ap
+    import torch
+    import transformers as T
+
+    layers, embd, heads, vocab, seq, batch = cfg
+
+    def model():
+        torch.manual_seed(0)
+        conf = T.MixtralConfig(
+            vocab_size=vocab,
+            hidden_size=embd,
+            intermediate_size=2 * embd,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=seq,
+            use_cache=False,
+        )
+        return T.MixtralForCausalLM._from_config(conf, attn_implementation="eager")
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    kw = {"input_ids": ids, "labels": torch.randint(0, vocab, (batch, seq), generator=g)}
+    m4 = ap.Mesh((4,), ("dp",))
+    ep = {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
+    return model, kw, {"moe dp": (m4, None, ap.DataParallel("dp")), "moe dp + ep": (m4, ep, ap.DataParallel("dp"))}
+
+
 def correlation_job(cfg, iters, warmup) -> dict:
     import torch
     import torch.distributed as dist
@@ -73,15 +108,20 @@ def correlation_job(cfg, iters, warmup) -> dict:
     rank = dist.get_rank()
     prof = ap.calibrate(matmul=256, repeat=5)
     model, args, plans = _plans(cfg)
+    moe, moe_kw, moe_plans = _moe_plans(cfg)
     from autopar.runtime.backend import current_backend
 
+    every = [(n, v, model, args, {}) for n, v in plans.items()] + [
+        (n, v, moe, (), moe_kw) for n, v in moe_plans.items()
+    ]
     steps, predicted, groups = {}, {}, {}
-    for name, (mesh, ann, dp) in plans.items():
-        module = ap.parallelize(model(), mesh, args=args, annotations=ann, data_parallel=dp)
+    for name, (mesh, ann, dp), build, args, kwargs in every:
+        static = {"dynamic": False} if kwargs else {}  # the MoE plans: expert dispatch is planned at fixed sizes
+        module = ap.parallelize(build(), mesh, args=args, kwargs=kwargs, annotations=ann, data_parallel=dp, **static)
         groups.update(current_backend().groups)  # each compile installs its own; the last must hold all
         plan = module.autopar_plan
         predicted[name] = ap.predict(plan, prof)["time_s"]
-        a, kw = plan.local_inputs(rank, *args)
+        a, kw = plan.local_inputs(rank, *args, **kwargs)
         opt = (
             ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-4)
             if dp is not None and dp.zero in (1, 2)
@@ -89,7 +129,8 @@ def correlation_job(cfg, iters, warmup) -> dict:
         )
 
         def step(module=module, a=a, kw=kw, opt=opt):
-            _, loss = module(*a, **kw)
+            out = module(*a, **kw)
+            loss = out[1] if isinstance(out, tuple) else out["loss"]
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -218,7 +259,7 @@ def run(quick: bool) -> list[dict]:
     rows = [
         row(
             "auto",
-            f"GPT {cfg[0]}x{cfg[1]}, {len(res['predicted'])} plans, 4 gloo ranks",
+            f"GPT and Mixtral {cfg[0]}x{cfg[1]}, {len(res['predicted'])} plans, 4 gloo ranks",
             "Spearman rho predicted vs measured",
             round(rho, 3),
             ">= 0.8",

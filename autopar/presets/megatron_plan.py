@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -228,6 +230,7 @@ class _Graph:
         self.modules = dict(model.named_modules())
         self.params = set(traced.param_fqn)
         self.layer_of: dict[fx.Node, str] = {}  # matmul/embedding node -> module path
+        self._linears = None
         for node in traced.gm.graph.nodes:
             path = self._weight_owner(node)
             if path is not None:
@@ -252,7 +255,9 @@ class _Graph:
         return next((a for a in node.args if isinstance(a, fx.Node) and a.name not in self.params), None)
 
     def linears(self):
-        return {p: n for n, p in self.layer_of.items() if _layer_kind(self.modules[p]) != "embedding"}
+        if self._linears is None:  # layer_of is complete after __init__: computed once (a 405B has ~900)
+            self._linears = {p: n for n, p in self.layer_of.items() if _layer_kind(self.modules[p]) != "embedding"}
+        return self._linears
 
     def pairs(self) -> list[tuple[str, list[str]]]:
         out = []
@@ -329,9 +334,9 @@ class _Graph:
         path = module_path(node)
         return path if path in self._layer_paths else None
 
-    @property
+    @functools.cached_property
     def _layer_paths(self) -> set:
-        return set(self.layer_of.values())
+        return set(self.layer_of.values())  # read per node walked in _reads: built once
 
     def blocks(self, path: str) -> int:
         """k when the layer's output is split into k equal pieces on its last dim, else 1."""

@@ -36,6 +36,7 @@ from autopar.search.evaluate import Terms, plan_terms
 from autopar.search.options import Auto
 from autopar.search.short import copied, shortened
 from autopar.search.solver import Option, solve
+from autopar.trace.module_paths import module_path
 
 
 class NoPlanError(PlanError):
@@ -55,6 +56,10 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     comps, norms = components(model, traced)
     touched = {c.key for c in comps if _touched(c, user, model)}
     free = [c for c in comps if c.key not in touched]
+    if not auto.expert_parallel:
+        free = [c for c in free if c.kind != "experts"]
+    dense = [c for c in free if c.kind != "experts"]  # decided on the tp axis
+    experts = [c for c in free if c.kind == "experts"]  # decided on the dp axis
     comp_of = {n: c.key for c in free for n in c.nodes}
     param_comp = {p: c.key for c in free for p in c.params}
     user_axes = {a.axis for a in user.values() if getattr(a, "axis", None) is not None}
@@ -77,18 +82,22 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
     probes: dict = {}
     short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)
     graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
+    blocks = getattr(getattr(traced, "repeated", None), "count", 0)  # a repeated stack's blocks
 
-    def probe(s, tp_axis, sp):
-        key = (s.dp, s.rep, tp_axis, sp)
+    def probe(s, tp_axis, sp, ep=False):
+        key = (s.dp, s.rep, tp_axis, sp, ep)
         if key not in probes:
             ann = dict(user)
             if tp_axis is not None:
                 name = mesh.axis_names[tp_axis]
-                for c in free:
+                for c in dense:
                     if c.kind != "vocab" or auto.vocab_parallel or sp:
                         ann.update(c.annotations(name, sp))
                 if sp:
                     ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
+            if ep:
+                for c in experts:
+                    ann.update(c.annotations(mesh.axis_names[s.dp], False))
             probes[key] = _probe(
                 plan_probe,
                 mesh,
@@ -102,17 +111,22 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 auto.optimizer_states,
                 weights,
                 modes,
+                [c.module for c in experts],
             )
         return probes[key]
 
     options = []
     for s in structs:
-        split_by = probe(s, s.tp, s.sp) if s.tp is not None else None
+        ep = _expert_parallel_ok(s, mesh, experts)
+        split_by = probe(s, s.tp, s.sp, ep) if s.tp is not None or ep else None
+        if split_by is None and ep:  # experts the dispatch cannot run (refused): the rest still searched
+            ep = False
+            split_by = probe(s, s.tp, s.sp) if s.tp is not None else None
         rep_by = probe(s, None, False) if not s.sp else None
         if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
-        pipe = _pipeline(s, mesh, batch, pipeline)
-        if s.pp is not None and pipe is None:
+        pipes = _pipelines(s, mesh, batch, pipeline, blocks)
+        if s.pp is not None and not pipes:
             continue  # fewer rows per data-parallel rank than one micro-batch per stage
         for mode in modes:
             split, rep = (split_by or {}).get(mode), (rep_by or {}).get(mode)
@@ -120,7 +134,8 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 continue  # no block to checkpoint
             base = (split or rep).get("base", Terms())
             for z in _storages(s, mesh, dp, auto):
-                options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile))
+                for pipe in pipes or [None]:
+                    options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile, ep))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -135,22 +150,25 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
-    s, storage, mode = best.option
-    if s.tp is not None and fixed_tp is None and "split" not in best.choices.values():
+    s, storage, mode, pipe = best.option
+    if s.tp is not None and fixed_tp is None and all(best.choices.get(c.key) != "split" for c in dense):
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
-        record["chosen"] = _label(mesh, (s, storage, mode)) + " (the tp axis split nothing)"
+        record["chosen"] = _label(mesh, (s, storage, mode, pipe)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
         name = mesh.axis_names[s.tp]
-        for c in free:
+        for c in dense:
             if best.choices.get(c.key) == "split":
                 ann.update(c.annotations(name, s.sp))
         if s.sp:
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
+    for c in experts:
+        if best.choices.get(c.key) == "ep":
+            ann.update(c.annotations(mesh.axis_names[s.dp], False))
     chosen = {
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
-        "pipeline": _pipeline(s, mesh, batch, pipeline),
+        "pipeline": pipe,
         "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
     }
     record["search_s"] = time.perf_counter() - t0
@@ -158,7 +176,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
 
 
 def _touched(comp, user, model) -> bool:
-    pats = [*comp.cols, *comp.rows, *([comp.embedding] if comp.embedding else []), *comp.heads]
+    pats = comp.patterns
     paths = [p for p, _ in model.named_modules() if any(fnmatch.fnmatchcase(p, q) for q in pats)]
     return any(fnmatch.fnmatchcase(p, u) for p in paths for u in user) or any(
         fnmatch.fnmatchcase(n, u) for n in comp.params for u in user
@@ -186,26 +204,40 @@ def _storages(s, mesh, dp, auto) -> list[tuple]:
     return out
 
 
-def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes):
+def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes, moe=()):
     """{checkpointing mode: the probe plan's Terms per component} (None when it cannot be
     planned; a mode missing when the plan has no block to checkpoint). The checkpointed
-    variants are the same layouts under other options (Plan.with_options: no propagation)."""
+    variants are the same layouts under other options (Plan.with_options: no propagation).
+    ``moe``: the experts components' module patterns, whose nodes planning made anew (each
+    experts module became one moe_experts node): attributed to them by module path."""
     options = PlanOptions(data_parallel=dp, strict=strict)
     try:
         plan = plan_probe(traced, options, ann)
     except PlanError:
         return None
-    out = {}
+    if moe:
+        comp_of = dict(comp_of)
+        for node in plan.graph.nodes:
+            path = module_path(node)
+            key = next((m for m in moe if path and fnmatch.fnmatchcase(path, m)), None)
+            if key is not None and node.name not in comp_of:
+                comp_of[node.name] = key
+    out, shared = {}, {}  # shared: what the checkpointing variants have in common (plan_terms)
     saves = saved_activations(plan)
     for mode in modes:
         variant = plan
         if mode is not None:
             try:
-                variant = plan.with_options(options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
+                # the plan's own options: data parallel over two axes is planned on their merged axis
+                # (with the probe's options the axes differ, and every checkpointed variant of
+                # such a probe was refused: two-axis data parallel was only searched without it)
+                variant = plan.with_options(plan.options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
             except PlanError:
                 continue
             share_saved_activations(variant, saves)  # same graph and layouts: the same saved tensors
-        out[mode] = plan_terms(variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp)
+        out[mode] = plan_terms(
+            variant, comp_of, profile, states, weights[0], weights[1], param_comp=param_comp, shared=shared
+        )
     return out
 
 
@@ -221,18 +253,31 @@ def batch_size(traced) -> int | None:
     return None
 
 
-def _pipeline(s, mesh, batch, user):
-    """The pipeline of structure ``s``: the user's, or 1F1B over its pp axis with one micro-batch
-    per row of a data-parallel rank's batch (the fewest idle slots, the least in flight); None
-    when ``s`` has no pp axis or the rows are too few for one micro-batch per stage."""
+INTERLEAVE = (2, 4)  # model chunks per pipeline rank the search tries besides 1F1B's one
+
+
+def _pipelines(s, mesh, batch, user, blocks: int = 0) -> list:
+    """The pipelines of structure ``s``: the user's, or over its pp axis with one micro-batch per
+    row of a data-parallel rank's batch (the fewest idle slots, the least in flight): 1F1B, and
+    the interleaved 1F1B with v model chunks per rank (a bubble of (pp - 1) / v micro-batch
+    slots instead of pp - 1, v times the point-to-point sends, more in flight) where the
+    micro-batches come in groups of pp (the schedule needs it) and the stack has at least one
+    block per stage (pp x v of them). [] when ``s`` has no pp axis or the rows are too few for
+    one micro-batch per stage."""
     if s.pp is None:
-        return None
+        return []
     if user is not None:
-        return user
+        return [user]
     dp_size = (mesh.shape[s.dp] if s.dp is not None else 1) * (mesh.shape[s.rep] if s.rep is not None else 1)
-    if batch is None or batch % dp_size or batch // dp_size < mesh.shape[s.pp]:
-        return None
-    return Pipeline(mesh.axis_names[s.pp], microbatches=batch // dp_size, schedule="1f1b")
+    pp = mesh.shape[s.pp]
+    if batch is None or batch % dp_size or batch // dp_size < pp:
+        return []
+    m, axis = batch // dp_size, mesh.axis_names[s.pp]
+    out = [Pipeline(axis, microbatches=m, schedule="1f1b")]
+    for v in INTERLEAVE:
+        if m % pp == 0 and pp * v <= blocks:
+            out.append(Pipeline(axis, microbatches=m, schedule="interleaved", chunks=v))
+    return out
 
 
 def _coefs(t: Terms, mesh, profile, dp, pipe=None, base=False) -> tuple:
@@ -256,12 +301,30 @@ def prefetches(dp, mesh, dp_axis) -> bool:
     return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
 
 
-def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile) -> Option:
+def _expert_parallel_ok(s, mesh, experts) -> bool:
+    """Whether structure ``s`` may put the experts on its dp axis: one dp axis (not two: the
+    dispatch runs over one axis) whose size divides every experts module's count."""
+    return (
+        bool(experts) and s.dp is not None and s.rep is None and all(c.experts % mesh.shape[s.dp] == 0 for c in experts)
+    )
+
+
+def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile, ep=False) -> Option:
+    """An option: a pair's or the vocabulary's choices ``split`` (on the tp axis, from the
+    split probe) and ``R``; an experts module's ``ep`` (expert parallel on dp, from the split
+    probe when ``ep``) and ``local`` (every expert on each rank: the probe without it)."""
     dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
         ch = {}
-        if split is not None:
+        if c.kind == "experts":
+            if ep and split is not None:
+                ch["ep"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
+            if rep is not None or not ep:
+                ch["local"] = _coefs((rep if rep is not None else split).get(c.key, Terms()), mesh, profile, dp, pipe)
+            comps[c.key] = ch
+            continue
+        if split is not None and s.tp is not None:
             ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
         if rep is not None:
             ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp, pipe)
@@ -269,8 +332,8 @@ def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profi
     idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and not s.uses(a))
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
-    idle_choice = {"R": 1.0 / (len(free) + 1)} if s.tp is not None else {}
-    return Option((s, storage, mode), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
+    idle_choice = {"R": 1.0 / (sum(c.kind != "experts" for c in free) + 1)} if s.tp is not None else {}
+    return Option((s, storage, mode, pipe), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -314,12 +377,14 @@ def job_device(traced):
 
 
 def _label(mesh, option) -> str:
-    s, (zero, shard), mode = option
+    s, (zero, shard), mode, pipe = option
     label = s.roles(mesh)
     if s.dp is not None:
         label += f", ZeRO-{zero}"
         if shard is not None and s.rep is not None:
             label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+    if pipe is not None and pipe.chunks > 1:
+        label += f", interleaved 1F1B x{pipe.chunks}"
     return label + (f", {mode} checkpointing" if mode else "")
 
 
@@ -349,7 +414,7 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
     comps = []
     for c in free:
         opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
-        pats = sorted({*c.cols, *c.rows, *c.heads, *([c.embedding] if c.embedding else [])})
+        pats = sorted(set(c.patterns))
         comps.append(
             {"key": c.key, "what": c.describe(), "choice": best.choices[c.key], "options": opts, "patterns": pats}
         )

@@ -8,7 +8,11 @@ axis) and at most one is tp (an annotation names one axis).
 
 Components are what the search decides layer by layer on the tp axis: each Megatron pair
 (found from the graph by presets.megatron's analysis) and the vocabulary (word embedding,
-LM head and the loss after it). A component is split or replicated. Its key is its module
+LM head and the loss after it). A component is split or replicated. A mixture-of-experts
+model's experts modules are a component of the dp axis: expert parallel there (``ep``: each
+rank holds E/n experts, tokens dispatched by all-to-all) or not (``local``: every expert on
+each rank, run on its own tokens); the tokens are batch-split on both sides either way, so the
+choice is additive like the others. Its key is its module
 path with block numbers replaced by ``*`` ("model.layers.*.mlp"): every block of a repeated
 stack shares one decision, so the problem does not grow with depth. Between components the
 activations are replicated on tp (Megatron's pairs begin at a replicated input and end in a
@@ -28,7 +32,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from autopar.sharding.annotations import colwise, rowwise, sequence_parallel, vocab_parallel
+from autopar.presets.experts import expert_modules
+from autopar.sharding.annotations import colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard
 from autopar.presets.megatron_plan import _Graph
 from autopar.trace.module_paths import module_path
@@ -44,7 +49,7 @@ def pattern(path: str) -> str:
 @dataclass
 class Component:
     key: str
-    kind: str  # "pair" | "vocab"
+    kind: str  # "pair" | "vocab" | "experts"
     cols: dict = field(default_factory=dict)  # pattern -> blocks (pair: column-parallel layers)
     rows: set = field(default_factory=set)  # patterns (pair: row-parallel layers)
     embedding: str | None = None  # pattern (vocab)
@@ -52,8 +57,21 @@ class Component:
     nodes: set = field(default_factory=set)  # node names of every instance (its region)
     params: set = field(default_factory=set)  # parameter names of every instance
     instances: int = 0
+    module: str | None = None  # pattern (experts: the module holding the stacked expert weights)
+    experts: int = 0  # experts: how many
+
+    @property
+    def patterns(self) -> list[str]:
+        """The module patterns the component's choice annotates."""
+        return [*self.cols, *self.rows, *([self.embedding] if self.embedding else []), *self.heads] + (
+            [self.module] if self.module else []
+        )
 
     def annotations(self, axis: str, sp: bool) -> dict:
+        """The annotations of the split choice on ``axis`` (experts: expert parallel there, the
+        axis that splits the batch)."""
+        if self.kind == "experts":
+            return {self.module: expert_parallel(axis)}
         out_sp = Shard(1) if sp else None
         if self.kind == "vocab":
             ann = {h: vocab_parallel(axis) for h in self.heads}
@@ -65,6 +83,8 @@ class Component:
         return ann
 
     def describe(self) -> str:
+        if self.kind == "experts":
+            return f"experts {self.module} ({self.experts} per layer, {self.instances}x): expert parallel on dp or not"
         if self.kind == "vocab":
             return f"vocabulary: embedding {self.embedding}, head {', '.join(sorted(self.heads)) or '-'}"
         return f"pair {', '.join(sorted(self.cols))} -> {', '.join(sorted(self.rows))} ({self.instances}x)"
@@ -76,6 +96,10 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
     nodes = list(traced.gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     linears = g.linears()
+    by_path: dict[str, set] = {}  # module path -> its call_function nodes' names (one pass, not one per pair)
+    for n in nodes:
+        if n.op == "call_function":
+            by_path.setdefault(module_path(n), set()).add(n.name)
     by_key: dict[str, Component] = {}
     for row, cols in g.pairs():
         key = pattern(_common(row, *cols))
@@ -84,7 +108,7 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
             comp.cols[pattern(c)] = g.blocks(c)
         comp.rows.add(pattern(row))
         comp.instances += 1
-        comp.nodes |= _region([linears[c] for c in cols], linears[row], index, {row, *cols})
+        comp.nodes |= _region([linears[c] for c in cols], linears[row], index, {row, *cols}, by_path)
         comp.params |= _params_of(model, [row, *cols])
     comps = list(by_key.values())
     emb = g.word_embedding()
@@ -99,6 +123,17 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
             comp.nodes |= _downstream(linears[h], index)
         comp.params = _params_of(model, own)
         comps.append(comp)
+    for path, n_experts in expert_modules(model, traced).items():
+        key = pattern(path)
+        comp = by_key.get(key) or Component(key, "experts", module=key, experts=n_experts)
+        if comp.kind != "experts":
+            continue  # a pair's region holds it: the pair decides (it should not happen)
+        by_key[key] = comp
+        if comp not in comps:
+            comps.append(comp)
+        comp.instances += 1
+        comp.nodes |= {name for p, names in by_path.items() if p == path or p.startswith(path + ".") for name in names}
+        comp.params |= _params_of(model, [path])
     taken = set()
     for c in comps:  # a node in two regions (it should not happen) counts for the first
         c.nodes -= taken
@@ -117,9 +152,10 @@ def _common(*paths: str) -> str:
     return ".".join(out) or "+".join(sorted(paths))
 
 
-def _region(col_nodes, row_node, index, paths) -> set:
+def _region(col_nodes, row_node, index, paths, by_path) -> set:
     """Node names between the column layers' matmuls and the row layer's (inclusive), plus
-    the nodes of the layers themselves (bias adds, views): what the pair's split changes."""
+    the nodes of the layers themselves (bias adds, views; ``by_path``: module path -> node
+    names): what the pair's split changes."""
     lo, hi = min(index[c] for c in col_nodes), index[row_node]
     fwd, todo = set(col_nodes), list(col_nodes)
     while todo:
@@ -134,7 +170,8 @@ def _region(col_nodes, row_node, index, paths) -> set:
                 back.add(a)
                 todo.append(a)
     out = {n.name for n in fwd & back}
-    out |= {n.name for n in index if module_path(n) in paths and n.op == "call_function"}
+    for p in paths:
+        out |= by_path.get(p, set())
     return out
 
 

@@ -55,6 +55,7 @@ class Terms:
     sync_other: float = 0.0  # s of gradient sync on axes other than dp
     dp_grad: float = 0.0  # local gradient bytes summed over the dp axis
     params: float = 0.0
+    params_other: float = 0.0  # parameters trained but not synced over dp (experts split on it): zero=3 leaves them
     grads_other: float = 0.0  # gradient bytes not synced on dp (ZeRO does not shard them)
     opt_other: float = 0.0
     opt_dp: float = 0.0  # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
@@ -84,7 +85,7 @@ class Terms:
         out = Terms(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "comm_bytes"})
         for name in ("compute", "backward", "comm"):
             setattr(out, name, getattr(self, name) * shares["time"])
-        for name in ("sync_other", "dp_grad", "params", "grads_other", "opt_other", "opt_dp", "units"):
+        for name in ("sync_other", "dp_grad", "params", "params_other", "grads_other", "opt_other", "opt_dp", "units"):
             setattr(out, name, getattr(self, name) * shares["state"])
         out.acts = self.acts * shares["acts"]
         out.comm_bytes = {k: v * shares["state"] for k, v in self.comm_bytes.items()}
@@ -122,12 +123,21 @@ class Terms:
         """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors)
         and what it holds gathered while stepping (of ``plan``'s own buckets where given)."""
         if dp is None:
-            return self.params + self.dp_grad + self.grads_other + self.opt_dp + self.opt_other + self.acts
+            return (
+                self.params
+                + self.params_other
+                + self.dp_grad
+                + self.grads_other
+                + self.opt_dp
+                + self.opt_other
+                + self.acts
+            )
         n = mesh.shape[dp_axis]
         d_params, d_grads, d_opt = dp.memory_divisors(n)
         grads, opt = self.dp_grad / d_grads, self.opt_dp / d_opt
         held = dp.storage.held_bytes(dp, n, self.largest_unit, plan)
-        return self.params / d_params + held + grads + self.grads_other + opt + self.opt_other + self.acts
+        rest = self.params_other + self.grads_other + self.opt_other + self.acts
+        return self.params / d_params + held + grads + opt + rest
 
     def hidden_behind(self, prefetching: bool) -> float:
         """Compute seconds the overlapped communication can hide behind: backward's, or (with
@@ -144,12 +154,26 @@ class Terms:
 
 
 def plan_terms(
-    plan, comp_of: dict, profile, states: int = 2, node_weight=None, param_weight=None, param_comp: dict | None = None
+    plan,
+    comp_of: dict,
+    profile,
+    states: int = 2,
+    node_weight=None,
+    param_weight=None,
+    param_comp: dict | None = None,
+    shared: dict | None = None,
 ) -> dict[str, Terms]:
     """Terms per component key ("base" for the rest) of ``plan``; ``comp_of`` maps node names to
     component keys, ``param_comp`` parameter names; weights count a node / parameter that stands
-    for several (the blocks of a repeated stack)."""
-    sy, mesh = Numbers(plan.mesh), plan.mesh
+    for several (the blocks of a repeated stack).
+
+    ``shared``: a dict kept across plans with the same graph, layouts and data parallel that
+    differ only in activation checkpointing (the search's variants of one probe): the activation
+    collectives and the parameters' terms are the same for them (checkpointing keeps every
+    collective's output: its recompute sends nothing), so they are computed for the first and
+    reused (a third of a 512-rank search's time went to computing them again)."""
+    sy = Numbers(plan.mesh)
+    shared = {} if shared is None else shared
     nw = node_weight or {}
     out: dict[str, Terms] = {}
     saves = saved_activations(plan)
@@ -179,18 +203,35 @@ def plan_terms(
     per_block = float(extra.pop("activations")) - float(sum(kept.values()))
     terms("base").acts += blocks * per_block + float(sum(extra.values()))
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
+    if "comms" not in shared:
+        shared["comms"] = _comm_terms(plan, sy, comp_of, nw, profile)
+    for key, seconds, axis, nbytes in shared["comms"]:
+        t = terms(key)
+        t.comm += seconds
+        t.comm_bytes[axis] = t.comm_bytes.get(axis, 0.0) + nbytes
+    if "params" not in shared:
+        params: dict[str, Terms] = {}
+        _param_terms(
+            plan, sy, lambda k: params.setdefault(k, Terms()), profile, states, param_weight or {}, param_comp or {}
+        )
+        shared["params"] = params
+    for key, t in shared["params"].items():
+        terms(key).add(t)
+    return out
+
+
+def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
+    """(component key, seconds, axis name, bytes) of each activation collective of ``plan``."""
+    mesh, out = plan.mesh, []
     in_graph = {n.name for n in plan.graph.nodes}
     for c in collectives(plan, sy):
         if c.phase not in ("forward", "backward") or c.node not in in_graph:
-            continue  # the gradient sync (zero=3's gathers too) is counted per parameter below
+            continue  # the gradient sync (zero=3's gathers too) is counted per parameter (_param_terms)
         key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
         w = nw.get(c.node, nw.get(c.src, 1.0))
         a = mesh.axis_index(c.axis)
         alpha, beta = profile.link(mesh, a)
-        t = terms(key)
-        t.comm += w * (alpha * ring_steps(c.kind, mesh.shape[a]) + c.bytes / beta)
-        t.comm_bytes[c.axis] = t.comm_bytes.get(c.axis, 0.0) + w * c.bytes
-    _param_terms(plan, sy, terms, profile, states, param_weight or {}, param_comp or {})
+        out.append((key, w * (alpha * ring_steps(c.kind, mesh.shape[a]) + c.bytes / beta), c.axis, w * c.bytes))
     return out
 
 
@@ -205,14 +246,17 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     for name, p in plan.model.named_parameters():
         t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
         local = sy.numel(p.shape, plan.param_specs.get(name)) * p.element_size()
-        t.params += w * local
-        block = BLOCK.match(name)
-        unit = block.group(1) if block else ""
-        units[unit] = units.get(unit, 0.0) + local
-        unit_weight[unit] = max(unit_weight.get(unit, 0.0), w)
+        axes = sync.get(name, ())
+        if p.requires_grad and plan.dp_axis is not None and plan.dp_axis not in axes:
+            t.params_other += w * local  # split on dp already (expert parallel): zero=3 gathers none of it
+        else:
+            t.params += w * local
+            block = BLOCK.match(name)
+            unit = block.group(1) if block else ""
+            units[unit] = units.get(unit, 0.0) + local
+            unit_weight[unit] = max(unit_weight.get(unit, 0.0), w)
         if not p.requires_grad:
             continue
-        axes = sync.get(name, ())
         if plan.dp_axis in axes:
             t.dp_grad += w * local
             t.opt_dp += w * states * 4 * local / p.element_size()

@@ -2,7 +2,7 @@
 
 - ``memory_budget``: bytes per rank (parameters, gradients, optimizer state, activations as
   plan.cost() counts them); None: no limit.
-- ``device``: a profile name ("h100", "a100", "cpu-gloo") or an ap.calibrate() result;
+- ``device``: a profile name ("h100", "h100-500w", "a100", "cpu-gloo") or an ap.calibrate() result;
   ``alpha`` / ``beta`` / ``flops_per_s`` override its numbers (every link). None: the device
   the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100" or "h100" by name; meta: "h100").
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
@@ -10,8 +10,10 @@
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
 - ``activation_checkpoint``: the checkpointing of every repeated block the search may pick
   (None: none, "selective", "full"; ap.ActivationCheckpoint's modes, its recompute counted).
-- ``pipeline``: whether an axis may hold pipeline stages (1F1B, one micro-batch per row of a
-  data-parallel rank's batch).
+- ``pipeline``: whether an axis may hold pipeline stages (1F1B or interleaved 1F1B, one
+  micro-batch per row of a data-parallel rank's batch).
+- ``expert_parallel``: whether a mixture-of-experts model's experts may be split over the dp
+  axis (ap.expert_parallel: E/n experts per rank, tokens dispatched by all-to-all).
 
 Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
@@ -39,6 +41,7 @@ class Auto:
     optimizer_states: int = 2
     pipeline: bool = True
     activation_checkpoint: tuple = (None, "selective", "full")
+    expert_parallel: bool = True
 
     @classmethod
     def of(cls, value) -> "Auto":

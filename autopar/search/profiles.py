@@ -16,7 +16,9 @@ time, is ``h100``'s ``flops_per_s``. The A100 was not measured: ``a100`` takes t
 312 TFLOP/s peak. Links are derived from published figures: NVLink 4 ~450 GB/s per direction
 of all-reduce bus bandwidth, InfiniBand NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240
 GB/s, HDR IB ~22 GB/s. ``cpu-gloo`` is this kind of machine (a few CPU cores, loopback TCP);
-``ap.calibrate()`` measures the real one.
+``ap.calibrate()`` measures the real one. ``h100-500w`` is the H100 of torchtitan's published
+runs (HBM2e, a 500 W power limit): its FLOP/s derived from the measured layer below (no
+constant fitted to their figures).
 
 Example:
     >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand
@@ -63,8 +65,27 @@ class Profile:
 # 2026-11-27: 49.02 ms for 6 x 218M params x 16,384 tokens + causal attention)
 H100_LAYER_FLOPS = 505e12
 
+# torchtitan's published H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md):
+# 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, a peak "between SXM and NVL" (their
+# footnote). Derived from the measured layer, not fitted to their throughput: the layer's 49.0 ms
+# split by the calibration's own rates (bench/gpu_calibration_h100.json) into tensor-core work
+# (its four matmuls at their measured rates, 29.3 ms, and flash attention, 7.3 ms: 74.7%) and the
+# rest (norms, RoPE, SwiGLU, residual adds: 25.3%, memory-bound). The tensor-core part scales
+# with the peak at 500 W, interpolated on power between the datasheets' H100 NVL (400 W, 835
+# TFLOP/s dense bf16) and H100 SXM (700 W, 989): 886 TFLOP/s, 0.896x; the rest with the memory
+# bandwidth, HBM2e 2.4 TB/s against the SXM's HBM3 3.35 TB/s: 0.716x. The layer then takes
+# 0.747 / 0.896 + 0.253 / 0.716 = 1.187x as long: 425 TFLOP/s. Links as ``h100`` (NVLink inside
+# the 8-GPU host, 400 Gb/s RDMA per GPU across).
+H100_TENSOR_SHARE = 0.747
+H100_500W_TENSOR = (835e12 + (500 - 400) / (700 - 400) * (989e12 - 835e12)) / 989e12
+H100_HBM2E_BANDWIDTH = 2.4e12 / 3.35e12
+H100_500W_LAYER_FLOPS = H100_LAYER_FLOPS / (
+    H100_TENSOR_SHARE / H100_500W_TENSOR + (1 - H100_TENSOR_SHARE) / H100_HBM2E_BANDWIDTH
+)
+
 PROFILES = {
     "h100": Profile("h100", H100_LAYER_FLOPS, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
+    "h100-500w": Profile("h100-500w", H100_500W_LAYER_FLOPS, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
     "a100": Profile("a100", H100_LAYER_FLOPS / 989e12 * 312e12, (4e-6, 240e9), (10e-6, 22e9), 8, 1.0),
     "cpu-gloo": Profile("cpu-gloo", 20e9, (60e-6, 1.0e9), (60e-6, 1.0e9), 1 << 30, 0.0),
 }

@@ -62,7 +62,9 @@ def shortened(traced):
         param_fqn=keep(traced.param_fqn),
         buffer_fqn=keep(traced.buffer_fqn),
         constant_fqn=keep(traced.constant_fqn),
-        repeated=None,
+        # kept: checkpointing's probes find their blocks (0 and 1 here) from it; without it each
+        # probe variant looked for the repeated stack in the whole model again (0.3 s on 405B)
+        repeated=found,
     )
     node_w = {node.name: float(n - 1) for node in b1}
     param_w = {}

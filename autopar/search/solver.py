@@ -18,6 +18,13 @@ the chosen x and w, plus sum_g e_g. Memory: sum of memory coefficients <= budget
 exact for the cost model of evaluate.py given the components' additivity (candidates.py);
 the model's own approximations are listed there.
 
+Enumeration: the components are few (a model's distinct Megatron pairs and its vocabulary: 2-4,
+each split or not), so each option has a handful of component combinations; where all options
+together have at most ENUMERATE_LIMIT, ``solve`` costs every combination with numpy and keeps
+the same optimum and tie-breaks as the MILP (tests/unit/test_search_solver.py compares them).
+The search asks for one option's optimum once per option (explain's runners-up), and a MILP per
+option was most of a 512-rank search's time.
+
 Example:
     >>> best = solve(options, budget=8 * 2**30)
     >>> best.option, best.choices, best.time
@@ -25,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +40,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 
 EXACT = {"mip_rel_gap": 1e-12}  # HiGHS stops at a 1e-4 gap by default; these problems are small
+ENUMERATE_LIMIT = 200_000  # component combinations over all options costed directly (numpy)
 
 
 @dataclass
@@ -54,8 +63,57 @@ class Solution:
     status: str
 
 
-def solve(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
-    """The best option and choices (None when nothing fits the budget)."""
+def solve(options: list[Option], budget: float | None, overlap: float, milp_only: bool = False) -> Solution | None:
+    """The best option and choices (None when nothing fits the budget). ``milp_only``: skip the
+    enumeration (the tests compare both)."""
+    if not milp_only and sum(_combinations(o) for o in options) <= ENUMERATE_LIMIT:
+        return _enumerate(options, budget, overlap)
+    return _milp(options, budget, overlap)
+
+
+def _combinations(opt: Option) -> int:
+    n = 1
+    for ch in opt.comps.values():
+        n *= max(len(ch), 1)
+    return n
+
+
+def _enumerate(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
+    """solve by costing every (option, component choices): the MILP's optimum and tie-breaks
+    (least time; within the MILP's tolerance of it, fewest idle axes, then least memory
+    normalised as the MILP normalises it)."""
+    every_t = [o.base[0] for o in options] + [v[0] for o in options for ch in o.comps.values() for v in ch.values()]
+    every_m = [o.base[3] for o in options] + [v[3] for o in options for ch in o.comps.values() for v in ch.values()]
+    scale = 1e6 / max(max(abs(t) for t in every_t), 1e-30)  # as the MILP scales time (see _milp)
+    norm = max(sum(abs(m) for m in every_m), 1.0)
+    found = []  # (time, memory, idle, option index, choice per component)
+    for g, opt in enumerate(options):
+        keys = list(opt.comps)
+        names = [list(opt.comps[c]) for c in keys]
+        combos = np.array(list(itertools.product(*[range(len(n)) for n in names])), dtype=np.int64)
+        if combos.size == 0:
+            combos = np.zeros((1, 0), dtype=np.int64)
+        total = np.tile(np.array(opt.base, dtype=float), (len(combos), 1))
+        idle = np.full(len(combos), float(opt.idle))
+        for j, c in enumerate(keys):
+            table = np.array([opt.comps[c][k] for k in names[j]], dtype=float)
+            total += table[combos[:, j]]
+            idle += np.array([opt.idle_choice.get(k, 0.0) for k in names[j]])[combos[:, j]]
+        time = total[:, 0] + np.maximum(0.0, total[:, 1] - overlap * total[:, 2])
+        mem = total[:, 3]
+        ok = mem <= budget if budget is not None else np.ones(len(combos), dtype=bool)
+        for i in np.flatnonzero(ok):
+            found.append((time[i], mem[i], idle[i], g, tuple(names[j][combos[i, j]] for j in range(len(keys)))))
+    if not found:
+        return None
+    best = min(f[0] for f in found)
+    limit = best * (1 + 1e-9) + 1e-6 / scale
+    tied = [f for f in found if f[0] <= limit]
+    t, m, _, g, picked = min(tied, key=lambda f: (2.0 * f[2] + f[1] / norm + 1e-12 * f[0] * scale, f[3]))
+    return Solution(options[g].label, dict(zip(options[g].comps, picked)), float(t), float(m), "enumerated")
+
+
+def _milp(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
     cols = []  # (kind, g, comp, choice)
     for g, opt in enumerate(options):
         cols.append(("x", g, None, None))

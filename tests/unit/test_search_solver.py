@@ -1,0 +1,41 @@
+"""The search's solver: costing every combination (numpy) gives the MILP's optimum and tie-breaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autopar.search.solver import Option, solve
+
+
+def _options(rng: random.Random, n_options: int, n_comps: int, ties: bool) -> list[Option]:
+    def coef():
+        if ties:  # few distinct values: many options cost the same
+            return (rng.choice([1.0, 2.0]), rng.choice([0.0, 0.5]), rng.choice([0.0, 1.0]), rng.choice([1.0, 3.0]))
+        return (rng.uniform(0, 2), rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0, 4))
+
+    out = []
+    for g in range(n_options):
+        comps = {f"c{c}": {"split": coef(), "R": coef()} for c in range(n_comps)}
+        out.append(Option(("opt", g), coef(), comps, idle=rng.choice([0, 0, 1]), idle_choice={"R": 0.25}))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_enumeration_equals_milp(seed):
+    rng = random.Random(seed)
+    options = _options(rng, rng.randint(1, 6), rng.randint(0, 3), ties=seed % 2 == 0)
+    for budget in (None, 6.0, 9.0, 0.5):
+        overlap = rng.choice([0.0, 1.0])
+        fast = solve(options, budget, overlap)
+        slow = solve(options, budget, overlap, milp_only=True)
+        if slow is None:
+            assert fast is None
+            continue
+        assert fast.time == pytest.approx(slow.time, rel=1e-9, abs=1e-12)
+        assert fast.memory == pytest.approx(slow.memory, rel=1e-9, abs=1e-9)
+        if seed % 2 == 0:  # ties: the same tie-break (fewest idle axes, then least memory)
+            assert (fast.option, fast.choices) == (slow.option, slow.choices) or (
+                fast.memory == pytest.approx(slow.memory)
+            )
