@@ -54,3 +54,15 @@ def local_positions(n_local: int, n: int, coord: int, zigzag: bool, device=None)
             torch.arange((2 * n - 1 - coord) * c, (2 * n - coord) * c, device=device),
         )
     )
+
+
+def triangular_zigzag(x: torch.Tensor, dim: int, diagonal: int, n: int, coord: int, upper: bool) -> torch.Tensor:
+    """tril (or triu) of the rank's zig-zag piece of ``x``, split on ``dim`` (one of the last two):
+    element (i, j) is kept iff j - i <= diagonal (triu: >=) at the rows' and columns' serial positions."""
+    nd = x.dim()
+    rows, cols = x.shape[-2], x.shape[-1]
+    rp = local_positions(rows, n, coord, True, x.device) if dim == nd - 2 else torch.arange(rows, device=x.device)
+    cp = local_positions(cols, n, coord, True, x.device) if dim == nd - 1 else torch.arange(cols, device=x.device)
+    d = cp[None, :] - rp[:, None]
+    keep = d >= diagonal if upper else d <= diagonal
+    return torch.where(keep, x, torch.zeros_like(x))
