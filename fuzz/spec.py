@@ -5,6 +5,7 @@ A case is plain data (a JSON-able dict), so that a failure is saved and replayed
     {"seed": 3, "vocab": 0, "d": 8, "batch": 4, "seq": 4,
      "blocks": [{"kind": "linear", "out": 12}, {"kind": "act", "fn": "gelu"}, ...],
      "mesh": [[2, 2], ["a0", "a1"]], "dp": "a0", "zero": 3, "checkpoint": "selective",
+     "cp": ["a1", "ring", true],
      "annotations": [["b0", "colwise", "a1"], ...]}
 
 Example:
@@ -208,6 +209,7 @@ def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
     dp = ap.DataParallel(case["dp"], zero=case.get("zero", 0)) if case["dp"] is not None else None
     # every block checkpointed (the blocks differ, so by pattern rather than as repeated blocks)
     ac = ap.ActivationCheckpoint(case["checkpoint"], pattern="blocks.*") if case.get("checkpoint") else None
+    cp = ap.ContextParallel(*case["cp"]) if case.get("cp") else None  # [axis, method, load_balance]
     with mock.patch("autopar.planner.trace", lambda *a, **k: traced):
         plan = ap.plan(
             model,
@@ -217,6 +219,7 @@ def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
             data_parallel=dp,
             rng=rng,
             activation_checkpoint=ac,
+            context_parallel=cp,
         )
     return plan, args
 
