@@ -24,6 +24,9 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
+# gm.meta mark of a trace whose chains were rewritten (a precision policy's second trace follows it,
+# whichever plan of the trace asks: parallel/dtype_retarget.py)
+FUSED_ATTENTION = "autopar_fused_attention"
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
 _MATMUL = (aten.matmul.default,)
@@ -113,4 +116,5 @@ def fuse_eager_attention(traced) -> int:
     if done:
         graph.lint()
         traced.gm.recompile()
+        traced.gm.meta[FUSED_ATTENTION] = True
     return done
