@@ -89,7 +89,7 @@ class Emitter:
         self.zigzag = frozenset(
             a
             for a, name in enumerate(self.mesh.axis_names)
-            if any(t.piece_order(name) == "zigzag" for t in plan.options.techniques)
+            if self.mesh.shape[a] > 1 and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques)
         )
 
     # ------------------------------------------------------------------ helpers

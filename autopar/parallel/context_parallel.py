@@ -133,7 +133,7 @@ class ContextParallel(Technique):
     def input_order(self, plan, value, spec):
         axis = plan.mesh.axis_index(self.axis)
         p = spec[axis]
-        if not self.load_balance or not isinstance(p, Shard):
+        if not self.load_balance or not isinstance(p, Shard) or plan.mesh.shape[axis] == 1:
             return value
         return to_zigzag(value, p.dim, plan.mesh.shape[axis], p.blocks)
 
