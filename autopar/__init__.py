@@ -29,6 +29,7 @@ from autopar.explore.plan_file import PlanFileError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
+from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
 from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CommStats",
+    "ContextParallel",
     "Cost",
     "DataParallel",
     "DataParallelError",

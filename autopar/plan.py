@@ -277,6 +277,8 @@ class Plan(PlanViews):
         for name, value, ispec in zip(names, flat, self.input_specs):
             if isinstance(value, torch.Tensor) and ispec is not None:
                 self._check_input(name, value, ispec)
+                for technique in self.options.techniques:  # pieces in another order (zig-zag)
+                    value = technique.input_order(self, value, ispec)
                 value = shard_tensor(value, ispec, self.mesh, rank)
             local.append(value)
         return pytree.tree_unflatten(local, spec)

@@ -141,7 +141,11 @@ def plan_traced(
     data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
     if seeds is None:
         seeds = resolve(annotations, model, mesh, traced.user_inputs, data_axis, ndims)
+        for technique in options.techniques:  # inputs a technique splits (context parallel: sequences)
+            technique.seed_inputs(seeds, mesh, _input_values(traced))
     _unify_tied(seeds, traced)
+    for technique in options.techniques:
+        technique.prepare_graph(traced)
     # each expert_parallel module as one moe_experts op
     collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
     ctx = propagate(traced, mesh, seeds, options.strict)
@@ -171,6 +175,11 @@ def _validate(mesh: Mesh, options: PlanOptions, annotations: dict) -> None:
 def _input_ndims(traced, args, kwargs) -> dict:
     flat = pytree.tree_leaves((args, kwargs or {}))
     return {name: (v.dim() if isinstance(v, torch.Tensor) else 0) for name, v in zip(traced.user_inputs, flat)}
+
+
+def _input_values(traced) -> dict:
+    """The user inputs' example values by placeholder name."""
+    return {n.name: n.meta.get("val") for n in traced.gm.graph.nodes if n.name in traced.user_inputs}
 
 
 def _unify_tied(seeds, traced) -> None:

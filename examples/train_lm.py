@@ -7,7 +7,7 @@
 The text is the Python standard library's own sources (present wherever Python is), 9/10 for
 training and 1/10 for validation, tokenized by a byte-level BPE trained on it (cached in
 ``OUT/data``). The model (examples/lm_model.py: RMSNorm, RoPE, SwiGLU, grouped-query attention,
-LlamaForCausalLM's names) is planned by ``ap.parallelize`` on ``--mesh`` (axes dp, tp, pp; ``--auto``
+LlamaForCausalLM's names) is planned by ``ap.parallelize`` on ``--mesh`` (axes dp, tp, pp, cp; ``--auto``
 lets autopar's search choose what each axis does), trained with AdamW (warm-up, cosine decay),
 ``ap.clip_grad_norm_`` and gradient accumulation. It writes:
 
@@ -80,8 +80,13 @@ RUN_HELP = {
     "corpus_mb": "megabytes of standard-library sources read",
     "seed": "model initialisation and sampling seed",
 }
-AXES = {"dp": "data parallel", "tp": "tensor parallel (Megatron)", "pp": "pipeline stages"}
-NOT_YET = {"cp": "context parallelism is not in autopar yet", "sp": "use tp: sequence parallel rides on it"}
+AXES = {
+    "dp": "data parallel",
+    "tp": "tensor parallel (Megatron)",
+    "pp": "pipeline stages",
+    "cp": "context parallel (sequences split, ring attention, load balanced)",
+}
+NOT_YET = {"sp": "use tp: sequence parallel rides on it"}
 PROMPT = "def read_config(path):\n"
 
 
@@ -95,9 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Train a LLaMA-style LM on the Python standard library's sources with autopar.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "mesh axes: dp (data parallel), tp (tensor parallel, Megatron), pp (pipeline stages); "
-            "their sizes multiply to the number of processes. cp (context parallelism) does not exist "
-            "in autopar yet and is refused."
+            "mesh axes: dp (data parallel), tp (tensor parallel, Megatron), pp (pipeline stages), cp "
+            "(context parallel: every sequence split, ring attention); their sizes multiply to the "
+            "number of processes."
         ),
     )
     p.add_argument("--out", required=True, help="output directory (must not exist unless --resume)")
@@ -199,6 +204,11 @@ def check_input(args, world: int) -> tuple[dict, tuple, tuple]:
         )
     if pp > 1 and run["layers"] < pp:
         raise Usage(f"pp={pp} needs at least {pp} layers")
+    cp = sizes.get("cp", 1)
+    if cp > 1 and run["seq"] % (2 * cp):
+        raise Usage(f"cp={cp}: --seq {run['seq']} must divide into 2 x {cp} chunks (load-balanced context parallel)")
+    if cp > 1 and (pp > 1 or args.auto):
+        raise Usage("cp: not with pp (untried) nor --auto (the search does not choose context parallel)")
     if (args.bf16 or args.zero) and "dp" not in names:
         raise Usage("--bf16 and --zero are data-parallel options: the mesh needs a dp axis")
     if args.steps < 1:
@@ -256,6 +266,8 @@ def build(args, run: dict, shape, names, rank: int):
         kw = kw if args.zero or args.bf16 else {}
     if args.checkpoint:
         kw["activation_checkpoint"] = ap.ActivationCheckpoint(args.checkpoint)
+    if "cp" in names:
+        kw["context_parallel"] = ap.ContextParallel("cp", method="ring", load_balance=True)
     if args.auto:
         module = ap.parallelize(model, mesh, args=example, auto=True, timeout=args.timeout, **kw)
         return module, False, module.autopar_plan, cfg
@@ -269,10 +281,22 @@ def build(args, run: dict, shape, names, rank: int):
 
 
 def dp_position(plan, rank: int, pipeline: bool) -> tuple[int, int]:
-    """This rank's (dp coordinate, dp size) in the plan (a pipeline runner takes the global batch)."""
-    if pipeline or plan.dp_axis is None:
+    """This rank's (dp coordinate, dp size) in the plan (a pipeline runner takes the global batch,
+    and so does a context-parallel module: plan.local_inputs cuts rows and sequences)."""
+    if pipeline or plan.dp_axis is None or plan.options.context_parallel is not None:
         return 0, 1
     return plan.mesh.coords(rank)[plan.dp_axis], plan.mesh.shape[plan.dp_axis]
+
+
+def local_call(plan, rank: int, module):
+    """``module`` called on this rank's piece of a global batch (plan.local_inputs: with context
+    parallel, the head-tail chunks of every sequence)."""
+
+    def call(x, y):
+        (lx, ly), _ = plan.local_inputs(rank, x, y)
+        return module(lx, ly)
+
+    return call
 
 
 def make_optimizer(target, run: dict):
@@ -383,7 +407,9 @@ def validate(call, val_ids, run: dict, n: int, dp_rank: int, dp_size: int, targe
     return sum(losses) / n
 
 
-def export_and_sample(args, out: str, cfg, target, pipeline: bool, tok, val_ids, run, rank: int, ckpt: str, dp):
+def export_and_sample(
+    args, out: str, cfg, target, pipeline: bool, tok, val_ids, run, rank: int, ckpt: str, dp, call_module=None
+):
     """ap.save_pretrained (a pipeline: its final DCP checkpoint converted), then rank 0 reloads the
     directory with transformers, checks its validation loss, and generates from PROMPT."""
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -401,7 +427,7 @@ def export_and_sample(args, out: str, cfg, target, pipeline: bool, tok, val_ids,
     x, y = TokenLoader(val_ids, run["batch"], run["seq"], *dp).next()
     target.eval()
     with torch.no_grad():  # every rank: the trained module's loss on the batch transformers gets below
-        ours = float(target.evaluate((x, y)) if pipeline else target(x, y))
+        ours = float(target.evaluate((x, y)) if pipeline else (call_module or target)(x, y))
     if rank != 0:
         return None
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(hf_dir)
@@ -438,6 +464,8 @@ def train(args, run: dict, shape, names) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, run, args.steps))
     start = load_checkpoint(out, target, opt, sched, loader) if args.resume else 0
     call_module = torch.compile(target) if args.compile else target
+    if plan.options.context_parallel is not None:  # the rank's rows and its pieces of their sequences
+        call_module = local_call(plan, rank, call_module)
 
     def call(x, y, train=True):
         if pipeline:
@@ -505,7 +533,7 @@ def train(args, run: dict, shape, names) -> None:
             ckpt = os.path.join(out, "ckpt", f.read().strip())
     metrics.plot(title)
     dp = (dp_rank, dp_size)
-    result = export_and_sample(args, out, cfg, target, pipeline, tok, blob["val"], run, rank, ckpt, dp)
+    result = export_and_sample(args, out, cfg, target, pipeline, tok, blob["val"], run, rank, ckpt, dp, call_module)
     if result is not None:
         ours, hf_loss, text = result
         print(

@@ -5,6 +5,7 @@ A case is plain data (a JSON-able dict), so that a failure is saved and replayed
     {"seed": 3, "vocab": 0, "d": 8, "batch": 4, "seq": 4,
      "blocks": [{"kind": "linear", "out": 12}, {"kind": "act", "fn": "gelu"}, ...],
      "mesh": [[2, 2], ["a0", "a1"]], "dp": "a0", "zero": 3, "checkpoint": "selective", "offload": true,
+     "cp": ["a1", "ring", true],
      "annotations": [["b0", "colwise", "a1"], ...]}
 
 Example:
@@ -210,6 +211,7 @@ def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
     ac = None
     if case.get("checkpoint"):
         ac = ap.ActivationCheckpoint(case["checkpoint"], pattern="blocks.*", offload=case.get("offload", False))
+    cp = ap.ContextParallel(*case["cp"]) if case.get("cp") else None  # [axis, method, load_balance]
     with mock.patch("autopar.planner.trace", lambda *a, **k: traced):
         plan = ap.plan(
             model,
@@ -219,6 +221,7 @@ def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
             data_parallel=dp,
             rng=rng,
             activation_checkpoint=ac,
+            context_parallel=cp,
         )
     return plan, args
 

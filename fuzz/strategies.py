@@ -119,4 +119,10 @@ def cases(draw, pool: int = 12) -> dict:
     case["checkpoint"] = draw(st.sampled_from([None, None, None, "full", "selective"]))
     if case["checkpoint"]:  # kept tensors in host memory, half the checkpointed cases (drawn last)
         case["offload"] = draw(st.booleans())
+    # context parallel on an axis other than dp, one case in four (drawn last): [axis, method, load balanced]
+    others = [a for a in case["mesh"][1] if a != case["dp"]]
+    if others and draw(st.integers(0, 3)) == 0:
+        noise = any(b["kind"] == "noise" for b in case["blocks"])  # draws by placement need contiguous pieces
+        balanced = False if noise else draw(st.booleans())
+        case["cp"] = [draw(st.sampled_from(others)), draw(st.sampled_from(["allgather", "ring"])), balanced]
     return case

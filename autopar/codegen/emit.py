@@ -33,6 +33,7 @@ from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
 from autopar.errors import ShardingError
+from autopar.runtime.zigzag import from_zigzag, to_zigzag
 from autopar.runtime.uneven import (
     from_padded,
     pad_piece,
@@ -84,6 +85,12 @@ class Emitter:
         self.env: dict[fx.Node, fx.Node] = {}
         self.edges: dict[tuple, fx.Node] = {}
         self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
+        # axes whose pieces are in the zig-zag order (load-balanced context parallel, runtime/zigzag.py)
+        self.zigzag = frozenset(
+            a
+            for a, name in enumerate(self.mesh.axis_names)
+            if self.mesh.shape[a] > 1 and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques)
+        )
 
     # ------------------------------------------------------------------ helpers
     def global_shape(self, node: fx.Node) -> tuple:
@@ -121,6 +128,11 @@ class Emitter:
     def piece_bounds(self, size, axis: int) -> tuple:
         """(start, rows) of this rank's piece of a dim of global ``size`` split on mesh ``axis``,
         as values of the program (uneven pieces included: placement.piece_start / piece_size)."""
+        if axis in self.zigzag:
+            raise ShardingError(
+                f"an op needs the contiguous range of its piece on mesh axis {self.mesh.axis_names[axis]!r}, whose "
+                "pieces are in the zig-zag order (ContextParallel(load_balance=True)); plan with load_balance=False."
+            )
         n, coord = self.mesh.shape[axis], self.coord(axis)
         call = self.graph.call_function
         return call(piece_start, (size, n, coord)), call(piece_size, (size, n, coord))
@@ -161,6 +173,8 @@ class Emitter:
 
     def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=()) -> fx.Node:
         gather = gather or ops.all_gather.default
+        if st.axis in self.zigzag and st.kind in ("all_gather", "slice", "reduce_scatter", "all_to_all"):
+            return self._zigzag_step(x, st, gather, owned, shape)
         if st.blocks > 1:
             return self._blocked_step(x, st, gather)
         n = self.mesh.shape[st.axis]
@@ -224,6 +238,34 @@ class Emitter:
         if uneven(dst):
             x = g.call_function(trim_piece, (x, dst, int(shape[dst]), n, coord))
         return x
+
+    def _zigzag_step(self, x: fx.Node, st, gather, owned, shape) -> fx.Node:
+        """A step on an axis whose pieces are in the zig-zag order: the serial order is reordered
+        to the ranks' pieces before a cut (slice, reduce-scatter, the split side of an all-to-all)
+        and back after a concatenation (all-gather, the joined side): then every split tensor holds
+        rank r's head-tail chunks of its dim, whatever the dim, and the collectives stay plain."""
+        g, n, k = self.graph, self.mesh.shape[st.axis], st.blocks
+        if st.kind == "all_gather":
+            x = self._step_plain(x, st, gather, shape)
+            return g.call_function(from_zigzag, (x, st.dim, n, k))
+        if st.kind == "all_to_all":
+            x = g.call_function(to_zigzag, (x, st.dim2, n))
+            x = self._step_plain(x, st, gather, shape)
+            return g.call_function(from_zigzag, (x, st.dim, n))
+        x = g.call_function(to_zigzag, (x, st.dim, n, k))  # slice, reduce_scatter
+        return self._step_plain(x, st, gather, shape)
+
+    def _step_plain(self, x, st, gather, shape):
+        """``st`` as on a contiguous axis (blocked: the blocks regrouped around the collective)."""
+        if st.blocks > 1:
+            return self._blocked_step(x, st, gather)
+        dims, extra = STEP_KINDS[st.kind].op_args(st)
+        op = gather if st.kind == "all_gather" else getattr(ops, STEP_KINDS[st.kind].op).default
+        if any(
+            is_uneven(shape[d], self.mesh.shape[st.axis]) for d in (st.dim, st.dim2) if d is not None and d < len(shape)
+        ):
+            raise ShardingError("load-balanced context parallel needs even pieces on its axis")
+        return self.collective(op, (x, *dims), st.axis, extra)
 
     def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
         """Gather or slice a blocked shard: plain collectives around a local regrouping.

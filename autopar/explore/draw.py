@@ -27,6 +27,7 @@ COLLECTIVE_COLORS = {
     "all_gather": "#a3c8f4",
     "reduce_scatter": "#f4d28a",
     "all_to_all": "#c6a3f4",
+    "ring_shift": "#a3f4c6",
     "grad_all_reduce": "#fbd9d9",
     "shard": "#e0ecfa",
     "to_partial": "#eeeeee",

@@ -20,7 +20,14 @@ from itertools import groupby
 from autopar.explore.display import comm_label, comm_totals, fmt_bytes, memory_numbers, plan_rows
 from autopar.cost.plan_cost import layer_of
 
-COLORS = {"all_reduce": "#f4a3a3", "all_gather": "#a3c8f4", "reduce_scatter": "#f4d28a", "all_to_all": "#c6a3f4"}
+COLORS = {
+    "all_reduce": "#f4a3a3",
+    "all_gather": "#a3c8f4",
+    "reduce_scatter": "#f4d28a",
+    "all_to_all": "#c6a3f4",
+    "ring_pass": "#a3f4c6",
+    "ring_shift": "#a3f4c6",
+}
 
 STYLE = """<style>
 .autopar-plan table {border-collapse: collapse; font-family: monospace; font-size: 12px;}

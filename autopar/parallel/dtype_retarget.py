@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from autopar.codegen.emit import SOURCE
 from autopar.errors import DataParallelError
 from autopar.sharding.propagate import BOUNDARY
+from autopar.sharding.eager_attention import FUSED_ATTENTION, fuse_eager_attention
 from autopar.trace.in_dtype import trace_in_dtype
 
 
@@ -74,6 +75,8 @@ def policy_constants(plan, dtype: torch.dtype) -> tuple[dict, dict]:
                 "(it was not made by ap.plan); plan it with ap.plan(..., data_parallel=DataParallel(param_dtype=...))."
             )
         low = trace_in_dtype(plan.model, t.example, dtype, t.opaque, t.dynamic, plan.options.repeat_blocks)
+        if t.gm.meta.get(FUSED_ATTENTION):  # the planned trace's eager attention became SDPA: so here
+            fuse_eager_attention(low)
         tensors = {
             n: low.constants[n].dtype
             for n, c in t.constants.items()

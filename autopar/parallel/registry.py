@@ -9,7 +9,7 @@ of docs. ``autopar.parallel`` imports every module of the folder, which fills it
 
 Example:
     >>> sorted(TECHNIQUES)
-    ['activation_checkpoint', 'data_parallel', 'pipeline']
+    ['activation_checkpoint', 'context_parallel', 'data_parallel', 'pipeline']
     >>> TECHNIQUES["data_parallel"].of("dp")
     DataParallel(axis='dp', ...)
 """

@@ -75,6 +75,30 @@ class Technique:
         """The mesh axis that splits the batch (dim 0 of every input), if this technique does."""
         return None
 
+    def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
+        """Place user inputs the technique splits (``inputs``: name -> example value) into
+        ``seeds.inputs`` / ``seeds.reasons``, leaving inputs the annotations placed on its axis."""
+
+    def prepare_graph(self, traced) -> None:
+        """Rewrite the traced graph before propagation into a value-preserving form the rules place
+        better (context parallel: eager attention chains as one SDPA node)."""
+
+    def attention_method(self, axis: str) -> str | None:
+        """How attention split on mesh axis ``axis`` by its sequence meets every key ("ring" or
+        "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""
+        return None
+
+    def piece_order(self, axis: str) -> str | None:
+        """The order of the pieces of every dim split on mesh axis ``axis``: None (contiguous) or
+        "zigzag" (runtime/zigzag.py: rank r holds chunks r and 2n-1-r). The emitted program's
+        redistributions on the axis and plan.local_inputs follow it."""
+        return None
+
+    def input_order(self, plan, value, spec):
+        """A user input's global value reordered as ``plan.local_inputs`` cuts it (the zig-zag
+        order of piece_order), given its placements ``spec``."""
+        return value
+
     def after_plan(self, plan):
         """Structure built once the layouts are known (the pipeline cuts the graph into stages);
         what it returns is kept as ``plan.built[self.name]``."""

@@ -311,9 +311,16 @@ def all_to_all_v(
     return current_backend().all_to_all_v(x, send_counts.tolist(), recv_counts.tolist(), tuple(group), rank)
 
 
+def ring_shift(x: torch.Tensor, offset: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
+    """Send ``x`` to the rank ``offset`` places later on the axis (a ring); return what the rank
+    ``offset`` places earlier sent (ring attention's step). Backward shifts the gradient back."""
+    return current_backend().ring_shift(x, tuple(group), rank, offset)
+
+
 _KERNELS = {
     f.__name__: f
     for f in (
+        ring_shift,
         all_reduce,
         all_gather,
         reduce_scatter,
@@ -406,6 +413,10 @@ def _grad_all_reduce_bwd(ctx, g):
     return _call("all_reduce", g, ctx.axis, ctx.group, ctx.rank, "sum"), None, None, None, None, None
 
 
+def _ring_shift_bwd(ctx, g):
+    return _call("ring_shift", g.contiguous(), -ctx.offset, ctx.axis, ctx.group, ctx.rank), None, None, None, None
+
+
 def _scale_grad_bwd(ctx, g):
     return g * ctx.factor, None, None, None
 
@@ -471,6 +482,14 @@ _define(
     _grad_all_reduce_bwd,
     ("axis", "group", "rank", "alias", "grad_owned"),
     eager=_grad_all_reduce_eager,
+)
+_define(
+    "ring_shift",
+    f"(Tensor x, int offset, {_G}) -> Tensor",
+    ring_shift,
+    _same,
+    _ring_shift_bwd,
+    ("offset", "axis", "group", "rank"),
 )
 _define(
     "scale_grad",

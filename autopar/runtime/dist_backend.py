@@ -117,6 +117,28 @@ class DistBackend:
         )
         return out
 
+    def ring_shift(self, x, group, rank, offset):
+        """Send ``x`` to the rank ``offset`` places later in the group and receive from the one
+        ``offset`` places earlier (one batched isend/irecv pair: a ring attention step)."""
+        x = x.contiguous()
+        self._note("ring_shift", group, x)
+        pg, n, pos = self._pg(group, rank), len(group), _pos(group, rank)
+        out = torch.empty_like(x)
+        if n == 1 or offset % n == 0:
+            return x.clone()
+        to, frm = group[(pos + offset) % n], group[(pos - offset) % n]
+        ops = [dist.P2POp(dist.isend, x, to, group=pg), dist.P2POp(dist.irecv, out, frm, group=pg)]
+
+        def call(async_op):
+            works = dist.batch_isend_irecv(ops)
+            if async_op:
+                return _AllWorks(works)
+            for w in works:
+                w.wait()
+
+        self._run("ring_shift", group, call)
+        return out
+
     def all_reduce_async(self, flat, group, rank):
         self._note("all_reduce", group, flat)
         pg = self._pg(group, rank)
@@ -162,3 +184,13 @@ class _Work:
         else:
             self.work.wait()
         return self.result
+
+
+class _AllWorks:
+    """The works of one batched send/receive as one work (DistBackend._wait waits on it)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        return all([w.wait(timeout) if timeout is not None else w.wait() for w in self.works])

@@ -13,15 +13,21 @@ Example:
 
 from __future__ import annotations
 
-COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_shift", "ring_pass")
 
 
 def ring_bytes(kind: str, local_bytes, n):
     """Bytes each rank sends for collective ``kind`` whose input holds ``local_bytes`` on each
     rank: all_gather (n-1) x input; all_reduce 2(n-1)/n x input; reduce_scatter and all_to_all
-    (n-1)/n x input."""
+    (n-1)/n x input; ring_shift (each rank sends its tensor to the next rank of the ring: one
+    step of ring attention) 1 x input; ring_pass (n - 1 shifts: every rank's tensor visits every
+    rank, ring attention's K/V) (n-1) x input."""
     if n == 1:
         return 0.0
+    if kind == "ring_shift":
+        return local_bytes
+    if kind == "ring_pass":
+        return (n - 1) * local_bytes
     if kind == "all_gather":
         return (n - 1) * local_bytes
     if kind == "all_reduce":
@@ -31,4 +37,8 @@ def ring_bytes(kind: str, local_bytes, n):
 
 def ring_steps(kind: str, n):
     """Latency terms (message rounds) of a ring collective over ``n`` ranks."""
+    if kind == "ring_shift":
+        return 1 if n > 1 else 0
+    if kind == "ring_pass":
+        return n - 1
     return 2 * (n - 1) if kind == "all_reduce" else (n - 1)

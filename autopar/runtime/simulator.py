@@ -116,6 +116,11 @@ class SimBackend:
             raise SimulationError(f"rank {rank}: all_to_all_v expected rows {list(recv)} from {list(group)}, got {got}")
         return torch.cat(mine, dim=0) if mine else x.new_empty((0, *x.shape[1:]))
 
+    def ring_shift(self, x, group, rank, offset):
+        """Send ``x`` to the rank ``offset`` places later in the group; get the one ``offset`` earlier's."""
+        pieces = self._exchange("ring_shift", group, rank, x)
+        return pieces[(_pos(group, rank) - offset) % len(group)]
+
     def all_reduce_async(self, flat, group, rank):
         return _SimWork(self, flat, group, rank)
 

@@ -153,6 +153,9 @@ class Seeds:
     reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
     experts: dict[str, int] = field(default_factory=dict)  # expert_parallel module path -> mesh axis
     expert_tp: dict[str, int] = field(default_factory=dict)  # module path -> axis splitting each expert
+    # mesh axis -> k: every dim split on the axis must cut into k x (axis size) equal chunks
+    # (load-balanced context parallel's zig-zag order holds 2 chunks per rank)
+    piece_multiple: dict[int, int] = field(default_factory=dict)
 
 
 def _layer_kind(module: nn.Module) -> str:

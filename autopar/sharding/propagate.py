@@ -477,7 +477,7 @@ def _solve(node, ins, info: OpInfo, cur, rule, ctx: Context) -> tuple:
         scored = []
         keeps = [s for s in strategies if s.inputs[:1] == (cur[0][axis],)] if in_place else []
         for idx, s in enumerate(strategies):
-            if not _valid(s, axis, info, chosen, mesh, axis in ctx.ragged):
+            if not _valid(s, axis, info, chosen, mesh, axis in ctx.ragged, ctx.seeds.piece_multiple.get(axis, 1)):
                 continue
             if keeps and s.inputs[:1] != (cur[0][axis],):
                 continue  # an in-place op writes into its first input: redistributing it would write a copy
@@ -505,8 +505,11 @@ def _mutates_first(node) -> bool:
     return alias is not None and alias.is_write
 
 
-def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh, ragged: bool = False) -> bool:
-    """May ``s`` run on ``axis``? ``ragged``: dynamic dims split on it may be cut unevenly (is_ragged)."""
+def _valid(
+    s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh, ragged: bool = False, multiple: int = 1
+) -> bool:
+    """May ``s`` run on ``axis``? ``ragged``: dynamic dims split on it may be cut unevenly (is_ragged);
+    ``multiple`` > 1: every split dim must cut into multiple x n equal chunks (Seeds.piece_multiple)."""
     n = mesh.shape[axis]
     split_sizes, uneven = set(), False
     for metas, places, prior in (
@@ -525,6 +528,8 @@ def _valid(s: Strategy, axis: int, info: OpInfo, chosen: list[Strategy], mesh, r
             # at run time by the input guard; a blocked shard must divide in every block
             dynamic = p.dim < len(meta.dynamic) and meta.dynamic[p.dim]
             if ((dynamic and not ragged) or p.blocks > 1) and size % (n * p.blocks):
+                return False
+            if multiple > 1 and size % (n * p.blocks * multiple):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
                 return False  # that dim is already split by an earlier axis

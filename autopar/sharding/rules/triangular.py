@@ -15,6 +15,8 @@ import operator
 
 import torch
 
+from autopar.errors import ShardingError
+from autopar.runtime.zigzag import triangular_zigzag
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.placement import Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy
@@ -33,6 +35,19 @@ class TriangularLocal(Lowering):
         ndim = x_node.meta["val"].dim()
         lay = node.meta["autopar"]
         diagonal = args[1] if len(args) > 1 else kwargs.pop("diagonal", 0)
+        mine = [a for a, s in enumerate(lay.strategies) if s is not None and s.lowering is self]
+        zigzag = [a for a in mine if a in em.zigzag]
+        if zigzag:  # pieces in the zig-zag order (load-balanced context parallel): from the positions
+            if len(mine) > 1:
+                raise ShardingError(
+                    f"{node.name}: tril/triu split on two mesh axes, one in the zig-zag order; "
+                    "plan with ContextParallel(load_balance=False)."
+                )
+            a = zigzag[0]
+            dim = lay.input_targets[0][a].dim
+            upper = node.target.overloadpacket is aten.triu
+            call = (args[0], dim, diagonal, em.mesh.shape[a], em.coord(a), upper)
+            return em.graph.call_function(triangular_zigzag, call)
         for a, s in enumerate(lay.strategies):
             if s is None or s.lowering is not self:
                 continue

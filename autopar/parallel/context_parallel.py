@@ -1,0 +1,218 @@
+"""Context parallel: ``ap.ContextParallel(axis, method=...)`` as ``context_parallel=`` of ap.plan /
+ap.parallelize. Long sequences are split across the ranks of one mesh axis.
+
+- Every user input of two or more dims is split on its sequence dim (``seq_dim``, 1: (batch,
+  sequence, ...)) over ``axis`` unless an annotation placed it on that axis: ``plan.local_inputs``
+  gives each rank 1/cp of every sequence (rank k: positions [k L/cp, (k+1) L/cp)).
+- Token-wise ops (embeddings, norms, MLPs, the LM head) run on the local tokens as the layouts
+  say; positions built with ``arange`` (RoPE, learned positions) are cut to the rank's positions
+  by the ordinary replicated-to-split slice; the loss over split rows divides by the global count.
+- ``scaled_dot_product_attention`` (causal or not, GQA, a mask given to it) meets the local
+  queries with every key (lowerings/context_attention.py): ``method="allgather"`` gathers K and V
+  on the axis (backward reduce-scatters their gradients); ``method="ring"`` passes K/V blocks
+  around the axis, merges the partial results with the log-sum-exp correction and skips the
+  blocks the causal mask hides; its backward is exact (runtime/context_attention.py).
+- An attention the rule cannot place on the split sequence (attention dropout, a mask
+  broadcast along the keys) would gather the whole sequence: PlanError, naming the module.
+  A model that reads or returns a KV cache (``past_key_values``) is refused too.
+
+- ``load_balance=True``: each rank holds the head-tail pair of chunks r and 2cp-1-r of every
+  split dim (runtime/zigzag.py), so causal attention's work is the same on every rank. The
+  order is a property of the axis: every redistribution on it reorders around its collective
+  (codegen/emit.py), ``plan.local_inputs`` cuts the inputs so, and positions built with
+  ``arange`` arrive permuted to match (RoPE, learned positions, HF's causal mask stay right).
+  Every dim split on the axis must divide by 2 cp (PlanError otherwise).
+- The eager attention form (matmul, scale, mask, softmax, matmul: HF's "eager", nanoGPT) is
+  rewritten into one SDPA node before planning (sharding/eager_attention.py).
+
+Example:
+    >>> plan = ap.plan(model, ap.Mesh((4,), ("cp",)), args=(ids, labels),
+    ...                context_parallel=ap.ContextParallel("cp", method="ring"))
+    >>> plan.local_inputs(1, ids, labels)[0][0].shape     # (B, L/4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.parallel.registry import register_technique
+from autopar.parallel.technique import Technique
+from autopar.placement import Replicate, Shard
+from autopar.sharding.eager_attention import fuse_eager_attention
+from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
+from autopar.sharding.rules.attention import ATTENTION_KERNELS
+from autopar.runtime.zigzag import to_zigzag
+from autopar.trace.module_paths import module_path
+
+METHODS = ("allgather", "ring")
+
+
+@register_technique
+@dataclass(frozen=True)
+class ContextParallel(Technique):
+    axis: str
+    method: str = "allgather"
+    load_balance: bool = False
+    seq_dim: int = 1
+
+    name = "context_parallel"
+    order = 15  # after data parallel (the batch split), before the others
+
+    def __post_init__(self):
+        if not isinstance(self.axis, str):
+            raise PlanError(f"ContextParallel axis must be a mesh axis name, got {self.axis!r}.")
+        if self.method not in METHODS:
+            raise PlanError(
+                f"ContextParallel(method={self.method!r}): 'allgather' (K/V gathered: short sequences, "
+                "GQA) or 'ring' (K/V blocks passed around the axis: memory ~1/cp)."
+            )
+        if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
+            raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
+
+    @classmethod
+    def of(cls, value):
+        """``context_parallel="cp"`` (an axis name, the defaults) or an ap.ContextParallel."""
+        if value is None or isinstance(value, ContextParallel):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise PlanError(f"context_parallel={value!r}: give a mesh axis name ('cp') or ap.ContextParallel('cp', ...).")
+
+    def validate(self, mesh, options, annotations: dict) -> None:
+        mesh.axis_index(self.axis)
+        dp = options.data_parallel
+        if dp is not None and dp.axis == self.axis:
+            raise PlanError(
+                f"context_parallel and data_parallel both on axis {self.axis!r}: one axis splits the batch, "
+                "the other the sequence; give them different mesh axes."
+            )
+
+    def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
+        axis = mesh.axis_index(self.axis)
+        n = mesh.shape[axis]
+        if n == 1:
+            return
+        if self.load_balance:  # the zig-zag order: 2 chunks per rank of every split dim
+            seeds.piece_multiple[axis] = 2
+        for name, val in inputs.items():
+            if not isinstance(val, torch.Tensor) or val.dim() <= self.seq_dim:
+                continue
+            current = list(seeds.inputs.get(name, (Replicate(),) * mesh.ndim))
+            placed = name in seeds.inputs and not seeds.reasons.get(name, "").startswith("batch dim split")
+            if placed or any(p.is_shard(self.seq_dim) for p in current):
+                continue  # placed by an annotation (ap.place), or its sequence split elsewhere
+            size = val.shape[self.seq_dim]
+            hint = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
+            pieces = 2 * n if self.load_balance else n
+            if isinstance(hint, int) and hint % pieces:
+                raise PlanError(
+                    f"context_parallel on {self.axis!r}: input {name!r} has sequence length {hint} (dim "
+                    f"{self.seq_dim}), which does not split into {pieces} equal pieces"
+                    + (" (load_balance: 2 chunks per rank)" if self.load_balance else "")
+                    + f". Pad the sequence to a multiple of {pieces}, or place the input yourself "
+                    f"(annotations={{{name!r}: ap.place(...)}})."
+                )
+            current[axis] = Shard(self.seq_dim)
+            seeds.inputs[name] = tuple(current)
+            seeds.reasons[name] = f"sequence dim {self.seq_dim} split on context-parallel axis {self.axis!r}"
+
+    def attention_method(self, axis: str) -> str | None:
+        return self.method if axis == self.axis else None
+
+    def prepare_graph(self, traced) -> None:
+        """The eager matmul-softmax-matmul attention (HF ``attn_implementation="eager"``, nanoGPT)
+        as one SDPA node, so that its rule and lowering keep the sequence split."""
+        fuse_eager_attention(traced)
+
+    def piece_order(self, axis: str) -> str | None:
+        return "zigzag" if self.load_balance and axis == self.axis else None
+
+    def input_order(self, plan, value, spec):
+        axis = plan.mesh.axis_index(self.axis)
+        p = spec[axis]
+        if not self.load_balance or not isinstance(p, Shard) or plan.mesh.shape[axis] == 1:
+            return value
+        return to_zigzag(value, p.dim, plan.mesh.shape[axis], p.blocks)
+
+    def after_plan(self, plan):
+        """Refuse a KV cache and an attention that gathers the split sequence; the attention
+        calls lowered on the axis (kept as ``plan.built["context_parallel"]``)."""
+        cache = [n for n in plan.traced.user_inputs if "past_key_values" in n]
+        if cache or "past_key_values" in str(plan.traced.out_spec):
+            raise PlanError(
+                f"context_parallel on {self.axis!r}: the model reads or returns a KV cache (past_key_values"
+                f"{': input ' + cache[0] if cache else ' in its outputs'}); its cached keys would be the rank's "
+                "piece of the sequence only. Plan it without the cache (use_cache=False) for training and prefill."
+            )
+        axis = plan.mesh.axis_index(self.axis)
+        if plan.mesh.shape[axis] == 1:
+            return []  # one rank holds every sequence: nothing to do
+        if not any(spec is not None and isinstance(spec[axis], Shard) for spec in plan.input_specs):
+            raise PlanError(
+                f"context_parallel on {self.axis!r}: no input is split on the axis (a plan made without it "
+                "and given it by Plan.with_options, or a model without sequence inputs). Pass "
+                "context_parallel= to ap.plan, which splits the sequences before placing the ops."
+            )
+        lowered = []
+        for node in plan.graph.nodes:
+            if (
+                node.op != "call_function"
+                or getattr(node.target, "__name__", "").split(".")[0] not in ATTENTION_KERNELS
+            ):
+                continue
+            lay = node.meta.get("autopar")
+            chosen = lay.strategies[axis] if lay is not None and lay.strategies else None
+            if chosen is not None and chosen.lowering is CONTEXT_ATTENTION:
+                lowered.append(node.name)
+                continue
+            q = node.args[0]
+            q_spec = q.meta["autopar"].spec if "autopar" in q.meta else None
+            if q_spec is not None and isinstance(q_spec[axis], Shard):
+                raise PlanError(
+                    f"context_parallel on {self.axis!r}: the attention in module {module_path(node)!r} "
+                    f"({node.name}) cannot run on the split sequence ({lay.reason if lay else 'no rule'}); "
+                    "it would gather the whole sequence on every rank. Context parallel takes "
+                    "scaled_dot_product_attention without dropout, causal or with a mask over "
+                    "(..., queries, keys); drop the custom mask or its key broadcast, or set dropout to 0."
+                )
+        if self.load_balance:
+            self._check_zigzag(plan, axis)
+        return lowered
+
+    def _check_zigzag(self, plan, axis: int) -> None:
+        """Every dim split on the axis must cut into 2 x cp chunks (per block) for the zig-zag order."""
+        n = plan.mesh.shape[axis]
+        for node in plan.graph.nodes:
+            lay = node.meta.get("autopar")
+            val = node.meta.get("val")
+            if lay is None or not lay.outputs or not isinstance(val, torch.Tensor):
+                continue
+            p = lay.outputs[0][axis]
+            if not isinstance(p, Shard) or p.dim >= val.dim():
+                continue
+            size = val.shape[p.dim]
+            size = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
+            if isinstance(size, int) and (size // p.blocks) % (2 * n):
+                raise PlanError(
+                    f"context_parallel on {self.axis!r} with load_balance: {node.name} in module "
+                    f"{module_path(node)!r} is split on dim {p.dim} of {size} rows, which does not cut into "
+                    f"2 x {n} chunks{' per block' if p.blocks > 1 else ''}. Use sizes that divide by {2 * n} "
+                    "(the sequence, and the batch where labels are regrouped), or load_balance=False."
+                )
+
+    def describe(self, plan) -> str:
+        calls = plan.built.get(self.name) or []
+        return (
+            f"context parallel on {self.axis!r} ({self.method}): every sequence split in "
+            f"{plan.mesh.axis_size(self.axis)}, {len(calls)} attention calls meet every key"
+        )
+
+    def explain_module(self, plan, path: str) -> list[str]:
+        calls = set(plan.built.get(self.name) or [])
+        here = [n for n in plan.graph.nodes if n.name in calls and module_path(n).startswith(path)]
+        if not here:
+            return []
+        return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {self.method}"]

@@ -1,0 +1,119 @@
+"""Context parallel: peak memory per rank for cp = 1, 2, 4 at one fixed long sequence, and the step
+time of ring vs all-gather attention, on gloo processes.
+
+An HF LLaMA (4 layers, SDPA attention, GQA 4 query / 2 kv heads, RoPE) with batch 1 and one long
+sequence (quick: 256 tokens, d 64; full: 2048 tokens, d 128), trained context-parallel over a gloo
+pool of cp processes (cp = 1 is the model alone on one process). Per rank, ``measure_step``
+(bench_activation_checkpoint.py) records the peak bytes alive over forward + backward (gradients
+allocated by a warm-up step): on the CPU from runtime/live_bytes.LiveBytes. The step times
+alternate ring and all-gather modules step by step (bench/common.alternate), rank 0 reports.
+
+Example:
+    $ python -m bench.run --only context_parallel
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import autopar as ap
+from bench.bench_activation_checkpoint import measure_step
+from bench.common import alternate, median_ratio, ms, pool, row
+
+NAME = "context_parallel"
+METHODS = ("allgather", "ring")
+
+
+def llama(quick):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d, s = (64, 256) if quick else (128, 2048)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=s, attn_implementation="sdpa", use_cache=False,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 256, (1, s), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _module(model, kw, cp: int, method: str, load_balance: bool = True):
+    cp_opt = ap.ContextParallel("cp", method=method, load_balance=load_balance) if cp > 1 else None
+    return ap.parallelize(model, ap.Mesh((cp,), ("cp",)), kwargs=kw, context_parallel=cp_opt)
+
+
+def memory_job(quick, method, steps=2) -> dict:
+    """One rank: the model context-parallel over this pool; the last step's peak bytes."""
+    import torch.distributed as dist
+
+    cp = dist.get_world_size()
+    model, kw = llama(quick)
+    module = _module(model, kw, cp, method)
+    _, local = module.autopar_plan.local_inputs(dist.get_rank(), **kw)
+    out = [measure_step(lambda: module(**local).loss) for _ in range(steps)]
+    return out[-1]
+
+
+def time_job(quick, iters, warmup) -> dict:
+    """One rank of cp = world: ring and all-gather steps alternating; seconds per step each."""
+    import torch.distributed as dist
+
+    model, kw = llama(quick)
+    steps = {}
+    for method in METHODS:
+        module = _module(model, kw, dist.get_world_size(), method)
+        _, local = module.autopar_plan.local_inputs(dist.get_rank(), **kw)
+        steps[method] = functools.partial(_step, module, local)
+    return alternate(steps, iters, warmup, barrier=dist.barrier)
+
+
+def _step(module, local):
+    module(**local).loss.backward()
+
+
+def peaks(quick) -> dict:
+    """(cp, method) -> rank 0's peak bytes, cp = 1 (one process), 2 and 4."""
+    out = {}
+    for cp in (1, 2, 4):
+        for method in METHODS if cp > 1 else METHODS[:1]:
+            out[(cp, method)] = pool(cp).run("bench.bench_context_parallel:memory_job", quick, method)[0]["peak"]
+    return out
+
+
+def run(quick: bool) -> list[dict]:
+    got = peaks(quick)
+    one = got[(1, "allgather")]
+    seq = 256 if quick else 2048
+    rows = [row(NAME, f"llama 4 layers, 1 x {seq} tokens, cp=1", "peak MB/rank", round(one / 1e6, 3))]
+    for (cp, method), peak in got.items():
+        if cp == 1:
+            continue
+        c = f"llama 4 layers, 1 x {seq} tokens, cp={cp} {method} (load balanced)"
+        rows += [
+            row(NAME, c, "peak MB/rank", round(peak / 1e6, 3)),
+            row(NAME, c, "peak vs cp=1", round(peak / one, 3), f"~1/{cp} of the activations"),
+        ]
+    iters, warmup = (3, 1) if quick else (10, 2)
+    times = pool(4).run("bench.bench_context_parallel:time_job", quick, iters, warmup)[0]
+    for method in METHODS:
+        rows.append(
+            row(
+                NAME,
+                f"llama 4 layers, 1 x {seq} tokens, cp=4 {method}",
+                "step ms",
+                round(ms(times[method]), 1),
+                "",
+                f"{median_ratio(times[method], times['allgather']):.2f}x all-gather's (alternating, median of ratios)",
+            )
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    from bench.common import main
+
+    main(run)

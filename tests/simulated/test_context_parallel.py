@@ -1,0 +1,176 @@
+"""Context parallel (ap.ContextParallel): sequences split on a mesh axis, attention by all-gathered
+K/V or a ring. Against serial, forward and every gradient, on (2,), (4,) and (2, 2) meshes (with
+data parallel, with tensor parallel), on a LLaMA-style model (RoPE from arange, GQA, causal SDPA,
+HF's shifted labels). Gloo: tests/gloo/test_context_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar as ap
+from autopar.errors import PlanError
+from autopar.runtime.context_attention import _block_mask
+from autopar.runtime.ring import ring_bytes, ring_steps
+from autopar.runtime.zigzag import from_zigzag, to_zigzag, zigzag_index
+from tests.harness.llama_like import llama_batch, llama_like
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+
+TP = {
+    "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
+    "blocks.*.attn.o_proj": ap.rowwise("tp"),
+    "blocks.*.gate": ap.colwise("tp"),
+    "blocks.*.up": ap.colwise("tp"),
+    "blocks.*.down": ap.rowwise("tp"),
+}
+
+
+def cp_plan(n=2, method="allgather", batch=None, mesh=None, load_balance=False, **kw):
+    model = llama_like(**kw.pop("model", {}))
+    ids, labels = batch or llama_batch()
+    mesh = mesh or ap.Mesh((n,), ("cp",))
+    cp = ap.ContextParallel("cp", method=method, load_balance=load_balance)
+    plan = ap.plan(model, mesh, args=(ids, labels), context_parallel=cp, **kw)
+    return plan, (ids, labels)
+
+
+def _attention_nodes(plan):
+    return [n for n in plan.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_llama_like_matches_serial(method, n):
+    plan, batch = cp_plan(n, method)
+    got = plan.check(*batch, loss=lambda out: out[1])
+    assert got["grads"] == len(list(plan.model.parameters()))
+    ids = plan.local_inputs(1, *batch)[0][0]
+    assert ids.shape == (2, 16 // n) and torch.equal(ids, batch[0][:, 16 // n : 2 * 16 // n])
+    assert len(plan.built["context_parallel"]) == 2  # both attention calls lowered
+    for node in _attention_nodes(plan):
+        assert "context_parallel_attention" in node.meta["autopar"].reason
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        dict(causal=False),  # no mask: every key
+        dict(built_mask=True),  # the causal mask built by the model, given to SDPA
+        dict(kv_heads=1, learned_positions=True),  # multi-query attention, learned positions
+        dict(kv_heads=4),  # plain multi-head attention
+    ],
+)
+def test_attention_forms_match_serial(method, model):
+    plan, batch = cp_plan(4, method, model=model)
+    plan.check(*batch, loss=lambda out: out[1])
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_load_balanced_matches_serial(method, n):
+    """The zig-zag order: rank r holds chunks r and 2n-1-r of the sequence; RoPE's positions (from
+    arange) and the causal mask follow, and the labels' shift is taken in serial order."""
+    plan, batch = cp_plan(n, method, load_balance=True, batch=llama_batch(batch=4))
+    plan.check(*batch, loss=lambda out: out[1])
+    c = 16 // (2 * n)
+    ids = plan.local_inputs(0, *batch)[0][0]
+    assert torch.equal(ids, torch.cat([batch[0][:, :c], batch[0][:, 16 - c :]], dim=1))
+    learned = cp_plan(n, method, load_balance=True, model=dict(learned_positions=True, built_mask=True))[0]
+    learned.check(*llama_batch(), loss=lambda out: out[1])
+
+
+def test_zigzag_evens_causal_work():
+    """Attended (query, key) pairs per rank under the causal mask: equal with the zig-zag order,
+    (2r + 1) x a chunk's with contiguous pieces."""
+    n, L = 4, 8  # local rows per rank
+    for zigzag, expect_equal in ((True, True), (False, False)):
+        work = []
+        for pos in range(n):
+            total = 0
+            for src in range(n):
+                m = _block_mask(None, True, n, pos, src, L, L, zigzag, None)
+                total += 0 if isinstance(m, str) else (L * L if m is None else int(m.sum()))
+            work.append(total)
+        assert (len(set(work)) == 1) == expect_equal, work
+    assert zigzag_index(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    x = torch.arange(24).view(2, 12)
+    assert torch.equal(from_zigzag(to_zigzag(x, 1, 3), 1, 3), x)
+    assert torch.equal(from_zigzag(to_zigzag(x.flatten(), 0, 3, blocks=2), 0, 3, blocks=2), x.flatten())
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_with_data_parallel_and_zero3(method):
+    mesh = ap.Mesh((2, 2), ("dp", "cp"))
+    plan, batch = cp_plan(method=method, mesh=mesh, batch=llama_batch(batch=4), data_parallel="dp")
+    plan.check(*batch, loss=lambda out: out[1])
+    z3 = plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=3)))
+    z3.check(*batch, loss=lambda out: out[1])
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_with_tensor_parallel(method):
+    mesh = ap.Mesh((2, 2), ("tp", "cp"))
+    plan, batch = cp_plan(method=method, mesh=mesh, annotations=TP)
+    plan.check(*batch, loss=lambda out: out[1])
+    q = _attention_nodes(plan)[0].meta["autopar"].input_targets[0]
+    assert q == (ap.Shard(1), ap.Shard(2))  # heads on tp, positions on cp
+
+
+@pytest.mark.parametrize("method, balanced", [("ring", False), ("allgather", True)])
+def test_eager_gpt_with_megatron_and_checkpointing(method, balanced):
+    """The package's GPT computes attention eagerly (matmul, scale, masked_fill, softmax, matmul):
+    rewritten into SDPA before planning, on tp x cp with Megatron on tp, checkpointed."""
+    idx, tg = gpt_batch(batch=4, seq=16)
+    cp = ap.ContextParallel("cp", method=method, load_balance=balanced)
+    ac = ap.ActivationCheckpoint("full" if balanced else "selective")
+    mesh = ap.Mesh((2, 2), ("tp", "cp"))
+    plan = ap.plan(
+        small_gpt(), mesh, args=(idx, tg), annotations=MEGATRON, context_parallel=cp, activation_checkpoint=ac
+    )
+    assert len(plan.built["context_parallel"]) == 2
+    plan.check(idx, tg, loss=lambda out: out[1])
+
+
+def test_ring_collectives_and_costs():
+    ring, _ = cp_plan(4, "ring")
+    gather, _ = cp_plan(4, "allgather")
+    kv = 2 * 2 * 4 * 8 * 4  # K (B 2, Hkv 2, L/4 4, E 8) float32
+    ring_comms = [c for c in ring.collectives() if c.kind in ("ring_pass", "ring_shift")]
+    assert {c.phase for c in ring_comms} == {"forward", "backward"}
+    per_call_fwd = sum(c.bytes for c in ring_comms if c.phase == "forward") / 2  # 2 attention calls
+    assert per_call_fwd == pytest.approx(2 * 3 * kv)  # K and V, n - 1 = 3 shifts each
+    assert ring_steps("ring_pass", 4) == 3 and ring_bytes("ring_pass", kv, 4) == 3 * kv
+    gathers = [c for c in gather.collectives() if c.kind == "all_gather" and "attn" in c.module]
+    assert sum(c.bytes for c in gathers) == pytest.approx(2 * 2 * 3 * kv)  # 2 calls x K, V x (n-1) kv
+    with ap.comm_stats() as stats:
+        ring.simulate(lambda m, ids, labels: m(ids, labels)[1].backward(), *llama_batch())
+    shifts = [r for r in stats.records if r.kind == "ring_shift"]
+    # per call: forward 2 x 3, backward 2 x 3 (K, V) + 2 x 4 (their gradients)
+    assert len(shifts) == 2 * (6 + 6 + 8)
+    assert sum(r.bytes for r in shifts) == pytest.approx(sum(c.bytes for c in ring_comms))  # the plan's bytes ran
+
+
+def test_bad_input_is_a_plan_error():
+    with pytest.raises(PlanError, match="does not split into 4"):
+        cp_plan(4, batch=llama_batch(seq=10))
+    with pytest.raises(PlanError, match="both on axis"):
+        ap.plan(llama_like(), ap.Mesh((2,), ("cp",)), args=llama_batch(), data_parallel="cp", context_parallel="cp")
+    with pytest.raises(PlanError, match="does not split into 8 equal pieces"):
+        cp_plan(4, batch=llama_batch(seq=12), load_balance=True)  # 2 chunks per rank
+    with pytest.raises(PlanError, match="method"):
+        ap.ContextParallel("cp", method="ulysses")
+    with pytest.raises(PlanError, match="KV cache"):
+        ap.plan(CachedLM(), ap.Mesh((2,), ("cp",)), args=llama_batch(), context_parallel="cp")
+
+
+class CachedLM(torch.nn.Module):
+    """Returns its keys as a cache (HF's legacy past_key_values form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = llama_like(layers=1)
+
+    def forward(self, ids, labels):
+        logits, loss = self.lm(ids, labels)
+        return {"loss": loss, "past_key_values": [self.lm.embed(ids)]}
