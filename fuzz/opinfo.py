@@ -213,7 +213,9 @@ def _replicating_rules(plan) -> list[str]:
             continue
         if all(layout_of(i).spec is None or all(p.is_replicate() for p in layout_of(i).spec) for i in lay.inputs):
             continue
-        if all(p.is_replicate() for s in rule(op_info(node)) for p in s.outputs):
+        # a strategy that reads split inputs is not replication, whatever it returns (a mean over
+        # split rows is whole on every rank: its lowering sums over the ranks)
+        if all(p.is_replicate() for s in rule(op_info(node)) for p in (*s.inputs, *s.outputs)):
             found.add(f"{node.target} (rule replicates only)")
     return sorted(found)
 
