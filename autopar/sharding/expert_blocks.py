@@ -36,7 +36,14 @@ import torch.fx as fx
 from autopar.errors import AnnotationError
 from autopar.placement import Replicate, check_divisible
 from autopar.runtime.moe_dispatch import route, unroute
-from autopar.sharding.expert_lists import list_chain, list_expert_modules, list_items, list_region
+from autopar.sharding.expert_lists import (
+    ancestors_within,
+    descendants_within,
+    list_chain,
+    list_expert_modules,
+    list_items,
+    list_region,
+)
 from autopar.sharding.expert_tp import expert_tp_placements
 from autopar.trace.module_paths import module_paths
 
@@ -273,27 +280,6 @@ def _token_inputs(path, others: list[fx.Node], out: fx.Node):
     return hidden[0], index[0], weights[0]
 
 
-def _descendants(start: fx.Node, inside: set) -> set:
-    seen, todo = set(), [start]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u in inside and u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
-
-
-def _ancestors(node: fx.Node, inside: set) -> set:
-    seen, todo = {node}, [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a in inside and a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
 def _chain(path, region, hidden, index, weights, params):
     """(the expert chain as a GraphModule (rows, offsets, *params) -> rows, top-k)."""
     inside = set(region)
@@ -301,15 +287,15 @@ def _chain(path, region, hidden, index, weights, params):
     if len(gathers) != 1:
         raise _fail(path, "no single gather of the hidden states' rows")
     entry = gathers[0]
-    rows = _descendants(entry, inside)
-    weighted = _descendants(weights, inside)
+    rows = descendants_within([entry], inside)
+    weighted = descendants_within([weights], inside)
     meet = next((n for n in region if n in rows and any(a in weighted for a in n.all_input_nodes)), None)
     if meet is None:
         raise _fail(path, "the expert rows never meet the routing weights")
     last = [a for a in meet.all_input_nodes if a in rows or a is entry]
     if len(last) != 1:
         raise _fail(path, f"{meet.name} mixes the routing weights into the rows more than once")
-    body = (_ancestors(last[0], inside) & rows) | {last[0]}
+    body = (ancestors_within(last[0], inside) & rows) | {last[0]}
     grouped = [n for n in body if _is_grouped(n)]
     if not grouped:
         raise _fail(path, "no grouped matmul between the gathered rows and the weighting")
@@ -317,7 +303,7 @@ def _chain(path, region, hidden, index, weights, params):
     if len(offsets) != 1:
         raise _fail(path, "its grouped matmuls do not share one offsets tensor")
     offs = offsets.pop()
-    routed = _descendants(index, inside)
+    routed = descendants_within([index], inside)
     ids = _sorted_ids(region, routed)
     sources = set(params) | ({ids} if ids is not None else set())
     from_params = {n for n in inside if n not in rows and n is not ids and _only_from(n, sources, inside)}
@@ -354,7 +340,7 @@ def _sorted_ids(region, routed: set):
 
 def _all_users(n: fx.Node, inside: set) -> set:
     """Users of ``n`` and of what it feeds inside the region (the weights' transposes and casts)."""
-    return _descendants(n, inside) | {u for u in n.users if u in inside}
+    return descendants_within([n], inside) | {u for u in n.users if u in inside}
 
 
 def _only_from(n: fx.Node, params: set, inside: set) -> bool:

@@ -115,7 +115,8 @@ def _first_reached_by_all(nodes: list[fx.Node], outs: list[fx.Node]):
     return None
 
 
-def _ancestors(node: fx.Node, inside: set) -> set:
+def ancestors_within(node: fx.Node, inside: set) -> set:
+    """``node`` and the nodes of ``inside`` it is computed from."""
     seen, todo = {node}, [node]
     while todo:
         for a in todo.pop().all_input_nodes:
@@ -125,7 +126,8 @@ def _ancestors(node: fx.Node, inside: set) -> set:
     return seen
 
 
-def _descendants(starts, inside: set) -> set:
+def descendants_within(starts, inside: set) -> set:
+    """The nodes of ``inside`` computed from any of ``starts`` (not the starts themselves)."""
     seen, todo = set(), list(starts)
     while todo:
         for u in todo.pop().users:
@@ -139,12 +141,12 @@ def _region(path, nodes, inside, out) -> list[fx.Node]:
     """What ``out`` computes from the top-k indices, plus the tensors it makes from nothing (the
     zeros it accumulates into), the views of outside tensors that only it reads (the rows'
     ``unsqueeze``) and the checks that hang off it (export's asserts on the rows' counts)."""
-    before = _ancestors(out, inside)
+    before = ancestors_within(out, inside)
     hots = [n for n in before if n.target is aten.one_hot.default]
     if len(hots) != 1:
         raise _fail(path, f"{len(hots)} one_hot of the top-k indices, expected one")
     index = hots[0].args[0]
-    routed = _descendants([index], inside)
+    routed = descendants_within([index], inside)
     core = {n for n in before if n in routed or n.target in FRESH or all(_is_size(a) for a in n.all_input_nodes)}
     for n in sorted(before - core, key=nodes.index, reverse=True):  # users first
         if n.target in VIEWS and n.users and all(u in core for u in n.users):
