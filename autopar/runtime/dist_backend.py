@@ -129,7 +129,7 @@ class DistBackend:
         to, frm = group[(pos + offset) % n], group[(pos - offset) % n]
         ops = [dist.P2POp(dist.isend, x, to, group=pg), dist.P2POp(dist.irecv, out, frm, group=pg)]
 
-        def call(async_op):
+        def call(async_op=False):  # _run calls it without the flag (blocking), _wait with it
             works = dist.batch_isend_irecv(ops)
             if async_op:
                 return _AllWorks(works)
