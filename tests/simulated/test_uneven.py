@@ -371,7 +371,8 @@ def test_rule_harness_on_uneven_and_empty_pieces(name, ranks):
 def test_hf_gpt2_with_its_real_vocabulary_on_tp4():
     """HF GPT-2 (vocabulary 50257, hidden 24) with the Megatron preset on tp=4: 12565, 12564,
     12564, 12564 rows of the embedding and the head, equal to serial."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # pinned in requirements-test.txt: a missing install should fail, not skip
+
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         vocab_size=50257, n_positions=16, n_embd=24, n_layer=1, n_head=2, attn_implementation="eager", use_cache=False
