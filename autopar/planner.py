@@ -92,6 +92,7 @@ def make_plan(
             plan_probe,
             options.pipeline,
             options.activation_checkpoint,
+            options.context_parallel,
         )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)

@@ -1,8 +1,9 @@
 """Automatic planning: the cost model against measured time, auto vs hand plans, search time.
 
-1. **rank correlation**: 11 plans of one GPT on 4 real gloo processes (dp with ZeRO 0/1/2/3, tp,
+1. **rank correlation**: 13 plans of one GPT on 4 real gloo processes (dp with ZeRO 0/1/2/3, tp,
    tp + sequence parallel, dp x tp, dp x (tp + sp), ZeRO-2 x tp, dp over two axes, HSDP over
-   two axes) and 2 of a mixture-of-experts model (HF Mixtral, 8 experts: data parallel with
+   two axes, context parallel by a ring (load balanced) and dp x context parallel by all-gathered
+   K/V) and 2 of a mixture-of-experts model (HF Mixtral, 8 experts: data parallel with
    every expert on each rank, and expert parallel on dp; pipelines are left out: their step is
    the runner's); each rank calibrates first
    (ap.calibrate: FLOP/s, alpha, beta on this process group), then every plan's step (forward,
@@ -62,6 +63,8 @@ def _plans(cfg):
             "dp zero3": (m4, None, ap.DataParallel("dp", zero=3)),
             "dp over 2 axes": (mrep, None, ap.DataParallel("dp", replicate_axis="rep")),
             "hsdp 2x2": (mrep, None, ap.DataParallel("dp", zero=3, replicate_axis="rep")),
+            "cp ring": (ap.Mesh((4,), ("cp",)), None, None, ap.ContextParallel("cp", "ring", load_balance=True)),
+            "dp x cp": (ap.Mesh((2, 2), ("dp", "cp")), None, ap.DataParallel("dp"), ap.ContextParallel("cp")),
         },
     )
 
@@ -115,8 +118,10 @@ def correlation_job(cfg, iters, warmup) -> dict:
         (n, v, moe, (), moe_kw) for n, v in moe_plans.items()
     ]
     steps, predicted, groups = {}, {}, {}
-    for name, (mesh, ann, dp), build, args, kwargs in every:
+    for name, (mesh, ann, dp, *cp), build, args, kwargs in every:
         static = {"dynamic": False} if kwargs else {}  # the MoE plans: expert dispatch is planned at fixed sizes
+        if cp:  # context parallel: every sequence split on its axis
+            static["context_parallel"] = cp[0]
         module = ap.parallelize(build(), mesh, args=args, kwargs=kwargs, annotations=ann, data_parallel=dp, **static)
         groups.update(current_backend().groups)  # each compile installs its own; the last must hold all
         plan = module.autopar_plan

@@ -34,7 +34,7 @@ from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
 from autopar.search.evaluate import Terms, plan_terms
 from autopar.search.options import Auto
-from autopar.search.short import copied, shortened
+from autopar.search.short import copied, reweighed, shortened
 from autopar.search.solver import Option, solve
 from autopar.trace.module_paths import module_path
 
@@ -43,12 +43,16 @@ class NoPlanError(PlanError):
     """No plan the search may choose fits: the memory budget is too small, or constraints clash."""
 
 
-def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None, checkpoint=None):
+def search(
+    model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None, checkpoint=None, context=None
+):
     """(annotations, {technique name: its value}, record) of the best plan under ``auto``: the
-    annotations, ``data_parallel`` and ``pipeline`` to plan with. ``plan_probe(traced, options,
-    annotations)`` plans one probe on a trace (the planner's stages after tracing: the search
-    decides, the planner plans); ``dp`` / ``pipeline`` / ``checkpoint``: the user's, kept (the
-    user's checkpointing is costed as its mode on every block)."""
+    annotations, ``data_parallel``, ``pipeline``, ``activation_checkpoint`` and
+    ``context_parallel`` to plan with. ``plan_probe(traced, options, annotations)`` plans one
+    probe on a trace (the planner's stages after tracing: the search decides, the planner
+    plans); ``dp`` / ``pipeline`` / ``checkpoint`` / ``context``: the user's, kept (the user's
+    checkpointing is costed as its mode on every block, the user's context parallel fixes its
+    axis, method and order)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile(job_device(traced))
@@ -70,9 +74,14 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
-    structs = structures(mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True, auto.pipeline)
+    cp_methods, balanced = _context_options(traced, comps, auto, context)
+    structs = structures(
+        mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True, auto.pipeline, cp_methods, balanced
+    )
     if pipeline is not None:  # the user's pipeline axis
         structs = [s for s in structs if s.pp == mesh.axis_index(pipeline.axis)]
+    if context is not None:  # the user's context-parallel axis
+        structs = [s for s in structs if s.cp == mesh.axis_index(context.axis)]
     batch = batch_size(traced)
     modes = (checkpoint.mode,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
     if dp is not None:  # the user's data parallel: over their axes only
@@ -80,12 +89,26 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         structs = [s for s in structs if s.rep == fixed_rep]
     base_dp = dp or DataParallel(mesh.axis_names[0])
     probes: dict = {}
+    planned: dict = {}  # probe plans by layout (a context-parallel method is an option of the same layouts)
     short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)
     graph_for, weights = (short[0], short[1:]) if short is not None else (copied(traced), ({}, {}))
     blocks = getattr(getattr(traced, "repeated", None), "count", 0)  # a repeated stack's blocks
+    rewritten: dict = {}  # context parallel's probes: the graph its prepare_graph rewrote, and weights
+
+    def graph_of(cp):
+        """The probe graph and weights for the context-parallel technique ``cp`` (or none): cp
+        rewrites eager attention into SDPA before planning (prepare_graph), on its own copy,
+        whose new nodes in a shortened stack's block 1 stand for n - 1 blocks too."""
+        if cp is None:
+            return graph_for, weights
+        if not rewritten:
+            g = copied(graph_for)
+            cp.prepare_graph(g)
+            rewritten["graph"] = (g, reweighed(g, weights))
+        return rewritten["graph"]
 
     def probe(s, tp_axis, sp, ep=False):
-        key = (s.dp, s.rep, tp_axis, sp, ep)
+        key = (s.dp, s.rep, tp_axis, sp, ep, s.cp, s.cp_method)
         if key not in probes:
             ann = dict(user)
             if tp_axis is not None:
@@ -98,10 +121,12 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
             if ep:
                 for c in experts:
                     ann.update(c.annotations(mesh.axis_names[s.dp], False))
+            cp = s.context_parallel(mesh)
+            graph, w = graph_of(cp)
             probes[key] = _probe(
                 plan_probe,
                 mesh,
-                graph_for,
+                graph,
                 ann,
                 s.data_parallel(mesh, DataParallel(mesh.axis_names[0]), 0, None),
                 strict,
@@ -109,9 +134,11 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
                 param_comp,
                 profile,
                 auto.optimizer_states,
-                weights,
+                w,
                 modes,
                 [c.module for c in experts],
+                cp,
+                (planned, key[:-1]),
             )
         return probes[key]
 
@@ -170,6 +197,7 @@ def search(model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
         "pipeline": pipe,
         "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
+        "context_parallel": context if context is not None else s.context_parallel(mesh),
     }
     record["search_s"] = time.perf_counter() - t0
     return ann, chosen, record
@@ -204,15 +232,45 @@ def _storages(s, mesh, dp, auto) -> list[tuple]:
     return out
 
 
-def _probe(plan_probe, mesh, traced, ann, dp, strict, comp_of, param_comp, profile, states, weights, modes, moe=()):
+def _probe(
+    plan_probe,
+    mesh,
+    traced,
+    ann,
+    dp,
+    strict,
+    comp_of,
+    param_comp,
+    profile,
+    states,
+    weights,
+    modes,
+    moe=(),
+    cp=None,
+    planned=({}, None),
+):
     """{checkpointing mode: the probe plan's Terms per component} (None when it cannot be
     planned; a mode missing when the plan has no block to checkpoint). The checkpointed
     variants are the same layouts under other options (Plan.with_options: no propagation).
     ``moe``: the experts components' module patterns, whose nodes planning made anew (each
-    experts module became one moe_experts node): attributed to them by module path."""
-    options = PlanOptions(data_parallel=dp, strict=strict)
+    experts module became one moe_experts node): attributed to them by module path. ``cp``:
+    the context parallel to plan with; ``planned``: (plans by layout key, this probe's key):
+    another attention method of the same layouts is the planned plan under other options."""
+    cache, key = planned
     try:
-        plan = plan_probe(traced, options, ann)
+        if key not in cache:
+            cache[key] = None  # refused, unless planned below
+            plan = plan_probe(traced, PlanOptions(data_parallel=dp, strict=strict, context_parallel=cp), ann)
+            if cp is not None and not plan.built.get("context_parallel"):
+                return None  # no attention met the split sequence: not context parallel, only a split
+            cache[key] = plan
+        plan = cache[key]
+        if plan is None:
+            return None
+        if plan.options.context_parallel != cp:
+            saves = saved_activations(plan)
+            plan = plan.with_options(plan.options.replace(context_parallel=cp))
+            share_saved_activations(plan, saves)  # same graph and layouts: the same saved tensors
     except PlanError:
         return None
     if moe:
@@ -349,7 +407,7 @@ def _duplicated_axes(mesh, s, options, auto, profile) -> list[dict]:
         if s.uses(a) or mesh.shape[a] == 1:
             continue
         using = [o for o in options if a in (o.label[0].dp, o.label[0].rep)] or [
-            o for o in options if a in (o.label[0].tp, o.label[0].pp)
+            o for o in options if a in (o.label[0].tp, o.label[0].pp, o.label[0].cp)
         ]
         best = None
         for o in using:
@@ -376,6 +434,34 @@ def job_device(traced):
     return None
 
 
+def _context_options(traced, comps, auto, context) -> tuple:
+    """(the attention methods context parallel may use, whether an axis of n ranks takes the
+    zig-zag order): the user's ContextParallel, else ``auto.context_parallel``'s methods where the
+    model has sequence inputs (2-D or more: dim 1 split) and no experts (the expert dispatch on
+    split sequences has not been run against serial); zig-zag (causal work even on every rank)
+    where every sequence divides into 2n chunks."""
+    if context is not None:
+        return (context.method,), lambda n: context.load_balance
+    lengths = _sequence_lengths(traced)
+    if not lengths or any(c.kind == "experts" for c in comps):
+        return (), lambda n: False
+    return tuple(auto.context_parallel), lambda n: all(length % (2 * n) == 0 for length in lengths)
+
+
+def _sequence_lengths(traced, seq_dim: int = 1) -> list[int]:
+    """Dim ``seq_dim`` of every user input of more dims (what ap.ContextParallel splits)."""
+    out = []
+    for name in traced.user_inputs:
+        val = traced.placeholders()[name].meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > seq_dim:
+            size = val.shape[seq_dim]
+            hint = size.node.hint if isinstance(size, torch.SymInt) else size
+            if hint is None:
+                return []  # a symbolic length without a hint: cannot be checked, not searched
+            out.append(int(hint))
+    return out
+
+
 def _label(mesh, option) -> str:
     s, (zero, shard), mode, pipe = option
     label = s.roles(mesh)
@@ -383,6 +469,8 @@ def _label(mesh, option) -> str:
         label += f", ZeRO-{zero}"
         if shard is not None and s.rep is not None:
             label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+    if s.cp is not None:
+        label += f", cp {s.cp_method}" + (" zig-zag" if s.cp_balanced else "")
     if pipe is not None and pipe.chunks > 1:
         label += f", interleaved 1F1B x{pipe.chunks}"
     return label + (f", {mode} checkpointing" if mode else "")

@@ -1,10 +1,11 @@
 """What each mesh axis can do, and the parts of the model whose layout the search chooses.
 
 Axis roles (one per mesh axis, see ``structures``): ``dp`` (the batch split, gradients
-synced; ZeRO 0/1/2 are memory options of it), ``tp`` (Megatron tensor parallel: the
-column/row pairs, optionally the vocabulary and sequence parallel) and ``R`` (replicated:
-every rank of the axis computes the same). At most one axis is dp (ap.DataParallel has one
-axis) and at most one is tp (an annotation names one axis).
+synced; ZeRO 0-3 are memory options of it; over two adjacent axes, their product), ``tp``
+(Megatron tensor parallel: the column/row pairs, optionally the vocabulary and sequence
+parallel), ``pp`` (pipeline stages), ``cp`` (context parallel: every sequence split, attention
+by all-gathered K/V or a ring of K/V blocks, ap.ContextParallel) and ``R`` (replicated: every
+rank of the axis computes the same). At most one of each but dp.
 
 Components are what the search decides layer by layer on the tp axis: each Megatron pair
 (found from the graph by presets.megatron's analysis) and the vocabulary (word embedding,
@@ -32,6 +33,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from autopar.parallel.context_parallel import ContextParallel
 from autopar.presets.experts import expert_modules
 from autopar.sharding.annotations import colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard
@@ -198,25 +200,36 @@ def _params_of(model, paths) -> set:
 @dataclass(frozen=True)
 class Structure:
     """What each axis does: the dp axis (with ``rep``, the axis right before it, the batch is
-    split over both: one data-parallel axis of their product), the tp axis, sequence parallel on tp."""
+    split over both: one data-parallel axis of their product), the tp axis, sequence parallel on
+    tp, the pipeline axis, and the context-parallel axis with its attention method (``cp_method``:
+    "allgather" or "ring") and order (``cp_balanced``: the zig-zag order that evens causal work)."""
 
     dp: int | None
     tp: int | None
     sp: bool
     rep: int | None = None
     pp: int | None = None  # pipeline stages over this axis (the layouts leave it replicated)
+    cp: int | None = None  # every sequence split over this axis
+    cp_method: str | None = None
+    cp_balanced: bool = False
 
     def roles(self, mesh) -> str:
         names = []
         for a, n in enumerate(mesh.axis_names):
-            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "R"
+            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "cp" if a == self.cp else "R"
             if a == self.tp:
                 role = "tp+sp" if self.sp else "tp"
             names.append(f"{n}={role}")
         return ", ".join(names)
 
     def uses(self, axis: int) -> bool:
-        return axis in (self.dp, self.tp, self.rep, self.pp)
+        return axis in (self.dp, self.tp, self.rep, self.pp, self.cp)
+
+    def context_parallel(self, mesh):
+        """The ap.ContextParallel of this structure (None without a cp axis)."""
+        if self.cp is None:
+            return None
+        return ContextParallel(mesh.axis_names[self.cp], method=self.cp_method, load_balance=self.cp_balanced)
 
     def data_parallel(self, mesh, base, zero: int, shard: int | None):
         """The ap.DataParallel of this structure as a user writes it (``base``'s other options)."""
@@ -227,10 +240,20 @@ class Structure:
 
 
 def structures(
-    mesh, allow_sp: bool, fixed_dp: int | None, fixed_tp: int | None, any_dp: bool, allow_pp: bool = True
+    mesh,
+    allow_sp: bool,
+    fixed_dp: int | None,
+    fixed_tp: int | None,
+    any_dp: bool,
+    allow_pp: bool = True,
+    cp_methods: tuple = (),
+    balanced=lambda n: False,
 ) -> list[Structure]:
     """Every assignment of roles to axes (one dp axis or two adjacent ones, at most one tp, at
-    most one pipeline axis) that the constraints allow."""
+    most one pipeline axis, at most one context-parallel axis, by each of ``cp_methods``,
+    zig-zag ordered where ``balanced(axis size)``) that the constraints allow. Context parallel
+    is not combined with pipeline stages nor with sequence parallel (neither pairing has been
+    run against serial)."""
     out = []
     axes = [None, *range(mesh.ndim)]
     for dp in axes:
@@ -249,6 +272,11 @@ def structures(
                     free = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and a not in (dp, rep, tp)]
                     for pp in [None] + (free if allow_pp else []):
                         out.append(Structure(dp, tp, sp, rep, pp))
+                    if sp:
+                        continue
+                    for cp in free:
+                        lb = balanced(mesh.shape[cp])
+                        out += [Structure(dp, tp, sp, rep, None, cp, m, lb) for m in cp_methods]
     return out
 
 

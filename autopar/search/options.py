@@ -14,6 +14,9 @@
   micro-batch per row of a data-parallel rank's batch).
 - ``expert_parallel``: whether a mixture-of-experts model's experts may be split over the dp
   axis (ap.expert_parallel: E/n experts per rank, tokens dispatched by all-to-all).
+- ``context_parallel``: the attention methods a context-parallel axis may use (ap.ContextParallel:
+  every sequence split on the axis, K/V all-gathered or passed around a ring; zig-zag ordered
+  where the sequences divide into 2 chunks per rank); () leaves sequences whole.
 
 Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
@@ -42,6 +45,7 @@ class Auto:
     pipeline: bool = True
     activation_checkpoint: tuple = (None, "selective", "full")
     expert_parallel: bool = True
+    context_parallel: tuple = ("allgather", "ring")
 
     @classmethod
     def of(cls, value) -> "Auto":

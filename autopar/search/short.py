@@ -75,6 +75,24 @@ def shortened(traced):
     return short, node_w, param_w
 
 
+def reweighed(short, weights: tuple) -> tuple:
+    """``weights`` (node, parameter) for ``short`` after a technique rewrote its graph
+    (Technique.prepare_graph: context parallel fuses eager attention into new SDPA nodes): the
+    new nodes of block 1 stand for blocks 1..n-1 as the old ones did."""
+    node_w, param_w = weights
+    found = getattr(short, "repeated", None)
+    if not node_w or found is None:
+        return weights
+    new = {
+        node.name: float(found.count - 1)
+        for node in short.gm.graph.nodes
+        if node.op not in ("placeholder", "output")
+        and node.name not in node_w
+        and _block_index(node, found.prefix) == 1
+    }
+    return {**node_w, **new}, param_w
+
+
 def _index(fqn: str, prefix: str) -> int | None:
     if not fqn.startswith(prefix + "."):
         return None

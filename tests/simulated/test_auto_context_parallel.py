@@ -1,0 +1,80 @@
+"""The search with context parallel in its space (ap.Auto(context_parallel=...)).
+
+A long sequence on few rows: data parallel has no rows to split, the replicated plan keeps every
+activation. A context-parallel axis keeps ~1/cp of them (every sequence split, attention by
+all-gathered K/V or a ring) and is chosen under a budget the replicated plan misses; the plan
+equals serial, and ap.predict of it is the search's prediction.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar as ap
+from tests.harness.llama_like import llama_batch, llama_like
+from tests.harness.models import gpt_batch, small_gpt
+
+# splitting pays (slow compute, fast links), no pipeline or checkpointing to save the memory instead
+AUTO = dict(device="h100", alpha=1e-9, beta=1e12, flops_per_s=1e6, pipeline=False, activation_checkpoint=(None,))
+
+
+def _runners(rec):
+    return {r["option"]: r for r in rec["runners_up"]}
+
+
+def test_context_parallel_under_a_tight_budget_equals_serial():
+    model = llama_like(kv_heads=1, layers=2)
+    batch = llama_batch(batch=1, seq=128)
+    mesh = ap.Mesh((2,), ("a",))
+    free = ap.plan(model, mesh, args=batch, auto=ap.Auto(**AUTO)).built["auto"]
+    runners = _runners(free)
+    cp = {k: r for k, r in runners.items() if k.startswith("a=cp")}
+    assert set(cp) == {"a=cp, cp allgather zig-zag", "a=cp, cp ring zig-zag"}, sorted(runners)
+    whole = runners["a=R"]
+    assert all(r["memory"] < whole["memory"] for r in cp.values())  # the activations split
+    tp = [r for k, r in runners.items() if k.startswith("a=tp")]
+    budget = (max(r["memory"] for r in cp.values()) + whole["memory"]) / 2
+    plan = ap.plan(model, mesh, args=batch, auto=ap.Auto(memory_budget=budget, **AUTO))
+    rec = plan.built["auto"]
+    assert rec["chosen"].startswith("a=cp"), (rec["chosen"], sorted(runners))
+    assert rec["memory"] <= budget and plan.options.context_parallel.axis == "a"
+    assert plan.options.context_parallel.load_balance  # 128 positions cut into 2 x 2 chunks
+    assert rec["time_s"] <= min(r["time_s"] for r in tp if r["fits"]) * (1 + 1e-9)
+    pred = ap.predict(plan, ap.Auto(**AUTO))
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    assert len(plan.built["context_parallel"]) == 2  # both attention calls meet every key
+    plan.check(*batch, loss=lambda out: out[1])
+
+
+def test_users_context_parallel_on_an_eager_repeated_stack():
+    """A user's ap.ContextParallel fixes the axis, method and order; the search plans the rest
+    (dp on the other axis of (2, 2) or not). The GPT computes attention eagerly: cp rewrites it to
+    SDPA on the search's own copy of the (shortened: 4 blocks, two planned) trace, and the new
+    nodes count for every block, so ap.predict of the final plan is the search's prediction."""
+    model = small_gpt(layers=4)
+    batch = gpt_batch(batch=2, seq=16)
+    mesh = ap.Mesh((2, 2), ("a", "b"))
+    ring = ap.ContextParallel("b", method="ring", load_balance=True)
+    plan = ap.plan(model, mesh, args=batch, context_parallel=ring, auto=ap.Auto(**AUTO))
+    rec = plan.built["auto"]
+    assert "b=cp" in rec["chosen"] and plan.options.context_parallel == ring
+    assert all("b=cp" in r["option"] and "cp ring zig-zag" in r["option"] for r in rec["runners_up"])
+    pred = ap.predict(plan, ap.Auto(**AUTO))
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    assert len(plan.built["context_parallel"]) == 4
+    plan.check(*batch, loss=lambda out: out[1])
+
+
+def test_no_context_parallel_without_attention_or_when_asked():
+    """An input split on dim 1 with no attention to meet it is not context parallel (the probe is
+    refused); Auto(context_parallel=()) leaves sequences whole."""
+    import torch
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    x = torch.randn(2, 8, 16)
+    rec = ap.plan(mlp, ap.Mesh((2,), ("a",)), args=(x,), auto=ap.Auto(**AUTO)).built["auto"]
+    assert not any("cp" in r["option"] for r in rec["runners_up"])
+    model, batch = llama_like(), llama_batch(batch=1, seq=32)
+    rec = ap.plan(model, ap.Mesh((2,), ("a",)), args=batch, auto=ap.Auto(context_parallel=(), **AUTO)).built["auto"]
+    assert not any("cp" in r["option"] for r in rec["runners_up"])
