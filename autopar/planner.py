@@ -93,6 +93,7 @@ def make_plan(
             options.pipeline,
             options.activation_checkpoint,
             options.context_parallel,
+            options.split_before,
         )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)

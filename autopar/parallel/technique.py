@@ -110,12 +110,13 @@ class Technique:
         """The collectives the technique adds per training step (cost.Comm)."""
         return []
 
-    def step_shares(self, mesh) -> dict | None:
+    def step_shares(self, mesh, built=None) -> dict | None:
         """What one rank has under this technique of the per-rank step without it (the search's
         and ap.predict's cost model): ``time`` (share of the compute), ``state`` (of parameter,
         gradient and optimizer bytes), ``acts`` (of activation bytes), and ``sends``: (mesh axis
         name, messages per step, share of one boundary activation each) of the point-to-point
-        traffic it adds. None: unchanged."""
+        traffic it adds. ``built``: what after_plan made, where known (the pipeline's stages,
+        costed each from its own nodes). None: unchanged."""
         return None
 
     # ---- storage and program: a technique that stores parameters otherwise than it computes

@@ -44,7 +44,19 @@ class NoPlanError(PlanError):
 
 
 def search(
-    model, mesh, traced, annotations, dp, auto, ndims, strict, plan_probe, pipeline=None, checkpoint=None, context=None
+    model,
+    mesh,
+    traced,
+    annotations,
+    dp,
+    auto,
+    ndims,
+    strict,
+    plan_probe,
+    pipeline=None,
+    checkpoint=None,
+    context=None,
+    split_before=(),
 ):
     """(annotations, {technique name: its value}, record) of the best plan under ``auto``: the
     annotations, ``data_parallel``, ``pipeline``, ``activation_checkpoint`` and
@@ -52,7 +64,7 @@ def search(
     probe on a trace (the planner's stages after tracing: the search decides, the planner
     plans); ``dp`` / ``pipeline`` / ``checkpoint`` / ``context``: the user's, kept (the user's
     checkpointing is costed as its mode on every block, the user's context parallel fixes its
-    axis, method and order)."""
+    axis, method and order; ``split_before``: the user's stage boundaries)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile(job_device(traced))
@@ -142,6 +154,37 @@ def search(
             )
         return probes[key]
 
+    cuts: dict = {}  # the stages ap.plan would cut, per pipeline axis, chunk count and balance
+    share_of: dict = {}  # each pipeline's step shares, its stages costed each from their own nodes
+
+    def stage_cut(pipe, balance):
+        key = (pipe.axis, pipe.chunks, balance, pipe.microbatches if balance == "memory" else None)
+        if key not in cuts:
+            try:
+                cuts[key] = pipe.cut(traced, mesh, split_before, balance)
+            except PlanError:
+                cuts[key] = None
+        return cuts[key]
+
+    def pipe_variants(pipe):
+        """[(split_before paths or () for ap.plan's own cut, the pipeline's step shares)]: the
+        runtime's cut (time-balanced), and for 1F1B the memory-balanced one where it differs
+        (stage s holds min(m, pp - s) micro-batches: fewer layers on the first stages)."""
+        out = []
+        for balance in ("time",) + (("memory",) if pipe.kind == "1f1b" and not split_before else ()):
+            lay = stage_cut(pipe, balance)
+            if lay is None:
+                continue
+            paths = () if balance == "time" else lay.cut_paths
+            if balance == "memory" and (
+                not all(paths) or len(set(paths)) != len(paths) or out and lay.cut_paths == out[0][2]
+            ):
+                continue  # the same cut, or one split_before cannot name
+            if (pipe, paths) not in share_of:
+                share_of[(pipe, paths)] = pipe.step_shares(mesh, lay)
+            out.append((paths, share_of[(pipe, paths)], lay.cut_paths))
+        return [(paths, shares) for paths, shares, _ in out]
+
     options = []
     for s in structs:
         ep = _expert_parallel_ok(s, mesh, experts)
@@ -162,7 +205,12 @@ def search(
             base = (split or rep).get("base", Terms())
             for z in _storages(s, mesh, dp, auto):
                 for pipe in pipes or [None]:
-                    options.append(_option(s, z, mode, base_dp, pipe, base, free, split, rep, mesh, profile, ep))
+                    # each way of cutting the stages (none where the graph cannot be cut)
+                    for paths, shares in pipe_variants(pipe) if pipe is not None else [((), None)]:
+                        label = (s, z, mode, pipe, paths)
+                        options.append(
+                            _option(label, base_dp, base, free, split, rep, mesh, profile, ep, shares)
+                        )
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -177,10 +225,10 @@ def search(
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
-    s, storage, mode, pipe = best.option
+    s, storage, mode, pipe, paths = best.option
     if s.tp is not None and fixed_tp is None and all(best.choices.get(c.key) != "split" for c in dense):
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
-        record["chosen"] = _label(mesh, (s, storage, mode, pipe)) + " (the tp axis split nothing)"
+        record["chosen"] = _label(mesh, (s, storage, mode, pipe, paths)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
     ann = dict(user)
     if s.tp is not None:
@@ -198,6 +246,7 @@ def search(
         "pipeline": pipe,
         "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
         "context_parallel": context if context is not None else s.context_parallel(mesh),
+        "split_before": paths or tuple(split_before),
     }
     record["search_s"] = time.perf_counter() - t0
     return ann, chosen, record
@@ -338,12 +387,12 @@ def _pipelines(s, mesh, batch, user, blocks: int = 0) -> list:
     return out
 
 
-def _coefs(t: Terms, mesh, profile, dp, pipe=None, base=False) -> tuple:
+def _coefs(t: Terms, mesh, profile, dp, shares=None, base=False) -> tuple:
     """(time, sync, hide, memory) of ``t`` under ``dp`` (as a user writes it: two axes are merged
-    into the one data-parallel axis the plan has) and a pipeline stage's share (``pipe``; its
-    point-to-point sends are charged once, to the ``base`` terms)."""
-    if pipe is not None:
-        t = t.scaled(pipe.step_shares(mesh), mesh, profile, sends=base)
+    into the one data-parallel axis the plan has) and a pipeline rank's share (``shares``, its
+    step_shares; its point-to-point sends are charged once, to the ``base`` terms)."""
+    if shares is not None:
+        t = t.scaled(shares, mesh, profile, sends=base)
     dp_axis = None
     if dp is not None:
         mesh, dp = dp.reshape_mesh(mesh)
@@ -367,31 +416,32 @@ def _expert_parallel_ok(s, mesh, experts) -> bool:
     )
 
 
-def _option(s, storage, mode, base_dp, pipe, base, free, split, rep, mesh, profile, ep=False) -> Option:
+def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, shares=None) -> Option:
     """An option: a pair's or the vocabulary's choices ``split`` (on the tp axis, from the
     split probe) and ``R``; an experts module's ``ep`` (expert parallel on dp, from the split
     probe when ``ep``) and ``local`` (every expert on each rank: the probe without it)."""
+    s, storage = label[0], label[1]
     dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
     for c in free:
         ch = {}
         if c.kind == "experts":
             if ep and split is not None:
-                ch["ep"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
+                ch["ep"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, shares)
             if rep is not None or not ep:
-                ch["local"] = _coefs((rep if rep is not None else split).get(c.key, Terms()), mesh, profile, dp, pipe)
+                ch["local"] = _coefs((rep if rep is not None else split).get(c.key, Terms()), mesh, profile, dp, shares)
             comps[c.key] = ch
             continue
         if split is not None and s.tp is not None:
-            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, pipe)
+            ch["split"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, shares)
         if rep is not None:
-            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp, pipe)
+            ch["R"] = _coefs(rep.get(c.key, Terms()), mesh, profile, dp, shares)
         comps[c.key] = ch
     idle = sum(1 for a, size in enumerate(mesh.shape) if size > 1 and not s.uses(a))
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (sum(c.kind != "experts" for c in free) + 1)} if s.tp is not None else {}
-    return Option((s, storage, mode, pipe), _coefs(base, mesh, profile, dp, pipe, base=True), comps, idle, idle_choice)
+    return Option(label, _coefs(base, mesh, profile, dp, shares, base=True), comps, idle, idle_choice)
 
 
 def _least_memory(o: Option) -> float:
@@ -463,7 +513,7 @@ def _sequence_lengths(traced, seq_dim: int = 1) -> list[int]:
 
 
 def _label(mesh, option) -> str:
-    s, (zero, shard), mode, pipe = option
+    s, (zero, shard), mode, pipe, paths = option
     label = s.roles(mesh)
     if s.dp is not None:
         label += f", ZeRO-{zero}"
@@ -473,6 +523,8 @@ def _label(mesh, option) -> str:
         label += f", cp {s.cp_method}" + (" zig-zag" if s.cp_balanced else "")
     if pipe is not None and pipe.chunks > 1:
         label += f", interleaved 1F1B x{pipe.chunks}"
+    if paths:
+        label += ", stages balanced for memory"
     return label + (f", {mode} checkpointing" if mode else "")
 
 

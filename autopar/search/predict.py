@@ -19,7 +19,7 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     for t in plan_terms(plan, {}, profile, optimizer_states).values():
         total.add(t)
     for technique in plan.options.techniques:  # a pipeline stage's share of the step
-        total = total.scaled(technique.step_shares(plan.mesh), plan.mesh, profile)
+        total = total.scaled(technique.step_shares(plan.mesh, plan.built.get(technique.name)), plan.mesh, profile)
     dp = plan.data_parallel
     sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
     return {

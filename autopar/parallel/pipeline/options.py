@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.errors import PipelineError
-from autopar.parallel.pipeline import api, stage_memory
+from autopar.parallel.pipeline import api, stage_memory, stage_shares
 from autopar.parallel.pipeline.schedules import SCHEDULES
-from autopar.parallel.pipeline.split import describe
+from autopar.parallel.pipeline.split import describe, split_stages
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 
@@ -84,16 +84,22 @@ class Pipeline(Technique):
     def after_plan(self, plan):
         return api.stage_layout(plan, self, list(plan.options.split_before))
 
-    def step_shares(self, mesh) -> dict:
-        """A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
+    def step_shares(self, mesh, built=None) -> dict:
+        """With the stage layout ``built`` (what after_plan made, or ``cut`` for the search): each
+        stage costed from its own nodes (stage_shares.py: the schedule replayed with the stages'
+        FLOPs, the slowest sets the pace; state and activations per rank). Without: even stages.
+        A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
         of one micro-batch's stage work (1/chunks of it interleaved), so the step takes
         (m*v + pp - 1) / (m*v*pp) of the unpipelined one. It keeps 1/pp of the parameters. In
         flight at the first stage: 1F1B pp micro-batches of its 1/pp of the layers (1/m of the
         activations), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
         A middle stage sends 2m messages per step (each micro-batch's activation forward, its
         gradient backward; v times interleaved), each 1/m of the batch's boundary activation.
-        Approximation: stages even (the embedding and the head sit on the end stages)."""
+        Even stages are an approximation: the embedding and the head sit on the end stages."""
         pp, m, v = mesh.axis_size(self.axis), self.microbatches, self.chunks
+        sends = (self.axis, 2 * m * v, 1 / m)
+        if built is not None:
+            return {**stage_shares.shares(built, self), "sends": sends}
         time = (m * v + pp - 1) / (m * v * pp)
         if self.kind == "gpipe":
             acts = 1 / pp
@@ -101,7 +107,17 @@ class Pipeline(Technique):
             acts = min(1.0, (1 + (pp - 1) / (pp * v)) / m)
         else:
             acts = min(m, pp) / (pp * m)
-        return {"time": time, "state": 1 / pp, "acts": acts, "sends": (self.axis, 2 * m * v, 1 / m)}
+        return {"time": time, "state": 1 / pp, "acts": acts, "sends": sends}
+
+    def cut(self, traced, mesh, split_before=(), balance: str = "time"):
+        """The stage layout ap.plan would cut ``traced`` into (split.py), before any plan exists
+        (the search costs each stage from it; the final plan cuts the same graph the same way).
+        ``balance="memory"`` (1F1B): each stage's cost weighted by the micro-batches it holds at
+        once, min(m, pp - s), so that the first stages, which hold the most, get fewer layers
+        (its ``cut_paths`` as split_before give the plan that cut)."""
+        pp = mesh.axis_size(self.axis)
+        weights = [min(self.microbatches, pp - s) for s in range(pp)] if balance == "memory" else None
+        return split_stages(traced, mesh, self, list(split_before), weights)
 
     def rank_activations(self, plan, symbols, terms: dict, rank: int | None) -> dict:
         """The rank's own stages' activations times the micro-batches its schedule keeps in

@@ -60,6 +60,7 @@ class StageLayout:
     value_ids: dict[str, int]  # boundary value -> id (used in message tags)
     kinds: dict[str, str]  # boundary value -> "grad" (float tensor), "tensor" or "int"
     auto: bool  # cuts chosen by the cost model
+    cut_paths: tuple = ()  # the module path each stage after the first starts at (as split_before)
     # stage -> its emitted program (the same on every rank; stage_module.py builds it once)
     programs: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -137,13 +138,16 @@ def annotated_cuts(order: list[fx.Node], paths: list[str]) -> list[int]:
     return sorted(set(cuts))
 
 
-def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int) -> list[int]:
-    """Cut positions (from ``candidates``) that minimise the most expensive stage.
+def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int, weights=None) -> list[int]:
+    """Cut positions (from ``candidates``) that minimise the most expensive stage; ``weights``
+    (one per stage) multiply each stage's cost (the micro-batches a 1F1B stage holds at once,
+    to even out memory instead of time).
 
     Example:
         >>> balanced_cuts([4, 1, 1, 1, 1], [1, 2, 3, 4], 2)
         [1]
     """
+    w = list(weights) if weights is not None else [1.0] * n_stages
     if n_stages == 1:
         return []
     if len(candidates) < n_stages - 1:
@@ -159,12 +163,12 @@ def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int) -> l
     ends = candidates + [len(costs)]
     INF = float("inf")
     # best[k][j]: the least max-stage cost covering nodes [0, ends[j]) with k + 1 stages.
-    best = [[prefix[e] for e in ends]] + [[INF] * len(ends) for _ in range(n_stages - 1)]
+    best = [[w[0] * prefix[e] for e in ends]] + [[INF] * len(ends) for _ in range(n_stages - 1)]
     back = [[-1] * len(ends) for _ in range(n_stages)]
     for k in range(1, n_stages):
         for j, e in enumerate(ends):
             for i in range(j):
-                v = max(best[k - 1][i], prefix[e] - prefix[ends[i]])
+                v = max(best[k - 1][i], w[k] * (prefix[e] - prefix[ends[i]]))
                 if v < best[k][j]:
                     best[k][j], back[k][j] = v, i
     cuts, j = [], len(ends) - 1
@@ -175,8 +179,9 @@ def balanced_cuts(costs: list[float], candidates: list[int], n_stages: int) -> l
 
 
 # ------------------------------------------------------------------------------- layout
-def split_stages(traced, mesh, options, split_paths: list[str]) -> StageLayout:
-    """Assign every node to a stage and work out each stage's inputs, outputs and params."""
+def split_stages(traced, mesh, options, split_paths: list[str], weights=None) -> StageLayout:
+    """Assign every node to a stage and work out each stage's inputs, outputs and params
+    (``weights``: per stage, for the automatic cut: balanced_cuts)."""
     axis = mesh.axis_index(options.axis)
     pp = mesh.shape[axis]
     n_stages = pp * options.chunks
@@ -202,7 +207,7 @@ def split_stages(traced, mesh, options, split_paths: list[str]) -> StageLayout:
                 f"{n_stages - 1} module paths, or none for an automatic split."
             )
     else:
-        cuts = balanced_cuts(costs, _candidates(order), n_stages)
+        cuts = balanced_cuts(costs, _candidates(order), n_stages, weights)
     bounds = [0] + cuts + [len(order)]
     stages = [Stage(s, [n.name for n in order[bounds[s] : bounds[s + 1]]]) for s in range(n_stages)]
     stage_of = {n.name: s for s in range(n_stages) for n in order[bounds[s] : bounds[s + 1]]}
@@ -213,6 +218,7 @@ def split_stages(traced, mesh, options, split_paths: list[str]) -> StageLayout:
             st.flops += flops[i]
             st.param_bytes += _param_bytes(order[i], attr_names)
     layout = StageLayout(options, axis, pp, stages, {}, {}, auto=not split_paths)
+    layout.cut_paths = tuple(_unit(order[c]) for c in cuts)  # the cuts as split_before module paths
     _wire(graph, traced, layout, stage_of)
     return layout
 
