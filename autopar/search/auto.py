@@ -154,11 +154,12 @@ def search(
             )
         return probes[key]
 
-    cuts: dict = {}  # the stages ap.plan would cut, per pipeline axis, chunk count and balance
+    cuts: dict = {}  # the stages ap.plan would cut, per stage count and balance
     share_of: dict = {}  # each pipeline's step shares, its stages costed each from their own nodes
 
     def stage_cut(pipe, balance):
-        key = (pipe.axis, pipe.chunks, balance, pipe.microbatches if balance == "memory" else None)
+        # by sizes: the cut is the same whichever axis of that size holds the stages
+        key = (mesh.axis_size(pipe.axis), pipe.chunks, balance, pipe.microbatches if balance == "memory" else None)
         if key not in cuts:
             try:
                 cuts[key] = pipe.cut(traced, mesh, split_before, balance)
