@@ -130,9 +130,10 @@ def search(
                         ann.update(c.annotations(name, sp))
                 if sp:
                     ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
-            if ep:
+            if ep:  # True: expert parallel on dp; "tp": and each expert split over the tp axis
+                expert_tp = mesh.axis_names[tp_axis] if ep == "tp" else None
                 for c in experts:
-                    ann.update(c.annotations(mesh.axis_names[s.dp], False))
+                    ann.update(c.annotations(mesh.axis_names[s.dp], False, tp=expert_tp))
             cp = s.context_parallel(mesh)
             graph, w = graph_of(cp)
             probes[key] = _probe(
@@ -196,11 +197,14 @@ def search(
         rep_by = probe(s, None, False) if not s.sp else None
         if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
+        # expert tensor parallelism: the experts dispatched on dp and each split over tp (a probe
+        # of its own: the rest of the plan as the split probe's)
+        ept_by = probe(s, s.tp, s.sp, "tp") if ep and s.tp is not None and auto.expert_tensor_parallel else None
         pipes = _pipelines(s, mesh, batch, pipeline, blocks)
         if s.pp is not None and not pipes:
             continue  # fewer rows per data-parallel rank than one micro-batch per stage
         for mode in modes:
-            split, rep = (split_by or {}).get(mode), (rep_by or {}).get(mode)
+            split, rep, ept = (split_by or {}).get(mode), (rep_by or {}).get(mode), (ept_by or {}).get(mode)
             if (split_by is not None and split is None) or (rep_by is not None and rep is None):
                 continue  # no block to checkpoint
             base = (split or rep).get("base", Terms())
@@ -210,7 +214,7 @@ def search(
                     for paths, shares in pipe_variants(pipe) if pipe is not None else [((), None)]:
                         label = (s, z, mode, pipe, paths)
                         options.append(
-                            _option(label, base_dp, base, free, split, rep, mesh, profile, ep, shares)
+                            _option(label, base_dp, base, free, split, rep, mesh, profile, ep, shares, ept)
                         )
     if not options:
         raise NoPlanError(
@@ -227,7 +231,8 @@ def search(
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
     s, storage, mode, pipe, paths = best.option
-    if s.tp is not None and fixed_tp is None and all(best.choices.get(c.key) != "split" for c in dense):
+    uses_tp = [best.choices.get(c.key) == "split" for c in dense] + [best.choices.get(c.key) == "ep+tp" for c in experts]
+    if s.tp is not None and fixed_tp is None and not any(uses_tp):
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
         record["chosen"] = _label(mesh, (s, storage, mode, pipe, paths)) + " (the tp axis split nothing)"
     record["duplicated"] = _duplicated_axes(mesh, s, options, auto, profile)
@@ -240,8 +245,9 @@ def search(
         if s.sp:
             ann.update({k: v for k, v in sp_annotations(norms, name).items() if k not in user})
     for c in experts:
-        if best.choices.get(c.key) == "ep":
-            ann.update(c.annotations(mesh.axis_names[s.dp], False))
+        if best.choices.get(c.key) in ("ep", "ep+tp"):
+            expert_tp = mesh.axis_names[s.tp] if best.choices[c.key] == "ep+tp" else None
+            ann.update(c.annotations(mesh.axis_names[s.dp], False, tp=expert_tp))
     chosen = {
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
         "pipeline": pipe,
@@ -417,10 +423,11 @@ def _expert_parallel_ok(s, mesh, experts) -> bool:
     )
 
 
-def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, shares=None) -> Option:
+def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, shares=None, ept=None) -> Option:
     """An option: a pair's or the vocabulary's choices ``split`` (on the tp axis, from the
     split probe) and ``R``; an experts module's ``ep`` (expert parallel on dp, from the split
-    probe when ``ep``) and ``local`` (every expert on each rank: the probe without it)."""
+    probe when ``ep``), ``ep+tp`` (and each expert split over tp, from the ``ept`` probe) and
+    ``local`` (every expert on each rank: the probe without it)."""
     s, storage = label[0], label[1]
     dp = s.data_parallel(mesh, base_dp, *storage)
     comps = {}
@@ -429,6 +436,8 @@ def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, sha
         if c.kind == "experts":
             if ep and split is not None:
                 ch["ep"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, shares)
+            if ep and ept is not None:
+                ch["ep+tp"] = _coefs(ept.get(c.key, Terms()), mesh, profile, dp, shares)
             if rep is not None or not ep:
                 ch["local"] = _coefs((rep if rep is not None else split).get(c.key, Terms()), mesh, profile, dp, shares)
             comps[c.key] = ch

@@ -69,11 +69,11 @@ class Component:
             [self.module] if self.module else []
         )
 
-    def annotations(self, axis: str, sp: bool) -> dict:
+    def annotations(self, axis: str, sp: bool, tp: str | None = None) -> dict:
         """The annotations of the split choice on ``axis`` (experts: expert parallel there, the
-        axis that splits the batch)."""
+        axis that splits the batch, each expert split over ``tp`` where given)."""
         if self.kind == "experts":
-            return {self.module: expert_parallel(axis)}
+            return {self.module: expert_parallel(axis, tp=tp)}
         out_sp = Shard(1) if sp else None
         if self.kind == "vocab":
             ann = {h: vocab_parallel(axis) for h in self.heads}

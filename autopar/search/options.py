@@ -14,6 +14,8 @@
   micro-batch per row of a data-parallel rank's batch).
 - ``expert_parallel``: whether a mixture-of-experts model's experts may be split over the dp
   axis (ap.expert_parallel: E/n experts per rank, tokens dispatched by all-to-all).
+- ``expert_tensor_parallel``: whether expert-parallel experts may also be split over the tp axis
+  (ap.expert_parallel(dp, tp=tp): each expert's up projection column-, down row-parallel).
 - ``context_parallel``: the attention methods a context-parallel axis may use (ap.ContextParallel:
   every sequence split on the axis, K/V all-gathered or passed around a ring; zig-zag ordered
   where the sequences divide into 2 chunks per rank); () leaves sequences whole.
@@ -45,6 +47,7 @@ class Auto:
     pipeline: bool = True
     activation_checkpoint: tuple = (None, "selective", "full")
     expert_parallel: bool = True
+    expert_tensor_parallel: bool = True
     context_parallel: tuple = ("allgather", "ring")
 
     @classmethod
