@@ -314,13 +314,14 @@ def _probe(
     another attention method of the same layouts is the planned plan under other options."""
     cache, key = planned
     try:
-        if key not in cache:
-            cache[key] = None  # refused, unless planned below
+        if cp is not None and key in cache:
+            plan = cache[key]
+        else:
             plan = plan_probe(traced, PlanOptions(data_parallel=dp, strict=strict, context_parallel=cp), ann)
-            if cp is not None and not plan.built.get("context_parallel"):
-                return None  # no attention met the split sequence: not context parallel, only a split
-            cache[key] = plan
-        plan = cache[key]
+            if cp is not None:  # kept for the other attention method (no other probe is kept: memory)
+                if not plan.built.get("context_parallel"):
+                    plan = None  # no attention met the split sequence: not context parallel, only a split
+                cache[key] = plan
         if plan is None:
             return None
         if plan.options.context_parallel != cp:
@@ -328,6 +329,8 @@ def _probe(
             plan = plan.with_options(plan.options.replace(context_parallel=cp))
             share_saved_activations(plan, saves)  # same graph and layouts: the same saved tensors
     except PlanError:
+        if cp is not None:
+            cache.setdefault(key, None)  # refused layouts (another method of planned ones may still be)
         return None
     if moe:
         comp_of = dict(comp_of)
