@@ -213,9 +213,7 @@ def search(
                     # each way of cutting the stages (none where the graph cannot be cut)
                     for paths, shares in pipe_variants(pipe) if pipe is not None else [((), None)]:
                         label = (s, z, mode, pipe, paths)
-                        options.append(
-                            _option(label, base_dp, base, free, split, rep, mesh, profile, ep, shares, ept)
-                        )
+                        options.append(_option(label, base_dp, base, free, split, rep, mesh, profile, ep, shares, ept))
     if not options:
         raise NoPlanError(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
@@ -231,7 +229,9 @@ def search(
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
     s, storage, mode, pipe, paths = best.option
-    uses_tp = [best.choices.get(c.key) == "split" for c in dense] + [best.choices.get(c.key) == "ep+tp" for c in experts]
+    uses_tp = [best.choices.get(c.key) == "split" for c in dense] + [
+        best.choices.get(c.key) == "ep+tp" for c in experts
+    ]
     if s.tp is not None and fixed_tp is None and not any(uses_tp):
         s = dataclasses.replace(s, tp=None, sp=False)  # nothing split on it: the axis is replicated
         record["chosen"] = _label(mesh, (s, storage, mode, pipe, paths)) + " (the tp axis split nothing)"
