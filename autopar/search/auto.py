@@ -198,8 +198,10 @@ def search(
         if (s.tp is not None and split_by is None) or (rep_by is None and split_by is None):
             continue
         # expert tensor parallelism: the experts dispatched on dp and each split over tp (a probe
-        # of its own: the rest of the plan as the split probe's)
-        ept_by = probe(s, s.tp, s.sp, "tp") if ep and s.tp is not None and auto.expert_tensor_parallel else None
+        # of its own: the rest of the plan as the split probe's; what it changes outside the
+        # experts' region, as the layouts after their partial sum, is charged to the choice: _moved)
+        ept = ep and s.tp is not None and auto.expert_tensor_parallel
+        ept_by = probe(s, s.tp, s.sp, "tp") if ept else None
         pipes = _pipelines(s, mesh, batch, pipeline, blocks)
         if s.pp is not None and not pipes:
             continue  # fewer rows per data-parallel rank than one micro-batch per stage
@@ -439,8 +441,8 @@ def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, sha
         if c.kind == "experts":
             if ep and split is not None:
                 ch["ep"] = _coefs(split.get(c.key, Terms()), mesh, profile, dp, shares)
-            if ep and ept is not None:
-                ch["ep+tp"] = _coefs(ept.get(c.key, Terms()), mesh, profile, dp, shares)
+            if ep and ept is not None and split is not None:
+                ch["ep+tp"] = _coefs(_moved(ept, split, c.key), mesh, profile, dp, shares)
             if rep is not None or not ep:
                 ch["local"] = _coefs((rep if rep is not None else split).get(c.key, Terms()), mesh, profile, dp, shares)
             comps[c.key] = ch
@@ -455,6 +457,23 @@ def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, sha
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (sum(c.kind != "experts" for c in free) + 1)} if s.tp is not None else {}
     return Option(label, _coefs(base, mesh, profile, dp, shares, base=True), comps, idle, idle_choice)
+
+
+def _moved(probe: dict, ref: dict, key: str) -> Terms:
+    """Component ``key``'s terms in ``probe`` plus what the rest of ``probe`` costs beyond the
+    rest of ``ref`` (the same plan but for that component): expert tensor parallelism leaves the
+    experts' output a partial sum over tp, which changes how the nodes after them (the residual
+    add, the next norm) are laid out; charged to the choice that causes it, the options stay
+    additive."""
+    out = Terms().add(probe.get(key, Terms()))
+    for k, t in probe.items():
+        if k != key:
+            out.add(t)
+    for k, t in ref.items():
+        if k != key:
+            out.add(t, -1.0)
+    out.largest_unit = out.boundary = 0.0  # maxima, not sums: the base's count
+    return out
 
 
 def _least_memory(o: Option) -> float:

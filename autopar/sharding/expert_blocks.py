@@ -153,7 +153,14 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
         region = _region(graph, path)  # a ModuleList is never called: its items' nodes
         if path in lists:
             region = [n for n in graph.nodes if any(p.startswith(path + ".") for p in module_paths(n))]
-        if region and not any(n.target is MOE_EXPERTS for n in region):
+        done = next((n for n in region if n.target is MOE_EXPERTS), None)
+        if done is not None:  # collapsed by an earlier plan on this graph (the search's probes share one):
+            block = BLOCKS[done.args[4]]  # its expert tensor parallelism is this plan's
+            block.tp = None
+            if path in seeds.expert_tp:
+                _split_experts(block, seeds, mesh, seeds.expert_tp[path])
+            continue
+        if region:
             try:
                 block = (
                     _collapse_list(traced, path, len(lists[path])) if path in lists else _collapse(traced, path, region)

@@ -37,8 +37,9 @@ def test_expert_tensor_parallel_when_only_it_fits():
     )
     rec = plan.built["auto"]
     (experts,) = [c for c in rec["components"] if c["key"] == "model.layers.*.mlp.experts"]
-    assert experts["choice"] == "ep+tp" and set(experts["options"]) == {"ep", "ep+tp", "local"}, experts
-    assert experts["options"]["ep+tp"]["memory"] == pytest.approx(experts["options"]["ep"]["memory"] / 2, rel=0.05)
+    assert experts["choice"] == "ep+tp" and {"ep", "ep+tp"} <= set(experts["options"]), experts
+    # half the expert weights, and what the partial sum changes after them (charged to the choice)
+    assert experts["options"]["ep+tp"]["memory"] < 0.6 * experts["options"]["ep"]["memory"]
     local = dict(plan.module(3).named_parameters())
     for n, p in model.named_parameters():
         if ".mlp.experts." in n:
