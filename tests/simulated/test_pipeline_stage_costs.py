@@ -53,6 +53,13 @@ def test_uneven_stages_held_against_the_simulator():
     assert abs(uneven["time"] - step) < abs(even["time"] - step), (uneven["time"], even["time"], step)
     assert uneven["time"] == pytest.approx(step, rel=0.15)
     assert uneven["state"] > even["state"]  # the head's parameters are on one rank
+    # memory: the rank holding the most, as the plan counts it rank by rank (its own stages'
+    # parameters, its in-flight micro-batches' saved tensors), against ap.predict's shares
+    most = max(
+        sum(m[k] for k in ("params", "grads", "optimizer_state", "activations", "backward"))
+        for m in (plan.memory_per_rank(r) for r in mesh.ranks())
+    )
+    assert ap.predict(plan, "cpu-gloo")["memory"] == pytest.approx(most, rel=0.15)
     # ap.predict costs the plan's own stages: the unpipelined compute times the uneven share
     whole = plan.with_options(plan.options.replace(pipeline=None))
     got, unpiped = ap.predict(plan, "cpu-gloo"), ap.predict(whole, "cpu-gloo")

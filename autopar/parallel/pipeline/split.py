@@ -24,10 +24,11 @@ import torch
 import torch.fx as fx
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops
+from autopar.cost.plan_cost import node_flops, op_work
 from autopar.errors import close_matches
 from autopar.trace.module_paths import module_paths
 from autopar.errors import PipelineError
+from autopar.sharding.rules import VIEW
 
 aten = torch.ops.aten
 
@@ -43,6 +44,7 @@ class Stage:
     has_output: bool = False
     flops: float = 0.0
     param_bytes: int = 0
+    out_bytes: float = 0.0  # bytes of its ops' outputs (views left out): its share of the activations
 
     @property
     def cost(self) -> float:
@@ -79,6 +81,21 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def _out_bytes(node: fx.Node) -> float:
+    """Bytes of the tensors ``node`` makes at the traced sizes (0 for views: they share storage)."""
+    if node.op != "call_function" or op_work(node) is VIEW:
+        return 0.0
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    total = 0.0
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            total += (
+                _numel([int(d.node.hint) if isinstance(d, torch.SymInt) else d for d in v.shape]) * v.element_size()
+            )
+    return total
 
 
 def _param_bytes(node: fx.Node, attr_names: set[str]) -> int:
@@ -217,6 +234,7 @@ def split_stages(traced, mesh, options, split_paths: list[str], weights=None) ->
         for i in range(bounds[s], bounds[s + 1]):
             st.flops += flops[i]
             st.param_bytes += _param_bytes(order[i], attr_names)
+            st.out_bytes += _out_bytes(order[i])
     layout = StageLayout(options, axis, pp, stages, {}, {}, auto=not split_paths)
     layout.cut_paths = tuple(_unit(order[c]) for c in cuts)  # the cuts as split_before module paths
     _wire(graph, traced, layout, stage_of)

@@ -13,8 +13,9 @@ own nodes: ``f_s``, its share of the model's forward FLOPs, and ``p_s``, of the 
 - state: the largest sum of p_s over the stages one rank holds (rank r: stages r, r + pp, ...).
 - activations: the rank's actions walked (a forward adds its stage's share of one micro-batch,
   a backward frees it), the most held at once, with a stage's share of the activations taken as
-  its share of the FLOPs (the kept tensors per node are known to the probe's short graph only,
-  not per stage: an approximation; plan.cost() has the exact figure).
+  its share of the bytes its ops output (views left out; the tensors autograd keeps per node are
+  known to the probe's short graph only, not per stage: an approximation; plan.memory_per_rank
+  has the exact figure).
 
 Example:
     >>> shares(plan.stage_layout, plan.options.pipeline)   # {'time': 0.31, 'state': 0.27, 'acts': 0.2}
@@ -28,10 +29,9 @@ from autopar.parallel.pipeline import schedules
 def shares(layout, pipeline) -> dict:
     """{time, state, acts}: one rank's share of the unpipelined step under ``layout``'s stages."""
     pp, m, v, n = layout.pp, pipeline.microbatches, pipeline.chunks, layout.n_stages
-    flops = [st.flops for st in layout.stages]
-    params = [st.param_bytes for st in layout.stages]
-    f = [x / sum(flops) for x in flops] if sum(flops) > 0 else [1.0 / n] * n
-    p = [x / sum(params) for x in params] if sum(params) > 0 else [1.0 / n] * n
+    f = _fractions([st.flops for st in layout.stages])
+    p = _fractions([st.param_bytes for st in layout.stages])
+    a = _fractions([getattr(st, "out_bytes", st.flops) for st in layout.stages])
     plan = schedules.build(pipeline.kind, pp, m, v)
 
     def duration(a):
@@ -43,7 +43,13 @@ def shares(layout, pipeline) -> dict:
     acts = 0.0
     for actions in plan:
         held = 0.0
-        for a in actions:
-            held += f[a.stage] / m if a.kind == "F" else -f[a.stage] / m
+        for act in actions:
+            held += a[act.stage] / m if act.kind == "F" else -a[act.stage] / m
             acts = max(acts, held)
     return {"time": span, "state": state, "acts": min(1.0, acts)}
+
+
+def _fractions(values: list) -> list[float]:
+    """Each value's share of the sum (even shares when they are all 0)."""
+    total = sum(values)
+    return [v / total for v in values] if total > 0 else [1.0 / len(values)] * len(values)
