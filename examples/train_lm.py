@@ -208,7 +208,10 @@ def check_input(args, world: int) -> tuple[dict, tuple, tuple]:
     if cp > 1 and run["seq"] % (2 * cp):
         raise Usage(f"cp={cp}: --seq {run['seq']} must divide into 2 x {cp} chunks (load-balanced context parallel)")
     if cp > 1 and (pp > 1 or args.auto):
-        raise Usage("cp: not with pp (untried) nor --auto (the search does not choose context parallel)")
+        raise Usage(
+            "cp: not with pp (untried) nor --auto (untried here: without a cp axis, --auto's search may "
+            "choose context parallel on any axis itself)"
+        )
     if (args.bf16 or args.zero) and "dp" not in names:
         raise Usage("--bf16 and --zero are data-parallel options: the mesh needs a dp axis")
     if args.steps < 1:
