@@ -95,6 +95,8 @@ def search(
     if context is not None:  # the user's context-parallel axis
         structs = [s for s in structs if s.cp == mesh.axis_index(context.axis)]
     batch = batch_size(traced)
+    if context is None:
+        structs = _undominated(structs, mesh, batch, _state_floor(model, auto), auto.memory_budget)
     modes = (checkpoint.mode,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
     if dp is not None:  # the user's data parallel: over their axes only
         fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
@@ -182,9 +184,11 @@ def search(
                 not all(paths) or len(set(paths)) != len(paths) or out and lay.cut_paths == out[0][2]
             ):
                 continue  # the same cut, or one split_before cannot name
-            if (pipe, paths) not in share_of:
-                share_of[(pipe, paths)] = pipe.step_shares(mesh, lay)
-            out.append((paths, share_of[(pipe, paths)], lay.cut_paths))
+            key = (mesh.axis_size(pipe.axis), pipe.chunks, pipe.microbatches, pipe.kind, paths)  # by sizes
+            if key not in share_of:
+                share_of[key] = {k: v for k, v in pipe.step_shares(mesh, lay).items() if k != "sends"}
+            shares = {**share_of[key], "sends": pipe.step_shares(mesh)["sends"]}  # the sends on its own axis
+            out.append((paths, shares, lay.cut_paths))
         return [(paths, shares) for paths, shares, _ in out]
 
     options = []
@@ -514,6 +518,55 @@ def job_device(traced):
         if isinstance(val, torch.Tensor):
             return val.device
     return None
+
+
+def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None) -> list:
+    """``structs`` without the context-parallel ones that cannot win, left out unprobed (at 512
+    ranks most cp structures are such):
+    - data parallel on the same axis beats it where the batch rows also divide over that axis as
+      data parallel (the axis alone, or joined to the dp axis next to it) and such a structure is
+      among ``structs``: it splits the same compute and activations, its gradient sync is the one
+      cp runs too (the parameters are replicated on a cp axis), it can shard the state (ZeRO),
+      and it has no K/V to move;
+    - it cannot fit: the training state (``floor`` bytes: parameters, gradients, optimizer
+      state) spread over every rank of its dp, tp and pp axes (the most any option shards it:
+      ZeRO-3 over dp; a cp axis keeps it whole) is more than ``budget`` per rank."""
+    plain = {(s.dp, s.rep, s.tp, s.sp, s.pp) for s in structs if s.cp is None}
+
+    def size(*axes):
+        n = 1
+        for a in axes:
+            n *= mesh.shape[a] if a is not None else 1
+        return n
+
+    out = []
+    for s in structs:
+        if s.cp is not None and batch is not None:
+            a = s.cp
+            alternatives = []
+            if s.dp is None:
+                alternatives.append((a, None, s.tp, s.sp, None))
+            elif s.rep is None and a == s.dp - 1:
+                alternatives.append((s.dp, a, s.tp, s.sp, None))
+            elif s.rep is None and a == s.dp + 1:
+                alternatives.append((a, s.dp, s.tp, s.sp, None))
+            if any(alt in plain and batch % size(alt[0], alt[1]) == 0 for alt in alternatives):
+                continue
+        if s.cp is not None and budget is not None and floor / size(s.dp, s.rep, s.tp, s.pp) > budget:
+            continue
+        out.append(s)
+    return out
+
+
+def _state_floor(model, auto) -> float:
+    """Bytes of the whole model's training state as the search counts it (evaluate.py):
+    parameters, their gradients and ``optimizer_states`` fp32 copies of each trained one."""
+    total = 0.0
+    for p in model.parameters():
+        total += p.numel() * p.element_size()
+        if p.requires_grad:
+            total += p.numel() * (p.element_size() + 4 * auto.optimizer_states)
+    return total
 
 
 def _context_options(traced, comps, auto, context) -> tuple:

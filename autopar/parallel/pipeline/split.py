@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +106,26 @@ def _param_bytes(node: fx.Node, attr_names: set[str]) -> int:
             v = a.meta["val"]
             total += _numel(v.shape) * v.element_size()
     return total
+
+
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GraphModule -> (its nodes, their costs)
+
+
+def _node_costs(gm, order: list, mesh, attr_names: set) -> tuple[list, list, list]:
+    """(forward FLOPs, parameter bytes read, output bytes) of each node of ``order``, at the traced
+    sizes (no layout: the same for every mesh). Kept per graph while its nodes stay the same (the
+    search cuts one graph into stages for each stage count)."""
+    cached = _COSTS.get(gm)
+    if cached is not None and cached[0] == order:
+        return cached[1]
+    sizes = Numbers(mesh)  # FLOPs by the work each op's rule file declares (cost/plan_cost.py)
+    costs = (
+        [float(node_flops(n, sizes)) for n in order],
+        [_param_bytes(n, attr_names) for n in order],
+        [_out_bytes(n) for n in order],
+    )
+    _COSTS[gm] = (order, costs)
+    return costs
 
 
 # ------------------------------------------------------------------------------- cuts
@@ -211,9 +232,8 @@ def split_stages(traced, mesh, options, split_paths: list[str], weights=None) ->
     graph = traced.gm.graph
     order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     attr_names = set(traced.param_fqn) | set(traced.buffer_fqn) | set(traced.constant_fqn)
-    sizes = Numbers(mesh)  # FLOPs by the work each op's rule file declares (cost/plan_cost.py)
-    flops = [float(node_flops(n, sizes)) for n in order]
-    costs = [3.0 * f + _param_bytes(n, attr_names) for n, f in zip(order, flops)]
+    flops, params, outs = _node_costs(traced.gm, order, mesh, attr_names)
+    costs = [3.0 * f + b for f, b in zip(flops, params)]
     if split_paths:
         cuts = annotated_cuts(order, split_paths)
         if len(cuts) + 1 != n_stages:
@@ -233,8 +253,8 @@ def split_stages(traced, mesh, options, split_paths: list[str], weights=None) ->
             raise PipelineError(f"Pipeline stage {s} has no operations; move the split_before annotations.")
         for i in range(bounds[s], bounds[s + 1]):
             st.flops += flops[i]
-            st.param_bytes += _param_bytes(order[i], attr_names)
-            st.out_bytes += _out_bytes(order[i])
+            st.param_bytes += params[i]
+            st.out_bytes += outs[i]
     layout = StageLayout(options, axis, pp, stages, {}, {}, auto=not split_paths)
     layout.cut_paths = tuple(_unit(order[c]) for c in cuts)  # the cuts as split_before module paths
     _wire(graph, traced, layout, stage_of)
