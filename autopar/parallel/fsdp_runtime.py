@@ -104,13 +104,15 @@ class FSDPRuntime:
         return None
 
     def _flatten(self, module, b: FlatBucket) -> torch.Tensor:
-        """The bucket's chunk as one buffer; the module's pieces become views of it."""
-        flat = torch.zeros(b.chunk, dtype=b.dtype)
+        """The bucket's chunk as one buffer; the module's pieces become views of it (on the meta
+        device for a meta-device model: shapes only, no data to copy, no host memory taken)."""
+        meta = any(p is not None and p.is_meta for p in (self._param(module, n) for n in b.names))
+        flat = torch.zeros(b.chunk, dtype=b.dtype, device="meta" if meta else None)
         with torch.no_grad():
             for i, name in enumerate(b.names):
                 lo, hi = b.piece(i, self.pos)
                 p = self._param(module, name)
-                if hi > lo:
+                if hi > lo and not meta:
                     flat[lo:hi].copy_(p.detach().reshape(-1))
                 p.data = flat[lo:hi]
         return flat
