@@ -20,9 +20,9 @@ from autopar.runtime.simulator import run_ranks
 
 def heavy_head_gpt():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16384, block_size=32, n_layer=2, n_head=4, n_embd=128, tied=False))
+    model = GPT(GPTConfig(vocab_size=16384, block_size=64, n_layer=2, n_head=4, n_embd=256, tied=False))
     g = torch.Generator().manual_seed(1)
-    idx, tg = (torch.randint(0, 16384, (8, 32), generator=g) for _ in range(2))
+    idx, tg = (torch.randint(0, 16384, (8, 64), generator=g) for _ in range(2))
     return model, (idx, tg)
 
 
@@ -34,7 +34,7 @@ def test_uneven_stages_held_against_the_simulator():
     lay = plan.stage_layout
     total = sum(st.flops for st in lay.stages)
     predicted = [st.flops / total for st in lay.stages]
-    assert max(predicted) > 0.7  # the head's stage: no cut is even
+    assert max(predicted) > 0.65  # the head's stage: no cut is even
     runners = [plan.pipeline_runner(r) for r in mesh.ranks()]
     cpu = {}
     for _ in range(3):  # the last step measured (each step starts a new timeline; the first ones warm up)
@@ -61,7 +61,7 @@ def test_uneven_stages_held_against_the_simulator():
     )
     # within 35%: a stage's share of the activations is taken as its share of the bytes its ops
     # output, which under-counts the head's stage here (its fp32 logits and the cross-entropy's
-    # saved tensors over a 16,384-word vocabulary: 0.70x when written)
+    # saved tensors over a 16,384-word vocabulary: 0.87x when written)
     assert ap.predict(plan, "cpu-gloo")["memory"] == pytest.approx(most, rel=0.35)
     # ap.predict costs the plan's own stages: the unpipelined compute times the uneven share
     whole = plan.with_options(plan.options.replace(pipeline=None))
