@@ -64,6 +64,8 @@ def _position_terms(plan, pipeline, sy, terms: dict, pos: int) -> dict:
         out["recompute"] = max(whole, key=sy.value)
     elif "recompute" in terms:  # checkpointed blocks inside the stage: one block, one micro-batch
         out["recompute"] = sympy.sympify(terms["recompute"]).xreplace(micro)
+    if "workspace" in terms:  # one lowered op's buffers while it runs (cp attention): one micro-batch
+        out["workspace"] = sympy.sympify(terms["workspace"]).xreplace(micro)
     if "backward" in terms:  # the loss's backward: the last stage's, one micro-batch
         last = any(st.has_output for st in mine)
         out["backward"] = sympy.sympify(terms["backward"]).xreplace(micro) if last else sympy.Integer(0)
