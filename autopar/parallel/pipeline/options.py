@@ -84,6 +84,10 @@ class Pipeline(Technique):
     def after_plan(self, plan):
         return api.stage_layout(plan, self, list(plan.options.split_before))
 
+    def batch_pieces(self) -> int:
+        """The runner cuts each rank's batch into ``microbatches`` (runner._chunk)."""
+        return self.microbatches
+
     def step_shares(self, mesh) -> dict:
         """A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
         of one micro-batch's stage work (1/chunks of it interleaved), so the step takes
