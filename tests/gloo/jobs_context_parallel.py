@@ -47,3 +47,24 @@ def train_matches_serial(method, mesh_name, steps=2, lr=0.2):
         "max_rel": max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters())),
         "losses": losses,
     }
+
+
+def pipeline_matches_serial(method):
+    """pp x cp on four processes: the LLaMA-style model in two pipeline stages, each sequence split
+    on cp (load balanced), one step of 2 micro-batches; the loss and this rank's gradient errors
+    against the serial step."""
+    from tests.harness.serial import grad_errors, serial_step
+
+    rank = dist.get_rank()
+    model, batch = llama_like(), llama_batch(batch=8)
+    serial_loss, serial_grads = serial_step(model, batch)
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("pp", "cp")),
+        args=batch,
+        context_parallel=ap.ContextParallel("cp", method=method, load_balance=True),
+        pipeline=ap.Pipeline("pp", microbatches=2),
+    )
+    runner = plan.pipeline_runner(rank)
+    loss = runner.step(batch)
+    return {"loss": loss.item(), "serial": serial_loss.item(), "errors": grad_errors(plan, rank, runner, serial_grads)}

@@ -14,6 +14,15 @@ def test_context_parallel_training_matches_serial_over_gloo(gloo, method, mesh_n
             assert abs(got - want) < 1e-5 * max(1.0, abs(want))
 
 
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_pipeline_with_context_parallel_matches_serial_over_gloo(gloo, method):
+    """pp x cp (2, 2): pipeline stages over real processes, the sequences split on cp (load
+    balanced), 2 micro-batches: the loss and every rank's gradients equal the serial step's."""
+    for r in gloo(4).run("tests.gloo.jobs_context_parallel:pipeline_matches_serial", method):
+        assert abs(r["loss"] - r["serial"]) < 1e-5 * max(1.0, abs(r["serial"])), r
+        assert not r["errors"], r["errors"][:5]
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_memory_model_matches_live_bytes(gloo, cp):
     """bench/bench_context_parallel.py's memory job at its quick sizes (HF LLaMA, GQA, one sequence
