@@ -101,7 +101,11 @@ def plan_record(plan) -> dict:
         "format": FORMAT,
         "version": VERSION,
         "model": {"class": type(plan.model).__name__, "params": model_params(plan.model)},
-        "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
+        "mesh": {
+            "shape": list(plan.mesh.shape),
+            "axes": list(plan.mesh.axis_names),
+            "parts": [list(p) for p in plan.mesh.parts],  # two axes merged into one (their names)
+        },
         "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
         "autopar_version": _version(),
         "options": _options_out(plan.options),
@@ -188,7 +192,8 @@ def read_plan_file(path, model: torch.nn.Module, *, mesh: Mesh | None = None, ar
         rec = json.load(f)
     _check_header(rec, path)
     _check_model(rec, model, path)
-    saved_mesh = Mesh(tuple(rec["mesh"]["shape"]), tuple(rec["mesh"]["axes"]))
+    parts = tuple(tuple(p) for p in rec["mesh"].get("parts", ()))
+    saved_mesh = Mesh(tuple(rec["mesh"]["shape"]), tuple(rec["mesh"]["axes"]), parts)
     if mesh is not None and (tuple(mesh.shape) != saved_mesh.shape or tuple(mesh.axis_names) != saved_mesh.axis_names):
         raise PlanFileError(
             f"{path} was saved for mesh {saved_mesh}, not {mesh}: plan again with "
