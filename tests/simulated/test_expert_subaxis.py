@@ -77,11 +77,14 @@ def test_sub_axis_groups_and_placement():
     assert torch.equal(merge_tensors(pieces, (p,), mesh), w)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_routed_experts_within_groups(kind):
+@pytest.mark.parametrize(
+    "kind,zero", [("mixtral", 0), ("qwen3_moe", 0), ("mixtral", 3)], ids=["mixtral", "qwen3", "hsdp"]
+)
+def test_routed_experts_within_groups(kind, zero):
     """HF's experts fed routing that never picks the last expert: 2 of the 4 experts per rank,
-    the dispatch on "b", the experts' gradients summed over "a", 3 AdamW steps equal serial."""
-    model, batches, plan = _routed_plan(kind, AB)
+    the dispatch on "b", the experts' gradients summed over "a", 3 AdamW steps equal serial.
+    zero=3 (HSDP: the dense weights sharded over b, replicated over a): the same for the experts."""
+    model, batches, plan = _routed_plan(kind, AB, zero=zero)
     moe = [c for c in plan.collectives() if c.node.startswith("moe_experts")]
     # counts, rows, outputs back; backward: the outputs' gradients (the input x needs none)
     assert [c.kind for c in moe] == ["all_to_all"] * 4 and {c.axis for c in moe} == {"b"}, moe
@@ -89,9 +92,9 @@ def test_routed_experts_within_groups(kind):
     experts = set(_experts(model))
     by_axes = {n: b.axes for b in buckets for n in b.names}
     assert all(by_axes[n] == (SubAxis(0, 2, "outer", "a"),) for n in experts), by_axes
-    assert all(by_axes[n] == (0,) for n in by_axes if n not in experts), by_axes
+    assert all(by_axes[n] == (0,) for n in by_axes if n not in experts), by_axes  # zero=3: none
     synced = {c.axis for c in plan.collectives() if c.phase == "grad sync"}
-    assert synced == {"a", "a_b"}, synced
+    assert synced == {"a", "a_b"}, synced  # zero=3: the dense ones reduce-scattered over a_b
     for rank in range(4):
         local = dict(plan.module(rank).named_parameters())
         assert all(local[n].shape[0] == M.EXPERTS // 2 for n in experts if local[n].dim() == 3)
@@ -145,3 +148,15 @@ def test_outer_axis_is_refused():
             data_parallel=DP,
             dynamic=False,
         )
+
+
+def test_saved_plan_keeps_the_groups(tmp_path):
+    """plan.save / ap.load_plan: the merged axis' parts travel with the mesh, so the loaded plan
+    names the dispatch's and the experts' sync's groups as the saved one does."""
+    model, batches, plan = _routed_plan("mixtral", AB)
+    plan.save(tmp_path / "p.json")
+    loaded = ap.load_plan(tmp_path / "p.json", model, args=batches[0])
+    assert [(c.kind, c.axis, c.phase) for c in loaded.collectives()] == [
+        (c.kind, c.axis, c.phase) for c in plan.collectives()
+    ]
+    assert loaded.param_specs["experts.down_proj"] == (Shard(0, within=2),)
