@@ -17,6 +17,7 @@ from autopar.mesh import SubAxis
 from autopar.placement import Shard, merge_tensors, parse_placement, shard_tensor
 from autopar.runtime.simulator import run_ranks
 from tests.harness import moe as M
+from tests.harness import moe_lists as L
 from tests.harness.serial import assert_params_close
 
 AB = ap.Mesh((2, 2), ("a", "b"))
@@ -160,3 +161,23 @@ def test_saved_plan_keeps_the_groups(tmp_path):
         (c.kind, c.axis, c.phase) for c in plan.collectives()
     ]
     assert loaded.param_specs["experts.down_proj"] == (Shard(0, within=2),)
+
+
+def test_list_experts_within_groups_with_expert_tp():
+    """A per-expert ModuleList over b with each expert tp-split, on (2, 2, 2): rank 5 (a=1, b=0,
+    tp=1) holds experts 0-1 (w1/w3 column halves, w2 row halves), 2-3 empty; forward, every
+    gradient and 3 AdamW steps equal serial."""
+    batches = [M.routing(16, seed=s) for s in range(3)]
+    ann = {"experts": ap.expert_parallel("b", tp="tp")}
+    plan = ap.plan(
+        L.RoutedListExperts("mixtral"), ABT, args=batches[0], annotations=ann, data_parallel=DP, dynamic=False
+    )
+    local = {n: tuple(p.shape) for n, p in plan.module(5).named_parameters()}
+    half = M.FFN // 2
+    assert local["experts.0.w1.weight"] == (half, M.HIDDEN) and local["experts.0.w2.weight"] == (M.HIDDEN, half)
+    assert local["experts.3.w1.weight"] == (half, 0) and local["experts.3.w2.weight"] == (0, half)
+    plan.check(*batches[0], rtol=1e-4, atol=1e-5)
+    serial = M.train_serial(L.RoutedListExperts("mixtral"), batches, eps=1e-3)
+    per_rank, merged = _train(plan, batches)
+    assert_params_close(merged, serial)
+    _replicas_equal(plan, per_rank, [n for n in serial if "experts." in n])
