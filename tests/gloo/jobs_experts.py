@@ -172,3 +172,35 @@ def sub_axis_three_adamw_steps(kind: str):
         return None, held, groups
     serial = M.train_serial(M.RoutedExperts(kind), batches, eps=1e-3)
     return max_rel_diff(plan.merge_state_dicts(gathered), serial), held, groups
+
+
+def sub_axis_checkpoint(path: str):
+    """Stacked experts over b with the batch over (a, b) = (2, 2), one AdamW step, saved through
+    DCP; loaded into a plain serial state dict and back into a fresh plan of the same layout:
+    (whether the keys are the serial model's, the worst difference in each)."""
+    batch = M.routing(16)
+    mesh, dp = ap.Mesh((2, 2), ("a", "b")), ap.DataParallel("b", replicate_axis="a")
+    ann = {"experts": ap.expert_parallel("b")}
+    module = ap.parallelize(M.RoutedExperts("mixtral"), mesh, args=batch, annotations=ann, data_parallel=dp)
+    plan, rank = module.autopar_plan, dist.get_rank()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+    args, _ = plan.local_inputs(rank, *batch)
+    M.loss_of(module(*args)).backward()
+    opt.step()
+    model_sd, _ = ap.get_state_dict(module)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in module.named_parameters()})
+    want = plan.merge_state_dicts(gathered)
+    serial = {n: torch.zeros_like(t) for n, t in M.RoutedExperts("mixtral").state_dict().items()}
+    dcp.load({"model": serial}, checkpoint_id=path)
+    again = ap.parallelize(M.RoutedExperts("mixtral", seed=1), mesh, args=batch, annotations=ann, data_parallel=dp)
+    sd, _ = ap.get_state_dict(again)
+    dcp.load({"model": sd}, checkpoint_id=path)
+    ap.set_state_dict(again, model_state_dict=sd)
+    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in again.named_parameters()})
+    got = again.autopar_plan.merge_state_dicts(gathered)
+    mine = {n: p.detach() for n, p in again.named_parameters()}
+    local_ok = all(torch.equal(mine[n], m.detach()) for n, m in module.named_parameters())
+    worst = [max((d[n] - want[n]).abs().max().item() for n in want) for d in (serial, got)]
+    return sorted(model_sd) == sorted(serial), worst, local_ok

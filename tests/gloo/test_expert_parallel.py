@@ -74,3 +74,10 @@ def test_real_gloo_dispatch_within_groups_of_b(gloo):
         assert {g for kind, g in groups if kind == "all_to_all"} == {b_group}, groups
         assert ("all_reduce", a_group) in groups, groups
     print("max relative difference from serial", results[0][0])
+
+
+def test_sub_axis_experts_checkpoint(gloo, tmp_path):
+    """DCP of experts split within the groups of b (replicated over a): the serial tensors, and
+    the same pieces on every rank when loaded into a fresh plan of that layout."""
+    results = gloo(4).run("tests.gloo.jobs_experts:sub_axis_checkpoint", str(tmp_path / "ck"), timeout=300)
+    assert all(same and worst == [0, 0] and local_ok for same, worst, local_ok in results), results
