@@ -181,3 +181,24 @@ def test_list_experts_within_groups_with_expert_tp():
     per_rank, merged = _train(plan, batches)
     assert_params_close(merged, serial)
     _replicas_equal(plan, per_rank, [n for n in serial if "experts." in n])
+
+
+def test_sub_axis_errors():
+    """More ranks than experts over both axes, and two axes that are not the merged pair."""
+    batch = M.routing(16)
+    with pytest.raises(ap.PlanError, match="more ranks than experts"):
+        ap.plan(
+            M.RoutedExperts("mixtral"),
+            ap.Mesh((2, 4), ("a", "b")),
+            args=batch,
+            annotations={"experts": ap.expert_parallel(("a", "b"))},
+            data_parallel=DP,
+        )
+    with pytest.raises(ap.PlanError, match="are not one data-parallel axis"):
+        ap.plan(
+            M.RoutedExperts("mixtral"),
+            AB,
+            args=batch,
+            annotations={"experts": ap.expert_parallel(("b", "a"))},
+            data_parallel=DP,
+        )
