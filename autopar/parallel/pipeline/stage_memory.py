@@ -34,7 +34,9 @@ import torch
 
 from autopar.cost.activation_memory import activation_bytes, saved_activations, tensor_bytes
 from autopar.cost.formulas import Numbers, PlanSymbols
+from autopar.parallel.ac_memory import draws_random
 from autopar.parallel.pipeline import messages, schedules
+from autopar.runtime.rng import initial_state
 from autopar.parallel.pipeline.schedules import Action
 
 
@@ -116,7 +118,11 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
         if a.kind == "F":
             done = where.get(Action("B", a.microbatch, a.stage), n)  # forward-only: to the step's end
             if a.stage not in own:
-                own[a.stage] = 0 if pipeline.checkpoint else _kept_bytes(plan, sy, st, own=False, boundary=False)
+                own[a.stage] = (
+                    _replay_bytes(plan, st)
+                    if pipeline.checkpoint
+                    else _kept_bytes(plan, sy, st, own=False, boundary=False)
+                )
             out.append((i, done, own[a.stage]))
             for msg in messages.received(lay, a):  # the stage's inputs, until its backward
                 first = where.get(messages.sender_action(msg), i) if local(msg) else i
@@ -133,6 +139,16 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
         if post < taken:
             out.append((post, taken, size(msg.value)))
     return out
+
+
+def _replay_bytes(plan, st) -> int:
+    """What a checkpointed stage keeps per micro-batch beside its inputs: a copy of the stage's
+    dropout generator state when it draws (the recompute replays the forward's masks), a CPU
+    generator's state in bytes. (The runner also keeps ``torch.get_rng_state()``, as many bytes
+    again, made outside any op: LiveBytes does not see it, and the model leaves it out.)"""
+    names = set(st.nodes)
+    drawing = any(draws_random(n) for n in plan.graph.nodes if n.name in names and n.op == "call_function")
+    return initial_state(0).numel() if drawing else 0
 
 
 def _kept_bytes(plan, sy, st, own: bool, boundary: bool = True):
