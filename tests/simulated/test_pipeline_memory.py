@@ -54,12 +54,13 @@ def test_one_f_one_b_holds_no_more_with_more_micro_batches():
         assert small[0].memory_per_rank(rank)["activations"] == big[0].memory_per_rank(rank)["activations"]
 
 
-def test_a_send_is_let_go_once_its_receiver_answered():
-    """1F1B on 4 stages: every release happens after an action that heard from the receiver after
-    the receiver consumed the message (so the runner's wait on the send returns at once)."""
-    plan, _ = _plan("1f1b", False)
+@pytest.mark.parametrize("schedule,chunks,m", [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved", 2, 8)])
+def test_a_send_is_let_go_once_its_receiver_answered(schedule, chunks, m):
+    """Every release happens after an action that heard from the receiver after the receiver
+    consumed the message (so the runner's wait on the send returns at once)."""
+    plan, _ = _plan(schedule, False, chunks, microbatches=m, batch=2 * m)
     lay = plan.stage_layout
-    built = schedules.build("1f1b", lay.pp, 4)
+    built = schedules.build(schedule, lay.pp, m, chunks)
     for pos in range(lay.pp):
         acts, got = built[pos], messages.releases(lay, built, pos)
         where = {a: i for i, a in enumerate(acts)}
@@ -73,6 +74,16 @@ def test_a_send_is_let_go_once_its_receiver_answered():
                 heard = [built[q].index(messages.sender_action(r)) for r in messages.received(lay, acts[i])
                          if lay.rank_of_stage(r.src) == q]  # fmt: skip
                 assert any(at >= consumed for at in heard), (pos, i, m)
+        # a value that gets a gradient back is always let go before the step's end (at the latest
+        # by the backward that receives that gradient)
+        let_go = {m: i for i, ms in got.items() for m in ms}
+        for i, a in enumerate(acts):
+            for m in messages.sent(lay, a):
+                if m.direction == 0 and lay.kinds[m.value] == "grad" and lay.rank_of_stage(m.dst) != pos:
+                    back = where[Action("B", m.microbatch, m.producer)]
+                    assert let_go.get(m, len(acts)) <= back, (pos, m)
+    if schedule != "1f1b":
+        return
     # rank 0's sends to stage 1 (micro-batch 0's boundary values) are let go at its first
     # backward, B0, which receives the gradient stage 1 sent after it consumed them; its sizes
     # sent to stages 2 and 3 (ints: no gradient comes back, nothing later from them) at the end
