@@ -37,29 +37,19 @@ def train_matches_serial(mode, steps=2, lr=0.2, offload=False, zero=0):
     return {"max_rel": max_rel_diff(merged_parameters(module), dict(serial.named_parameters())), "losses": losses}
 
 
-def pipeline_memory(schedule, checkpoint=False, microbatches=4):
-    """A 4-block GPT on 4 pipeline ranks: the bytes this rank holds after each of its forwards
-    (LiveBytes: what its in-flight micro-batches keep), the most of them, against the model's
-    ``memory_per_rank(rank)["activations"]`` (its stage, its schedule's micro-batches in flight)."""
-    from autopar.runtime.live_bytes import LiveBytes
+def pipeline_memory(schedule, checkpoint=False, microbatches=4, chunks=1):
+    """A 4-block GPT on 4 pipeline ranks (``chunks`` stages per rank): the bytes this rank holds
+    between its actions (LiveBytes: its in-flight micro-batches and the messages it holds), the
+    most of them, against the model's ``memory_per_rank(rank)["activations"]``."""
     from tests.harness.models import small_gpt
+    from tests.harness.pipeline_memory import held_between_actions
 
     rank = dist.get_rank()
-    batch = gpt_batch(batch=8, seq=16)
-    pipe = ap.Pipeline("pp", microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
-    plan = ap.plan(small_gpt(layers=4), ap.Mesh((4,), ("pp",)), args=batch, pipeline=pipe)
+    batch = gpt_batch(batch=2 * microbatches, seq=16)
+    pipe = ap.Pipeline("pp", microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, chunks=chunks)
+    plan = ap.plan(small_gpt(layers=4 * chunks), ap.Mesh((4,), ("pp",)), args=batch, pipeline=pipe)
     runner = plan.pipeline_runner(rank)
-    runner.step(batch)  # warm-up: gradients allocated
-    forward, held = runner._forward, []
-    with LiveBytes() as mem:
-
-        def counted(*a, **k):
-            forward(*a, **k)
-            held.append(mem.refresh().live)  # what the forward dropped after its last op counted out
-
-        runner._forward = counted
-        runner.step(batch)
-    runner._forward = forward
+    held = held_between_actions(runner, batch)
     predicted = plan.memory_per_rank(rank)
     return {
         "held": max(held),
