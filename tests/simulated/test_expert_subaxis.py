@@ -250,3 +250,22 @@ def test_pipeline_with_experts_over_b():
         sopt.step()
         sopt.zero_grad()
         assert losses == pytest.approx([want.item()] * mesh.size, rel=1e-5)
+
+
+def test_zero2_steps_the_experts_whole():
+    """zero=2 shards the dense buckets' gradients and optimizer state over a_b; the experts'
+    bucket (synced over a) is stepped whole by ap.ZeroOptimizer: 3 AdamW steps equal serial."""
+    model, batches, plan = _routed_plan("mixtral", AB, zero=2)
+
+    def steps(rank):
+        module = plan.build_module(rank)
+        opt = plan.zero_optimizer(module, torch.optim.AdamW, lr=0.01, weight_decay=0.1, eps=1e-3)
+        for b in batches:
+            args, _ = plan.local_inputs(rank, *b)
+            M.loss_of(module(*args)).backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    merged = plan.merge_state_dicts(run_ranks(4, steps))
+    assert_params_close(merged, M.train_serial(M.RoutedExperts("mixtral"), batches, eps=1e-3))
