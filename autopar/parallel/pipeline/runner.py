@@ -43,12 +43,11 @@ from autopar.parallel.grad_sync import GradSync
 from autopar.runtime.rng import replayed_rng, rng_state
 from autopar.runtime.simulator import SimBackend
 from autopar.codegen.rank_state import set_attr
-from autopar.parallel.pipeline import schedules
+from autopar.parallel.pipeline import messages, schedules
+from autopar.parallel.pipeline.messages import PREFETCH_AHEAD
 from autopar.errors import PipelineError
 from autopar.parallel.pipeline.p2p import channel
 from autopar.parallel.pipeline.stage_module import build_stage_module
-
-PREFETCH_AHEAD = 1  # receives posted for the current action and this many after it
 
 
 @dataclass
@@ -108,7 +107,7 @@ class PipelineRunner:
         self.timeline: list[Event] = []
         self.stats: dict = {}
         self.measure = measure  # None: on under the simulator (see the module docstring)
-        self._schedules: dict = {}  # (kind, train) -> this rank's actions
+        self._schedules: dict = {}  # train -> this rank's actions and the sends each lets go of
         self._receive_lists: dict = {}  # (kind, stage, micro-batch) -> its receives (_receives)
 
     # ------------------------------------------------------------------ parameters
@@ -262,8 +261,8 @@ class PipelineRunner:
         self._inputs, self._labels = self._micro_inputs(batch), self._micro_labels(labels)
         if train not in self._schedules:  # the same every step
             built = schedules.build(o.kind, lay.pp, o.microbatches, o.chunks, forward_only=not train)
-            self._schedules[train] = built[self.pp_rank]
-        acts = self._schedules[train]
+            self._schedules[train] = built[self.pp_rank], self._release_keys(built)
+        acts, releases = self._schedules[train]
         backend = current_backend()
         self._ch = channel(backend, self.rank, self.p2p_group)
         self._measuring = isinstance(backend, SimBackend) if self.measure is None else self.measure
@@ -282,10 +281,21 @@ class PipelineRunner:
                 self._forward(a, train)
             else:
                 self._backward(a)
+            for dst, tag in releases.get(i, ()):  # sends this action proved arrived: let go of them
+                self._ch.release(dst, tag)
         self._ch.flush()
         if train:
             self._sync_grads()
         return self._reduce_results()
+
+    def _release_keys(self, built) -> dict:
+        """Action index -> (dst rank, tag) of the sends known arrived once it has run (messages.py)."""
+        lay = self.layout
+        return {
+            i: [(self.rank_at(lay.rank_of_stage(m.dst)), self._tag(m.microbatch, m.value, m.consumer, m.direction))
+                for m in found]
+            for i, found in messages.releases(lay, built, self.pp_rank).items()
+        }  # fmt: skip
 
     def _receives(self, a) -> list[tuple]:
         """The messages action ``a`` receives: (src rank, tag, dtype, stream) each (worked out
