@@ -48,7 +48,13 @@ from autopar.errors import PipelineError
 from autopar.parallel.pipeline.p2p import channel
 from autopar.parallel.pipeline.stage_module import build_stage_module
 
-PREFETCH_AHEAD = 1  # receives posted for the current action and this many after it
+# Receives are posted for the current action and this many after it. A receive posted after its
+# message was sent costs a round trip through gloo's threads (the send waits for the receiver's
+# notice). bench/bench_pipeline_overhead.py's 1F1B p=2 m=8, 10 steps, receives posted after their
+# send (CLOCK_MONOTONIC on both ranks): 23 of 160 one action ahead, 9 at two, 4 at four, 5 with
+# the whole step's posted at its start, 2 for the hand-written pipeline (which posts them all).
+# Four bounds the buffers posted ahead to four messages' worth.
+PREFETCH_AHEAD = 4
 MAX_SHAPES = 64  # input shapes whose boundary shapes a runner's channel remembers (then it starts afresh)
 
 
@@ -115,6 +121,8 @@ class PipelineRunner:
         self._ch = self._ch_backend = None  # the p2p channel, kept across steps (it knows the shapes)
         self._shape_ids: dict = {}  # a micro-batch's input shapes -> a small int (in its streams)
         self._loss_group = loss_group(plan, self.rank)  # pp x dp: the step's loss in one all-reduce
+        self._holds_last = lay.n_stages - 1 in self.stage_ids
+        self._n_results = 1 if self.metric_fn is None else 2
 
     # ------------------------------------------------------------------ parameters
     def _holder(self) -> nn.Module:
@@ -322,6 +330,11 @@ class PipelineRunner:
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0 if self._measuring else None}
         self._held_bytes = 0
         self._backwards: dict[int, int] = {}
+        self._loss_work = None
+        if sync_loss and not self._holds_last and self._folded(backend):  # its part is zeros: at once
+            self._loss_work = backend.all_reduce_async(torch.zeros(self._n_results), self._loss_group, self.rank)
+        self._last_forwards = 0
+        self._sync_loss = sync_loss
         try:
             for i, a in enumerate(acts):
                 self._prefetch(acts[i : i + 1 + PREFETCH_AHEAD])
@@ -428,6 +441,11 @@ class PipelineRunner:
         with counter, torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
             sends, loss = self._split_outputs(st, outs, a.microbatch)
+        if st.has_output:
+            self._last_forwards += 1
+            if self._last_forwards == self.options.microbatches and self._sync_loss and self._folded(current_backend()):
+                # every loss of the step is known: its all-reduce goes while the backwards run
+                self._loss_work = current_backend().all_reduce_async(self._local_values(), self._loss_group, self.rank)
         t1 = time.perf_counter()
         self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0 if measuring else None))
         for (name, _), v, to in zip(st.send, sends, self._sends(a)):
@@ -578,25 +596,34 @@ class PipelineRunner:
 
     def _local_results(self):
         """``sync_loss=False``: this rank's loss (and metric) where it holds the last stage, else None."""
-        if self.layout.n_stages - 1 not in self.stage_ids:
+        if not self._holds_last:
             return (None, None) if self.metric_fn is not None else None
         v = self._local_values()
         return (v[0], v[1]) if self.metric_fn is not None else v[0]
 
+    def _folded(self, backend) -> bool:
+        """Whether the loss goes in one all-reduce over the pp x dp ranks: the backend has that
+        group (parallel/process_groups.py makes it: Pipeline.process_groups; the simulator has
+        every group), or there is no dp axis (the pp group's)."""
+        return self.plan.dp_axis is None or self._loss_group in getattr(backend, "groups", (self._loss_group,))
+
     def _reduce_results(self, backend):
         """The mean loss (and metric) over micro-batches and data-parallel ranks, on every rank:
         one all-reduce over the pp x dp ranks (the sum over stages, where only the last holds a
-        loss, and over the dp ranks, divided by their number) where the backend has that group
-        (parallel/process_groups.py makes it: Pipeline.process_groups), else pp then dp."""
-        v, mesh, dp = self._local_values(), self.plan.mesh, self.plan.dp_axis
-        group = self._loss_group
-        if dp is None or group in getattr(backend, "groups", (group,)):
-            v = backend.all_reduce(v, group, self.rank, "sum")
+        loss, and over the dp ranks, divided by their number), launched early so that it runs
+        while the step computes: by the ranks without the last stage at the step's start (their
+        part is zeros), by the last stage's after its last forward. Where the backend lacks the
+        pp x dp group: pp, then dp, at the end."""
+        mesh, dp = self.plan.mesh, self.plan.dp_axis
+        if self._loss_work is not None:
+            v = self._loss_work.wait()
             if dp is not None:
                 v = v / mesh.axis_size(dp)
         else:
+            v = self._local_values()
             v = backend.all_reduce(v, mesh.group(self.layout.axis, self.rank), self.rank, "sum")
-            v = backend.all_reduce(v, mesh.group(dp, self.rank), self.rank, "avg")
+            if dp is not None:
+                v = backend.all_reduce(v, mesh.group(dp, self.rank), self.rank, "avg")
         return (v[0], v[1]) if self.metric_fn is not None else v[0]
 
 
