@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the gloo work
 
 def order_job(size: str, steps: int) -> list[dict]:
     """Runs on both ranks: ``steps`` instrumented steps of the autopar contender; rank 0's events."""
+    import cProfile
+    import pstats
+
     import torch
     import torch.distributed as dist
-    from torch.overrides import TorchFunctionMode
 
     from bench.bench_dp import BUCKET_MB, _batch, _model
     from bench.common import train_step
@@ -59,24 +61,19 @@ def order_job(size: str, steps: int) -> list[dict]:
             p.register_post_accumulate_grad_hook(lambda _p, n=name: events.append(("grad", sync.where[n][0])))
 
     watched = ("cat", "_foreach_copy_", "div_", "copy_")
-
-    class Count(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = dict.fromkeys(watched, 0)
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name in self.calls:
-                self.calls[name] += 1
-            return func(*args, **(kwargs or {}))
-
     out = []
     for _ in range(steps):
         buckets = [len(b.names) for b in sync.buckets]
         events.clear()
-        with Count() as counter:
-            step()
+        prof = cProfile.Profile()  # Python's calls of these tensor functions, hooks included
+        prof.enable()
+        step()
+        prof.disable()
+        calls = dict.fromkeys(watched, 0)
+        for (_, _, func), row in pstats.Stats(prof).stats.items():
+            name = (func.split("'")[1] if "'" in func else func.split(" ")[-1].rstrip(">")).rsplit(".", 1)[-1]
+            if name in calls:
+                calls[name] += row[1]
         seen, lines = 0, []
         total = sum(1 for e in events if e[0] == "grad")
         for kind, i in events:
@@ -85,7 +82,7 @@ def order_job(size: str, steps: int) -> list[dict]:
             else:
                 lines.append(f"launch {i} after {seen}/{total} gradients")
         grads = [i for kind, i in events if kind == "grad"]
-        out.append({"buckets": buckets, "launches": lines, "grad_buckets": grads, "calls": counter.calls})
+        out.append({"buckets": buckets, "launches": lines, "grad_buckets": grads, "calls": calls})
     return out
 
 
