@@ -284,7 +284,8 @@ class PipelineRunner:
         ``sync_loss=False`` skips the step's one collective for the loss (a hand-written
         pipeline's loss lives on its last stage): the loss returned is then this rank's own,
         the mean over its data-parallel slice, where it holds the last stage, and None on the
-        other ranks. For a loop that reads the loss every k steps only."""
+        other ranks. For a loop that reads the loss every k steps only; every rank of the job
+        must pass the same value (the loss's collective is theirs together)."""
         return self._run(batch, labels, train=True, sync_loss=sync_loss)
 
     def evaluate(self, batch, labels=None, keep_outputs: bool = False, sync_loss: bool = True):
