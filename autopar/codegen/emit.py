@@ -33,6 +33,7 @@ from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
 from autopar.errors import ShardingError
+from autopar.mesh import SubAxis
 from autopar.runtime.zigzag import from_zigzag, to_zigzag
 from autopar.runtime.uneven import (
     from_padded,
@@ -68,12 +69,18 @@ def keep_meta(node: fx.Node, new) -> None:
 
 def rank_attrs(mesh, rank: int) -> dict:
     """The per-rank constants an emitted program reads from its module: the rank, and per mesh
-    axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``)."""
+    axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``), and
+    the same within each group of k consecutive positions (``autopar_group_i_ink``: an axis made of
+    two merged ones, whose inner groups a tensor may be split within, Shard.within)."""
     out = {RANK_ATTR: rank}
     coords = mesh.coords(rank)
     for i in range(mesh.ndim):
         out[f"autopar_group_{i}"] = list(mesh.group(i, rank))
         out[f"autopar_coord_{i}"] = coords[i]
+        for k in range(2, mesh.shape[i]):  # groups of k consecutive positions (Shard.within, SubAxis)
+            if mesh.shape[i] % k == 0:
+                out[f"autopar_group_{i}_in{k}"] = list(mesh.group(SubAxis(i, k), rank))
+                out[f"autopar_coord_{i}_in{k}"] = coords[i] % k
     return out
 
 
@@ -162,14 +169,20 @@ class Emitter:
             self._rank_nodes["autopar_eager"] = self.graph.call_function(plain_eager, ())
         return self._rank_nodes["autopar_eager"]
 
-    def coord(self, axis: int) -> fx.Node:
-        """This rank's position on mesh axis ``axis``, as a value of the program."""
-        return self.rank_value(f"autopar_coord_{axis}")
+    def coord(self, axis: int, within: int | None = None) -> fx.Node:
+        """This rank's position on mesh axis ``axis`` (``within``: in its group of that many
+        consecutive positions), as a value of the program."""
+        return self.rank_value(f"autopar_coord_{axis}" + (f"_in{within}" if within else ""))
 
-    def collective(self, op, args: tuple, axis: int, extra: tuple = ()) -> fx.Node:
-        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis``."""
-        group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
-        return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, rank, *extra))
+    def collective(self, op, args: tuple, axis: int, extra: tuple = (), within: int | None = None) -> fx.Node:
+        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis`` (``within``:
+        among the ranks of this rank's group of that many consecutive positions of the axis)."""
+        if within:
+            group = self.rank_value(f"autopar_group_{axis}_in{within}")
+            name = self.mesh.axis_label(self.mesh.part(axis, within))
+        else:
+            group, name = self.rank_value(f"autopar_group_{axis}"), self.mesh.axis_names[axis]
+        return self.graph.call_function(op, (*args, name, group, self.rank_value(RANK_ATTR), *extra))
 
     def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=()) -> fx.Node:
         gather = gather or ops.all_gather.default

@@ -43,18 +43,12 @@ from autopar.parallel.grad_sync import GradSync
 from autopar.runtime.rng import replayed_rng, rng_state
 from autopar.runtime.simulator import SimBackend
 from autopar.codegen.rank_state import set_attr
-from autopar.parallel.pipeline import schedules
+from autopar.parallel.pipeline import messages, schedules
+from autopar.parallel.pipeline.messages import PREFETCH_AHEAD
 from autopar.errors import PipelineError
 from autopar.parallel.pipeline.p2p import channel
 from autopar.parallel.pipeline.stage_module import build_stage_module
 
-# Receives are posted for the current action and this many after it. A receive posted after its
-# message was sent costs a round trip through gloo's threads (the send waits for the receiver's
-# notice). bench/bench_pipeline_overhead.py's 1F1B p=2 m=8, 10 steps, receives posted after their
-# send (CLOCK_MONOTONIC on both ranks): 23 of 160 one action ahead, 9 at two, 4 at four, 5 with
-# the whole step's posted at its start, 2 for the hand-written pipeline (which posts them all).
-# Four bounds the buffers posted ahead to four messages' worth.
-PREFETCH_AHEAD = 4
 MAX_SHAPES = 64  # input shapes whose boundary shapes a runner's channel remembers (then it starts afresh)
 
 
@@ -115,7 +109,7 @@ class PipelineRunner:
         self.timeline: list[Event] = []
         self.stats: dict = {}
         self.measure = measure  # None: on under the simulator (see the module docstring)
-        self._schedules: dict = {}  # (kind, train) -> this rank's actions
+        self._schedules: dict = {}  # train -> this rank's actions and the sends each lets go of
         self._receive_lists: dict = {}  # (kind, stage, micro-batch, shapes id) -> its receives (_receives)
         self._send_lists: dict = {}  # the same keys -> its sends (_sends)
         self._ch = self._ch_backend = None  # the p2p channel, kept across steps (it knows the shapes)
@@ -317,8 +311,8 @@ class PipelineRunner:
         self._inputs, self._labels = self._micro_inputs(batch), self._micro_labels(labels)
         if train not in self._schedules:  # the same every step
             built = schedules.build(o.kind, lay.pp, o.microbatches, o.chunks, forward_only=not train)
-            self._schedules[train] = built[self.pp_rank]
-        acts = self._schedules[train]
+            self._schedules[train] = built[self.pp_rank], self._release_keys(built)
+        acts, releases = self._schedules[train]
         backend = current_backend()
         self._channel(backend)
         self._measuring = isinstance(backend, SimBackend) if self.measure is None else self.measure
@@ -343,6 +337,8 @@ class PipelineRunner:
                     self._forward(a, train)
                 else:
                     self._backward(a)
+                for dst, tag in releases.get(i, ()):  # sends this action proved arrived: let go of them
+                    self._ch.release(dst, tag)
             self._ch.flush()
         except BaseException:
             self._ch = None  # receives may be posted: the next step starts a channel
@@ -350,6 +346,15 @@ class PipelineRunner:
         if train:
             self._sync_grads()
         return self._reduce_results(backend) if sync_loss else self._local_results()
+
+    def _release_keys(self, built) -> dict:
+        """Action index -> (dst rank, tag) of the sends known arrived once it has run (messages.py)."""
+        lay = self.layout
+        return {
+            i: [(self.rank_at(lay.rank_of_stage(m.dst)), self._tag(m.microbatch, m.value, m.consumer, m.direction))
+                for m in found]
+            for i, found in messages.releases(lay, built, self.pp_rank).items()
+        }  # fmt: skip
 
     def _receives(self, a) -> list[tuple]:
         """The messages action ``a`` receives: (src rank, tag, dtype, stream) each (worked out
