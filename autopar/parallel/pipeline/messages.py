@@ -29,7 +29,13 @@ from dataclasses import dataclass
 
 from autopar.parallel.pipeline.schedules import Action
 
-PREFETCH_AHEAD = 1  # the runner posts the receives of the current action and this many after it
+# The runner posts the receives of the current action and this many after it. A receive posted
+# after its message was sent costs a round trip through gloo's threads (the send waits for the
+# receiver's notice). bench/bench_pipeline_overhead.py's 1F1B p=2 m=8, 10 steps, receives posted
+# after their send (CLOCK_MONOTONIC on both ranks): 23 of 160 one action ahead, 9 at two, 4 at
+# four, 5 with the whole step's posted at its start, 2 for the hand-written pipeline (which
+# posts them all). Four bounds the buffers posted ahead to four actions' messages.
+PREFETCH_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -115,19 +121,14 @@ def posted_at(layout, acts: list[Action], pos: int) -> list[tuple[int, int, Mess
     """(action index the runner posts its receive at, the index of the action that takes it, the
     message) for each message ``pos`` receives from another position through a buffer posted
     ahead: at the start of action i the runner posts the receives of actions i .. i +
-    PREFETCH_AHEAD whose stream's shape it knows (it received the stream's first message
-    before action i; that one travels with a header, received when asked)."""
-    first_seen: dict = {}
+    PREFETCH_AHEAD. This is a step after the first with these input shapes: the runner's channel
+    knows every stream's shape from then on (the first step receives each stream's first message
+    with its header, when asked, so it holds at most this much)."""
     out = []
     for t, a in enumerate(acts):
         for m in received(layout, a):
-            if layout.rank_of_stage(m.src) == pos:
-                continue
-            key = stream(layout, m)
-            seen = first_seen.setdefault(key, t)
-            post = max(t - PREFETCH_AHEAD, seen + 1)
-            if post <= t:
-                out.append((post, t, m))
+            if layout.rank_of_stage(m.src) != pos:
+                out.append((max(t - PREFETCH_AHEAD, 0), t, m))
     return out
 
 

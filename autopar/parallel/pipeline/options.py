@@ -117,8 +117,9 @@ class Pipeline(Technique):
         return describe(plan.stage_layout, plan.graph)
 
     def process_groups(self, plan) -> list:
-        """The groups of ranks that hold one tied weight on several pipeline ranks."""
-        return api.tied_rank_groups(plan)
+        """The groups of ranks that hold one tied weight on several pipeline ranks, and the
+        pp x dp groups the step's loss is reduced over."""
+        return api.tied_rank_groups(plan) + api.loss_rank_groups(plan)
 
     # ------------------------------------------------------- what a Plan offers (plan.<name>)
     @staticmethod

@@ -6,12 +6,14 @@ were sent (interleaved chunks, skip connections). Sends never block (the sender 
 computing; ``flush`` waits for them at the end of a step); a receive blocks until the
 message is there. Messages to oneself (two chunks of one rank) stay in process.
 
-Messages belong to a ``stream`` (the runner's: one boundary value, its consumer stage and
-direction), whose messages all have one shape within a step. Only a stream's first message
-carries its shape (a small header); the receiver then knows the shape of the next ones and
-``prefetch`` can post their receives before it computes, so a message travels while both
-ranks compute instead of when the receiver asks for it (Megatron and ColossalAI pipelines
-post receives early for the same reason). A later message of another shape is an error.
+Messages belong to a ``stream`` (the runner's: one boundary value, its consumer stage, its
+direction and the shapes of the micro-batch's inputs), whose messages all have one shape. A
+channel lives as long as its runner: only a stream's first message ever carries its shape (a
+small header), so from the second step on, as in a hand-written pipeline that knows its
+shapes, no header travels and ``prefetch`` posts every receive before the rank computes: a
+message travels while both ranks compute instead of when the receiver asks for it (Megatron
+and ColossalAI pipelines post receives early for the same reason). A later message of another
+shape on the same stream is an error (a boundary shape that does not follow from the inputs').
 
 A sent tensor stays referenced until ``release(dst, tag)`` (the runner calls it where the
 schedule proves the message arrived: messages.py) or ``flush``; a prefetched receive holds its
@@ -50,7 +52,7 @@ def channel(backend, rank: int, group=None):
 
 
 class _Streams:
-    """The shape of each stream's first message, sent and received (one step's channel)."""
+    """The shape of each stream's first message, sent and received (kept across steps)."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -66,8 +68,9 @@ class _Streams:
         if self.sent[key] != tuple(x.shape):
             raise PipelineError(
                 f"rank {self.rank}: pipeline message {stream} has shape {tuple(x.shape)} but "
-                f"{self.sent[key]} earlier in this step: every micro-batch must hand the "
-                "next stage tensors of one shape."
+                f"{self.sent[key]} before, for inputs of the same shapes: every micro-batch must hand "
+                "the next stage tensors whose shapes follow from its inputs' shapes (no data-dependent "
+                "shapes at a stage boundary)."
             )
         return False
 
