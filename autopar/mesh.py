@@ -11,17 +11,48 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.errors import MeshError, close_matches
+
+
+@dataclass(frozen=True)
+class SubAxis:
+    """Part of mesh axis ``axis`` whose n positions form groups of ``within`` consecutive ones
+    (two axes merged by ``Mesh.merge_axes``: the inner axis' groups). ``part="inner"``: the
+    positions of one group (those sharing ``position // within``: the inner axis);
+    ``"outer"``: the positions that agree modulo ``within`` (the outer axis, across groups).
+    ``name``: what explain and the collectives call it (the merged axis' own name).
+
+    Example:
+        >>> mesh = Mesh((2, 2), ("a", "b")).merge_axes("a", "b")
+        >>> mesh.group(SubAxis(0, 2, "inner", "b"), 3), mesh.group(SubAxis(0, 2, "outer", "a"), 3)
+        ((2, 3), (1, 3))
+    """
+
+    axis: int
+    within: int
+    part: str = "inner"
+    name: str = ""
+
+    def size(self, n: int) -> int:
+        """Its size on an axis of ``n`` positions."""
+        return self.within if self.part == "inner" else n // self.within
+
+    def position(self, coord: int) -> int:
+        """A coordinate on the whole axis -> the position on this part."""
+        return coord % self.within if self.part == "inner" else coord // self.within
 
 
 @dataclass(frozen=True)
 class Mesh:
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
+    # axes made of two by merge_axes: (merged name, outer name, inner name, inner size), for
+    # annotations that name one of the two (expert_parallel on a sub-axis of data parallelism)
+    parts: tuple = field(default=(), compare=False, repr=False)
 
-    def __init__(self, shape, axis_names):
+    def __init__(self, shape, axis_names, parts=()):
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         if len(shape) != len(names):
@@ -35,6 +66,7 @@ class Mesh:
             raise MeshError(f"Mesh shape {shape} must have at least one axis and only sizes >= 1.")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "parts", tuple(parts))
 
     @property
     def size(self) -> int:
@@ -55,8 +87,48 @@ class Mesh:
             f"Did you mean {close_matches(str(axis), self.axis_names)}?"
         )
 
-    def axis_size(self, axis: str | int) -> int:
+    def axis_size(self, axis) -> int:
+        """The number of positions of ``axis`` (a name, an index or a SubAxis)."""
+        if isinstance(axis, SubAxis):
+            return axis.size(self.shape[axis.axis])
         return self.shape[self.axis_index(axis)]
+
+    def axis_label(self, axis) -> str:
+        """The name of ``axis`` (an index or a SubAxis) as explain and the collectives show it."""
+        if isinstance(axis, SubAxis):
+            return axis.name or f"{self.axis_names[axis.axis]}/{axis.part}{axis.within}"
+        return self.axis_names[axis]
+
+    def part(self, axis: int, within: int, part: str = "inner") -> SubAxis:
+        """The SubAxis of ``axis`` in groups of ``within``, named after the axis merged there if any."""
+        name = next(
+            (p[2] if part == "inner" else p[1] for p in self.parts if p[0] == self.axis_names[axis] and p[3] == within),
+            "",
+        )
+        return SubAxis(axis, within, part, name)
+
+    def sub_axis(self, name) -> tuple[int, SubAxis | None]:
+        """(the mesh axis, the part of it or None for all of it) that ``name`` means: a mesh axis,
+        one of the two axes merged into one (``merge_axes``), or the tuple of those two.
+
+        Example:
+            >>> Mesh((2, 2), ("a", "b")).merge_axes("a", "b").sub_axis("b")
+            (0, SubAxis(axis=0, within=2, part='inner', name='b'))
+        """
+        for merged, outer, inner, size in self.parts:
+            if merged not in self.axis_names:
+                continue
+            i = self.axis_names.index(merged)
+            if name in (inner, outer):
+                return i, SubAxis(i, size, "inner" if name == inner else "outer", name)
+            if isinstance(name, (tuple, list)) and tuple(name) == (outer, inner):
+                return i, None
+        if isinstance(name, (tuple, list)):
+            raise MeshError(
+                f"Axes {tuple(name)} of {self} are not one data-parallel axis: name a mesh axis, or two axes "
+                "merged by DataParallel(axis, replicate_axis=...) as (replicate_axis, axis)."
+            )
+        return self.axis_index(name), None
 
     def check_rank(self, rank: int) -> int:
         if not isinstance(rank, int) or not 0 <= rank < self.size:
@@ -78,8 +150,13 @@ class Mesh:
             rank = rank * s + c
         return rank
 
-    def group(self, axis: str | int, rank: int) -> tuple[int, ...]:
-        """The ranks that share ``rank``'s coordinates except on ``axis``, in axis order."""
+    def group(self, axis, rank: int) -> tuple[int, ...]:
+        """The ranks that share ``rank``'s coordinates except on ``axis``, in axis order (a
+        SubAxis: those of the whole axis' group on the same part)."""
+        if isinstance(axis, SubAxis):
+            whole, c = self.group(axis.axis, rank), self.coords(rank)[axis.axis]
+            other = SubAxis(axis.axis, axis.within, "outer" if axis.part == "inner" else "inner")
+            return tuple(r for k, r in enumerate(whole) if other.position(k) == other.position(c))
         i = self.axis_index(axis)
         c = list(self.coords(rank))
         out = []
@@ -114,7 +191,8 @@ class Mesh:
             )
         shape = self.shape[:i] + (self.shape[i] * self.shape[j],) + self.shape[j + 1 :]
         names = self.axis_names[:i] + (f"{outer}_{inner}",) + self.axis_names[j + 1 :]
-        return Mesh(shape, names)
+        parts = (*self.parts, (f"{outer}_{inner}", self.axis_names[i], self.axis_names[j], self.shape[j]))
+        return Mesh(shape, names, parts)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))

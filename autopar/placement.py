@@ -80,32 +80,52 @@ class Shard(Placement):
     items (``count / n`` consecutive ones) holds item ``i`` keeps the whole tensor, every other
     rank an empty piece (dim ``dim`` of size 0). So a list of E experts' weights is stored E/n
     experts per rank under their own names, and merging the pieces gives the tensor back.
+
+    ``within=k``: the axis' positions form groups of ``k`` consecutive ones (two axes merged into
+    one, ``Mesh.merge_axes``: the inner axis' groups) and the dim is split within each group,
+    every group holding the whole tensor: position c holds piece ``c % k`` of ``k`` (experts over
+    the inner of two data-parallel axes, replicated over the outer). With ``of``, the item's
+    owner is counted within the group the same way.
     """
 
     dim: int
     blocks: int = 1
     of: tuple[int, int] | None = None
+    within: int | None = None
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def pieces(self, n: int) -> int:
+        """How many pieces the dim is cut into on an axis of ``n`` positions."""
+        return self.within or n
+
+    def position(self, coord: int) -> int:
+        """Which piece the rank at ``coord`` on the axis holds."""
+        return coord % self.within if self.within else coord
+
     def owner(self, n: int) -> int:
-        """The rank (coordinate on an axis of ``n``) holding the whole tensor of an ``of`` shard."""
+        """The piece (position, ``position``) holding the whole tensor of an ``of`` shard on an axis of ``n``."""
         i, count = self.of
-        return i // (count // n)
+        return i // (count // self.pieces(n))
 
     def __repr__(self) -> str:
+        extra = f",within={self.within}" if self.within else ""
         if self.of is not None:
-            return f"S({self.dim},of={self.of[0]}/{self.of[1]})"
-        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks})"
+            return f"S({self.dim},of={self.of[0]}/{self.of[1]}{extra})"
+        return (f"S({self.dim}" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks}") + extra + ")"
 
     @classmethod
     def _parse(cls, text: str) -> "Shard | None":
+        within = None
+        m = re.fullmatch(r"(.*),\s*within=(\d+)\)", text)
+        if m:
+            text, within = m.group(1) + ")", int(m.group(2))
         m = re.fullmatch(r"S\((-?\d+),\s*of=(\d+)/(\d+)\)", text)
         if m:
-            return cls(int(m.group(1)), of=(int(m.group(2)), int(m.group(3))))
+            return cls(int(m.group(1)), of=(int(m.group(2)), int(m.group(3))), within=within)
         m = re.fullmatch(r"S\((-?\d+)(?:,\s*blocks=(\d+))?\)", text)
-        return cls(int(m.group(1)), int(m.group(2) or 1)) if m else None
+        return cls(int(m.group(1)), int(m.group(2) or 1), within=within) if m else None
 
 
 @dataclass(frozen=True)
@@ -151,7 +171,9 @@ def parse_placement(text: str) -> Placement:
         found = kind._parse(text)
         if found is not None:
             return found
-    raise ShardingError(f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), S(d,of=i/n), P or P(avg).")
+    raise ShardingError(
+        f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), S(d,of=i/n), S(d,within=k), P or P(avg)."
+    )
 
 
 R = Replicate()
@@ -172,15 +194,19 @@ def shard_factor(placements, mesh, dim: int) -> int:
     f = 1
     for p, size in zip(placements, mesh.shape):
         if isinstance(p, Shard) and p.dim == dim:
-            f *= size
+            f *= p.pieces(size)
     return f
 
 
 def counts_piece(placements, coords, skip_axes=()) -> bool:
     """Whether the rank at mesh ``coords`` counts its piece of a tensor laid out ``placements`` in
     a whole-model sum (gradient norm, parameter count): coordinate 0 on every axis that does not
-    split it (those ranks hold the same values), except ``skip_axes`` (pieces differ there anyway)."""
-    return all(isinstance(p, Shard) or coords[a] == 0 or a in skip_axes for a, p in enumerate(placements))
+    split it (those ranks hold the same values; split within groups: the first group), except
+    ``skip_axes`` (pieces differ there anyway)."""
+    return all(
+        (isinstance(p, Shard) and (not p.within or coords[a] < p.within)) or coords[a] == 0 or a in skip_axes
+        for a, p in enumerate(placements)
+    )
 
 
 def piece_sizes(size: int, n: int) -> tuple[int, ...]:
@@ -218,7 +244,11 @@ def uneven_dims(shape, placements, mesh) -> dict:
     out = {}
     for axis, p in enumerate(placements):
         owned = isinstance(p, Shard) and p.of is not None and mesh.shape[axis] > 1  # whole or empty
-        if isinstance(p, Shard) and p.dim < len(shape) and (owned or is_uneven(shape[p.dim], mesh.shape[axis])):
+        if (
+            isinstance(p, Shard)
+            and p.dim < len(shape)
+            and (owned or is_uneven(shape[p.dim], p.pieces(mesh.shape[axis])))
+        ):
             out[p.dim] = (int(shape[p.dim]), axis)
     return out
 
@@ -243,6 +273,12 @@ def check_layout(shape, placements, mesh, what: str) -> None:
                 "shard each dim on at most one axis."
             )
         used[p.dim] = axis
+        if p.within and (size % p.within or size == p.within):
+            raise ShardingError(
+                f"{what}: placement {fmt_spec(placements)} splits within groups of {p.within} on mesh axis "
+                f"{mesh.axis_names[axis]!r} of size {size}: the groups must divide the axis, and be smaller."
+            )
+        size = p.pieces(size)
         n = shape[p.dim]
         if isinstance(n, int) and p.blocks > 1 and n % (size * p.blocks):
             raise ShardingError(
@@ -257,6 +293,7 @@ def check_divisible(shape, placements, mesh, what: str) -> None:
     check_layout(shape, placements, mesh, what)
     for axis, (p, size) in enumerate(zip(placements, mesh.shape)):
         n = shape[p.dim] if isinstance(p, Shard) else None
+        size = p.pieces(size) if isinstance(p, Shard) else size
         if isinstance(n, int) and n % size:
             raise ShardingError(
                 f"{what}: dim {p.dim} of shape {tuple(shape)} has size {n}, which does not divide "
@@ -270,8 +307,8 @@ def local_shape(shape, placements, mesh, coords=None) -> tuple:
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard) and p.dim < len(out):
-            k = 0 if coords is None else coords[axis]
-            n = mesh.shape[axis]
+            k = 0 if coords is None else p.position(coords[axis])
+            n = p.pieces(mesh.shape[axis])
             if p.of is not None:
                 out[p.dim] = out[p.dim] if k == p.owner(n) else 0
             elif p.blocks > 1:
@@ -295,9 +332,10 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
     out = full
     for axis, p in enumerate(placements):
         if isinstance(p, Shard) and p.of is not None:
-            out = out.narrow(p.dim, 0, out.shape[p.dim] if coords[axis] == p.owner(mesh.shape[axis]) else 0)
+            mine = p.position(coords[axis]) == p.owner(mesh.shape[axis])
+            out = out.narrow(p.dim, 0, out.shape[p.dim] if mine else 0)
         elif isinstance(p, Shard):
-            out = narrow_piece(out, p.dim, mesh.shape[axis], coords[axis], p.blocks)
+            out = narrow_piece(out, p.dim, p.pieces(mesh.shape[axis]), p.position(coords[axis]), p.blocks)
         elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)
     return out
@@ -309,8 +347,9 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
     def build(axis: int, coords: list[int]) -> torch.Tensor:
         if axis == mesh.ndim:
             return pieces[mesh.rank_of(coords)]
-        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1 :]) for k in range(mesh.shape[axis])]
         p = placements[axis]
+        n = p.pieces(mesh.shape[axis]) if isinstance(p, Shard) else mesh.shape[axis]  # within groups: the first
+        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1 :]) for k in range(n)]
         if isinstance(p, Shard) and p.blocks > 1:  # rank k holds chunk k of every block
             per_rank = [t.chunk(p.blocks, p.dim) for t in parts]
             return torch.cat([r[b] for b in range(p.blocks) for r in per_rank], dim=p.dim)

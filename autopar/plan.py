@@ -33,6 +33,7 @@ from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module, tensor_slots
 from autopar.codegen.rank_state import merge_states, shard_state
 from autopar.errors import DataParallelError, InputError
+from autopar.mesh import SubAxis
 from autopar.explore.plan_views import PlanViews
 from autopar.parallel import dp_module
 from autopar.parallel.optimizer import mark_pieces
@@ -205,13 +206,23 @@ class Plan(PlanViews):
 
     @cached_property
     def grad_sync_axes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name -> mesh axes its gradient is summed over by the gradient sync."""
+        """Parameter name -> mesh axes its gradient is summed over by the gradient sync. A parameter
+        split within groups of an axis (Shard.within: experts over the inner of two merged
+        data-parallel axes) is summed over its replica groups there (the outer axis: a SubAxis)."""
         canonical = {n: names[0] for names in self.traced.tied.values() for n in names}
         out: dict[str, tuple] = {}
         for ph, axes in self.flow.param_sync_axes.items():
             fqn = self.traced.param_fqn[ph]
             key = canonical.get(fqn, fqn)
             out[key] = tuple(sorted(set(out.get(key, ())) | set(axes)))
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        for fqn, spec in self.param_specs.items():
+            key = canonical.get(fqn, fqn)
+            replicas = [
+                self.mesh.part(a, p.within, "outer") for a, p in enumerate(spec) if isinstance(p, Shard) and p.within
+            ]
+            if replicas and key in trainable:
+                out[key] = tuple(a for a in out.get(key, ()) if not isinstance(a, SubAxis)) + tuple(replicas)
         return out
 
     @cached_property

@@ -171,7 +171,7 @@ def _validate(mesh: Mesh, options: PlanOptions, annotations: dict) -> None:
         technique.validate(mesh, options, annotations)
     for ann in annotations.values():
         if hasattr(ann, "axis"):
-            mesh.axis_index(ann.axis)
+            mesh.sub_axis(ann.axis)  # a mesh axis, or one of two merged into one (expert_parallel)
 
 
 def _input_ndims(traced, args, kwargs) -> dict:

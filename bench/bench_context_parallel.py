@@ -4,8 +4,9 @@ time of ring vs all-gather attention, on gloo processes.
 An HF LLaMA (4 layers, SDPA attention, GQA 4 query / 2 kv heads, RoPE) with batch 1 and one long
 sequence (quick: 256 tokens, d 64; full: 2048 tokens, d 128), trained context-parallel over a gloo
 pool of cp processes (cp = 1 is the model alone on one process). Per rank, ``measure_step``
-(bench_activation_checkpoint.py) records the peak bytes alive over forward + backward (gradients
-allocated by a warm-up step): on the CPU from runtime/live_bytes.LiveBytes. The step times
+(bench_activation_checkpoint.py) records the bytes held after the forward and the peak bytes alive
+over forward + backward (gradients allocated by a warm-up step): on the CPU from
+runtime/live_bytes.LiveBytes; beside them the cost model's (``plan.memory_per_rank``). The step times
 alternate ring and all-gather modules step by step (bench/common.alternate), rank 0 reports.
 
 Example:
@@ -47,15 +48,29 @@ def _module(model, kw, cp: int, method: str, load_balance: bool = True):
 
 
 def memory_job(quick, method, steps=2) -> dict:
-    """One rank: the model context-parallel over this pool; the last step's peak bytes."""
+    """One rank: the model context-parallel over this pool; the last step's held and peak bytes
+    (measure_step) beside the model's (``memory_per_rank``: ``activations`` against the bytes
+    held after the forward; + ``workspace`` + ``backward`` + ``recompute`` against the peak)."""
     import torch.distributed as dist
 
-    cp = dist.get_world_size()
+    cp, rank = dist.get_world_size(), dist.get_rank()
     model, kw = llama(quick)
     module = _module(model, kw, cp, method)
-    _, local = module.autopar_plan.local_inputs(dist.get_rank(), **kw)
+    _, local = module.autopar_plan.local_inputs(rank, **kw)
     out = [measure_step(lambda: module(**local).loss) for _ in range(steps)]
-    return out[-1]
+    return out[-1] | predicted(module.autopar_plan, rank)
+
+
+def predicted(plan, rank: int) -> dict:
+    """The cost model's held and peak bytes of ``rank`` (plan.memory_per_rank)."""
+    mem = plan.memory_per_rank(rank)
+    peak = sum(mem.get(k, 0) for k in ("activations", "recompute", "workspace", "backward", "outputs"))
+    return {
+        "model_held": mem["activations"],
+        "model_peak": peak,
+        "model_workspace": mem.get("workspace", 0),
+        "model_backward": mem.get("backward", 0),
+    }
 
 
 def time_job(quick, iters, warmup) -> dict:
@@ -75,28 +90,34 @@ def _step(module, local):
     module(**local).loss.backward()
 
 
-def peaks(quick) -> dict:
-    """(cp, method) -> rank 0's peak bytes, cp = 1 (one process), 2 and 4."""
+def memory(quick) -> dict:
+    """(cp, method) -> rank 0's measured and predicted bytes (memory_job), cp = 1 (one process), 2 and 4."""
     out = {}
     for cp in (1, 2, 4):
         for method in METHODS if cp > 1 else METHODS[:1]:
-            out[(cp, method)] = pool(cp).run("bench.bench_context_parallel:memory_job", quick, method)[0]["peak"]
+            out[(cp, method)] = pool(cp).run("bench.bench_context_parallel:memory_job", quick, method)[0]
     return out
 
 
+def _mb(x) -> float:
+    return round(x / 1e6, 3)
+
+
 def run(quick: bool) -> list[dict]:
-    got = peaks(quick)
-    one = got[(1, "allgather")]
+    got = memory(quick)
+    one = got[(1, "allgather")]["peak"]
     seq = 256 if quick else 2048
-    rows = [row(NAME, f"llama 4 layers, 1 x {seq} tokens, cp=1", "peak MB/rank", round(one / 1e6, 3))]
-    for (cp, method), peak in got.items():
-        if cp == 1:
-            continue
-        c = f"llama 4 layers, 1 x {seq} tokens, cp={cp} {method} (load balanced)"
+    rows = []
+    for (cp, method), r in got.items():
+        c = f"llama 4 layers, 1 x {seq} tokens, cp={cp}" + (f" {method} (load balanced)" if cp > 1 else "")
         rows += [
-            row(NAME, c, "peak MB/rank", round(peak / 1e6, 3)),
-            row(NAME, c, "peak vs cp=1", round(peak / one, 3), f"~1/{cp} of the activations"),
-        ]
+            row(NAME, c, "held MB/rank", _mb(r["held"]), "", f"predicted {_mb(r['model_held'])} "
+                f"({r['model_held'] / r['held'] - 1:+.1%})"),
+            row(NAME, c, "peak MB/rank", _mb(r["peak"]), "", f"predicted {_mb(r['model_peak'])} "
+                f"({r['model_peak'] / r['peak'] - 1:+.1%}; workspace {_mb(r['model_workspace'])})"),
+        ]  # fmt: skip
+        if cp > 1:
+            rows.append(row(NAME, c, "peak vs cp=1", round(r["peak"] / one, 3), f"~1/{cp} of the activations"))
     iters, warmup = (3, 1) if quick else (10, 2)
     times = pool(4).run("bench.bench_context_parallel:time_job", quick, iters, warmup)[0]
     for method in METHODS:

@@ -8,6 +8,9 @@ with its experts three ways (docs/experts.md):
   before the dispatch existed): the tokens are gathered over dp around the experts;
 - ``replicated``: plain data parallelism, every expert on every rank (each rank runs its own
   tokens through them; the expert gradients all-reduced with the others).
+- ``dispatch_b``: the 4 ranks as a (2, 2) mesh ``(a, b)``, the batch over both
+  (``DataParallel("b", replicate_axis="a")``), the experts over b only: E/2 experts per rank, the
+  all-to-alls inside each pair of b's ranks, the expert gradients all-reduced over a.
 
 Per contender: step time (SGD, the contenders alternating in a shuffled order, medians), bytes
 per step and rank (``Plan.collectives()``: forward, backward, gradient sync) and expert weights
@@ -64,13 +67,15 @@ def _annotations(kind: str, model) -> dict:
     experts = {n for n, _ in model.named_parameters() if ".experts." in n}
     if kind == "dispatch":
         return {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
+    if kind == "dispatch_b":
+        return {"model.layers.*.mlp.experts": ap.expert_parallel("b")}
     if kind == "expert_split":
         return {n: ap.place(ap.Shard(0)) for n in experts}
     return {}
 
 
 def experts_job(size: str, iters: int, warmup: int) -> dict:
-    """Runs on every rank: plan and build the three contenders, check their first losses agree,
+    """Runs on every rank: plan and build the four contenders, check their first losses agree,
     time them alternately; rank 0's figures."""
     import torch
     import torch.distributed as dist
@@ -81,14 +86,15 @@ def experts_job(size: str, iters: int, warmup: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     kw = _batch(size, world)
     steps, info = {}, {}
-    for kind in ("dispatch", "expert_split", "replicated"):
+    for kind in ("dispatch", "expert_split", "replicated", "dispatch_b"):
         model = _model(size)
+        sub = kind == "dispatch_b"  # (a, b) = (2, world / 2), experts over b
         module = ap.parallelize(
             model,
-            ap.Mesh((world,), ("dp",)),
+            ap.Mesh((2, world // 2), ("a", "b")) if sub else ap.Mesh((world,), ("dp",)),
             kwargs=kw,
             annotations=_annotations(kind, model),
-            data_parallel="dp",
+            data_parallel=ap.DataParallel("b", replicate_axis="a") if sub else "dp",
             dynamic=False,
         )
         plan = module.autopar_plan
@@ -129,7 +135,7 @@ def run(quick: bool) -> list[dict]:
     losses = [i["loss"] for i in info.values()]
     agree = max(losses) - min(losses)
     rows = []
-    for kind in ("expert_split", "replicated"):
+    for kind in ("expert_split", "replicated", "dispatch_b"):
         rows.append(
             _row(
                 case,

@@ -29,12 +29,14 @@ def dim_segments(shape, spec, mesh, rank) -> list[list[tuple[int, int, int]]]:
     for axis, p in enumerate(spec):
         if not isinstance(p, Shard):
             continue
-        n, size, k = shape[p.dim], mesh.shape[axis], p.blocks
+        # split within groups of the axis (Shard.within): the piece of the rank's position in its group
+        n, size, k, c = shape[p.dim], mesh.shape[axis], p.blocks, p.position(coords[axis])
         if p.of is not None:  # one item of a list split over the axis: whole on its owner, empty elsewhere
-            segs[p.dim] = [(0, 0, n if coords[axis] == p.owner(size) else 0)]
+            segs[p.dim] = [(0, 0, n if c == p.owner(size) else 0)]
             continue
+        size = p.pieces(size)
         block = n // k  # uneven pieces: torch.tensor_split's (placement.piece_start / piece_size)
-        start, piece = piece_start(block, size, coords[axis]), piece_size(block, size, coords[axis])
+        start, piece = piece_start(block, size, c), piece_size(block, size, c)
         segs[p.dim] = [(b * block + start, b * piece, piece) for b in range(k)]
     return segs
 

@@ -33,6 +33,7 @@ from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
 from autopar.errors import ShardingError
+from autopar.mesh import SubAxis
 from autopar.runtime.zigzag import from_zigzag, to_zigzag
 from autopar.runtime.uneven import (
     from_padded,
@@ -68,12 +69,18 @@ def keep_meta(node: fx.Node, new) -> None:
 
 def rank_attrs(mesh, rank: int) -> dict:
     """The per-rank constants an emitted program reads from its module: the rank, and per mesh
-    axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``)."""
+    axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``), and
+    the same within each group of k consecutive positions (``autopar_group_i_ink``: an axis made of
+    two merged ones, whose inner groups a tensor may be split within, Shard.within)."""
     out = {RANK_ATTR: rank}
     coords = mesh.coords(rank)
     for i in range(mesh.ndim):
         out[f"autopar_group_{i}"] = list(mesh.group(i, rank))
         out[f"autopar_coord_{i}"] = coords[i]
+        for k in range(2, mesh.shape[i]):  # groups of k consecutive positions (Shard.within, SubAxis)
+            if mesh.shape[i] % k == 0:
+                out[f"autopar_group_{i}_in{k}"] = list(mesh.group(SubAxis(i, k), rank))
+                out[f"autopar_coord_{i}_in{k}"] = coords[i] % k
     return out
 
 
@@ -162,21 +169,27 @@ class Emitter:
             self._rank_nodes["autopar_eager"] = self.graph.call_function(plain_eager, ())
         return self._rank_nodes["autopar_eager"]
 
-    def coord(self, axis: int) -> fx.Node:
-        """This rank's position on mesh axis ``axis``, as a value of the program."""
-        return self.rank_value(f"autopar_coord_{axis}")
+    def coord(self, axis: int, within: int | None = None) -> fx.Node:
+        """This rank's position on mesh axis ``axis`` (``within``: in its group of that many
+        consecutive positions), as a value of the program."""
+        return self.rank_value(f"autopar_coord_{axis}" + (f"_in{within}" if within else ""))
 
-    def collective(self, op, args: tuple, axis: int, extra: tuple = ()) -> fx.Node:
-        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis``."""
-        group, rank = self.rank_value(f"autopar_group_{axis}"), self.rank_value(RANK_ATTR)
-        return self.graph.call_function(op, (*args, self.mesh.axis_names[axis], group, rank, *extra))
+    def collective(self, op, args: tuple, axis: int, extra: tuple = (), within: int | None = None) -> fx.Node:
+        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis`` (``within``:
+        among the ranks of this rank's group of that many consecutive positions of the axis)."""
+        if within:
+            group = self.rank_value(f"autopar_group_{axis}_in{within}")
+            name = self.mesh.axis_label(self.mesh.part(axis, within))
+        else:
+            group, name = self.rank_value(f"autopar_group_{axis}"), self.mesh.axis_names[axis]
+        return self.graph.call_function(op, (*args, name, group, self.rank_value(RANK_ATTR), *extra))
 
-    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=()) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=(), sizes=()) -> fx.Node:
         gather = gather or ops.all_gather.default
         if st.axis in self.zigzag and st.kind in ("all_gather", "slice", "reduce_scatter", "all_to_all"):
-            return self._zigzag_step(x, st, gather, owned, shape)
+            return self._zigzag_step(x, st, gather, owned, shape, sizes)
         if st.blocks > 1:
-            return self._blocked_step(x, st, gather)
+            return self._blocked_step(x, st, gather, sizes)
         n = self.mesh.shape[st.axis]
         dims = [d for d in (st.dim, st.dim2) if d is not None and d < len(shape)]
         if st.axis in self.plan.ragged and any(shape[d] is None for d in dims):
@@ -239,26 +252,27 @@ class Emitter:
             x = g.call_function(trim_piece, (x, dst, int(shape[dst]), n, coord))
         return x
 
-    def _zigzag_step(self, x: fx.Node, st, gather, owned, shape) -> fx.Node:
+    def _zigzag_step(self, x: fx.Node, st, gather, owned, shape, sizes=()) -> fx.Node:
         """A step on an axis whose pieces are in the zig-zag order: the serial order is reordered
         to the ranks' pieces before a cut (slice, reduce-scatter, the split side of an all-to-all)
         and back after a concatenation (all-gather, the joined side): then every split tensor holds
         rank r's head-tail chunks of its dim, whatever the dim, and the collectives stay plain."""
-        g, n, k = self.graph, self.mesh.shape[st.axis], st.blocks
+        g, n = self.graph, self.mesh.shape[st.axis]
         if st.kind == "all_gather":
-            x = self._step_plain(x, st, gather, shape)
-            return g.call_function(from_zigzag, (x, st.dim, n, k))
+            x = self._step_plain(x, st, gather, shape, sizes)
+            return g.call_function(from_zigzag, (x, st.dim, n, self._block_count(st, sizes)))
         if st.kind == "all_to_all":
             x = g.call_function(to_zigzag, (x, st.dim2, n))
-            x = self._step_plain(x, st, gather, shape)
+            x = self._step_plain(x, st, gather, shape, sizes)
             return g.call_function(from_zigzag, (x, st.dim, n))
+        k = self._block_count(st, sizes)
         x = g.call_function(to_zigzag, (x, st.dim, n, k))  # slice, reduce_scatter
-        return self._step_plain(x, st, gather, shape)
+        return self._step_plain(x, st, gather, shape, sizes)
 
-    def _step_plain(self, x, st, gather, shape):
+    def _step_plain(self, x, st, gather, shape, sizes=()):
         """``st`` as on a contiguous axis (blocked: the blocks regrouped around the collective)."""
         if st.blocks > 1:
-            return self._blocked_step(x, st, gather)
+            return self._blocked_step(x, st, gather, sizes)
         dims, extra = STEP_KINDS[st.kind].op_args(st)
         op = gather if st.kind == "all_gather" else getattr(ops, STEP_KINDS[st.kind].op).default
         if any(
@@ -267,14 +281,15 @@ class Emitter:
             raise ShardingError("load-balanced context parallel needs even pieces on its axis")
         return self.collective(op, (x, *dims), st.axis, extra)
 
-    def _blocked_step(self, x: fx.Node, st, gather) -> fx.Node:
+    def _blocked_step(self, x: fx.Node, st, gather, sizes=()) -> fx.Node:
         """Gather or slice a blocked shard: plain collectives around a local regrouping.
 
         Gathered pieces arrive rank-major ([r0: b0 b1 b2][r1: b0 b1 b2]); the serial order is
         block-major, so (n, blocks, s) is transposed to (blocks, n, s). A slice views the dim
         as (blocks, s) and keeps this rank's chunk of every block.
         """
-        g, d, k, n = self.graph, st.dim, st.blocks, self.mesh.shape[st.axis]
+        g, d, n = self.graph, st.dim, self.mesh.shape[st.axis]
+        k = self._block_count(st, sizes)
         if st.kind == "all_gather":
             full = self.collective(gather, (x, d), st.axis)
             grid = g.call_function(aten.unflatten.int, (full, d, [n, k, -1]))
@@ -284,6 +299,37 @@ class Emitter:
         mine = self.collective(ops.shard.default, (grid, d + 1), st.axis)
         return g.call_function(aten.flatten.using_ints, (mine, d, d + 1))
 
+    def _block_count(self, st, sizes):
+        """The blocks of a blocked shard's dim as the program runs: ``st.blocks`` (the plan's
+        count) where that dim is static; where it is sized at run time as blocks counted by an
+        input's dim (a batch of sequences flattened: B x L, the blocks B), that input dim's size at
+        run time, so that a pipeline's micro-batch (B/m sequences) regroups right."""
+        k = st.blocks
+        size = sizes[st.dim] if st.dim < len(sizes) else None
+        if k == 1 or not isinstance(size, torch.SymInt) or size.node.shape_env is None:
+            return k
+        env = size.node.shape_env
+        hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+        for sym in size.node.expr.free_symbols:
+            if hints.get(sym) is not None and int(hints[sym]) == k and sym not in (size.node.expr / sym).free_symbols:
+                value = self._input_dim(sym)
+                if value is not None:
+                    return value
+        return k
+
+    def _input_dim(self, sym):
+        """The run-time size of the user-input dim traced as symbol ``sym`` (a batch first), or None."""
+        found = []
+        for node in self.plan.graph.nodes:
+            val = node.meta.get("val")
+            if node.op != "placeholder" or node not in self.env or not isinstance(val, torch.Tensor):
+                continue
+            found += [(d, node) for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr == sym]
+        if not found:
+            return None
+        d, node = min(found, key=lambda f: f[0])
+        return self.global_size(node, d)
+
     def edge(self, src: fx.Node, target: tuple, f_axes=frozenset()) -> fx.Node:
         """``src``'s value in layout ``target`` (collectives added once per layout)."""
         key = (src, target, frozenset(f_axes))
@@ -291,13 +337,15 @@ class Emitter:
             x = self.env[src]
             f_axes = set(f_axes)
             shape = _static_shape(src)
+            val = src.meta.get("val")
+            sizes = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
             for i, st in enumerate(_steps(layout_of(src).spec, target)):
                 if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
-                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape)
+                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape, sizes=sizes)
                     f_axes.discard(st.axis)
                     continue
-                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape)
+                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape, sizes=sizes)
             for axis in sorted(f_axes):
                 flag = self.eager_flag()  # Megatron's f returns its input only in plain eager mode
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)

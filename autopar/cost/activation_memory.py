@@ -12,7 +12,10 @@ Where the runtime differs from the op autograd would run, the table below says w
 autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), a dropout of
 p == 0 returns its input (no mask, no new tensor: it counts as a view), and CPU/GPU
 attention kernels (flash, efficient, the CPU flash kernel) keep q, k, v, the output and the
-log-sum-exp rows, never the s x s matrix the meta device's math path would.
+log-sum-exp rows, never the s x s matrix the meta device's math path would. An op whose
+lowering runs something else says what that keeps (``Lowering.kept``: context-parallel
+attention keeps all-gathered K/V, a storage of cp x the rank's piece: ``Saved.gathered``) and
+what it holds while it runs (``Lowering.workspace``, ``workspace_bytes``).
 
 Example:
     >>> saves = saved_activations(plan)          # [Saved(consumer, producer, index), ...]
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.placement import Replicate
+from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.trace.module_paths import module_paths
 from autopar.sharding.rules import VIEW, op_traits
@@ -49,6 +54,7 @@ class Saved:
     index: int = 0
     fraction: float = 0.0  # own tensors: bytes as a fraction of ``ref``'s bytes
     ref: tuple = ("out", 0)  # own tensors: the consumer's largest tensor ("in", i) or ("out", j)
+    gathered: tuple = ()  # mesh axes the producer's value was gathered on (a storage of its own)
 
 
 def share_saved_activations(plan, saves: list[Saved]) -> None:
@@ -68,9 +74,14 @@ def saved_activations(plan) -> list[Saved]:
             continue
         if node.target is operator.getitem:
             continue
-        kept = _kept(node, probes)
+        kept = _lowered_kept(plan, node)
+        if kept is None:
+            kept = _kept(node, probes)
         for kind, i, frac, *ref in kept:
-            if kind == "in":
+            if kind == "gathered":  # input i gathered on mesh axis ``frac``: its own storage
+                base, idx = base_of(_tensor_args(node)[i])
+                out.append(Saved(node.name, base.name, idx, gathered=(frac,)))
+            elif kind == "in":
                 base, idx = base_of(_tensor_args(node)[i])
                 if base.op in ("placeholder", "get_attr"):
                     continue  # parameters and inputs (or views of them): held by their owners
@@ -102,14 +113,37 @@ def held_outputs(plan) -> list[tuple[str, int]]:
     return held
 
 
+def dropped_outputs_bytes(plan, sy):
+    """What the model's other outputs hold at the end of the forward where it returns its own
+    loss (held_outputs: the caller drops them, so they are not activations) and they leave
+    gathered (a context-parallel or vocabulary-split model's logits, gathered to the serial
+    layout): a storage of its own, twice, the received pieces and their concatenation alive at
+    once (runtime/dist_backend.all_gather). Measured (bench/bench_context_parallel.py, gloo):
+    the cp runs' peak sat at that concatenation, at the end of the forward."""
+    out_node = next(n for n in plan.graph.nodes if n.op == "output")
+    leaves = [v for v in torch.utils._pytree.tree_leaves(out_node.args[0]) if isinstance(v, fx.Node)]
+    if not any(_is_loss(v) for v in leaves):
+        return 0
+    total = 0
+    for v in leaves:
+        if v.op != "call_function" or _is_loss(v):
+            continue
+        base, idx = base_of(v)
+        local, leaving = tensor_bytes(plan, sy, base.name, idx), tensor_bytes(plan, sy, base.name, idx, leaving=True)
+        if sy.value(leaving - local) != 0:
+            total = total + 2 * leaving
+    return total
+
+
 def _is_loss(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
 
 
-def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False):
+def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False, gathered: tuple = ()):
     """Local bytes of output ``index`` of node ``name`` on a rank (as a formula of ``sy``);
-    ``leaving``: as it leaves the program (a model output gathered but on the batch axis)."""
+    ``leaving``: as it leaves the program (a model output gathered but on the batch axis);
+    ``gathered``: mesh axes on which it is whole (gathered there)."""
     node = _node(plan, name)
     vals = tensor_outputs(node)
     if not vals or index >= len(vals) or vals[index] is None:
@@ -118,6 +152,8 @@ def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False):
     spec = specs[index] if index < len(specs) else None
     if leaving and spec is not None:
         spec = plan.output_target(spec)
+    if gathered and spec is not None:
+        spec = tuple(Replicate() if a in gathered else p for a, p in enumerate(spec))
     return sy.numel(vals[index].shape, spec) * vals[index].dtype.itemsize
 
 
@@ -127,7 +163,10 @@ def bytes_by_node(plan, sy, saves: list[Saved] | None = None, with_outputs: bool
     saves = saved_activations(plan) if saves is None else saves
     seen: dict = {}
     for s in saves:
-        if s.index == -1:  # a collective's output of the producer's value: its own storage
+        if s.gathered:  # the producer's value gathered by a lowering: its own storage
+            key = (s.consumer, s.producer, s.gathered)
+            seen[key] = (s.producer, tensor_bytes(plan, sy, s.producer, s.index, gathered=s.gathered))
+        elif s.index == -1:  # a collective's output of the producer's value: its own storage
             seen[(s.consumer, s.producer)] = (s.producer, tensor_bytes(plan, sy, s.producer, 0))
         elif s.producer is not None:
             seen.setdefault((s.producer, s.index), (s.producer, tensor_bytes(plan, sy, s.producer, s.index)))
@@ -149,6 +188,21 @@ def activation_bytes(plan, sy, saves: list[Saved] | None = None, with_outputs: b
     """Bytes the kept tensors ``saves`` (default: all of the plan's) hold on one rank, each
     storage once, plus the model's outputs."""
     return sum(bytes_by_node(plan, sy, saves, with_outputs).values(), 0)
+
+
+def workspace_bytes(plan, sy):
+    """The most one lowered op holds beyond its kept tensors while it runs (Lowering.workspace:
+    context-parallel attention's fp32 accumulators and key blocks), as a number or formula of
+    ``sy``; 0 where no lowering says. One op runs at a time, so the largest counts."""
+    sizes = []
+    for node in plan.graph.nodes:
+        lay = node.meta.get("autopar")
+        found = lowering_for(lay.strategies) if lay is not None and lay.strategies else None
+        if found is not None:
+            got = found[0].workspace(plan, node, found[1], sy)
+            if not (isinstance(got, (int, float)) and got == 0):
+                sizes.append(got)
+    return max(sizes, key=sy.value, default=0)
 
 
 def loss_backward_bytes(plan, sy):
@@ -231,6 +285,14 @@ def identity_dropout(node: fx.Node) -> bool:
     return p == 0 or train is False
 
 
+def _lowered_kept(plan, node: fx.Node) -> list[tuple] | None:
+    """What ``node``'s lowering keeps in place of the op (sharding/lowerings/base.Lowering.kept),
+    or None where it has no lowering or keeps what the op would."""
+    lay = node.meta.get("autopar")
+    found = lowering_for(lay.strategies) if lay is not None and lay.strategies else None
+    return found[0].kept(plan, node, found[1]) if found is not None else None
+
+
 def _kept(node: fx.Node, probes: dict) -> list[tuple]:
     """What ``node``'s backward keeps: ("in", i) its i-th tensor input, ("out", j) its j-th
     output, ("own", 0, f, ref) a tensor of f times the bytes of its largest tensor ``ref``."""
@@ -240,7 +302,16 @@ def _kept(node: fx.Node, probes: dict) -> list[tuple]:
         return [("own", 0, 1.0, ("out", 0))]  # autopar's x * mask keeps the mask, in x's dtype
     if node.target in ATTENTION_OPS:  # q, k, v, out; logsumexp is (B, H, L) fp32: about out / D
         d = _hint(node.meta["val"].shape[-1])
-        return [("in", 0, 0.0), ("in", 1, 0.0), ("in", 2, 0.0), ("out", 0, 0.0), ("own", 0, 1.0 / d, ("out", 0))]
+        kept = [("in", 0, 0.0), ("in", 1, 0.0), ("in", 2, 0.0), ("out", 0, 0.0), ("own", 0, 1.0 / d, ("out", 0))]
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mval = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        if isinstance(mval, torch.Tensor) and mval.dtype == torch.bool:
+            # a boolean mask is converted to an additive one in q's dtype, which the kernel keeps
+            # (the CPU flash kernel; CUDA's efficient kernel likewise): measured, the serial HF
+            # LLaMA at 2048 tokens kept 16 MB per layer more than q, k, v, out (bench_context_parallel cp=1)
+            i = _tensor_args(node).index(mask)
+            kept.append(("own", 0, float(node.meta["val"].dtype.itemsize), ("in", i)))
+        return kept
     key = _signature(node)
     if key not in probes:
         probes[key] = _probe(node)

@@ -119,7 +119,7 @@ def _lowering_comms(plan, node, sy) -> list[Comm]:
     lowering, axis = found
     where = (node.name, module_path(node))
     return [
-        make_comm(sy, kind, plan.mesh.axis_names[a], phase, b, *where)
+        make_comm(sy, kind, plan.mesh.axis_label(a), phase, b, *where)
         for kind, a, phase, b in lowering.comms(plan, node, axis, sy)
     ]
 
@@ -133,8 +133,8 @@ def _sync_comms(plan, sy) -> list[Comm]:
     for i, b in enumerate(plan.grad_buckets()):
         numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names)
         where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))
-        for a in b.axes:
-            n, axis = sy.axes[a], mesh.axis_names[a]
+        for a in b.axes:  # a SubAxis: the replica groups of a tensor split within groups (Shard.within)
+            n, axis = sy.axis(a), mesh.axis_label(a)
             if a == plan.dp_axis and dp is not None:
                 out += [
                     make_comm(sy, kind, axis, phase, nbytes, *where)

@@ -22,6 +22,7 @@ import re
 import sympy
 import torch
 
+from autopar.mesh import SubAxis
 from autopar.placement import Shard, is_uneven
 
 
@@ -100,8 +101,8 @@ class PlanSymbols:
         out = [self.dim(s) for s in shape]
         for axis, p in enumerate(placements or ()):
             if isinstance(p, Shard):
-                out[p.dim] = out[p.dim] / self.axes[axis]
-                if is_uneven(shape[p.dim], self.mesh.shape[axis]):
+                out[p.dim] = out[p.dim] / (p.within or self.axes[axis])  # within groups: a number of pieces
+                if is_uneven(shape[p.dim], p.pieces(self.mesh.shape[axis])):
                     out[p.dim] = sympy.ceiling(out[p.dim])
         return out
 
@@ -115,9 +116,16 @@ class PlanSymbols:
             val = next(v for v in val if isinstance(v, torch.Tensor))
         return self.numel(val.shape, placements) * val.dtype.itemsize
 
-    def axis(self, name_or_index) -> sympy.Symbol:
-        i = self.mesh.axis_index(name_or_index)
-        return self.axes[i]
+    def axis(self, name_or_index) -> sympy.Expr:
+        """The size of a mesh axis (a name or an index) as a symbol; of a part of a merged axis
+        (its inner axis' name: a group's ranks), the number of ranks in it."""
+        if isinstance(name_or_index, SubAxis):
+            i, sub = name_or_index.axis, name_or_index
+        else:
+            i, sub = self.mesh.sub_axis(name_or_index)
+        if sub is None:
+            return self.axes[i]
+        return sympy.Integer(sub.within) if sub.part == "inner" else self.axes[i] / sub.within
 
     # ------------------------------------------------------------- evaluate
     def value(self, expr, **values) -> float:

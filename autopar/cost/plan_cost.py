@@ -9,17 +9,23 @@ Memory per rank: ``params`` and ``grads`` (trainable parameters' local pieces),
 ``optimizer`` (``optimizer_states`` fp32-sized copies of the trainable pieces, 2 for Adam),
 ``activations`` (the tensors autograd saves for backward and the model's outputs, each storage
 once, at its local size: cost/activation_memory.py; activation checkpointing keeps fewer and
-adds ``recompute``, one block's recompute at its peak; ``backward``: what the loss's backward
-holds beyond that, two gradients of the loss's largest kept tensor, where they outweigh the
-recompute: activations + recompute + backward is the step's peak less the parameters' state). Time: per collective ``alpha * rounds + bytes / beta``
-(ring: 2(n-1) rounds for all-reduce, n-1 otherwise), compute ``flops / flops_per_s`` with
-backward counted as twice the forward; the total adds them (no overlap assumed).
+adds ``recompute``, one block's recompute at its peak; ``workspace``: what the largest lowered op
+holds beyond its kept tensors while it runs, context-parallel attention's fp32 accumulators and
+key blocks, Lowering.workspace; ``backward``: what the loss's backward holds beyond those, two
+gradients of the loss's largest kept tensor, where they outweigh recompute + workspace;
+``outputs``: where a model returning its loss gives other outputs gathered (cp's logits), what
+their gathering holds at the forward's end beyond all of those: activations + recompute +
+workspace + backward + outputs is the step's peak less the parameters' state).
+Time: per collective ``alpha * rounds + bytes / beta`` (ring: 2(n-1) rounds for all-reduce, n-1
+otherwise), compute ``flops / flops_per_s`` with backward counted as twice the forward; the total
+adds them (no overlap assumed).
 
 Example:
     >>> c = plan.cost(sizes={"H": 32})
     >>> c.comm["tp"]                 # 32*B*S*H*(tp - 1)/(dp*tp)  (bytes per step and rank)
     >>> c.at(B=64)["comm"]["tp"]     # a number
     >>> c.time(alpha=5e-6, beta=25e9, flops_per_s=1e12)["total"]
+    >>> c.time()["steps"]            # ring attention: {node: {steps, compute, shift}} per step
 """
 
 from __future__ import annotations
@@ -29,11 +35,17 @@ from collections import defaultdict
 import sympy
 import torch
 
-from autopar.cost.activation_memory import activation_bytes, loss_backward_bytes
+from autopar.cost.activation_memory import (
+    activation_bytes,
+    dropped_outputs_bytes,
+    loss_backward_bytes,
+    workspace_bytes,
+)
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers, PlanSymbols, simplify
 from autopar.placement import Shard, is_uneven
 from autopar.sharding.expert_blocks import BLOCKS
+from autopar.sharding.lowerings.base import lowering_for
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.sharding.rules import VIEW, Work, op_traits
@@ -101,7 +113,22 @@ class Cost:
             comm[c.axis] += alpha * ring_steps(c.kind, n) + formula_of(c) / beta
         compute = self.flops / fps
         total = compute + sum(comm.values())
-        return {"compute": compute, "comm": dict(comm), "total": total}
+        return {"compute": compute, "comm": dict(comm), "total": total, "steps": self._steps(alpha, beta, fps)}
+
+    def _steps(self, alpha, beta, fps) -> dict:
+        """Node -> one step of a lowering that runs in steps (ring attention: Lowering.steps):
+        ``steps`` (how many), ``compute`` and ``shift`` seconds of one (forward + backward);
+        both are in ``compute`` and ``comm`` already (the runtime does not overlap them: a shift
+        that took less than its step's compute could hide under it)."""
+        out = {}
+        for node in self.plan.graph.nodes:
+            lay = node.meta.get("autopar")
+            found = lowering_for(lay.strategies) if lay is not None and lay.strategies else None
+            got = found[0].steps(self.plan, node, found[1], self.sy) if found is not None else None
+            if got:
+                shift = alpha * got["messages"] + got["bytes"] / beta
+                out[node.name] = {"steps": got["steps"], "compute": got["flops"] / fps, "shift": shift}
+        return out
 
     def __str__(self) -> str:
         ex = ", ".join(f"{k}={v}" for k, v in self.example.items())
@@ -166,8 +193,15 @@ def activation_terms(plan, sy, rank: int | None = None, whole_model: bool = Fals
     out = {"activations": activation_bytes(plan, sy)}
     for technique in plan.options.techniques:  # activation checkpointing keeps fewer
         out = technique.activations(plan, sy, out)
-    if any(plan.ctx.needs_grad.values()):  # the loss's backward, where it outweighs the recompute
-        out["backward"] = _beyond(loss_backward_bytes(plan, sy), out.get("recompute", 0), sy)
+    workspace = workspace_bytes(plan, sy)  # a lowered op's buffers while it runs (cp attention's)
+    if not (isinstance(workspace, (int, float)) and workspace == 0):
+        out["workspace"] = workspace
+    if any(plan.ctx.needs_grad.values()):  # the loss's backward, where it outweighs the others
+        held = out.get("recompute", 0) + out.get("workspace", 0)
+        out["backward"] = _beyond(loss_backward_bytes(plan, sy), held, sy)
+        dropped = dropped_outputs_bytes(plan, sy)  # outputs gathered at the forward's end, then dropped
+        if sy.value(dropped) > sy.value(held + out["backward"]):
+            out["outputs"] = _beyond(dropped, held + out["backward"], sy)
     if not whole_model:
         for technique in plan.options.techniques:  # a pipeline rank holds its stages' only
             out = technique.rank_activations(plan, sy, out, rank)

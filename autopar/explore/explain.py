@@ -48,8 +48,8 @@ def explain(plan, name: str) -> Text:
     )
 
 
-def _axis(plan, a: int) -> str:
-    return plan.mesh.axis_names[a]
+def _axis(plan, a) -> str:
+    return plan.mesh.axis_label(a)  # an index, or a SubAxis (the replica groups of experts split within groups)
 
 
 def comm_reason(plan, c) -> str:

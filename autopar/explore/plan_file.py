@@ -101,7 +101,7 @@ def plan_record(plan) -> dict:
         "format": FORMAT,
         "version": VERSION,
         "model": {"class": type(plan.model).__name__, "params": model_params(plan.model)},
-        "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
+        "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)} | _parts(plan.mesh),
         "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
         "autopar_version": _version(),
         "options": _options_out(plan.options),
@@ -177,6 +177,12 @@ def save_plan(plan, path) -> None:
 
 
 # -------------------------------------------------------------------------------------- load
+def _parts(mesh) -> dict:
+    """Two mesh axes merged into one (data parallel over both), by their names: what an annotation
+    on one of them (experts over the inner axis) and explain's names of its groups read."""
+    return {"parts": [list(p) for p in mesh.parts]} if mesh.parts else {}
+
+
 def read_plan_file(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=None, kwargs=None) -> dict:
     """What planner.load_plan needs to make the plan saved at ``path`` again for ``model`` (which
     must have the same parameters): its mesh, options, seeds, example inputs, the ``enforce`` hook
@@ -188,7 +194,8 @@ def read_plan_file(path, model: torch.nn.Module, *, mesh: Mesh | None = None, ar
         rec = json.load(f)
     _check_header(rec, path)
     _check_model(rec, model, path)
-    saved_mesh = Mesh(tuple(rec["mesh"]["shape"]), tuple(rec["mesh"]["axes"]))
+    parts = tuple(tuple(p) for p in rec["mesh"].get("parts", ()))
+    saved_mesh = Mesh(tuple(rec["mesh"]["shape"]), tuple(rec["mesh"]["axes"]), parts)
     if mesh is not None and (tuple(mesh.shape) != saved_mesh.shape or tuple(mesh.axis_names) != saved_mesh.axis_names):
         raise PlanFileError(
             f"{path} was saved for mesh {saved_mesh}, not {mesh}: plan again with "

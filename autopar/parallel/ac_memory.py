@@ -15,7 +15,14 @@ import dataclasses
 
 import torch
 
-from autopar.cost.activation_memory import DROPOUT_OPS, Saved, activation_bytes, base_of, saved_activations
+from autopar.cost.activation_memory import (
+    DROPOUT_OPS,
+    Saved,
+    activation_bytes,
+    base_of,
+    identity_dropout,
+    saved_activations,
+)
 from autopar.parallel.ac_regions import block_of
 from autopar.runtime.rng import initial_state
 from autopar.sharding.lowerings.random_draws import random_lowering
@@ -123,7 +130,7 @@ def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
     else:
         peak = recompute_peak(plan, technique, sy, kept, redone, host)
     blocks = set(plan.built[technique.name])
-    drawing = {block_of(n, blocks) for n in plan.graph.nodes if n.op == "call_function" and _draws(n)} - {None}
+    drawing = {block_of(n, blocks) for n in plan.graph.nodes if n.op == "call_function" and draws_random(n)} - {None}
     snapshots = len(drawing) * initial_state(0).numel()
     out = dict(terms, activations=activation_bytes(plan, sy, kept) + snapshots, recompute=peak)
     if technique.offload:
@@ -177,5 +184,9 @@ def _largest(plan, sy, saves: list[Saved]):
     return max(sizes, key=sy.value) if sizes else 0
 
 
-def _draws(node) -> bool:
-    return node.target in DROPOUT_OPS or random_lowering(node.target) is not None
+def draws_random(node) -> bool:
+    """Whether ``node`` draws random numbers (dropout, a random op): its region or stage keeps a
+    generator-state copy to replay them."""
+    if node.target in DROPOUT_OPS:  # a dropout of p = 0 returns its input: no draw, no state read
+        return not identity_dropout(node)
+    return random_lowering(node.target) is not None

@@ -140,7 +140,9 @@ class ActivationCheckpoint(Technique):
             name = f"checkpoint_{block.replace('.', '_')}"
             return Region(name, body, self.mode, mutated, save if self.mode == "selective" else (), self.offload)
 
-        outline(graph, blocks, make_region, frozenset(plan.model_tensors["buffers"]))
+        made = outline(graph, blocks, make_region, frozenset(plan.model_tensors["buffers"]))
+        for before, region in zip(made, made[1:]):  # offload: a recompute prefetches the one before
+            region.before = before
 
     # ------------------------------------------------------------------ display
     def describe(self, plan) -> str:

@@ -33,8 +33,10 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import sympy
 import torch
 
 from autopar.errors import PlanError
@@ -183,8 +185,11 @@ class ContextParallel(Technique):
         return lowered
 
     def _check_zigzag(self, plan, axis: int) -> None:
-        """Every dim split on the axis must cut into 2 x cp chunks (per block) for the zig-zag order."""
+        """Every dim split on the axis must cut into 2 x cp chunks (per block) for the zig-zag
+        order, at the batch each program runs on (a pipeline's micro-batch: ``batch_pieces``)."""
         n = plan.mesh.shape[axis]
+        pieces = math.prod(t.batch_pieces() for t in plan.options.techniques)
+        at = _sizes_at(plan, pieces)
         for node in plan.graph.nodes:
             lay = node.meta.get("autopar")
             val = node.meta.get("val")
@@ -193,14 +198,16 @@ class ContextParallel(Technique):
             p = lay.outputs[0][axis]
             if not isinstance(p, Shard) or p.dim >= val.dim():
                 continue
-            size = val.shape[p.dim]
-            size = int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else size
+            size = _size_at(val.shape[p.dim], at)
             if isinstance(size, int) and (size // p.blocks) % (2 * n):
+                micro = f" (at the pipeline's micro-batch: the batch cut in {pieces})" if pieces > 1 else ""
                 raise PlanError(
                     f"context_parallel on {self.axis!r} with load_balance: {node.name} in module "
-                    f"{module_path(node)!r} is split on dim {p.dim} of {size} rows, which does not cut into "
-                    f"2 x {n} chunks{' per block' if p.blocks > 1 else ''}. Use sizes that divide by {2 * n} "
-                    "(the sequence, and the batch where labels are regrouped), or load_balance=False."
+                    f"{module_path(node)!r} is split on dim {p.dim} of {size} rows{micro}, which does not cut "
+                    f"into 2 x {n} chunks{' per block' if p.blocks > 1 else ''}. Use sizes that divide by {2 * n} "
+                    "(the sequence, and the batch where labels are regrouped"
+                    + (", per micro-batch" if pieces > 1 else "")
+                    + "), or load_balance=False."
                 )
 
     def describe(self, plan) -> str:
@@ -216,3 +223,29 @@ class ContextParallel(Technique):
         if not here:
             return []
         return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {self.method}"]
+
+
+def _sizes_at(plan, pieces: int) -> dict:
+    """The example's value of every input dim's symbol, each batch (dim 0) cut in ``pieces``
+    as the pipeline's runner cuts it (the first pieces the largest: ceiling)."""
+    out = {}
+    for node in plan.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or node.name not in plan.traced.user_inputs or not isinstance(val, torch.Tensor):
+            continue
+        for d, s in enumerate(val.shape):
+            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol) and s.node.hint is not None:
+                hint = int(s.node.hint)
+                out.setdefault(s.node.expr, -(-hint // pieces) if d == 0 else hint)
+    return out
+
+
+def _size_at(size, at: dict):
+    """A dim's size with the symbols at ``at``'s values (an int), or its example value where
+    another symbol is in it; None where unknown."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = size.node.expr
+    if expr.free_symbols <= set(at):
+        return int(expr.xreplace(at))
+    return int(size.node.hint) if size.node.hint is not None else None

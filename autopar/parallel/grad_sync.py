@@ -160,8 +160,8 @@ class GradSync:
     def factor(self, bucket: Bucket) -> int:
         """How many rank-parts the bucket's sync adds up (the product of its groups' sizes)."""
         out = 1
-        for axis in bucket.axes:
-            out *= self.mesh.shape[axis]
+        for axis in bucket.axes:  # a SubAxis: its replica groups (Mesh.group)
+            out *= len(self.mesh.group(axis, self.rank))
         return out
 
     # ---------------------------------------------------------------------------- hooks

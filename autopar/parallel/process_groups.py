@@ -20,6 +20,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from autopar.placement import Shard
 from autopar.runtime.backend import current_backend, install_backend
 from autopar.runtime.dist_backend import DistBackend
 from autopar.runtime.failures import install_excepthook
@@ -50,6 +51,9 @@ def make_groups(plan, rank: int, timeout: float | None = None, p2p: bool = False
     for axis in range(mesh.ndim):
         for g in mesh.groups(axis):
             add(g)
+    for axis in split_within(plan):  # tensors split within groups of an axis: those groups and their replicas
+        for g in mesh.groups(axis):
+            add(g)
     for technique in plan.options.techniques:  # HSDP's groups, tied weights across stages, ...
         for g in technique.process_groups(plan):
             add(g)
@@ -57,6 +61,19 @@ def make_groups(plan, rank: int, timeout: float | None = None, p2p: bool = False
     install_backend(DistBackend(groups, rank, timeout, groups_timeout=timeout))
     install_excepthook(rank)
     return p2p_group
+
+
+def split_within(plan) -> list:
+    """The SubAxes the plan's collectives use: for every parameter split within groups of an axis
+    (Shard.within: experts over the inner of two merged data-parallel axes), the groups (its
+    dispatch) and the replica groups across them (its gradient sync)."""
+    found = {
+        (a, p.within)
+        for spec in plan.param_specs.values()
+        for a, p in enumerate(spec)
+        if isinstance(p, Shard) and p.within
+    }
+    return [plan.mesh.part(a, k, part) for a, k in sorted(found) for part in ("inner", "outer")]
 
 
 def broadcast_replicated(plan, rank: int, named_tensors, skip_axes=()) -> None:

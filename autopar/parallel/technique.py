@@ -110,6 +110,12 @@ class Technique:
         """The collectives the technique adds per training step (cost.Comm)."""
         return []
 
+    def batch_pieces(self) -> int:
+        """Into how many pieces the technique cuts each rank's batch (dim 0 of the inputs) at run
+        time, beyond the mesh's split: a pipeline's micro-batches. Sizes the plan must divide
+        (context parallel's zig-zag chunks) are checked at that batch."""
+        return 1
+
     def step_shares(self, mesh, built=None) -> dict | None:
         """What one rank has under this technique of the per-rank step without it (the search's
         and ap.predict's cost model): ``time`` (share of the compute), ``state`` (of parameter,

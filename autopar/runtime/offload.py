@@ -16,6 +16,16 @@ itself runs below every dispatch mode (an observer, the policy's mode), so it is
 counted as a device allocation nor recorded by the policy. ``to_device`` is an ordinary op
 (its copy is a device allocation, and LiveBytes sees it).
 
+Prefetch: in backward, the recompute of region k asks for its own copies back and then starts
+those of region k - 1 (the region before it in the same forward: the next one backward
+recomputes), ``Ahead``: on CUDA on a side stream, from pinned memory, non-blocking, so the copy
+overlaps region k's recompute and backward; the stream that uses them waits for the side
+stream's event (and the copies are recorded on it for the allocator). Only for the device types
+in ``PREFETCH``: on a CPU a copy is a synchronous memcpy on the thread that runs backward, with
+nothing to overlap it with; made early it would only hold region k - 1's bytes during region
+k's backward, so there it runs when the recompute asks (the tests add "cpu" to run the
+prefetching path, which must give the same step).
+
 Example:
     >>> h = to_host(x)                         # x's bytes now live on the host
     >>> is_host(h.untyped_storage())           # True
@@ -58,6 +68,55 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.copy_(host, non_blocking=device.type != "cpu")
 
 
+# device types whose copies back start ahead of the recompute that needs them (see the docstring)
+PREFETCH = {"cuda"}
+
+
+def prefetching(device: torch.device) -> bool:
+    return device.type in PREFETCH
+
+
+class Ahead:
+    """Copies of host tensors back to ``device`` started now, ahead of need: on CUDA on a side
+    stream (``take`` makes the stream that uses a copy wait for them), elsewhere made at once.
+
+    Example:
+        >>> ahead = Ahead({0: h}, torch.device("cuda"))   # the copy runs while backward goes on
+        >>> x = ahead.take(0)                             # later: ready on the current stream
+    """
+
+    def __init__(self, hosts: dict, device: torch.device):
+        self.device, self.event = device, None
+        if device.type == "cuda":
+            side = _side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))  # the host copies were made on it
+            with torch.cuda.stream(side):
+                self.copies = {k: to_device(h, device) for k, h in hosts.items()}
+            self.event = side.record_event()
+        else:
+            self.copies = {k: to_device(h, device) for k, h in hosts.items()}
+
+    def __contains__(self, k) -> bool:
+        return k in self.copies
+
+    def take(self, k) -> torch.Tensor:
+        t = self.copies.pop(k)
+        if self.event is not None:
+            now = torch.cuda.current_stream(self.device)
+            now.wait_event(self.event)
+            t.record_stream(now)  # made on the side stream, used on this one: not reused before
+        return t
+
+
+_SIDE: dict = {}  # device -> the stream prefetches copy on
+
+
+def _side_stream(device: torch.device):
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
 def is_host(storage) -> bool:
     """Whether ``storage`` is a host copy made by ``to_host``."""
     return _HOST.get(id(storage)) is storage
@@ -78,13 +137,19 @@ class _OnHost:
     """A cached output of the selective policy, in host memory; ``get_val`` (what torch's
     recompute mode calls on a cache entry) brings it back to its device."""
 
-    __slots__ = ("host", "device")
+    __slots__ = ("host", "device", "ahead")
 
     def __init__(self, tensor: torch.Tensor):
-        self.host, self.device = to_host(tensor), tensor.device
+        self.host, self.device, self.ahead = to_host(tensor), tensor.device, None
+
+    def prefetch(self) -> None:
+        """Start the copy back now (the region's recompute comes next: ``Ahead``)."""
+        if self.ahead is None and prefetching(self.device):
+            self.ahead = Ahead({0: self.host}, self.device)
 
     def get_val(self, allow_cache_entry_mutation=False):
-        return to_device(self.host, self.device)
+        ahead, self.ahead = self.ahead, None
+        return ahead.take(0) if ahead is not None else to_device(self.host, self.device)
 
 
 class _HostSlots(dict):
@@ -98,6 +163,12 @@ class _HostSlots(dict):
             return _OnHost(val) if hasattr(leaf, "get_val") and isinstance(val, torch.Tensor) else leaf
 
         super().__setitem__(idx, pytree.tree_map(move, entry))
+
+
+def cached_on_host(cache) -> list:
+    """The host entries of a ``host_cache`` (to prefetch them)."""
+    return [leaf for slots in cache.values() for entry in slots.values() for leaf in pytree.tree_leaves(entry)
+            if isinstance(leaf, _OnHost)]  # fmt: skip
 
 
 def host_cache() -> defaultdict:

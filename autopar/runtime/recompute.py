@@ -18,7 +18,9 @@ program like a function (``checkpoint_blocks_3(...)`` in ``gm.code``). Calling i
   pinned where CUDA exists): its inputs that autograd made (the forward runs on the device
   tensors themselves; checkpoint keeps only host copies, moved back for the recompute) and,
   under a selective policy, the outputs the policy keeps (copied out as the forward makes them,
-  back when the recompute asks for them).
+  back when the recompute asks for them); the recompute of a region starts the copies back of
+  the region before it (``before``: the one the next recompute needs), ahead of need where the
+  device can overlap them (runtime/offload.py: CUDA's side stream; on a CPU, at need).
 
 Example:
     >>> region = Region("checkpoint_blocks_0", body, mode="full", mutated=[4])
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import weakref
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopar.runtime.offload import host_cache, to_device, to_host
+from autopar.runtime.offload import Ahead, cached_on_host, host_cache, prefetching, to_device, to_host
 
 MODES = ("full", "selective")
 ops = torch.ops.autopar
@@ -102,12 +106,15 @@ class _Moved:
     """A region's offloaded inputs: checkpoint is handed (and keeps) host copies; the forward runs
     on the device tensors themselves (``inputs``' first call), the recompute on copies moved back
     by ``back()``, a context entered before a selective policy's mode (the copies are no op of
-    the region's, which the policy would find missing in the forward's record)."""
+    the region's, which the policy would find missing in the forward's record). ``cache``: the
+    selective policy's host cache; ``prev``: the same forward's call of the region before
+    (weakly), whose copies back ``back()`` starts (``prefetch``)."""
 
-    def __init__(self, originals: dict):
+    def __init__(self, originals: dict, prev=None):
         self.originals, self.devices = originals, {i: a.device for i, a in originals.items()}
         self.hosts: dict = {}
         self.back_copies: dict = {}
+        self.cache, self.prev, self.ahead, self.done = None, prev, None, False
 
     def host(self, i: int, a):
         if i not in self.devices:
@@ -124,13 +131,39 @@ class _Moved:
         chosen = first if first is not None else self.back_copies
         return [chosen.get(i, a) for i, a in enumerate(kept)]
 
+    def prefetch(self) -> None:
+        """Start the copies back of what this call keeps on the host (its recompute comes next)."""
+        if self.done:
+            return
+        ahead = {i: h for i, h in self.hosts.items() if prefetching(self.devices[i])}
+        if ahead and self.ahead is None:
+            self.ahead = Ahead(ahead, next(self.devices[i] for i in ahead))
+        for entry in cached_on_host(self.cache) if self.cache is not None else ():
+            entry.prefetch()
+
     @contextlib.contextmanager
     def back(self):
-        self.back_copies = {i: to_device(h, self.devices[i]) for i, h in self.hosts.items()}
+        ahead, self.ahead, self.done = self.ahead, None, True
+        self.back_copies = {
+            i: ahead.take(i) if ahead is not None and i in ahead else to_device(h, self.devices[i])
+            for i, h in self.hosts.items()
+        }
+        prev = self.prev() if self.prev is not None else None
+        if prev is not None:  # the region backward reaches next: its copies travel meanwhile
+            prev.prefetch()
         try:
             yield
         finally:
             self.back_copies = {}
+
+
+_LATEST = threading.local()  # per thread (a simulated rank each): region -> its last call's _Moved, weakly
+
+
+def _latest() -> weakref.WeakKeyDictionary:
+    if not hasattr(_LATEST, "calls"):
+        _LATEST.calls = weakref.WeakKeyDictionary()
+    return _LATEST.calls
 
 
 class Region:
@@ -149,6 +182,11 @@ class Region:
         self.__module__ = __name__
         self.body, self.mode, self.mutated = body, mode, tuple(mutated)
         self.save_ops, self.offload = frozenset(save_ops), offload
+        self.before: Region | None = None  # the region the program calls before this one (offload's prefetch)
+
+    def latest(self):
+        """This thread's (rank's) last call of the region (its ``_Moved``, weakly), or None."""
+        return _latest().get(self)
 
     def __repr__(self) -> str:
         return f"<{self.mode} checkpoint region {self.__name__}: {len(self.body.graph.nodes)} nodes>"
@@ -161,7 +199,10 @@ class Region:
         # the written inputs reach the body from here, not through checkpoint: it would refuse to
         # recompute from an input whose version moved (the forward's draws advanced the generator)
         kept = [a for i, a in enumerate(args) if i not in self.mutated]
-        moved = _Moved({i: a for i, a in enumerate(kept) if self.offload and _activation(a)})
+        prev = self.before.latest() if self.offload and self.before is not None else None
+        moved = _Moved({i: a for i, a in enumerate(kept) if self.offload and _activation(a)}, prev)
+        if self.offload:
+            _latest()[self] = weakref.ref(moved)
         kept = [moved.host(i, a) for i, a in enumerate(kept)]
         context_fn = functools.partial(self._contexts, states, [s.clone() for s in states], moved)
         run = functools.partial(self._run, moved, states)
@@ -178,7 +219,7 @@ class Region:
             forward, recompute = create_selective_checkpoint_contexts(save_policy(self.save_ops))
             if self.offload:  # the policy's cache, its tensors on the host (shared by both modes)
                 assert hasattr(forward, "storage") and hasattr(recompute, "storage"), "torch's SAC modes changed"
-                forward.storage = recompute.storage = host_cache()
+                forward.storage = recompute.storage = moved.cache = host_cache()
         else:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         # the state is set and the inputs moved back outside the policy's mode

@@ -37,8 +37,8 @@ def ring_bytes(kind: str, local_bytes, n):
 
 def ring_steps(kind: str, n):
     """Latency terms (message rounds) of a ring collective over ``n`` ranks."""
-    if kind == "ring_shift":
-        return 1 if n > 1 else 0
+    if kind == "ring_shift":  # (n == 1 tests a symbol structurally: a formula's axis counts one round)
+        return 0 if n == 1 else 1
     if kind == "ring_pass":
         return n - 1
     return 2 * (n - 1) if kind == "all_reduce" else (n - 1)

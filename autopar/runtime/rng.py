@@ -34,6 +34,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.placement import narrow_piece, piece_size
 from autopar.runtime.recompute import replayed_state
+from autopar.runtime.zigzag import to_zigzag
 
 STATE = "autopar_rng_state"
 MODES = ("placement", "serial")
@@ -98,7 +99,8 @@ def dropout(
 
     ``factors[d]``: into how many pieces dim d of the global tensor is cut; ``cuts``: for each
     axis that splits it, (dim, pieces, this rank's coordinate, blocks, global size or 0 where it
-    is sized at run time and cut evenly), flattened, axis order (CUT entries each).
+    is sized at run time and cut evenly, 1 where the axis's pieces are in the zig-zag order),
+    flattened, axis order (CUT entries each).
     """
     if not train or p == 0.0:
         return torch.ops.aten.dropout.default(x, p, train)
@@ -129,14 +131,18 @@ def _draw(shape, p, dtype, gen, device, order=()):
     return mask.to(device)
 
 
-CUT = 5  # entries per axis in ``cuts``: (dim, pieces, coordinate, blocks, global size or 0)
+CUT = 6  # entries per axis in ``cuts``: (dim, pieces, coordinate, blocks, global size or 0, zig-zag)
 
 
 def _piece(full, cuts):
-    """This rank's piece of a full-size tensor, as placement.shard_tensor cuts it."""
+    """This rank's piece of a full-size tensor, as placement.shard_tensor cuts it; on an axis
+    whose pieces are in the zig-zag order (load-balanced context parallel: runtime/zigzag.py)
+    its chunks ``coordinate`` and 2 pieces - 1 - ``coordinate``, as plan.local_inputs cuts."""
     out = full
     for i in range(0, len(cuts), CUT):
-        dim, n, coord, blocks = cuts[i : i + 4]
+        dim, n, coord, blocks, _, zigzag = cuts[i : i + CUT]
+        if zigzag:
+            out = to_zigzag(out, dim, n, blocks)
         out = narrow_piece(out, dim, n, coord, blocks)
     return out
 

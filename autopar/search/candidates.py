@@ -38,6 +38,7 @@ from autopar.presets.experts import expert_modules
 from autopar.sharding.annotations import colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard
 from autopar.presets.megatron_plan import _Graph
+from autopar.trace.graph_walk import ancestors, descendants
 from autopar.trace.module_paths import module_path
 
 CHOICES = ("split", "R")
@@ -162,18 +163,8 @@ def _region(col_nodes, row_node, index, paths, by_path) -> set:
     the nodes of the layers themselves (bias adds, views; ``by_path``: module path -> node
     names): what the pair's split changes."""
     lo, hi = min(index[c] for c in col_nodes), index[row_node]
-    fwd, todo = set(col_nodes), list(col_nodes)
-    while todo:
-        for u in todo.pop().users:
-            if u not in fwd and index.get(u, hi + 1) <= hi:
-                fwd.add(u)
-                todo.append(u)
-    back, todo = {row_node}, [row_node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in back and index.get(a, -1) >= lo:
-                back.add(a)
-                todo.append(a)
+    fwd = set(col_nodes) | descendants(col_nodes, lambda u: index.get(u, hi + 1) <= hi)
+    back = ancestors([row_node], lambda a: index.get(a, -1) >= lo)
     out = {n.name for n in fwd & back}
     for p in paths:
         out |= by_path.get(p, set())
@@ -181,12 +172,7 @@ def _region(col_nodes, row_node, index, paths, by_path) -> set:
 
 
 def _downstream(node, index) -> set:
-    seen, todo = {node}, [node]
-    while todo:
-        for u in todo.pop().users:
-            if u not in seen and u.op == "call_function":
-                seen.add(u)
-                todo.append(u)
+    seen = {node} | descendants([node], lambda u: u.op == "call_function")
     return {n.name for n in seen}
 
 

@@ -130,13 +130,18 @@ class expert_parallel(Annotation):
     On the axis that splits the batch, tokens are dispatched to their experts' ranks by
     all-to-all (docs/experts.md). ``tp``: each expert's matmuls also split over that axis
     (expert tensor parallelism: the first grouped matmul column-parallel, fused gate|up blocks
-    kept whole per rank, the last row-parallel, the output a partial sum over ``tp``).
+    kept whole per rank, the last row-parallel, the output a partial sum over ``tp``; a per-expert
+    ModuleList's linears the same way). With the batch over two mesh axes
+    (``DataParallel("b", replicate_axis="a")``), ``axis`` may be the inner one: the experts split
+    within each group of b's ranks (``Shard(0, within=|b|)``), dispatched inside it, their
+    gradients summed over ``a``; or ``("a", "b")``: over both.
 
     Example:
         >>> {"model.layers.*.mlp.experts": ap.expert_parallel("dp", tp="tp")}
+        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("b")}   # dp over ("a", "b")
     """
 
-    axis: str
+    axis: str | tuple
     tp: str | None = None
 
     def __repr__(self) -> str:
@@ -266,8 +271,25 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
                 put(fqn, axis, R, why)
 
 
+def _expert_axis(ann, mesh) -> tuple[int, int, int | None]:
+    """(mesh axis, ranks the experts are split over, ``within``) of ``ann.axis``: a mesh axis, or
+    the inner of two data-parallel axes merged into one (``DataParallel(axis, replicate_axis=)``:
+    the experts split within each group of the inner axis' ranks, replicated across the groups;
+    ``Shard(0, within=k)``)."""
+    axis, sub = mesh.sub_axis(ann.axis)
+    if sub is None:
+        return axis, mesh.shape[axis], None
+    if sub.part != "inner":
+        inner = next(p[2] for p in mesh.parts if p[0] == mesh.axis_names[axis])
+        raise AnnotationError(
+            f"{ann!r}: {ann.axis!r} is the outer of the data-parallel axes merged into {mesh.axis_names[axis]!r}; "
+            f"experts are split over the inner one ({inner!r}) or over both ({(ann.axis, inner)!r})."
+        )
+    return axis, sub.within, sub.within
+
+
 def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
-    axis = mesh.axis_index(ann.axis)
+    axis, n, within = _expert_axis(ann, mesh)
     for path in _matching(pattern, [n for n in modules if n], "module path"):
         if isinstance(modules[path], nn.ModuleList):
             _apply_expert_list(path, ann, modules[path], mesh, put, why, seeds)
@@ -281,7 +303,6 @@ def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
                 f"{[tuple(p.shape) for p in own.values()]}. Annotate the module holding the stacked expert weights."
             )
         experts = counts.pop()
-        n = mesh.shape[axis]
         if experts % n:
             raise AnnotationError(
                 f"{ann!r} on module {path!r}: {experts} experts do not divide over the {n} ranks of axis "
@@ -292,13 +313,14 @@ def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
         if ann.tp is not None:
             seeds.expert_tp[path] = mesh.axis_index(ann.tp)
         for pname, p in own.items():
-            put(f"{path}.{pname}", axis, Shard(0) if p.dim() >= 2 and p.shape[0] == experts else R, why)
+            split = Shard(0, within=within)
+            put(f"{path}.{pname}", axis, split if p.dim() >= 2 and p.shape[0] == experts else R, why)
 
 
 def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds):
     """A per-expert ModuleList: expert i's tensors whole on the rank holding it (``Shard(0,
     of=(i, E))``: E/n experts per rank, under their own names), empty on the others."""
-    axis, n, count = mesh.axis_index(ann.axis), mesh.shape[mesh.axis_index(ann.axis)], len(experts)
+    (axis, n, within), count = _expert_axis(ann, mesh), len(experts)
     names = [sorted(name for name, _ in e.named_parameters()) for e in experts]
     if count < 2 or any(nm != names[0] for nm in names) or not names[0]:
         raise AnnotationError(
@@ -311,16 +333,12 @@ def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds)
             f"{ann.axis!r}" + (" (more ranks than experts)" if n > count else "") + ". Put the experts on an "
             f"axis whose size divides {count}, or use a smaller mesh axis."
         )
-    if ann.tp is not None:
-        raise AnnotationError(
-            f"{ann!r} on module {path!r}: expert tensor parallelism (tp=) splits stacked 3-D expert weights; "
-            "a per-expert ModuleList is not split within an expert yet. Drop tp=, or annotate the experts' "
-            "linears with ap.colwise / ap.rowwise."
-        )
     seeds.experts[path] = axis
+    if ann.tp is not None:  # each expert's linears column- then row-parallel (sharding/expert_tp.py)
+        seeds.expert_tp[path] = mesh.axis_index(ann.tp)
     for i, expert in enumerate(experts):
         for pname, _ in expert.named_parameters():
-            put(f"{path}.{i}.{pname}", axis, Shard(0, of=(i, count)), why)
+            put(f"{path}.{i}.{pname}", axis, Shard(0, of=(i, count), within=within), why)
 
 
 def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):

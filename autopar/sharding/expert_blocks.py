@@ -34,17 +34,16 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import AnnotationError
-from autopar.placement import Replicate, check_divisible
+from autopar.placement import Replicate, Shard, check_divisible
 from autopar.runtime.moe_dispatch import route, unroute
 from autopar.sharding.expert_lists import (
-    ancestors_within,
-    descendants_within,
     list_chain,
     list_expert_modules,
     list_items,
     list_region,
 )
-from autopar.sharding.expert_tp import expert_tp_placements
+from autopar.sharding.expert_tp import expert_tp_placements, list_tp_placements
+from autopar.trace.graph_walk import ancestors, descendants
 from autopar.trace.module_paths import module_paths
 
 aten = torch.ops.aten
@@ -78,6 +77,14 @@ class ExpertBlock:
     tp: tuple | None = None  # (mesh axis, each parameter's placement on it): expert tensor parallelism
     expert: fx.GraphModule | None = None  # a ModuleList's one expert
     per_expert: int = 0
+    within: int | None = None  # experts split within groups of this many ranks of their axis (Shard.within)
+    # a ModuleList's: per parameter of one expert, the dim its ``Shard(d, of=...)`` empties on the
+    # expert axis (0; 1 for a weight whose dim 0 expert tensor parallelism splits)
+    of_dims: tuple = ()
+
+    def of_dim(self, j: int) -> int:
+        """The ``of`` dim of the op's parameter ``j`` (a ModuleList's, expert after expert)."""
+        return self.of_dims[j % self.per_expert] if self.of_dims else 0
 
     def local_chain(self, params: int) -> fx.GraphModule:
         """The chain of a rank given ``params`` of the op's parameters (its experts' ones)."""
@@ -170,11 +177,19 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
                     raise
                 continue
             changed = True
+            block.within = _within(seeds, block, axis)
             if path in seeds.expert_tp:
                 _split_experts(block, seeds, mesh, seeds.expert_tp[path])
     if changed:
         graph.lint()
         traced.gm.recompile()
+
+
+def _within(seeds, block: ExpertBlock, axis: int | None) -> int | None:
+    """The groups the block's experts are split within on ``axis`` (their seeds' Shard.within)."""
+    specs = [seeds.params.get(fqn) for fqn in block.params]
+    found = {spec[axis].within for spec in specs if axis is not None and spec and isinstance(spec[axis], Shard)}
+    return found.pop() if len(found) == 1 else None
 
 
 def _region(graph: fx.Graph, path: str) -> list[fx.Node]:
@@ -263,12 +278,25 @@ def _param_nodes(block: ExpertBlock) -> list[fx.Node]:
 
 
 def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
-    """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded."""
-    placements = expert_tp_placements(block, mesh.shape[axis], _is_grouped, THROUGH)
-    for fqn, p, node in zip(block.params, placements, _param_nodes(block)):
+    """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded.
+    A ModuleList's experts: each expert's linears split the same way (``list_tp_placements``); a
+    weight split on its dim 0 is held whole-or-empty by expert on its dim 1 (``Shard(1, of=)``)."""
+    if block.expert is None:
+        placements = expert_tp_placements(block, mesh.shape[axis], _is_grouped, THROUGH)
+        shapes = [tuple(node.meta["val"].shape) for node in _param_nodes(block)]
+    else:
+        one = list_tp_placements(block, mesh.shape[axis])
+        placements = one * block.experts
+        block.of_dims = tuple(1 if p.dim == 0 else 0 for p in one)
+        ph = [n for n in block.expert.graph.nodes if n.op == "placeholder"][1:]
+        shapes = [tuple(n.meta["val"].shape) for n in ph] * block.experts
+    for j, (fqn, p, shape) in enumerate(zip(block.params, placements, shapes)):
         spec = list(seeds.params.get(fqn, (Replicate(),) * mesh.ndim))
         spec[axis] = p
-        check_divisible(tuple(node.meta["val"].shape), tuple(spec), mesh, f"expert weight {fqn!r}")
+        whole = [Replicate() if isinstance(q, Shard) and q.of is not None else q for q in spec]
+        check_divisible(shape, tuple(whole), mesh, f"expert weight {fqn!r}")
+        listed = [isinstance(q, Shard) and q.of is not None for q in spec]
+        spec = [Shard(block.of_dim(j), of=q.of, within=q.within) if item else q for q, item in zip(spec, listed)]
         seeds.params[fqn] = tuple(spec)
         seeds.reasons[fqn] = f"{seeds.reasons.get(fqn, '')}; each expert split over {mesh.axis_names[axis]!r}"
     block.tp = (axis, tuple(placements))
@@ -294,15 +322,15 @@ def _chain(path, region, hidden, index, weights, params):
     if len(gathers) != 1:
         raise _fail(path, "no single gather of the hidden states' rows")
     entry = gathers[0]
-    rows = descendants_within([entry], inside)
-    weighted = descendants_within([weights], inside)
+    rows = descendants([entry], inside)
+    weighted = descendants([weights], inside)
     meet = next((n for n in region if n in rows and any(a in weighted for a in n.all_input_nodes)), None)
     if meet is None:
         raise _fail(path, "the expert rows never meet the routing weights")
     last = [a for a in meet.all_input_nodes if a in rows or a is entry]
     if len(last) != 1:
         raise _fail(path, f"{meet.name} mixes the routing weights into the rows more than once")
-    body = (ancestors_within(last[0], inside) & rows) | {last[0]}
+    body = (ancestors([last[0]], inside) & rows) | {last[0]}
     grouped = [n for n in body if _is_grouped(n)]
     if not grouped:
         raise _fail(path, "no grouped matmul between the gathered rows and the weighting")
@@ -310,7 +338,7 @@ def _chain(path, region, hidden, index, weights, params):
     if len(offsets) != 1:
         raise _fail(path, "its grouped matmuls do not share one offsets tensor")
     offs = offsets.pop()
-    routed = descendants_within([index], inside)
+    routed = descendants([index], inside)
     ids = _sorted_ids(region, routed)
     sources = set(params) | ({ids} if ids is not None else set())
     from_params = {n for n in inside if n not in rows and n is not ids and _only_from(n, sources, inside)}
@@ -347,7 +375,7 @@ def _sorted_ids(region, routed: set):
 
 def _all_users(n: fx.Node, inside: set) -> set:
     """Users of ``n`` and of what it feeds inside the region (the weights' transposes and casts)."""
-    return descendants_within([n], inside) | {u for u in n.users if u in inside}
+    return descendants([n], inside) | {u for u in n.users if u in inside}
 
 
 def _only_from(n: fx.Node, params: set, inside: set) -> bool:

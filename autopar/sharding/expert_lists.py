@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.errors import AnnotationError
+from autopar.trace.graph_walk import ancestors, descendants
 from autopar.trace.module_paths import module_paths
 
 aten = torch.ops.aten
@@ -115,38 +116,16 @@ def _first_reached_by_all(nodes: list[fx.Node], outs: list[fx.Node]):
     return None
 
 
-def ancestors_within(node: fx.Node, inside: set) -> set:
-    """``node`` and the nodes of ``inside`` it is computed from."""
-    seen, todo = {node}, [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a in inside and a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
-def descendants_within(starts, inside: set) -> set:
-    """The nodes of ``inside`` computed from any of ``starts`` (not the starts themselves)."""
-    seen, todo = set(), list(starts)
-    while todo:
-        for u in todo.pop().users:
-            if u in inside and u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
-
-
 def _region(path, nodes, inside, out) -> list[fx.Node]:
     """What ``out`` computes from the top-k indices, plus the tensors it makes from nothing (the
     zeros it accumulates into), the views of outside tensors that only it reads (the rows'
     ``unsqueeze``) and the checks that hang off it (export's asserts on the rows' counts)."""
-    before = ancestors_within(out, inside)
+    before = ancestors([out], inside)
     hots = [n for n in before if n.target is aten.one_hot.default]
     if len(hots) != 1:
         raise _fail(path, f"{len(hots)} one_hot of the top-k indices, expected one")
     index = hots[0].args[0]
-    routed = descendants_within([index], inside)
+    routed = descendants([index], inside)
     core = {n for n in before if n in routed or n.target in FRESH or all(_is_size(a) for a in n.all_input_nodes)}
     for n in sorted(before - core, key=nodes.index, reverse=True):  # users first
         if n.target in VIEWS and n.users and all(u in core for u in n.users):

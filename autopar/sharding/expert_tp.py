@@ -91,3 +91,93 @@ def _check(block, placements, n: int) -> None:
         got = sum(block.chain(x, offs, ids, *mine) for mine in pieces)
     if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
         raise _fail(block, "its experts do not split column- then row-parallel (the pieces' sum differs)")
+
+
+# ------------------------------------------------------------------- per-expert ModuleLists
+LINEAR = {aten.linear.default}
+MATMUL = {aten.mm.default, aten.matmul.default}
+TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.alias.default}
+
+
+def list_tp_placements(block, n: int) -> list:
+    """Per parameter of one expert of a per-expert ModuleList (``block.expert``'s order) its
+    placement on an axis of ``n`` ranks: the linears that read the rows column-parallel (weight
+    ``(out, in)`` split on out), the one whose output leaves the expert row-parallel (split on
+    in), so that the expert's output on a rank is its partial sum (Mixtral's w1, w3 | w2;
+    gate_proj, up_proj | down_proj). Checked as the stacked experts' are: on random rows the sum
+    of the pieces' outputs must equal the whole expert's.
+
+    Example:
+        >>> list_tp_placements(block, 2)     # Mixtral's w1, w2, w3: [S(0), S(1), S(0)]
+    """
+    g = block.expert.graph
+    ph = [node for node in g.nodes if node.op == "placeholder"][1:]
+    mms = [node for node in g.nodes if node.op == "call_function" and node.target in LINEAR | MATMUL]
+    out = next(node for node in g.nodes if node.op == "output").args[0]
+    last = _last_matmul(out, set(mms))
+    if last is None or len(mms) < 2:
+        raise _fail(block, f"its expert has {len(mms)} linears; expert tensor parallelism needs up and down ones")
+    found: dict = {}
+    for node in mms:
+        row = node is last
+        if node.target in LINEAR:  # weight (out, in): column splits out (dim 0), row splits in (dim 1)
+            param, dim = _source_2d(node.args[1], 1 if row else 0)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        else:  # x @ w, w (in, out): column splits its dim 1, row its dim 0
+            param, dim = _source_2d(node.args[1], 0 if row else 1)
+            bias = None
+        if param not in ph or param in found:
+            raise _fail(block, f"{node.name}'s weight is not one of the expert's own parameters (used once)")
+        found[param] = Shard(dim)
+        if bias is not None:
+            if row or not (isinstance(bias, fx.Node) and bias in ph):
+                raise _fail(block, f"{node.name} adds a bias to a row-parallel output (each rank would add it)")
+            found[bias] = Shard(0)
+    if len(found) != len(ph):
+        raise _fail(block, "its expert has parameters other than its linears' weights and column biases")
+    placements = [found[p] for p in ph]
+    if any(p.dim == 0 and v.meta["val"].dim() == 1 for p, v in zip(placements, ph)):
+        raise _fail(
+            block, "a column bias (1-D) cannot also be held whole by one rank of the expert axis; experts with biases"
+        )
+    _check_list(block, placements, n)
+    return placements
+
+
+def _last_matmul(node, mms: set):
+    """The linear whose output reaches ``node`` through elementwise ops only (the down projection)."""
+    seen = [node]
+    while seen:
+        cur = seen.pop()
+        if cur in mms:
+            return cur
+        if isinstance(cur, fx.Node) and cur.op == "call_function":
+            seen += [a for a in cur.all_input_nodes if a.op != "placeholder"]
+    return None
+
+
+def _source_2d(w: fx.Node, dim: int) -> tuple:
+    """(placeholder, its dim) that a 2-D weight's dim ``dim`` comes from, through transposes and casts."""
+    while isinstance(w, fx.Node) and w.op == "call_function" and w.target in TRANSPOSES | CASTS:
+        if w.target in TRANSPOSES:
+            dim = 1 - dim
+        w = w.args[0]
+    return w, dim
+
+
+def _check_list(block, placements, n: int) -> None:
+    ph = [node for node in block.expert.graph.nodes if node.op == "placeholder"]
+    vals = [node.meta.get("val") for node in ph]
+    if any(not isinstance(v, torch.Tensor) for v in vals):
+        return
+    g = torch.Generator().manual_seed(1)
+    full = [(torch.randn(tuple(int(s) for s in v.shape), generator=g) / 4).to(v.dtype) for v in vals[1:]]
+    x = torch.randn(5, int(vals[0].shape[-1]), generator=g).to(vals[0].dtype)
+    mesh = Mesh((n,), ("x",))
+    with torch.no_grad():
+        want = block.expert(x, *full)
+        pieces = [[shard_tensor(t, (p,), mesh, r) for t, p in zip(full, placements)] for r in range(n)]
+        got = sum(block.expert(x, *mine) for mine in pieces)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
+        raise _fail(block, "its experts do not split column- then row-parallel (the pieces' sum differs)")

@@ -521,6 +521,8 @@ def _valid(
                 continue
             if p.dim >= meta.ndim:
                 return False
+            if p.within and (n % p.within or n == p.within):
+                return False  # split within groups that do not cut this axis
             if p.of is not None:  # an item of a split list (an expert's weight): whole or empty by construction
                 continue
             size = meta.shape[p.dim]
@@ -566,6 +568,9 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
     for i, (inp, meta) in enumerate(zip(ins, info.tensors)):
         src = cur[i][axis]
         nbytes = _bytes(meta) / _others_factor(cur[i], mesh, axis)
+        if src != s.inputs[i] and _within(src, s.inputs[i]):
+            total += RAGGED_MOVE  # split within groups: no collective moves it (its op's strategy keeps it)
+            continue
         if src != s.inputs[i]:
             steps = plan_steps((src,), (s.inputs[i],))
             fwd, bwd = steps_cost(steps, (src,), _OneAxis(mesh.shape[axis]), nbytes)
@@ -596,6 +601,11 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
 
 
 RAGGED_MOVE = 1e18  # the cost of moving a dim a ragged axis cuts: refused at planning if chosen
+
+
+def _within(*placements) -> bool:
+    """Whether any of ``placements`` is split within groups of its axis (Shard.within)."""
+    return any(isinstance(p, Shard) and p.within for p in placements)
 
 
 def _moves_dynamic(steps, meta: TensorMeta) -> bool:

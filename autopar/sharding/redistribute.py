@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.errors import ShardingError
 from autopar.placement import Partial, Replicate, Shard
 from autopar.runtime.ring import ring_bytes
 
@@ -52,6 +53,12 @@ def plan_steps(src, dst) -> list[Step]:
     """The collective steps from placements ``src`` to ``dst`` (one placement per axis)."""
     cur = list(src)
     steps: list[Step] = []
+    for a, (s, d) in enumerate(zip(src, dst)):
+        if s != d and any(isinstance(p, Shard) and p.within for p in (s, d)):
+            raise ShardingError(
+                f"no collective turns {s!r} into {d!r} on mesh axis {a}: a tensor split within groups of an "
+                "axis (expert weights over the inner of two data-parallel axes) stays as its op uses it."
+            )
     for a, (s, d) in enumerate(zip(src, dst)):  # 1: shards that must go
         if isinstance(s, Shard) and s != d:
             plain = s.blocks == 1 and not (isinstance(d, Shard) and (d.blocks > 1 or d.dim == s.dim))
@@ -153,7 +160,7 @@ def local_factor(placements, mesh, shape) -> int:
     f = 1
     for p, n in zip(placements, mesh.shape):
         if isinstance(p, Shard):
-            f *= n
+            f *= p.pieces(n)
     return f
 
 

@@ -6,15 +6,9 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
+from tests.harness.distributed import merged_parameters, train_beside_serial
 from tests.harness.models import MEGATRON, gpt_batch, small_gpt
 from tests.harness.serial import max_rel_diff
-
-
-def _gather_merged(plan, module):
-    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    return plan.merge_state_dicts(gathered), gathered
 
 
 def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
@@ -30,31 +24,18 @@ def gpt_step_matches_serial(shape, axes, dp, steps=3, lr=0.2):
     ann = MEGATRON if "tp" in axes else {}
     module = ap.parallelize(model, mesh, args=(idx, tg), annotations=ann, data_parallel=dp)
     plan = module.autopar_plan
-    start, gathered = _gather_merged(plan, module)
+    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
     for name, spec in plan.param_specs.items():
         if all(p.is_replicate() for p in spec) and name in gathered[0]:
             assert all(torch.equal(g[name], gathered[0][name]) for g in gathered), f"{name} not broadcast"
+    start = plan.merge_state_dicts(gathered)
     serial = small_gpt(tied=True)
     serial.load_state_dict(start, strict=False)
-    opt = torch.optim.SGD(module.parameters(), lr=lr)
-    sopt = torch.optim.SGD(serial.parameters(), lr=lr)
-    losses, serial_losses = [], []
-    for step in range(steps):
-        idx, tg = gpt_batch(seed=step + 10)
-        args, kwargs = plan.local_inputs(rank, idx, tg)
-        _, loss = module(*args, **kwargs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        _, sl = serial(idx, tg)
-        sl.backward()
-        sopt.step()
-        sopt.zero_grad()
-        serial_losses.append(sl.item())
-    merged, _ = _gather_merged(plan, module)
-    worst = max_rel_diff(merged, dict(serial.named_parameters()))
-    return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
+    pairs = train_beside_serial(module, serial, [gpt_batch(seed=step + 10) for step in range(steps)], lr)
+    worst = max_rel_diff(merged_parameters(module), dict(serial.named_parameters()))
+    return {"losses": [p[0] for p in pairs], "serial": [p[1] for p in pairs], "max_rel_param": worst}
 
 
 def compile_with_wrong_mesh():

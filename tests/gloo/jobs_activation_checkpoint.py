@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
+from tests.harness.distributed import merged_parameters, train_beside_serial
 from tests.harness.models import MEGATRON, gpt_batch
 from tests.harness.serial import max_rel_diff
 
@@ -20,7 +21,6 @@ def train_matches_serial(mode, steps=2, lr=0.2, offload=False, zero=0):
     """Train the dropout GPT checkpointed (dp x tp, rng='serial'; ``offload``: kept tensors in
     host memory; ``zero``: the dp axis's ZeRO level) and the serial model with the same seeds;
     returns the worst relative parameter difference and the losses."""
-    rank = dist.get_rank()
     mesh = ap.Mesh((2, 2), ("dp", "tp"))
     module = ap.parallelize(
         _model(),
@@ -31,57 +31,25 @@ def train_matches_serial(mode, steps=2, lr=0.2, offload=False, zero=0):
         rng="serial",
         activation_checkpoint=ap.ActivationCheckpoint(mode, offload=offload),
     )
-    plan = module.autopar_plan
     assert "checkpoint_blocks_0(" in module.code
     serial = _model()
-    opt, sopt = torch.optim.SGD(module.parameters(), lr=lr), torch.optim.SGD(serial.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        idx, tg = gpt_batch(seed=step + 10)
-        ap.manual_seed(module, step)
-        args, kwargs = plan.local_inputs(rank, idx, tg)
-        loss = module(*args, **kwargs)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        torch.manual_seed(step)
-        sl = serial(idx, tg)[1]
-        sl.backward()
-        sopt.step()
-        sopt.zero_grad()
-        losses.append((loss.item(), sl.item()))
-    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    return {
-        "max_rel": max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters())),
-        "losses": losses,
-    }
+    losses = train_beside_serial(module, serial, [gpt_batch(seed=step + 10) for step in range(steps)], lr, seeded=True)
+    return {"max_rel": max_rel_diff(merged_parameters(module), dict(serial.named_parameters())), "losses": losses}
 
 
-def pipeline_memory(schedule, checkpoint=False, microbatches=4):
-    """A 4-block GPT on 4 pipeline ranks: the bytes this rank holds after each of its forwards
-    (LiveBytes: what its in-flight micro-batches keep), the most of them, against the model's
-    ``memory_per_rank(rank)["activations"]`` (its stage, its schedule's micro-batches in flight)."""
-    from autopar.runtime.live_bytes import LiveBytes
+def pipeline_memory(schedule, checkpoint=False, microbatches=4, chunks=1):
+    """A 4-block GPT on 4 pipeline ranks (``chunks`` stages per rank): the bytes this rank holds
+    between its actions (LiveBytes: its in-flight micro-batches and the messages it holds), the
+    most of them, against the model's ``memory_per_rank(rank)["activations"]``."""
     from tests.harness.models import small_gpt
+    from tests.harness.pipeline_memory import held_between_actions
 
     rank = dist.get_rank()
-    batch = gpt_batch(batch=8, seq=16)
-    pipe = ap.Pipeline("pp", microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
-    plan = ap.plan(small_gpt(layers=4), ap.Mesh((4,), ("pp",)), args=batch, pipeline=pipe)
+    batch = gpt_batch(batch=2 * microbatches, seq=16)
+    pipe = ap.Pipeline("pp", microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, chunks=chunks)
+    plan = ap.plan(small_gpt(layers=4 * chunks), ap.Mesh((4,), ("pp",)), args=batch, pipeline=pipe)
     runner = plan.pipeline_runner(rank)
-    runner.step(batch)  # warm-up: gradients allocated
-    forward, held = runner._forward, []
-    with LiveBytes() as mem:
-
-        def counted(*a, **k):
-            forward(*a, **k)
-            held.append(mem.refresh().live)  # what the forward dropped after its last op counted out
-
-        runner._forward = counted
-        runner.step(batch)
-    runner._forward = forward
+    held = held_between_actions(runner, batch)
     predicted = plan.memory_per_rank(rank)
     return {
         "held": max(held),

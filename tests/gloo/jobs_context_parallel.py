@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import autopar as ap
+from tests.harness.distributed import merged_parameters, train_beside_serial
 from tests.harness.llama_like import llama_batch, llama_like
-from tests.harness.serial import max_rel_diff
+from tests.harness.serial import grad_errors, max_rel_diff, serial_step
 
 MESHES = {"cp4": ((4,), ("cp",), None), "dp2xcp2": ((2, 2), ("dp", "cp"), "dp")}
 
@@ -15,7 +15,6 @@ MESHES = {"cp4": ((4,), ("cp",), None), "dp2xcp2": ((2, 2), ("dp", "cp"), "dp")}
 def train_matches_serial(method, mesh_name, steps=2, lr=0.2):
     """Train the LLaMA-style model context-parallel over real processes and the serial model on
     the same batches; the worst relative parameter difference and the losses."""
-    rank = dist.get_rank()
     shape, names, dp = MESHES[mesh_name]
     module = ap.parallelize(
         llama_like(),
@@ -24,26 +23,25 @@ def train_matches_serial(method, mesh_name, steps=2, lr=0.2):
         data_parallel=dp,
         context_parallel=ap.ContextParallel("cp", method=method),
     )
-    plan = module.autopar_plan
     serial = llama_like()
-    opt, sopt = torch.optim.SGD(module.parameters(), lr=lr), torch.optim.SGD(serial.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        ids, labels = llama_batch(batch=4, seed=step + 10)
-        args, kwargs = plan.local_inputs(rank, ids, labels)
-        loss = module(*args, **kwargs)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sl = serial(ids, labels)[1]
-        sl.backward()
-        sopt.step()
-        sopt.zero_grad()
-        losses.append((loss.item(), sl.item()))
-    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    return {
-        "max_rel": max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters())),
-        "losses": losses,
-    }
+    losses = train_beside_serial(module, serial, [llama_batch(batch=4, seed=step + 10) for step in range(steps)], lr)
+    return {"max_rel": max_rel_diff(merged_parameters(module), dict(serial.named_parameters())), "losses": losses}
+
+
+def pipeline_matches_serial(method):
+    """pp x cp on four processes: the LLaMA-style model in two pipeline stages, each sequence split
+    on cp (load balanced), one step of 2 micro-batches; the loss and this rank's gradient errors
+    against the serial step."""
+    rank = dist.get_rank()
+    model, batch = llama_like(), llama_batch(batch=8)
+    serial_loss, serial_grads = serial_step(model, batch)
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2), ("pp", "cp")),
+        args=batch,
+        context_parallel=ap.ContextParallel("cp", method=method, load_balance=True),
+        pipeline=ap.Pipeline("pp", microbatches=2),
+    )
+    runner = plan.pipeline_runner(rank)
+    loss = runner.step(batch)
+    return {"loss": loss.item(), "serial": serial_loss.item(), "errors": grad_errors(plan, rank, runner, serial_grads)}

@@ -21,7 +21,8 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = F
     routed_model = (lambda: L.RoutedListExperts(kind[: -len("_list")])) if listed else (lambda: M.RoutedExperts(kind))
     if routed:  # HF's experts module fed a routing with one expert never chosen
         batches = [M.routing(16, seed=s) for s in range(3)]
-        model, ann, ex = routed_model(), {"experts": ap.expert_parallel("dp")}, dict(args=batches[0])
+        tp = "tp" if expert_tp else None  # each expert's linears split over tp too
+        model, ann, ex = routed_model(), {"experts": ap.expert_parallel("dp", tp=tp)}, dict(args=batches[0])
     else:
         model, kw = M.moe_model(kind)
         batches = [kw] + [M.moe_model(kind, seed=s)[1] for s in (5, 6)]
@@ -141,3 +142,65 @@ def compiled_step(kind: str):
         if want[n].numel()
     )
     return vs_eager, vs_serial, breaks, graphs
+
+
+def sub_axis_three_adamw_steps(kind: str):
+    """3 AdamW steps with the batch over two mesh axes (a, b) and the experts over b only (the
+    all-to-alls inside each group of b's ranks, the experts' gradients summed over a), on real
+    processes; rank 0 returns the worst relative difference from serial, every rank the number
+    of expert-weight elements it holds and the groups its all-to-alls ran on."""
+    mesh = ap.Mesh((2, 2), ("a", "b"))
+    batches = [M.routing(16, seed=s) for s in range(3)]
+    model = M.RoutedExperts(kind)
+    dp = ap.DataParallel("b", replicate_axis="a")
+    ann = {"experts": ap.expert_parallel("b")}
+    module = ap.parallelize(model, mesh, annotations=ann, data_parallel=dp, dynamic=False, args=batches[0])
+    plan, rank = module.autopar_plan, dist.get_rank()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3)
+    with ap.comm_stats() as stats:
+        for b in batches:
+            args, kwargs = plan.local_inputs(rank, *b)
+            M.loss_of(module(*args, **kwargs)).backward()
+            opt.step()
+            opt.zero_grad()
+    groups = sorted({(r.kind, r.group) for r in stats.for_rank(rank)})
+    mine = {n: p.detach().clone() for n, p in module.named_parameters()}
+    held = sum(p.numel() for n, p in mine.items() if "experts." in n)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None, held, groups
+    serial = M.train_serial(M.RoutedExperts(kind), batches, eps=1e-3)
+    return max_rel_diff(plan.merge_state_dicts(gathered), serial), held, groups
+
+
+def sub_axis_checkpoint(path: str):
+    """Stacked experts over b with the batch over (a, b) = (2, 2), one AdamW step, saved through
+    DCP; loaded into a plain serial state dict and back into a fresh plan of the same layout:
+    (whether the keys are the serial model's, the worst difference in each)."""
+    batch = M.routing(16)
+    mesh, dp = ap.Mesh((2, 2), ("a", "b")), ap.DataParallel("b", replicate_axis="a")
+    ann = {"experts": ap.expert_parallel("b")}
+    module = ap.parallelize(M.RoutedExperts("mixtral"), mesh, args=batch, annotations=ann, data_parallel=dp)
+    plan, rank = module.autopar_plan, dist.get_rank()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+    args, _ = plan.local_inputs(rank, *batch)
+    M.loss_of(module(*args)).backward()
+    opt.step()
+    model_sd, _ = ap.get_state_dict(module)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in module.named_parameters()})
+    want = plan.merge_state_dicts(gathered)
+    serial = {n: torch.zeros_like(t) for n, t in M.RoutedExperts("mixtral").state_dict().items()}
+    dcp.load({"model": serial}, checkpoint_id=path)
+    again = ap.parallelize(M.RoutedExperts("mixtral", seed=1), mesh, args=batch, annotations=ann, data_parallel=dp)
+    sd, _ = ap.get_state_dict(again)
+    dcp.load({"model": sd}, checkpoint_id=path)
+    ap.set_state_dict(again, model_state_dict=sd)
+    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in again.named_parameters()})
+    got = again.autopar_plan.merge_state_dicts(gathered)
+    mine = {n: p.detach() for n, p in again.named_parameters()}
+    local_ok = all(torch.equal(mine[n], m.detach()) for n, m in module.named_parameters())
+    worst = [max((d[n] - want[n]).abs().max().item() for n in want) for d in (serial, got)]
+    return sorted(model_sd) == sorted(serial), worst, local_ok

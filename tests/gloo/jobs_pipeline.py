@@ -101,3 +101,41 @@ def skipnet_matches_serial():
         "serial2": serial2.item(),
         "errors": errors + grad_errors(plan, rank, runner, grads2),
     }
+
+
+def steady_state_messages():
+    """1F1B on 2 real ranks, four steps (batch shapes A, A, B, A): each step's point-to-point
+    calls counted by kind, and its loss against serial. Only a stream's first message ever
+    carries a shape header: from a step whose shapes were seen before, no header and no
+    blocking receive (every receive posted ahead)."""
+    from autopar.parallel.pipeline import p2p
+
+    rank = dist.get_rank()
+    model, plan, batch = _gpt_plan((2,), ("pp",), None)
+    runner = plan.pipeline_runner(rank)
+    counts, real = [], {k: getattr(p2p.dist, k) for k in ("isend", "irecv", "recv")}
+
+    def counting(kind):
+        def call(tensor, *args, tag=0, **kw):
+            step[f"{kind}_{'header' if tag % 2 == 0 else 'data'}"] += 1
+            return real[kind](tensor, *args, tag=tag, **kw)
+
+        return call
+
+    other = gpt_batch(batch=4, seed=5)
+    out = []
+    try:
+        for k in real:
+            setattr(p2p.dist, k, counting(k))
+        for b in (batch, gpt_batch(batch=8, seed=2), other, batch):
+            step = {f"{k}_{w}": 0 for k in real for w in ("header", "data")}
+            loss = runner.step(b)
+            runner.holder.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                serial = model(*b)[1]
+            counts.append(step)
+            out.append((loss.item(), serial.item()))
+    finally:
+        for k, fn in real.items():
+            setattr(p2p.dist, k, fn)
+    return {"counts": counts, "losses": out}

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autopar as ap
+from tests.harness.distributed import merged_parameters, train_beside_serial
 from tests.harness.models import GPT_SEQUENCE_PARALLEL, GPT_VOCAB, MEGATRON
 from tests.harness.serial import max_rel_diff
 from tests.harness.uneven import uneven_batch, uneven_gpt
@@ -20,7 +21,6 @@ def uneven_gpt_trains_like_serial(shape, axes, annotations: str, steps: int = 2,
     """SGD steps of the vocab-67 GPT (batch 6, sequence 7; some targets ignored) on every rank; the
     worst relative parameter difference from the serial model after them, and both loss curves.
     ``dynamic``: the batch sized at run time (cut 2,2,1,1 on dp=4: a ragged plan)."""
-    rank = dist.get_rank()
     model, serial = uneven_gpt(67), uneven_gpt(67)
     dp = "dp" if "dp" in axes else None
     module = ap.parallelize(
@@ -31,28 +31,15 @@ def uneven_gpt_trains_like_serial(shape, axes, annotations: str, steps: int = 2,
         data_parallel=dp,
         dynamic=dynamic,
     )
-    plan = module.autopar_plan
-    opt, sopt = torch.optim.SGD(module.parameters(), lr=lr), torch.optim.SGD(serial.parameters(), lr=lr)
-    losses, serial_losses = [], []
-    for step in range(steps):
-        idx, tg = uneven_batch(67, seed=step + 10)
-        tg[-1, 2:] = -100  # the last rank's tokens mostly ignored: token-weighted mean
-        args, kwargs = plan.local_inputs(rank, idx, tg)
-        _, loss = module(*args, **kwargs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        _, sl = serial(idx, tg)
-        sl.backward()
-        sopt.step()
-        sopt.zero_grad()
-        serial_losses.append(sl.item())
-    pieces = {n: p.detach().clone() for n, p in module.named_parameters()}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    worst = max_rel_diff(plan.merge_state_dicts(gathered), dict(serial.named_parameters()))
-    return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
+    pairs = train_beside_serial(module, serial, [_batch(seed=step + 10) for step in range(steps)], lr)
+    worst = max_rel_diff(merged_parameters(module), dict(serial.named_parameters()))
+    return {"losses": [p[0] for p in pairs], "serial": [p[1] for p in pairs], "max_rel_param": worst}
+
+
+def _batch(seed):
+    idx, tg = uneven_batch(67, seed=seed)
+    tg[-1, 2:] = -100  # the last rank's tokens mostly ignored: token-weighted mean
+    return idx, tg
 
 
 def _parallel_gpt(shape, axes, zero: int = 0, seed: int = 0):
@@ -85,10 +72,7 @@ def checkpoint_round_trips(path: str, shape, axes, zero: int, load_shape, load_a
             ap.set_state_dict(other, model_state_dict=sd)
         else:
             ap.load_pretrained(other, path + "/hf")
-        pieces = {n: p.detach().clone() for n, p in other.named_parameters()}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, pieces)
-        merged = other.autopar_plan.merge_state_dicts(gathered)
+        merged = merged_parameters(other)
         results[how] = max((merged[n] - p).abs().max().item() for n, p in serial.items())
     return results
 

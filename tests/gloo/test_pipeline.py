@@ -46,3 +46,18 @@ def test_skips_masks_multi_tensor_real_gloo(gloo):
         assert r["loss"] == pytest.approx(r["serial"], rel=1e-5)
         assert r["loss2"] == pytest.approx(r["serial2"], rel=1e-5)
         assert not r["errors"], r["errors"]
+
+
+def test_steady_state_sends_no_shape_header_and_never_receives_blocking(gloo):
+    """From the second step with seen shapes on: data messages only, every receive an irecv
+    posted ahead (a new batch shape sends its headers once, then is known too)."""
+    for r in gloo(2).run("tests.gloo.jobs_pipeline:steady_state_messages"):
+        for loss, serial in r["losses"]:
+            assert loss == pytest.approx(serial, rel=1e-5)
+        first, again, new_shape, back = r["counts"]
+        assert first["isend_header"] + first["irecv_header"] > 0 and first["recv_data"] > 0, first
+        for c in (again, back):
+            assert c["isend_header"] == c["irecv_header"] == c["recv_header"] == c["recv_data"] == 0, c
+            assert c["isend_data"] == first["isend_data"] > 0, c  # the same data messages
+            assert c["irecv_data"] == first["irecv_data"] + first["recv_data"], c  # all posted ahead
+        assert new_shape["isend_header"] + new_shape["irecv_header"] > 0, new_shape

@@ -103,6 +103,7 @@ def test_train_resume_export(tmp_path):
     assert os.path.exists(os.path.join(c, "hf", "config.json"))
 
 
+@pytest.mark.slow  # 22 s; cp on real processes is in CI by tests/gloo/test_context_parallel.py
 def test_context_parallel_trains_as_tensor_parallel(tmp_path):
     """--mesh cp=2 (every sequence split, ring attention, load balanced) trains the same steps as
     tp=2 on the same batches: equal losses."""

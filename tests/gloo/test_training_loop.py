@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize("world,shape,axes,dp", [(2, (2,), ("tp",), None), (4, (2, 2), ("dp", "tp"), "dp")])
+@pytest.mark.parametrize(
+    "world,shape,axes,dp",
+    # the 4-rank case (33 s) runs in `make fuzz`: the 2-rank one covers a compiled module over gloo in CI
+    [(2, (2,), ("tp",), None), pytest.param(4, (2, 2), ("dp", "tp"), "dp", marks=pytest.mark.slow)],
+)
 def test_compiled_gpt_over_gloo(gloo, world, shape, axes, dp):
     for r in gloo(world).run("tests.gloo.jobs_training_loop:compiled_gpt_matches_serial", shape, axes, dp):
         assert max(r["repeated"]) - min(r["repeated"]) < 1e-6  # the issue: 4.1742 then 4.1773 twice

@@ -72,9 +72,10 @@ def bert(layers=1, seed=0):
     return BertModel(cfg).eval()
 
 
-def causal_lm(name: str, layers=1, seed=0):
+def causal_lm(name: str, layers=1, seed=0, attn="eager"):
     """A tiny causal LM of another HF architecture than the ones above (issue 32's user paths):
-    gemma2, granite, stablelm, phi3, olmo2."""
+    gemma2, granite, stablelm, phi3, olmo2; and qwen2 (context parallel's tests); ``attn``: its
+    attention implementation ("eager", "sdpa")."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -86,11 +87,12 @@ def causal_lm(name: str, layers=1, seed=0):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        attn_implementation="eager",
+        attn_implementation=attn,
         use_cache=False,
         tie_word_embeddings=False,
     )
     config, model, extra = {
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
         "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(head_dim=8)),
         "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
         "stablelm": (T.StableLmConfig, T.StableLmForCausalLM, {}),

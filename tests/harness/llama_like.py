@@ -1,7 +1,8 @@
 """A small LLaMA-style language model for context-parallel tests (no downloads).
 
 RMSNorm, rotary positions from ``arange`` (or given position ids), grouped-query causal SDPA,
-a SwiGLU MLP, an untied LM head, and HF's loss: labels shifted left by one, padded with -100.
+a SwiGLU MLP, an untied LM head, and HF's loss: labels shifted left by one, padded with -100;
+``dropout`` > 0 adds dropout on the embeddings and on each MLP's output (none in attention).
 
     >>> model = llama_like()
     >>> logits, loss = model(*llama_batch())
@@ -51,26 +52,34 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p else nn.Identity()  # none traced at p = 0: the graphs other tests pin
+
+
 class Block(nn.Module):
-    def __init__(self, d, heads, kv_heads, causal):
+    def __init__(self, d, heads, kv_heads, causal, dropout=0.0):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
         self.attn = Attention(d, heads, kv_heads, causal)
         self.gate, self.up = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False)
         self.down = nn.Linear(2 * d, d, bias=False)
+        self.drop = _dropout(dropout)
 
     def forward(self, x, cos, sin, mask=None):
         x = x + self.attn(self.norm1(x), cos, sin, mask)
         h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.drop(self.down(F.silu(self.gate(h)) * self.up(h)))
 
 
 class LlamaLike(nn.Module):
-    def __init__(self, d=32, heads=4, kv_heads=2, layers=2, causal=True, learned_positions=False, built_mask=False):
+    def __init__(
+        self, d=32, heads=4, kv_heads=2, layers=2, causal=True, learned_positions=False, built_mask=False, dropout=0.0
+    ):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d)
         self.pos = nn.Embedding(64, d) if learned_positions else None
-        self.blocks = nn.ModuleList(Block(d, heads, kv_heads, causal) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, kv_heads, causal, dropout) for _ in range(layers))
+        self.drop = _dropout(dropout)  # dropout outside attention: on the embeddings and each MLP's output
         self.norm = RMSNorm(d)
         self.lm_head = nn.Linear(d, VOCAB, bias=False)
         self.hd = d // heads
@@ -88,6 +97,7 @@ class LlamaLike(nn.Module):
             mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None]
         if self.pos is not None:
             x = x + self.pos(pos)
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         logits = self.lm_head(self.norm(x))

@@ -9,31 +9,15 @@ import pytest
 import torch
 
 import autopar as ap
-from tests.harness.hf_models import HIDDEN, VOCAB, batch, llama
+from tests.harness.hf_models import batch, causal_lm, llama
 
 import transformers  # noqa: F401  (pinned: a missing one is a failure, not a skip)
 
 
-def qwen2(layers=2, seed=0, attn="sdpa"):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
-
-
-BUILD = {"llama": lambda attn="sdpa": llama(layers=2, attn=attn), "qwen2": qwen2}
+BUILD = {
+    "llama": lambda attn="sdpa": llama(layers=2, attn=attn),
+    "qwen2": lambda attn="sdpa": causal_lm("qwen2", layers=2, attn=attn),
+}
 
 
 def _kw(b=2, s=16):

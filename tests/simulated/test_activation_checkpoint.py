@@ -408,3 +408,32 @@ def test_offload_keeps_strides_hf_llama():
         kw = {"input_ids": ids, "labels": labels}
         plan = ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs=kw, data_parallel="dp", activation_checkpoint=ac)
         plan.check(**kw)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_prefetch_starts_the_next_regions_copies_and_equals_serial(mode, monkeypatch):
+    """offload=True: the recompute of block k starts block k - 1's copies back (runtime/offload.py
+    ``Ahead``: on CUDA on a side stream; on the CPU off by default, here forced on to run the same
+    path). Every copy started ahead is the one the next recompute takes, and the step equals serial."""
+    from autopar.runtime import offload
+
+    made, taken = [], []
+    init, take = offload.Ahead.__init__, offload.Ahead.take
+
+    def counted_init(self, hosts, device):
+        made.append(len(hosts))
+        init(self, hosts, device)
+
+    def counted_take(self, k):
+        taken.append(k)
+        return take(self, k)
+
+    monkeypatch.setattr(offload.Ahead, "__init__", counted_init)
+    monkeypatch.setattr(offload.Ahead, "take", counted_take)
+    ac = ap.ActivationCheckpoint(mode, offload=True)
+    plan = gpt_plan("dp2xtp2", model=dropout_gpt(layers=3), activation_checkpoint=ac, rng="serial")
+    plan.check(*gpt_batch())
+    assert made == []  # on the CPU a copy runs when the recompute asks (nothing to overlap)
+    monkeypatch.setattr(offload, "PREFETCH", {"cpu"})
+    plan.check(*gpt_batch())
+    assert made and sum(made) == len(taken), (made, taken)

@@ -10,9 +10,9 @@ import torch
 
 import autopar as ap
 from autopar.errors import PlanError
-from autopar.runtime.context_attention import _block_mask
+from autopar.runtime.context_attention import block_plan
 from autopar.runtime.ring import ring_bytes, ring_steps
-from autopar.runtime.zigzag import from_zigzag, to_zigzag, zigzag_index
+from autopar.runtime.zigzag import from_zigzag, local_positions, to_zigzag, zigzag_index
 from tests.harness.llama_like import llama_batch, llama_like
 from tests.harness.models import MEGATRON, gpt_batch, small_gpt
 
@@ -81,16 +81,25 @@ def test_load_balanced_matches_serial(method, n):
 
 
 def test_zigzag_evens_causal_work():
-    """Attended (query, key) pairs per rank under the causal mask: equal with the zig-zag order,
-    (2r + 1) x a chunk's with contiguous pieces."""
+    """The blocks each rank computes under the causal mask: exactly the (query, key) pairs the
+    serial mask keeps, with no mask tensor (the diagonal block is a lower triangle, the others
+    whole parts); their work is equal on every rank with the zig-zag order (half of each other
+    block), (2r + 1) x half a block with contiguous pieces."""
     n, L = 4, 8  # local rows per rank
     for zigzag, expect_equal in ((True, True), (False, False)):
         work = []
         for pos in range(n):
             total = 0
             for src in range(n):
-                m = _block_mask(None, True, n, pos, src, L, L, zigzag, None)
-                total += 0 if isinstance(m, str) else (L * L if m is None else int(m.sum()))
+                b = block_plan(None, True, n, pos, src, L, L, zigzag)
+                got = torch.zeros(L, L, dtype=torch.bool)
+                if b is not None:
+                    assert b.mask is None
+                    part = torch.ones(b.qn, b.kn, dtype=torch.bool)
+                    got[b.q0 : b.q0 + b.qn, b.k0 : b.k0 + b.kn] = part.tril() if b.causal else part
+                    total += int(got.sum())
+                qpos, kpos = local_positions(L, n, pos, zigzag), local_positions(L, n, src, zigzag)
+                assert torch.equal(got, kpos[None, :] <= qpos[:, None]), (zigzag, pos, src)
             work.append(total)
         assert (len(set(work)) == 1) == expect_equal, work
     assert zigzag_index(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
@@ -149,6 +158,79 @@ def test_ring_collectives_and_costs():
     # per call: forward 2 x 3, backward 2 x 3 (K, V) + 2 x 4 (their gradients)
     assert len(shifts) == 2 * (6 + 6 + 8)
     assert sum(r.bytes for r in shifts) == pytest.approx(sum(c.bytes for c in ring_comms))  # the plan's bytes ran
+
+
+def test_memory_model_counts_gathered_kv_workspace_and_steps():
+    """The cost model's terms for the lowered attention: all-gather keeps each call's gathered K
+    and V (cp x the rank's piece) where the ring keeps its own piece; both hold a workspace while
+    a call runs (the ring's blocks, all-gather's gathered fp32 gradients: more); the ring's steps
+    as compute and shift terms of one step. bench/bench_context_parallel.py and
+    tests/gloo/test_context_parallel.py hold them against what LiveBytes measures."""
+    ring, _ = cp_plan(4, "ring")
+    gather, _ = cp_plan(4, "allgather")
+    kv = 2 * 2 * 4 * 8 * 4  # the rank's K (B 2, Hkv 2, L/4 4, E 8) float32
+    r, g = ring.memory_per_rank(0), gather.memory_per_rank(0)
+    assert g["activations"] - r["activations"] == 2 * 2 * 3 * kv  # 2 calls x K, V x (n - 1) pieces more
+    assert 0 < r["workspace"] < g["workspace"]
+    cost = gather.cost()
+    cp = cost.symbols["cp"]
+    assert cp in cost.memory["activations"].free_symbols and cp in cost.memory["workspace"].free_symbols
+    assert cost.at()["memory"]["activations"] == pytest.approx(g["activations"])
+    steps = ring.cost().time(alpha=1e-5, beta=1e9, flops_per_s=1e12)["steps"]
+    assert len(steps) == 2
+    for one in steps.values():
+        assert ring.cost().sy.value(one["steps"]) == 4
+        # forward K, V (kv each) and backward K, V and their fp32 gradients: 6 kv, 6 messages
+        assert ring.cost().sy.value(one["shift"]) == pytest.approx(6 * 1e-5 + 6 * kv / 1e9)
+        assert ring.cost().sy.value(one["compute"]) == pytest.approx(3 * 4 * (2 * 4 * 4 * 8) * 4 / 1e12)
+    assert not gather.cost().time()["steps"] or all(
+        gather.cost().sy.value(v["shift"]) == 0 for v in gather.cost().time()["steps"].values()
+    )
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("mesh", [((4,), ("cp",)), ((2, 2), ("dp", "cp"))])
+def test_serial_dropout_under_load_balance(method, mesh):
+    """Dropout outside attention (on the embeddings and each MLP's output) with rng="serial"
+    under the zig-zag order: each rank draws the serial mask and keeps its chunks r and 2n-1-r
+    (runtime/rng._piece), so outputs and every gradient equal serial's."""
+    dp = "dp" if "dp" in mesh[1] else None
+    plan, batch = cp_plan(
+        method=method, mesh=ap.Mesh(*mesh), load_balance=True, batch=llama_batch(batch=4), data_parallel=dp,
+        model=dict(dropout=0.3), rng="serial",
+    )  # fmt: skip
+    drops = [n for n in plan.graph.nodes if "dropout" in str(n.target)]
+    assert len(drops) == 3 and all(n.meta["autopar"].spec[-1] == ap.Shard(1) for n in drops)
+    plan.check(*batch, loss=lambda out: out[1])
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_with_pipeline(method):
+    """pp x cp: pipeline stages on one axis, the sequence split on the other (load balanced);
+    each stage runs its micro-batches on the rank's sequence pieces. Loss and every gradient
+    equal the serial step's. A micro-batch whose regrouped labels (HF's shift moves them along
+    the batch) do not cut into 2 x cp chunks is a PlanError at planning, not a failure at run time."""
+    from autopar.runtime.simulator import run_ranks
+    from tests.harness.serial import grad_errors, serial_step
+
+    model, batch = llama_like(), llama_batch(batch=8)
+    cp = ap.ContextParallel("cp", method=method, load_balance=True)
+    with pytest.raises(PlanError, match="micro-batch"):
+        ap.plan(
+            model, ap.Mesh((2, 2), ("pp", "cp")), args=llama_batch(batch=4), context_parallel=cp,
+            pipeline=ap.Pipeline("pp", microbatches=2),
+        )  # fmt: skip
+    plan = ap.plan(
+        model, ap.Mesh((2, 2), ("pp", "cp")), args=batch, context_parallel=cp,
+        pipeline=ap.Pipeline("pp", microbatches=2),
+    )  # fmt: skip
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    losses = run_ranks(plan.mesh.size, lambda r: runners[r].step(batch), timeout=60)
+    serial_loss, serial_grads = serial_step(model, batch)
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    errors = [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+    assert not errors, errors[:5]
 
 
 def test_bad_input_is_a_plan_error():

@@ -294,3 +294,46 @@ def test_unmeasured_step_equals_serial_and_records_no_cpu_or_bytes(gpt, ckpt):
         assert r.stats["peak_activation_bytes"] is None and r.stats["max_in_flight"] > 0
     idle = timeline.replayed_idle(plan, [r.timeline for r in runners])  # wall times stand in
     assert len(idle) == 2 and all(0 <= v < 1 for v in idle)
+
+
+@pytest.mark.parametrize("mesh", ["pp2", "dp2xpp2"])
+def test_sync_loss_false_leaves_the_loss_on_the_last_stage(gpt, mesh):
+    """sync_loss=False: no collective for the loss; the last stage's ranks return their own mean
+    (over their dp slice: the dp ranks' mean is serial's), the others None; gradients unchanged."""
+    model, batch, (serial_loss, serial_grads) = gpt
+    plan = gpt_plan(mesh, gpt)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    got = run_ranks(plan.mesh.size, lambda r: runners[r].step(batch, sync_loss=False), timeout=60)
+    pp = plan.stage_layout.axis
+    last = [r for r in plan.mesh.ranks() if plan.mesh.coords(r)[pp] == plan.mesh.shape[pp] - 1]
+    assert all((v is None) == (r not in last) for r, v in enumerate(got)), got
+    torch.testing.assert_close(torch.stack([got[r] for r in last]).mean(), serial_loss, rtol=1e-5, atol=1e-6)
+    errors = [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+    assert not errors, errors[:5]
+
+
+def test_streams_keyed_by_input_shapes_across_steps(gpt):
+    """The channel lives across steps: its streams are named by the micro-batch inputs' shapes,
+    so a step with new shapes opens new streams and one with earlier shapes reuses theirs."""
+    model, batch, (serial_loss, _) = gpt
+    plan = gpt_plan("pp2", gpt)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    batches = (batch, gpt_batch(batch=4, seed=3), batch)
+
+    def steps(r):  # one simulated job (one backend): the channel outlives each step
+        out = []
+        for b in batches:
+            out.append((runners[r].step(b), runners[r]._ch))
+            runners[r].holder.zero_grad(set_to_none=True)
+        return out
+
+    results = run_ranks(2, steps, timeout=60)
+    for i, b in enumerate(batches):
+        with torch.no_grad():
+            serial = model(*b)[1]
+        for rank_results in results:
+            torch.testing.assert_close(rank_results[i][0], serial, rtol=1e-5, atol=1e-6)
+    channels = [ch for _, ch in results[1]]
+    assert channels[0] is channels[1] is channels[2]  # one channel: it remembers the shapes
+    assert len(runners[1]._shape_ids) == 2  # two shapes of micro-batch inputs
+    assert {stream[3] for _, stream in channels[0].got} == {0, 1}  # streams of each

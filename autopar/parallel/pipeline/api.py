@@ -13,7 +13,7 @@ import torch
 
 from autopar.errors import PipelineError
 from autopar.parallel.pipeline import schedules
-from autopar.parallel.pipeline.runner import PipelineRunner
+from autopar.parallel.pipeline.runner import PipelineRunner, loss_group
 from autopar.parallel.pipeline.split import split_stages
 from autopar.parallel.process_groups import broadcast_replicated, make_groups, wants_distributed
 from autopar.placement import Replicate
@@ -77,6 +77,14 @@ def tied_rank_groups(plan) -> list[tuple[int, ...]]:
                 group.append(mesh.rank_of(c))
             out.add(tuple(group))
     return sorted(out)
+
+
+def loss_rank_groups(plan) -> list[tuple[int, ...]]:
+    """The pp x dp groups the runners reduce the step's loss over in one all-reduce (runner.py
+    ``loss_group``); none without a dp axis (the pp axis's groups serve)."""
+    if plan.dp_axis is None:
+        return []
+    return sorted({loss_group(plan, r) for r in plan.mesh.ranks()})
 
 
 def pipeline_runner(plan, rank: int, distributed: bool | None = None, **kwargs):

@@ -84,6 +84,10 @@ class Pipeline(Technique):
     def after_plan(self, plan):
         return api.stage_layout(plan, self, list(plan.options.split_before))
 
+    def batch_pieces(self) -> int:
+        """The runner cuts each rank's batch into ``microbatches`` (runner._chunk)."""
+        return self.microbatches
+
     def step_shares(self, mesh, built=None) -> dict:
         """With the stage layout ``built`` (what after_plan made, or ``cut`` for the search): each
         stage costed from its own nodes (stage_shares.py: the schedule replayed with the stages'
@@ -129,8 +133,9 @@ class Pipeline(Technique):
         return describe(plan.stage_layout, plan.graph)
 
     def process_groups(self, plan) -> list:
-        """The groups of ranks that hold one tied weight on several pipeline ranks."""
-        return api.tied_rank_groups(plan)
+        """The groups of ranks that hold one tied weight on several pipeline ranks, and the
+        pp x dp groups the step's loss is reduced over."""
+        return api.tied_rank_groups(plan) + api.loss_rank_groups(plan)
 
     # ------------------------------------------------------- what a Plan offers (plan.<name>)
     @staticmethod

@@ -6,22 +6,29 @@ were sent (interleaved chunks, skip connections). Sends never block (the sender 
 computing; ``flush`` waits for them at the end of a step); a receive blocks until the
 message is there. Messages to oneself (two chunks of one rank) stay in process.
 
-Messages belong to a ``stream`` (the runner's: one boundary value, its consumer stage and
-direction), whose messages all have one shape within a step. Only a stream's first message
-carries its shape (a small header); the receiver then knows the shape of the next ones and
-``prefetch`` can post their receives before it computes, so a message travels while both
-ranks compute instead of when the receiver asks for it (Megatron and ColossalAI pipelines
-post receives early for the same reason). A later message of another shape is an error.
+Messages belong to a ``stream`` (the runner's: one boundary value, its consumer stage, its
+direction and the shapes of the micro-batch's inputs), whose messages all have one shape. A
+channel lives as long as its runner: only a stream's first message ever carries its shape (a
+small header), so from the second step on, as in a hand-written pipeline that knows its
+shapes, no header travels and ``prefetch`` posts every receive before the rank computes: a
+message travels while both ranks compute instead of when the receiver asks for it (Megatron
+and ColossalAI pipelines post receives early for the same reason). A later message of another
+shape on the same stream is an error (a boundary shape that does not follow from the inputs').
 
-The simulated channel shares the SimBackend's lock and failure list: a rank that raised
-wakes the ranks waiting on it, and a receive that waits longer than the backend's timeout
-fails naming the missing message.
+A sent tensor stays referenced until ``release(dst, tag)`` (the runner calls it where the
+schedule proves the message arrived: messages.py) or ``flush``; a prefetched receive holds its
+buffer from the prefetch on. The simulated channel does the same (the receiver copies each
+message into a buffer of its own, prefetched where DistChannel's would be), so a simulated
+rank holds the bytes a gloo rank holds. It shares the SimBackend's lock and failure list: a
+rank that raised wakes the ranks waiting on it, and a receive that waits longer than the
+backend's timeout fails naming the missing message.
 
 Example:
     >>> ch = channel(current_backend(), rank)
     >>> ch.send(x, dst=1, tag=7, stream="h")
     >>> ch.prefetch(src=0, tag=9, dtype=torch.float32, stream="h")  # once "h"'s shape is known
     >>> y = ch.recv(src=0, tag=7, dtype=torch.float32, stream="h")
+    >>> ch.release(dst=1, tag=7)     # our message 7 to rank 1 has arrived: let go of x
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def channel(backend, rank: int, group=None):
 
 
 class _Streams:
-    """The shape of each stream's first message, sent and received (one step's channel)."""
+    """The shape of each stream's first message, sent and received (kept across steps)."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -61,8 +68,9 @@ class _Streams:
         if self.sent[key] != tuple(x.shape):
             raise PipelineError(
                 f"rank {self.rank}: pipeline message {stream} has shape {tuple(x.shape)} but "
-                f"{self.sent[key]} earlier in this step: every micro-batch must hand the "
-                "next stage tensors of one shape."
+                f"{self.sent[key]} before, for inputs of the same shapes: every micro-batch must hand "
+                "the next stage tensors whose shapes follow from its inputs' shapes (no data-dependent "
+                "shapes at a stage boundary)."
             )
         return False
 
@@ -90,7 +98,9 @@ class _Local:
 
 
 class SimChannel(_Streams):
-    """In-memory mailboxes; keeps the stream rules of DistChannel (a shape change raises)."""
+    """In-memory mailboxes; keeps the stream rules of DistChannel (a shape change raises) and its
+    memory: the sender keeps what it sent until ``release``, the receiver copies the message
+    into its own buffer (allocated at ``prefetch`` where DistChannel posts its irecv)."""
 
     def __init__(self, backend: SimBackend, rank: int):
         super().__init__(rank)
@@ -98,20 +108,34 @@ class SimChannel(_Streams):
         if not hasattr(backend, "autopar_mail"):
             backend.autopar_mail = defaultdict(deque)  # (src, dst, tag) -> tensors
         self.mail = backend.autopar_mail
+        self.local = _Local(rank)
+        self.pending: dict = {}  # (dst, tag) -> the sent tensor, until released
+        self.posted: dict = {}  # (src, tag) -> the prefetched buffer
 
     def send(self, x: torch.Tensor, dst: int, tag: int, stream=None) -> None:
+        if dst == self.rank:
+            return self.local.put(x, tag)
         b = self.backend
-        if stream is not None and dst != self.rank:
+        if stream is not None:
             self.first_send(x, dst, stream)
+        x = x.detach()
+        self.pending[(dst, tag)] = x
         with b.cv:
-            self.mail[(self.rank, dst, tag)].append(x.detach().clone())
+            self.mail[(self.rank, dst, tag)].append(x)
             b.cv.notify_all()
 
     def prefetch(self, src: int, tag: int, dtype, stream) -> bool:
-        """Nothing to post in memory; True where DistChannel would post (for tests)."""
-        return src != self.rank and (src, stream) in self.got
+        """Allocate the receive buffer where DistChannel would post an irecv; True if it did (or had)."""
+        shape = self.shape(src, stream)
+        if src == self.rank or shape is None:
+            return False
+        if (src, tag) not in self.posted:
+            self.posted[(src, tag)] = torch.empty(shape, dtype=dtype)
+        return True
 
     def recv(self, src: int, tag: int, dtype=None, stream=None) -> torch.Tensor:
+        if src == self.rank:
+            return self.local.take(tag)
         b, key = self.backend, (src, self.rank, tag)
         with b.cv:
             if not b.cv.wait_for(lambda: self.mail[key] or b.failed, b.timeout):
@@ -125,12 +149,18 @@ class SimChannel(_Streams):
                     f"failed: {type(err).__name__}: {err}"
                 )
             x = self.mail[key].popleft()
+        buf = self.posted.pop((src, tag), None)
+        out = x.clone() if buf is None or buf.shape != x.shape or buf.dtype != x.dtype else buf.copy_(x)
         if stream is not None:
             self.got.setdefault((src, stream), tuple(x.shape))
-        return x
+        return out
+
+    def release(self, dst: int, tag: int) -> None:
+        self.pending.pop((dst, tag), None)
 
     def flush(self) -> None:
-        pass
+        self.pending.clear()
+        self.posted.clear()
 
 
 class DistChannel(_Streams):
@@ -144,7 +174,7 @@ class DistChannel(_Streams):
         super().__init__(rank)
         self.group = group
         self.local = _Local(rank)
-        self.pending: list = []
+        self.pending: dict = {}  # (dst, tag) -> [(isend work, tensor)], until released or flushed
         self.posted: dict = {}  # (src, tag) -> (irecv work, buffer)
         self.headers: dict = {}  # (src, tag) -> (irecv work, header) of a stream's first message
         self.header_posted: set = set()  # (src, stream) whose first message's header is posted
@@ -163,8 +193,7 @@ class DistChannel(_Streams):
             header[0] = x.dim()
             header[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
             parts.insert(0, (header, 2 * tag))
-        for t, k in parts:
-            self.pending.append((dist.isend(t, dst, group=self.group, tag=k), t))
+        self.pending[(dst, tag)] = [(dist.isend(t, dst, group=self.group, tag=k), t) for t, k in parts]
 
     def prefetch(self, src: int, tag: int, dtype, stream) -> bool:
         """Post the receive of a message whose stream's shape is known; True if posted (or already).
@@ -209,9 +238,16 @@ class DistChannel(_Streams):
         dist.recv(out, src, group=self.group, tag=2 * tag + 1)
         return out
 
-    def flush(self) -> None:
-        for work, _keep in self.pending:
+    def release(self, dst: int, tag: int) -> None:
+        """Our message ``tag`` to ``dst`` has arrived (the schedule proves it): wait for its send
+        (done already) and let go of the tensor."""
+        for work, _keep in self.pending.pop((dst, tag), ()):
             work.wait()
+
+    def flush(self) -> None:
+        for works in self.pending.values():
+            for work, _keep in works:
+                work.wait()
         self.pending.clear()
         if self.posted or self.headers:  # the runner only prefetches its own schedule's messages
             raise PipelineError(

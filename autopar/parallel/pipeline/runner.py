@@ -43,12 +43,13 @@ from autopar.parallel.grad_sync import GradSync
 from autopar.runtime.rng import replayed_rng, rng_state
 from autopar.runtime.simulator import SimBackend
 from autopar.codegen.rank_state import set_attr
-from autopar.parallel.pipeline import schedules
+from autopar.parallel.pipeline import messages, schedules
+from autopar.parallel.pipeline.messages import PREFETCH_AHEAD
 from autopar.errors import PipelineError
 from autopar.parallel.pipeline.p2p import channel
 from autopar.parallel.pipeline.stage_module import build_stage_module
 
-PREFETCH_AHEAD = 1  # receives posted for the current action and this many after it
+MAX_SHAPES = 64  # input shapes whose boundary shapes a runner's channel remembers (then it starts afresh)
 
 
 @dataclass
@@ -108,8 +109,14 @@ class PipelineRunner:
         self.timeline: list[Event] = []
         self.stats: dict = {}
         self.measure = measure  # None: on under the simulator (see the module docstring)
-        self._schedules: dict = {}  # (kind, train) -> this rank's actions
-        self._receive_lists: dict = {}  # (kind, stage, micro-batch) -> its receives (_receives)
+        self._schedules: dict = {}  # train -> this rank's actions and the sends each lets go of
+        self._receive_lists: dict = {}  # (kind, stage, micro-batch, shapes id) -> its receives (_receives)
+        self._send_lists: dict = {}  # the same keys -> its sends (_sends)
+        self._ch = self._ch_backend = None  # the p2p channel, kept across steps (it knows the shapes)
+        self._shape_ids: dict = {}  # a micro-batch's input shapes -> a small int (in its streams)
+        self._loss_group = loss_group(plan, self.rank)  # pp x dp: the step's loss in one all-reduce
+        self._holds_last = lay.n_stages - 1 in self.stage_ids
+        self._n_results = 1 if self.metric_fn is None else 2
 
     # ------------------------------------------------------------------ parameters
     def _holder(self) -> nn.Module:
@@ -209,8 +216,26 @@ class PipelineRunner:
             for i in range(m):
                 per[i][name] = pieces[i]
         self._weights = _weights(rows, m, self.plan.ragged, self.plan.dp_axis)
-        self._uneven = None if len(set(self._weights)) == 1 else tuple(self._weights)
+        self._mb_shapes = [self._shape_id(p) for p in per]
         return per
+
+    def _shape_id(self, inputs: dict):
+        """A small int naming the shapes (and non-tensor values) of one micro-batch's inputs: the
+        boundary values' shapes follow from them, so the channel's streams are keyed by it and
+        a stream's shape, once received, is known in every later step with these shapes. Every
+        pipeline rank sees the same inputs, so every rank numbers them alike. None where an
+        input is not hashable (its streams then live for one step: ``_run`` starts a channel)."""
+        key = []
+        for v in inputs.values():
+            key.append((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
+        key = tuple(key)
+        try:
+            found = self._shape_ids.get(key)
+        except TypeError:  # an unhashable input
+            return None
+        if found is None:
+            found = self._shape_ids[key] = len(self._shape_ids)
+        return found
 
     def _micro_labels(self, labels) -> list:
         m = self.options.microbatches
@@ -247,25 +272,49 @@ class PipelineRunner:
     def stage_modules(self) -> list:
         return list(self.modules.values())
 
-    def step(self, batch, labels=None):
-        """One training step over the whole batch; returns the loss (and the metric, if any)."""
-        return self._run(batch, labels, train=True)
+    def step(self, batch, labels=None, sync_loss: bool = True):
+        """One training step over the whole batch; returns the loss (and the metric, if any).
 
-    def evaluate(self, batch, labels=None, keep_outputs: bool = False):
+        ``sync_loss=False`` skips the step's one collective for the loss (a hand-written
+        pipeline's loss lives on its last stage): the loss returned is then this rank's own,
+        the mean over its data-parallel slice, where it holds the last stage, and None on the
+        other ranks. For a loop that reads the loss every k steps only; every rank of the job
+        must pass the same value (the loss's collective is theirs together)."""
+        return self._run(batch, labels, train=True, sync_loss=sync_loss)
+
+    def evaluate(self, batch, labels=None, keep_outputs: bool = False, sync_loss: bool = True):
         """Forward only (no activations kept); returns the loss (and metric) like ``step``.
         With ``keep_outputs`` the last stage's per-micro-batch outputs go to ``runner.outputs``."""
         with torch.no_grad():
-            return self._run(batch, labels, train=False, keep_outputs=keep_outputs)
+            return self._run(batch, labels, train=False, keep_outputs=keep_outputs, sync_loss=sync_loss)
 
-    def _run(self, batch, labels, train: bool, keep_outputs: bool = False):
+    def _channel(self, backend):
+        """The p2p channel, kept across steps so that the streams' shapes are known (no header,
+        receives posted ahead); a fresh one under another backend, when an input cannot name its
+        shapes, or after MAX_SHAPES input shapes (every rank decides alike: same inputs)."""
+        if (
+            self._ch is None
+            or self._ch_backend is not backend
+            or None in self._mb_shapes
+            or len(self._shape_ids) > MAX_SHAPES
+        ):
+            if len(self._shape_ids) > MAX_SHAPES:
+                self._shape_ids.clear()
+                self._receive_lists.clear()
+                self._send_lists.clear()
+                self._mb_shapes = [self._shape_id(p) for p in self._inputs]
+            self._ch, self._ch_backend = channel(backend, self.rank, self.p2p_group), backend
+        return self._ch
+
+    def _run(self, batch, labels, train: bool, keep_outputs: bool = False, sync_loss: bool = True):
         o, lay = self.options, self.layout
         self._inputs, self._labels = self._micro_inputs(batch), self._micro_labels(labels)
         if train not in self._schedules:  # the same every step
             built = schedules.build(o.kind, lay.pp, o.microbatches, o.chunks, forward_only=not train)
-            self._schedules[train] = built[self.pp_rank]
-        acts = self._schedules[train]
+            self._schedules[train] = built[self.pp_rank], self._release_keys(built)
+        acts, releases = self._schedules[train]
         backend = current_backend()
-        self._ch = channel(backend, self.rank, self.p2p_group)
+        self._channel(backend)
         self._measuring = isinstance(backend, SimBackend) if self.measure is None else self.measure
         # the parameters' storages, which the saved-bytes count leaves out: once a step
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.parameters()} if self._measuring else None
@@ -276,25 +325,70 @@ class PipelineRunner:
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0 if self._measuring else None}
         self._held_bytes = 0
         self._backwards: dict[int, int] = {}
-        for i, a in enumerate(acts):
-            self._prefetch(acts[i : i + 1 + PREFETCH_AHEAD])
-            if a.kind == "F":
-                self._forward(a, train)
-            else:
-                self._backward(a)
-        self._ch.flush()
+        self._loss_work = None
+        if sync_loss and not self._holds_last and self._folded(backend):  # its part is zeros: at once
+            self._loss_work = backend.all_reduce_async(torch.zeros(self._n_results), self._loss_group, self.rank)
+        self._last_forwards = 0
+        self._sync_loss = sync_loss
+        try:
+            for i, a in enumerate(acts):
+                self._prefetch(acts[i : i + 1 + PREFETCH_AHEAD])
+                if a.kind == "F":
+                    self._forward(a, train)
+                else:
+                    self._backward(a)
+                for dst, tag in releases.get(i, ()):  # sends this action proved arrived: let go of them
+                    self._ch.release(dst, tag)
+            self._ch.flush()
+        except BaseException:
+            self._ch = None  # receives may be posted: the next step starts a channel
+            raise
         if train:
             self._sync_grads()
-        return self._reduce_results()
+        return self._reduce_results(backend) if sync_loss else self._local_results()
+
+    def _release_keys(self, built) -> dict:
+        """Action index -> (dst rank, tag) of the sends known arrived once it has run (messages.py)."""
+        lay = self.layout
+        return {
+            i: [(self.rank_at(lay.rank_of_stage(m.dst)), self._tag(m.microbatch, m.value, m.consumer, m.direction))
+                for m in found]
+            for i, found in messages.releases(lay, built, self.pp_rank).items()
+        }  # fmt: skip
 
     def _receives(self, a) -> list[tuple]:
         """The messages action ``a`` receives: (src rank, tag, dtype, stream) each (worked out
         once per action: the layout and the mesh do not change between steps)."""
-        key = (a.kind, a.stage, a.microbatch, self._uneven)  # streams differ with the micro-batch sizes
+        key = (a.kind, a.stage, a.microbatch, self._mb_shapes[a.microbatch])  # streams differ with the shapes
         found = self._receive_lists.get(key)
         if found is None:
             found = self._receive_lists[key] = self._work_out_receives(a)
         return found
+
+    def _sends(self, a) -> list[tuple]:
+        """The messages action ``a`` sends, in the order of its values (forward: ``st.send``, one
+        list of (dst rank, tag, stream) per value; backward: ``st.recv``'s floating values, one
+        (dst rank, tag, stream) each), worked out once like ``_receives``."""
+        key = (a.kind, a.stage, a.microbatch, self._mb_shapes[a.microbatch])
+        found = self._send_lists.get(key)
+        if found is None:
+            found = self._send_lists[key] = self._work_out_sends(a)
+        return found
+
+    def _work_out_sends(self, a) -> list:
+        st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
+        if a.kind == "F":
+            return [
+                [
+                    (self.rank_at(lay.rank_of_stage(d)), self._tag(mb, name, d, 0), self._stream(mb, name, d, 0))
+                    for d in dsts
+                ]
+                for name, dsts in st.send
+            ]
+        return [
+            (self.rank_at(lay.rank_of_stage(src)), self._tag(mb, name, a.stage, 1), self._stream(mb, name, a.stage, 1))
+            for name, src in st.recv
+        ]
 
     def _work_out_receives(self, a) -> list[tuple]:
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
@@ -353,17 +447,17 @@ class PipelineRunner:
         with counter, torch.set_grad_enabled(keep_graph):
             outs = self.modules[a.stage](*args)
             sends, loss = self._split_outputs(st, outs, a.microbatch)
+        if st.has_output:
+            self._last_forwards += 1
+            if self._last_forwards == self.options.microbatches and self._sync_loss and self._folded(current_backend()):
+                # every loss of the step is known: its all-reduce goes while the backwards run
+                self._loss_work = current_backend().all_reduce_async(self._local_values(), self._loss_group, self.rank)
         t1 = time.perf_counter()
         self.timeline.append(Event("F", a.microbatch, a.stage, t0, t1, time.thread_time() - c0 if measuring else None))
-        for (name, dsts), v in zip(st.send, sends):
-            for d in dsts:
-                x = self._wire(name, v)
-                self._ch.send(
-                    x,
-                    self.rank_at(self.layout.rank_of_stage(d)),
-                    self._tag(a.microbatch, name, d, 0),
-                    self._stream(a.microbatch, name, d, 0),
-                )
+        for (name, _), v, to in zip(st.send, sends, self._sends(a)):
+            x = self._wire(name, v)
+            for dst, tag, stream in to:
+                self._ch.send(x, dst, tag, stream)
         if train:
             nbytes = (counter.bytes if keep_graph else sum(_nbytes(x) for x in args)) if measuring else 0
             self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
@@ -405,7 +499,7 @@ class PipelineRunner:
         return sends, loss
 
     def _backward(self, a) -> None:
-        st, lay = self.layout.stages[a.stage], self.layout
+        st = self.layout.stages[a.stage]
         sv = self._saved.pop((a.microbatch, a.stage))
         clock = time.thread_time if self._measuring else _no_clock
         t0, c0 = time.perf_counter(), clock()
@@ -425,14 +519,10 @@ class PipelineRunner:
         # gradient wait nor the sends.
         cpu = clock() - c0 - (c_go - c_wait) if self._measuring else None
         self.timeline.append(Event("B", a.microbatch, a.stage, t0 + (t_go - t_wait), t1, cpu))
-        for name, src, t in sv.received:
+        to = {name: msg for (name, _), msg in zip(st.recv, self._sends(a))}
+        for name, _src, t in sv.received:
             g = t.grad if t.grad is not None else torch.zeros_like(t)
-            self._ch.send(
-                g,
-                self.rank_at(lay.rank_of_stage(src)),
-                self._tag(a.microbatch, name, a.stage, 1),
-                self._stream(a.microbatch, name, a.stage, 1),
-            )
+            self._ch.send(g, *to[name])
         self._held_bytes -= sv.nbytes
 
     def _stage_no_sync(self, a):
@@ -457,19 +547,14 @@ class PipelineRunner:
 
     def _output_grads(self, a, st, sv):
         """The gradients of this stage's sent values, summed over the stages that read them."""
-        lay = self.layout
+        kinds, receives = self.layout.kinds, iter(self._receives(a))  # in st.send's order
         tensors, grads = [], []
         for (name, dsts), v in zip(st.send, sv.sends):
-            if lay.kinds[name] != "grad":
+            if kinds[name] != "grad":
                 continue
             g = None
-            for d in dsts:
-                gd = self._ch.recv(
-                    self.rank_at(lay.rank_of_stage(d)),
-                    self._tag(a.microbatch, name, d, 1),
-                    self.dtypes[name],
-                    self._stream(a.microbatch, name, d, 1),
-                )
+            for _ in dsts:
+                gd = self._ch.recv(*next(receives))
                 g = gd if g is None else g + gd
             if v.requires_grad:
                 tensors.append(v)
@@ -485,11 +570,10 @@ class PipelineRunner:
             self._keep, self._losses, self._metrics = keep, losses, metrics
 
     def _stream(self, mb: int, name: str, consumer: int, direction: int) -> tuple:
-        """The p2p stream of one boundary value (its messages share one shape within a step): per
-        micro-batch size where the micro-batches are uneven (2, 2, 1, 1 rows: two streams)."""
-        if self._uneven is None:
-            return (name, consumer, direction)
-        return (name, consumer, direction, self._weights[mb])
+        """The p2p stream of one boundary value: its messages share one shape, in this step and
+        every later one whose micro-batch inputs have the same shapes (2, 2, 1, 1 rows: two
+        streams; another sequence length: another stream)."""
+        return (name, consumer, direction, self._mb_shapes[mb])
 
     def _tag(self, mb: int, name: str, consumer: int, direction: int) -> int:
         lay = self.layout
@@ -508,18 +592,56 @@ class PipelineRunner:
             else:
                 p.grad.copy_(total)
 
-    def _reduce_results(self):
-        """The mean loss (and metric) over micro-batches and data-parallel ranks, on every rank."""
-        backend, mesh = current_backend(), self.plan.mesh
+    def _local_values(self) -> torch.Tensor:
+        """This rank's loss (and metric): the micro-batches' weighted sum, zeros off the last stage."""
         w = torch.tensor(self._weights)
         vals = [(torch.stack(self._losses).float() * w).sum() if self._losses else torch.zeros(())]
         if self.metric_fn is not None:
             vals.append((torch.stack(self._metrics).float() * w).sum() if self._metrics else torch.zeros(()))
-        v = torch.stack([x.float() for x in vals])
-        v = backend.all_reduce(v, mesh.group(self.layout.axis, self.rank), self.rank, "sum")
-        if self.plan.dp_axis is not None:
-            v = backend.all_reduce(v, mesh.group(self.plan.dp_axis, self.rank), self.rank, "avg")
+        return torch.stack([x.float() for x in vals])
+
+    def _local_results(self):
+        """``sync_loss=False``: this rank's loss (and metric) where it holds the last stage, else None."""
+        if not self._holds_last:
+            return (None, None) if self.metric_fn is not None else None
+        v = self._local_values()
         return (v[0], v[1]) if self.metric_fn is not None else v[0]
+
+    def _folded(self, backend) -> bool:
+        """Whether the loss goes in one all-reduce over the pp x dp ranks: the backend has that
+        group (parallel/process_groups.py makes it: Pipeline.process_groups; the simulator has
+        every group), or there is no dp axis (the pp group's)."""
+        return self.plan.dp_axis is None or self._loss_group in getattr(backend, "groups", (self._loss_group,))
+
+    def _reduce_results(self, backend):
+        """The mean loss (and metric) over micro-batches and data-parallel ranks, on every rank:
+        one all-reduce over the pp x dp ranks (the sum over stages, where only the last holds a
+        loss, and over the dp ranks, divided by their number), launched early so that it runs
+        while the step computes: by the ranks without the last stage at the step's start (their
+        part is zeros), by the last stage's after its last forward. Where the backend lacks the
+        pp x dp group: pp, then dp, at the end."""
+        mesh, dp = self.plan.mesh, self.plan.dp_axis
+        if self._loss_work is not None:
+            v = self._loss_work.wait()
+            if dp is not None:
+                v = v / mesh.axis_size(dp)
+        else:
+            v = self._local_values()
+            v = backend.all_reduce(v, mesh.group(self.layout.axis, self.rank), self.rank, "sum")
+            if dp is not None:
+                v = backend.all_reduce(v, mesh.group(dp, self.rank), self.rank, "avg")
+        return (v[0], v[1]) if self.metric_fn is not None else v[0]
+
+
+def loss_group(plan, rank: int) -> tuple[int, ...]:
+    """The ranks the step's loss is reduced over: ``rank``'s pipeline ranks times its
+    data-parallel ranks (its coordinates on the other axes, tp's say, fixed); the pp group where
+    there is no dp axis."""
+    mesh, lay = plan.mesh, plan.stage_layout
+    if plan.dp_axis is None:
+        return mesh.group(lay.axis, rank)
+    pp, dp = lay.axis, mesh.axis_index(plan.dp_axis)
+    return tuple(sorted({r for q in mesh.group(dp, rank) for r in mesh.group(pp, q)}))
 
 
 def _own_loss(flat):

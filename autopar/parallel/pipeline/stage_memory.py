@@ -1,20 +1,29 @@
-"""The activations one pipeline rank holds: its own stages' saved tensors, one micro-batch at a
-time, times the micro-batches its schedule keeps in flight (the cost model's ``activations``
-for a pipelined plan, cost/activation_memory.py being the whole model's at the whole batch).
+"""The activations one pipeline rank holds: what its runner keeps alive between actions, walked
+along its schedule (the cost model's ``activations`` for a pipelined plan,
+cost/activation_memory.py being the whole model's at the whole batch).
 
-Per stage and micro-batch (the runner, parallel/pipeline/runner.py, keeps each until its
-backward): the tensors autograd saves in the stage's ops (as the other techniques keep them:
-checkpointed blocks their inputs), the values it sends (its outputs, kept to run backward
-from), and on the last stage the model's outputs; with ``Pipeline(checkpoint=True)`` only the
-stage's inputs (received values and user inputs) and what it sent, the rest recomputed just before its
-backward (``recompute``: one micro-batch of the stage, whole). Sizes are the plan's formulas
-with every user input's batch dim divided by the micro-batch count (the runner splits dim 0).
-The schedule's actions for the rank are then walked: a forward adds its stage's bytes, a
-backward frees them; ``activations`` is the most held at once (1F1B: pp - r micro-batches on
-rank r; GPipe: all m; interleaved: as its order says).
+The runner (parallel/pipeline/runner.py) keeps, per micro-batch of each of its stages, from the
+forward to its backward: the stage's inputs (received values: buffers of their own; user inputs
+are the caller's) and what it sent (its outputs, kept to run backward from); without
+``Pipeline(checkpoint=True)`` also the tensors autograd saves in the stage's ops (as the other
+techniques keep them: checkpointed blocks their inputs) and, on the last stage, the model's
+outputs the loss reads; with it nothing else (the stage is recomputed just before its backward:
+``recompute``, one micro-batch of the stage, whole). Beside those, the messages (measured on 4
+gloo ranks: 34-74% of what a checkpointed stage holds when they were left out):
+
+- a sent tensor stays alive until the schedule proves it arrived (messages.releases: the first
+  of the rank's actions receiving a message its receiver sent after consuming ours), a forward's
+  output until its backward too; a backward's gradients from that backward to their release;
+- a prefetched receive's buffer from the action before the one that reads it (the runner posts
+  the receives of the next action, once its stream's shape is known: from its second message);
+- a message to the rank itself (two chunks of one rank) is a copy, alive from the send to the
+  backward of the micro-batch that reads it.
+
+Sizes are the plan's formulas with every user input's batch dim divided by the micro-batch count
+(the runner splits dim 0). ``activations`` is the most held after any of the rank's actions.
 
 Example:
-    >>> plan.memory_per_rank(0)["activations"]     # stage 0's, its 1F1B in-flight micro-batches
+    >>> plan.memory_per_rank(0)["activations"]     # stage 0's, along its 1F1B actions
     >>> plan.cost().at()["memory"]["activations"]  # the rank that holds the most
 """
 
@@ -25,7 +34,10 @@ import torch
 
 from autopar.cost.activation_memory import activation_bytes, saved_activations, tensor_bytes
 from autopar.cost.formulas import Numbers, PlanSymbols
-from autopar.parallel.pipeline import schedules
+from autopar.parallel.ac_memory import draws_random
+from autopar.parallel.pipeline import messages, schedules
+from autopar.runtime.rng import initial_state
+from autopar.parallel.pipeline.schedules import Action
 
 
 def rank_terms(plan, pipeline, sy, terms: dict, rank: int | None) -> dict:
@@ -49,14 +61,21 @@ def rank_terms(plan, pipeline, sy, terms: dict, rank: int | None) -> dict:
 def _position_terms(plan, pipeline, sy, terms: dict, pos: int) -> dict:
     lay, m = plan.stage_layout, pipeline.microbatches
     micro = _micro_batch(plan, sy, m)
-    held = {st.index: sympy.sympify(stage_bytes(plan, pipeline, sy, st)).xreplace(micro) for st in lay.stages}
-    actions = schedules.build(pipeline.kind, lay.pp, m, pipeline.chunks)[pos]
-    now, peak, peak_value, in_flight = sympy.Integer(0), sympy.Integer(0), 0.0, 0
-    for a in actions:
-        now = now + held[a.stage] if a.kind == "F" else now - held[a.stage]
-        in_flight += 1 if a.kind == "F" else -1
-        if sy.value(now) > peak_value:
-            peak, peak_value = now, sy.value(now)
+    built = schedules.build(pipeline.kind, lay.pp, m, pipeline.chunks)
+    actions = built[pos]
+    at_micro: dict = {}  # bytes at the plan's batch -> (at the micro-batch's, its value at the example)
+    spans = []
+    for start, end, nbytes in held_intervals(plan, pipeline, sy, built, pos):
+        if nbytes not in at_micro:
+            b = sympy.sympify(nbytes).xreplace(micro)
+            at_micro[nbytes] = b, sy.value(b)
+        spans.append((start, end, *at_micro[nbytes]))
+    held = [0.0] * len(actions)  # numbers first (a formula only for the fullest point)
+    for start, end, _, v in spans:
+        for k in range(start, end):
+            held[k] += v
+    top = max(range(len(held)), key=held.__getitem__, default=None)
+    peak = sum((b for start, end, b, _ in spans if start <= top < end), sympy.Integer(0)) if held else sympy.Integer(0)
     out = dict(terms, activations=peak)
     mine = [st for st in lay.stages if lay.rank_of_stage(st.index) == pos]
     if pipeline.checkpoint:  # one micro-batch of a stage recomputed whole, just before its backward
@@ -64,6 +83,8 @@ def _position_terms(plan, pipeline, sy, terms: dict, pos: int) -> dict:
         out["recompute"] = max(whole, key=sy.value)
     elif "recompute" in terms:  # checkpointed blocks inside the stage: one block, one micro-batch
         out["recompute"] = sympy.sympify(terms["recompute"]).xreplace(micro)
+    if "workspace" in terms:  # one lowered op's buffers while it runs (cp attention): one micro-batch
+        out["workspace"] = sympy.sympify(terms["workspace"]).xreplace(micro)
     if "backward" in terms:  # the loss's backward: the last stage's, one micro-batch
         last = any(st.has_output for st in mine)
         out["backward"] = sympy.sympify(terms["backward"]).xreplace(micro) if last else sympy.Integer(0)
@@ -74,25 +95,80 @@ def _position_terms(plan, pipeline, sy, terms: dict, pos: int) -> dict:
     return out
 
 
-def stage_bytes(plan, pipeline, sy, st):
-    """Bytes one micro-batch of stage ``st`` holds from its forward to its backward (at the
-    plan's batch: the caller divides the batch dims by the micro-batch count)."""
-    if pipeline.checkpoint:  # the runner keeps the stage's inputs and what it sent only
-        names = [name for name, _ in st.recv] + list(st.inputs) + [name for name, _ in st.send]
-        return sum((_value_bytes(plan, sy, n) for n in names), sympy.Integer(0))
-    return _kept_bytes(plan, sy, st, own=False)
+def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, object]]:
+    """(first, end, bytes) for each tensor pipeline position ``pos``'s runner holds: alive after
+    its actions first .. end - 1 (indices into ``built[pos]``), at the plan's batch (the caller
+    divides the batch dims by the micro-batch count)."""
+    lay = plan.stage_layout
+    acts = built[pos]
+    n, where = len(acts), {a: i for i, a in enumerate(acts)}
+    release = {msg: j for j, found in messages.releases(lay, built, pos).items() for msg in found}
+    values: dict = {}
+
+    def size(name):
+        if name not in values:
+            values[name] = _value_bytes(plan, sy, name)
+        return values[name]
+
+    def local(msg):  # between two chunks of this rank: a copy handed over, no pending send
+        return lay.rank_of_stage(msg.src) == lay.rank_of_stage(msg.dst)
+
+    own = {}  # stage -> what its ops keep beyond its received and sent values
+    out = []
+    for i, a in enumerate(acts):
+        st = lay.stages[a.stage]
+        if a.kind == "F":
+            done = where.get(Action("B", a.microbatch, a.stage), n)  # forward-only: to the step's end
+            if a.stage not in own:
+                own[a.stage] = (
+                    _replay_bytes(plan, st)
+                    if pipeline.checkpoint
+                    else _kept_bytes(plan, sy, st, own=False, boundary=False)
+                )
+            out.append((i, done, own[a.stage]))
+            for msg in messages.received(lay, a):  # the stage's inputs, until its backward
+                first = where.get(messages.sender_action(msg), i) if local(msg) else i
+                out.append((first, done, size(msg.value)))
+            for name, dsts in st.send:  # one tensor, sent to each reader, kept for the backward
+                ends = [release.get(messages.Message(name, a.microbatch, a.stage, d, 0), n) for d in dsts
+                        if lay.rank_of_stage(d) != pos]  # fmt: skip
+                out.append((i, max([done, *ends]), size(name)))
+        else:
+            for msg in messages.sent(lay, a):  # gradients: pending sends, or copies to a chunk of ours
+                end = where.get(messages.consumer_action(msg), n) if local(msg) else release.get(msg, n)
+                out.append((i, end, size(msg.value)))
+    for post, taken, msg in messages.posted_at(lay, acts, pos):  # receive buffers posted ahead
+        if post < taken:
+            out.append((post, taken, size(msg.value)))
+    return out
 
 
-def _kept_bytes(plan, sy, st, own: bool):
+def _replay_bytes(plan, st) -> int:
+    """What a checkpointed stage keeps per micro-batch beside its inputs: a copy of the stage's
+    dropout generator state when it draws (the recompute replays the forward's masks), a CPU
+    generator's state in bytes. (The runner also keeps ``torch.get_rng_state()``, as many bytes
+    again, made outside any op: LiveBytes does not see it, and the model leaves it out.)"""
+    names = set(st.nodes)
+    drawing = any(draws_random(n) for n in plan.graph.nodes if n.name in names and n.op == "call_function")
+    return initial_state(0).numel() if drawing else 0
+
+
+def _kept_bytes(plan, sy, st, own: bool, boundary: bool = True):
     """What autograd keeps in the stage's ops (``own``: as autograd alone would; else as the
-    plan's techniques keep it), its sent values, and on the last stage the model's outputs."""
+    plan's techniques keep it) and on the last stage the model's outputs; ``boundary``: and its
+    sent values (else the values it receives and sends are left out: counted as messages)."""
     nodes = set(st.nodes)
     saves = saved_activations(plan)
     if not own:
         for technique in plan.options.techniques:  # checkpointed blocks keep their inputs instead
             saves = technique.kept_saves(plan, saves)
     mine = [s for s in saves if s.consumer.split(":")[0] in nodes]
+    if not boundary:
+        crossing = {name for name, _ in st.recv} | {name for name, _ in st.send}
+        mine = [s for s in mine if s.producer not in crossing or s.index == -1]
     total = activation_bytes(plan, sy, mine, with_outputs=st.has_output)
+    if not boundary:
+        return total
     counted = {s.producer for s in mine}
     for name, _ in st.send:  # the runner keeps what it sent, to run backward from
         if name not in counted:

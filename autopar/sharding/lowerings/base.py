@@ -37,6 +37,24 @@ class Lowering:
         """(kind, mesh axis, phase, bytes per rank as a sympy formula) of what ``emit`` runs."""
         return []
 
+    def kept(self, plan, node, axis: int) -> list[tuple] | None:
+        """What the lowered op's backward keeps, in cost/activation_memory.py's terms: ("in", i)
+        its i-th tensor input, ("out", j) its j-th output, ("own", 0, fraction, ref) a tensor of
+        its own sized after ``ref``, ("gathered", i, mesh axis) input i gathered on that axis (a
+        storage of its own). None: what the op itself keeps (probed on the meta device)."""
+        return None
+
+    def workspace(self, plan, node, axis: int, symbols):
+        """Bytes the lowered op holds beyond what it keeps while it runs (its forward or its
+        backward, whichever holds more), at the sizes ``symbols`` gives (numbers or formulas)."""
+        return 0
+
+    def steps(self, plan, node, axis: int, symbols) -> dict | None:
+        """A lowering that runs in steps (ring attention): ``{"steps": n, "flops": ..., "bytes":
+        ..., "messages": ...}``, one step's compute (forward + backward) and what it sends, as
+        formulas of ``symbols``; Cost.time() sets one beside the other. None: not in steps."""
+        return None
+
     def reason(self, axis_name: str) -> str:
         """Why this lowering's collectives run, for plan.explain."""
         return f"{self.name} on {axis_name}"

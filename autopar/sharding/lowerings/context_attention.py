@@ -5,6 +5,9 @@ The rule (rules/attention.py) offers it when q, k and v arrive split on their se
 (dim -2): the technique that split the sequence (``ap.ContextParallel``) answers
 ``attention_method(axis)`` with "allgather" or "ring"; without one the lowering all-gathers.
 
+What a call keeps for backward (``kept``) and holds while it runs (``workspace``) are stated
+here for the cost model (cost/activation_memory.py): allgather keeps the gathered K/V.
+
 Collectives per attention call, K and V of ``kv`` bytes per rank each, ``n`` ranks on the axis:
     allgather: forward 2 all-gathers ((n-1) kv each), backward 2 reduce-scatters of the gathered
                gradients ((n-1) kv each)
@@ -19,6 +22,10 @@ Example:
 from __future__ import annotations
 
 
+import sympy
+import torch
+import torch.fx as fx
+
 from autopar.runtime.context_attention import cp_attention
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.lowerings.base import Lowering, register_lowering
@@ -29,6 +36,17 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 def sdpa_arg(node_or_args, kwargs, i: int, name: str, default=None):
     """Argument ``i`` (or keyword ``name``) of a scaled_dot_product_attention call."""
     return node_or_args[i] if i < len(node_or_args) else kwargs.get(name, default)
+
+
+def _hint(size) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _most(symbols, *values):
+    """The largest of ``values``: a number where ``symbols`` gives numbers (cost.formulas.Numbers:
+    its axes are ints), else a sympy Max."""
+    numbers = all(isinstance(a, int) for a in symbols.axes)
+    return max(float(v) for v in values) if numbers else sympy.Max(*values)
 
 
 def attention_method(plan, axis: int) -> str:
@@ -78,6 +96,73 @@ class ContextAttention(Lowering):
                 out.append(("all_gather", axis, "forward", ring_bytes("all_gather", kv, n)))
                 out.append(("reduce_scatter", axis, "backward", ring_bytes("reduce_scatter", kv * n, n)))
         return out
+
+    def kept(self, plan, node, axis: int) -> list[tuple]:
+        """What a call keeps for backward (runtime/context_attention.BlockAttention): q, the rank's
+        K and V (allgather: gathered on the axis, cp times the piece), the output, the fp32
+        log-sum-exp rows and the model's mask; no (queries x keys) mask under causal attention."""
+        tensors = list(dict.fromkeys(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)))
+        index = {a: i for i, a in enumerate(tensors)}
+        q, k, v = node.args[0], node.args[1], node.args[2]
+        out = node.meta["val"]
+        lse = 4 / (_hint(out.shape[-1]) * out.dtype.itemsize)  # (..., L) fp32 against out's (..., L, D)
+        if attention_method(plan, axis) == "ring":
+            kv = [("in", index[k], 0.0), ("in", index[v], 0.0)]
+        else:
+            kv = [("gathered", index[k], axis), ("gathered", index[v], axis)]
+        kept = [("in", index[q], 0.0), *kv, ("out", 0, 0.0), ("own", 0, lse, ("out", 0))]
+        mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
+        if isinstance(mask, fx.Node) and mask in index:
+            kept.append(("in", index[mask], 0.0))
+        return kept
+
+    def workspace(self, plan, node, axis: int, symbols):
+        """The most a call holds beyond what it keeps (BlockAttention, with q, kv the bytes of the
+        rank's q and K pieces, G query heads per K/V head, f = 4 / itemsize, n ranks):
+        forward: the fp32 output accumulator and one block's fp32 output (2 f q), the block
+        at hand (ring: 2 kv, 4 kv while the next arrives) and its heads repeated (2 G kv when
+        G > 1); allgather: the pieces received while they are concatenated (n kv); backward: the arriving dO (q), the fp32 dQ and the block's dQ (2 f q), the
+        block's fp32 dK/dV before the GQA fold (2 f G kv, + f kv folded), the dK/dV
+        accumulators (ring: 2 f kv, and the block at hand 2 kv, both twice while shifting;
+        allgather: 2 f n kv, the gathered gradients), the repeated heads (2 G kv)."""
+        lay = node.meta["autopar"]
+        qv, kv_val = node.args[0].meta["val"], node.args[1].meta["val"]
+        size = qv.dtype.itemsize
+        q = symbols.numel(qv.shape, lay.input_targets[0]) * size
+        kv = symbols.numel(kv_val.shape, lay.input_targets[1]) * size
+        f = 4 / size
+        groups = _hint(qv.shape[-3]) // _hint(kv_val.shape[-3]) if qv.dim() >= 3 and kv_val.dim() >= 3 else 1
+        repeated = 2 * groups * kv if groups > 1 else 0
+        grads = 2 * f * groups * kv + f * kv  # one block's dK, dV (query heads) and a fold
+        if attention_method(plan, axis) == "ring":
+            forward = 2 * f * q + _most(symbols, 4 * kv, 2 * kv + repeated)
+            backward = q + 2 * f * q + _most(symbols, 2 * (2 * kv + 2 * f * kv), 2 * kv + 2 * f * kv + repeated + grads)
+        else:  # the gather: every rank's piece received, then concatenated (DistBackend.all_gather)
+            forward = _most(symbols, symbols.axes[axis] * kv, 2 * f * q + repeated)
+            backward = q + 2 * f * q + 2 * f * symbols.axes[axis] * kv + repeated + grads
+        return _most(symbols, forward, backward)
+
+    def steps(self, plan, node, axis: int, symbols) -> dict:
+        """One of the n steps of a call (one key block), forward + backward: FLOPs 3 x 4 q_rows x
+        block_keys x head_dim per head (backward twice the forward), halved under the causal
+        mask with load balancing (every block but the diagonal one is half attended:
+        runtime/context_attention.block_plan; the diagonal one is a triangle); and on the ring
+        what a step shifts: K and V forward, K, V and their fp32 gradients backward (4
+        messages). The runtime does not overlap a block's shift with its compute: Cost.time()
+        adds both, and shows them side by side."""
+        lay = node.meta["autopar"]
+        qv, kv_val = node.args[0].meta["val"], node.args[1].meta["val"]
+        q_numel = symbols.numel(qv.shape, lay.input_targets[0])
+        block = symbols.shape(kv_val.shape, lay.input_targets[1])[-2]
+        flops = 3 * 4 * q_numel * block
+        causal = bool(sdpa_arg(node.args, node.kwargs, 5, "is_causal", False))
+        name = plan.mesh.axis_names[axis]
+        if causal and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques):
+            flops = flops / 2
+        kv = symbols.numel(kv_val.shape, lay.input_targets[1]) * kv_val.dtype.itemsize
+        ring = attention_method(plan, axis) == "ring"
+        nbytes = 2 * kv + 2 * kv + 2 * kv * 4 / kv_val.dtype.itemsize if ring else 0
+        return {"steps": symbols.axes[axis], "flops": flops, "bytes": nbytes, "messages": 6 if ring else 0}
 
     def reason(self, axis_name: str) -> str:
         return (

@@ -39,19 +39,26 @@ ops = torch.ops.autopar
 COUNT_BYTES = 8  # the per-expert counts are int64
 
 
-def axis_modes(strategies) -> dict[int, str]:
+def axis_modes(strategies, block) -> dict[int, str]:
     """{axis: 'tokens' | 'experts' | 'dispatch'} for the axes that split something."""
     out = {}
     for axis, s in enumerate(strategies):
         if s is None:
             continue
         tok = isinstance(s.inputs[0], Shard)
-        # whole experts split (stacked: S(0); a ModuleList's: S(0, of=...)); a split of each expert (tp) runs as it is
-        par = len(s.inputs) > 3 and isinstance(s.inputs[3], Shard) and s.inputs[3].dim == 0 and s.inputs[3].blocks == 1
-        par = par and (s.inputs[3].of is not None or s.inputs[3] == Shard(0))
+        # whole experts split (stacked: S(0); a ModuleList's: S(d, of=...)); a split of each expert (tp) runs as it is
+        p = s.inputs[3] if len(s.inputs) > 3 else None
+        listed = block.expert is not None
+        par = isinstance(p, Shard) and ((p.of is not None) if listed else (p.dim == 0 and p.blocks == 1))
         if tok or par:
             out[axis] = "dispatch" if tok and par else "tokens" if tok else "experts"
     return out
+
+
+def dispatch_within(strategies, axis: int) -> int | None:
+    """The groups (of that many consecutive ranks of ``axis``) a dispatch runs inside: the
+    experts' Shard.within (the inner of two merged data-parallel axes), or None: the whole axis."""
+    return strategies[axis].inputs[3].within
 
 
 class ExpertDispatch(Lowering):
@@ -61,7 +68,7 @@ class ExpertDispatch(Lowering):
     def emit(self, em, node, args, kwargs, axis: int):
         hidden, index, weights, params, key = args
         block = BLOCKS[key]
-        modes = axis_modes(node.meta["autopar"].strategies)
+        modes = axis_modes(node.meta["autopar"].strategies, block)
         dispatch = [a for a, m in modes.items() if m == "dispatch"]
         split = [a for a, m in modes.items() if m == "experts"]
         if len(dispatch) > 1 or (dispatch and split):
@@ -73,7 +80,8 @@ class ExpertDispatch(Lowering):
         routed = g.call_function(md.route, (hidden, index, block.experts))
         rows, order, counts, ids = (g.call_function(operator.getitem, (routed, i)) for i in range(4))
         if dispatch:
-            out_rows = self._dispatched(em, block, rows, counts, list(params), dispatch[0])
+            within = dispatch_within(node.meta["autopar"].strategies, dispatch[0])
+            out_rows = self._dispatched(em, block, rows, counts, list(params), dispatch[0], within)
         elif split:
             out_rows = self._own_experts(em, block, rows, counts, list(params), split)
         else:
@@ -108,23 +116,25 @@ class ExpertDispatch(Lowering):
         y = self._chain(em, block, rows, offsets, ids, mine)
         return em.graph.call_function(tie_others, (y, *others))  # stacked weights: already E/n here
 
-    def _dispatched(self, em, block, rows, counts, params, axis):
+    def _dispatched(self, em, block, rows, counts, params, axis, within=None):
         """Counts exchanged, rows to their experts' ranks, the chain on this rank's E/n experts
-        (rows grouped by expert, each row's local expert id for expert biases), rows back."""
-        g, n = em.graph, em.mesh.shape[axis]
+        (rows grouped by expert, each row's local expert id for expert biases), rows back.
+        ``within``: all of it inside this rank's group of that many consecutive ranks of the axis
+        (experts over the inner of two merged data-parallel axes: each group holds every expert)."""
+        g, n = em.graph, within or em.mesh.shape[axis]
         held = block.experts // n
         each = g.call_function(aten.full.default, ([n], held), {"dtype": torch.int64})
-        received = em.collective(ops.all_to_all_v.default, (counts, each, each), axis)
+        received = em.collective(ops.all_to_all_v.default, (counts, each, each), axis, within=within)
         plan = g.call_function(md.dispatch_plan, (counts, received, n))
         send, recv, regroup, per_expert = (g.call_function(operator.getitem, (plan, i)) for i in range(4))
-        arrived = em.collective(ops.all_to_all_v.default, (rows, send, recv), axis)
+        arrived = em.collective(ops.all_to_all_v.default, (rows, send, recv), axis, within=within)
         x = g.call_function(md.regroup_rows, (arrived, regroup))
         offsets = g.call_function(aten.cumsum.default, (per_expert, 0), {"dtype": torch.int32})
         ids = g.call_function(md.expert_ids, (per_expert,))
-        first = g.call_function(operator.mul, (em.coord(axis), held))
+        first = g.call_function(operator.mul, (em.coord(axis, within), held))
         y = self._run_held(em, block, x, offsets, ids, params, first, held)
         y = g.call_function(md.ungroup_rows, (y, regroup))
-        return em.collective(ops.all_to_all_v.default, (y, recv, send), axis)
+        return em.collective(ops.all_to_all_v.default, (y, recv, send), axis, within=within)
 
     def _own_experts(self, em, block, rows, counts, params, axes):
         """The chain on the rows of this rank's experts only (tokens replicated on ``axes``); the
@@ -147,14 +157,17 @@ class ExpertDispatch(Lowering):
         """Per dispatch axis of n ranks: the counts (E int64), and the routed rows both ways,
         forward and backward: tokens x top-k x hidden x bytes, the (n-1)/n of them that go to
         other ranks when the routing is uniform (their expectation; the counts decide)."""
-        modes = axis_modes(node.meta["autopar"].strategies)
+        strategies = node.meta["autopar"].strategies
         block = BLOCKS[node.args[4]]
+        modes = axis_modes(strategies, block)
         hidden = node.args[0]
         out = []
         for a, mode in modes.items():
             if mode != "dispatch":
                 continue
-            n = symbols.axes[a]
+            n, within = symbols.axes[a], dispatch_within(strategies, a)
+            if within:  # inside groups of ``within`` ranks: shown on the inner axis' name
+                n, a = within, plan.mesh.part(a, within)
             rows = symbols.local_bytes(hidden, node.meta["autopar"].input_targets[0]) * block.top_k
             moved = rows * (n - 1) / n
             out.append(("all_to_all", a, "forward", block.experts * COUNT_BYTES * (n - 1) / n))

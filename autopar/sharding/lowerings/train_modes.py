@@ -30,13 +30,16 @@ def follows_mode(em, node, flag) -> bool:
 
 
 def cuts_of(em, node, dims=None) -> list:
-    """(dim, pieces, this rank's coordinate, blocks, global size) per axis splitting ``node``'s
-    value (on ``dims``): rng.CUT entries each; the size is 0 where it is known at run time only."""
+    """(dim, pieces, this rank's coordinate, blocks, global size, zig-zag) per axis splitting
+    ``node``'s value (on ``dims``): rng.CUT entries each; the size is 0 where it is known at run
+    time only; zig-zag 1 on an axis whose pieces are in that order (load-balanced context
+    parallel): the serial draw is cut as plan.local_inputs cuts, chunks coord and 2n-1-coord."""
     cuts = []
     val = node.meta.get("val")
     for axis, pl in enumerate(node.meta["autopar"].spec):
         if isinstance(pl, Shard) and (dims is None or pl.dim in dims):
-            cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks, static_size(val, pl.dim)]
+            zigzag = int(axis in em.zigzag)
+            cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks, static_size(val, pl.dim), zigzag]
     return cuts
 
 

@@ -7,7 +7,9 @@ depends on row t of hidden, index and weights only. Strategies, per mesh axis:
 - tokens split and experts split (params S(0); a per-expert ModuleList's S(0, of=(i, E)): expert
   i's tensors whole on the rank holding it, empty elsewhere) on the same axis -> out S(0): expert parallelism
   with an all-to-all dispatch (lowering ``expert_dispatch``): each rank sends every routed row
-  to the rank holding its expert and gets the outputs back;
+  to the rank holding its expert and gets the outputs back; experts split within groups of the
+  axis (``S(0, within=k)``: the inner of two merged data-parallel axes) -> the same dispatch
+  inside each group of k ranks;
 - tokens replicated, experts split -> out Partial: each rank runs the rows routed to its own
   experts, the others' rows are zero (the expert split without a dispatch);
 - all replicated -> replicated;
@@ -38,8 +40,9 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     block = BLOCKS[op.args[4]]
 
     def strategy(tok, par, out, note):
-        if par == Shard(0) and block.expert is not None:  # a ModuleList: each expert's tensors on its rank
-            split = tuple(Shard(0, of=(j // block.per_expert, block.experts)) for j in range(len(params)))
+        if isinstance(par, Shard) and block.expert is not None:  # a ModuleList: each expert's tensors on its rank
+            of = [(j // block.per_expert, block.experts) for j in range(len(params))]
+            split = tuple(Shard(block.of_dim(j), of=o, within=par.within) for j, o in enumerate(of))
         else:
             split = tuple(par for _ in params)
         return Strategy(tuple(tok for _ in tokens) + split, (out,), EXPERT_DISPATCH, note)
@@ -48,12 +51,20 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     if block.tp is not None:  # each expert split column- then row-parallel: a partial sum
         ins = (R,) * len(tokens) + block.tp[1]
         tp.append(Strategy(ins, (Partial(),), EXPERT_DISPATCH, "expert tensor parallel"))
-    return tp + [
-        strategy(R, R, R, "replicated"),
-        strategy(Shard(0), R, Shard(0), "tokens split, every expert on each rank"),
-        strategy(Shard(0), Shard(0), Shard(0), "expert parallel: tokens dispatched to their experts' ranks"),
-        strategy(R, Shard(0), Partial(), "experts split: each rank runs the rows routed to its experts"),
-    ]
+    within = []
+    if block.within is not None:  # experts on the inner of two merged data-parallel axes
+        note = f"expert parallel within groups of {block.within}: tokens dispatched inside each group"
+        within.append(strategy(Shard(0), Shard(0, within=block.within), Shard(0), note))
+    return (
+        tp
+        + within
+        + [
+            strategy(R, R, R, "replicated"),
+            strategy(Shard(0), R, Shard(0), "tokens split, every expert on each rank"),
+            strategy(Shard(0), Shard(0), Shard(0), "expert parallel: tokens dispatched to their experts' ranks"),
+            strategy(R, Shard(0), Partial(), "experts split: each rank runs the rows routed to its experts"),
+        ]
+    )
 
 
 register(MOE_EXPERTS, work=EXPERTS)(moe_experts_rule)
