@@ -25,7 +25,7 @@ Example:
     >>> c.comm["tp"]                 # 32*B*S*H*(tp - 1)/(dp*tp)  (bytes per step and rank)
     >>> c.at(B=64)["comm"]["tp"]     # a number
     >>> c.time(alpha=5e-6, beta=25e9, flops_per_s=1e12)["total"]
-    >>> c.time()["steps"]            # ring attention: {node: {steps, compute, shift}} per step
+    >>> c.steps()                    # ring attention: {node: {steps, compute, shift}} per step
 """
 
 from __future__ import annotations
@@ -113,13 +113,17 @@ class Cost:
             comm[c.axis] += alpha * ring_steps(c.kind, n) + formula_of(c) / beta
         compute = self.flops / fps
         total = compute + sum(comm.values())
-        return {"compute": compute, "comm": dict(comm), "total": total, "steps": self._steps(alpha, beta, fps)}
+        return {"compute": compute, "comm": dict(comm), "total": total}
 
-    def _steps(self, alpha, beta, fps) -> dict:
+    def steps(self, alpha=5e-6, beta=25e9, flops_per_s=1e12) -> dict:
         """Node -> one step of a lowering that runs in steps (ring attention: Lowering.steps):
         ``steps`` (how many), ``compute`` and ``shift`` seconds of one (forward + backward);
-        both are in ``compute`` and ``comm`` already (the runtime does not overlap them: a shift
-        that took less than its step's compute could hide under it)."""
+        both are in ``time()``'s ``compute`` and ``comm`` already (the runtime does not overlap
+        them: a shift that took less than its step's compute could hide under it). Apart from
+        ``time()``, whose values are all formulas (a notebook may turn each into a number)."""
+        alpha, beta, fps = (
+            sympy.Symbol(v, positive=True) if isinstance(v, str) else v for v in (alpha, beta, flops_per_s)
+        )
         out = {}
         for node in self.plan.graph.nodes:
             lay = node.meta.get("autopar")

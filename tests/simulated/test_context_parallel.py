@@ -176,15 +176,15 @@ def test_memory_model_counts_gathered_kv_workspace_and_steps():
     cp = cost.symbols["cp"]
     assert cp in cost.memory["activations"].free_symbols and cp in cost.memory["workspace"].free_symbols
     assert cost.at()["memory"]["activations"] == pytest.approx(g["activations"])
-    steps = ring.cost().time(alpha=1e-5, beta=1e9, flops_per_s=1e12)["steps"]
+    steps = ring.cost().steps(alpha=1e-5, beta=1e9, flops_per_s=1e12)
     assert len(steps) == 2
     for one in steps.values():
         assert ring.cost().sy.value(one["steps"]) == 4
         # forward K, V (kv each) and backward K, V and their fp32 gradients: 6 kv, 6 messages
         assert ring.cost().sy.value(one["shift"]) == pytest.approx(6 * 1e-5 + 6 * kv / 1e9)
         assert ring.cost().sy.value(one["compute"]) == pytest.approx(3 * 4 * (2 * 4 * 4 * 8) * 4 / 1e12)
-    assert not gather.cost().time()["steps"] or all(
-        gather.cost().sy.value(v["shift"]) == 0 for v in gather.cost().time()["steps"].values()
+    assert not gather.cost().steps() or all(
+        gather.cost().sy.value(v["shift"]) == 0 for v in gather.cost().steps().values()
     )
 
 
