@@ -76,7 +76,7 @@ def _only_observers() -> bool:
     return n == 0 or all(getattr(torch._C._get_dispatch_stack_at(i), "observer", False) for i in range(n))
 
 
-def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=None) -> None:
+def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=None, tensors: int = 1) -> None:
     """Define ``autopar::name`` with ``kernel`` (real tensors), ``fake`` (shapes only) and
     ``backward(ctx, grad) -> grads`` reading the ``saved`` argument names from ctx.
 
@@ -84,7 +84,8 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
     may work in place or return its input (an autograd.Function output, as in Megatron's f)
     only where the op's ``owned`` / ``alias`` argument says so, and the emitted program sets
     that argument from ``plain_eager()``: False in compiled code, where the op must then be
-    exactly what its schema says (a fresh output, no mutation).
+    exactly what its schema says (a fresh output, no mutation). ``saved`` names the arguments
+    after the first ``tensors`` (the tensor arguments, which are not kept).
     """
     _LIB.define(name + schema)
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
@@ -93,7 +94,7 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
     run_eager = eager or kernel
 
     def forward(ctx, *args):
-        for key, value in zip(saved, args[1:]):
+        for key, value in zip(saved, args[tensors:]):
             setattr(ctx, key, value)
         if _fast(args[0]):
             return run_eager(*args)
@@ -525,4 +526,55 @@ _define(
     _gather_fake,
     _all_gather_rs_bwd,
     ("dim", "axis", "group", "rank"),
+)
+
+
+# ---------------------------------------------- two tensors in one op: an order compile keeps
+# Context parallel's K and V are gathered (and their gradients reduce-scattered) by two
+# collectives that do not depend on each other. As two ops, inductor's scheduler may order them
+# differently on ranks whose graphs differ (load balancing gives each rank its own block plan):
+# rank 0 then reduce-scattered dV against rank 1's dK (found by the compiled context-parallel
+# test). One op runs both in a fixed order, the same two collectives as before, eager or compiled.
+def all_gather_rs_pair(a: torch.Tensor, b: torch.Tensor, dim: int, axis: str, group: list[int], rank: int):
+    """``all_gather_rs`` of ``a`` then of ``b`` (S(dim) -> R; backward: the two reduce-scatters)."""
+    return all_gather(a, dim, axis, group, rank), all_gather(b, dim, axis, group, rank)
+
+
+def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, dim: int, axis: str, group: list[int], rank: int, op: str):
+    """``reduce_scatter`` of ``a`` then of ``b``, in this order on every rank."""
+    return reduce_scatter(a, dim, axis, group, rank, op), reduce_scatter(b, dim, axis, group, rank, op)
+
+
+def _pair_fake(fake):
+    return lambda a, b, *args: (fake(a, *args), fake(b, *args))
+
+
+def _all_gather_rs_pair_bwd(ctx, ga, gb):
+    args = (ctx.dim, ctx.axis, ctx.group, ctx.rank, "sum")
+    return (*_call("reduce_scatter_pair", ga.contiguous(), gb.contiguous(), *args), None, None, None, None)
+
+
+def _reduce_scatter_pair_bwd(ctx, ga, gb):
+    args = (ctx.dim, ctx.axis, ctx.group, ctx.rank)
+    return (*_call("all_gather_rs_pair", ga.contiguous(), gb.contiguous(), *args), None, None, None, None, None)
+
+
+_KERNELS.update(all_gather_rs_pair=all_gather_rs_pair, reduce_scatter_pair=reduce_scatter_pair)
+_define(
+    "all_gather_rs_pair",
+    f"(Tensor a, Tensor b, int dim, {_G}) -> (Tensor, Tensor)",
+    all_gather_rs_pair,
+    _pair_fake(_gather_fake),
+    _all_gather_rs_pair_bwd,
+    ("dim", "axis", "group", "rank"),
+    tensors=2,
+)
+_define(
+    "reduce_scatter_pair",
+    f"(Tensor a, Tensor b, int dim, {_G}, str op) -> (Tensor, Tensor)",
+    reduce_scatter_pair,
+    _pair_fake(_split_fake),
+    _reduce_scatter_pair_bwd,
+    ("dim", "axis", "group", "rank", "op"),
+    tensors=2,
 )

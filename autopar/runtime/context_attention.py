@@ -53,8 +53,9 @@ def cp_attention(
     (``zigzag``: each piece is the head-tail pair of chunks of runtime/zigzag.py). GQA (fewer
     K/V heads than query heads) is taken whether ``enable_gqa`` is set or not."""
     if method == "allgather":  # the pieces in rank order: block ``src`` is rank src's piece
-        k = ops.all_gather_rs.default(k.contiguous(), k.dim() - 2, axis, list(group), rank)
-        v = ops.all_gather_rs.default(v.contiguous(), v.dim() - 2, axis, list(group), rank)
+        # one op for both (and for their gradients' reduce-scatters): compiled, the two keep
+        # their order on every rank (runtime/collectives.all_gather_rs_pair says why)
+        k, v = ops.all_gather_rs_pair.default(k.contiguous(), v.contiguous(), k.dim() - 2, axis, list(group), rank)
     return BlockAttention.apply(q, k, v, mask, is_causal, scale, zigzag, method, axis, list(group), rank)
 
 
