@@ -48,7 +48,9 @@ def _run(plan, state, batch, wrap, calls=2):
     return outs, [{n: p.grad for n, p in m.named_parameters()} for m in modules]
 
 
-@pytest.mark.parametrize("method", ["allgather", "ring"])
+# the ring case (its attention eager between compiled pieces) runs in `make fuzz`: allgather is the one whose
+# collectives inductor could reorder
+@pytest.mark.parametrize("method", ["allgather", pytest.param("ring", marks=pytest.mark.slow)])
 def test_compiled_rank_modules_equal_serial_and_eager(method):
     model = llama_like()
     batch = llama_batch(batch=4)
