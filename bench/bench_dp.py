@@ -58,18 +58,28 @@ def _batch(size: str, world: int):
     )
 
 
+def autopar_module(size: str):
+    """The bench's autopar contender on this rank of the job: (rank module, its local args and
+    kwargs, the global batch)."""
+    import torch.distributed as dist
+    import autopar as ap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    idx, tg = _batch(size, world)
+    dp = ap.DataParallel("dp", bucket_mb=BUCKET_MB)
+    module = ap.parallelize(_model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg), data_parallel=dp)
+    return (module, *module.autopar_plan.local_inputs(rank, idx, tg), (idx, tg))
+
+
 def contenders(size: str, only=None):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import autopar as ap
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    idx, tg = _batch(size, world)
+    module, a_args, a_kw, (idx, tg) = autopar_module(size)
     local = (idx.chunk(world)[rank], tg.chunk(world)[rank])
-    dp = ap.DataParallel("dp", bucket_mb=BUCKET_MB)
-    module = ap.parallelize(_model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg), data_parallel=dp)
     plan = module.autopar_plan
-    a_args, a_kw = plan.local_inputs(rank, idx, tg)
     steps = {"autopar": train_step(module, a_args, a_kw)[0]}
     for name in ("ddp", "ddp_copy"):
         steps[name] = train_step(DDP(_model(size), bucket_cap_mb=BUCKET_MB), local)[0]

@@ -30,22 +30,12 @@ def order_job(size: str, steps: int) -> list[dict]:
     import pstats
 
     import torch
-    import torch.distributed as dist
 
-    from bench.bench_dp import BUCKET_MB, _batch, _model
+    from bench.bench_dp import autopar_module
     from bench.common import train_step
-    import autopar as ap
 
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    idx, tg = _batch(size, world)
-    module = ap.parallelize(
-        _model(size),
-        ap.Mesh((world,), ("dp",)),
-        args=(idx, tg),
-        data_parallel=ap.DataParallel("dp", bucket_mb=BUCKET_MB),
-    )
-    a_args, a_kw = module.autopar_plan.local_inputs(rank, idx, tg)
+    module, a_args, a_kw, _ = autopar_module(size)
     step = train_step(module, a_args, a_kw)[0]
     sync = module.autopar_grad_sync
     events: list = []

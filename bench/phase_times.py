@@ -22,19 +22,11 @@ def phases_job(size: str, iters: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import autopar as ap
-    from bench.bench_dp import BUCKET_MB, _batch, _model
+    from bench.bench_dp import BUCKET_MB, _model, autopar_module
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    idx, tg = _batch(size, world)
-    module = ap.parallelize(
-        _model(size),
-        ap.Mesh((world,), ("dp",)),
-        args=(idx, tg),
-        data_parallel=ap.DataParallel("dp", bucket_mb=BUCKET_MB),
-    )
-    a_args, _ = module.autopar_plan.local_inputs(rank, idx, tg)
+    module, a_args, _, (idx, tg) = autopar_module(size)
     local = (idx.chunk(world)[rank], tg.chunk(world)[rank])
     mods = {"autopar": (module, a_args), "ddp": (DDP(_model(size), bucket_cap_mb=BUCKET_MB), local)}
     opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, (m, _) in mods.items()}

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 import autopar as ap
 from tests.harness import moe as M
 from tests.harness import moe_lists as L
+from tests.harness.distributed import merged_parameters
 from tests.harness.serial import max_rel_diff
 
 
@@ -54,6 +55,18 @@ def three_adamw_steps(kind: str, shape: tuple, routed: bool, expert_tp: bool = F
     return max_rel_diff(plan.merge_state_dicts(gathered), M.train_serial(serial, batches, eps=eps)), held, kinds
 
 
+def _step_and_save(module, batch, path: str):
+    """One AdamW step of the rank module on its piece of ``batch``, saved through DCP at ``path``:
+    (the saved state dict, every rank's parameters merged into the serial ones)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+    args, _ = module.autopar_plan.local_inputs(dist.get_rank(), *batch)
+    M.loss_of(module(*args)).backward()
+    opt.step()
+    model_sd, _ = ap.get_state_dict(module)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    return model_sd, merged_parameters(module)
+
+
 def list_experts_save(path: str):
     """A ModuleList's experts on dp=4 (expert i whole on its rank), one AdamW step, saved through
     DCP, then loaded on every rank into a plain serial model's state dict: (whether the saved
@@ -63,17 +76,8 @@ def list_experts_save(path: str):
     module = ap.parallelize(
         L.RoutedListExperts(), ap.Mesh((4,), ("dp",)), args=batch, annotations=ann, data_parallel="dp"
     )
-    plan, rank = module.autopar_plan, dist.get_rank()
-    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
-    args, _ = plan.local_inputs(rank, *batch)
-    M.loss_of(module(*args)).backward()
-    opt.step()
-    model_sd, _ = ap.get_state_dict(module)
-    dcp.save({"model": model_sd}, checkpoint_id=path)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in module.named_parameters()})
-    want = plan.merge_state_dicts(gathered)
-    if rank == 0:
+    model_sd, want = _step_and_save(module, batch, path)
+    if dist.get_rank() == 0:
         torch.save(want, path + ".want.pt")
     serial = {n: torch.zeros_like(t) for n, t in L.RoutedListExperts().state_dict().items()}
     dcp.load({"model": serial}, checkpoint_id=path)
@@ -182,24 +186,14 @@ def sub_axis_checkpoint(path: str):
     mesh, dp = ap.Mesh((2, 2), ("a", "b")), ap.DataParallel("b", replicate_axis="a")
     ann = {"experts": ap.expert_parallel("b")}
     module = ap.parallelize(M.RoutedExperts("mixtral"), mesh, args=batch, annotations=ann, data_parallel=dp)
-    plan, rank = module.autopar_plan, dist.get_rank()
-    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
-    args, _ = plan.local_inputs(rank, *batch)
-    M.loss_of(module(*args)).backward()
-    opt.step()
-    model_sd, _ = ap.get_state_dict(module)
-    dcp.save({"model": model_sd}, checkpoint_id=path)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in module.named_parameters()})
-    want = plan.merge_state_dicts(gathered)
+    model_sd, want = _step_and_save(module, batch, path)
     serial = {n: torch.zeros_like(t) for n, t in M.RoutedExperts("mixtral").state_dict().items()}
     dcp.load({"model": serial}, checkpoint_id=path)
     again = ap.parallelize(M.RoutedExperts("mixtral", seed=1), mesh, args=batch, annotations=ann, data_parallel=dp)
     sd, _ = ap.get_state_dict(again)
     dcp.load({"model": sd}, checkpoint_id=path)
     ap.set_state_dict(again, model_state_dict=sd)
-    dist.all_gather_object(gathered, {n: p.detach().clone() for n, p in again.named_parameters()})
-    got = again.autopar_plan.merge_state_dicts(gathered)
+    got = merged_parameters(again)
     mine = {n: p.detach() for n, p in again.named_parameters()}
     local_ok = all(torch.equal(mine[n], m.detach()) for n, m in module.named_parameters())
     worst = [max((d[n] - want[n]).abs().max().item() for n in want) for d in (serial, got)]

@@ -7,6 +7,7 @@ chosen routing, and training them serially and on every rank (AdamW) for the exp
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autopar as ap
@@ -193,3 +194,51 @@ def other_experts(rank_routes: list, serial: list) -> int:
     indices of one call each (in dp order, their rows in batch order), ``serial`` that call's."""
     ranks = torch.cat(rank_routes)
     return int((ranks.sort(-1).values != serial.sort(-1).values).any(-1).sum())
+
+
+class LossLM(torch.nn.Module):
+    """An HF causal LM called with positional (ids, labels), returning its loss (for the pipeline)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def mixtral_lm(layers: int = 2, batch: int = 8):
+    """A ``layers``-layer Mixtral as a LossLM (eager attention), its batch (ids, labels) and kwargs."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = _config("mixtral")
+    cfg.num_hidden_layers = layers
+    model = LossLM(T.MixtralForCausalLM._from_config(cfg, attn_implementation="eager").eval())
+    _, kw = moe_model("mixtral", batch=batch)
+    return model, (kw["input_ids"], kw["labels"]), kw
+
+
+def assert_pipeline_steps_equal_serial(plan, model, batch, eps: float = 1e-8, steps: int = 4) -> None:
+    """Every rank's pipeline loss equals the serial model's at each of ``steps`` AdamW steps (so the
+    first ``steps - 1`` updates equal serial too)."""
+    import copy
+
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    serial = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(r.parameters(), lr=0.01, weight_decay=0.1, eps=eps) for r in runners]
+    sopt = torch.optim.AdamW(serial.parameters(), lr=0.01, weight_decay=0.1, eps=eps)
+
+    def step(r):
+        loss = runners[r].step(batch)
+        opts[r].step()
+        opts[r].zero_grad()
+        return float(loss)
+
+    for _ in range(steps):
+        losses = run_ranks(plan.mesh.size, step)
+        want = serial(*batch)
+        want.backward()
+        sopt.step()
+        sopt.zero_grad()
+        assert losses == pytest.approx([want.item()] * plan.mesh.size, rel=1e-5)

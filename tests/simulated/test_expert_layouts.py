@@ -27,55 +27,16 @@ def test_dynamic_shapes_and_zero3(zero):
     assert local["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == M.EXPERTS // 4
 
 
-class LM(torch.nn.Module):
-    """An HF causal LM called with positional (ids, labels), returning its loss (for the pipeline)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def test_pipeline_dp_tp_mesh_three_adamw_steps():
     """(2, 2, 2) pp x dp x tp: two Mixtral layers in two stages, experts dispatched on dp,
     Megatron on tp; every rank's loss equals serial for 3 AdamW steps and after them."""
-    import copy
-
-    import transformers as T
-
-    from autopar.runtime.simulator import run_ranks
-
-    torch.manual_seed(0)
-    cfg = M._config("mixtral")
-    cfg.num_hidden_layers = 2
-    model = LM(T.MixtralForCausalLM._from_config(cfg, attn_implementation="eager").eval())
-    _, kw = M.moe_model("mixtral", batch=8)
-    batch = (kw["input_ids"], kw["labels"])
+    model, batch, kw = M.mixtral_lm()
     tp = ap.presets.megatron(model.m, "tp", kwargs=kw, expert_axis="dp", vocab=False)
     ann = {"m." + k: v for k, v in tp.items()} | {"m.model.layers.1": ap.split_before()}
     mesh = ap.Mesh((2, 2, 2), ("pp", "dp", "tp"))
     plan = ap.plan(model, mesh, args=batch, annotations=ann, data_parallel="dp", pipeline=ap.Pipeline("pp", 2))
     assert {c.kind for c in plan.collectives() if c.node.startswith("moe_experts")} == {"all_to_all"}
-    runners = [plan.pipeline_runner(r) for r in mesh.ranks()]
-    serial = copy.deepcopy(model)
-    opts = [torch.optim.AdamW(r.parameters(), lr=0.01, weight_decay=0.1) for r in runners]
-    sopt = torch.optim.AdamW(serial.parameters(), lr=0.01, weight_decay=0.1)
-
-    def step(r):
-        loss = runners[r].step(batch)
-        opts[r].step()
-        opts[r].zero_grad()
-        return float(loss)
-
-    for _ in range(4):
-        losses = run_ranks(mesh.size, step)
-        want = serial(*batch)
-        want.backward()
-        sopt.step()
-        sopt.zero_grad()
-        assert losses == pytest.approx([want.item()] * mesh.size, rel=1e-5)
+    M.assert_pipeline_steps_equal_serial(plan, model, batch)
 
 
 def test_plain_data_parallel_keeps_tokens_split():

@@ -204,52 +204,15 @@ def test_sub_axis_errors():
         )
 
 
-class LM(torch.nn.Module):
-    """An HF causal LM called with positional (ids, labels), returning its loss (for the pipeline)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def test_pipeline_with_experts_over_b():
     """(2, 2, 2) pp x a x b: two Mixtral layers in two stages, the batch over (a, b), the experts
     over b: every rank's loss equals serial for 3 AdamW steps (eps 1e-3) and after them."""
-    import copy
-
-    import transformers as T
-
-    torch.manual_seed(0)
-    cfg = M._config("mixtral")
-    cfg.num_hidden_layers = 2
-    model = LM(T.MixtralForCausalLM._from_config(cfg, attn_implementation="eager").eval())
-    _, kw = M.moe_model("mixtral", batch=8)
-    batch = (kw["input_ids"], kw["labels"])
+    model, batch, _ = M.mixtral_lm()
     ann = {"m.model.layers.*.mlp.experts": ap.expert_parallel("b"), "m.model.layers.1": ap.split_before()}
     mesh = ap.Mesh((2, 2, 2), ("pp", "a", "b"))
     plan = ap.plan(model, mesh, args=batch, annotations=ann, data_parallel=DP, pipeline=ap.Pipeline("pp", 2))
     assert {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")} == {("all_to_all", "b")}
-    runners = [plan.pipeline_runner(r) for r in mesh.ranks()]
-    serial = copy.deepcopy(model)
-    opts = [torch.optim.AdamW(r.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3) for r in runners]
-    sopt = torch.optim.AdamW(serial.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3)
-
-    def step(r):
-        loss = runners[r].step(batch)
-        opts[r].step()
-        opts[r].zero_grad()
-        return float(loss)
-
-    for _ in range(4):
-        losses = run_ranks(mesh.size, step)
-        want = serial(*batch)
-        want.backward()
-        sopt.step()
-        sopt.zero_grad()
-        assert losses == pytest.approx([want.item()] * mesh.size, rel=1e-5)
+    M.assert_pipeline_steps_equal_serial(plan, model, batch, eps=1e-3)
 
 
 def test_zero2_steps_the_experts_whole():
