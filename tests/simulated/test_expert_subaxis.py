@@ -118,7 +118,7 @@ def test_routed_experts_over_both_axes():
     assert_params_close(M.train_ranks(plan, batches, eps=1e-3), serial)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", M.KINDS)
 def test_whole_model_on_a_b_tp(kind):
     """(2, 2, 2): batch over (a, b), Megatron on tp, experts over b: forward, every gradient and
     3 AdamW steps (eps 1e-3) equal serial; no gather of tokens on the dp axes."""
