@@ -40,6 +40,18 @@ def step_grads(plan, batch, seed=7):
     return plan.simulate(step, *batch)
 
 
+def held(module, *a):
+    """(device bytes, host bytes) alive after the forward, the loss kept and the logits dropped (as a
+    training loop does), then the backward run."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    with LiveBytes() as mem:
+        loss = loss_of(module(*a))
+        got = (mem.refresh().live, mem.host)
+    loss.backward()
+    return got
+
+
 @pytest.mark.parametrize("mesh", ["tp2", "dp2xtp2", "dp2"])
 @pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])
 def test_equals_serial_with_dropout(mesh, ac):
@@ -149,15 +161,6 @@ def test_offload_moves_the_kept_bytes_to_the_host(mode):
     attention and collective outputs too) leaves the device bytes and is held as host copies
     (LiveBytes.host), as many bytes as the model's ``offloaded``; the device bytes fall by as
     much, within the model's 15%."""
-    from autopar.runtime.live_bytes import LiveBytes
-
-    def held(module, *a):
-        with LiveBytes() as mem:
-            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits
-            got = (mem.refresh().live, mem.host)
-        loss.backward()
-        return got
-
     batch = gpt_batch(seq=16)
     got = {}
     for offload in (False, True):
@@ -242,19 +245,10 @@ def test_plan_file_round_trip(tmp_path):
 def test_memory_model_against_the_allocator(ac):
     """memory_per_rank's activations within 15% of the bytes alive after the forward (LiveBytes:
     every storage the step made, until it dies); checkpointing keeps fewer."""
-    from autopar.runtime.live_bytes import LiveBytes
-
-    def held(module, *a):
-        with LiveBytes() as mem:
-            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits (a training loop)
-            got = mem.refresh().live
-        loss.backward()
-        return got
-
     # dp only: simulated ranks share the results of tp collectives across threads, which blurs a
     # per-thread count (tests/gloo/test_activation_checkpoint.py measures dp x tp on real ranks)
     plan = gpt_plan("dp2", model=dropout_gpt(), activation_checkpoint=ac, batch=gpt_batch(seq=16))
-    measured = plan.simulate(held, *gpt_batch(seq=16))[0]  # at the example the plan was traced with
+    measured = plan.simulate(held, *gpt_batch(seq=16))[0][0]  # device bytes, at the example the plan was traced with
     predicted = plan.memory_per_rank(0)["activations"]
     assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
     assert ("recompute" in plan.memory_per_rank(0)) == (ac is not None)
@@ -374,15 +368,6 @@ def test_offload_under_zero3_moves_activations_not_the_gathered_parameters():
     """A region's gathered parameters are inputs autograd made (the gather's outputs), but
     parameters: offload leaves them to zero=3 (freed after the region, gathered again), so the
     host holds what it holds under zero=0, as the model says."""
-    from autopar.runtime.live_bytes import LiveBytes
-
-    def held(module, *a):
-        with LiveBytes() as mem:
-            loss = loss_of(module(*a))  # the caller keeps the loss, drops the logits
-            got = (mem.refresh().live, mem.host)
-        loss.backward()
-        return got
-
     batch, got = gpt_batch(seq=16), {}
     for zero in (0, 3):
         ac = ap.ActivationCheckpoint("selective", offload=True)
