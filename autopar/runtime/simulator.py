@@ -16,6 +16,7 @@ import threading
 from collections import defaultdict
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.runtime.backend import use_backend
 from autopar.runtime.pieces import _pos, all_to_all_local, chunk_of
@@ -31,6 +32,17 @@ class _Round:
     def __init__(self):
         self.pieces: dict[int, torch.Tensor] = {}
         self.taken = 0
+
+
+def _transport_copy(x):
+    """The simulator's own copy of a rank's contribution, made outside the rank's dispatch modes:
+    it is transport (a real backend sends from the rank's buffer), and a memory observer such as
+    LiveBytes must not count it. It lives until every group member has taken the round, which
+    under load can be after the rank's next ops: counted, it made held bytes depend on timing."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with _disable_current_modes():
+        return x.detach().clone()
 
 
 class SimBackend:
@@ -59,7 +71,7 @@ class SimBackend:
             self.calls[key] += 1
             rnd = self.rounds.setdefault((group, seq), _Round())
             # the caller may reuse its buffer (a list: all_to_all_v's row counts, kept as they are)
-            rnd.pieces[rank] = x.detach().clone() if isinstance(x, torch.Tensor) else x
+            rnd.pieces[rank] = _transport_copy(x)
             self.cv.notify_all()
             if not self.cv.wait_for(lambda: len(rnd.pieces) == len(group) or self.failed, self.timeout):
                 missing = sorted(set(group) - set(rnd.pieces))

@@ -133,3 +133,32 @@ def test_shard_of_a_permuted_tensor_is_laid_out_as_its_fake_kernel_says():
         fake = ops.shard(mode.from_tensor(x), 1, "tp", [0, 1], 1)
     assert real.stride() == fake.stride() and real.is_contiguous()
     torch.testing.assert_close(real, x[:, 2:])
+
+
+def test_a_slow_partner_does_not_put_the_transport_copy_in_live_bytes():
+    """The simulator's copy of a rank's contribution is transport, not the rank's memory: held by a
+    partner that has not finished its sum (a loaded machine), it must not show in the rank's
+    LiveBytes (CI once read a tp all-reduce's 8 KiB there, under load only)."""
+    from autopar.runtime.live_bytes import LiveBytes
+
+    measured, partner_may_finish = threading.Event(), threading.Event()
+
+    class SlowPartner(SimBackend):
+        def _sum(self, pieces):
+            if threading.current_thread().name == "autopar-rank1":
+                partner_may_finish.wait(20)  # rank 1 holds both pieces while rank 0 measures
+            return super()._sum(pieces)
+
+    def step(rank):
+        x = torch.ones(256)
+        if rank == 1:
+            return ops.all_reduce(x, "a", [0, 1], rank, "sum")
+        with LiveBytes() as mem:
+            out = ops.all_reduce(x, "a", [0, 1], rank, "sum")
+            live = mem.live
+        measured.set()
+        partner_may_finish.set()
+        return live, out.untyped_storage().nbytes()
+
+    (live, out_bytes), _ = run_ranks(2, step, timeout=20, backend=SlowPartner(2, 20))
+    assert measured.is_set() and live == out_bytes == 1024
