@@ -62,6 +62,21 @@ def test_equals_serial_with_dropout(mesh, ac):
 
 
 @pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])
+def test_sequence_parallel_with_dropout(ac):
+    """Megatron-SP (norms and dropout on sequence pieces, all-gathers and reduce-scatters on the
+    block's edges) with checkpointing: the recompute redraws each piece's masks; every gradient
+    equals serial."""
+    from tests.harness.models import GPT_SEQUENCE_PARALLEL
+
+    plan = gpt_plan(
+        "dp2xtp2", model=dropout_gpt(), annotations=GPT_SEQUENCE_PARALLEL, activation_checkpoint=ac, rng="serial"
+    )
+    kinds = {c.kind for c in plan.collectives() if c.module.startswith("blocks.")}
+    assert {"all_gather", "reduce_scatter"} <= kinds and "checkpoint_blocks_1(" in plan.module(0).code, kinds
+    plan.check(*gpt_batch())
+
+
+@pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])
 def test_placement_rng_recompute_draws_the_forward_masks(ac):
     """rng='placement' draws no serial masks: the checkpointed plan must equal the same plan
     without checkpointing, bit for bit in the masks (the gradients to float rounding)."""
