@@ -29,7 +29,7 @@ def dim_segments(shape, spec, mesh, rank) -> list[list[tuple[int, int, int]]]:
     for axis, p in enumerate(spec):
         if not isinstance(p, Shard):
             continue
-        # split within groups of the axis (Shard.within): the piece of the rank's position in its group
+        # split on a part of the axis (Shard.within / across): the piece of the rank's position on that part
         n, size, k, c = shape[p.dim], mesh.shape[axis], p.blocks, p.position(coords[axis])
         if p.of is not None:  # one item of a list split over the axis: whole on its owner, empty elsewhere
             segs[p.dim] = [(0, 0, n if c == p.owner(size) else 0)]

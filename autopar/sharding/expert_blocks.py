@@ -77,7 +77,8 @@ class ExpertBlock:
     tp: tuple | None = None  # (mesh axis, each parameter's placement on it): expert tensor parallelism
     expert: fx.GraphModule | None = None  # a ModuleList's one expert
     per_expert: int = 0
-    within: int | None = None  # experts split within groups of this many ranks of their axis (Shard.within)
+    # the experts' split when on one part of their axis (Shard(0, within=k) or Shard(0, across=k))
+    grouped: Shard | None = None
     # a ModuleList's: per parameter of one expert, the dim its ``Shard(d, of=...)`` empties on the
     # expert axis (0; 1 for a weight whose dim 0 expert tensor parallelism splits)
     of_dims: tuple = ()
@@ -177,7 +178,7 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
                     raise
                 continue
             changed = True
-            block.within = _within(seeds, block, axis)
+            block.grouped = _grouped(seeds, block, axis)
             if path in seeds.expert_tp:
                 _split_experts(block, seeds, mesh, seeds.expert_tp[path])
     if changed:
@@ -185,11 +186,19 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
         traced.gm.recompile()
 
 
-def _within(seeds, block: ExpertBlock, axis: int | None) -> int | None:
-    """The groups the block's experts are split within on ``axis`` (their seeds' Shard.within)."""
+def _grouped(seeds, block: ExpertBlock, axis: int | None) -> Shard | None:
+    """The experts' split on one part of ``axis`` (their seeds' Shard.within / across), as
+    ``Shard(0, ...)``, or None: split over the whole axis, or not split."""
     specs = [seeds.params.get(fqn) for fqn in block.params]
-    found = {spec[axis].within for spec in specs if axis is not None and spec and isinstance(spec[axis], Shard)}
-    return found.pop() if len(found) == 1 else None
+    found = {
+        (spec[axis].within, spec[axis].across)
+        for spec in specs
+        if axis is not None and spec and isinstance(spec[axis], Shard)
+    }
+    if len(found) != 1:
+        return None
+    within, across = found.pop()
+    return Shard(0, within=within, across=across) if within or across else None
 
 
 def _region(graph: fx.Graph, path: str) -> list[fx.Node]:
@@ -296,7 +305,10 @@ def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
         whole = [Replicate() if isinstance(q, Shard) and q.of is not None else q for q in spec]
         check_divisible(shape, tuple(whole), mesh, f"expert weight {fqn!r}")
         listed = [isinstance(q, Shard) and q.of is not None for q in spec]
-        spec = [Shard(block.of_dim(j), of=q.of, within=q.within) if item else q for q, item in zip(spec, listed)]
+        spec = [
+            Shard(block.of_dim(j), of=q.of, within=q.within, across=q.across) if item else q
+            for q, item in zip(spec, listed)
+        ]
         seeds.params[fqn] = tuple(spec)
         seeds.reasons[fqn] = f"{seeds.reasons.get(fqn, '')}; each expert split over {mesh.axis_names[axis]!r}"
     block.tp = (axis, tuple(placements))
