@@ -301,16 +301,20 @@ def check_layout(shape, placements, mesh, what: str) -> None:
                 f"{what}: placement {fmt_spec(placements)} shards dim {p.dim} "
                 f"but the tensor has only {len(shape)} dims (shape {tuple(shape)})."
             )
-        if p.dim in used:
+        # an item of a split list (``of``) is whole or empty: it composes with one split of the same
+        # dim on another axis (its owner holds that split's piece: a column bias of a tp-split expert)
+        key = (p.dim, p.of is not None)
+        if key in used:
             raise ShardingError(
                 f"{what}: dim {p.dim} is sharded on two mesh axes "
-                f"({mesh.axis_names[used[p.dim]]!r} and {mesh.axis_names[axis]!r}); "
+                f"({mesh.axis_names[used[key]]!r} and {mesh.axis_names[axis]!r}); "
                 "shard each dim on at most one axis."
             )
-        used[p.dim] = axis
+        used[key] = axis
         if p.grouped and (size % p.grouped or size == p.grouped):
+            how = "within" if p.within else "across"
             raise ShardingError(
-                f"{what}: placement {fmt_spec(placements)} splits {'within' if p.within else 'across'} groups of {p.grouped} on mesh axis "
+                f"{what}: placement {fmt_spec(placements)} splits {how} groups of {p.grouped} on mesh axis "
                 f"{mesh.axis_names[axis]!r} of size {size}: the groups must divide the axis, and be smaller."
             )
         size = p.pieces(size)

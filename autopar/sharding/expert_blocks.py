@@ -289,19 +289,21 @@ def _param_nodes(block: ExpertBlock) -> list[fx.Node]:
 def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
     """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded.
     A ModuleList's experts: each expert's linears split the same way (``list_tp_placements``); a
-    weight split on its dim 0 is held whole-or-empty by expert on its dim 1 (``Shard(1, of=)``)."""
+    weight split on its dim 0 is held whole-or-empty by expert on its dim 1 (``Shard(1, of=)``), a
+    column bias on its one dim (``Shard(0, of=)``: its owner holds its tp piece); the row bias,
+    read as ``Partial()`` by the op, is stored replicated on ``axis``."""
     if block.expert is None:
         placements = expert_tp_placements(block, mesh.shape[axis], _is_grouped, THROUGH)
         shapes = [tuple(node.meta["val"].shape) for node in _param_nodes(block)]
     else:
         one = list_tp_placements(block, mesh.shape[axis])
         placements = one * block.experts
-        block.of_dims = tuple(1 if p.dim == 0 else 0 for p in one)
         ph = [n for n in block.expert.graph.nodes if n.op == "placeholder"][1:]
         shapes = [tuple(n.meta["val"].shape) for n in ph] * block.experts
+        block.of_dims = tuple(int(isinstance(p, Shard) and p.dim == 0 and len(s) == 2) for p, s in zip(one, shapes))
     for j, (fqn, p, shape) in enumerate(zip(block.params, placements, shapes)):
         spec = list(seeds.params.get(fqn, (Replicate(),) * mesh.ndim))
-        spec[axis] = p
+        spec[axis] = p if isinstance(p, Shard) else Replicate()
         whole = [Replicate() if isinstance(q, Shard) and q.of is not None else q for q in spec]
         check_divisible(shape, tuple(whole), mesh, f"expert weight {fqn!r}")
         listed = [isinstance(q, Shard) and q.of is not None for q in spec]

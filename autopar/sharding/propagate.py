@@ -533,8 +533,8 @@ def _valid(
                 return False
             if multiple > 1 and size % (n * p.blocks * multiple):
                 return False
-            if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
-                return False  # that dim is already split by an earlier axis
+            if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim and pl[k].of is None for pl in prior):
+                return False  # that dim is already split by an earlier axis (an item of a list's is whole or empty)
             if dynamic and ragged:  # pieces of any size, whose rows stay in order: no size to match
                 uneven = True
                 continue
