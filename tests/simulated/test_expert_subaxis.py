@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import autopar as ap
+from autopar.checkpoint.boxes import local_boxes
 from autopar.mesh import SubAxis
 from autopar.placement import Shard, counts_piece, merge_tensors, parse_placement, shard_tensor
 from autopar.runtime.simulator import run_ranks
@@ -85,6 +86,8 @@ def test_sub_axis_groups_and_placement():
     assert [x[:, 0].tolist() for x in pieces] == [[0, 2], [0, 2], [4, 6], [4, 6]]
     assert torch.equal(merge_tensors(pieces, (q,), mesh), w)
     assert [counts_piece((q,), (c,)) for c in range(4)] == [True, False, True, False]
+    for r, piece in enumerate(pieces):  # DCP's boxes: each piece at its global offset
+        assert [(o, s) for o, s, _ in local_boxes((4, 2), (q,), mesh, r, piece)] == [((2 * (r // 2), 0), (2, 2))]
     assert [counts_piece((p,), (c,)) for c in range(4)] == [True, True, False, False]
     with pytest.raises(ap.PlanError, match="give one"):
         Shard(0, within=2, across=2)
