@@ -15,7 +15,8 @@ depends on row t of hidden, index and weights only. Strategies, per mesh axis:
   experts, the others' rows are zero (the expert split without a dispatch);
 - all replicated -> replicated;
 - tokens replicated, each expert split column- then row-parallel (``expert_parallel(.., tp=)``,
-  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces.
+  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces (a
+  ModuleList's row bias read as P: the first rank's part adds it, so the sum holds it once).
 
 Every strategy names the one lowering: it emits the whole module on the rank (route, dispatch or
 select, the expert chain, combine, weighting), whatever each axis does.
