@@ -86,23 +86,58 @@ class Shard(Placement):
     every group holding the whole tensor: position c holds piece ``c % k`` of ``k`` (experts over
     the inner of two data-parallel axes, replicated over the outer). With ``of``, the item's
     owner is counted within the group the same way.
+
+    ``across=k``: the other part of the same axis: the dim is split across the groups of ``k``
+    consecutive positions, every position of a group holding the same piece: position c holds
+    piece ``c // k`` of ``n / k`` (experts over the outer of two data-parallel axes, replicated
+    over the inner; the ranks splitting it are ``k`` apart, a stride of ``k``).
     """
 
     dim: int
     blocks: int = 1
     of: tuple[int, int] | None = None
     within: int | None = None
+    across: int | None = None
+
+    def __post_init__(self):
+        if self.within and self.across:
+            raise ShardingError(f"Shard({self.dim}): within= and across= name the two parts of an axis; give one.")
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    @property
+    def grouped(self) -> int | None:
+        """The size k of the groups of consecutive positions whose one part splits the dim
+        (``within`` or ``across``), or None: the whole axis splits it."""
+        return self.within or self.across
+
+    @property
+    def part(self) -> str | None:
+        """The part of a merged axis that splits the dim: "inner" (``within``), "outer" (``across``)."""
+        return "inner" if self.within else "outer" if self.across else None
+
+    @property
+    def replica_part(self) -> str | None:
+        """The part of the axis the pieces are replicated over (the other one), or None."""
+        return {"inner": "outer", "outer": "inner"}.get(self.part)
+
     def pieces(self, n: int) -> int:
         """How many pieces the dim is cut into on an axis of ``n`` positions."""
-        return self.within or n
+        return self.within or (n // self.across if self.across else n)
 
     def position(self, coord: int) -> int:
         """Which piece the rank at ``coord`` on the axis holds."""
-        return coord % self.within if self.within else coord
+        return coord % self.within if self.within else coord // self.across if self.across else coord
+
+    def holder(self, piece: int) -> int:
+        """The first position on the axis holding piece ``piece`` (the first group's, or its first rank)."""
+        return piece * self.across if self.across else piece
+
+    def counts(self, coord: int) -> bool:
+        """Whether the rank at ``coord`` counts its piece in a whole-model sum (one of each piece's
+        replicas: the first group's for ``within``, a group's first position for ``across``)."""
+        return coord < self.within if self.within else coord % self.across == 0 if self.across else True
 
     def owner(self, n: int) -> int:
         """The piece (position, ``position``) holding the whole tensor of an ``of`` shard on an axis of ``n``."""
@@ -110,22 +145,22 @@ class Shard(Placement):
         return i // (count // self.pieces(n))
 
     def __repr__(self) -> str:
-        extra = f",within={self.within}" if self.within else ""
+        extra = f",within={self.within}" if self.within else f",across={self.across}" if self.across else ""
         if self.of is not None:
             return f"S({self.dim},of={self.of[0]}/{self.of[1]}{extra})"
         return (f"S({self.dim}" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks}") + extra + ")"
 
     @classmethod
     def _parse(cls, text: str) -> "Shard | None":
-        within = None
-        m = re.fullmatch(r"(.*),\s*within=(\d+)\)", text)
+        part = {}
+        m = re.fullmatch(r"(.*),\s*(within|across)=(\d+)\)", text)
         if m:
-            text, within = m.group(1) + ")", int(m.group(2))
+            text, part = m.group(1) + ")", {m.group(2): int(m.group(3))}
         m = re.fullmatch(r"S\((-?\d+),\s*of=(\d+)/(\d+)\)", text)
         if m:
-            return cls(int(m.group(1)), of=(int(m.group(2)), int(m.group(3))), within=within)
+            return cls(int(m.group(1)), of=(int(m.group(2)), int(m.group(3))), **part)
         m = re.fullmatch(r"S\((-?\d+)(?:,\s*blocks=(\d+))?\)", text)
-        return cls(int(m.group(1)), int(m.group(2) or 1), within=within) if m else None
+        return cls(int(m.group(1)), int(m.group(2) or 1), **part) if m else None
 
 
 @dataclass(frozen=True)
@@ -172,7 +207,7 @@ def parse_placement(text: str) -> Placement:
         if found is not None:
             return found
     raise ShardingError(
-        f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), S(d,of=i/n), S(d,within=k), P or P(avg)."
+        f"unknown placement {text!r}: expected R, S(d), S(d,blocks=k), S(d,of=i/n), S(d,within=k), S(d,across=k), P or P(avg)."
     )
 
 
@@ -201,10 +236,10 @@ def shard_factor(placements, mesh, dim: int) -> int:
 def counts_piece(placements, coords, skip_axes=()) -> bool:
     """Whether the rank at mesh ``coords`` counts its piece of a tensor laid out ``placements`` in
     a whole-model sum (gradient norm, parameter count): coordinate 0 on every axis that does not
-    split it (those ranks hold the same values; split within groups: the first group), except
-    ``skip_axes`` (pieces differ there anyway)."""
+    split it (those ranks hold the same values; split on a part of the axis: one replica of each
+    piece, Shard.counts), except ``skip_axes`` (pieces differ there anyway)."""
     return all(
-        (isinstance(p, Shard) and (not p.within or coords[a] < p.within)) or coords[a] == 0 or a in skip_axes
+        (isinstance(p, Shard) and p.counts(coords[a])) or coords[a] == 0 or a in skip_axes
         for a, p in enumerate(placements)
     )
 
@@ -266,16 +301,20 @@ def check_layout(shape, placements, mesh, what: str) -> None:
                 f"{what}: placement {fmt_spec(placements)} shards dim {p.dim} "
                 f"but the tensor has only {len(shape)} dims (shape {tuple(shape)})."
             )
-        if p.dim in used:
+        # an item of a split list (``of``) is whole or empty: it composes with one split of the same
+        # dim on another axis (its owner holds that split's piece: a column bias of a tp-split expert)
+        key = (p.dim, p.of is not None)
+        if key in used:
             raise ShardingError(
                 f"{what}: dim {p.dim} is sharded on two mesh axes "
-                f"({mesh.axis_names[used[p.dim]]!r} and {mesh.axis_names[axis]!r}); "
+                f"({mesh.axis_names[used[key]]!r} and {mesh.axis_names[axis]!r}); "
                 "shard each dim on at most one axis."
             )
-        used[p.dim] = axis
-        if p.within and (size % p.within or size == p.within):
+        used[key] = axis
+        if p.grouped and (size % p.grouped or size == p.grouped):
+            how = "within" if p.within else "across"
             raise ShardingError(
-                f"{what}: placement {fmt_spec(placements)} splits within groups of {p.within} on mesh axis "
+                f"{what}: placement {fmt_spec(placements)} splits {how} groups of {p.grouped} on mesh axis "
                 f"{mesh.axis_names[axis]!r} of size {size}: the groups must divide the axis, and be smaller."
             )
         size = p.pieces(size)
@@ -348,8 +387,11 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
         if axis == mesh.ndim:
             return pieces[mesh.rank_of(coords)]
         p = placements[axis]
-        n = p.pieces(mesh.shape[axis]) if isinstance(p, Shard) else mesh.shape[axis]  # within groups: the first
-        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1 :]) for k in range(n)]
+        if isinstance(p, Shard):  # split on a part of the axis: one holder of each piece
+            at = [p.holder(k) for k in range(p.pieces(mesh.shape[axis]))]
+        else:
+            at = range(mesh.shape[axis])
+        parts = [build(axis + 1, coords[:axis] + [k] + coords[axis + 1 :]) for k in at]
         if isinstance(p, Shard) and p.blocks > 1:  # rank k holds chunk k of every block
             per_rank = [t.chunk(p.blocks, p.dim) for t in parts]
             return torch.cat([r[b] for b in range(p.blocks) for r in per_rank], dim=p.dim)

@@ -207,8 +207,8 @@ class Plan(PlanViews):
     @cached_property
     def grad_sync_axes(self) -> dict[str, tuple[int, ...]]:
         """Parameter name -> mesh axes its gradient is summed over by the gradient sync. A parameter
-        split within groups of an axis (Shard.within: experts over the inner of two merged
-        data-parallel axes) is summed over its replica groups there (the outer axis: a SubAxis)."""
+        split on a part of an axis (Shard.within / across: experts over one of two merged
+        data-parallel axes) is summed over its replica groups there (the other part: a SubAxis)."""
         canonical = {n: names[0] for names in self.traced.tied.values() for n in names}
         out: dict[str, tuple] = {}
         for ph, axes in self.flow.param_sync_axes.items():
@@ -219,7 +219,9 @@ class Plan(PlanViews):
         for fqn, spec in self.param_specs.items():
             key = canonical.get(fqn, fqn)
             replicas = [
-                self.mesh.part(a, p.within, "outer") for a, p in enumerate(spec) if isinstance(p, Shard) and p.within
+                self.mesh.part(a, p.grouped, p.replica_part)
+                for a, p in enumerate(spec)
+                if isinstance(p, Shard) and p.grouped
             ]
             if replicas and key in trainable:
                 out[key] = tuple(a for a in out.get(key, ()) if not isinstance(a, SubAxis)) + tuple(replicas)

@@ -26,18 +26,22 @@ def dim_segments(shape, spec, mesh, rank) -> list[list[tuple[int, int, int]]]:
     """Per dim: (global offset, local offset, length) of each run the rank holds, in order."""
     coords = mesh.coords(rank)
     segs = [[(0, 0, n)] for n in shape]
+    empty = set()  # dims of an item of a split list this rank does not hold
     for axis, p in enumerate(spec):
         if not isinstance(p, Shard):
             continue
-        # split within groups of the axis (Shard.within): the piece of the rank's position in its group
+        # split on a part of the axis (Shard.within / across): the piece of the rank's position on that part
         n, size, k, c = shape[p.dim], mesh.shape[axis], p.blocks, p.position(coords[axis])
         if p.of is not None:  # one item of a list split over the axis: whole on its owner, empty elsewhere
-            segs[p.dim] = [(0, 0, n if c == p.owner(size) else 0)]
+            if c != p.owner(size):  # (on its owner, a split of the same dim on another axis still cuts it)
+                empty.add(p.dim)
             continue
         size = p.pieces(size)
         block = n // k  # uneven pieces: torch.tensor_split's (placement.piece_start / piece_size)
         start, piece = piece_start(block, size, c), piece_size(block, size, c)
         segs[p.dim] = [(b * block + start, b * piece, piece) for b in range(k)]
+    for d in empty:
+        segs[d] = [(0, 0, 0)]
     return segs
 
 

@@ -27,8 +27,8 @@ def to_checkpoint(boxes, shape, spec, dm, rank: int, world: int, local=None, dty
     layout, else a Pieces (blocked shards, a list's items, ZeRO pieces, pipeline stages, uneven pieces: DTensor
     cuts as torch.chunk, 6 rows on 4 ranks 2,2,2,0, autopar as torch.tensor_split, 2,2,1,1)."""
     # a blocked shard, or an item of a split list (a ModuleList's expert: whole on one rank), is no DTensor layout
-    # or a split within groups of an axis (Shard.within: replicated across the groups)
-    plain = not any(isinstance(p, Shard) and (p.blocks > 1 or p.of is not None or p.within) for p in spec)
+    # or a split on a part of an axis (Shard.within / across: replicated over the other part)
+    plain = not any(isinstance(p, Shard) and (p.blocks > 1 or p.of is not None or p.grouped) for p in spec)
     if local is not None and plain and not _uneven(shape, spec, dm):
         from torch.distributed.tensor import DTensor
 

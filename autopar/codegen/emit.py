@@ -70,18 +70,28 @@ def keep_meta(node: fx.Node, new) -> None:
 def rank_attrs(mesh, rank: int) -> dict:
     """The per-rank constants an emitted program reads from its module: the rank, and per mesh
     axis i its group (``autopar_group_i``) and its position on the axis (``autopar_coord_i``), and
-    the same within each group of k consecutive positions (``autopar_group_i_ink``: an axis made of
-    two merged ones, whose inner groups a tensor may be split within, Shard.within)."""
+    the same on both parts of the axis cut into groups of k consecutive positions (an axis made of
+    two merged ones, a tensor split on one part, Shard.within / across): within this rank's group
+    (``autopar_group_i_ink``) and across the groups (``autopar_group_i_outk``: the ranks at its
+    position in every group)."""
     out = {RANK_ATTR: rank}
     coords = mesh.coords(rank)
     for i in range(mesh.ndim):
         out[f"autopar_group_{i}"] = list(mesh.group(i, rank))
         out[f"autopar_coord_{i}"] = coords[i]
-        for k in range(2, mesh.shape[i]):  # groups of k consecutive positions (Shard.within, SubAxis)
+        for k in range(2, mesh.shape[i]):  # groups of k consecutive positions (SubAxis)
             if mesh.shape[i] % k == 0:
-                out[f"autopar_group_{i}_in{k}"] = list(mesh.group(SubAxis(i, k), rank))
-                out[f"autopar_coord_{i}_in{k}"] = coords[i] % k
+                for part in (SubAxis(i, k, "inner"), SubAxis(i, k, "outer")):
+                    out[f"autopar_group_{i}{part_suffix(part)}"] = list(mesh.group(part, rank))
+                    out[f"autopar_coord_{i}{part_suffix(part)}"] = part.position(coords[i])
     return out
+
+
+def part_suffix(part: SubAxis | None) -> str:
+    """The suffix of a part's rank constants (``rank_attrs``): "" for the whole axis."""
+    if part is None:
+        return ""
+    return f"_in{part.within}" if part.part == "inner" else f"_out{part.within}"
 
 
 class Emitter:
@@ -169,19 +179,16 @@ class Emitter:
             self._rank_nodes["autopar_eager"] = self.graph.call_function(plain_eager, ())
         return self._rank_nodes["autopar_eager"]
 
-    def coord(self, axis: int, within: int | None = None) -> fx.Node:
-        """This rank's position on mesh axis ``axis`` (``within``: in its group of that many
-        consecutive positions), as a value of the program."""
-        return self.rank_value(f"autopar_coord_{axis}" + (f"_in{within}" if within else ""))
+    def coord(self, axis: int, part: SubAxis | None = None) -> fx.Node:
+        """This rank's position on mesh axis ``axis`` (``part``: on that part of it, a SubAxis of
+        the axis), as a value of the program."""
+        return self.rank_value(f"autopar_coord_{axis}{part_suffix(part)}")
 
-    def collective(self, op, args: tuple, axis: int, extra: tuple = (), within: int | None = None) -> fx.Node:
-        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis`` (``within``:
-        among the ranks of this rank's group of that many consecutive positions of the axis)."""
-        if within:
-            group = self.rank_value(f"autopar_group_{axis}_in{within}")
-            name = self.mesh.axis_label(self.mesh.part(axis, within))
-        else:
-            group, name = self.rank_value(f"autopar_group_{axis}"), self.mesh.axis_names[axis]
+    def collective(self, op, args: tuple, axis: int, extra: tuple = (), part: SubAxis | None = None) -> fx.Node:
+        """op(*args, [dims...], axis_name, group, rank, *extra) for mesh axis ``axis`` (``part``: among
+        the ranks of this rank's group on that part of the axis, a SubAxis)."""
+        group = self.rank_value(f"autopar_group_{axis}{part_suffix(part)}")
+        name = self.mesh.axis_names[axis] if part is None else self.mesh.axis_label(part)
         return self.graph.call_function(op, (*args, name, group, self.rank_value(RANK_ATTR), *extra))
 
     def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=(), sizes=()) -> fx.Node:

@@ -133,7 +133,7 @@ def _sync_comms(plan, sy) -> list[Comm]:
     for i, b in enumerate(plan.grad_buckets()):
         numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names)
         where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))
-        for a in b.axes:  # a SubAxis: the replica groups of a tensor split within groups (Shard.within)
+        for a in b.axes:  # a SubAxis: replica groups of a tensor split on a part of an axis (Shard.within, across)
             n, axis = sy.axis(a), mesh.axis_label(a)
             if a == plan.dp_axis and dp is not None:
                 out += [

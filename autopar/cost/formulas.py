@@ -101,10 +101,16 @@ class PlanSymbols:
         out = [self.dim(s) for s in shape]
         for axis, p in enumerate(placements or ()):
             if isinstance(p, Shard):
-                out[p.dim] = out[p.dim] / (p.within or self.axes[axis])  # within groups: a number of pieces
+                out[p.dim] = out[p.dim] / self._pieces(p, axis)
                 if is_uneven(shape[p.dim], p.pieces(self.mesh.shape[axis])):
                     out[p.dim] = sympy.ceiling(out[p.dim])
         return out
+
+    def _pieces(self, p: Shard, axis: int) -> sympy.Expr:
+        """Into how many pieces ``p`` cuts its dim on mesh axis ``axis`` (on a part of it: a number)."""
+        if p.within:
+            return sympy.Integer(p.within)
+        return self.axes[axis] / p.across if p.across else self.axes[axis]
 
     def numel(self, shape, placements=None) -> sympy.Expr:
         return sympy.Mul(*self.shape(shape, placements))

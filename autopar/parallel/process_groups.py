@@ -51,7 +51,7 @@ def make_groups(plan, rank: int, timeout: float | None = None, p2p: bool = False
     for axis in range(mesh.ndim):
         for g in mesh.groups(axis):
             add(g)
-    for axis in split_within(plan):  # tensors split within groups of an axis: those groups and their replicas
+    for axis in split_parts(plan):  # tensors split on a part of an axis: those groups and their replicas
         for g in mesh.groups(axis):
             add(g)
     for technique in plan.options.techniques:  # HSDP's groups, tied weights across stages, ...
@@ -63,15 +63,15 @@ def make_groups(plan, rank: int, timeout: float | None = None, p2p: bool = False
     return p2p_group
 
 
-def split_within(plan) -> list:
-    """The SubAxes the plan's collectives use: for every parameter split within groups of an axis
-    (Shard.within: experts over the inner of two merged data-parallel axes), the groups (its
-    dispatch) and the replica groups across them (its gradient sync)."""
+def split_parts(plan) -> list:
+    """The SubAxes the plan's collectives use: for every parameter split on a part of an axis
+    (Shard.within / across: experts over one of two merged data-parallel axes), both parts: the
+    groups that split it (its dispatch) and its replica groups (its gradient sync)."""
     found = {
-        (a, p.within)
+        (a, p.grouped)
         for spec in plan.param_specs.values()
         for a, p in enumerate(spec)
-        if isinstance(p, Shard) and p.within
+        if isinstance(p, Shard) and p.grouped
     }
     return [plan.mesh.part(a, k, part) for a, k in sorted(found) for part in ("inner", "outer")]
 

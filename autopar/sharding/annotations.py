@@ -134,11 +134,14 @@ class expert_parallel(Annotation):
     ModuleList's linears the same way). With the batch over two mesh axes
     (``DataParallel("b", replicate_axis="a")``), ``axis`` may be the inner one: the experts split
     within each group of b's ranks (``Shard(0, within=|b|)``), dispatched inside it, their
-    gradients summed over ``a``; or ``("a", "b")``: over both.
+    gradients summed over ``a``; the outer one: split across those groups (``Shard(0,
+    across=|b|)``), dispatched among the ranks of equal b, their gradients summed over ``b``; or
+    ``("a", "b")``: over both.
 
     Example:
         >>> {"model.layers.*.mlp.experts": ap.expert_parallel("dp", tp="tp")}
         >>> {"model.layers.*.mlp.experts": ap.expert_parallel("b")}   # dp over ("a", "b")
+        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("a")}   # the same, experts over a
     """
 
     axis: str | tuple
@@ -271,25 +274,21 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
                 put(fqn, axis, R, why)
 
 
-def _expert_axis(ann, mesh) -> tuple[int, int, int | None]:
-    """(mesh axis, ranks the experts are split over, ``within``) of ``ann.axis``: a mesh axis, or
-    the inner of two data-parallel axes merged into one (``DataParallel(axis, replicate_axis=)``:
-    the experts split within each group of the inner axis' ranks, replicated across the groups;
-    ``Shard(0, within=k)``)."""
+def _expert_axis(ann, mesh) -> tuple[int, int, dict]:
+    """(mesh axis, ranks the experts are split over, the Shard's part keyword) of ``ann.axis``: a
+    mesh axis ({}), or one of two data-parallel axes merged into one (``DataParallel(axis,
+    replicate_axis=)``): the inner one, the experts split within each group of its ranks and
+    replicated across the groups (``within=k``); the outer one, split across the groups and
+    replicated within each (``across=k``)."""
     axis, sub = mesh.sub_axis(ann.axis)
     if sub is None:
-        return axis, mesh.shape[axis], None
-    if sub.part != "inner":
-        inner = next(p[2] for p in mesh.parts if p[0] == mesh.axis_names[axis])
-        raise AnnotationError(
-            f"{ann!r}: {ann.axis!r} is the outer of the data-parallel axes merged into {mesh.axis_names[axis]!r}; "
-            f"experts are split over the inner one ({inner!r}) or over both ({(ann.axis, inner)!r})."
-        )
-    return axis, sub.within, sub.within
+        return axis, mesh.shape[axis], {}
+    key = "within" if sub.part == "inner" else "across"
+    return axis, mesh.axis_size(sub), {key: sub.within}
 
 
 def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
-    axis, n, within = _expert_axis(ann, mesh)
+    axis, n, part = _expert_axis(ann, mesh)
     for path in _matching(pattern, [n for n in modules if n], "module path"):
         if isinstance(modules[path], nn.ModuleList):
             _apply_expert_list(path, ann, modules[path], mesh, put, why, seeds)
@@ -313,14 +312,14 @@ def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
         if ann.tp is not None:
             seeds.expert_tp[path] = mesh.axis_index(ann.tp)
         for pname, p in own.items():
-            split = Shard(0, within=within)
+            split = Shard(0, **part)
             put(f"{path}.{pname}", axis, split if p.dim() >= 2 and p.shape[0] == experts else R, why)
 
 
 def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds):
     """A per-expert ModuleList: expert i's tensors whole on the rank holding it (``Shard(0,
     of=(i, E))``: E/n experts per rank, under their own names), empty on the others."""
-    (axis, n, within), count = _expert_axis(ann, mesh), len(experts)
+    (axis, n, part), count = _expert_axis(ann, mesh), len(experts)
     names = [sorted(name for name, _ in e.named_parameters()) for e in experts]
     if count < 2 or any(nm != names[0] for nm in names) or not names[0]:
         raise AnnotationError(
@@ -338,7 +337,7 @@ def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds)
         seeds.expert_tp[path] = mesh.axis_index(ann.tp)
     for i, expert in enumerate(experts):
         for pname, _ in expert.named_parameters():
-            put(f"{path}.{i}.{pname}", axis, Shard(0, of=(i, count), within=within), why)
+            put(f"{path}.{i}.{pname}", axis, Shard(0, of=(i, count), **part), why)
 
 
 def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):

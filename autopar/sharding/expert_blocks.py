@@ -77,7 +77,8 @@ class ExpertBlock:
     tp: tuple | None = None  # (mesh axis, each parameter's placement on it): expert tensor parallelism
     expert: fx.GraphModule | None = None  # a ModuleList's one expert
     per_expert: int = 0
-    within: int | None = None  # experts split within groups of this many ranks of their axis (Shard.within)
+    # the experts' split when on one part of their axis (Shard(0, within=k) or Shard(0, across=k))
+    grouped: Shard | None = None
     # a ModuleList's: per parameter of one expert, the dim its ``Shard(d, of=...)`` empties on the
     # expert axis (0; 1 for a weight whose dim 0 expert tensor parallelism splits)
     of_dims: tuple = ()
@@ -177,7 +178,7 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
                     raise
                 continue
             changed = True
-            block.within = _within(seeds, block, axis)
+            block.grouped = _grouped(seeds, block, axis)
             if path in seeds.expert_tp:
                 _split_experts(block, seeds, mesh, seeds.expert_tp[path])
     if changed:
@@ -185,11 +186,19 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
         traced.gm.recompile()
 
 
-def _within(seeds, block: ExpertBlock, axis: int | None) -> int | None:
-    """The groups the block's experts are split within on ``axis`` (their seeds' Shard.within)."""
+def _grouped(seeds, block: ExpertBlock, axis: int | None) -> Shard | None:
+    """The experts' split on one part of ``axis`` (their seeds' Shard.within / across), as
+    ``Shard(0, ...)``, or None: split over the whole axis, or not split."""
     specs = [seeds.params.get(fqn) for fqn in block.params]
-    found = {spec[axis].within for spec in specs if axis is not None and spec and isinstance(spec[axis], Shard)}
-    return found.pop() if len(found) == 1 else None
+    found = {
+        (spec[axis].within, spec[axis].across)
+        for spec in specs
+        if axis is not None and spec and isinstance(spec[axis], Shard)
+    }
+    if len(found) != 1:
+        return None
+    within, across = found.pop()
+    return Shard(0, within=within, across=across) if within or across else None
 
 
 def _region(graph: fx.Graph, path: str) -> list[fx.Node]:
@@ -280,23 +289,28 @@ def _param_nodes(block: ExpertBlock) -> list[fx.Node]:
 def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
     """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded.
     A ModuleList's experts: each expert's linears split the same way (``list_tp_placements``); a
-    weight split on its dim 0 is held whole-or-empty by expert on its dim 1 (``Shard(1, of=)``)."""
+    weight split on its dim 0 is held whole-or-empty by expert on its dim 1 (``Shard(1, of=)``), a
+    column bias on its one dim (``Shard(0, of=)``: its owner holds its tp piece); the row bias,
+    read as ``Partial()`` by the op, is stored replicated on ``axis``."""
     if block.expert is None:
         placements = expert_tp_placements(block, mesh.shape[axis], _is_grouped, THROUGH)
         shapes = [tuple(node.meta["val"].shape) for node in _param_nodes(block)]
     else:
         one = list_tp_placements(block, mesh.shape[axis])
         placements = one * block.experts
-        block.of_dims = tuple(1 if p.dim == 0 else 0 for p in one)
         ph = [n for n in block.expert.graph.nodes if n.op == "placeholder"][1:]
         shapes = [tuple(n.meta["val"].shape) for n in ph] * block.experts
+        block.of_dims = tuple(int(isinstance(p, Shard) and p.dim == 0 and len(s) == 2) for p, s in zip(one, shapes))
     for j, (fqn, p, shape) in enumerate(zip(block.params, placements, shapes)):
         spec = list(seeds.params.get(fqn, (Replicate(),) * mesh.ndim))
-        spec[axis] = p
+        spec[axis] = p if isinstance(p, Shard) else Replicate()
         whole = [Replicate() if isinstance(q, Shard) and q.of is not None else q for q in spec]
         check_divisible(shape, tuple(whole), mesh, f"expert weight {fqn!r}")
         listed = [isinstance(q, Shard) and q.of is not None for q in spec]
-        spec = [Shard(block.of_dim(j), of=q.of, within=q.within) if item else q for q, item in zip(spec, listed)]
+        spec = [
+            Shard(block.of_dim(j), of=q.of, within=q.within, across=q.across) if item else q
+            for q, item in zip(spec, listed)
+        ]
         seeds.params[fqn] = tuple(spec)
         seeds.reasons[fqn] = f"{seeds.reasons.get(fqn, '')}; each expert split over {mesh.axis_names[axis]!r}"
     block.tp = (axis, tuple(placements))

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from autopar.errors import AnnotationError
 from autopar.mesh import Mesh
-from autopar.placement import Shard, shard_tensor
+from autopar.placement import Partial, Shard, shard_tensor
 
 aten = torch.ops.aten
 CHUNKS = {aten.chunk.default, aten.split.Tensor}
@@ -105,11 +105,15 @@ def list_tp_placements(block, n: int) -> list:
     placement on an axis of ``n`` ranks: the linears that read the rows column-parallel (weight
     ``(out, in)`` split on out), the one whose output leaves the expert row-parallel (split on
     in), so that the expert's output on a rank is its partial sum (Mixtral's w1, w3 | w2;
-    gate_proj, up_proj | down_proj). Checked as the stacked experts' are: on random rows the sum
-    of the pieces' outputs must equal the whole expert's.
+    gate_proj, up_proj | down_proj). Biases: a column linear's is split with its weight
+    (``Shard(0)``); the row linear's is replicated and must enter the partial sum once, so the op
+    reads it as ``Partial()`` (the R -> P step on its edge: the axis' first rank adds it, the others
+    add zeros; its backward is the identity, so every rank gets its whole gradient). Checked as the
+    stacked experts' are: on random rows the sum of the pieces' outputs must equal the whole expert's.
 
     Example:
         >>> list_tp_placements(block, 2)     # Mixtral's w1, w2, w3: [S(0), S(1), S(0)]
+        >>> list_tp_placements(block, 2)     # with biases: w1.bias, w1, w2.bias, w2, ...: [S(0), S(0), P, S(1), ...]
     """
     g = block.expert.graph
     ph = [node for node in g.nodes if node.op == "placeholder"][1:]
@@ -120,29 +124,43 @@ def list_tp_placements(block, n: int) -> list:
         raise _fail(block, f"its expert has {len(mms)} linears; expert tensor parallelism needs up and down ones")
     found: dict = {}
     for node in mms:
-        row = node is last
-        if node.target in LINEAR:  # weight (out, in): column splits out (dim 0), row splits in (dim 1)
-            param, dim = _source_2d(node.args[1], 1 if row else 0)
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        else:  # x @ w, w (in, out): column splits its dim 1, row its dim 0
-            param, dim = _source_2d(node.args[1], 0 if row else 1)
-            bias = None
-        if param not in ph or param in found:
-            raise _fail(block, f"{node.name}'s weight is not one of the expert's own parameters (used once)")
-        found[param] = Shard(dim)
-        if bias is not None:
-            if row or not (isinstance(bias, fx.Node) and bias in ph):
-                raise _fail(block, f"{node.name} adds a bias to a row-parallel output (each rank would add it)")
-            found[bias] = Shard(0)
+        _place_linear(block, node, node is last, ph, found)
     if len(found) != len(ph):
-        raise _fail(block, "its expert has parameters other than its linears' weights and column biases")
+        raise _fail(block, "its expert has parameters other than its linears' weights and biases")
     placements = [found[p] for p in ph]
-    if any(p.dim == 0 and v.meta["val"].dim() == 1 for p, v in zip(placements, ph)):
-        raise _fail(
-            block, "a column bias (1-D) cannot also be held whole by one rank of the expert axis; experts with biases"
-        )
     _check_list(block, placements, n)
     return placements
+
+
+def _place_linear(block, node, row: bool, ph, found: dict) -> None:
+    """One linear's weight placement on the tp axis (and its bias', if it adds one), into ``found``."""
+    if node.target in LINEAR:  # weight (out, in): column splits out (dim 0), row splits in (dim 1)
+        param, dim = _source_2d(node.args[1], 1 if row else 0)
+    else:  # x @ w, w (in, out): column splits its dim 1, row its dim 0
+        param, dim = _source_2d(node.args[1], 0 if row else 1)
+    if param not in ph or param in found:
+        raise _fail(block, f"{node.name}'s weight is not one of the expert's own parameters (used once)")
+    found[param] = Shard(dim)
+    bias = _bias(node)
+    if bias is None:
+        return
+    if bias not in ph or bias in found:
+        raise _fail(block, f"{node.name}'s bias is not one of the expert's own parameters (used once)")
+    found[bias] = Partial() if row else Shard(0)  # row: replicated, added once (on the first rank's part)
+
+
+def _bias(node: fx.Node):
+    """What a linear adds to its output: its bias argument, or the 1-D operand of the one add that
+    reads its output (trace.split_biases writes every bias so); None where it adds none."""
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if bias is not None or len(node.users) != 1:
+        return bias
+    add = next(iter(node.users))
+    if add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    val = other.meta.get("val") if isinstance(other, fx.Node) else None
+    return other if isinstance(val, torch.Tensor) and val.dim() == 1 and other.op == "placeholder" else None
 
 
 def _last_matmul(node, mms: set):

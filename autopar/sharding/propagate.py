@@ -521,8 +521,8 @@ def _valid(
                 continue
             if p.dim >= meta.ndim:
                 return False
-            if p.within and (n % p.within or n == p.within):
-                return False  # split within groups that do not cut this axis
+            if p.grouped and (n % p.grouped or n == p.grouped):
+                return False  # split on a part (Shard.within / across) that does not cut this axis
             if p.of is not None:  # an item of a split list (an expert's weight): whole or empty by construction
                 continue
             size = meta.shape[p.dim]
@@ -533,8 +533,8 @@ def _valid(
                 return False
             if multiple > 1 and size % (n * p.blocks * multiple):
                 return False
-            if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim for pl in prior):
-                return False  # that dim is already split by an earlier axis
+            if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim and pl[k].of is None for pl in prior):
+                return False  # that dim is already split by an earlier axis (an item of a list's is whole or empty)
             if dynamic and ragged:  # pieces of any size, whose rows stay in order: no size to match
                 uneven = True
                 continue
@@ -604,8 +604,8 @@ RAGGED_MOVE = 1e18  # the cost of moving a dim a ragged axis cuts: refused at pl
 
 
 def _within(*placements) -> bool:
-    """Whether any of ``placements`` is split within groups of its axis (Shard.within)."""
-    return any(isinstance(p, Shard) and p.within for p in placements)
+    """Whether any of ``placements`` is split on a part of its axis (Shard.within / across)."""
+    return any(isinstance(p, Shard) and p.grouped for p in placements)
 
 
 def _moves_dynamic(steps, meta: TensorMeta) -> bool:

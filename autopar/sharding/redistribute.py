@@ -54,10 +54,10 @@ def plan_steps(src, dst) -> list[Step]:
     cur = list(src)
     steps: list[Step] = []
     for a, (s, d) in enumerate(zip(src, dst)):
-        if s != d and any(isinstance(p, Shard) and p.within for p in (s, d)):
+        if s != d and any(isinstance(p, Shard) and p.grouped for p in (s, d)):
             raise ShardingError(
-                f"no collective turns {s!r} into {d!r} on mesh axis {a}: a tensor split within groups of an "
-                "axis (expert weights over the inner of two data-parallel axes) stays as its op uses it."
+                f"no collective turns {s!r} into {d!r} on mesh axis {a}: a tensor split on a part of an "
+                "axis (expert weights over one of two data-parallel axes) stays as its op uses it."
             )
     for a, (s, d) in enumerate(zip(src, dst)):  # 1: shards that must go
         if isinstance(s, Shard) and s != d:

@@ -148,16 +148,17 @@ def compiled_step(kind: str):
     return vs_eager, vs_serial, breaks, graphs
 
 
-def sub_axis_three_adamw_steps(kind: str):
-    """3 AdamW steps with the batch over two mesh axes (a, b) and the experts over b only (the
-    all-to-alls inside each group of b's ranks, the experts' gradients summed over a), on real
-    processes; rank 0 returns the worst relative difference from serial, every rank the number
-    of expert-weight elements it holds and the groups its all-to-alls ran on."""
+def sub_axis_three_adamw_steps(kind: str, axis: str = "b"):
+    """3 AdamW steps with the batch over two mesh axes (a, b) and the experts over ``axis`` only
+    (b: the all-to-alls inside each group of b's ranks, the experts' gradients summed over a; a:
+    the other way round), on real processes; rank 0 returns the worst relative difference from
+    serial, every rank the number of expert-weight elements it holds and the groups its
+    collectives ran on."""
     mesh = ap.Mesh((2, 2), ("a", "b"))
     batches = [M.routing(16, seed=s) for s in range(3)]
     model = M.RoutedExperts(kind)
     dp = ap.DataParallel("b", replicate_axis="a")
-    ann = {"experts": ap.expert_parallel("b")}
+    ann = {"experts": ap.expert_parallel(axis)}
     module = ap.parallelize(model, mesh, annotations=ann, data_parallel=dp, dynamic=False, args=batches[0])
     plan, rank = module.autopar_plan, dist.get_rank()
     opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3)

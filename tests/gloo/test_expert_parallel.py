@@ -62,18 +62,20 @@ def test_compiled_rank_module_equals_eager_and_serial(gloo, kind):
     print(kind, results[0][2], results[0][3])
 
 
-def test_real_gloo_dispatch_within_groups_of_b(gloo):
+@pytest.mark.parametrize("axis", ["b", "a"], ids=["inner", "outer"])
+def test_real_gloo_dispatch_on_one_of_two_dp_axes(gloo, axis):
     """The batch over (a, b) = (2, 2), the experts over b: each rank's all-to-alls run on its
     group of b (the ranks sharing its a coordinate), the experts' gradients are all-reduced over
-    a; 3 AdamW steps equal serial; a rank holds half of the experts."""
-    results = gloo(4).run("tests.gloo.jobs_experts:sub_axis_three_adamw_steps", "mixtral", timeout=300)
+    a; over a, the other way round; 3 AdamW steps equal serial; a rank holds half of the experts."""
+    results = gloo(4).run("tests.gloo.jobs_experts:sub_axis_three_adamw_steps", "mixtral", axis, timeout=300)
     assert results[0][0] < 2e-5, results[0][0]
     full = sum(p.numel() for n, p in M.RoutedExperts("mixtral").named_parameters() if "experts." in n)
     assert all(held == full // 2 for _, held, _ in results), [r[1] for r in results]
     for rank, (_, _, groups) in enumerate(results):
         b_group, a_group = (0, 1) if rank < 2 else (2, 3), (rank % 2, rank % 2 + 2)
-        assert {g for kind, g in groups if kind == "all_to_all"} == {b_group}, groups
-        assert ("all_reduce", a_group) in groups, groups
+        dispatch, replicas = (b_group, a_group) if axis == "b" else (a_group, b_group)
+        assert {g for kind, g in groups if kind == "all_to_all"} == {dispatch}, groups
+        assert ("all_reduce", replicas) in groups, groups
     print("max relative difference from serial", results[0][0])
 
 

@@ -25,11 +25,11 @@ LIST_KINDS = ("mixtral", "qwen2_moe", "olmoe")
 
 # ------------------------------------------------------------------ HF's code (transformers 4.4x)
 class MixtralBlockSparseTop2MLP(nn.Module):
-    def __init__(self, hidden, ffn):
+    def __init__(self, hidden, ffn, bias=False):
         super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w1 = nn.Linear(hidden, ffn, bias=bias)
+        self.w2 = nn.Linear(ffn, hidden, bias=bias)
+        self.w3 = nn.Linear(hidden, ffn, bias=bias)
         self.act_fn = nn.SiLU()
 
     def forward(self, hidden_states):
@@ -41,11 +41,11 @@ class MixtralBlockSparseTop2MLP(nn.Module):
 class GatedMLP(nn.Module):
     """Qwen2MoeMLP / OlmoeMLP."""
 
-    def __init__(self, hidden, ffn):
+    def __init__(self, hidden, ffn, bias=False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.up_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.down_proj = nn.Linear(ffn, hidden, bias=bias)
         self.act_fn = nn.SiLU()
 
     def forward(self, x):
@@ -54,14 +54,15 @@ class GatedMLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """MixtralSparseMoeBlock / Qwen2MoeSparseMoeBlock / OlmoeSparseMoeBlock of transformers 4.4x
-    (returning the hidden states only, as the installed decoder layers expect)."""
+    (returning the hidden states only, as the installed decoder layers expect). ``bias``: the
+    experts' linears with biases (random, as nn.Linear initialises them)."""
 
-    def __init__(self, kind, hidden, ffn, experts, top_k, norm_topk_prob, shared_ffn=0):
+    def __init__(self, kind, hidden, ffn, experts, top_k, norm_topk_prob, shared_ffn=0, bias=False):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = experts, top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, experts, bias=False)
         mlp = MixtralBlockSparseTop2MLP if kind == "mixtral" else GatedMLP
-        self.experts = nn.ModuleList([mlp(hidden, ffn) for _ in range(experts)])
+        self.experts = nn.ModuleList([mlp(hidden, ffn, bias) for _ in range(experts)])
         if shared_ffn:
             self.shared_expert = GatedMLP(hidden, shared_ffn)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
@@ -106,9 +107,10 @@ def _qwen2_moe_config():
     )
 
 
-def list_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 8):
+def list_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 8, bias: bool = False):
     """(an installed HF causal LM whose MoE blocks have per-expert ModuleList experts, example
-    kwargs with labels). The blocks take the fused model's weights: the same function."""
+    kwargs with labels). The blocks take the fused model's weights: the same function (with
+    ``bias``, plus the experts' linears' biases, drawn after the seed)."""
     import transformers as T
 
     if kind == "qwen2_moe":
@@ -124,7 +126,7 @@ def list_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 8):
     for layer in model.model.layers:
         fused = layer.mlp
         shared = M.FFN if kind == "qwen2_moe" else 0
-        block = SparseMoeBlock(kind, M.HIDDEN, M.FFN, M.EXPERTS, M.TOP_K, norm or kind == "mixtral", shared)
+        block = SparseMoeBlock(kind, M.HIDDEN, M.FFN, M.EXPERTS, M.TOP_K, norm or kind == "mixtral", shared, bias)
         with torch.no_grad():
             block.gate.weight.copy_(fused.gate.weight)
             for i, expert in enumerate(block.experts):
@@ -143,11 +145,11 @@ def list_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 8):
 class RoutedListExperts(nn.Module):
     """HF's per-expert loop (transformers 4.4x) over a ModuleList, fed a given routing (the last
     expert never chosen: moe.routing), then a linear: the loop alone, without a router's top-k
-    whose ties float noise could flip."""
+    whose ties float noise could flip. ``bias``: experts whose linears have biases."""
 
-    def __init__(self, kind: str = "mixtral", seed: int = 0):
+    def __init__(self, kind: str = "mixtral", seed: int = 0, bias: bool = False):
         super().__init__()
-        model, _ = list_model(kind, seed)
+        model, _ = list_model(kind, seed, bias=bias)
         self.experts = model.model.layers[0].mlp.experts
         self.out = nn.Linear(M.HIDDEN, M.HIDDEN)
 

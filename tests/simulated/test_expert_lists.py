@@ -154,23 +154,32 @@ def test_list_errors():
         ap.plan(Chain(), ap.Mesh((2,), ("dp",)), args=(torch.randn(4, 8),), annotations=chain, data_parallel="dp")
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-def test_list_expert_tensor_parallel_routed(kind):
+@pytest.mark.parametrize("kind,bias", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)])
+def test_list_expert_tensor_parallel_routed(kind, bias):
     """Expert tensor parallelism of a ModuleList: experts on dp, each expert's w1/w3 (gate/up)
     column-split and w2 (down) row-split on tp; expert 0 held by dp rank 0 only, half of it per
-    tp rank; forward, every gradient and 3 AdamW steps equal serial."""
+    tp rank; forward, every gradient and 3 AdamW steps equal serial. With biases: w1's and w3's
+    split with their weights (half on each tp rank of expert 0's dp rank), w2's whole there and
+    added once (the op reads it as a partial sum: tp rank 0 adds it), no gradient of an expert
+    summed over tp."""
     batches = [M.routing(16, seed=s) for s in range(3)]
-    model = L.RoutedListExperts(kind)
+    model = L.RoutedListExperts(kind, bias=bias)
     ann = {"experts": ap.expert_parallel("dp", tp="tp")}
     plan = ap.plan(model, DP2TP2, args=batches[0], annotations=ann, data_parallel="dp", dynamic=False)
     up, down = ("w1", "w2") if kind == "mixtral" else ("gate_proj", "down_proj")
     shapes = lambda name: [tuple(plan.module(r).get_parameter(name).shape) for r in range(4)]  # noqa: E731
     assert shapes(f"experts.0.{up}.weight") == [(M.FFN // 2, M.HIDDEN)] * 2 + [(M.FFN // 2, 0)] * 2
     assert shapes(f"experts.0.{down}.weight") == [(M.HIDDEN, M.FFN // 2)] * 2 + [(0, M.FFN // 2)] * 2
+    if bias:
+        assert shapes(f"experts.0.{up}.bias") == [(M.FFN // 2,)] * 2 + [(0,)] * 2
+        assert shapes(f"experts.3.{down}.bias") == [(0,)] * 2 + [(M.HIDDEN,)] * 2
+        assert "(S(0,of=0/4), P) (local)" in plan.explain("moe_experts_default")
+    tp_synced = {n for b in plan.grad_buckets(0) if 1 in b.axes for n in b.names}
+    assert not any(n.startswith("experts.") for n in tp_synced), tp_synced
     moe = {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")}
     assert moe == {("all_to_all", "dp")}, moe
     plan.check(*batches[0], rtol=1e-4, atol=1e-5)
-    serial = M.train_serial(L.RoutedListExperts(kind), batches, eps=1e-3)
+    serial = M.train_serial(L.RoutedListExperts(kind, bias=bias), batches, eps=1e-3)
     assert_params_close(M.train_ranks(plan, batches, eps=1e-3), serial)
 
 

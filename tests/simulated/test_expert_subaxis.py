@@ -1,9 +1,10 @@
 """Expert parallelism over a sub-axis of the data-parallel ranks (docs/experts.md): the batch split
 over two mesh axes (``DataParallel("b", replicate_axis="a")``: one merged axis ``a_b``), the experts
 over ``b`` only (``Shard(0, within=|b|)``: each group of ranks sharing a's coordinate holds every
-expert) or over both. The count exchange and the all-to-alls run inside each group, the expert
-weights are stored 1/|b| and their gradients summed over ``a`` (their replicas), the dense ones
-over the whole merged axis. Against serial: forward, every gradient, 3 AdamW steps (eps 1e-3),
+expert), over ``a`` only (``Shard(0, across=|b|)``: each group of ranks sharing b's coordinate
+holds every expert) or over both. The count exchange and the all-to-alls run inside each group,
+the expert weights are stored 1/|b| (1/|a|) and their gradients summed over ``a`` (``b``): their
+replicas; the dense ones over the whole merged axis. Against serial: forward, every gradient, 3 AdamW steps (eps 1e-3),
 Mixtral- and Qwen3-MoE-shaped, on (2, 2) and (2, 2, 2), with routing that leaves one expert
 without a token."""
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 import autopar as ap
+from autopar.checkpoint.boxes import local_boxes
 from autopar.mesh import SubAxis
-from autopar.placement import Shard, merge_tensors, parse_placement, shard_tensor
+from autopar.placement import Shard, counts_piece, merge_tensors, parse_placement, shard_tensor
 from autopar.runtime.simulator import run_ranks
 from tests.harness import moe as M
 from tests.harness import moe_lists as L
@@ -52,9 +54,10 @@ def _train(plan, batches):
     return per_rank, merged
 
 
-def _replicas_equal(plan, per_rank, names):
-    """The ranks holding the same experts (same position in b, any a) hold the same values."""
-    for group in plan.mesh.groups(plan.mesh.part(0, 2, "outer")):
+def _replicas_equal(plan, per_rank, names, replicas="outer"):
+    """The ranks holding the same experts hold the same values: experts over b, the ranks at the
+    same position in b, any a (``replicas="outer"``); over a, those of equal a (``"inner"``)."""
+    for group in plan.mesh.groups(plan.mesh.part(0, 2, replicas)):
         for rank in group:
             for n in names:
                 assert torch.equal(per_rank[rank][n], per_rank[group[0]][n]), (n, rank, group)
@@ -76,35 +79,54 @@ def test_sub_axis_groups_and_placement():
     pieces = [shard_tensor(w, (p,), mesh, r) for r in range(4)]
     assert [x[:, 0].tolist() for x in pieces] == [[0, 2], [4, 6], [0, 2], [4, 6]]
     assert torch.equal(merge_tensors(pieces, (p,), mesh), w)
+    assert mesh.sub_axis("a") == (0, SubAxis(0, 2, "outer", "a"))
+    q = Shard(0, across=2)  # rank 2k, 2k+1 (a = k) hold piece k; only the first of the two counts it
+    assert parse_placement(repr(q)) == q and parse_placement(repr(Shard(1, of=(3, 8), across=2))).across == 2
+    pieces = [shard_tensor(w, (q,), mesh, r) for r in range(4)]
+    assert [x[:, 0].tolist() for x in pieces] == [[0, 2], [0, 2], [4, 6], [4, 6]]
+    assert torch.equal(merge_tensors(pieces, (q,), mesh), w)
+    assert [counts_piece((q,), (c,)) for c in range(4)] == [True, False, True, False]
+    for r, piece in enumerate(pieces):  # DCP's boxes: each piece at its global offset
+        assert [(o, s) for o, s, _ in local_boxes((4, 2), (q,), mesh, r, piece)] == [((2 * (r // 2), 0), (2, 2))]
+    assert [counts_piece((p,), (c,)) for c in range(4)] == [True, True, False, False]
+    with pytest.raises(ap.PlanError, match="give one"):
+        Shard(0, within=2, across=2)
 
 
 @pytest.mark.parametrize(
-    "kind,zero", [("mixtral", 0), ("qwen3_moe", 0), ("mixtral", 3)], ids=["mixtral", "qwen3", "hsdp"]
+    "kind,zero,axis",
+    [("mixtral", 0, "b"), ("qwen3_moe", 0, "b"), ("mixtral", 3, "b"), ("mixtral", 0, "a"), ("mixtral", 3, "a")],
+    ids=["mixtral", "qwen3", "hsdp", "outer", "outer-hsdp"],
 )
-def test_routed_experts_within_groups(kind, zero):
+def test_routed_experts_on_one_axis(kind, zero, axis):
     """HF's experts fed routing that never picks the last expert: 2 of the 4 experts per rank,
-    the dispatch on "b", the experts' gradients summed over "a", 3 AdamW steps equal serial.
-    zero=3 (HSDP: the dense weights sharded over b, replicated over a): the same for the experts."""
-    model, batches, plan = _routed_plan(kind, AB, zero=zero)
+    the dispatch on ``axis`` (b: within the groups of a_b, a: across them), the experts' gradients
+    summed over the other one, 3 AdamW steps equal serial. zero=3 (HSDP: the dense weights sharded
+    over b, replicated over a; the experts over a are replicated over b, the axis zero=3 shards):
+    the same for the experts."""
+    model, batches, plan = _routed_plan(kind, AB, axis=axis, zero=zero)
+    other = {"a": "b", "b": "a"}[axis]
     moe = [c for c in plan.collectives() if c.node.startswith("moe_experts")]
     # counts, rows, outputs back; backward: the outputs' gradients (the input x needs none)
-    assert [c.kind for c in moe] == ["all_to_all"] * 4 and {c.axis for c in moe} == {"b"}, moe
+    assert [c.kind for c in moe] == ["all_to_all"] * 4 and {c.axis for c in moe} == {axis}, moe
     buckets = plan.grad_buckets(0)
     experts = set(_experts(model))
     by_axes = {n: b.axes for b in buckets for n in b.names}
-    assert all(by_axes[n] == (SubAxis(0, 2, "outer", "a"),) for n in experts), by_axes
+    replicas = "outer" if axis == "b" else "inner"
+    assert all(by_axes[n] == (SubAxis(0, 2, replicas, other),) for n in experts), by_axes
     assert all(by_axes[n] == (0,) for n in by_axes if n not in experts), by_axes  # zero=3: none
     synced = {c.axis for c in plan.collectives() if c.phase == "grad sync"}
-    assert synced == {"a", "a_b"}, synced  # zero=3: the dense ones reduce-scattered over a_b
+    assert synced == {other, "a_b"}, synced  # zero=3: the dense ones reduce-scattered over a_b
     for rank in range(4):
         local = dict(plan.module(rank).named_parameters())
         assert all(local[n].shape[0] == M.EXPERTS // 2 for n in experts if local[n].dim() == 3)
-    assert "on b" in plan.explain("moe_experts_default") or "b:" in plan.explain("moe_experts_default")
+    assert f"all_to_all({axis})" in plan.explain("moe_experts_default")
+    assert f"summed over {other} " in plan.explain("experts.down_proj")
     plan.check(*batches[0], rtol=1e-4, atol=1e-5)
     serial = M.train_serial(M.RoutedExperts(kind), batches, eps=1e-3)
     per_rank, merged = _train(plan, batches)
     assert_params_close(merged, serial)
-    _replicas_equal(plan, per_rank, experts)
+    _replicas_equal(plan, per_rank, experts, replicas)
 
 
 def test_routed_experts_over_both_axes():
@@ -138,17 +160,47 @@ def test_whole_model_on_a_b_tp(kind):
     _replicas_equal(plan, per_rank, _experts(model))
 
 
-def test_outer_axis_is_refused():
-    model = M.RoutedExperts("mixtral")
-    with pytest.raises(ap.PlanError, match="outer of the data-parallel axes"):
-        ap.plan(
-            model,
-            AB,
-            args=M.routing(16),
-            annotations={"experts": ap.expert_parallel("a")},
-            data_parallel=DP,
-            dynamic=False,
-        )
+def test_whole_mixtral_experts_over_a():
+    """A whole Mixtral on (2, 2), the batch over (a, b), the experts over a (the outer axis): the
+    dispatch's all-to-alls on a, the experts' gradients summed over b; forward, every gradient
+    and 3 AdamW steps (eps 1e-3) equal serial, the ranks of equal a hold the same experts after
+    them. presets.megatron(..., expert_axis="a") names the same annotation."""
+    model, kw = M.moe_model("mixtral")
+    preset = ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="a", vocab=False)
+    assert preset["model.layers.0.mlp.experts"] == ap.expert_parallel("a")
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("a")}
+    plan = ap.plan(model, AB, kwargs=kw, annotations=ann, data_parallel=DP, dynamic=False)
+    comms = plan.collectives()
+    moe = [c for c in comms if c.node.startswith("moe_experts")]
+    assert {c.axis for c in moe} == {"a"} and len(moe) == 5, moe
+    on_dp = [c for c in comms if c.phase != "grad sync" and c not in moe]
+    assert {(c.kind, c.axis, c.node) for c in on_dp} == {("all_reduce", "a_b", "cross_entropy_loss")}, on_dp
+    assert {c.axis for c in comms if c.phase == "grad sync"} == {"a_b", "b"}
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+    batches = [kw] + [M.moe_model("mixtral", seed=s)[1] for s in (5, 6)]
+    per_rank, merged = _train(plan, batches)
+    assert_params_close(merged, M.train_serial(M.moe_model("mixtral")[0], batches, eps=1e-3), rtol=1e-5, atol=1e-6)
+    _replicas_equal(plan, per_rank, _experts(model), "inner")
+
+
+def test_list_experts_over_a():
+    """A per-expert ModuleList over a on (2, 2): rank 2 (a=1, b=0) holds experts 2-3 whole and
+    0-1 empty, as rank 3 does; forward, every gradient and 3 AdamW steps equal serial."""
+    batches = [M.routing(16, seed=s) for s in range(3)]
+    ann = {"experts": ap.expert_parallel("a")}
+    plan = ap.plan(
+        L.RoutedListExperts("mixtral"), AB, args=batches[0], annotations=ann, data_parallel=DP, dynamic=False
+    )
+    assert plan.param_specs["experts.3.w1.weight"] == (Shard(0, of=(3, 4), across=2),)
+    for rank in (2, 3):
+        local = {n: tuple(p.shape) for n, p in plan.module(rank).named_parameters()}
+        assert local["experts.3.w1.weight"] == (M.FFN, M.HIDDEN) and local["experts.0.w1.weight"] == (0, M.HIDDEN)
+    assert {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")} == {("all_to_all", "a")}
+    plan.check(*batches[0], rtol=1e-4, atol=1e-5)
+    serial = M.train_serial(L.RoutedListExperts("mixtral"), batches, eps=1e-3)
+    per_rank, merged = _train(plan, batches)
+    assert_params_close(merged, serial)
+    _replicas_equal(plan, per_rank, [n for n in serial if "experts." in n], "inner")
 
 
 def test_saved_plan_keeps_the_groups(tmp_path):

@@ -112,3 +112,31 @@ def test_list_item_shard_is_whole_on_its_owner_and_empty_elsewhere():
     assert [x.shape[0] for x in pieces] == [0, 0, 6, 0]
     assert [local_shape((6, 3), (p,), mesh, (r,)) for r in (1, 2)] == [(0, 3), (6, 3)]
     assert torch.equal(merge_tensors(pieces, (p,), mesh), t)
+
+
+@pytest.mark.parametrize("dp_first", [True, False])
+def test_list_item_composes_with_a_split_of_the_same_dim(dp_first):
+    """A tp-split expert's column bias: Shard(0, of=(1, 4)) on dp and Shard(0) on tp, one dim: dp
+    rank 0 (the owner of expert 1 of 4 over 2) holds its tp halves, dp rank 1 nothing; merged, and
+    as DCP boxes (global offsets), the pieces give the tensor back, in either axis order."""
+    from autopar.checkpoint.boxes import local_boxes
+    from autopar.mesh import Mesh
+    from autopar.placement import check_layout, local_shape
+
+    names = ("dp", "tp") if dp_first else ("tp", "dp")
+    mesh, t = Mesh((2, 2), names), torch.arange(6.0)
+    item, half = Shard(0, of=(1, 4)), Shard(0)
+    spec = (item, half) if dp_first else (half, item)
+    check_layout((6,), spec, mesh, "bias")
+    with pytest.raises(ap.PlanError, match="sharded on two mesh axes"):
+        check_layout((6,), (half, half), mesh, "bias")
+    pieces = [shard_tensor(t, spec, mesh, r) for r in range(4)]
+    dp = names.index("dp")
+    for r, piece in enumerate(pieces):
+        c = mesh.coords(r)
+        want = t[3 * c[1 - dp] : 3 * c[1 - dp] + 3] if c[dp] == 0 else t[:0]
+        assert torch.equal(piece, want) and piece.shape == local_shape((6,), spec, mesh, c), (r, piece)
+        boxes = local_boxes((6,), spec, mesh, r, piece)
+        assert all(torch.equal(v, t[o[0] : o[0] + s[0]]) for o, s, v in boxes if s[0]), boxes
+        assert sum(s[0] for _, s, _ in boxes) == piece.shape[0]
+    assert torch.equal(merge_tensors(pieces, spec, mesh), t)

@@ -55,10 +55,12 @@ def axis_modes(strategies, block) -> dict[int, str]:
     return out
 
 
-def dispatch_within(strategies, axis: int) -> int | None:
-    """The groups (of that many consecutive ranks of ``axis``) a dispatch runs inside: the
-    experts' Shard.within (the inner of two merged data-parallel axes), or None: the whole axis."""
-    return strategies[axis].inputs[3].within
+def dispatch_part(strategies, axis: int, mesh):
+    """The part of ``axis`` a dispatch runs on (a SubAxis: the experts split on one of two merged
+    data-parallel axes, Shard.within for the inner, Shard.across for the outer), or None: the
+    whole axis."""
+    p = strategies[axis].inputs[3]
+    return mesh.part(axis, p.grouped, p.part) if p.grouped else None
 
 
 class ExpertDispatch(Lowering):
@@ -80,8 +82,8 @@ class ExpertDispatch(Lowering):
         routed = g.call_function(md.route, (hidden, index, block.experts))
         rows, order, counts, ids = (g.call_function(operator.getitem, (routed, i)) for i in range(4))
         if dispatch:
-            within = dispatch_within(node.meta["autopar"].strategies, dispatch[0])
-            out_rows = self._dispatched(em, block, rows, counts, list(params), dispatch[0], within)
+            part = dispatch_part(node.meta["autopar"].strategies, dispatch[0], em.mesh)
+            out_rows = self._dispatched(em, block, rows, counts, list(params), dispatch[0], part)
         elif split:
             out_rows = self._own_experts(em, block, rows, counts, list(params), split)
         else:
@@ -116,25 +118,25 @@ class ExpertDispatch(Lowering):
         y = self._chain(em, block, rows, offsets, ids, mine)
         return em.graph.call_function(tie_others, (y, *others))  # stacked weights: already E/n here
 
-    def _dispatched(self, em, block, rows, counts, params, axis, within=None):
+    def _dispatched(self, em, block, rows, counts, params, axis, part=None):
         """Counts exchanged, rows to their experts' ranks, the chain on this rank's E/n experts
         (rows grouped by expert, each row's local expert id for expert biases), rows back.
-        ``within``: all of it inside this rank's group of that many consecutive ranks of the axis
-        (experts over the inner of two merged data-parallel axes: each group holds every expert)."""
-        g, n = em.graph, within or em.mesh.shape[axis]
+        ``part`` (a SubAxis): all of it inside this rank's group on that part of the axis (experts
+        over one of two merged data-parallel axes: each such group holds every expert)."""
+        g, n = em.graph, em.mesh.axis_size(part if part is not None else axis)
         held = block.experts // n
         each = g.call_function(aten.full.default, ([n], held), {"dtype": torch.int64})
-        received = em.collective(ops.all_to_all_v.default, (counts, each, each), axis, within=within)
+        received = em.collective(ops.all_to_all_v.default, (counts, each, each), axis, part=part)
         plan = g.call_function(md.dispatch_plan, (counts, received, n))
         send, recv, regroup, per_expert = (g.call_function(operator.getitem, (plan, i)) for i in range(4))
-        arrived = em.collective(ops.all_to_all_v.default, (rows, send, recv), axis, within=within)
+        arrived = em.collective(ops.all_to_all_v.default, (rows, send, recv), axis, part=part)
         x = g.call_function(md.regroup_rows, (arrived, regroup))
         offsets = g.call_function(aten.cumsum.default, (per_expert, 0), {"dtype": torch.int32})
         ids = g.call_function(md.expert_ids, (per_expert,))
-        first = g.call_function(operator.mul, (em.coord(axis, within), held))
+        first = g.call_function(operator.mul, (em.coord(axis, part), held))
         y = self._run_held(em, block, x, offsets, ids, params, first, held)
         y = g.call_function(md.ungroup_rows, (y, regroup))
-        return em.collective(ops.all_to_all_v.default, (y, recv, send), axis, within=within)
+        return em.collective(ops.all_to_all_v.default, (y, recv, send), axis, part=part)
 
     def _own_experts(self, em, block, rows, counts, params, axes):
         """The chain on the rows of this rank's experts only (tokens replicated on ``axes``); the
@@ -165,9 +167,10 @@ class ExpertDispatch(Lowering):
         for a, mode in modes.items():
             if mode != "dispatch":
                 continue
-            n, within = symbols.axes[a], dispatch_within(strategies, a)
-            if within:  # inside groups of ``within`` ranks: shown on the inner axis' name
-                n, a = within, plan.mesh.part(a, within)
+            part = dispatch_part(strategies, a, plan.mesh)
+            if part is not None:  # inside the groups of one part of the axis: shown on its name
+                a = part
+            n = symbols.axis(a)
             rows = symbols.local_bytes(hidden, node.meta["autopar"].input_targets[0]) * block.top_k
             moved = rows * (n - 1) / n
             out.append(("all_to_all", a, "forward", block.experts * COUNT_BYTES * (n - 1) / n))

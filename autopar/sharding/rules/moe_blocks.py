@@ -9,12 +9,14 @@ depends on row t of hidden, index and weights only. Strategies, per mesh axis:
   with an all-to-all dispatch (lowering ``expert_dispatch``): each rank sends every routed row
   to the rank holding its expert and gets the outputs back; experts split within groups of the
   axis (``S(0, within=k)``: the inner of two merged data-parallel axes) -> the same dispatch
-  inside each group of k ranks;
+  inside each group of k ranks; split across those groups (``S(0, across=k)``: the outer axis)
+  -> the dispatch among the ranks at the same position in every group;
 - tokens replicated, experts split -> out Partial: each rank runs the rows routed to its own
   experts, the others' rows are zero (the expert split without a dispatch);
 - all replicated -> replicated;
 - tokens replicated, each expert split column- then row-parallel (``expert_parallel(.., tp=)``,
-  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces.
+  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces (a
+  ModuleList's row bias read as P: the first rank's part adds it, so the sum holds it once).
 
 Every strategy names the one lowering: it emits the whole module on the rank (route, dispatch or
 select, the expert chain, combine, weighting), whatever each axis does.
@@ -42,7 +44,7 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     def strategy(tok, par, out, note):
         if isinstance(par, Shard) and block.expert is not None:  # a ModuleList: each expert's tensors on its rank
             of = [(j // block.per_expert, block.experts) for j in range(len(params))]
-            split = tuple(Shard(block.of_dim(j), of=o, within=par.within) for j, o in enumerate(of))
+            split = tuple(Shard(block.of_dim(j), of=o, within=par.within, across=par.across) for j, o in enumerate(of))
         else:
             split = tuple(par for _ in params)
         return Strategy(tuple(tok for _ in tokens) + split, (out,), EXPERT_DISPATCH, note)
@@ -51,13 +53,13 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     if block.tp is not None:  # each expert split column- then row-parallel: a partial sum
         ins = (R,) * len(tokens) + block.tp[1]
         tp.append(Strategy(ins, (Partial(),), EXPERT_DISPATCH, "expert tensor parallel"))
-    within = []
-    if block.within is not None:  # experts on the inner of two merged data-parallel axes
-        note = f"expert parallel within groups of {block.within}: tokens dispatched inside each group"
-        within.append(strategy(Shard(0), Shard(0, within=block.within), Shard(0), note))
+    grouped = []
+    if block.grouped is not None:  # experts on one of two merged data-parallel axes
+        note = f"expert parallel on the {block.grouped.part} part of the axis: tokens dispatched inside its groups"
+        grouped.append(strategy(Shard(0), block.grouped, Shard(0), note))
     return (
         tp
-        + within
+        + grouped
         + [
             strategy(R, R, R, "replicated"),
             strategy(Shard(0), R, Shard(0), "tokens split, every expert on each rank"),
