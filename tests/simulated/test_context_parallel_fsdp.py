@@ -1,0 +1,199 @@
+"""Context parallel folded into the FSDP group (``ap.DataParallel("dp", zero=3, shard_axes=("dp",
+"cp"))``, torchtitan's dp_shard_cp): ZeRO's state sharded over the dp x cp ranks together, one
+reduce-scatter over them instead of dp's reduce-scatter and cp's all-reduce. Against serial on the
+LLaMA-style model (load balanced, ring and all-gather): outputs, every gradient and the parameters
+after 3 AdamW steps on (2, 2) dp x cp and (2,)/(4,) cp only; ZeRO-1/2 folded the same way; with tp
+on (2, 2, 2); HSDP's groups; memory, collectives, cost and explain; bad input. Gloo and DCP:
+tests/gloo/test_context_parallel.py, tests/gloo/test_checkpoint.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import autopar as ap
+from autopar.parallel.fsdp import groups
+from autopar.runtime.simulator import run_ranks
+from tests.harness.llama_like import llama_batch, llama_like
+from tests.harness.serial import assert_params_close
+
+BATCHES = [llama_batch(batch=4, seed=s) for s in range(3)]
+ADAMW = dict(lr=0.01, weight_decay=0.1, eps=1e-3)  # eps well above float noise: AdamW divides by sqrt(v)
+FOLD = ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp"))
+CP_ONLY = ap.DataParallel(zero=3, shard_axes=("cp",))
+TP = {
+    "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
+    "blocks.*.attn.o_proj": ap.rowwise("tp"),
+    "blocks.*.gate": ap.colwise("tp"),
+    "blocks.*.up": ap.colwise("tp"),
+    "blocks.*.down": ap.rowwise("tp"),
+}
+
+
+def _plan(shape, axes, dp, method="ring", **kw):
+    cp = ap.ContextParallel("cp", method=method, load_balance=True)
+    return ap.plan(llama_like(), ap.Mesh(shape, axes), args=BATCHES[0], data_parallel=dp, context_parallel=cp, **kw)
+
+
+@functools.cache
+def _dp2xcp2():
+    return _plan((2, 2), ("dp", "cp"), FOLD, "allgather")
+
+
+@functools.cache
+def _serial() -> tuple[dict, float]:
+    """The serial model's parameters after 3 AdamW steps, and its first gradient's norm."""
+    model = llama_like()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    norm = None
+    for batch in BATCHES:
+        model(*batch)[1].backward()
+        norm = norm or torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters()), norm
+
+
+def _train(plan) -> tuple[dict, list[int]]:
+    """3 AdamW steps on every rank (ap.ZeroOptimizer at zero 1/2); the merged parameters and each
+    rank's optimizer-state bytes. The first gradient's norm (ap.clip_grad_norm_: each stored piece
+    counted once over the dp x cp group) is serial's on every rank."""
+
+    def step(rank):
+        module = plan.build_module(rank)
+        zero12 = plan.data_parallel.zero in (1, 2)
+        opt = ap.ZeroOptimizer(module, torch.optim.AdamW, **ADAMW) if zero12 else torch.optim.AdamW(
+            module.parameters(), **ADAMW
+        )  # fmt: skip
+        norm = None
+        for batch in BATCHES:
+            args, kwargs = plan.local_inputs(rank, *batch)
+            module(*args, **kwargs)[1].backward()
+            norm = norm or ap.clip_grad_norm_(module, 1e9).item()
+            opt.step()
+            opt.zero_grad()
+        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim())
+        return {n: p.detach().clone() for n, p in module.named_parameters()}, state, norm
+
+    out = run_ranks(plan.mesh.size, step)
+    for _, _, norm in out:
+        assert norm == pytest.approx(_serial()[1], rel=1e-5)
+    return plan.merge_state_dicts([p for p, _, _ in out]), [s for _, s, _ in out]
+
+
+def _full_state(plan) -> int:
+    return sum(2 * p.numel() * p.element_size() for p in plan.model.parameters())  # AdamW: 2 slots
+
+
+@pytest.mark.parametrize(
+    "shape, axes, dp, method",
+    [
+        ((2, 2), ("dp", "cp"), FOLD, "ring"),
+        ((2, 2), ("dp", "cp"), FOLD, "allgather"),
+        ((4,), ("cp",), CP_ONLY, "ring"),
+        ((2,), ("cp",), CP_ONLY, "allgather"),
+    ],
+)
+def test_folded_zero3_equals_serial(shape, axes, dp, method):
+    """The shard group is every rank (dp x cp, or the cp axis alone): each stores 1/size of the
+    parameters; the gathers and reduce-scatters over it give serial's outputs and gradients, and
+    3 AdamW steps on the pieces serial's parameters."""
+    plan = _dp2xcp2() if (axes, method) == (("dp", "cp"), "allgather") else _plan(shape, axes, dp, method)
+    n = plan.mesh.size
+    assert all(groups(plan, r) == (tuple(range(n)), (r,)) for r in range(n))
+    assert not plan.grad_buckets()  # no gradient sync left: the reduce-scatter summed the cp parts too
+    plan.check(*BATCHES[0], loss=lambda out: out[1])
+    got, state = _train(plan)
+    assert_params_close(got, _serial()[0], "folded zero=3", rtol=1e-5, atol=1e-5)
+    assert max(state) <= _full_state(plan) / n + 64 * 4 * 2 * n  # 1/n, and the buckets' padding
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_folded_zero12_shard_optimizer_state_over_dp_x_cp(zero):
+    """ZeRO-1/2 with shard_axes: one gradient bucket over both axes, all-reduced (1) or
+    reduce-scattered (2) over the 4 ranks at once, each stepping its quarter; 3 AdamW steps equal serial."""
+    plan = _dp2xcp2().with_data_parallel(ap.DataParallel("dp", zero=zero, shard_axes=("dp", "cp")))
+    assert [b.axes for b in plan.grad_buckets()] == [(0, 1)]
+    sync = [(c.kind, c.axis) for c in plan.collectives() if c.phase in ("grad sync", "optimizer")]
+    assert sync == [("all_reduce" if zero == 1 else "reduce_scatter", "dp*cp"), ("all_gather", "dp*cp")]
+    got, state = _train(plan)
+    assert_params_close(got, _serial()[0], f"folded zero={zero}", rtol=1e-5, atol=1e-5)
+    assert max(state) <= _full_state(plan) / 4 + 64
+    mem = plan.memory_per_rank(0)
+    assert mem["optimizer_state"] == pytest.approx(mem["optimizer_state_unsharded"] / 4, abs=64)
+
+
+def test_state_memory_collectives_cost_and_explain():
+    """Folding quarters the state a rank keeps on (2, 2) (halves it against zero=3 on dp alone);
+    the collectives, plan.cost() and explain name the dp x cp group, and cp's gradient all-reduce
+    is gone."""
+    folded = _dp2xcp2()
+    alone = folded.with_data_parallel(ap.DataParallel("dp", zero=3))
+    fm, am = folded.memory_per_rank(0), alone.memory_per_rank(0)
+    for key in ("params", "grads", "optimizer_state"):
+        assert fm[key] == pytest.approx(am[key] / 2, rel=0.02), key
+    assert fm["shard_size"] == 4 and am["shard_size"] == 2
+    axes = {c.axis for c in folded.collectives() if c.node.startswith("fsdp bucket")}
+    assert axes == {"dp*cp"}
+    assert not [c for c in folded.collectives() if c.phase == "grad sync" and c.axis == "cp"]
+    assert [c for c in alone.collectives() if c.phase == "grad sync" and c.axis == "cp"]  # the sum folding drops
+    cost = folded.cost()
+    dp, cp = cost.symbols["dp"], cost.symbols["cp"]
+    assert cost.memory["params"] == fm["params_unsharded"] / (dp * cp)
+    assert cost.at()["memory"]["params"] == pytest.approx(fm["params_unsharded"] / 4)
+    assert "dp*cp" in cost.comm and cost.time()["comm"]["dp*cp"].free_symbols >= {dp, cp}
+    text = str(folded.explain("blocks.0.gate.weight"))
+    assert "gathered on dp*cp" in text and "rank 3" in text
+
+
+def test_with_tensor_parallel_on_three_axes():
+    """(2, 2, 2) dp x cp x tp, Megatron layouts on tp: each tp coordinate's dp x cp ranks are one
+    shard group holding 1/4 of that tp piece; outputs and every gradient equal serial."""
+    plan = _plan((2, 2, 2), ("dp", "cp", "tp"), FOLD, "ring", annotations=TP)
+    assert groups(plan, 1) == ((1, 3, 5, 7), (1,))
+    plan.check(*BATCHES[0], loss=lambda out: out[1])
+
+
+def test_hsdp_with_cp_folded_into_the_shard_groups():
+    """HSDP over two mesh axes with cp folded in (torchtitan's dp_replicate x dp_shard_cp): shard
+    groups of dp_shard x cp ranks, replicated across dp_replicate."""
+    dp = ap.DataParallel("shard", zero=3, replicate_axis="rep", shard_axes=("shard", "cp"))
+    plan = _plan((2, 2, 2), ("rep", "shard", "cp"), dp, "allgather")
+    assert plan.data_parallel.shard_axes == ("rep_shard", "cp")
+    assert groups(plan, 5) == ((4, 5, 6, 7), (1, 5))
+    assert plan.memory_per_rank(0)["shard_size"] == 4
+    plan.check(*BATCHES[0], loss=lambda out: out[1])
+
+
+@pytest.mark.parametrize(
+    "shape, axes, dp, cp, match",
+    [
+        ((2, 2), ("dp", "cp"), dict(zero=3, shard_axes=("dp", "cp")), None, "splits no tokens"),
+        ((2, 2), ("dp", "tp"), dict(zero=3, shard_axes=("dp", "tp")), None, "splits no tokens"),
+        ((2, 2, 2), ("dp", "tp", "cp"), dict(zero=3, shard_axes=("dp", "cp")), "cp", "adjacent"),
+        ((2, 2), ("cp", "dp"), dict(zero=3, shard_axes=("dp", "cp")), "cp", "adjacent"),
+    ],
+)
+def test_bad_folds_are_plan_errors(shape, axes, dp, cp, match):
+    with pytest.raises(ap.PlanError, match=match):
+        ap.plan(
+            llama_like(), ap.Mesh(shape, axes), args=BATCHES[0], data_parallel=ap.DataParallel("dp", **dp),
+            context_parallel=cp,
+        )  # fmt: skip
+
+
+def test_bad_options_are_plan_errors():
+    with pytest.raises(ap.PlanError, match="comes first"):
+        ap.DataParallel("dp", zero=3, shard_axes=("cp", "dp"))
+    with pytest.raises(ap.PlanError, match="zero=1, 2 or 3"):
+        ap.DataParallel("dp", shard_axes=("dp", "cp"))
+    with pytest.raises(ap.PlanError, match="None only with shard_axes"):
+        ap.DataParallel(zero=3)
+    with pytest.raises(ap.PlanError, match="give the axis"):
+        ap.DataParallel(zero=3, shard_size=2, shard_axes=("cp",))
+    with pytest.raises(ap.PlanError, match="distinct"):
+        ap.DataParallel("dp", zero=3, shard_axes=("dp", "dp"))
+    dp = ap.DataParallel("dp", zero=3, shard_axes=["dp", "cp"])  # a plan file's list
+    assert dp.shard_axes == ("dp", "cp") and ap.DataParallel.from_fields(dp.fields()) == dp
