@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import sympy
@@ -131,7 +132,8 @@ def _sync_comms(plan, sy) -> list[Comm]:
     params = dict(plan.model.named_parameters())
     out = []
     for i, b in enumerate(plan.grad_buckets()):
-        numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names)
+        # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece
+        numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) / _stored_share(plan, n) for n in b.names)
         where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))
         folded = dp.group_axes(mesh, b.axes) if dp is not None else ()  # dp, or dp x cp (shard_axes)
         for a in b.axes:  # a SubAxis: the replica groups of a tensor split within groups (Shard.within)
@@ -154,6 +156,10 @@ def _sync_comms(plan, sy) -> list[Comm]:
                     )
                 )
     return out
+
+
+def _stored_share(plan, name: str) -> int:
+    return math.prod(t.stored_share(plan, name) for t in plan.options.techniques)
 
 
 def _bucket_module(names) -> str:

@@ -347,6 +347,9 @@ class DataParallel(Technique):
     def stored_axes(self, plan, fqn: str) -> tuple:
         return self.storage.stored_axes(plan, fqn)
 
+    def stored_share(self, plan, fqn: str) -> int:
+        return self.storage.stored_share(plan, fqn)
+
     def counts_stored(self, plan, rank, fqn) -> bool:
         return self.storage.counts_stored(plan, rank, fqn)
 

@@ -299,6 +299,9 @@ class FullyShardedStorage(Storage):
     def stored_axes(self, plan, fqn: str) -> tuple:
         return shard_axes(plan) if canonical_names(plan).get(fqn, fqn) in bucket_index(plan) else ()
 
+    def stored_share(self, plan, fqn: str) -> int:
+        return shard_size(plan) if canonical_names(plan).get(fqn, fqn) in bucket_index(plan) else 1
+
     def counts_stored(self, plan, rank, fqn) -> bool:
         """HSDP: a piece is stored once per replica group; its first rank counts it."""
         return groups(plan, rank)[1][0] == rank

@@ -42,6 +42,9 @@ class Storage:
     def stored_axes(self, plan, fqn: str) -> tuple:
         return ()
 
+    def stored_share(self, plan, fqn: str) -> int:
+        return 1
+
     def counts_stored(self, plan, rank: int, fqn: str) -> bool:
         return True
 

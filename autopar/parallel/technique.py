@@ -149,6 +149,12 @@ class Technique:
         """Mesh axes over which ``stored`` gives ranks different pieces of ``fqn``."""
         return ()
 
+    def stored_share(self, plan, fqn: str) -> int:
+        """Into how many stored pieces ``stored`` cuts ``fqn``'s computed piece (zero=3: its shard
+        group's size), 1 when stored as computed: the gradient sync on other axes moves the stored
+        piece, so the cost model divides its bytes by this."""
+        return 1
+
     def counts_stored(self, plan, rank: int, fqn: str) -> bool:
         """Whether ``rank``'s stored piece of ``fqn`` is counted in a whole-model sum (gradient
         norm) over ``stored_axes``: False on all but one of the ranks storing the same piece."""

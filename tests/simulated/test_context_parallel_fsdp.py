@@ -148,6 +148,34 @@ def test_state_memory_collectives_cost_and_explain():
     assert "gathered on dp*cp" in text and "rank 3" in text
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_planned_sync_bytes_are_the_ones_that_run(fold):
+    """The gathers and gradient reductions of a step, per kind and group, as plan.collectives()
+    lists them and as they ran (ap.comm_stats): folded, one all-gather and one reduce-scatter
+    over the 4 ranks; on dp alone, cp's all-reduce moves the stored pieces (1/dp of each
+    parameter, Technique.stored_share), not the computed tensors."""
+    plan = _dp2xcp2()
+    plan = plan if fold else plan.with_data_parallel(ap.DataParallel("dp", zero=3))
+    planned: dict = {}
+    for c in plan.collectives():
+        if c.phase == "grad sync" or c.node.startswith("fsdp bucket"):
+            planned[(c.kind, c.axis)] = planned.get((c.kind, c.axis), 0) + c.bytes
+    with ap.comm_stats() as stats:
+        plan.simulate(lambda m, ids, labels: m(ids, labels)[1].backward(), *BATCHES[0])
+    label = {(0, 1, 2, 3): "dp*cp", (0, 2): "dp", (0, 1): "cp"}
+    ran: dict = {}
+    for r in stats.for_rank(0):
+        key = (r.kind, label[r.group])
+        if key in planned:
+            ran[key] = ran.get(key, 0) + r.bytes
+    assert ran == planned
+    assert set(planned) == (
+        {("all_gather", "dp*cp"), ("reduce_scatter", "dp*cp")}
+        if fold
+        else {("all_gather", "dp"), ("reduce_scatter", "dp"), ("all_reduce", "cp")}
+    )
+
+
 def test_with_tensor_parallel_on_three_axes():
     """(2, 2, 2) dp x cp x tp, Megatron layouts on tp: each tp coordinate's dp x cp ranks are one
     shard group holding 1/4 of that tp piece; outputs and every gradient equal serial."""
