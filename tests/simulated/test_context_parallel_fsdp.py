@@ -225,3 +225,28 @@ def test_bad_options_are_plan_errors():
         ap.DataParallel("dp", zero=3, shard_axes=("dp", "dp"))
     dp = ap.DataParallel("dp", zero=3, shard_axes=["dp", "cp"])  # a plan file's list
     assert dp.shard_axes == ("dp", "cp") and ap.DataParallel.from_fields(dp.fields()) == dp
+
+
+class Pooled(torch.nn.Module):
+    """A head on the sequence's mean: its gradient is whole on cp (every cp rank computes it from
+    the gathered mean), the embedding's arrives in parts."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, ids, labels):
+        return torch.nn.functional.cross_entropy(self.head(self.embed(ids).mean(1).tanh()), labels)
+
+
+def test_gradient_whole_on_cp_is_counted_once():
+    """A parameter whose gradient is not summed over cp (whole on every cp rank) enters the dp x cp
+    reduce-scatter divided by |cp|, so the sum counts it once."""
+    ids, labels = BATCHES[0][0], torch.arange(4) % 5
+    plan = ap.plan(
+        Pooled(), ap.Mesh((2, 2), ("dp", "cp")), args=(ids, labels), data_parallel=FOLD, context_parallel="cp"
+    )
+    cp = plan.mesh.axis_index("cp")
+    assert cp not in plan.grad_sync_axes["head.weight"] and cp in plan.grad_sync_axes["embed.weight"]
+    plan.check(ids, labels)
