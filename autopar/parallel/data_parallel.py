@@ -246,17 +246,17 @@ class DataParallel(Technique):
         if idx != list(range(idx[0], idx[0] + len(idx))):
             raise DataParallelError(
                 f"DataParallel(shard_axes={self.shard_axes!r}) on {mesh}: the axes must be adjacent, in mesh "
-                f"order (e.g. Mesh((dp, cp, tp), ('dp', 'cp', 'tp')) with shard_axes=('dp', 'cp')), as "
-                "torchtitan's dp_shard_cp: then a shard group is dp-major and each group's ranks near."
+                f"order (e.g. Mesh((dp, cp, tp), ('dp', 'cp', 'tp')) with shard_axes=('dp', 'cp')): the shard "
+                "groups torchtitan's flattened dp_shard_cp mesh has. Reorder the mesh's axes."
             )
         split = {a for t in options.techniques if t is not self for a in t.token_axes()}
         for a in self.shard_axes:
             if a != self.axis and a not in split:
                 raise DataParallelError(
-                    f"DataParallel(shard_axes={self.shard_axes!r}): axis {a!r} splits no tokens, so its ranks "
-                    "compute with different pieces of the parameters or none of the data differs; only an axis "
-                    f"whose sequence context parallel splits folds into the shard group (context_parallel={a!r}), "
-                    "beside the data-parallel axis."
+                    f"DataParallel(shard_axes={self.shard_axes!r}): axis {a!r} splits no tokens (no technique "
+                    "splits the batch or the sequence on it): its ranks hold other pieces of the parameters, or "
+                    "compute the same gradients, so they cannot share one ZeRO shard group. Fold in the axis "
+                    f"context parallel splits the sequence on (context_parallel={a!r}), or leave shard_axes out."
                 )
 
     def data_axis(self) -> str | None:

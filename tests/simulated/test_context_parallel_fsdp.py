@@ -276,3 +276,15 @@ def test_pipeline_stages_shard_over_cp():
     assert set(grads) == set(serial_grads)
     for n, g in serial_grads.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_search_and_predict_say_they_do_not_fold():
+    """The search's cost model (auto=, ap.predict) does not cost folded groups yet: a PlanError says
+    so rather than a figure 1/cp off."""
+    ids, labels = BATCHES[0][0], torch.arange(4) % 5
+    kw = dict(args=(ids, labels), data_parallel=FOLD, context_parallel="cp")
+    plan = ap.plan(Pooled(), ap.Mesh((2, 2), ("dp", "cp")), **kw)
+    with pytest.raises(ap.PlanError, match="folded axes"):
+        ap.predict(plan, "cpu-gloo")
+    with pytest.raises(ap.PlanError, match="folded axes"):
+        ap.plan(Pooled(), ap.Mesh((2, 2), ("dp", "cp")), auto=True, **kw)
