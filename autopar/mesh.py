@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -94,9 +95,13 @@ class Mesh:
         return self.shape[self.axis_index(axis)]
 
     def axis_label(self, axis) -> str:
-        """The name of ``axis`` (an index or a SubAxis) as explain and the collectives show it."""
+        """The name of ``axis`` (an index, a SubAxis, or a tuple of indices: one group over
+        several axes, labelled by the product of their sizes, ``"dp*cp"``) as explain and the
+        collectives show it."""
         if isinstance(axis, SubAxis):
             return axis.name or f"{self.axis_names[axis.axis]}/{axis.part}{axis.within}"
+        if isinstance(axis, tuple):
+            return "*".join(self.axis_names[self.axis_index(a)] for a in axis)
         return self.axis_names[axis]
 
     def part(self, axis: int, within: int, part: str = "inner") -> SubAxis:
@@ -152,7 +157,20 @@ class Mesh:
 
     def group(self, axis, rank: int) -> tuple[int, ...]:
         """The ranks that share ``rank``'s coordinates except on ``axis``, in axis order (a
-        SubAxis: those of the whole axis' group on the same part)."""
+        SubAxis: those of the whole axis' group on the same part; a tuple of axes: those that
+        differ only on them, row-major over them, as ``merge_axes`` would order them).
+
+        Example:
+            >>> Mesh((2, 2, 2), ("dp", "cp", "tp")).group(("dp", "cp"), 1)
+            (1, 3, 5, 7)
+        """
+        if isinstance(axis, tuple):
+            idx, c, out = [self.axis_index(a) for a in axis], list(self.coords(rank)), []
+            for pos in itertools.product(*(range(self.shape[i]) for i in idx)):  # the last fastest
+                for i, k in zip(idx, pos):
+                    c[i] = k
+                out.append(self.rank_of(c))
+            return tuple(out)
         if isinstance(axis, SubAxis):
             whole, c = self.group(axis.axis, rank), self.coords(rank)[axis.axis]
             other = SubAxis(axis.axis, axis.within, "outer" if axis.part == "inner" else "inner")

@@ -68,7 +68,7 @@ class Plan(PlanViews):
         self.layouts, self.options = layouts, options
         self.seeds, self.ctx, self.flow = layouts.seeds, layouts.ctx, layouts.flow
         dp = options.data_parallel
-        self.dp_axis = mesh.axis_index(dp.axis) if dp is not None else None
+        self.dp_axis = mesh.axis_index(dp.axis) if dp is not None and dp.axis is not None else None
         self.built: dict[str, object] = {}  # technique name -> what its after_plan built
         self._modules: dict[int, fx.GraphModule] = {}
 
@@ -104,7 +104,7 @@ class Plan(PlanViews):
     def with_exact_gradients(self) -> "Plan":
         """The plan plan.check runs: each technique's exact variant (``Technique.exact``: fp32
         gradient sums, no optimizer sharding), or this plan when they are all exact already."""
-        exact = tuple(t.exact() for t in self.options.techniques)
+        exact = tuple(e for e in (t.exact() for t in self.options.techniques) if e is not None)
         if exact == self.options.techniques:
             return self
         return self.with_options(self.options.replace(techniques=exact))

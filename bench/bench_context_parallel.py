@@ -8,6 +8,8 @@ pool of cp processes (cp = 1 is the model alone on one process). Per rank, ``mea
 over forward + backward (gradients allocated by a warm-up step): on the CPU from
 runtime/live_bytes.LiveBytes; beside them the cost model's (``plan.memory_per_rank``). The step times
 alternate ring and all-gather modules step by step (bench/common.alternate), rank 0 reports.
+``state`` (simulated): the parameter, gradient and AdamW-state bytes a rank holds after a step with
+context parallel folded into zero=3's shard group (``DataParallel(shard_axes=...)``) and without.
 
 Example:
     $ python -m bench.run --only context_parallel
@@ -99,6 +101,45 @@ def memory(quick) -> dict:
     return out
 
 
+STATE_PLANS = {  # name -> (mesh shape, axes, DataParallel): without and with cp folded into the shard group
+    "cp=4": ((4,), ("cp",), None),
+    "cp=4, zero=3 over cp": ((4,), ("cp",), ap.DataParallel(zero=3, shard_axes=("cp",))),
+    "dp=2 x cp=2, zero=3 over dp": ((2, 2), ("dp", "cp"), ap.DataParallel("dp", zero=3)),
+    "dp=2 x cp=2, zero=3 over dp x cp": ((2, 2), ("dp", "cp"), ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp"))),
+}
+
+
+def state(quick) -> dict:
+    """Plan name -> rank 0's measured (parameters, gradients, AdamW state after one step, in the
+    simulator) and predicted (``plan.memory_per_rank``) bytes of state, the worst rank's measured."""
+    from autopar.runtime.simulator import run_ranks
+
+    model, kw = llama(quick)
+    batch = {"input_ids": kw["input_ids"].repeat(2, 1), "labels": kw["labels"].repeat(2, 1)}  # dp=2 splits it
+    out = {}
+    for name, (shape, axes, dp) in STATE_PLANS.items():
+        cp = ap.ContextParallel("cp", method="ring", load_balance=True)
+        plan = ap.plan(model, ap.Mesh(shape, axes), kwargs=batch, data_parallel=dp, context_parallel=cp)
+        got = run_ranks(plan.mesh.size, functools.partial(_state_step, plan, batch))
+        mem = plan.memory_per_rank(0, state_slots=2)
+        out[name] = {"measured": got[0], "worst": max(got), "predicted": sum(mem[k] for k in _STATE)}
+    return out
+
+
+_STATE = ("params", "grads", "optimizer_state")
+
+
+def _state_step(plan, batch, rank) -> int:
+    module = plan.build_module(rank)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    _, local = plan.local_inputs(rank, **batch)
+    module(**local).loss.backward()
+    opt.step()
+    tensors = [p for p in module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
+    tensors += [v for s in opt.state.values() for v in s.values() if v.dim()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _mb(x) -> float:
     return round(x / 1e6, 3)
 
@@ -118,6 +159,12 @@ def run(quick: bool) -> list[dict]:
         ]  # fmt: skip
         if cp > 1:
             rows.append(row(NAME, c, "peak vs cp=1", round(r["peak"] / one, 3), f"~1/{cp} of the activations"))
+    for name, r in state(quick).items():
+        rows.append(
+            row(NAME, f"llama 4 layers, {name}", "state MB/rank", _mb(r["measured"]), "",
+                f"params + grads + AdamW state after a step, rank 0 (worst {_mb(r['worst'])}); predicted "
+                f"{_mb(r['predicted'])}"),
+        )  # fmt: skip
     iters, warmup = (3, 1) if quick else (10, 2)
     times = pool(4).run("bench.bench_context_parallel:time_job", quick, iters, warmup)[0]
     for method in METHODS:

@@ -5,7 +5,7 @@ A case is plain data (a JSON-able dict), so that a failure is saved and replayed
     {"seed": 3, "vocab": 0, "d": 8, "batch": 4, "seq": 4,
      "blocks": [{"kind": "linear", "out": 12}, {"kind": "act", "fn": "gelu"}, ...],
      "mesh": [[2, 2], ["a0", "a1"]], "dp": "a0", "zero": 3, "checkpoint": "selective", "offload": true,
-     "cp": ["a1", "ring", true],
+     "cp": ["a1", "ring", true], "fold": true,
      "annotations": [["b0", "colwise", "a1"], ...]}
 
 Example:
@@ -206,7 +206,8 @@ def plan_case(case: dict, cache: bool = True, rng: str = "placement"):
     model, args, traced = _model_and_trace(case, cache)
     shape, names = case["mesh"]
     mesh = ap.Mesh(tuple(shape), tuple(names))
-    dp = ap.DataParallel(case["dp"], zero=case.get("zero", 0)) if case["dp"] is not None else None
+    fold = (case["dp"], case["cp"][0]) if case.get("fold") else None  # cp folded into the shard group
+    dp = ap.DataParallel(case["dp"], zero=case.get("zero", 0), shard_axes=fold) if case["dp"] is not None else None
     # every block checkpointed (the blocks differ, so by pattern rather than as repeated blocks)
     ac = None
     if case.get("checkpoint"):

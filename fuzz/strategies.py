@@ -125,4 +125,8 @@ def cases(draw, pool: int = 12) -> dict:
         noise = any(b["kind"] == "noise" for b in case["blocks"])  # draws by placement need contiguous pieces
         balanced = False if noise else draw(st.booleans())
         case["cp"] = [draw(st.sampled_from(others)), draw(st.sampled_from(["allgather", "ring"])), balanced]
+        names = case["mesh"][1]
+        right_after_dp = case["dp"] is not None and names.index(case["cp"][0]) == names.index(case["dp"]) + 1
+        if case.get("zero") == 3 and right_after_dp:  # cp folded into zero=3's shard group, half of these
+            case["fold"] = draw(st.booleans())  # (drawn last; other axis orders are refused: unit tests)
     return case

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 
@@ -134,7 +135,7 @@ def check_bf16(case, plan, args) -> None:
     dp = plan.data_parallel
     if dp is None or draws_random(case) or any(b["kind"] == "bn" for b in case["blocks"]):
         return  # (batch norm's fp32 running statistics do not run with bf16 weights, serial either)
-    policy = plan.with_data_parallel(ap.DataParallel(dp.axis, zero=dp.zero, param_dtype=torch.bfloat16))
+    policy = plan.with_data_parallel(dataclasses.replace(dp, param_dtype=torch.bfloat16))
     model = plan.model
     low = {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     cast = [a.to(torch.bfloat16) if a.is_floating_point() else a for a in args]

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import sympy
@@ -131,16 +132,19 @@ def _sync_comms(plan, sy) -> list[Comm]:
     params = dict(plan.model.named_parameters())
     out = []
     for i, b in enumerate(plan.grad_buckets()):
-        numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) for n in b.names)
+        # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece
+        numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) / _stored_share(plan, n) for n in b.names)
         where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))
+        folded = dp.group_axes(mesh, b.axes) if dp is not None else ()  # dp, or dp x cp (shard_axes)
         for a in b.axes:  # a SubAxis: replica groups of a tensor split on a part of an axis (Shard.within, across)
             n, axis = sy.axis(a), mesh.axis_label(a)
-            if a == plan.dp_axis and dp is not None:
+            if folded and a == folded[0]:  # one group over the folded axes, as the dp options say
+                axis = mesh.axis_label(folded if len(folded) > 1 else a)
                 out += [
                     make_comm(sy, kind, axis, phase, nbytes, *where)
-                    for kind, phase, nbytes in dp.bucket_comms(numel, b.dtype, n)
+                    for kind, phase, nbytes in dp.bucket_comms(numel, b.dtype, sy.axis(axis))
                 ]
-            else:
+            elif a not in folded:
                 out.append(
                     make_comm(
                         sy,
@@ -152,6 +156,10 @@ def _sync_comms(plan, sy) -> list[Comm]:
                     )
                 )
     return out
+
+
+def _stored_share(plan, name: str) -> int:
+    return math.prod(t.stored_share(plan, name) for t in plan.options.techniques)
 
 
 def _bucket_module(names) -> str:

@@ -124,7 +124,12 @@ class PlanSymbols:
 
     def axis(self, name_or_index) -> sympy.Expr:
         """The size of a mesh axis (a name or an index) as a symbol; of a part of a merged axis
-        (its inner axis' name: a group's ranks), the number of ranks in it."""
+        (its inner axis' name: a group's ranks), the number of ranks in it; of a group over
+        several axes (``Mesh.axis_label``'s ``"dp*cp"``, or their tuple), the product."""
+        if isinstance(name_or_index, str) and "*" in name_or_index:
+            name_or_index = tuple(name_or_index.split("*"))
+        if isinstance(name_or_index, tuple):
+            return sympy.Mul(*(self.axis(a) for a in name_or_index))
         if isinstance(name_or_index, SubAxis):
             i, sub = name_or_index.axis, name_or_index
         else:

@@ -39,7 +39,7 @@ def written_buffers(plan) -> list[str]:
     """Names of the buffers the program writes that every dp rank holds a replica of, except
     those of synced batch norms (equal on every rank already)."""
     dp = plan.data_parallel
-    if dp is None or not dp.broadcast_buffers or dp.local_sgd_every is not None:
+    if dp is None or plan.dp_axis is None or not dp.broadcast_buffers or dp.local_sgd_every is not None:
         return []
     out = []
     for name in _written(plan):

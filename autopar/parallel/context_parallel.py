@@ -92,6 +92,9 @@ class ContextParallel(Technique):
                 "the other the sequence; give them different mesh axes."
             )
 
+    def token_axes(self) -> tuple:
+        return (self.axis,)  # the sequence's tokens: ZeRO may shard over the axis (DataParallel.shard_axes)
+
     def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
         axis = mesh.axis_index(self.axis)
         n = mesh.shape[axis]

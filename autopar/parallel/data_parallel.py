@@ -34,10 +34,20 @@ option at its default) or a DataParallel naming the axis and the options:
 - ``broadcast_buffers`` (default True, as DDP): buffers the model writes (batch-norm running
   statistics) are broadcast from the first dp rank after every training forward, so replicas
   stay equal (parallel/buffer_sync.py); False lets each rank keep its own.
+- ``shard_axes=("dp", "cp")`` (zero 1-3): ZeRO shards over the ranks of these adjacent axes
+  together, as torchtitan's FSDP shards over its flattened ``dp_shard_cp`` mesh: the axis after
+  ``axis`` must be one whose tokens another technique splits (context parallel's), where the
+  parameters are replicated and their gradients arrive in parts. One reduce-scatter (zero=2, 3)
+  or all-reduce (zero=1) over the dp x cp ranks sums what dp's and cp's syncs summed apart, and
+  each rank keeps 1/(dp cp) of the state. The layouts keep dp and cp apart; only the storage's
+  groups span both. On a mesh without a dp axis ``axis`` is left out:
+  ``DataParallel(zero=3, shard_axes=("cp",))`` (torchtitan's 1 x cp run).
 
 Example:
     >>> dp = ap.DataParallel("dp", bucket_mb=4, zero=2, reduce_dtype=torch.bfloat16)
     >>> plan = ap.plan(model, ap.Mesh((4,), ("dp",)), args=(x,), data_parallel=dp)
+    >>> fsdp = ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp"))   # 1/4 of the state per rank
+    >>> plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "cp")), args=(ids,), data_parallel=fsdp, context_parallel="cp")
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import sympy
 import torch
 
 from autopar.errors import DataParallelError
@@ -66,7 +77,7 @@ STORAGE = {0: Replicated(), 1: ShardedOptimizer(1), 2: ShardedOptimizer(2), 3: F
 @register_technique
 @dataclass(frozen=True)
 class DataParallel(Technique):
-    axis: str
+    axis: str | None = None  # None: no batch split (ZeRO over shard_axes only)
     bucket_mb: float = DEFAULT_BUCKET_MB
     bucket_max_params: int | None = None
     zero: int = 0
@@ -81,6 +92,7 @@ class DataParallel(Technique):
     output_dtype: torch.dtype | None = None
     broadcast_buffers: bool = True  # as DDP: written buffers (batch-norm statistics) kept equal
     loss_mean: str = "global"  # a cross-entropy mean over dp-split rows: all ranks' rows, or "per_rank" (DDP)
+    shard_axes: tuple | None = None  # zero 1-3: shard over these adjacent axes together (dp, then cp)
 
     name = "data_parallel"
     order = 10  # first: the batch split shapes every layout
@@ -91,8 +103,14 @@ class DataParallel(Technique):
         return STORAGE[self.zero]
 
     def __post_init__(self):
-        if not isinstance(self.axis, str):
-            raise DataParallelError(f"DataParallel axis must be a mesh axis name, got {self.axis!r}.")
+        if self.shard_axes is not None:
+            object.__setattr__(self, "shard_axes", tuple(self.shard_axes))  # a list from a plan file
+            self._check_shard_axes()
+        if not isinstance(self.axis, str) and not (self.axis is None and self.shard_axes):
+            raise DataParallelError(
+                f"DataParallel axis must be a mesh axis name, got {self.axis!r} (None only with "
+                "shard_axes: ZeRO over a context-parallel axis without data parallel)."
+            )
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise DataParallelError(
                 f"DataParallel(bucket_mb={self.bucket_mb}, first_bucket_mb={self.first_bucket_mb}) "
@@ -140,6 +158,30 @@ class DataParallel(Technique):
                 "torch dtype such as torch.bfloat16, or None."
             )
 
+    def _check_shard_axes(self) -> None:
+        axes = self.shard_axes
+        if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+            raise DataParallelError(
+                f"DataParallel(shard_axes={axes!r}): a tuple of distinct mesh axis names, the data-parallel "
+                "axis first, e.g. shard_axes=('dp', 'cp')."
+            )
+        if self.zero not in (1, 2, 3):
+            raise DataParallelError(
+                f"DataParallel(shard_axes={axes!r}) says over which ranks ZeRO shards its state: give zero=1, 2 "
+                "or 3 with it."
+            )
+        if self.axis is not None and axes[0] != self.axis:
+            raise DataParallelError(
+                f"DataParallel({self.axis!r}, shard_axes={axes!r}): the data-parallel axis comes first "
+                f"(shard_axes=({self.axis!r}, {', '.join(repr(a) for a in axes if a != self.axis)})), as torchtitan's "
+                "dp_shard_cp: a shard group's ranks in dp-major order."
+            )
+        if self.axis is None and (self.shard_size is not None or self.replicate_axis is not None):
+            raise DataParallelError(
+                "DataParallel(shard_size=, replicate_axis=) split the data-parallel axis: give the axis "
+                f"(DataParallel('dp', ..., shard_axes=('dp', {', '.join(repr(a) for a in axes)})))."
+            )
+
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
@@ -178,6 +220,7 @@ class DataParallel(Technique):
             ("output_dtype", None),
             ("broadcast_buffers", True),
             ("loss_mean", "global"),
+            ("shard_axes", None),
         ):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")
@@ -185,15 +228,57 @@ class DataParallel(Technique):
 
     # ------------------------------------------------------- the technique (technique.py)
     def validate(self, mesh, options, annotations: dict) -> None:
-        n = mesh.shape[mesh.axis_index(self.axis)]
-        if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
-            raise DataParallelError(
-                f"DataParallel(shard_size={self.shard_size}) must divide the size of "
-                f"the data-parallel axis {self.axis!r} ({n})."
-            )
+        if self.axis is not None:
+            n = mesh.shape[mesh.axis_index(self.axis)]
+            if self.shard_size is not None and (self.shard_size < 1 or n % self.shard_size):
+                raise DataParallelError(
+                    f"DataParallel(shard_size={self.shard_size}) must divide the size of "
+                    f"the data-parallel axis {self.axis!r} ({n})."
+                )
+        if self.shard_axes is not None:
+            self._validate_shard_axes(mesh, options)
 
-    def data_axis(self) -> str:
+    def _validate_shard_axes(self, mesh, options) -> None:
+        """The folded axes: adjacent in mesh order (the groups torchtitan's flattened dp_shard_cp
+        mesh has, and Mesh.merge_axes would form) and each an axis whose tokens a technique splits
+        (its parameters replicated there, their gradients in parts), not one that splits them."""
+        idx = [mesh.axis_index(a) for a in self.shard_axes]
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            raise DataParallelError(
+                f"DataParallel(shard_axes={self.shard_axes!r}) on {mesh}: the axes must be adjacent, in mesh "
+                f"order (e.g. Mesh((dp, cp, tp), ('dp', 'cp', 'tp')) with shard_axes=('dp', 'cp')): the shard "
+                "groups torchtitan's flattened dp_shard_cp mesh has. Reorder the mesh's axes."
+            )
+        split = {a for t in options.techniques if t is not self for a in t.token_axes()}
+        for a in self.shard_axes:
+            if a != self.axis and a not in split:
+                raise DataParallelError(
+                    f"DataParallel(shard_axes={self.shard_axes!r}): axis {a!r} splits no tokens (no technique "
+                    "splits the batch or the sequence on it): its ranks hold other pieces of the parameters, or "
+                    "compute the same gradients, so they cannot share one ZeRO shard group. Fold in the axis "
+                    f"context parallel splits the sequence on (context_parallel={a!r}), or leave shard_axes out."
+                )
+
+    def data_axis(self) -> str | None:
         return self.axis
+
+    def token_axes(self) -> tuple:
+        return (self.axis,) if self.axis is not None else ()
+
+    def shard_group_axes(self, mesh) -> tuple[int, ...]:
+        """The mesh axes (indices) ZeRO shards over: ``shard_axes``, or the data-parallel axis."""
+        names = self.shard_axes or ((self.axis,) if self.axis is not None else ())
+        return tuple(mesh.axis_index(a) for a in names)
+
+    def group_axes(self, mesh, axes: tuple) -> tuple[int, ...]:
+        """Of a gradient bucket summed over mesh axes ``axes``, those this technique's options
+        reduce, as one group: every shard axis where the bucket sums over them all (ZeRO-1/2 over
+        dp x cp), else the data-parallel axis, else none (the gradient sync's other axes)."""
+        fold = self.shard_group_axes(mesh)
+        if self.zero in (1, 2) and fold and set(fold) <= set(axes):
+            return fold
+        dp = mesh.axis_index(self.axis) if self.axis is not None else None
+        return (dp,) if dp is not None and dp in axes else ()
 
     def reshape_mesh(self, mesh):
         """HSDP over two mesh axes (``replicate_axis`` right before ``axis``, torchtitan's
@@ -205,7 +290,8 @@ class DataParallel(Technique):
         merged = mesh.merge_axes(self.replicate_axis, self.axis)
         name = f"{self.replicate_axis}_{self.axis}"
         size = (self.shard_size or mesh.axis_size(self.axis)) if self.zero == 3 else None
-        return merged, dataclasses.replace(self, axis=name, replicate_axis=None, shard_size=size)
+        folded = None if self.shard_axes is None else tuple(name if a == self.axis else a for a in self.shard_axes)
+        return merged, dataclasses.replace(self, axis=name, replicate_axis=None, shard_size=size, shard_axes=folded)
 
     def attach(self, plan, module, rank: int) -> None:
         """The broadcast of written buffers (buffer_sync.py), the storage's run-time half (zero=3's
@@ -221,19 +307,23 @@ class DataParallel(Technique):
             return []  # parameters averaged every k steps instead
         return self.storage.bucket_comms(self, n, numel * (self.reduce_dtype or dtype).itemsize, numel * dtype.itemsize)
 
-    def memory_divisors(self, n):
+    def memory_divisors(self, n, fold=1):
         """A rank keeps 1/d of the parameters, gradients and optimizer state it computes with:
         (d_params, d_grads, d_optimizer) on a dp axis of size ``n`` (numbers or sympy symbols),
-        as the storage policy of ``zero`` keeps them; the cost model's and the search's."""
-        return self.storage.memory_divisors(self, n)
+        as the storage policy of ``zero`` keeps them; the cost model's and the search's. ``fold``:
+        the size of the other axes of ``shard_axes`` (cp), which the state is sharded over too."""
+        return self.storage.memory_divisors(self, n, fold)
 
-    def exact(self) -> "DataParallel":
+    def exact(self) -> "DataParallel | None":
         """These options with fp32 gradient sums (what Plan.check compares with serial): ZeRO-1/2,
         local SGD, a reduce dtype and a precision policy change what the optimizer gets, not the
         layouts. zero=3 stays (with its sharding, prefetch and resharding): its gathers and
         reduce-scatters are exact in fp32, and its stored pieces merge into the full gradients, so
-        check runs the program that trains."""
+        check runs the program that trains. None: ZeRO-1/2 over context-parallel ranks alone, whose
+        exact variant has no data parallel left."""
         keep = self.storage.exact_level == self.zero
+        if not keep and self.axis is None:
+            return None  # ZeRO-1/2 over context-parallel ranks alone: as plain gradient sums, no data parallel
         return dataclasses.replace(
             self,
             zero=self.storage.exact_level,
@@ -242,6 +332,7 @@ class DataParallel(Technique):
             reshard_after_forward=self.reshard_after_forward if keep else True,
             prefetch=self.prefetch if keep else 1,
             shard_size=self.shard_size if keep else None,
+            shard_axes=self.shard_axes if keep else None,
             param_dtype=None,
             output_dtype=None,
         )
@@ -255,6 +346,9 @@ class DataParallel(Technique):
 
     def stored_axes(self, plan, fqn: str) -> tuple:
         return self.storage.stored_axes(plan, fqn)
+
+    def stored_share(self, plan, fqn: str) -> int:
+        return self.storage.stored_share(plan, fqn)
 
     def counts_stored(self, plan, rank, fqn) -> bool:
         return self.storage.counts_stored(plan, rank, fqn)
@@ -283,7 +377,9 @@ class DataParallel(Technique):
     def memory_formulas(self, plan, symbols, terms):
         """ZeRO keeps 1/dp (HSDP: 1/shard_size) of what its level shards; zero=3 adds the blocks
         gathered at once and one bucket's reduce buffers (``gathered``)."""
-        divisors = self.memory_divisors(symbols.axes[plan.dp_axis])
+        n = symbols.axes[plan.dp_axis] if plan.dp_axis is not None else 1
+        fold = sympy.Mul(*(symbols.axes[a] for a in self.shard_group_axes(plan.mesh) if a != plan.dp_axis))
+        divisors = self.memory_divisors(n, fold)
         out = dict(terms)
         for key, d in zip(("params", "grads", "optimizer"), divisors):
             out[key] = terms[key] / d

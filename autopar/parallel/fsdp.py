@@ -25,6 +25,10 @@ storage and the program do.
 - HSDP: ``shard_size=k`` shards each parameter over groups of k consecutive ranks of the dp
   axis and replicates it across the dp/k groups (reduce-scatter in the group, all-reduce
   across groups).
+- Folded context parallel: ``shard_axes=("dp", "cp")`` makes the shard group the dp x cp ranks
+  (fsdp_layout.groups): the gathers and the reduce-scatter run over it, and the cp axis' own
+  gradient sum is dropped for the bucketed parameters (``sync_axes``), the reduce-scatter summing
+  the cp parts as it sums the dp ones.
 - Mixed precision: the gathers gather in ``param_dtype`` and reduce in ``reduce_dtype``; the
   other casts of the policy are parallel/precision.py's (any zero level).
 
@@ -54,6 +58,7 @@ from autopar.parallel.fsdp_layout import (
     rank_buckets,
     groups,
     process_groups,
+    shard_axes,
     shard_size,
     stored_range,
 )
@@ -110,11 +115,12 @@ def restored(plan, per_rank: list[dict]) -> list[dict]:
 
 
 def sync_axes(plan, axes: dict) -> dict:
-    """The gradient sync's axes without dp for the parameters a gather reduces."""
-    index, canon = bucket_index(plan), canonical_names(plan)
+    """The gradient sync's axes without the shard axes (dp, and cp folded in) for the parameters
+    a gather reduces."""
+    index, canon, folded = bucket_index(plan), canonical_names(plan), set(shard_axes(plan))
     out = {}
     for name, ax in axes.items():
-        out[name] = tuple(a for a in ax if a != plan.dp_axis) if canon.get(name, name) in index else ax
+        out[name] = tuple(a for a in ax if a not in folded) if canon.get(name, name) in index else ax
     return out
 
 
@@ -228,9 +234,8 @@ def held(plan, rank: int) -> tuple[int, int]:
 def collectives(plan, sy) -> list:
     """Per bucket: its forward all-gather, backward all-gather (resharded after forward),
     backward reduce-scatter and, for HSDP, the all-reduce of the reduced piece across replicas."""
-    dp, k = plan.data_parallel, shard_size(plan)
-    r = plan.mesh.shape[plan.dp_axis] // k
-    axis = plan.mesh.axis_names[plan.dp_axis]
+    dp, k, axis = plan.data_parallel, shard_size(plan), group_label(plan)
+    r = len(groups(plan, 0)[1])
     out = []
     for i, b in enumerate(buckets_cached(plan)):
         where = (f"fsdp bucket {i} ({len(b.names)} params)", b.key)
@@ -259,22 +264,24 @@ def explain_param(plan, fqn: str) -> list[str]:
     where = bucket_index(plan).get(canonical_names(plan).get(fqn, fqn))
     if where is None:
         return ["stored as computed (zero=3 buckets the parameters the graph reads that are replicated on dp)"]
-    b, k = buckets_cached(plan)[where[0]], shard_size(plan)
-    axis = plan.mesh.axis_names[plan.dp_axis]
+    b, axis = buckets_cached(plan)[where[0]], group_label(plan)
+    shard, replica = groups(plan, 0)
     ranges = []
-    for rank in plan.mesh.group(plan.dp_axis, 0)[:k]:
+    for rank in shard:
         lo, hi = stored_range(plan, rank, fqn)
         ranges.append(f"rank {rank} [{lo}, {hi})" if hi > lo else f"rank {rank} nothing")
     return [
         f"stored (zero=3): a 1-D piece in flat bucket {where[0]} ({b.key or 'outside blocks'}, "
         f"{len(b.names)} parameters), elements of its flattened local piece: {', '.join(ranges)}",
         f"gathered on {axis} before the bucket's first use; its gradient reduce-scattered into the pieces"
-        + (
-            f", then all-reduced across {plan.mesh.shape[plan.dp_axis] // k} replica groups"
-            if k < plan.mesh.shape[plan.dp_axis]
-            else ""
-        ),
+        + (f", then all-reduced across {len(replica)} replica groups" if len(replica) > 1 else ""),
     ]
+
+
+def group_label(plan) -> str:
+    """The shard group's axes as the collectives name them: ``dp``, or ``dp*cp`` folded."""
+    axes = shard_axes(plan)
+    return plan.mesh.axis_label(axes if len(axes) > 1 else axes[0])
 
 
 class FullyShardedStorage(Storage):
@@ -290,7 +297,10 @@ class FullyShardedStorage(Storage):
         return None if where is None else where[0]
 
     def stored_axes(self, plan, fqn: str) -> tuple:
-        return (plan.dp_axis,) if canonical_names(plan).get(fqn, fqn) in bucket_index(plan) else ()
+        return shard_axes(plan) if canonical_names(plan).get(fqn, fqn) in bucket_index(plan) else ()
+
+    def stored_share(self, plan, fqn: str) -> int:
+        return shard_size(plan) if canonical_names(plan).get(fqn, fqn) in bucket_index(plan) else 1
 
     def counts_stored(self, plan, rank, fqn) -> bool:
         """HSDP: a piece is stored once per replica group; its first rank counts it."""
@@ -309,7 +319,9 @@ class FullyShardedStorage(Storage):
         fsdp_runtime.attach(plan, module, rank)
 
     def process_groups(self, plan) -> list:
-        return process_groups(plan) if plan.data_parallel.shard_size is not None else []
+        """HSDP's groups, and a folded dp x cp group: not one mesh axis' groups."""
+        folded = len(shard_axes(plan)) > 1
+        return process_groups(plan) if plan.data_parallel.shard_size is not None or folded else []
 
     def explain_param(self, plan, fqn):
         return explain_param(plan, fqn)
@@ -319,8 +331,8 @@ class FullyShardedStorage(Storage):
         parallel; the gathered ones are reduced by their gathers (``collectives``)."""
         return bucket_sync(0, n, wire_bytes, param_bytes)
 
-    def memory_divisors(self, dp, n):
-        k = dp.shard_size or n
+    def memory_divisors(self, dp, n, fold=1):
+        k = (dp.shard_size or n) * fold
         return k, k, k
 
     def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0) -> list[tuple]:

@@ -2,7 +2,9 @@
 
 The parameters of a bucket (one gathered unit, e.g. ``layers.3``) are laid end to end in one
 flat vector (the rank's local, tensor-parallel piece of each); the flat is padded to a
-multiple of the shard group size k and rank i of the group stores chunk i. This file is the
+multiple of the shard group size k and rank i of the group stores chunk i. The shard group spans
+the data-parallel axis, or with ``DataParallel(shard_axes=("dp", "cp"))`` the dp x cp ranks
+(dp-major: position dp * |cp| + cp), whose parameters are replicated alike. This file is the
 arithmetic both halves of zero=3 share: the plan side (parallel/fsdp.py) and the run-time side
 (parallel/fsdp_runtime.py).
 
@@ -13,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -98,15 +101,15 @@ def _laid_out(key, names, shapes, dtype, k) -> FlatBucket:
 
 
 def _buckets(plan, local) -> list[FlatBucket]:
-    k, units = shard_size(plan), program_units(plan)
+    k, units, axes = shard_size(plan), program_units(plan), shard_axes(plan)
     out: list[FlatBucket] = []
     last = None
     for name in first_use_order(plan):
         if units.get(name, 0) is None:
             continue  # read by several programs (a weight tied across stages): stays whole
         spec = plan.param_specs.get(name)
-        if spec is not None and not spec[plan.dp_axis].is_replicate():
-            continue  # already split on the dp axis (annotated so): each rank's piece differs, stays as is
+        if spec is not None and not all(spec[a].is_replicate() for a in axes):
+            continue  # already split on a shard axis (annotated so): each rank's piece differs, stays as is
         p = local[name]
         key = (units.get(name, 0), block_key(name), p.dtype)
         if key != last:
@@ -137,15 +140,27 @@ def program_units(plan) -> dict[str, int | None]:
     return out
 
 
+def shard_axes(plan) -> tuple[int, ...]:
+    """The mesh axes zero=3 shards over: the data-parallel axis and the context-parallel axes
+    ``DataParallel(shard_axes=...)`` folds in (their ranks hold the same replicated parameters)."""
+    return plan.data_parallel.shard_group_axes(plan.mesh)
+
+
 def shard_size(plan) -> int:
-    n = plan.mesh.shape[plan.dp_axis]
-    return plan.data_parallel.shard_size or n
+    """The ranks of a shard group: HSDP's ``shard_size`` dp ranks (else the dp axis), times the
+    sizes of the folded axes (every cp rank of each)."""
+    mesh = plan.mesh
+    n = mesh.shape[plan.dp_axis] if plan.dp_axis is not None else 1
+    fold = math.prod(mesh.shape[a] for a in shard_axes(plan) if a != plan.dp_axis)
+    return (plan.data_parallel.shard_size or n) * fold
 
 
 def groups(plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shard group, replica group) of ``rank``: HSDP splits the dp group into groups of k
-    consecutive ranks (shard) and the ranks at the same position in each (replica)."""
-    dp_group, k = plan.mesh.group(plan.dp_axis, rank), shard_size(plan)
+    """(shard group, replica group) of ``rank``: HSDP splits the dp group (dp x cp folded:
+    dp-major) into groups of k consecutive ranks (shard) and the ranks at the same position in
+    each (replica)."""
+    axes = shard_axes(plan)
+    dp_group, k = plan.mesh.group(axes[0] if len(axes) == 1 else axes, rank), shard_size(plan)
     i = dp_group.index(rank)
     shard = dp_group[i - i % k : i - i % k + k]
     replica = dp_group[i % k :: k]

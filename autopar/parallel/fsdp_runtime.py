@@ -10,12 +10,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, groups, rank_buckets
+from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, groups, rank_buckets, shard_axes
 from autopar.parallel.param_names import canonical_names
 from autopar.runtime.backend import current_backend
 
@@ -83,7 +84,13 @@ class FSDPRuntime:
         self.reshard = dp.reshard_after_forward
         sync = plan.grad_sync_axes
         canon = canonical_names(plan)
-        self.whole = [[plan.dp_axis not in sync.get(canon.get(n, n), ()) for n in b.names] for b in self.buckets]
+        # a gradient whole on a shard axis (not summed over it: every rank there holds all of it) is
+        # divided by the axis' size, so that the group's sum counts it once
+        axes, shape = shard_axes(plan), plan.mesh.shape
+        self.whole = [
+            [math.prod(shape[a] for a in axes if a not in sync.get(canon.get(n, n), ())) for n in b.names]
+            for b in self.buckets
+        ]
         # the buckets this module holds, in forward order (a pipeline stage holds its own only)
         self.aliases = {n: [m for m, c in canon.items() if c == n] for b in self.buckets for n in b.names}
         self.held = [k for k, b in enumerate(self.buckets) if all(self._param(module, n) is not None for n in b.names)]
@@ -205,13 +212,12 @@ class FSDPRuntime:
         self.regather.pop(k, None)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
         flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype)
-        total = len(self.shard) * len(self.replica)
         for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):
             if g is not None:
                 part = flat[o : o + _numel(s)]
                 part.copy_(g.reshape(-1))
-                if whole:  # every rank holds the whole gradient: the sums below count it once
-                    part.div_(total)
+                if whole > 1:  # ranks of the group hold the whole gradient: the sums below count it once
+                    part.div_(whole)
         if not self.sync_enabled:  # no_sync: accumulate the unreduced gradient locally
             self.acc[k] = flat if k not in self.acc else self.acc[k].add_(flat)
             return [None] * len(b.names)

@@ -112,11 +112,11 @@ class GradSync:
         self.enabled = True
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
+        self._build()
         if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         # the first synced backward records the order gradients arrive in, to rebuild the buckets
         self.arrived: list[str] | None = [] if self.zero is None else None
-        self._build()
         self._reset()
         self.held: set[int] = set()  # buckets whose .grad hold synced sums (no zero_grad since)
         for name in self.where:
@@ -126,9 +126,11 @@ class GradSync:
     def _build(self) -> None:
         """The buckets' run-time state: flat buffers, views, and where each parameter goes."""
         self.slots, self.where, self.modes, self.groups = [], {}, [], []
+        self.folded = [self.dp_axes(b) for b in self.buckets]  # reduced as one group (dp, or dp x cp)
         for i, b in enumerate(self.buckets):
             mode = self._mode(b)
-            n = len(self.dp_group()) if mode != "none" else 1
+            group = self.dp_group(b) if mode != "none" else None
+            n = len(group) if group is not None else 1
             pad_to = -(-b.numel // n) * n if mode == "reduce_scatter" else 0
             wire = self.dp.reduce_dtype if mode in ("all_reduce", "reduce_scatter") else None
             slots = _Slots(
@@ -136,18 +138,27 @@ class GradSync:
             )
             self.slots.append(slots)
             self.modes.append(mode)
-            self.groups.append(self.dp_group() if mode != "none" else None)
+            self.groups.append(group)
             for j, name in enumerate(b.names):
                 self.where[name] = (i, j, slots.views[j] if slots.views is not None else None)
         self.need = [len(b.names) for b in self.buckets]
         self.factors = [self.factor(b) for b in self.buckets]
 
     # -------------------------------------------------------------------------- queries
-    def on_dp(self, bucket: Bucket) -> bool:
-        return self.dp_axis is not None and self.dp_axis in bucket.axes
+    def dp_axes(self, bucket: Bucket) -> tuple:
+        """The bucket's axes the data-parallel options reduce, as one group: dp, or dp x cp where
+        ZeRO-1/2 fold cp in (``DataParallel.group_axes``); () for none."""
+        if self.dp is not None:
+            return self.dp.group_axes(self.mesh, bucket.axes)
+        return (self.dp_axis,) if self.dp_axis is not None and self.dp_axis in bucket.axes else ()
 
-    def dp_group(self) -> tuple[int, ...]:
-        return self.mesh.group(self.dp_axis, self.rank)
+    def on_dp(self, bucket: Bucket) -> bool:
+        return bool(self.dp_axes(bucket))
+
+    def dp_group(self, bucket: Bucket | None = None) -> tuple[int, ...]:
+        """The ranks of the dp axis (a bucket's: of its ``dp_axes``, dp x cp folded)."""
+        axes = (self.dp_axis,) if bucket is None else self.dp_axes(bucket)
+        return self.mesh.group(axes[0] if len(axes) == 1 else axes, self.rank)
 
     def _mode(self, bucket: Bucket) -> str:
         """How the bucket is reduced on the dp axis: none | all_reduce | reduce_scatter | local."""
@@ -274,7 +285,7 @@ class GradSync:
             self._fill(i)
         flat = slots.flat
         for axis in bucket.axes:  # other axes first, in turn (rare: norms under split activations)
-            if axis != self.dp_axis:
+            if axis not in self.folded[i]:
                 backend.all_reduce_async(flat, self.mesh.group(axis, self.rank), self.rank).wait()
         work = None
         if mode in ("all_reduce", "reduce_scatter"):

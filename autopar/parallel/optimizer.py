@@ -225,7 +225,7 @@ def _zero2_gradients(sync) -> None:
         for piece in shards.pieces[i]:
             if piece.tensor.grad is not None:
                 mine[piece.lo : piece.hi] = piece.tensor.grad
-        full = backend.all_gather(mine, 0, sync.dp_group(), sync.rank)
+        full = backend.all_gather(mine, 0, shards.groups[i], sync.rank)
         at = 0
         for n in sync.buckets[i].names:
             p = sync.params[n]

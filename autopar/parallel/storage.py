@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 from autopar.parallel.dp_module import grad_buckets
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
@@ -39,6 +41,9 @@ class Storage:
 
     def stored_axes(self, plan, fqn: str) -> tuple:
         return ()
+
+    def stored_share(self, plan, fqn: str) -> int:
+        return 1
 
     def counts_stored(self, plan, rank: int, fqn: str) -> bool:
         return True
@@ -85,9 +90,10 @@ class Storage:
         parameter bytes of the largest unit the storage gathers at once."""
         return 0.0
 
-    def memory_divisors(self, dp, n):
+    def memory_divisors(self, dp, n, fold=1):
         """What a rank keeps of the parameters, gradients and optimizer state it computes with:
-        1/d of each, (d_params, d_grads, d_optimizer), on a dp axis of size ``n`` (numbers or sympy)."""
+        1/d of each, (d_params, d_grads, d_optimizer), on a dp axis of size ``n`` (numbers or sympy),
+        sharded over ``fold`` times as many ranks where ``shard_axes`` adds context-parallel axes."""
         return 1, 1, 1
 
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
@@ -112,16 +118,17 @@ class ShardedOptimizer(Storage):
     def __init__(self, level: int):
         self.level = level
 
-    def memory_divisors(self, dp, n):
-        return 1, (n if self.level == 2 else 1), n
+    def memory_divisors(self, dp, n, fold=1):
+        return 1, (n * fold if self.level == 2 else 1), n * fold
 
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
-        """Each rank steps its 1/dp slice of every dp bucket (ZeRO-2: keeps only its gradients)."""
-        n = mem["dp"]
+        """Each rank steps its 1/dp slice of every dp bucket (1/(dp cp) folded; ZeRO-2: keeps only
+        its gradients)."""
+        dp, mesh = plan.data_parallel, plan.mesh
         kept = mem["grads"]  # bytes of trainable parameters this rank steps: its slice of each dp bucket
         for b in grad_buckets(plan, rank):
-            if plan.dp_axis in b.axes:
-                kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
+            n = math.prod(mesh.shape[a] for a in dp.group_axes(mesh, b.axes))
+            kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
         out = dict(mem, optimizer_state=state_slots * kept)
         if self.level == 2:
             out["grads"] = kept
@@ -136,10 +143,11 @@ class ShardedOptimizer(Storage):
         sync = module.autopar_grad_sync
         coords, default = plan.mesh.coords(rank), (None,) * plan.mesh.ndim
         extra, sliced = [], set()
-        for piece in sync.zero.all_pieces():
-            if piece.tensor.grad is None:
-                continue
-            spec = plan.param_specs.get(piece.name, default)
-            extra.append((piece.name, piece.tensor.grad, counts_piece(spec, coords, (plan.dp_axis,))))
-            sliced.add(piece.name)
+        for i in sync.zero.bucket_ids:  # a slice differs over its bucket's group: dp, or dp x cp
+            for piece in sync.zero.pieces[i]:
+                if piece.tensor.grad is None:
+                    continue
+                spec = plan.param_specs.get(piece.name, default)
+                extra.append((piece.name, piece.tensor.grad, counts_piece(spec, coords, sync.folded[i])))
+                sliced.add(piece.name)
         return extra + [(name, g, counted and name not in sliced) for name, g, counted in pieces]

@@ -59,7 +59,8 @@ class Technique:
 
     def exact(self) -> "Technique":
         """These options as plan.check runs them: the variant whose gradients are the exact fp32
-        sums the serial model has (reduced-precision syncs and optimizer sharding left out)."""
+        sums the serial model has (reduced-precision syncs and optimizer sharding left out); None
+        where nothing of it is left then."""
         return self
 
     def validate(self, mesh, options, annotations: dict) -> None:
@@ -74,6 +75,13 @@ class Technique:
     def data_axis(self) -> str | None:
         """The mesh axis that splits the batch (dim 0 of every input), if this technique does."""
         return None
+
+    def token_axes(self) -> tuple:
+        """Mesh axes over which the technique splits the tokens a rank computes on (the batch,
+        the sequence): parameters stay replicated there and their gradients arrive in parts
+        summed over the axis, so ZeRO may shard their state over them too
+        (``DataParallel(shard_axes=...)`` folds such an axis into its shard group)."""
+        return ()
 
     def seed_inputs(self, seeds, mesh, inputs: dict) -> None:
         """Place user inputs the technique splits (``inputs``: name -> example value) into
@@ -140,6 +148,12 @@ class Technique:
     def stored_axes(self, plan, fqn: str) -> tuple:
         """Mesh axes over which ``stored`` gives ranks different pieces of ``fqn``."""
         return ()
+
+    def stored_share(self, plan, fqn: str) -> int:
+        """Into how many stored pieces ``stored`` cuts ``fqn``'s computed piece (zero=3: its shard
+        group's size), 1 when stored as computed: the gradient sync on other axes moves the stored
+        piece, so the cost model divides its bytes by this."""
+        return 1
 
     def counts_stored(self, plan, rank: int, fqn: str) -> bool:
         """Whether ``rank``'s stored piece of ``fqn`` is counted in a whole-model sum (gradient

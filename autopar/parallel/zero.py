@@ -40,25 +40,28 @@ class Piece:
 
 
 class ZeroShards:
-    """The flat buffers of the dp buckets, this rank's slice of each, and its pieces."""
+    """The flat buffers of the dp buckets, this rank's slice of each, and its pieces. A bucket is
+    sliced over its sync group: the dp ranks, or the dp x cp ranks where ``shard_axes`` folds cp in
+    (``sync.groups``)."""
 
     def __init__(self, sync, bucket_ids: list[int]):
         self.sync, self.bucket_ids = sync, bucket_ids
-        group = sync.dp_group()
-        self.n, self.pos = len(group), group.index(sync.rank)
+        self.groups = {i: sync.groups[i] for i in bucket_ids}
+        self.n = {i: len(g) for i, g in self.groups.items()}
+        self.pos = {i: g.index(sync.rank) for i, g in self.groups.items()}
         self.flats: dict[int, torch.Tensor] = {}
         self.pieces: dict[int, list[Piece]] = {}
         for i in bucket_ids:
             self._flatten(i)
 
     def chunk(self, i: int) -> int:
-        return -(-self.sync.buckets[i].numel // self.n)
+        return -(-self.sync.buckets[i].numel // self.n[i])
 
     def _flatten(self, i: int) -> None:
         bucket, params = self.sync.buckets[i], self.sync.params
         first = params[bucket.names[0]]
-        flat = torch.zeros(self.chunk(i) * self.n, dtype=bucket.dtype, device=first.device)
-        lo, hi = self.pos * self.chunk(i), (self.pos + 1) * self.chunk(i)
+        flat = torch.zeros(self.chunk(i) * self.n[i], dtype=bucket.dtype, device=first.device)
+        lo, hi = self.pos[i] * self.chunk(i), (self.pos[i] + 1) * self.chunk(i)
         pieces, offset = [], 0
         with torch.no_grad():
             for name in bucket.names:
@@ -75,7 +78,7 @@ class ZeroShards:
     def own_slice(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a bucket-sized flat tensor (the padding left out)."""
         c = self.chunk(i)
-        return full[self.pos * c : min((self.pos + 1) * c, full.numel())]
+        return full[self.pos[i] * c : min((self.pos[i] + 1) * c, full.numel())]
 
     def set_grad(self, i: int, chunk: torch.Tensor, accumulate: bool = True) -> None:
         """Hand this rank's reduced gradient slice of bucket ``i`` to its pieces (ZeRO-2 adds it
@@ -93,11 +96,11 @@ class ZeroShards:
 
     def all_gather(self) -> None:
         """Every rank's updated slice to every rank: one collective per bucket, waited once."""
-        backend, group, works = current_backend(), self.sync.dp_group(), []
+        backend, works = current_backend(), []
         for i in self.bucket_ids:
             c = self.chunk(i)
-            mine = self.flats[i][self.pos * c : (self.pos + 1) * c].clone()
-            works.append(backend.all_gather_async(self.flats[i], mine, group, self.sync.rank))
+            mine = self.flats[i][self.pos[i] * c : (self.pos[i] + 1) * c].clone()
+            works.append(backend.all_gather_async(self.flats[i], mine, self.groups[i], self.sync.rank))
         for w in works:
             w.wait()
 

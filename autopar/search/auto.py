@@ -85,6 +85,11 @@ def search(
             "uses one tensor-parallel axis. Annotate one axis, or plan without auto."
         )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
+    if dp is not None and dp.shard_axes is not None:
+        raise PlanError(
+            f"ap.plan(auto=...) with {dp}: the search does not cost ZeRO over folded axes (shard_axes) yet; "
+            "plan the layouts by hand with it, or search with DataParallel(axis, zero=...) alone."
+        )
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
     cp_methods, balanced = _context_options(traced, comps, auto, context)
     structs = structures(

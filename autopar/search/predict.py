@@ -6,6 +6,7 @@ Example:
 
 from __future__ import annotations
 
+from autopar.errors import PlanError
 from autopar.search.evaluate import Terms, plan_terms
 from autopar.search.options import Auto
 
@@ -13,6 +14,12 @@ from autopar.search.options import Auto
 def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     """Step time (s) and memory per rank (B) of ``plan`` under ``device`` (a profile name, an
     ap.calibrate() result or an ap.Auto)."""
+    dp = plan.data_parallel
+    if dp is not None and dp.shard_axes is not None:
+        raise PlanError(
+            f"ap.predict: the search's cost model does not cost ZeRO over folded axes ({dp}) yet; "
+            "plan.memory_per_rank() and plan.cost() do."
+        )
     auto = device if isinstance(device, Auto) else Auto(device=device)
     profile = auto.profile()
     total = Terms()
@@ -20,7 +27,6 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
         total.add(t)
     for technique in plan.options.techniques:  # a pipeline stage's share of the step
         total = total.scaled(technique.step_shares(plan.mesh, plan.built.get(technique.name)), plan.mesh, profile)
-    dp = plan.data_parallel
     sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
     return {
         "time_s": total.time(plan.mesh, profile, plan.dp_axis, dp),

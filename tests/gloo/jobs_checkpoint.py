@@ -23,13 +23,16 @@ TARGETS = {  # name -> (mesh shape, axes, data parallel, annotations, pipeline)
     "tp4_blocks": ((4,), ("tp",), None, QKV_BLOCKS, None),
     "pp2xtp2": ((2, 2), ("pp", "tp"), None, MEGATRON, ap.Pipeline("pp", microbatches=2)),
     "pp2xdp2_zero3": ((2, 2), ("pp", "dp"), ap.DataParallel("dp", zero=3), {}, ap.Pipeline("pp", microbatches=2)),
+    # cp folded into the FSDP group: a piece's range is its place in the dp x cp group's chunks
+    "dp2xcp2_zero3_fold": ((2, 2), ("dp", "cp"), ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp")), {}, None),
 }
+CONTEXT = {"dp2xcp2_zero3_fold": ap.ContextParallel("cp", method="ring", load_balance=True)}
 
 
 def _build(target, seed):
     shape, axes, dp, ann, pipe = TARGETS[target]
     model = small_gpt(seed=seed)
-    kw = dict(args=gpt_batch(), annotations=ann, data_parallel=dp)
+    kw = dict(args=gpt_batch(), annotations=ann, data_parallel=dp, context_parallel=CONTEXT.get(target))
     if pipe is not None:
         plan = ap.plan(model, ap.Mesh(shape, axes), pipeline=pipe, **kw)
         runner = plan.pipeline_runner(dist.get_rank())

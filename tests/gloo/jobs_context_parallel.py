@@ -9,19 +9,25 @@ from tests.harness.distributed import merged_parameters, train_beside_serial
 from tests.harness.llama_like import llama_batch, llama_like
 from tests.harness.serial import grad_errors, max_rel_diff, serial_step
 
-MESHES = {"cp4": ((4,), ("cp",), None), "dp2xcp2": ((2, 2), ("dp", "cp"), "dp")}
+FOLD = ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp"))  # cp folded into the FSDP group
+MESHES = {  # name -> (mesh shape, axes, data parallel, load balanced)
+    "cp4": ((4,), ("cp",), None, False),
+    "dp2xcp2": ((2, 2), ("dp", "cp"), "dp", False),
+    "dp2xcp2_fold": ((2, 2), ("dp", "cp"), FOLD, True),
+    "cp4_fold": ((4,), ("cp",), ap.DataParallel(zero=3, shard_axes=("cp",)), True),
+}
 
 
 def train_matches_serial(method, mesh_name, steps=2, lr=0.2):
     """Train the LLaMA-style model context-parallel over real processes and the serial model on
     the same batches; the worst relative parameter difference and the losses."""
-    shape, names, dp = MESHES[mesh_name]
+    shape, names, dp, balanced = MESHES[mesh_name]
     module = ap.parallelize(
         llama_like(),
         ap.Mesh(shape, names),
         args=llama_batch(batch=4),
         data_parallel=dp,
-        context_parallel=ap.ContextParallel("cp", method=method),
+        context_parallel=ap.ContextParallel("cp", method=method, load_balance=balanced),
     )
     serial = llama_like()
     losses = train_beside_serial(module, serial, [llama_batch(batch=4, seed=step + 10) for step in range(steps)], lr)

@@ -24,6 +24,7 @@ def tp2_checkpoint(gloo, tmp_path_factory):
         ("dp2xtp2_zero3", 4),
         ("pp2xdp2_zero3", 4),
         ("hsdp_rep2xshard2", 4),
+        ("dp2xcp2_zero3_fold", 4),
     ],
 )
 def test_dcp_reshards_into_other_plans(gloo, tp2_checkpoint, target, world):
@@ -41,7 +42,7 @@ def test_zero2_state_async_saved_loads_into_plain_dp(gloo, tmp_path):
 def test_zero3_pieces_saved_load_into_tensor_parallel(gloo, tmp_path):
     """ZeRO-3's stored pieces (1-D slices of flat buckets, parameter boundaries anywhere) saved
     with their optimizer state, loaded into tp=2 with Megatron layouts: training goes on as serial."""
-    for source in ("dp2xtp2_zero3", "pp2xdp2_zero3", "hsdp_rep2xshard2"):
+    for source in ("dp2xtp2_zero3", "pp2xdp2_zero3", "hsdp_rep2xshard2", "dp2xcp2_zero3_fold"):
         path = str(tmp_path / source)
         gloo(4).run(f"{JOBS}:train_and_save", source, path)
         worst = gloo(2).run(f"{JOBS}:load_and_train", "tp2", path)

@@ -1,7 +1,7 @@
 """Context parallel on tiny HF models (LLaMA and Qwen2: GQA, RoPE, causal SDPA with the mask HF
 builds, HF's shifted labels): outputs and every gradient equal serial on (2,) and (4,) cp
 meshes, ring and all-gather, load balanced; with the Megatron preset on tp and with zero=3 on
-dp, on (2, 2); HF's eager attention form too."""
+dp (and folded over dp x cp, or over cp alone), on (2, 2); HF's eager attention form too."""
 
 from __future__ import annotations
 
@@ -55,9 +55,23 @@ def test_hf_llama_with_megatron_tp(method):
 
 
 def test_hf_qwen2_with_zero3():
+    """zero=3 on dp, and folded over dp x cp (DataParallel(shard_axes=...): one reduce-scatter over
+    the 4 ranks, each storing a quarter)."""
     cp = ap.ContextParallel("cp", method="ring", load_balance=True)
     dp = ap.DataParallel("dp", zero=3)
     plan, kw = _plan("qwen2", ap.Mesh((2, 2), ("dp", "cp")), cp, b=4, data_parallel=dp)
+    plan.check(**kw, loss=_loss)
+    folded = plan.with_data_parallel(ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp")))
+    assert folded.memory_per_rank(0)["shard_size"] == 4 and not folded.grad_buckets()
+    folded.check(**kw, loss=_loss)
+
+
+def test_hf_llama_zero3_over_cp_alone():
+    """A cp-only mesh with zero=3 over the cp ranks (torchtitan's dp_shard = 1: 4-way FSDP)."""
+    cp = ap.ContextParallel("cp", method="allgather", load_balance=True)
+    dp = ap.DataParallel(zero=3, shard_axes=("cp",))
+    plan, kw = _plan("llama", ap.Mesh((4,), ("cp",)), cp, data_parallel=dp)
+    assert plan.memory_per_rank(0)["shard_size"] == 4
     plan.check(**kw, loss=_loss)
 
 
