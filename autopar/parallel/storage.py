@@ -90,6 +90,13 @@ class Storage:
         1/d of each, (d_params, d_grads, d_optimizer), on a dp axis of size ``n`` (numbers or sympy)."""
         return 1, 1, 1
 
+    def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
+        """Bytes a rank holds beyond its kept gradients while a step accumulates them over several
+        backward passes (a pipeline's micro-batches: the sync runs once, in the last one), of
+        ``grad_bytes`` (``grad_elems`` elements) of dp-synced gradients, or of ``plan``'s own
+        buckets where given: none where the gradients are kept whole anyway."""
+        return 0.0
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         return mem
 
@@ -114,6 +121,11 @@ class ShardedOptimizer(Storage):
 
     def memory_divisors(self, dp, n):
         return 1, (n if self.level == 2 else 1), n
+
+    def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
+        """ZeRO-2 keeps 1/n of the gradients once reduce-scattered; accumulating, each rank holds
+        them whole until the last backward (GradSync.no_sync accumulates in ``.grad``)."""
+        return grad_bytes * (1 - 1 / n) if self.level == 2 else 0.0
 
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Each rank steps its 1/dp slice of every dp bucket (ZeRO-2: keeps only its gradients)."""

@@ -415,7 +415,8 @@ def _coefs(t: Terms, mesh, profile, dp, shares=None, base=False) -> tuple:
         dp_axis = mesh.axis_index(dp.axis)
     sync, ahead, after = t.dp_sync(mesh, profile, dp_axis, dp)
     hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
-    return (t.compute + t.comm + after, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
+    step = t.step_seconds(mesh, profile, dp_axis, dp)
+    return (t.compute + t.comm + after + step, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
 
 
 def prefetches(dp, mesh, dp_axis) -> bool:

@@ -3,7 +3,7 @@
 - ``memory_budget``: bytes per rank (parameters, gradients, optimizer state, activations as
   plan.cost() counts them); None: no limit.
 - ``device``: a profile name ("h100", "h100-500w", "a100", "cpu-gloo") or an ap.calibrate() result;
-  ``alpha`` / ``beta`` / ``flops_per_s`` override its numbers (every link). None: the device
+  ``alpha`` / ``beta`` / ``flops_per_s`` / ``memory_bandwidth`` override its numbers (every link). None: the device
   the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100" or "h100" by name; meta: "h100").
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
@@ -40,6 +40,7 @@ class Auto:
     beta: float | None = None
     flops_per_s: float | None = None
     device: object = None
+    memory_bandwidth: float | None = None
     zero: tuple = (0, 1, 2, 3)
     sequence_parallel: bool = True
     vocab_parallel: bool = True
@@ -61,4 +62,6 @@ class Auto:
     def profile(self, where=None) -> Profile:
         """The cost model's device: ``device``, or (None) the one the job runs on (``where``,
         the example inputs' device: a CPU job is planned for ``cpu-gloo``, not an H100)."""
-        return profile_of(self.device, where).with_values(self.alpha, self.beta, self.flops_per_s)
+        return profile_of(self.device, where).with_values(
+            self.alpha, self.beta, self.flops_per_s, self.memory_bandwidth
+        )
