@@ -80,7 +80,7 @@ def is_causal(node) -> bool:
 
 def split_factor(spec, sy) -> sympy.Expr:
     """How many ranks share one op's work: the axes on which its output is not replicated."""
-    f = sympy.Integer(1)
+    f = 1  # an int with numbers' axes (the search's hot path), a formula with symbols
     for axis, p in enumerate(spec or ()):
         if not p.is_replicate():
             f *= sy.axes[axis]
@@ -119,10 +119,13 @@ def kernel_ratios(node, needs_grad=None) -> tuple | None:
     outputs' bytes, run once per signature on the meta device; None where the op does not run
     there."""
     grads = tuple(bool(needs_grad.get(a, False)) if needs_grad is not None else None for a in _tensor_inputs(node))
-    key = (node.target, _signature(node), grads)
-    if key not in _KERNELS:
-        _KERNELS[key] = _run_kernels(node, grads)
-    return _KERNELS[key]
+    mine = node.meta.setdefault("autopar_kernels", {})  # copies of the graph (the search's probes) share it
+    if grads not in mine:
+        key = (node.target, _signature(node), grads)
+        if key not in _KERNELS:
+            _KERNELS[key] = _run_kernels(node, grads)
+        mine[grads] = _KERNELS[key]
+    return mine[grads]
 
 
 def _run_kernels(node, grads) -> tuple | None:

@@ -155,6 +155,11 @@ class ActivationCheckpoint(Technique):
             region.before = before
 
     # ------------------------------------------------------------------ display
+    def label(self) -> str:
+        """The mode in a few words (the search's choices): "full", "selective", "selective, every
+        2nd matmul"."""
+        return self.mode + (f", every {self.save_every}th matmul" if self.save_every > 1 else "")
+
     def describe(self, plan) -> str:
         blocks = plan.built[self.name]
         what = "keeps matmul/attention and collective outputs" if self.mode == "selective" else "keeps block inputs"

@@ -198,9 +198,10 @@ def plan_terms(
 
     ``shared``: a dict kept across plans with the same graph, layouts and data parallel that
     differ only in activation checkpointing (the search's variants of one probe): the activation
-    collectives and the parameters' terms are the same for them (checkpointing keeps every
-    collective's output: its recompute sends nothing), so they are computed for the first and
-    reused (a third of a 512-rank search's time went to computing them again)."""
+    collectives, the parameters' terms and each op's seconds are the same for them (checkpointing
+    keeps every collective's output: its recompute sends nothing; it changes which ops run twice),
+    so they are computed for the first and reused (a third of a 512-rank search's time went to
+    computing them again)."""
     sy = Numbers(plan.mesh)
     shared = {} if shared is None else shared
     nw = node_weight or {}
@@ -214,21 +215,11 @@ def plan_terms(
     def terms(key):
         return out.setdefault(key, Terms())
 
-    for node in plan.graph.nodes:
-        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
-            continue
-        t, w = terms(comp_of.get(node.name, "base")), nw.get(node.name, 1.0)
-        grad = bool(plan.ctx.needs_grad.get(node))
-        fwd, bwd = node_seconds(
-            node,
-            sy,
-            profile.flops_per_s,
-            profile.memory_bandwidth,
-            grad,
-            plan.ctx.needs_grad,
-            profile.attention_flops_per_s,
-        )
-        again = fwd if grad and node.name in recomputed else 0.0  # a checkpointed region's forward, run again
+    if "seconds" not in shared:
+        shared["seconds"] = _op_seconds(plan, sy, profile)
+    for name, fwd, bwd, grad in shared["seconds"]:
+        t, w = terms(comp_of.get(name, "base")), nw.get(name, 1.0)
+        again = fwd if grad and name in recomputed else 0.0  # a checkpointed region's forward, run again
         t.compute += w * (fwd + bwd + again)
         t.backward += w * (bwd + again)
     for name, b in kept.items():
@@ -259,6 +250,19 @@ def plan_terms(
         shared["params"] = params
     for key, t in shared["params"].items():
         terms(key).add(t)
+    return out
+
+
+def _op_seconds(plan, sy, profile) -> list[tuple]:
+    """(node name, forward s, backward s, needs a gradient) of each op of ``plan`` (op_time's roofline)."""
+    out, grads = [], plan.ctx.needs_grad
+    rates = (profile.flops_per_s, profile.memory_bandwidth)
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
+            continue
+        grad = bool(grads.get(node))
+        fwd, bwd = node_seconds(node, sy, *rates, grad, grads, profile.attention_flops_per_s)
+        out.append((node.name, fwd, bwd, grad))
     return out
 
 

@@ -9,7 +9,9 @@
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
 - ``activation_checkpoint``: the checkpointing of every repeated block the search may pick
-  (None: none, "selective", "full"; ap.ActivationCheckpoint's modes, its recompute counted).
+  (None: none, "selective", "full": ap.ActivationCheckpoint's modes, or ap.ActivationCheckpoint
+  values; its recompute counted). By default also selective keeping every second matmul
+  (torchtitan's op policy: between the two in memory and time).
 - ``pipeline``: whether an axis may hold pipeline stages (1F1B or interleaved 1F1B, one
   micro-batch per row of a data-parallel rank's batch).
 - ``expert_parallel``: whether a mixture-of-experts model's experts may be split over the dp
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.search.profiles import Profile, profile_of
 from autopar.errors import PlanError
 
@@ -46,7 +49,7 @@ class Auto:
     vocab_parallel: bool = True
     optimizer_states: int = 2
     pipeline: bool = True
-    activation_checkpoint: tuple = (None, "selective", "full")
+    activation_checkpoint: tuple = (None, "selective", ActivationCheckpoint("selective", save_every=2), "full")
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True
     context_parallel: tuple = ("allgather", "ring")
