@@ -156,14 +156,14 @@ class ActivationCheckpoint(Technique):
 
     # ------------------------------------------------------------------ display
     def label(self) -> str:
-        """The mode in a few words (the search's choices): "full", "selective", "selective, every
-        2nd matmul"."""
-        return self.mode + (f", every {self.save_every}th matmul" if self.save_every > 1 else "")
+        """The mode in a few words (the search's choices): "full", "selective", "selective, 1
+        matmul in 2"."""
+        return self.mode + (f", 1 matmul in {self.save_every}" if self.save_every > 1 else "")
 
     def describe(self, plan) -> str:
         blocks = plan.built[self.name]
         what = "keeps matmul/attention and collective outputs" if self.mode == "selective" else "keeps block inputs"
-        what += f" (every {self.save_every}th matmul)" if self.save_every > 1 else ""
+        what += f" (1 matmul in {self.save_every})" if self.save_every > 1 else ""
         off = ", kept tensors offloaded to host memory" if self.offload else ""
         shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
         return f"activation checkpointing ({self.mode}, {what}{off}): {shown}"
