@@ -17,8 +17,8 @@ gradients of the loss's largest kept tensor, where they outweigh recompute + wor
 their gathering holds at the forward's end beyond all of those: activations + recompute +
 workspace + backward + outputs is the step's peak less the parameters' state).
 Time: per collective ``alpha * rounds + bytes / beta`` (ring: 2(n-1) rounds for all-reduce, n-1
-otherwise), compute ``flops / flops_per_s`` with backward counted as twice the forward; the total
-adds them (no overlap assumed).
+otherwise), compute ``flops / flops_per_s`` with backward counted as twice the forward (with a
+memory ``bandwidth``, each op's roofline: cost/op_time.py); the total adds them (no overlap assumed).
 
 Example:
     >>> c = plan.cost(sizes={"H": 32})

@@ -4,8 +4,9 @@ This is plan.cost()'s model evaluated with numbers instead of sympy (the search 
 many probe plans; sympy would take seconds on an 8B model), plus the two things a step time
 needs that a byte count does not: links and overlap.
 
-- compute: forward FLOPs per rank of every op (cost/plan_cost.py node_flops over the ranks that share
-  it), backward counted twice that, divided by the profile's FLOP/s.
+- compute: per op, forward and backward seconds on a rank (cost/op_time.py: the longer of its
+  FLOPs at the profile's rate and its kernels' bytes at its memory bandwidth); a checkpointed
+  region's ops run their forward once more. The optimizer step: its bytes at the bandwidth.
 - activation collectives (forward and backward, from cost.collectives, the list the runtime
   runs): ``alpha * ring rounds + bytes / beta`` of the axis' link; not overlapped.
 - gradient sync: per parameter, its local bytes on each axis it is summed over; on the dp
@@ -21,8 +22,11 @@ needs that a byte count does not: links and overlap.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
   unit: a repeated block, or the parameters outside blocks), activations (the tensors autograd
-  keeps, by the node that made them) - as cost/plan_cost.py memory_formulas counts them
-  (tests/simulated/test_auto_planning.py holds the two against each other).
+  keeps, by the node that made them), ``peak`` (what one batch's step adds at its peak: a
+  block's recompute, a lowering's workspace, the loss's backward) - as cost/plan_cost.py
+  memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each
+  other). As a pipeline rank (``scaled``): 1/m of ``peak``, and the gradients the storage keeps
+  whole while they accumulate over the m micro-batches (``Storage.accumulated_bytes``).
 
 Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]

@@ -1,29 +1,29 @@
-"""Device profiles: what a step costs on a kind of machine (alpha, beta per link, FLOP/s).
+"""Device profiles: what a step costs on a kind of machine (alpha, beta per link, FLOP/s, bandwidth).
 
 A collective on a mesh axis costs ``alpha * rounds + bytes / beta`` (ring rounds, see
-formulas.ring_steps); compute costs ``flops / flops_per_s``. An axis whose ranks all sit
+formulas.ring_steps); compute is a roofline per op (cost/op_time.py). An axis whose ranks all sit
 inside one node (the product of its size and the sizes of the axes after it is at most
 ``ranks_per_node``: ranks are row-major, so the last axis is the innermost) uses the
 ``intra`` link, any other the ``inter`` link. ``overlap`` is the fraction of the backward
 compute that the bucketed gradient sync can hide behind (1.0 on GPUs with their own
 communication streams; on a CPU, gloo's threads compete with compute for the same cores).
 
-Compute is a roofline per op (cost/op_time.py): the longer of its FLOPs at ``flops_per_s`` and
-the bytes it moves at ``memory_bandwidth``. GPU rates are measured (``bench/gpu_calibration.py``;
-figures in bench/RESULTS.md): on an H100 80GB HBM3 the four matmuls of a LLaMA-3.1-8B decoder
-layer (bf16, local batch 2 x 8192) and its causal flash attention ran forward + backward in
-36.6 ms, 675 TFLOP/s counting their FLOPs as the cost model does: that is ``h100``'s
-``flops_per_s`` (68% of the 989 TFLOP/s datasheet peak). The bandwidth is the datasheet's (HBM3
+An op takes the longer of its FLOPs at ``flops_per_s`` (matmuls; attention at
+``attention_flops_per_s`` where given) and the bytes its kernels move at ``memory_bandwidth``.
+GPU rates are measured (``bench/gpu_calibration.py``; figures in bench/RESULTS.md): on an H100
+80GB HBM3 the four matmuls of a LLaMA-3.1-8B decoder layer (bf16, local batch 2 x 8192) ran
+forward + backward at 731 TFLOP/s (74% of the 989 TFLOP/s datasheet peak) and its causal flash
+attention at 453, counting FLOPs as the cost model does. The bandwidth is the datasheet's (HBM3
 3.35 TB/s; the calibration's 4 GiB copy ran at 3.0). The rest of that layer (norms, RoPE,
-SwiGLU's products, residual adds, casts: 12.4 of its 49.0 ms) is what the bandwidth term
-predicts (docs/auto.md has the check). The A100 was not measured: ``a100`` takes the same share
-of its 312 TFLOP/s peak and its datasheet bandwidth (A100 80GB SXM, 2.04 TB/s). Links are derived
-from published figures: NVLink 4 ~450 GB/s per direction of all-reduce bus bandwidth, InfiniBand
-NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240 GB/s, HDR IB ~22 GB/s. ``cpu-gloo`` is this
-kind of machine (a few CPU cores, loopback TCP; FLOPs only: its rate is a measured step's);
-``ap.calibrate()`` measures the real one. ``h100-500w`` is the H100 of torchtitan's published
-runs (HBM2e, a 500 W power limit): the H100 rate scaled by the datasheets' power-cap ratio and
-its datasheet bandwidth (no constant fitted to their figures).
+SwiGLU's products, residual adds, casts: 12.4 of its 49.0 ms measured) the bandwidth term puts at
+8.0 ms (tests/unit/test_op_time.py; docs/auto.md). The A100 was not measured: ``a100`` takes the
+same share of its 312 TFLOP/s peak and its datasheet bandwidth (A100 80GB SXM, 2.04 TB/s). Links
+are derived from published figures: NVLink 4 ~450 GB/s per direction of all-reduce bus
+bandwidth, InfiniBand NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240 GB/s, HDR IB ~22 GB/s.
+``cpu-gloo`` is this kind of machine (a few CPU cores, loopback TCP; FLOPs only: its rate is a
+measured step's); ``ap.calibrate()`` measures the real one. ``h100-500w`` is the H100 of
+torchtitan's published runs (HBM2e, a 500 W power limit): the H100 rates scaled by the
+datasheets' power-cap ratio, and its datasheet bandwidth (no constant fitted to their figures).
 
 Example:
     >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand

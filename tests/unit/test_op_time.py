@@ -113,3 +113,18 @@ def test_the_measured_layer_against_its_roofline():
     assert tensor == pytest.approx(0.747 * measured, rel=0.01)
     assert 0.6 < memory / (measured - tensor) < 0.7
     assert 0.88 < (tensor + memory) / measured < 0.94
+
+
+def test_plan_cost_time_is_the_predicted_compute():
+    """plan.cost().time(..., bandwidth=) gives each op's roofline and the optimizer step as
+    ap.predict does (the same profile's numbers; zero=1: each rank steps half the state)."""
+    from tests.harness.models import gpt_batch, small_gpt
+
+    zero1 = ap.DataParallel("dp", zero=1)
+    plan = ap.plan(small_gpt(), ap.Mesh((2,), ("dp",)), args=gpt_batch(), data_parallel=zero1)
+    prof = ap.Auto(device="h100").profile()
+    cost, pred = plan.cost(), ap.predict(plan, prof)
+    t = cost.time(0.0, 1e30, prof.flops_per_s, prof.memory_bandwidth, prof.attention_flops_per_s)
+    assert cost.sy.value(t["compute"]) == pytest.approx(pred["compute_s"], rel=1e-6)
+    assert cost.sy.value(t["optimizer"]) == pytest.approx(pred["optimizer_s"], rel=1e-6)
+    assert pred["optimizer_s"] > 0 and pred["compute_s"] > cost.sy.value(cost.flops) / prof.flops_per_s
