@@ -61,7 +61,7 @@ from autopar.parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.parallel.param_names import canonical_names, held_params
 from autopar.parallel.precision import param_attrs
-from autopar.parallel.storage import Storage
+from autopar.parallel.storage import Storage, accumulates
 from autopar.runtime.ring import ring_bytes
 
 
@@ -231,7 +231,7 @@ def accumulated(plan, rank: int) -> int:
     (a pipeline's micro-batches), the bytes of the unreduced gradient flats ``rank`` keeps
     whole until the last piece's backward (fsdp_runtime.FSDPRuntime.reduce under no_sync: one
     per bucket of its stages, in ``reduce_dtype``, else the gradients' dtype); 0 otherwise."""
-    if max((t.batch_pieces() for t in plan.options.techniques), default=1) <= 1:
+    if not accumulates(plan):
         return 0
     dp, k = plan.data_parallel, shard_size(plan)
     return sum(b.chunk * k * (dp.reduce_dtype or dp.param_dtype or b.dtype).itemsize for b in held_buckets(plan, rank))

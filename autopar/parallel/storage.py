@@ -21,6 +21,13 @@ from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
 
 
+def accumulates(plan) -> bool:
+    """Whether the plan's techniques cut a rank's batch into pieces that each run backward (a
+    pipeline's micro-batches): the gradient sync then runs once, in the last, and the gradients
+    accumulate between them."""
+    return max((t.batch_pieces() for t in plan.options.techniques), default=1) > 1
+
+
 class Storage:
     """The hooks a policy may change; the defaults keep everything as computed (zero=0)."""
 
@@ -137,7 +144,14 @@ class ShardedOptimizer(Storage):
         out = dict(mem, optimizer_state=state_slots * kept)
         if self.level == 2:
             out["grads"] = kept
+            out["accumulated"] = mem["grads"] - kept if accumulates(plan) else 0  # whole until the last backward
         return out
+
+    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+        """ZeRO-2 accumulating over micro-batches: the gradients whole until the last backward."""
+        if self.level != 2 or not accumulates(plan):
+            return terms
+        return dict(terms, accumulated=terms["grads"] * (symbols.axes[plan.dp_axis] - 1))
 
     def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
         """The ZeRO-2 slices' gradients (counted there, the module's full-size gradient not). ZeRO-1's

@@ -141,3 +141,7 @@ def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
     assert with_flats == pytest.approx(ap.predict(plan, prof)["memory"])
     rank.pieces = 1
     assert with_flats - rank.memory(plan.mesh, plan.dp_axis, dp, plan) == most[0]
+    zero2 = plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))
+    for rank in plan.mesh.ranks():  # ZeRO-2 keeps 1/2 of its gradients, but whole while they accumulate
+        mem = zero2.memory_per_rank(rank)
+        assert mem["accumulated"] == mem["grads"] > 0
