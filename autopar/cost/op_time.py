@@ -74,8 +74,14 @@ def node_flops(node, sy) -> sympy.Expr:
 
 
 def is_causal(node) -> bool:
-    """An attention op called with ``is_causal=True`` (scaled_dot_product_attention's 6th argument)."""
-    return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
+    """An attention op called with ``is_causal=True`` (where its schema puts the argument: the
+    kernels export may leave take it at different positions)."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "is_causal" not in names:
+        return False
+    i = names.index("is_causal")
+    return bool(node.args[i] if len(node.args) > i else node.kwargs.get("is_causal", False))
 
 
 def split_factor(spec, sy) -> sympy.Expr:
