@@ -56,16 +56,36 @@ SCRIPT = r"""
 import json, resource, sys, time
 import torch
 import autopar as ap
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+# torchtitan's attention: F.scaled_dot_product_attention(q, k, v, is_causal=True), no mask tensor.
+# HF's own "sdpa" builds a (B, 1, S, S) boolean mask when traced (it cannot see that no padding
+# comes); under a name HF has no mask function for, it builds none and SDPA runs causal, GQA in
+# the kernel (enable_gqa) instead of copied K/V heads.
+AttentionInterface.register("causal_sdpa", sdpa_attention_forward)
 size, shape, names, local, seq, mode, search = json.loads(sys.argv[1])
 hidden, inter, layers, heads, kv = {"8b": (4096, 14336, 32, 32, 8), "70b": (8192, 28672, 80, 64, 8),
                                     "405b": (16384, 53248, 126, 128, 8)}[size]
 cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv, vocab_size=128256, max_position_embeddings=seq, use_cache=False,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, attn_implementation="causal_sdpa")
+
+
+class LossOnly(torch.nn.Module):
+    # The step's program returns the loss alone: torchtitan's loop keeps the loss and frees the
+    # logits (del pred; under a pipeline the last stage feeds them to the loss), where HF's model
+    # also returns them, gathered over a vocabulary split.
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
 with torch.device("meta"):
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # traced in bf16: activations as the runs kept them
+    model = LossOnly(LlamaForCausalLM(cfg).to(torch.bfloat16))  # traced in bf16: activations as the runs kept them
 mesh = ap.Mesh(tuple(shape), tuple(names))
 dp_size = 1
 for n, s in zip(names, shape):
@@ -75,12 +95,18 @@ ids = torch.zeros(local * dp_size, seq, dtype=torch.long, device="meta")
 kw = {"input_ids": ids, "labels": ids}
 t0 = time.perf_counter()
 if search is None:
+    # torchtitan's FSDP: gradients reduced in fp32; under a pipeline the blocks stay gathered
+    # through the step (apply_fsdp: reshard_after_forward=False when pp is on)
     dp = ap.DataParallel("dp", zero=3, replicate_axis="rep" if "rep" in names else None,
-                         shard_size=(shape[0] * shape[1]) if "rep" in names else None)
+                         shard_size=(shape[0] * shape[1]) if "rep" in names else None, reduce_dtype=torch.float32,
+                         reshard_after_forward="pp" not in names)
     ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True) if "tp" in names else {}
-    pipe = ap.Pipeline("pp", microbatches=local, schedule="1f1b") if "pp" in names else None
+    pp = dict(zip(names, shape)).get("pp")  # torchtitan's default micro-batch count: the pp degree
+    pipe = ap.Pipeline("pp", microbatches=pp, schedule="1f1b") if pp else None
+    # torchtitan's selective policy (selective_ac_option = "op") keeps every second matmul's output
+    ac = ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
     plan = ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False, pipeline=pipe,
-                   activation_checkpoint=ap.ActivationCheckpoint(mode))
+                   activation_checkpoint=ac)
     chosen = "hand"
 else:
     plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, auto=ap.Auto(device="h100", memory_budget=search * 2**30))

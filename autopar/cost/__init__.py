@@ -13,7 +13,8 @@ Example:
 
 from autopar.cost.collectives import Comm, collectives, make_comm
 from autopar.cost.formulas import PlanSymbols, simplify
-from autopar.cost.plan_cost import Cost, formula_of, layer_of, split_factor
+from autopar.cost.op_time import split_factor
+from autopar.cost.plan_cost import Cost, formula_of, layer_of
 
 __all__ = [
     "Comm",

@@ -17,8 +17,8 @@ gradients of the loss's largest kept tensor, where they outweigh recompute + wor
 their gathering holds at the forward's end beyond all of those: activations + recompute +
 workspace + backward + outputs is the step's peak less the parameters' state).
 Time: per collective ``alpha * rounds + bytes / beta`` (ring: 2(n-1) rounds for all-reduce, n-1
-otherwise), compute ``flops / flops_per_s`` with backward counted as twice the forward; the total
-adds them (no overlap assumed).
+otherwise), compute ``flops / flops_per_s`` with backward counted as twice the forward (with a
+memory ``bandwidth``, each op's roofline: cost/op_time.py); the total adds them (no overlap assumed).
 
 Example:
     >>> c = plan.cost(sizes={"H": 32})
@@ -43,12 +43,11 @@ from autopar.cost.activation_memory import (
 )
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers, PlanSymbols, simplify
+from autopar.cost.op_time import node_flops, node_seconds, optimizer_step_bytes, split_factor
 from autopar.placement import Shard, is_uneven
-from autopar.sharding.expert_blocks import BLOCKS
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
-from autopar.sharding.rules import VIEW, Work, op_traits
 
 
 def layer_of(path: str) -> str:
@@ -63,11 +62,6 @@ def layer_of(path: str) -> str:
     return path
 
 
-def op_work(node) -> Work:
-    """The work ``node``'s op does, as its rule file declared it (sharding/rules/registry.py)."""
-    return op_traits(node.target).work
-
-
 class Cost:
     """Formulas for one plan (see the module docstring); ``at(**dims)`` gives numbers."""
 
@@ -80,6 +74,7 @@ class Cost:
         self.comm_by_layer = _sum_by(
             self.comms, lambda c: (layer_of(c.module) if c.phase != "grad sync" else "(grad sync)", c.axis)
         )
+        self.states = optimizer_states
         self.memory = memory_formulas(plan, self.sy, optimizer_states)
         self.flops = flops_formula(plan, self.sy)
 
@@ -100,20 +95,38 @@ class Cost:
             "flops": ev(self.flops),
         }
 
-    def time(self, alpha=5e-6, beta=25e9, flops_per_s=1e12) -> dict:
-        """Seconds per step as formulas (alpha-beta per collective, FLOPs / flops_per_s).
+    def time(self, alpha=5e-6, beta=25e9, flops_per_s=1e12, bandwidth=None, attention_flops_per_s=None) -> dict:
+        """Seconds per step as formulas: alpha-beta per collective; compute per op, its FLOPs at
+        ``flops_per_s`` or, with a memory ``bandwidth`` (B/s), the longer of that and its bytes
+        at the bandwidth (cost/op_time.py: the roofline ap.predict and the search use),
+        checkpointed regions' forward counted again; with a bandwidth also ``optimizer``, the
+        optimizer step's bytes (op_time.optimizer_step_bytes) at it.
 
         Pass a string (e.g. ``alpha="alpha"``) to keep that parameter a symbol."""
-        alpha, beta, fps = (
-            sympy.Symbol(v, positive=True) if isinstance(v, str) else v for v in (alpha, beta, flops_per_s)
+        alpha, beta, fps, bw, attn = (
+            sympy.Symbol(v, positive=True) if isinstance(v, str) else v
+            for v in (alpha, beta, flops_per_s, bandwidth, attention_flops_per_s)
         )
         comm = defaultdict(lambda: sympy.Integer(0))
         for c in self.comms:
             n = self.sy.axis(c.axis)
             comm[c.axis] += alpha * ring_steps(c.kind, n) + formula_of(c) / beta
-        compute = self.flops / fps
-        total = compute + sum(comm.values())
-        return {"compute": compute, "comm": dict(comm), "total": total}
+        compute = compute_seconds(self.plan, self.sy, fps, bw, attn)
+        out = {"compute": compute, "comm": dict(comm), "total": compute + sum(comm.values())}
+        if bw is not None:
+            out["optimizer"] = self.step_bytes / bw
+            out["total"] += out["optimizer"]
+        return out
+
+    @property
+    def step_bytes(self) -> sympy.Expr:
+        """Bytes the optimizer step moves on a rank: its state (``memory["optimizer"]``, as ZeRO
+        shards it) and the parameters it steps with their gradients (as many bytes per state
+        byte as the model's trainable parameters have)."""
+        states = sum(p.numel() for p in self.plan.model.parameters() if p.requires_grad) * 4 * self.states
+        grads = sum(p.numel() * p.element_size() for p in self.plan.model.parameters() if p.requires_grad)
+        stepped = self.memory["optimizer"] * sympy.Rational(grads, states) if states else self.memory["grads"]
+        return optimizer_step_bytes(self.memory["optimizer"], stepped)
 
     def steps(self, alpha=5e-6, beta=25e9, flops_per_s=1e12) -> dict:
         """Node -> one step of a lowering that runs in steps (ring attention: Lowering.steps):
@@ -219,38 +232,6 @@ def _beyond(a, b, sy):
     return sympy.Max(0, sympy.sympify(a) - sympy.sympify(b))
 
 
-def node_flops(node, sy: PlanSymbols) -> sympy.Expr:
-    """Global forward FLOPs of one op by the work its rule file declares: matmuls 2*M*N*K,
-    attention 4*L*S*D per head, MoE experts 2*T*k*(one expert's weights), views none, anything
-    else one per output element."""
-    work = op_work(node)
-    outs = [v for v in tensor_outputs(node) if v is not None]
-    if work is VIEW or not outs:
-        return sympy.Integer(0)
-    out_numel = sy.numel(outs[0].shape)
-    if work.kind == "matmul":
-        a = node.args[work.lhs_arg]
-        return 2 * out_numel * sy.dim(a.meta["val"].shape[-1])
-    if work.kind == "attention":
-        q, key = node.args[0].meta["val"], node.args[1].meta["val"]
-        return 4 * sy.numel(q.shape) * sy.dim(key.shape[-2])
-    if work.kind == "experts":  # every routed row through one expert's weights
-        stacked = [p.meta["val"].shape[1:] for p in node.args[3] if p.meta["val"].dim() == 3]
-        per_expert = BLOCKS[node.args[4]].per_expert  # a ModuleList's: expert 0's own tensors
-        one = stacked or [p.meta["val"].shape for p in node.args[3][:per_expert]]
-        return 2 * sy.numel(node.args[1].meta["val"].shape) * sum(sy.numel(shape) for shape in one)
-    return out_numel
-
-
-def split_factor(spec, sy) -> sympy.Expr:
-    """How many ranks share one op's work: the axes on which its output is not replicated."""
-    f = sympy.Integer(1)
-    for axis, p in enumerate(spec or ()):
-        if not p.is_replicate():
-            f *= sy.axes[axis]
-    return f
-
-
 def largest_piece(node, sy: PlanSymbols) -> sympy.Expr:
     """How much more than an even share of ``node``'s work the busiest rank does: per axis where
     the op's split dims do not divide (every split dim of an op on one axis has the same size:
@@ -278,3 +259,19 @@ def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
         f = node_flops(node, sy) / split_factor(layout_of(node).spec, sy) * largest_piece(node, sy)
         total += f * (3 if plan.ctx.needs_grad.get(node) else 1)
     return simplify(total)
+
+
+def compute_seconds(plan, sy: PlanSymbols, flops_per_s, bandwidth=None, attention_flops_per_s=None) -> sympy.Expr:
+    """Compute seconds per rank and step: each op's forward and, where its output needs a
+    gradient, backward (op_time.node_seconds), the ops of checkpointed regions run forward once
+    more; on the busiest rank where a split does not divide (``largest_piece``)."""
+    recomputed = set().union(*(t.recomputed(plan) for t in plan.options.techniques))
+    total = sympy.Integer(0)
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
+            continue
+        grad = bool(plan.ctx.needs_grad.get(node))
+        fwd, bwd = node_seconds(node, sy, flops_per_s, bandwidth, grad, plan.ctx.needs_grad, attention_flops_per_s)
+        again = fwd if grad and node.name in recomputed else 0
+        total += (fwd + bwd + again) * largest_piece(node, sy)
+    return total

@@ -20,13 +20,18 @@ def _gib(b) -> str:
     return fmt_bytes(b)
 
 
+def _bandwidth(prof: dict) -> str:
+    bw = prof.get("memory_bandwidth")
+    return "" if bw is None else f", memory {bw:.3g} B/s"
+
+
 def search_text(rec: dict) -> str:
     prof = rec["profile"]
     budget = "none" if rec["budget"] is None else _gib(rec["budget"])
     lines = [
         f"automatic plan: {rec['chosen']}",
         f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})",
-        f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s, intra-node alpha "
+        f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s{_bandwidth(prof)}, intra-node alpha "
         f"{prof['intra'][0]:.2g} s beta {prof['intra'][1]:.3g} B/s, inter-node alpha {prof['inter'][0]:.2g} s "
         f"beta {prof['inter'][1]:.3g} B/s, gradient sync overlap {prof['overlap']}",
         f"  solver {rec['solver']}: {rec['options']} options from {rec['probes']} probe plans "

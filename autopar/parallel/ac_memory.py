@@ -35,7 +35,7 @@ def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Sav
     what its selective policy keeps; empty without it)."""
     blocks = set(plan.built[technique.name])
     nodes = {n.name: n for n in plan.graph.nodes}
-    keep_ops = technique.graph_save_ops() if technique.mode == "selective" else frozenset()
+    keep = technique.kept_nodes(plan)
     kept, redone, edges = [], {b: [] for b in blocks}, []
     for s in saved_activations(plan):
         block = block_of(nodes[s.consumer], blocks)
@@ -45,7 +45,7 @@ def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Sav
         inside = s.producer is not None and block_of(nodes[s.producer], blocks) == block
         if not inside and s.producer is not None:
             edges.append(s)  # the block's input: the checkpoint holds it
-        elif nodes[s.producer or s.consumer].target in keep_ops:
+        elif (s.producer or s.consumer) in keep:
             edges.append(s)  # a selective policy keeps this op's outputs
         else:
             redone[block].append(s)
@@ -53,9 +53,7 @@ def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Sav
     # a selective policy stores every output of the ops it keeps, read by backward or not
     # (consumer "<op>:cache": the policy's cache holds it, no backward op; alive in a recompute
     # only while the recompute reads it, unless a backward op saves it too)
-    edges += [
-        Saved(f"{n.name}:cache", n.name, 0) for n in plan.graph.nodes if n.target in keep_ops and block_of(n, blocks)
-    ]
+    edges += [Saved(f"{n.name}:cache", n.name, 0) for n in plan.graph.nodes if n.name in keep]
     if technique.mode == "selective":
         edges += _collective_outputs(plan, blocks)
     if not technique.offload:

@@ -68,7 +68,9 @@ class ActivationCheckpoint(Technique):
     ``mode``: "full" or "selective"; ``every``: checkpoint blocks 0, k, 2k, ...; ``pattern``:
     fnmatch pattern over module paths (default: the repeated blocks); ``save``: ATen ops whose
     outputs a selective policy keeps (default: matmuls and attention); ``offload``: what a
-    region keeps (its inputs, the policy's outputs) in host memory until its backward.
+    region keeps (its inputs, the policy's outputs) in host memory until its backward;
+    ``save_every``: of the matmuls a selective policy keeps, only every k-th a block runs (the
+    1st, (k+1)-th, ...), the others recomputed (torchtitan's op-level policy: 2).
     """
 
     mode: str = "full"
@@ -76,6 +78,7 @@ class ActivationCheckpoint(Technique):
     pattern: str | None = None
     save: tuple | None = None
     offload: bool = False
+    save_every: int = 1
 
     name = "activation_checkpoint"
     order = 90  # last: its regions take in what the other techniques wrote into the program
@@ -100,6 +103,12 @@ class ActivationCheckpoint(Technique):
                     "ActivationCheckpoint(save=...) chooses what selective mode keeps: add mode='selective'."
                 )
             object.__setattr__(self, "save", save)
+        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 1:
+            raise PlanError(f"ActivationCheckpoint(save_every={self.save_every!r}) must be an int >= 1.")
+        if self.save_every > 1 and self.mode != "selective":
+            raise PlanError(
+                "ActivationCheckpoint(save_every=...) thins what selective mode keeps: add mode='selective'."
+            )
 
     @classmethod
     def of(cls, value):
@@ -138,16 +147,23 @@ class ActivationCheckpoint(Technique):
 
         def make_region(block, body, inputs, mutated):
             name = f"checkpoint_{block.replace('.', '_')}"
-            return Region(name, body, self.mode, mutated, save if self.mode == "selective" else (), self.offload)
+            kept = save if self.mode == "selective" else ()
+            return Region(name, body, self.mode, mutated, kept, self.offload, self.save_every, MATMULS)
 
         made = outline(graph, blocks, make_region, frozenset(plan.model_tensors["buffers"]))
         for before, region in zip(made, made[1:]):  # offload: a recompute prefetches the one before
             region.before = before
 
     # ------------------------------------------------------------------ display
+    def label(self) -> str:
+        """The mode in a few words (the search's choices): "full", "selective", "selective, 1
+        matmul in 2"."""
+        return self.mode + (f", 1 matmul in {self.save_every}" if self.save_every > 1 else "")
+
     def describe(self, plan) -> str:
         blocks = plan.built[self.name]
         what = "keeps matmul/attention and collective outputs" if self.mode == "selective" else "keeps block inputs"
+        what += f" (1 matmul in {self.save_every})" if self.save_every > 1 else ""
         off = ", kept tensors offloaded to host memory" if self.offload else ""
         shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
         return f"activation checkpointing ({self.mode}, {what}{off}): {shown}"
@@ -182,13 +198,31 @@ class ActivationCheckpoint(Technique):
 
     def recomputed(self, plan) -> set:
         """Every node of a checkpointed block; under the selective policy, less the ops it keeps."""
-        blocks = set(plan.built[self.name])
-        keep = self.graph_save_ops() if self.mode == "selective" else frozenset()
+        blocks, keep = set(plan.built[self.name]), self.kept_nodes(plan)
         return {
             n.name
             for n in plan.graph.nodes
-            if n.op == "call_function" and n.target not in keep and block_of(n, blocks) is not None
+            if n.op == "call_function" and n.name not in keep and block_of(n, blocks) is not None
         }
+
+    def kept_nodes(self, plan) -> set:
+        """The graph nodes of the blocks whose outputs the selective policy keeps: its ops, of the
+        matmuls every ``save_every``-th in each block's order (a graph matmul runs as one matmul
+        kernel, which the run-time policy counts); none in full mode."""
+        if self.mode != "selective":
+            return set()
+        ops, blocks, kept, count = self.graph_save_ops(), set(plan.built[self.name]), set(), {}
+        matmuls = set(MATMULS) | set(RUNS_AS) - {aten.scaled_dot_product_attention.default}
+        for n in plan.graph.nodes:
+            block = block_of(n, blocks) if n.op == "call_function" and n.target in ops else None
+            if block is None:
+                continue
+            if n.target in matmuls:
+                count[block] = count.get(block, 0) + 1
+                if (count[block] - 1) % self.save_every:
+                    continue
+            kept.add(n.name)
+        return kept
 
     def fields(self) -> dict:
         out = super().fields()

@@ -66,7 +66,7 @@ from autopar.parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.parallel.param_names import canonical_names, held_params
 from autopar.parallel.precision import param_attrs
-from autopar.parallel.storage import Storage
+from autopar.parallel.storage import Storage, accumulates
 from autopar.runtime.ring import ring_bytes
 
 
@@ -208,6 +208,7 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
         optimizer_state=state_slots * (whole_trainable + trainable),
         gathered=gathered,
         reduce_buffers=reducing,
+        accumulated=accumulated(plan, rank),
         params_unsharded=mem["params"],
         shard_size=k,
     )
@@ -229,6 +230,17 @@ def held(plan, rank: int) -> tuple[int, int]:
     grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
     reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
     return gathered, reducing
+
+
+def accumulated(plan, rank: int) -> int:
+    """Where the plan's techniques cut a rank's batch into pieces, each run backward on its own
+    (a pipeline's micro-batches), the bytes of the unreduced gradient flats ``rank`` keeps
+    whole until the last piece's backward (fsdp_runtime.FSDPRuntime.reduce under no_sync: one
+    per bucket of its stages, in ``reduce_dtype``, else the gradients' dtype); 0 otherwise."""
+    if not accumulates(plan):
+        return 0
+    dp, k = plan.data_parallel, shard_size(plan)
+    return sum(b.chunk * k * (dp.reduce_dtype or dp.param_dtype or b.dtype).itemsize for b in held_buckets(plan, rank))
 
 
 def collectives(plan, sy) -> list:
@@ -360,14 +372,24 @@ class FullyShardedStorage(Storage):
         unit = _as(largest_unit_bytes, dp.param_dtype)
         return (1 + dp.prefetch) * unit + unit + grad  # (without resharding every block stays: not estimated)
 
+    def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
+        """The gathers' unreduced gradient flats, kept whole from a unit's first backward of the
+        step to its last (FSDPRuntime.reduce under no_sync), in ``reduce_dtype`` (else the
+        gradients' dtype): of ``plan``'s buckets on rank 0 where given."""
+        if plan is not None:
+            return accumulated(plan, 0)
+        dtype = dp.reduce_dtype or dp.param_dtype
+        return grad_elems * dtype.itemsize if dtype is not None else grad_bytes
+
     def memory(self, plan, rank, state_slots, mem):
         return memory(plan, rank, state_slots, mem)
 
     def memory_formulas(self, plan, symbols, terms):
-        """Blocks gathered at once and one bucket's reduce buffers, as numbers (they depend on
-        the buckets, not on the batch)."""
+        """Blocks gathered at once, one bucket's reduce buffers and, accumulating over a
+        pipeline's micro-batches, the unreduced gradient flats: ``gathered``, as numbers (they
+        depend on the buckets, not on the batch)."""
         held = plan.memory_per_rank(0)
-        return dict(terms, gathered=sympy.Integer(held["gathered"] + held["reduce_buffers"]))
+        return dict(terms, gathered=sympy.Integer(held["gathered"] + held["reduce_buffers"] + held["accumulated"]))
 
     def collectives(self, plan, symbols) -> list:
         return collectives(plan, symbols)

@@ -23,6 +23,13 @@ from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
 
 
+def accumulates(plan) -> bool:
+    """Whether the plan's techniques cut a rank's batch into pieces that each run backward (a
+    pipeline's micro-batches): the gradient sync then runs once, in the last, and the gradients
+    accumulate between them."""
+    return max((t.batch_pieces() for t in plan.options.techniques), default=1) > 1
+
+
 class Storage:
     """The hooks a policy may change; the defaults keep everything as computed (zero=0)."""
 
@@ -96,6 +103,13 @@ class Storage:
         sharded over ``fold`` times as many ranks where ``shard_axes`` adds context-parallel axes."""
         return 1, 1, 1
 
+    def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
+        """Bytes a rank holds beyond its kept gradients while a step accumulates them over several
+        backward passes (a pipeline's micro-batches: the sync runs once, in the last one), of
+        ``grad_bytes`` (``grad_elems`` elements) of dp-synced gradients, or of ``plan``'s own
+        buckets where given: none where the gradients are kept whole anyway."""
+        return 0.0
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         return mem
 
@@ -121,6 +135,11 @@ class ShardedOptimizer(Storage):
     def memory_divisors(self, dp, n, fold=1):
         return 1, (n * fold if self.level == 2 else 1), n * fold
 
+    def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
+        """ZeRO-2 keeps 1/n of the gradients once reduce-scattered; accumulating, each rank holds
+        them whole until the last backward (GradSync.no_sync accumulates in ``.grad``)."""
+        return grad_bytes * (1 - 1 / n) if self.level == 2 else 0.0
+
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Each rank steps its 1/dp slice of every dp bucket (1/(dp cp) folded; ZeRO-2: keeps only
         its gradients)."""
@@ -132,7 +151,14 @@ class ShardedOptimizer(Storage):
         out = dict(mem, optimizer_state=state_slots * kept)
         if self.level == 2:
             out["grads"] = kept
+            out["accumulated"] = mem["grads"] - kept if accumulates(plan) else 0  # whole until the last backward
         return out
+
+    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+        """ZeRO-2 accumulating over micro-batches: the gradients whole until the last backward."""
+        if self.level != 2 or not accumulates(plan):
+            return terms
+        return dict(terms, accumulated=terms["grads"] * (symbols.axes[plan.dp_axis] - 1))
 
     def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
         """The ZeRO-2 slices' gradients (counted there, the module's full-size gradient not). ZeRO-1's

@@ -129,8 +129,10 @@ class Technique:
         and ap.predict's cost model): ``time`` (share of the compute), ``state`` (of parameter,
         gradient and optimizer bytes), ``acts`` (of activation bytes), and ``sends``: (mesh axis
         name, messages per step, share of one boundary activation each) of the point-to-point
-        traffic it adds. ``built``: what after_plan made, where known (the pipeline's stages,
-        costed each from its own nodes). None: unchanged."""
+        traffic it adds; ``pieces``: backward passes per step (the gradients accumulate between
+        them; what one pass holds at its peak is 1/pieces of the batch's). ``built``: what
+        after_plan made, where known (the pipeline's stages, costed each from its own nodes).
+        None: unchanged."""
         return None
 
     # ---- storage and program: a technique that stores parameters otherwise than it computes

@@ -54,12 +54,21 @@ def is_collective(op) -> bool:
 _LOCAL_AUTOPAR_OPS = frozenset({"dropout_mask", "random_draw", "shard", "scale_grad"})
 
 
-def save_policy(save_ops: frozenset):
+def save_policy(save_ops: frozenset, every: int = 1, counted: frozenset = frozenset()):
     """The selective policy: keep the outputs of ``save_ops`` and of every collective, recompute
-    everything else (pointwise ops, norms, activations, dropout)."""
+    everything else (pointwise ops, norms, activations, dropout); of the ``counted`` ops (the
+    matmuls) only every ``every``-th of a region's run, the 1st, (every+1)-th, ... (one policy per
+    call: the forward and its recompute count alike)."""
+    seen = {False: 0, True: 0}  # the forward's count and the recompute's
 
     def policy(ctx, op, *args, **kwargs):
-        if op in save_ops or is_collective(op):
+        if is_collective(op):
+            return CheckpointPolicy.MUST_SAVE
+        if op in save_ops and op in counted and every > 1:
+            seen[ctx.is_recompute] += 1
+            if (seen[ctx.is_recompute] - 1) % every:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in save_ops:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -177,11 +186,14 @@ class Region:
     the selective policy's outputs.
     """
 
-    def __init__(self, name, body, mode="full", mutated=(), save_ops=frozenset(), offload=False):
+    def __init__(
+        self, name, body, mode="full", mutated=(), save_ops=frozenset(), offload=False, save_every=1, counted=()
+    ):
         self.__name__ = self.__qualname__ = name  # how the emitted program's code names it
         self.__module__ = __name__
         self.body, self.mode, self.mutated = body, mode, tuple(mutated)
         self.save_ops, self.offload = frozenset(save_ops), offload
+        self.save_every, self.counted = save_every, frozenset(counted)
         self.before: Region | None = None  # the region the program calls before this one (offload's prefetch)
 
     def latest(self):
@@ -216,7 +228,8 @@ class Region:
 
     def _contexts(self, states, snapshots, moved: _Moved):
         if self.mode == "selective":
-            forward, recompute = create_selective_checkpoint_contexts(save_policy(self.save_ops))
+            policy = save_policy(self.save_ops, self.save_every, self.counted)
+            forward, recompute = create_selective_checkpoint_contexts(policy)
             if self.offload:  # the policy's cache, its tensors on the host (shared by both modes)
                 assert hasattr(forward, "storage") and hasattr(recompute, "storage"), "torch's SAC modes changed"
                 forward.storage = recompute.storage = moved.cache = host_cache()

@@ -102,7 +102,7 @@ def search(
     batch = batch_size(traced)
     if context is None:
         structs = _undominated(structs, mesh, batch, _state_floor(model, auto), auto.memory_budget)
-    modes = (checkpoint.mode,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
+    modes = (checkpoint,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
     if dp is not None:  # the user's data parallel: over their axes only
         fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
         structs = [s for s in structs if s.rep == fixed_rep]
@@ -262,7 +262,7 @@ def search(
     chosen = {
         "data_parallel": s.data_parallel(mesh, base_dp, *storage),
         "pipeline": pipe,
-        "activation_checkpoint": checkpoint if checkpoint is not None else (mode and ActivationCheckpoint(mode)),
+        "activation_checkpoint": checkpoint if checkpoint is not None else _checkpointing(mode),
         "context_parallel": context if context is not None else s.context_parallel(mesh),
         "split_before": paths or tuple(split_before),
     }
@@ -359,7 +359,7 @@ def _probe(
                 # the plan's own options: data parallel over two axes is planned on their merged axis
                 # (with the probe's options the axes differ, and every checkpointed variant of
                 # such a probe was refused: two-axis data parallel was only searched without it)
-                variant = plan.with_options(plan.options.replace(activation_checkpoint=ActivationCheckpoint(mode)))
+                variant = plan.with_options(plan.options.replace(activation_checkpoint=_checkpointing(mode)))
             except PlanError:
                 continue
             share_saved_activations(variant, saves)  # same graph and layouts: the same saved tensors
@@ -420,7 +420,8 @@ def _coefs(t: Terms, mesh, profile, dp, shares=None, base=False) -> tuple:
         dp_axis = mesh.axis_index(dp.axis)
     sync, ahead, after = t.dp_sync(mesh, profile, dp_axis, dp)
     hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
-    return (t.compute + t.comm + after, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
+    step = t.step_seconds(mesh, profile, dp_axis, dp)
+    return (t.compute + t.comm + after + step, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
 
 
 def prefetches(dp, mesh, dp_axis) -> bool:
@@ -615,7 +616,12 @@ def _label(mesh, option) -> str:
         label += f", interleaved 1F1B x{pipe.chunks}"
     if paths:
         label += ", stages balanced for memory"
-    return label + (f", {mode} checkpointing" if mode else "")
+    return label + (f", {_checkpointing(mode).label()} checkpointing" if mode else "")
+
+
+def _checkpointing(mode) -> ActivationCheckpoint | None:
+    """A checkpointing choice of the search (a mode name or an ap.ActivationCheckpoint) as the technique."""
+    return mode if mode is None or isinstance(mode, ActivationCheckpoint) else ActivationCheckpoint(mode)
 
 
 def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes) -> dict:

@@ -4,8 +4,9 @@ This is plan.cost()'s model evaluated with numbers instead of sympy (the search 
 many probe plans; sympy would take seconds on an 8B model), plus the two things a step time
 needs that a byte count does not: links and overlap.
 
-- compute: forward FLOPs per rank of every op (cost/plan_cost.py node_flops over the ranks that share
-  it), backward counted twice that, divided by the profile's FLOP/s.
+- compute: per op, forward and backward seconds on a rank (cost/op_time.py: the longer of its
+  FLOPs at the profile's rate and its kernels' bytes at its memory bandwidth); a checkpointed
+  region's ops run their forward once more. The optimizer step: its bytes at the bandwidth.
 - activation collectives (forward and backward, from cost.collectives, the list the runtime
   runs): ``alpha * ring rounds + bytes / beta`` of the axis' link; not overlapped.
 - gradient sync: per parameter, its local bytes on each axis it is summed over; on the dp
@@ -21,8 +22,11 @@ needs that a byte count does not: links and overlap.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
   unit: a repeated block, or the parameters outside blocks), activations (the tensors autograd
-  keeps, by the node that made them) - as cost/plan_cost.py memory_formulas counts them
-  (tests/simulated/test_auto_planning.py holds the two against each other).
+  keeps, by the node that made them), ``peak`` (what one batch's step adds at its peak: a
+  block's recompute, a lowering's workspace, the loss's backward) - as cost/plan_cost.py
+  memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each
+  other). As a pipeline rank (``scaled``): 1/m of ``peak``, and the gradients the storage keeps
+  whole while they accumulate over the m micro-batches (``Storage.accumulated_bytes``).
 
 Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]
@@ -38,7 +42,8 @@ from dataclasses import dataclass, field, fields
 from autopar.cost.activation_memory import bytes_by_node, loss_backward_source, saved_activations
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import activation_terms, node_flops, split_factor
+from autopar.cost.op_time import node_seconds, optimizer_step_bytes
+from autopar.cost.plan_cost import activation_terms
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of
 
@@ -59,7 +64,10 @@ class Terms:
     grads_other: float = 0.0  # gradient bytes not synced on dp (ZeRO does not shard them)
     opt_other: float = 0.0
     opt_dp: float = 0.0  # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
-    acts: float = 0.0
+    acts: float = 0.0  # the tensors autograd keeps through the step (and per-block extras)
+    peak: float = 0.0  # what one batch's step adds at its peak: a recompute, a workspace, the loss's backward
+    dp_grad_elems: float = 0.0  # elements of the dp-synced gradients (their bytes in another dtype)
+    pieces: float = 1.0  # backward passes per step (a pipeline's micro-batches; a max): > 1 accumulates
     largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
     boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
     units: float = 0.0  # zero=3's gather units (blocks, and the parameters outside blocks)
@@ -70,7 +78,7 @@ class Terms:
             if f.name == "comm_bytes":
                 for k, v in other.comm_bytes.items():
                     self.comm_bytes[k] = self.comm_bytes.get(k, 0.0) + w * v
-            elif f.name in ("largest_unit", "boundary"):
+            elif f.name in ("largest_unit", "boundary", "pieces"):
                 setattr(self, f.name, max(getattr(self, f.name), getattr(other, f.name)))
             else:
                 setattr(self, f.name, getattr(self, f.name) + w * getattr(other, f.name))
@@ -85,9 +93,21 @@ class Terms:
         out = Terms(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "comm_bytes"})
         for name in ("compute", "backward", "comm"):
             setattr(out, name, getattr(self, name) * shares["time"])
-        for name in ("sync_other", "dp_grad", "params", "params_other", "grads_other", "opt_other", "opt_dp", "units"):
+        state = (
+            "sync_other",
+            "dp_grad",
+            "dp_grad_elems",
+            "params",
+            "params_other",
+            "grads_other",
+            "opt_other",
+            "opt_dp",
+        )
+        for name in (*state, "units"):
             setattr(out, name, getattr(self, name) * shares["state"])
         out.acts = self.acts * shares["acts"]
+        out.pieces = shares.get("pieces", 1)
+        out.peak = self.peak / out.pieces  # one micro-batch's recompute / loss backward, on its stage
         out.comm_bytes = {k: v * shares["state"] for k, v in self.comm_bytes.items()}
         axis, messages, share = shares["sends"]
         if not sends:
@@ -131,12 +151,15 @@ class Terms:
                 + self.opt_dp
                 + self.opt_other
                 + self.acts
+                + self.peak
             )
         n = mesh.shape[dp_axis]
         d_params, d_grads, d_opt = dp.memory_divisors(n)
         grads, opt = self.dp_grad / d_grads, self.opt_dp / d_opt
         held = dp.storage.held_bytes(dp, n, self.largest_unit, plan)
-        rest = self.params_other + self.grads_other + self.opt_other + self.acts
+        if self.pieces > 1:  # gradients accumulated over the micro-batches, reduced at the last
+            held += dp.storage.accumulated_bytes(dp, n, self.dp_grad, self.dp_grad_elems, plan)
+        rest = self.params_other + self.grads_other + self.opt_other + self.acts + self.peak
         return self.params / d_params + held + grads + opt + rest
 
     def hidden_behind(self, prefetching: bool) -> float:
@@ -150,7 +173,17 @@ class Terms:
         sync, ahead, after = self.dp_sync(mesh, profile, dp_axis, dp)
         hide = profile.overlap * self.hidden_behind(ahead > 0)
         exposed = max(0.0, sync + ahead + self.sync_other - hide)
-        return self.compute + self.comm + exposed + after
+        return self.compute + self.comm + exposed + after + self.step_seconds(mesh, profile, dp_axis, dp)
+
+    def step_seconds(self, mesh, profile, dp_axis, dp) -> float:
+        """The optimizer step: the bytes it moves (op_time.optimizer_step_bytes) of the state a
+        rank keeps (ZeRO's share of the dp-synced parameters' state and gradients) at the
+        profile's memory bandwidth; 0 without one."""
+        if profile.memory_bandwidth is None:
+            return 0.0
+        d_opt = dp.memory_divisors(mesh.shape[dp_axis])[2] if dp is not None and dp_axis is not None else 1
+        moved = optimizer_step_bytes(self.opt_dp, self.dp_grad) / d_opt
+        return (moved + optimizer_step_bytes(self.opt_other, self.grads_other)) / profile.memory_bandwidth
 
 
 def plan_terms(
@@ -169,9 +202,10 @@ def plan_terms(
 
     ``shared``: a dict kept across plans with the same graph, layouts and data parallel that
     differ only in activation checkpointing (the search's variants of one probe): the activation
-    collectives and the parameters' terms are the same for them (checkpointing keeps every
-    collective's output: its recompute sends nothing), so they are computed for the first and
-    reused (a third of a 512-rank search's time went to computing them again)."""
+    collectives, the parameters' terms and each op's seconds are the same for them (checkpointing
+    keeps every collective's output: its recompute sends nothing; it changes which ops run twice),
+    so they are computed for the first and reused (a third of a 512-rank search's time went to
+    computing them again)."""
     sy = Numbers(plan.mesh)
     shared = {} if shared is None else shared
     nw = node_weight or {}
@@ -185,15 +219,13 @@ def plan_terms(
     def terms(key):
         return out.setdefault(key, Terms())
 
-    for node in plan.graph.nodes:
-        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
-            continue
-        t, w = terms(comp_of.get(node.name, "base")), nw.get(node.name, 1.0)
-        fwd = float(node_flops(node, sy) / split_factor(layout_of(node).spec, sy)) / profile.flops_per_s
-        grad = bool(plan.ctx.needs_grad.get(node))
-        again = grad and node.name in recomputed  # a checkpointed region's forward, run again in backward
-        t.compute += w * fwd * ((3 if grad else 1) + again)
-        t.backward += w * fwd * ((2 if grad else 0) + again)
+    if "seconds" not in shared:
+        shared["seconds"] = _op_seconds(plan, sy, profile)
+    for name, fwd, bwd, grad in shared["seconds"]:
+        t, w = terms(comp_of.get(name, "base")), nw.get(name, 1.0)
+        again = fwd if grad and name in recomputed else 0.0  # a checkpointed region's forward, run again
+        t.compute += w * (fwd + bwd + again)
+        t.backward += w * (bwd + again)
     for name, b in kept.items():
         terms(comp_of.get(name, "base")).acts += nw.get(name, 1.0) * b
     # what the techniques add beyond the kept tensors: per block (checkpointing's generator-state
@@ -203,9 +235,10 @@ def plan_terms(
     per_block = float(extra.pop("activations")) - float(sum(kept.values()))
     extra.pop("offloaded", None)  # host memory (offloading checkpoints): not the device's budget
     backward = float(extra.pop("backward", 0.0))
-    terms("base").acts += blocks * per_block + float(sum(extra.values()))
+    terms("base").acts += blocks * per_block
+    terms("base").peak += float(sum(extra.values()))  # a block's recompute, a lowering's workspace
     if backward:  # the loss's backward holds two of its largest kept tensor: that node's component's
-        terms(comp_of.get(loss_backward_source(plan, sy)[1], "base")).acts += backward
+        terms(comp_of.get(loss_backward_source(plan, sy)[1], "base")).peak += backward
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     if "comms" not in shared:
         shared["comms"] = _comm_terms(plan, sy, comp_of, nw, profile)
@@ -221,6 +254,19 @@ def plan_terms(
         shared["params"] = params
     for key, t in shared["params"].items():
         terms(key).add(t)
+    return out
+
+
+def _op_seconds(plan, sy, profile) -> list[tuple]:
+    """(node name, forward s, backward s, needs a gradient) of each op of ``plan`` (op_time's roofline)."""
+    out, grads = [], plan.ctx.needs_grad
+    rates = (profile.flops_per_s, profile.memory_bandwidth)
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
+            continue
+        grad = bool(grads.get(node))
+        fwd, bwd = node_seconds(node, sy, *rates, grad, grads, profile.attention_flops_per_s)
+        out.append((node.name, fwd, bwd, grad))
     return out
 
 
@@ -263,6 +309,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
             continue
         if plan.dp_axis in axes:
             t.dp_grad += w * local
+            t.dp_grad_elems += w * local / p.element_size()
             t.opt_dp += w * states * 4 * local / p.element_size()
         else:
             t.grads_other += w * local

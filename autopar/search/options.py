@@ -3,13 +3,15 @@
 - ``memory_budget``: bytes per rank (parameters, gradients, optimizer state, activations as
   plan.cost() counts them); None: no limit.
 - ``device``: a profile name ("h100", "h100-500w", "a100", "cpu-gloo") or an ap.calibrate() result;
-  ``alpha`` / ``beta`` / ``flops_per_s`` override its numbers (every link). None: the device
+  ``alpha`` / ``beta`` / ``flops_per_s`` / ``memory_bandwidth`` override its numbers (every link). None: the device
   the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100" or "h100" by name; meta: "h100").
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
 - ``activation_checkpoint``: the checkpointing of every repeated block the search may pick
-  (None: none, "selective", "full"; ap.ActivationCheckpoint's modes, its recompute counted).
+  (None: none, "selective", "full": ap.ActivationCheckpoint's modes, or ap.ActivationCheckpoint
+  values; its recompute counted). By default also selective keeping every second matmul
+  (torchtitan's op policy: between the two in memory and time).
 - ``pipeline``: whether an axis may hold pipeline stages (1F1B or interleaved 1F1B, one
   micro-batch per row of a data-parallel rank's batch).
 - ``expert_parallel``: whether a mixture-of-experts model's experts may be split over the dp
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.search.profiles import Profile, profile_of
 from autopar.errors import PlanError
 
@@ -40,12 +43,13 @@ class Auto:
     beta: float | None = None
     flops_per_s: float | None = None
     device: object = None
+    memory_bandwidth: float | None = None
     zero: tuple = (0, 1, 2, 3)
     sequence_parallel: bool = True
     vocab_parallel: bool = True
     optimizer_states: int = 2
     pipeline: bool = True
-    activation_checkpoint: tuple = (None, "selective", "full")
+    activation_checkpoint: tuple = (None, "selective", ActivationCheckpoint("selective", save_every=2), "full")
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True
     context_parallel: tuple = ("allgather", "ring")
@@ -61,4 +65,6 @@ class Auto:
     def profile(self, where=None) -> Profile:
         """The cost model's device: ``device``, or (None) the one the job runs on (``where``,
         the example inputs' device: a CPU job is planned for ``cpu-gloo``, not an H100)."""
-        return profile_of(self.device, where).with_values(self.alpha, self.beta, self.flops_per_s)
+        return profile_of(self.device, where).with_values(
+            self.alpha, self.beta, self.flops_per_s, self.memory_bandwidth
+        )

@@ -36,5 +36,6 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
         "sync_s": sync + total.sync_other,
         "prefetched_s": ahead,
         "zero_gather_s": after,
+        "optimizer_s": total.step_seconds(plan.mesh, profile, plan.dp_axis, dp),
         "comm_bytes": dict(total.comm_bytes),
     }

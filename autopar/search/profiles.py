@@ -1,24 +1,29 @@
-"""Device profiles: what a step costs on a kind of machine (alpha, beta per link, FLOP/s).
+"""Device profiles: what a step costs on a kind of machine (alpha, beta per link, FLOP/s, bandwidth).
 
 A collective on a mesh axis costs ``alpha * rounds + bytes / beta`` (ring rounds, see
-formulas.ring_steps); compute costs ``flops / flops_per_s``. An axis whose ranks all sit
+formulas.ring_steps); compute is a roofline per op (cost/op_time.py). An axis whose ranks all sit
 inside one node (the product of its size and the sizes of the axes after it is at most
 ``ranks_per_node``: ranks are row-major, so the last axis is the innermost) uses the
 ``intra`` link, any other the ``inter`` link. ``overlap`` is the fraction of the backward
 compute that the bucketed gradient sync can hide behind (1.0 on GPUs with their own
 communication streams; on a CPU, gloo's threads compete with compute for the same cores).
 
-Compute rates are measured (``bench/gpu_calibration.py``; figures in bench/RESULTS.md): on an
-H100 80GB HBM3, one LLaMA-3.1-8B decoder layer (bf16, local batch 2 x 8192, HF's ops, flash
-SDPA) ran forward + backward at 505 TFLOP/s counting its matmul and attention FLOPs (51% of the
-989 TFLOP/s datasheet peak); that rate, which already carries the layer's norms, RoPE and SwiGLU
-time, is ``h100``'s ``flops_per_s``. The A100 was not measured: ``a100`` takes the same 51% of its
-312 TFLOP/s peak. Links are derived from published figures: NVLink 4 ~450 GB/s per direction
-of all-reduce bus bandwidth, InfiniBand NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240
-GB/s, HDR IB ~22 GB/s. ``cpu-gloo`` is this kind of machine (a few CPU cores, loopback TCP);
-``ap.calibrate()`` measures the real one. ``h100-500w`` is the H100 of torchtitan's published
-runs (HBM2e, a 500 W power limit): its FLOP/s derived from the measured layer below (no
-constant fitted to their figures).
+An op takes the longer of its FLOPs at ``flops_per_s`` (matmuls; attention at
+``attention_flops_per_s`` where given) and the bytes its kernels move at ``memory_bandwidth``.
+GPU rates are measured (``bench/gpu_calibration.py``; figures in bench/RESULTS.md): on an H100
+80GB HBM3 the four matmuls of a LLaMA-3.1-8B decoder layer (bf16, local batch 2 x 8192) ran
+forward + backward at 731 TFLOP/s (74% of the 989 TFLOP/s datasheet peak) and its causal flash
+attention at 453, counting FLOPs as the cost model does. The bandwidth is the datasheet's (HBM3
+3.35 TB/s; the calibration's 4 GiB copy ran at 3.0). The rest of that layer (norms, RoPE,
+SwiGLU's products, residual adds, casts: 12.4 of its 49.0 ms measured) the bandwidth term puts at
+8.0 ms (tests/unit/test_op_time.py; docs/auto.md). The A100 was not measured: ``a100`` takes the
+same share of its 312 TFLOP/s peak and its datasheet bandwidth (A100 80GB SXM, 2.04 TB/s). Links
+are derived from published figures: NVLink 4 ~450 GB/s per direction of all-reduce bus
+bandwidth, InfiniBand NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240 GB/s, HDR IB ~22 GB/s.
+``cpu-gloo`` is this kind of machine (a few CPU cores, loopback TCP; FLOPs only: its rate is a
+measured step's); ``ap.calibrate()`` measures the real one. ``h100-500w`` is the H100 of
+torchtitan's published runs (HBM2e, a 500 W power limit): the H100 rates scaled by the
+datasheets' power-cap ratio, and its datasheet bandwidth (no constant fitted to their figures).
 
 Example:
     >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand
@@ -36,19 +41,22 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class Profile:
     name: str
-    flops_per_s: float
+    flops_per_s: float  # matmul and attention FLOPs per second (the rate a roofline's compute roof is)
     intra: tuple[float, float]  # (alpha s, beta B/s) inside a node
     inter: tuple[float, float]  # between nodes
     ranks_per_node: int = 8
     overlap: float = 1.0  # fraction of backward compute that hides the gradient sync
+    memory_bandwidth: float | None = None  # B/s of device memory: memory-bound ops' roof; None: FLOPs only
+    attention_flops_per_s: float | None = None  # attention kernels' FLOP/s where they differ from matmuls'
 
     def link(self, mesh, axis: int) -> tuple[float, float]:
         """(alpha, beta) of mesh axis ``axis`` (inner axes first fill a node)."""
         inner = math.prod(mesh.shape[axis:])
         return self.intra if inner <= self.ranks_per_node else self.inter
 
-    def with_values(self, alpha=None, beta=None, flops_per_s=None) -> "Profile":
-        """The same profile with alpha / beta (both links) / FLOP/s replaced where given."""
+    def with_values(self, alpha=None, beta=None, flops_per_s=None, memory_bandwidth=None) -> "Profile":
+        """The same profile with alpha / beta (both links) / FLOP/s / memory bandwidth replaced where
+        given (a FLOP/s given is every op's: attention's own rate is dropped)."""
 
         def link(lk):
             return (lk[0] if alpha is None else alpha, lk[1] if beta is None else beta)
@@ -58,35 +66,41 @@ class Profile:
             intra=link(self.intra),
             inter=link(self.inter),
             flops_per_s=self.flops_per_s if flops_per_s is None else flops_per_s,
+            memory_bandwidth=self.memory_bandwidth if memory_bandwidth is None else memory_bandwidth,
+            attention_flops_per_s=self.attention_flops_per_s if flops_per_s is None else None,
         )
 
 
-# FLOP/s of a LLaMA-3.1-8B layer's forward + backward on an H100 80GB HBM3 (bench/gpu_calibration.py,
-# 2026-11-27: 49.02 ms for 6 x 218M params x 16,384 tokens + causal attention)
-H100_LAYER_FLOPS = 505e12
+# The H100's rates (bench/gpu_calibration_h100.json, 2026-11-27, H100 80GB HBM3, 700 W), at the
+# shapes of a LLaMA-3.1-8B layer at local batch 2 x 8192: its four matmuls, 21.44 TFLOP forward +
+# backward (6 x 218M params x 16,384 tokens), ran in 29.3 ms at their measured rates: 731 TFLOP/s;
+# its causal flash attention, 3.30 TFLOP as op_time counts it (4 x 2 x 32 x 8192^2 x 128 / 2
+# forward, backward twice that), in 7.3 ms: 453 TFLOP/s.
+H100_MATMUL_FLOPS = 730.8e12
+H100_ATTENTION_FLOPS = 452.9e12
+H100_BANDWIDTH = 3.35e12  # HBM3, the H100 SXM datasheet
 
 # torchtitan's published H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md):
 # 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, a peak "between SXM and NVL" (their
-# footnote). Derived from the measured layer, not fitted to their throughput: the layer's 49.0 ms
-# split by the calibration's own rates (bench/gpu_calibration_h100.json) into tensor-core work
-# (its four matmuls at their measured rates, 29.3 ms, and flash attention, 7.3 ms: 74.7%) and the
-# rest (norms, RoPE, SwiGLU, residual adds: 25.3%, memory-bound). The tensor-core part scales
-# with the peak at 500 W, interpolated on power between the datasheets' H100 NVL (400 W, 835
-# TFLOP/s dense bf16) and H100 SXM (700 W, 989): 886 TFLOP/s, 0.896x; the rest with the memory
-# bandwidth, HBM2e 2.4 TB/s against the SXM's HBM3 3.35 TB/s: 0.716x. The layer then takes
-# 0.747 / 0.896 + 0.253 / 0.716 = 1.187x as long: 425 TFLOP/s. Links as ``h100`` (NVLink inside
-# the 8-GPU host, 400 Gb/s RDMA per GPU across).
-H100_TENSOR_SHARE = 0.747
+# footnote). Derived, not fitted to their throughput: the tensor-core rate scales with the peak
+# at 500 W, interpolated on power between the datasheets' H100 NVL (400 W, 835 TFLOP/s dense
+# bf16) and H100 SXM (700 W, 989): 886 TFLOP/s, 0.896x; the memory-bound ops take the HBM2e's
+# 2.4 TB/s. Links as ``h100`` (NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU across).
 H100_500W_TENSOR = (835e12 + (500 - 400) / (700 - 400) * (989e12 - 835e12)) / 989e12
-H100_HBM2E_BANDWIDTH = 2.4e12 / 3.35e12
-H100_500W_LAYER_FLOPS = H100_LAYER_FLOPS / (
-    H100_TENSOR_SHARE / H100_500W_TENSOR + (1 - H100_TENSOR_SHARE) / H100_HBM2E_BANDWIDTH
-)
+H100_HBM2E_BANDWIDTH = 2.4e12
+A100_BANDWIDTH = 2.039e12  # A100 80GB SXM datasheet
 
+
+def _gpu(name, scale, links, bandwidth) -> Profile:
+    """A GPU profile: the H100's measured matmul and attention rates times ``scale``."""
+    return Profile(name, H100_MATMUL_FLOPS * scale, *links, 8, 1.0, bandwidth, H100_ATTENTION_FLOPS * scale)
+
+
+H100_LINKS = ((3e-6, 450e9), (8e-6, 45e9))
 PROFILES = {
-    "h100": Profile("h100", H100_LAYER_FLOPS, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
-    "h100-500w": Profile("h100-500w", H100_500W_LAYER_FLOPS, (3e-6, 450e9), (8e-6, 45e9), 8, 1.0),
-    "a100": Profile("a100", H100_LAYER_FLOPS / 989e12 * 312e12, (4e-6, 240e9), (10e-6, 22e9), 8, 1.0),
+    "h100": _gpu("h100", 1.0, H100_LINKS, H100_BANDWIDTH),
+    "h100-500w": _gpu("h100-500w", H100_500W_TENSOR, H100_LINKS, H100_HBM2E_BANDWIDTH),
+    "a100": _gpu("a100", 312e12 / 989e12, ((4e-6, 240e9), (10e-6, 22e9)), A100_BANDWIDTH),
     "cpu-gloo": Profile("cpu-gloo", 20e9, (60e-6, 1.0e9), (60e-6, 1.0e9), 1 << 30, 0.0),
 }
 DEFAULT = "h100"

@@ -35,6 +35,10 @@ from autopar.trace.module_paths import module_path, module_paths
 aten = torch.ops.aten
 R = Replicate()
 PARAM_COMM_WEIGHT = 16.0  # moving a parameter is rarely what the user meant
+# moving a parameter the annotations split is never what the user meant: an annotated layer
+# computes in the layout its annotation gives it (as parallelize_module's styles do), so a
+# strategy that needs its parameter elsewhere is taken only where no other applies
+ANNOTATED_MOVE = 1e15
 
 BOUNDARY = "autopar_boundary"  # node.meta mark of the aliases that hold a module's output layout
 
@@ -133,6 +137,7 @@ class Context:
     warned: set = field(default_factory=set)
     choices: dict | None = field(default_factory=dict)  # choice cache (see _choice_key); None: off
     ragged: frozenset = frozenset()  # axes on which dynamic split dims may be cut unevenly (is_ragged)
+    annotated: set = field(default_factory=set)  # parameter nodes an annotation splits
 
 
 def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> Context:
@@ -352,6 +357,8 @@ def _placeholder_layout(node, traced, ctx) -> Layout:
         placements = seeds.params.get(fqn, default)
         reason = seeds.reasons.get(fqn, "parameter, replicated (no annotation)")
         ctx.param_nodes.add(node)
+        if any(not p.is_replicate() for p in placements):
+            ctx.annotated.add(node)
         ctx.param_derived[node] = True
         ctx.needs_grad[node] = bool(getattr(node.meta.get("val"), "requires_grad", True))
     elif node.name in traced.buffer_fqn or node.name in traced.constant_fqn:
@@ -453,7 +460,10 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
             freeze(info.kwargs),
             freeze(info.outputs),
             tuple(cur),
-            tuple((i in ctx.param_nodes, bool(ctx.needs_grad.get(i)), bool(ctx.param_derived.get(i))) for i in ins),
+            tuple(
+                (i in ctx.param_nodes, i in ctx.annotated, bool(ctx.needs_grad.get(i)), bool(ctx.param_derived.get(i)))
+                for i in ins
+            ),
             tuple(sorted(ctx.output_constraints.get(node, {}).items())),
         )
         hash(key)
@@ -574,7 +584,7 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
         if src != s.inputs[i]:
             steps = plan_steps((src,), (s.inputs[i],))
             fwd, bwd = steps_cost(steps, (src,), _OneAxis(mesh.shape[axis]), nbytes)
-            weight = PARAM_COMM_WEIGHT if inp in ctx.param_nodes else 1.0
+            weight = ANNOTATED_MOVE if inp in ctx.annotated else PARAM_COMM_WEIGHT if inp in ctx.param_nodes else 1.0
             total += (fwd + (bwd if ctx.needs_grad.get(inp) else 0.0)) * weight
             if axis in ctx.ragged and _moves_dynamic(steps, meta):
                 total += RAGGED_MOVE  # a batch cut unevenly cannot move (sharding/ragged.py): any other way

@@ -16,6 +16,7 @@ from tests.harness.models import gpt_batch, gpt_plan
 
 aten = torch.ops.aten
 FULL, SELECTIVE = ap.ActivationCheckpoint("full"), ap.ActivationCheckpoint("selective")
+THIN = ap.ActivationCheckpoint("selective", save_every=2)  # torchtitan's op policy: every second matmul
 
 
 def dropout_gpt(layers=2, p=0.1):
@@ -256,7 +257,7 @@ def test_plan_file_round_trip(tmp_path):
     again.check(*gpt_batch())  # save=[linear]: the attention's matmuls are recomputed too
 
 
-@pytest.mark.parametrize("ac", [None, FULL, SELECTIVE], ids=["none", "full", "selective"])
+@pytest.mark.parametrize("ac", [None, FULL, SELECTIVE, THIN], ids=["none", "full", "selective", "every 2nd matmul"])
 def test_memory_model_against_the_allocator(ac):
     """memory_per_rank's activations within 15% of the bytes alive after the forward (LiveBytes:
     every storage the step made, until it dies); checkpointing keeps fewer."""
@@ -437,3 +438,17 @@ def test_offload_prefetch_starts_the_next_regions_copies_and_equals_serial(mode,
     monkeypatch.setattr(offload, "PREFETCH", {"cpu"})
     plan.check(*gpt_batch())
     assert made and sum(made) == len(taken), (made, taken)
+
+
+def test_every_second_matmul_keeps_fewer_and_equals_serial():
+    """save_every=2 keeps the 1st, 3rd, ... matmul of each block (the forward and its recompute
+    count alike, or torch's selective checkpoint would refuse the recompute): fewer kept bytes
+    than every matmul, more recompute, the same gradients as serial."""
+    thin = gpt_plan("dp2xtp2", model=dropout_gpt(), activation_checkpoint=THIN, rng="serial")
+    every = thin.with_options(thin.options.replace(activation_checkpoint=SELECTIVE))
+    assert thin.memory_per_rank(0)["activations"] < every.memory_per_rank(0)["activations"]
+    technique = thin.options.activation_checkpoint
+    assert len(technique.recomputed(thin)) > len(SELECTIVE.recomputed(every))
+    thin.check(*gpt_batch())
+    with pytest.raises(ap.PlanError, match="save_every"):
+        ap.ActivationCheckpoint("full", save_every=2)

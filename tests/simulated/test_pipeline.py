@@ -11,7 +11,7 @@ import torch.nn as nn
 import autopar as ap
 from autopar.parallel.pipeline import PipelineError, schedules, timeline, with_pipeline
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops
+from autopar.cost.op_time import node_flops
 from autopar.parallel.pipeline.split import _candidates, _param_bytes, balanced_cuts
 from autopar.trace.module_paths import module_paths
 from autopar.runtime.simulator import run_ranks

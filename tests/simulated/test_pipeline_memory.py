@@ -93,3 +93,55 @@ def test_a_send_is_let_go_once_its_receiver_answered(schedule, chunks, m):
     to_next = [m for m in forward if m.dst == 1]
     assert to_next and all(first[released[m]] == Action("B", 0, 0) for m in to_next)
     assert all(m not in released for m in forward if m.dst > 1)
+
+
+def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
+    """zero=3 under 1F1B: a stage's gathers reduce once a step, in the last micro-batch's backward;
+    the earlier ones keep each bucket's unreduced flat (fp32: reduce_dtype). The model's
+    ``accumulated`` is the most those flats hold on each rank, measured in the runtime; the
+    one-micro-batch terms (a checkpointed block's recompute, the loss's backward) are 1/m of
+    the whole batch's; and ap.predict counts the flats (its ``memory`` beside the plan's)."""
+    import torch
+
+    from autopar.cost.formulas import Numbers
+    from autopar.cost.plan_cost import activation_terms
+    from autopar.parallel.fsdp_runtime import FSDPRuntime
+    from autopar.search.evaluate import Terms, plan_terms
+
+    most: dict = {}
+    reduce = FSDPRuntime.reduce
+
+    def counting(self, k, grads):
+        out = reduce(self, k, grads)
+        held = sum(f.numel() * f.element_size() for f in self.acc.values())
+        most[self.rank] = max(most.get(self.rank, 0), held)
+        return out
+
+    monkeypatch.setattr(FSDPRuntime, "reduce", counting)
+    data = gpt_batch(batch=8, seq=16)
+    dp = ap.DataParallel("dp", zero=3, reduce_dtype=torch.float32)
+    plan = ap.plan(small_gpt(layers=4), ap.Mesh((2, 2), ("dp", "pp")), args=data, data_parallel=dp,
+                   pipeline=ap.Pipeline("pp", microbatches=2), activation_checkpoint=ap.ActivationCheckpoint("full"))  # fmt: skip
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    run_ranks(plan.mesh.size, lambda r: float(runners[r].step(data)), timeout=60)
+    whole = activation_terms(plan, Numbers(plan.mesh), whole_model=True)
+    for rank in plan.mesh.ranks():
+        mem = plan.memory_per_rank(rank)
+        assert mem["accumulated"] == most[rank] > 0, (rank, mem["accumulated"], most)
+        assert mem["recompute"] == pytest.approx(whole["recompute"] / 2, rel=0.05)
+    assert plan.memory_per_rank(2)["backward"] == pytest.approx(whole["backward"] / 2, rel=0.05)  # last stage
+    # ap.predict (the search's terms, a pipeline rank's share): the flats of the plan's buckets
+    prof = ap.Auto(device="h100").profile()
+    terms = Terms()
+    for t in plan_terms(plan, {}, prof).values():
+        terms.add(t)
+    rank = terms.scaled(plan.options.pipeline.step_shares(plan.mesh, plan.stage_layout), plan.mesh, prof)
+    assert rank.pieces == 2 and rank.peak == pytest.approx(terms.peak / 2)
+    with_flats = rank.memory(plan.mesh, plan.dp_axis, dp, plan)
+    assert with_flats == pytest.approx(ap.predict(plan, prof)["memory"])
+    rank.pieces = 1
+    assert with_flats - rank.memory(plan.mesh, plan.dp_axis, dp, plan) == most[0]
+    zero2 = plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))
+    for rank in plan.mesh.ranks():  # ZeRO-2 keeps 1/2 of its gradients, but whole while they accumulate
+        mem = zero2.memory_per_rank(rank)
+        assert mem["accumulated"] == mem["grads"] > 0

@@ -158,3 +158,42 @@ def test_zero_plans_display_and_cost_their_sharded_memory(zero):
     for key, mine in (("optimizer", "optimizer_state"), ("grads", "grads")):
         value = memory[key].subs({s: 4 for s in memory[key].free_symbols})  # the only symbol: dp
         assert float(value) == predicted[mine]
+
+
+class _TwoProjections(torch.nn.Module):
+    """A norm over sequence pieces feeding two column-parallel projections, each with its row-
+    parallel partner: activations far larger than the weights (a LLaMA's q and k at scale)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.q, self.k = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d // 4, bias=False)
+        self.o, self.o2 = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d // 4, d, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.o(self.q(h)) + self.o2(self.k(h))
+
+
+def test_annotated_parameters_compute_in_their_annotated_layout(monkeypatch):
+    """Each projection runs column-parallel as annotated: the sequence pieces are gathered for it,
+    its weight not moved; costed one consumer at a time, moving the (16x-weighted) small weights
+    looked cheaper than gathering the activation, and q and k ran row-parallel on weights
+    redistributed every step."""
+    from autopar.sharding import propagate
+
+    ann = {"norm": ap.sequence_parallel("tp"), "q": ap.colwise("tp"), "k": ap.colwise("tp"),
+           "o": ap.rowwise("tp", output=Shard(1)), "o2": ap.rowwise("tp", output=Shard(1))}  # fmt: skip
+    x = torch.randn(8, 256, 16)
+
+    def weight_targets():
+        plan = ap.plan(_TwoProjections(), ap.Mesh((2,), ("tp",)), args=(x,), annotations=ann)
+        linears = [n for n in plan.graph.nodes if n.target is torch.ops.aten.linear.default]
+        return [n.meta["autopar"].input_targets[1] for n in linears], plan
+
+    targets, plan = weight_targets()
+    assert targets == [(Shard(0),), (Shard(1),), (Shard(0),), (Shard(1),)]  # q, o, k, o2
+    plan.check(x)
+    monkeypatch.setattr(propagate, "ANNOTATED_MOVE", propagate.PARAM_COMM_WEIGHT)  # as before
+    before = weight_targets()[0]
+    assert (before[0], before[2]) != ((Shard(0),), (Shard(0),))

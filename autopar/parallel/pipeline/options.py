@@ -99,11 +99,13 @@ class Pipeline(Technique):
         activations), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
         A middle stage sends 2m messages per step (each micro-batch's activation forward, its
         gradient backward; v times interleaved), each 1/m of the batch's boundary activation.
+        ``pieces``: m backward passes a step, so what one batch's step holds at once (a block's
+        recompute, the loss's backward) is 1/m of it, and gradients accumulate between them.
         Even stages are an approximation: the embedding and the head sit on the end stages."""
         pp, m, v = mesh.axis_size(self.axis), self.microbatches, self.chunks
         sends = (self.axis, 2 * m * v, 1 / m)
         if built is not None:
-            return {**stage_shares.shares(built, self), "sends": sends}
+            return {**stage_shares.shares(built, self), "sends": sends, "pieces": m}
         time = (m * v + pp - 1) / (m * v * pp)
         if self.kind == "gpipe":
             acts = 1 / pp
@@ -111,7 +113,7 @@ class Pipeline(Technique):
             acts = min(1.0, (1 + (pp - 1) / (pp * v)) / m)
         else:
             acts = min(m, pp) / (pp * m)
-        return {"time": time, "state": 1 / pp, "acts": acts, "sends": sends}
+        return {"time": time, "state": 1 / pp, "acts": acts, "sends": sends, "pieces": m}
 
     def cut(self, traced, mesh, split_before=(), balance: str = "time"):
         """The stage layout ap.plan would cut ``traced`` into (split.py), before any plan exists

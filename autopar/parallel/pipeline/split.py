@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import node_flops, op_work
+from autopar.cost.op_time import node_flops, op_work
 from autopar.errors import close_matches
 from autopar.trace.module_paths import module_paths
 from autopar.errors import PipelineError

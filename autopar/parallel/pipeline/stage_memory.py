@@ -34,6 +34,7 @@ import torch
 
 from autopar.cost.activation_memory import activation_bytes, saved_activations, tensor_bytes
 from autopar.cost.formulas import Numbers, PlanSymbols
+from autopar.cost.plan_cost import activation_terms
 from autopar.parallel.ac_memory import draws_random
 from autopar.parallel.pipeline import messages, schedules
 from autopar.runtime.rng import initial_state
@@ -45,6 +46,8 @@ def rank_terms(plan, pipeline, sy, terms: dict, rank: int | None) -> dict:
     ``rank``'s stages (None: the rank whose activations are largest at the example)."""
     numbers = isinstance(sy, Numbers)
     formulas = PlanSymbols.of(plan) if numbers else sy
+    if numbers:  # the micro-batch is the batch symbols divided: the whole-model terms as formulas
+        terms = activation_terms(plan, formulas, whole_model=True)
     lay = plan.stage_layout
     positions = range(lay.pp) if rank is None else [plan.mesh.coords(rank)[lay.axis]]
     best, best_value = None, -1.0
