@@ -3,11 +3,17 @@
 A GPT-style model (autopar.models.gpt) trains with SGD; every rank gets its slice of the
 same global batch. Contenders, built in the same processes and timed side by side:
 
-- ``ddp``: torch.nn.parallel.DistributedDataParallel, bucket_cap_mb = the bucket size;
-- ``autopar``: ap.parallelize(..., data_parallel=ap.DataParallel("dp", bucket_mb=same));
-- ``per_param``: the same plan with bucket_max_params=1 (one all-reduce per parameter; the
-  small size only);
-- ``ddp_copy``: a second, identical DDP module: the ddp_copy / ddp row is the run's noise.
+- ``ddp``: torch.nn.parallel.DistributedDataParallel at its defaults: 25 MB buckets, the first
+  1 MB, which is the layout of ap.DataParallel's defaults (the row's note shows both layouts,
+  read from DDP's logging data and autopar's GradSync after the first step);
+- ``autopar``: ap.parallelize(..., data_parallel=ap.DataParallel("dp")), its defaults;
+- ``ddp_copy``: a second, identical DDP module: the ddp_copy / ddp row is the run's noise;
+- the small size only: ``per_param`` (bucket_max_params=1: one all-reduce per parameter);
+  ``ddp_one_bucket`` (DDP with ``bucket_cap_mb=25`` passed: an explicit cap turns DDP's small
+  first bucket off, so the whole 3.7 MB model is one bucket reduced after backward: the peer
+  of this bench's rows before 2026-11-29); ``local_loss`` (the same autopar plan of the model
+  called without targets, the loss the rank's own mean outside it, as DDP's: the global
+  mean's one all-reduce of two numbers in forward is all that differs from ``autopar``).
 
 Sizes: ``small`` (the 4x128 GPT the bench has always had; "full" is its old name) and ``30m``
 (d 512, 8 layers, sequence 128, vocabulary 8192: 29.4M parameters); ``BENCH_SIZES`` (or
@@ -58,37 +64,95 @@ def _batch(size: str, world: int):
     )
 
 
-def autopar_module(size: str):
+def autopar_module(size: str, targets: bool = True, **options):
     """The bench's autopar contender on this rank of the job: (rank module, its local args and
-    kwargs, the global batch)."""
+    kwargs, the global batch). ``targets=False``: the model returns its logits (no loss inside)."""
     import torch.distributed as dist
     import autopar as ap
 
     rank, world = dist.get_rank(), dist.get_world_size()
     idx, tg = _batch(size, world)
-    dp = ap.DataParallel("dp", bucket_mb=BUCKET_MB)
-    module = ap.parallelize(_model(size), ap.Mesh((world,), ("dp",)), args=(idx, tg), data_parallel=dp)
-    return (module, *module.autopar_plan.local_inputs(rank, idx, tg), (idx, tg))
+    args = (idx, tg) if targets else (idx,)
+    dp = ap.DataParallel("dp", **options)
+    module = ap.parallelize(_model(size), ap.Mesh((world,), ("dp",)), args=args, data_parallel=dp)
+    return (module, *module.autopar_plan.local_inputs(rank, *args), (idx, tg))
+
+
+def ddp_module(size: str, **options):
+    """DDP of the bench's model: its defaults (25 MB buckets, the first 1 MB) unless ``options``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(_model(size), **options)
+
+
+def _local_loss_step(size: str):
+    """autopar's plan of the model without targets, the loss the rank's own mean outside it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    module, args, kwargs, (_, tg) = autopar_module(size, targets=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target = tg.chunk(world)[rank].reshape(-1)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step():
+        logits = module(*args, **kwargs)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
 
 
 def contenders(size: str, only=None):
+    """{name: step} of the contenders (those in ``only``, default all) and the bucket layouts
+    {name: callable giving bucket bytes after the first step} of autopar's and DDP's."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    import autopar as ap
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    module, a_args, a_kw, (idx, tg) = autopar_module(size)
+    idx, tg = _batch(size, world)
     local = (idx.chunk(world)[rank], tg.chunk(world)[rank])
-    plan = module.autopar_plan
-    steps = {"autopar": train_step(module, a_args, a_kw)[0]}
-    for name in ("ddp", "ddp_copy"):
-        steps[name] = train_step(DDP(_model(size), bucket_cap_mb=BUCKET_MB), local)[0]
+    made: dict = {}
+
+    def make_autopar():
+        module, args, kwargs, _ = autopar_module(size)
+        made["autopar"] = module.autopar_grad_sync
+        return train_step(module, args, kwargs)[0]
+
+    def make_ddp(name, **options):
+        made[name] = ddp_module(size, **options)
+        return train_step(made[name], local)[0]
+
+    def make_per_param():
+        module, args, kwargs, _ = autopar_module(size, bucket_max_params=1)
+        return train_step(module, args, kwargs)[0]
+
+    builders = {
+        "autopar": make_autopar,
+        "ddp": lambda: make_ddp("ddp"),
+        "ddp_copy": lambda: make_ddp("ddp_copy"),
+    }
     if size != "30m":
-        per_param = plan.with_data_parallel(ap.DataParallel("dp", bucket_mb=BUCKET_MB, bucket_max_params=1))
-        steps["per_param"] = train_step(per_param.build_module(rank), a_args, a_kw)[0]
-    if only is not None:
-        steps = {n: s for n, s in steps.items() if n in only}
-    return steps, len(plan.grad_buckets())
+        builders["per_param"] = make_per_param
+        builders["ddp_one_bucket"] = lambda: make_ddp("ddp_one_bucket", bucket_cap_mb=BUCKET_MB)
+        builders["local_loss"] = lambda: _local_loss_step(size)
+    steps = {n: b() for n, b in builders.items() if only is None or n in only}
+    return steps, lambda: _layouts(made)
+
+
+def _layouts(made: dict) -> dict:
+    """Bucket bytes in launch order: autopar's GradSync, and DDP's rebuilt buckets."""
+    out = {}
+    for name, thing in made.items():
+        if name == "autopar":
+            out[name] = [b.nbytes for b in thing.buckets]
+        else:
+            sizes = thing._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+            out[name] = [int(x) for x in str(sizes).split(",") if x.strip()]
+    return out
 
 
 def dp_job(size: str, iters: int, warmup: int) -> dict:
@@ -96,16 +160,16 @@ def dp_job(size: str, iters: int, warmup: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    steps, n_buckets = contenders(size)
+    steps, layouts = contenders(size)
     losses = {}
     for n, s in steps.items():  # one step each: same model, same data, so the same global loss
         loss = s().detach().clone()
-        if n.startswith("ddp"):  # DDP's loss is this rank's slice's mean; autopar's is the global mean
+        if n.startswith("ddp") or n == "local_loss":  # the rank's own mean; autopar's is the global mean
             torch.distributed.all_reduce(loss)
             loss /= torch.distributed.get_world_size()
         losses[n] = loss.item()
     times = alternate(steps, iters, warmup, barrier=torch.distributed.barrier)
-    return {"times": times, "losses": losses, "buckets": n_buckets}
+    return {"times": times, "losses": losses, "buckets": layouts()}
 
 
 def _row(case, metric, value, target="", note=""):
@@ -130,30 +194,38 @@ def run(quick: bool) -> list[dict]:
 
 
 def _rows(size: str, res: dict, iters: int) -> list[dict]:
-    t = res["times"]
+    t, buckets = res["times"], res["buckets"]
     layers, embd, *_ = SIZES[size]
-    case = f"GPT {layers}x{embd}, 2 gloo ranks, bucket {BUCKET_MB:g} MB"
+    case = f"GPT {layers}x{embd}, 2 gloo ranks, defaults (25 MB buckets, first 1 MB)"
     med = {n: ms(v) for n, v in t.items()}
     agree = max(res["losses"].values()) - min(res["losses"].values())
+    same = "same" if buckets["autopar"] == buckets["ddp"] else f"DDP's {buckets['ddp']}"
     note = (
-        f"median step ms: ddp {med['ddp']:.1f}, autopar {med['autopar']:.1f}"
-        + (f", per-param {med['per_param']:.1f}" if "per_param" in med else "")
-        + f"; {res['buckets']} bucket(s); first-step losses agree to {agree:.1e}; n={iters}"
+        f"median step ms: ddp {med['ddp']:.1f}, autopar {med['autopar']:.1f}; bucket bytes autopar "
+        f"{buckets['autopar']} ({same}); first-step losses agree to {agree:.1e}; n={iters}"
     )
     rows = [
         _row(case, "ddp / ddp (noise)", round(median_ratio(t["ddp_copy"], t["ddp"]), 3), "1.00 +- 0.02", "identical"),
         _row(case, "autopar / DDP step time", round(median_ratio(t["autopar"], t["ddp"]), 3), "<= 1.02", note),
     ]
-    if "per_param" in t:
-        rows.append(
-            _row(
-                case,
-                "per-parameter / fused step time",
-                round(median_ratio(t["per_param"], t["autopar"]), 3),
-                "",
-                f"one all-reduce per parameter; n={iters}",
-            )
-        )
+    extra = {
+        "per_param": ("per-parameter / fused step time", "autopar", "one all-reduce per parameter"),
+        "ddp_one_bucket": (
+            "autopar / DDP(bucket_cap_mb=25) step time",
+            "autopar",
+            "the peer of the rows before 2026-11-29: an explicit cap turns DDP's 1 MB first bucket off, "
+            f"one bucket of {buckets.get('ddp_one_bucket')} bytes reduced after backward",
+        ),
+        "local_loss": (
+            "autopar loss outside (rank's own mean) / autopar step time",
+            "autopar",
+            "what the global mean's all-reduce of two numbers in forward costs",
+        ),
+    }
+    for name, (metric, base, why) in extra.items():
+        if name in t:
+            a, b = (t[base], t[name]) if name == "ddp_one_bucket" else (t[name], t[base])
+            rows.append(_row(case, metric, round(median_ratio(a, b), 3), "", f"{why}; ms {med[name]:.1f}; n={iters}"))
     return rows
 
 

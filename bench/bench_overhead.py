@@ -8,7 +8,7 @@ computes in a 2-rank run (its half of the batch or of the weights) and makes the
 collective calls, each on a group of one (gloo's own cost per call stays in, no waiting):
 
 - ``dp``: rank 0 of ``ap.DataParallel("dp")`` on 2 ranks (its gradient buckets' all-reduces)
-  against torch DDP on its local batch (25 MB buckets, DDP's reducer);
+  against torch DDP on its local batch (both at their defaults: 25 MB buckets, the first 1 MB);
 - ``tp``: rank 0 of the Megatron annotations on tp=2 against bench/megatron.py's module.
 
 The identical pair (the peer against a second copy of itself) shows the run's noise. Steps
@@ -46,26 +46,21 @@ class LoopbackBackend:
 
 
 def _dp(size: str):
-    import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import autopar as ap
-    from bench.bench_dp import BUCKET_MB, _batch, _model
+    from bench.bench_dp import _batch, _model, ddp_module
 
     idx, tg = _batch(size, 2)
-    plan = ap.plan(
-        _model(size), ap.Mesh((2,), ("dp",)), args=(idx, tg), data_parallel=ap.DataParallel("dp", bucket_mb=BUCKET_MB)
-    )
+    plan = ap.plan(_model(size), ap.Mesh((2,), ("dp",)), args=(idx, tg), data_parallel="dp")
     a_args, a_kw = plan.local_inputs(0, idx, tg)
     local = (idx.chunk(2)[0], tg.chunk(2)[0])
     assert dist.get_world_size() == 1
     steps = {
         "autopar": train_step(plan.build_module(0), a_args, a_kw)[0],
-        "peer": train_step(DDP(_model(size), bucket_cap_mb=BUCKET_MB), local)[0],
-        "peer_copy": train_step(DDP(_model(size), bucket_cap_mb=BUCKET_MB), local)[0],
+        "peer": train_step(ddp_module(size), local)[0],
+        "peer_copy": train_step(ddp_module(size), local)[0],
     }
-    del torch
     return steps
 
 

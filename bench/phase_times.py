@@ -20,15 +20,13 @@ def phases_job(size: str, iters: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from bench.bench_dp import BUCKET_MB, _model, autopar_module
+    from bench.bench_dp import autopar_module, ddp_module
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     module, a_args, _, (idx, tg) = autopar_module(size)
     local = (idx.chunk(world)[rank], tg.chunk(world)[rank])
-    mods = {"autopar": (module, a_args), "ddp": (DDP(_model(size), bucket_cap_mb=BUCKET_MB), local)}
+    mods = {"autopar": (module, a_args), "ddp": (ddp_module(size), local)}
     opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, (m, _) in mods.items()}
     out = {n: {"fwd": [], "bwd": [], "opt": []} for n in mods}
     rng = random.Random(0)

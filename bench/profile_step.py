@@ -40,7 +40,7 @@ def profile_job(bench: str, contender: str, size: str, kind: str, steps: int, to
     if bench == "dp":
         from bench.bench_dp import contenders
 
-        step = contenders(size)[0][contender]
+        step = contenders(size, only=(contender,))[0][contender]
     else:
         from bench.bench_tp import _step, contenders
 
@@ -66,7 +66,9 @@ def profile_job(bench: str, contender: str, size: str, kind: str, steps: int, to
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", choices=("dp", "tp"))
-    ap.add_argument("contender", help="dp: autopar | ddp | per_param; tp: autopar | megatron")
+    ap.add_argument(
+        "contender", help="dp: autopar | ddp | per_param | ddp_one_bucket | local_loss; tp: autopar | megatron"
+    )
     ap.add_argument("--size", default=None, help="dp: quick | small | 30m; tp: small | large | 30m")
     ap.add_argument("--kind", default="gpt", help="tp: gpt | mlp")
     ap.add_argument("--steps", type=int, default=20)

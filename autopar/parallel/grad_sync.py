@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 
@@ -48,6 +49,13 @@ from autopar.runtime.backend import current_backend
 from autopar.errors import DataParallelError
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, Bucket, make_buckets
 from autopar.parallel.zero import ZeroShards
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _each_is(grads: list, views: list, nones: list) -> bool:
+    """Whether each gradient is its view or None (in C: no Python frame per parameter)."""
+    return sum(map(operator.is_, grads, views)) + sum(map(operator.is_, grads, nones)) == len(grads)
 
 
 class _Slots:
@@ -58,10 +66,11 @@ class _Slots:
     launched; ``views`` are then None and ``adopted`` holds who has been copied in this step.
     """
 
-    __slots__ = ("params", "sizes", "starts", "flat", "views", "wire", "per_step", "adopted", "numel", "dtype")
+    __slots__ = ("params", "nones", "sizes", "starts", "flat", "views", "wire", "per_step", "adopted", "numel", "dtype")
 
     def __init__(self, params: list, numel: int, dtype, per_step: bool, wire_dtype, pad_to: int):
         self.params, self.sizes, self.per_step, self.adopted = params, [p.numel() for p in params], per_step, set()
+        self.nones = [None] * len(params)  # what their .grad read after zero_grad(set_to_none=True)
         self.starts = [sum(self.sizes[:j]) for j in range(len(params))]
         self.numel, self.dtype = max(pad_to, numel), dtype if wire_dtype is None or not per_step else wire_dtype
         self.flat, self.views, self.wire = None, None, None
@@ -112,6 +121,7 @@ class GradSync:
         self.enabled = True
         self.zero = None  # ZeroShards, for zero=1|2 (set below)
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
+        self.handles: list = []  # the parameters' hooks (made again when the buckets are rebuilt)
         self._build()
         if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
@@ -119,8 +129,6 @@ class GradSync:
         self.arrived: list[str] | None = [] if self.zero is None else None
         self._reset()
         self.held: set[int] = set()  # buckets whose .grad hold synced sums (no zero_grad since)
-        for name in self.where:
-            self.params[name].register_post_accumulate_grad_hook(self._make_hook(name))
         module.register_forward_pre_hook(self._rescale_held)
 
     def _build(self) -> None:
@@ -143,6 +151,12 @@ class GradSync:
                 self.where[name] = (i, j, slots.views[j] if slots.views is not None else None)
         self.need = [len(b.names) for b in self.buckets]
         self.factors = [self.factor(b) for b in self.buckets]
+        for handle in self.handles:
+            handle.remove()
+        self.handles = [
+            self.params[name].register_post_accumulate_grad_hook(self._make_hook(name, *self.where[name]))
+            for name in self.where
+        ]
 
     # -------------------------------------------------------------------------- queries
     def dp_axes(self, bucket: Bucket) -> tuple:
@@ -179,22 +193,28 @@ class GradSync:
     def _rescale_held(self, module, args) -> None:
         """Gradients kept from a synced backward (no zero_grad) would be summed again with the
         new parts: divide them by the number of parts first, so the next sync adds them once
-        (one division per bucket where its gradients are still its views)."""
+        (one division per bucket where its gradients are still its views). After
+        zero_grad(set_to_none=True) nothing is held: the check runs in C (map, any), no Python
+        frame per parameter."""
         if not self.held or not torch.is_grad_enabled():
             return
+        held = []
+        for i in self.held:
+            grads = list(map(_GRAD, self.slots[i].params))
+            if any(map(operator.is_not, grads, self.slots[i].nones)):
+                held.append((i, grads))
+        self.held.clear()
+        if not held:
+            return
         with torch.no_grad():
-            for i in self.held:
+            for i, grads in held:
                 slots = self.slots[i]
-                grads = [p.grad for p in slots.params]
-                if all(g is None for g in grads):
-                    continue  # zero_grad(set_to_none=True): nothing is held
-                if slots.views is not None and all(g is v or g is None for g, v in zip(grads, slots.views)):
+                if slots.views is not None and _each_is(grads, slots.views, slots.nones):
                     slots.flat.div_(self.factors[i])  # the None slots are overwritten or zeroed anyway
                     continue
                 for g in grads:
                     if g is not None:
                         g.div_(self.factors[i])
-        self.held.clear()
 
     def _reset(self):
         self.ready = [0] * len(self.buckets)
@@ -212,37 +232,39 @@ class GradSync:
         finally:
             self.enabled = True
 
-    def _make_hook(self, name: str):
+    def _make_hook(self, name: str, i: int, j: int, view):
+        """The hook of parameter ``name``, slot ``j`` of bucket ``i`` (``view``: its slot, None
+        under ZeRO-2): one Python call per gradient, what it needs bound in."""
+
         def hook(param):
             if not self.enabled:
                 return
             if not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            i, j, view = self.where[name]
-            if param.grad is not view:  # made afresh by autograd: into the bucket, once
-                self._adopt(i, j, param, view)
+            if view is None:  # ZeRO-2: into this step's buffer
+                self._adopt(i, j, param)
+            elif param.grad is not view:  # made afresh by autograd (in backward: grad mode is off)
+                view.copy_(param.grad)
+                param.grad = view
             if self.arrived is not None:
                 self.arrived.append(name)
-            self.ready[i] += 1
-            if i == self.next and self.ready[i] == self.need[i]:
+            ready = self.ready
+            ready[i] += 1
+            if i == self.next and ready[i] == self.need[i]:
                 self._launch_ready()
 
         return hook
 
-    def _adopt(self, i: int, j: int, param, view) -> None:
-        """Move a gradient autograd made into bucket ``i``'s slot ``j`` (in backward: grad mode
-        is off, and neither tensor requires grad, so nothing is recorded)."""
-        if view is not None:
-            view.copy_(param.grad)
-            param.grad = view
-            return
+    def _adopt(self, i: int, j: int, param) -> None:
+        """ZeRO-2: copy the gradient autograd made into this step's buffer of bucket ``i`` (slot
+        ``j``) and drop it: only this rank's reduced slice is kept."""
         slots = self.slots[i]
-        if slots.flat is None:  # ZeRO-2: this step's buffer
+        if slots.flat is None:
             slots.make_flat()
         slots.slot(j).copy_(param.grad)
         slots.adopted.add(j)
-        param.grad = None  # only this rank's reduced slice is kept
+        param.grad = None
 
     def _launch_ready(self) -> None:
         while self.next < len(self.buckets) and self.ready[self.next] >= self.need[self.next]:

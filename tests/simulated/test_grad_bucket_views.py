@@ -6,6 +6,8 @@ and the buckets are rebuilt from the order gradients really arrive in."""
 from __future__ import annotations
 
 import collections
+import cProfile
+import pstats
 
 import pytest
 import torch
@@ -121,6 +123,34 @@ def test_a_step_does_nothing_per_parameter(set_to_none):
     for ops in run_ranks(2, step, timeout=30, backend=Unseen(SimBackend(2)))[0]:
         assert not {"cat", "_foreach_copy_", "div_", "mul_", "split_with_sizes"} & set(ops), ops
         assert ops.get("copy_", 0) == (n_params if set_to_none else 0), ops
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_step_runs_one_python_call_per_gradient(set_to_none):
+    """Python frames of the sync in a step after the first (forward and backward): one hook call
+    per gradient, every other function of grad_sync.py at most once per bucket (no generator
+    or helper per parameter: the held-gradient check of the forward runs in C)."""
+    plan = plan_for(bucket_max_params=3)
+    n_params, n_buckets = len(list(H.make_model().parameters())), len(plan.grad_buckets())
+
+    def step(rank):
+        module = plan.build_module(rank)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        calls = []
+        for x in H.batches(3):
+            prof = cProfile.Profile()
+            prof.enable()
+            H.loss_of(module(plan.local_inputs(rank, x)[0][0])).backward()
+            prof.disable()
+            stats = pstats.Stats(prof).stats
+            calls.append({fn: row[1] for (path, _, fn), row in stats.items() if path.endswith("grad_sync.py")})
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return calls[1:]
+
+    for calls in run_ranks(2, step, timeout=30)[0]:
+        assert calls.pop("hook") == n_params, calls
+        assert calls and max(calls.values()) <= n_buckets, sorted(calls.items())
 
 
 def test_buckets_rebuilt_from_the_order_gradients_arrive_in(monkeypatch):

@@ -56,15 +56,19 @@ def rows_mean(em, node, total, count, axes: list[int]):
     rank's rows, whatever each rank holds); over a per-rank-mean axis the ranks' means are
     averaged (DDP's loss and gradient)."""
     call, dtype = em.graph.call_function, node.meta["val"].dtype
+
+    def cast(x, to):  # the loss's dtype to the count's (float32) and back: none where it is float32
+        return x if dtype == torch.float32 else call(aten._to_copy.default, (x,), {"dtype": to})
+
     per_rank = [a for a in axes if per_rank_mean(em.plan, a)]
-    pair = call(aten.stack.default, ([call(aten._to_copy.default, (total,), {"dtype": torch.float32}), count],))
+    pair = call(aten.stack.default, ([cast(total, torch.float32), count],))
     for a in axes:
         if a not in per_rank:
             pair = em.collective(ops.all_reduce.default, (pair,), a, extra=("sum",))
     mean = call(aten.div.Tensor, (call(aten.select.int, (pair, 0, 0)), call(aten.select.int, (pair, 0, 1))))
     for a in per_rank:
         mean = em.collective(ops.all_reduce.default, (mean,), a, extra=("avg",))
-    return call(aten._to_copy.default, (mean,), {"dtype": dtype})
+    return cast(mean, dtype)
 
 
 def mean_comms(plan, axes: list[int], symbols) -> list[tuple]:
