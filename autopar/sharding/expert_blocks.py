@@ -163,8 +163,8 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
             region = [n for n in graph.nodes if any(p.startswith(path + ".") for p in module_paths(n))]
         done = next((n for n in region if n.target is MOE_EXPERTS), None)
         if done is not None:  # collapsed by an earlier plan on this graph (the search's probes share one):
-            block = BLOCKS[done.args[4]]  # its expert tensor parallelism is this plan's
-            block.tp = None
+            block = BLOCKS[done.args[4]]  # its expert tensor parallelism and sub-axis split are this plan's
+            block.tp, block.of_dims, block.grouped = None, (), _grouped(seeds, block, axis)
             if path in seeds.expert_tp:
                 _split_experts(block, seeds, mesh, seeds.expert_tp[path])
             continue

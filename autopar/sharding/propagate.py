@@ -511,7 +511,7 @@ def _valid(
     """May ``s`` run on ``axis``? ``ragged``: dynamic dims split on it may be cut unevenly (is_ragged);
     ``multiple`` > 1: every split dim must cut into multiple x n equal chunks (Seeds.piece_multiple)."""
     n = mesh.shape[axis]
-    split_sizes, uneven = set(), False
+    split_sizes, uneven, rows = set(), False, False
     for metas, places, prior in (
         (info.tensors, s.inputs, [c.inputs for c in chosen]),
         (info.outputs, s.outputs, [c.outputs for c in chosen]),
@@ -536,14 +536,14 @@ def _valid(
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim and pl[k].of is None for pl in prior):
                 return False  # that dim is already split by an earlier axis (an item of a list's is whole or empty)
             if dynamic and ragged:  # pieces of any size, whose rows stay in order: no size to match
-                uneven = True
+                rows = True
                 continue
             split_sizes.add(size)
             uneven = uneven or size % n != 0
-    return not uneven or _uneven_ok(s, split_sizes)
+    return not (uneven or rows) or _uneven_ok(s, split_sizes, rows_only=not uneven)
 
 
-def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
+def _uneven_ok(s: Strategy, split_sizes: set, rows_only: bool = False) -> bool:
     """May ``s`` run on pieces of different sizes (a split dim that does not divide)?
 
     Why this test: a strategy made for even splits pairs row i of a split input dim with row i
@@ -552,13 +552,14 @@ def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
     with others, ``(6, 11) -> (66,)``, does not (6 on 4 ranks is 2,2,1,1 rows; 66 is 17,17,16,16).
     A mean over a split dim (Partial("avg")) is weighted by each rank's share of the rows at
     emission (Emitter._weigh_averages; one tensor output only), and a lowering must say that it
-    sizes its pieces (``Lowering.uneven``).
+    sizes its pieces (``Lowering.uneven``); where only dynamic dims on a ragged axis are uneven
+    (``rows_only``), a lowering that sizes everything from its own pieces will do (``Lowering.ragged``).
     """
     if len(split_sizes) > 1:
         return False
     if len(s.outputs) > 1 and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in s.outputs):
         return False
-    return s.lowering is None or getattr(s.lowering, "uneven", False)
+    return s.lowering is None or getattr(s.lowering, "uneven", False) or (rows_only and s.lowering.ragged)
 
 
 def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) -> tuple:
