@@ -207,13 +207,16 @@ def test_gpt_oss_expert_tp_refuses_parting_gate_from_up():
         ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_bf16_policy(zero):
-    """A bf16 precision policy (fp32 pieces, bf16 compute) with the experts dispatched: within
-    bf16's tolerance of the serial model under the same policy."""
+def test_bf16_policy_refused_and_bf16_model_dispatched():
+    """A bf16 precision policy (fp32 pieces, bf16 compute) is refused at planning, naming the experts:
+    the expert chain copied into the rank program keeps the fp32 trace's casts (plan.check, which
+    runs the exact fp32 variant, used to pass while every rank's program failed to build). The
+    model converted to bf16 plans, dispatches and equals serial within bf16's tolerance."""
     model, kw = M.moe_model("mixtral")
-    dp = ap.DataParallel("dp", zero=zero, param_dtype=torch.bfloat16)
-    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
+    dp = ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16)
+    with pytest.raises(ap.PlanError, match=r"model.layers.0.mlp.experts.*precision policy does not retarget"):
+        ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
+    plan = ap.plan(model.to(torch.bfloat16), DP4, kwargs=kw, annotations=M.EP, data_parallel="dp", dynamic=False)
     assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
     plan.check(**kw)
 
