@@ -16,6 +16,7 @@ import random
 
 from hypothesis import strategies as st
 
+from .moe import LAYOUTS, ROUTERS
 from .spec import ACTS
 
 DIMS = (4, 6, 8, 12)
@@ -23,6 +24,7 @@ KINDS = ("linear", "act", "norm", "attn", "residual")
 EXTRA_KINDS = ("noise", "bn")  # issue 32: random ops, batch norm (one model in EXTRA_EVERY has one)
 EXTRA_EVERY = 3
 UNEVEN_EVERY = 2  # issue 24: half the models take sizes that divide by no mesh axis (uneven pieces)
+MOE_EVERY = 4  # issue 26: a quarter of the models have a mixture-of-experts block (fuzz/moe.py)
 
 
 def model_spec(k: int) -> dict:
@@ -61,7 +63,29 @@ def model_spec(k: int) -> dict:
         for block in spec["blocks"]:
             if block["kind"] == "residual":
                 block["hidden"] = rng.choice((5, 7, 9))
+    if rng.randrange(MOE_EVERY) == 0:  # drawn last too
+        spec["blocks"].insert(rng.randrange(len(spec["blocks"]) + 1), moe_block(rng))
     return spec
+
+
+def moe_block(rng: random.Random) -> dict:
+    """A MoE block: 2-4 experts (3 divides few meshes: a clean refusal), top-1 or 2, stacked 3-D
+    experts (three layouts) or a ModuleList, with or without expert biases, two router forms."""
+    experts = rng.choice((2, 3, 4, 4))
+    form = rng.choice(("stacked", "stacked", "list"))
+    block = {
+        "kind": "moe",
+        "experts": experts,
+        "top_k": rng.choice([k for k in (1, 2) if k <= experts]),
+        "ffn": rng.choice((4, 5, 6, 8)),
+        "form": form,
+        "bias": rng.random() < 0.4,
+        "router": rng.choice(ROUTERS),
+        "renorm": rng.random() < 0.5,
+    }
+    if form == "stacked":
+        block["layout"] = rng.choice(LAYOUTS)
+    return block
 
 
 @st.composite
@@ -88,6 +112,7 @@ def layer_paths(case: dict) -> list[str]:
             "linear": [f"blocks.{i}"],
             "attn": [f"blocks.{i}.qkv", f"blocks.{i}.proj"],
             "residual": [f"blocks.{i}.fc1", f"blocks.{i}.fc2"],
+            "moe": [f"blocks.{i}.gate"],  # the router (its experts: expert_annotations)
         }.get(b["kind"], [])
     return paths
 
@@ -125,4 +150,41 @@ def cases(draw, pool: int = 12) -> dict:
         noise = any(b["kind"] == "noise" for b in case["blocks"])  # draws by placement need contiguous pieces
         balanced = False if noise else draw(st.booleans())
         case["cp"] = [draw(st.sampled_from(others)), draw(st.sampled_from(["allgather", "ring"])), balanced]
+    expert_annotations(draw, case)  # drawn last
     return case
+
+
+def _replicate_axis(draw, case: dict):
+    """The axis right before dp, to make the data parallelism two-axis (so that the experts can go
+    over one part of it), one case in three where no other annotation names that axis."""
+    names, dp = case["mesh"][1], case["dp"]
+    if dp is None or names.index(dp) == 0:
+        return None
+    rep = names[names.index(dp) - 1]
+    named = {a[2] for a in case["annotations"] if a[1] in ("colwise", "rowwise")}
+    if rep in named or any(a[1] == "place" for a in case["annotations"]) or rep == (case.get("cp") or [None])[0]:
+        return None
+    return rep if draw(st.integers(0, 2)) == 0 else None
+
+
+def expert_annotations(draw, case: dict) -> None:
+    """issue 26: each MoE block's experts annotated ap.expert_parallel (three in four) on the axis
+    that splits the batch (mostly), a part of a two-axis data parallelism or both, or another axis
+    (tokens replicated there), with expert tensor parallelism on a free axis half the time (the
+    ZeRO level is the case's: 0 or 3, the levels the fuzzer's modes train with)."""
+    moe = [i for i, b in enumerate(case["blocks"]) if b["kind"] == "moe"]
+    if not moe:
+        return
+    names, dp = case["mesh"][1], case["dp"]
+    rep = _replicate_axis(draw, case)
+    if rep is not None:
+        case["dp_replicate"] = rep
+    batch = [dp, dp, dp] + ([rep, [rep, dp]] if rep else []) if dp is not None else []
+    for i in moe:
+        if draw(st.integers(0, 3)) == 0:
+            continue  # not annotated: recognised all the same (plain data parallelism keeps tokens split)
+        on = draw(st.sampled_from(batch + [a for a in names if a not in (dp, rep)] or names))
+        used = set(on) if isinstance(on, list) else {on}
+        free = [a for a in names if a not in used | {dp, rep}]
+        tp = draw(st.sampled_from([None] + free)) if free and draw(st.booleans()) else None
+        case["annotations"].append([f"blocks.{i}.experts", "expert", [on, tp]])

@@ -9,8 +9,19 @@ import torch.nn as nn
 import autopar as ap
 from autopar.sharding.rules import TensorMeta
 from autopar.trace.export import trace
-from fuzz.spec import run_case
+from fuzz.spec import plan_case, run_case
 
+MOE_PLAIN = {  # fuzz/moe.py: stacked 3-D experts, one up projection, expert biases
+    "kind": "moe",
+    "experts": 4,
+    "top_k": 1,
+    "ffn": 5,
+    "form": "stacked",
+    "bias": True,
+    "router": "topk_softmax",
+    "renorm": True,
+    "layout": "plain",
+}
 CASES = {
     # gradflow: a batch-split value gathered for a colwise layer on the same axis feeds split
     # compute; its gradient arrives in parts and needed "f" after the all-gather.
@@ -66,6 +77,20 @@ CASES = {
         "dp": None,
         "annotations": [["x", "place", [None]]],
     },
+    # issue 26, propagate: a batch of 7 on 2 ranks (ragged: cut unevenly at run time) left the
+    # experts op no strategy with its tokens split (its lowering was not marked as sizing itself
+    # from its own rows): a ShardingError unannotated, tokens gathered around the experts annotated.
+    "moe_ragged_batch_plain_dp": {
+        "seed": 7,
+        "vocab": 0,
+        "d": 8,
+        "batch": 7,
+        "seq": 2,
+        "blocks": [MOE_PLAIN, {"kind": "residual", "hidden": 5, "fn": "silu"}],
+        "mesh": [[2], ["a0"]],
+        "dp": "a0",
+        "annotations": [],
+    },
 }
 
 
@@ -88,3 +113,23 @@ def test_guard_refuses_the_global_batch_on_a_static_split_dim():
     )
     with pytest.raises(ap.InputError, match="global input was passed"):
         plan.module(0)(torch.randn(8, 6))
+
+
+def test_moe_ragged_batch_dispatched():
+    """The same model with its experts on the batch's axis: dispatched by all-to-all, no gather."""
+    case = dict(CASES["moe_ragged_batch_plain_dp"], annotations=[["blocks.0.experts", "expert", ["a0", None]]])
+    plan, _ = plan_case(case)
+    kinds = {c.kind for c in plan.collectives() if c.node.startswith("moe")}
+    assert kinds == {"all_to_all"}, kinds
+    assert run_case(case) == "ok"
+
+
+def test_moe_trace_reused_by_a_sub_axis_plan():
+    """expert_blocks: a trace collapsed by an earlier plan (the fuzzer's cache, the search's probes)
+    kept that plan's split of the experts; a later plan over one part of a two-axis data
+    parallelism (Shard(0, within=2)) found no strategy ("no collective turns S(0,within=2) into R")."""
+    base = dict(CASES["moe_ragged_batch_plain_dp"], batch=8, mesh=[[2, 2], ["a0", "a1"]], dp="a1")
+    assert run_case(dict(base, annotations=[["blocks.0.experts", "expert", ["a1", None]]])) == "ok"
+    for on in ("a1", "a0"):  # the inner part (within), the outer (across), on the same cached trace
+        ann = [["blocks.0.experts", "expert", [on, None]]]
+        assert run_case(dict(base, dp_replicate="a0", annotations=ann)) == "ok"
