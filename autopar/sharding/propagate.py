@@ -525,13 +525,13 @@ def _valid(
                 return False  # split on a part (Shard.within / across) that does not cut this axis
             if p.of is not None:  # an item of a split list (an expert's weight): whole or empty by construction
                 continue
-            size = meta.shape[p.dim]
+            size, pieces = meta.shape[p.dim], p.pieces(n)  # a split on a part of the axis: that part's pieces
             # a dynamic dim (the batch) must divide at the example's sizes: its pieces are sized
             # at run time by the input guard; a blocked shard must divide in every block
             dynamic = p.dim < len(meta.dynamic) and meta.dynamic[p.dim]
-            if ((dynamic and not ragged) or p.blocks > 1) and size % (n * p.blocks):
+            if ((dynamic and not ragged) or p.blocks > 1) and size % (pieces * p.blocks):
                 return False
-            if multiple > 1 and size % (n * p.blocks * multiple):
+            if multiple > 1 and size % (pieces * p.blocks * multiple):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim and pl[k].of is None for pl in prior):
                 return False  # that dim is already split by an earlier axis (an item of a list's is whole or empty)
@@ -539,7 +539,7 @@ def _valid(
                 rows = True
                 continue
             split_sizes.add(size)
-            uneven = uneven or size % n != 0
+            uneven = uneven or size % pieces != 0
     return not (uneven or rows) or _uneven_ok(s, split_sizes, rows_only=not uneven)
 
 
