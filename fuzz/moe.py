@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-LAYOUTS = ("chunk", "interleave", "plain")
 ROUTERS = ("softmax_topk", "topk_softmax")
 
 

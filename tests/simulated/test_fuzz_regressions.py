@@ -133,3 +133,34 @@ def test_moe_trace_reused_by_a_sub_axis_plan():
     for on in ("a1", "a0"):  # the inner part (within), the outer (across), on the same cached trace
         ann = [["blocks.0.experts", "expert", [on, None]]]
         assert run_case(dict(base, dp_replicate="a0", annotations=ann)) == "ok"
+
+
+MOE_LIST = dict(MOE_PLAIN, form="list", experts=4, ffn=4, bias=False, layout=None)
+
+
+def test_moe_list_trace_reused_after_another_plan():
+    """expert_blocks: a ModuleList collapsed by an earlier plan on the cached trace was not found
+    again (its items' nodes are gone), so a later plan kept that plan's expert tensor parallelism
+    (each expert's w1 (4, 8) stored as (4, 4) and multiplied with whole rows: "mat1 and mat2 shapes
+    cannot be multiplied"); the fuzzer met it after a plan refused for its tp split."""
+    base = dict(CASES["moe_ragged_batch_plain_dp"], d=8, blocks=[MOE_LIST], mesh=[[2, 2], ["a0", "a1"]], dp="a1")
+    assert run_case(dict(base, annotations=[["blocks.0.experts", "expert", ["a1", "a0"]]])) == "ok"  # tp on a0
+    assert run_case(dict(base, annotations=[["blocks.0.experts", "expert", ["a1", None]]])) == "ok"
+    assert run_case(dict(base, annotations=[])) == "ok"
+
+
+@pytest.mark.parametrize("experts", [2, 3])
+def test_moe_experts_over_a_part_of_few_ranks(experts):
+    """Two experts over the inner or outer part of a (2, 2) two-axis data parallelism: propagate
+    judged S(0, within=2) by the merged axis' 4 ranks (2 experts: "uneven") and offered no strategy
+    ("no collective turns S(0,within=2) into R"). A part of one rank (the other axis of 4) named a
+    process group of one rank that does not exist; a part of every rank (the other axis of 1) was
+    refused as groups as large as the axis: now the experts whole on each rank, or split over all."""
+    moe = dict(MOE_PLAIN, experts=experts)
+    base = dict(CASES["moe_ragged_batch_plain_dp"], batch=8, blocks=[moe], dp="a1", dp_replicate="a0")
+    meshes = [[[2, 2], ["a0", "a1"]]] if experts == 2 else [[[4, 1], ["a0", "a1"]], [[1, 4], ["a0", "a1"]]]
+    for mesh in meshes:
+        for on in ("a0", "a1"):
+            case = dict(base, mesh=mesh, annotations=[["blocks.0.experts", "expert", [on, None]]])
+            refused = experts == 3 and (mesh[0][0] if on == "a0" else mesh[0][1]) == 4
+            assert run_case(case).startswith("AnnotationError") if refused else run_case(case) == "ok", (mesh, on)
