@@ -16,6 +16,7 @@ import random
 
 from hypothesis import strategies as st
 
+from .moe import ROUTERS
 from .spec import ACTS
 
 DIMS = (4, 6, 8, 12)
@@ -23,6 +24,7 @@ KINDS = ("linear", "act", "norm", "attn", "residual")
 EXTRA_KINDS = ("noise", "bn")  # issue 32: random ops, batch norm (one model in EXTRA_EVERY has one)
 EXTRA_EVERY = 3
 UNEVEN_EVERY = 2  # issue 24: half the models take sizes that divide by no mesh axis (uneven pieces)
+MOE_EVERY = 8  # issue 26: one model in eight has a mixture-of-experts block (fuzz/moe.py)
 
 
 def model_spec(k: int) -> dict:
@@ -61,7 +63,33 @@ def model_spec(k: int) -> dict:
         for block in spec["blocks"]:
             if block["kind"] == "residual":
                 block["hidden"] = rng.choice((5, 7, 9))
+    if rng.randrange(MOE_EVERY) == 0:  # drawn last too
+        spec["blocks"].insert(rng.randrange(len(spec["blocks"]) + 1), moe_block(rng, k))
     return spec
+
+
+MOE_FORMS = (("stacked", "chunk"), ("stacked", "interleave"), ("stacked", "plain"), ("list", None))
+
+
+def moe_block(rng: random.Random, k: int) -> dict:
+    """A MoE block: 2-4 experts (3 divides few meshes: a clean refusal), top-1 or 2, stacked 3-D
+    experts (three layouts) or a ModuleList by the model's number (so that a small pool has each),
+    with or without expert biases, two router forms."""
+    experts = rng.choice((2, 2, 3, 4, 4))
+    form, layout = MOE_FORMS[k % len(MOE_FORMS)]
+    block = {
+        "kind": "moe",
+        "experts": experts,
+        "top_k": rng.choice([k for k in (1, 2) if k <= experts]),
+        "ffn": rng.choice((4, 6, 8, 5)),
+        "form": form,
+        "bias": rng.random() < 0.4,
+        "router": rng.choice(ROUTERS),
+        "renorm": rng.random() < 0.5,
+    }
+    if layout is not None:
+        block["layout"] = layout
+    return block
 
 
 @st.composite
@@ -88,6 +116,7 @@ def layer_paths(case: dict) -> list[str]:
             "linear": [f"blocks.{i}"],
             "attn": [f"blocks.{i}.qkv", f"blocks.{i}.proj"],
             "residual": [f"blocks.{i}.fc1", f"blocks.{i}.fc2"],
+            "moe": [f"blocks.{i}.gate"],  # the router (its experts: expert_annotations)
         }.get(b["kind"], [])
     return paths
 
@@ -128,5 +157,42 @@ def cases(draw, pool: int = 12) -> dict:
         names = case["mesh"][1]
         right_after_dp = case["dp"] is not None and names.index(case["cp"][0]) == names.index(case["dp"]) + 1
         if case.get("zero") == 3 and right_after_dp:  # cp folded into zero=3's shard group, half of these
-            case["fold"] = draw(st.booleans())  # (drawn last; other axis orders are refused: unit tests)
+            case["fold"] = draw(st.booleans())  # (other axis orders are refused: unit tests)
+    expert_annotations(draw, case)  # drawn last
     return case
+
+
+def _replicate_axis(draw, case: dict):
+    """The axis right before dp, to make the data parallelism two-axis (so that the experts can go
+    over one part of it), one case in two where no other annotation names either axis."""
+    names, dp = case["mesh"][1], case["dp"]
+    if dp is None or names.index(dp) == 0 or case.get("fold"):
+        return None  # (a folded cp makes the shard group two axes already)
+    rep = names[names.index(dp) - 1]
+    named = {a[2] for a in case["annotations"] if a[1] in ("colwise", "rowwise")}  # the two become one axis
+    if {rep, dp} & named or any(a[1] == "place" for a in case["annotations"]) or rep == (case.get("cp") or [None])[0]:
+        return None
+    return rep if draw(st.booleans()) else None
+
+
+def expert_annotations(draw, case: dict) -> None:
+    """issue 26: each MoE block's experts annotated ap.expert_parallel (three in four) on the axis
+    that splits the batch (mostly), a part of a two-axis data parallelism or both, or another axis
+    (tokens replicated there), with expert tensor parallelism on a free axis three times in four (the
+    ZeRO level is the case's: 0 or 3, the levels the fuzzer's modes train with)."""
+    moe = [i for i, b in enumerate(case["blocks"]) if b["kind"] == "moe"]
+    if not moe:
+        return
+    names, dp = case["mesh"][1], case["dp"]
+    rep = _replicate_axis(draw, case)
+    if rep is not None:
+        case["dp_replicate"] = rep
+    batch = [dp, dp, dp] + ([rep, [rep, dp]] if rep else []) if dp is not None else []
+    for i in moe:
+        if draw(st.integers(0, 3)) == 0:
+            continue  # not annotated: recognised all the same (plain data parallelism keeps tokens split)
+        on = draw(st.sampled_from(batch + [a for a in names if a not in (dp, rep)] or names))
+        used = set(on) if isinstance(on, list) else {on}
+        free = [a for a in names if a not in used | {dp, rep}]
+        tp = draw(st.sampled_from(free)) if free and draw(st.integers(0, 3)) > 0 else None
+        case["annotations"].append([f"blocks.{i}.experts", "expert", [on, tp]])

@@ -133,8 +133,9 @@ def check_bf16(case, plan, args) -> None:
     from .spec import draws_random
 
     dp = plan.data_parallel
-    if dp is None or draws_random(case) or any(b["kind"] == "bn" for b in case["blocks"]):
-        return  # (batch norm's fp32 running statistics do not run with bf16 weights, serial either)
+    if dp is None or draws_random(case) or any(b["kind"] in ("bn", "moe") for b in case["blocks"]):
+        return  # (batch norm's fp32 running statistics do not run with bf16 weights, serial either;
+        # MoE experts: a precision policy is refused, parallel/dtype_retarget.refuse_collapsed_experts)
     policy = plan.with_data_parallel(dataclasses.replace(dp, param_dtype=torch.bfloat16))
     model = plan.model
     low = {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}

@@ -63,7 +63,7 @@ from autopar.parallel import buffer_sync, dp_module
 from autopar.parallel.fsdp import FullyShardedStorage
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from autopar.parallel.local_sgd import LocalSGD
-from autopar.parallel.dtype_retarget import retarget_dtypes
+from autopar.parallel.dtype_retarget import refuse_collapsed_experts, retarget_dtypes
 from autopar.parallel.precision import cast_program
 from autopar.parallel.registry import register_technique
 from autopar.parallel.storage import Replicated, ShardedOptimizer
@@ -355,6 +355,11 @@ class DataParallel(Technique):
 
     def restored(self, plan, per_rank):
         return self.storage.restored(plan, per_rank)
+
+    def after_plan(self, plan):
+        if self.param_dtype is not None:  # refused at planning rather than when a rank's program is made
+            refuse_collapsed_experts(plan, self.param_dtype)
+        return None
 
     def rewrite_program(self, plan, graph) -> None:
         if self.param_dtype is not None:  # the model's own dtype constants as it runs in param_dtype

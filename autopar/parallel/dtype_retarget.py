@@ -12,7 +12,10 @@ nodes of the emitted program that came from that node. Casts the model writes ex
 (``.float()`` before a norm, ``softmax(dtype=float32)``) are the same in both traces and stay.
 
 A model whose code branches on its parameters' dtype traces into another program: refused,
-naming the first node that differs.
+naming the first node that differs. So is a model whose MoE experts run as one op
+(``autopar::moe_experts``, sharding/expert_blocks.py), at planning: its expert chain, copied from
+the fp32 trace into the rank program by the op's lowering, keeps its fp32 casts (HF's
+``input.to(weight.dtype)``), which no node of the traced graph carries here.
 
 Example:
     >>> retarget_dtypes(plan, graph, torch.bfloat16)   # DataParallel.rewrite_program calls it
@@ -26,9 +29,21 @@ import torch.utils._pytree as pytree
 
 from autopar.codegen.emit import SOURCE
 from autopar.errors import DataParallelError
+from autopar.sharding.expert_blocks import BLOCKS, MOE_EXPERTS
 from autopar.sharding.propagate import BOUNDARY
 from autopar.sharding.eager_attention import FUSED_ATTENTION, fuse_eager_attention
 from autopar.trace.in_dtype import trace_in_dtype
+
+
+def refuse_collapsed_experts(plan, dtype: torch.dtype) -> None:
+    """Raise where the plan runs MoE experts as one op: the policy cannot retarget their chain yet."""
+    paths = sorted({BLOCKS[n.args[4]].path for n in plan.graph.nodes if n.target is MOE_EXPERTS})
+    if paths:
+        raise DataParallelError(
+            f"param_dtype={dtype}: the MoE experts of module(s) {paths} run as one op (autopar::moe_experts, "
+            "docs/experts.md) whose expert chain keeps the dtypes of the fp32 trace; a precision policy does not "
+            f"retarget it yet. Plan without param_dtype, or plan the model converted to {dtype} (model.to(dtype))."
+        )
 
 
 def retarget_dtypes(plan, graph: fx.Graph, dtype: torch.dtype) -> int:

@@ -274,17 +274,25 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
                 put(fqn, axis, R, why)
 
 
-def _expert_axis(ann, mesh) -> tuple[int, int, dict]:
+def _expert_axis(ann, mesh) -> tuple[int, int, dict | None]:
     """(mesh axis, ranks the experts are split over, the Shard's part keyword) of ``ann.axis``: a
     mesh axis ({}), or one of two data-parallel axes merged into one (``DataParallel(axis,
     replicate_axis=)``): the inner one, the experts split within each group of its ranks and
     replicated across the groups (``within=k``); the outer one, split across the groups and
-    replicated within each (``across=k``)."""
+    replicated within each (``across=k``). A part of one rank: None, the experts whole on every rank
+    (their tokens stay split: plain data parallelism); a part of every rank (the other axis has
+    size 1): {}, split over the whole axis."""
     axis, sub = mesh.sub_axis(ann.axis)
-    if sub is None:
-        return axis, mesh.shape[axis], {}
+    n = mesh.shape[axis] if sub is None else mesh.axis_size(sub)
+    if sub is None or n == mesh.shape[axis]:
+        return axis, n, {}
     key = "within" if sub.part == "inner" else "across"
-    return axis, mesh.axis_size(sub), {key: sub.within}
+    return axis, n, ({key: sub.within} if n > 1 else None)
+
+
+def _expert_split(part: dict | None, **kw):
+    """The placement of an expert tensor on the expert axis (``_expert_axis``' part)."""
+    return R if part is None else Shard(0, **kw, **part)
 
 
 def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
@@ -312,8 +320,7 @@ def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
         if ann.tp is not None:
             seeds.expert_tp[path] = mesh.axis_index(ann.tp)
         for pname, p in own.items():
-            split = Shard(0, **part)
-            put(f"{path}.{pname}", axis, split if p.dim() >= 2 and p.shape[0] == experts else R, why)
+            put(f"{path}.{pname}", axis, _expert_split(part) if p.dim() >= 2 and p.shape[0] == experts else R, why)
 
 
 def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds):
@@ -337,7 +344,7 @@ def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds)
         seeds.expert_tp[path] = mesh.axis_index(ann.tp)
     for i, expert in enumerate(experts):
         for pname, _ in expert.named_parameters():
-            put(f"{path}.{i}.{pname}", axis, Shard(0, of=(i, count), **part), why)
+            put(f"{path}.{i}.{pname}", axis, _expert_split(part, of=(i, count)), why)
 
 
 def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):

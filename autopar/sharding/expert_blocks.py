@@ -151,24 +151,22 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
     that splits the batch (``data_axis``: a dispatch is needed); elsewhere it is left as traced
     (its grouped matmuls split by expert, op by op: rules/experts.py)."""
     graph = traced.gm.graph
-    changed = False
+    done = _reuse_collapsed(graph, seeds, mesh)
     todo = dict(seeds.experts)
     for path in [*grouped_weight_modules(traced), *list_expert_modules(traced)]:
         if path not in todo and not any(fqn.startswith(path + ".") for fqn in seeds.params):
             todo[path] = None
     lists = list_items(traced)
-    for path, axis in todo.items():
-        region = _region(graph, path)  # a ModuleList is never called: its items' nodes
-        if path in lists:
-            region = [n for n in graph.nodes if any(p.startswith(path + ".") for p in module_paths(n))]
-        done = next((n for n in region if n.target is MOE_EXPERTS), None)
-        if done is not None:  # collapsed by an earlier plan on this graph (the search's probes share one):
-            block = BLOCKS[done.args[4]]  # its expert tensor parallelism is this plan's
-            block.tp = None
-            if path in seeds.expert_tp:
-                _split_experts(block, seeds, mesh, seeds.expert_tp[path])
-            continue
-        if region:
+    changed = False
+    try:
+        for path, axis in todo.items():
+            if path in done:
+                continue
+            region = _region(graph, path)  # a ModuleList is never called: its items' nodes
+            if path in lists:
+                region = [n for n in graph.nodes if any(p.startswith(path + ".") for p in module_paths(n))]
+            if not region:
+                continue
             try:
                 block = (
                     _collapse_list(traced, path, len(lists[path])) if path in lists else _collapse(traced, path, region)
@@ -181,9 +179,27 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
             block.grouped = _grouped(seeds, block, axis)
             if path in seeds.expert_tp:
                 _split_experts(block, seeds, mesh, seeds.expert_tp[path])
-    if changed:
-        graph.lint()
-        traced.gm.recompile()
+    finally:  # a plan refused after a collapse leaves the graph collapsed: the module's code follows it
+        if changed:
+            graph.lint()
+            traced.gm.recompile()
+
+
+def _reuse_collapsed(graph: fx.Graph, seeds, mesh) -> set[str]:
+    """The modules an earlier plan on this graph collapsed (the search's probes and the fuzzer's
+    cache share one trace), their splits made this plan's: the expert tensor parallelism, a
+    ModuleList's ``of`` dims and the sub-axis split (an earlier plan's, kept, gave a later one
+    its strategies and layouts); their paths."""
+    done = set()
+    for node in graph.nodes:
+        if node.target is not MOE_EXPERTS:
+            continue
+        block = BLOCKS[node.args[4]]
+        block.tp, block.of_dims, block.grouped = None, (), _grouped(seeds, block, seeds.experts.get(block.path))
+        if block.path in seeds.expert_tp:
+            _split_experts(block, seeds, mesh, seeds.expert_tp[block.path])
+        done.add(block.path)
+    return done
 
 
 def _grouped(seeds, block: ExpertBlock, axis: int | None) -> Shard | None:

@@ -24,25 +24,71 @@ from autopar.placement import Partial, Shard, shard_tensor
 
 aten = torch.ops.aten
 CHUNKS = {aten.chunk.default, aten.split.Tensor}
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.alias.default}
 
 
 def expert_tp_placements(block, n: int, grouped, through) -> list:
-    """Per parameter of ``block`` (in the op's order) its placement on an axis of ``n`` ranks."""
+    """Per parameter of ``block`` (in the op's order) its placement on an axis of ``n`` ranks.
+
+    Expert biases (gpt-oss' ``gate_up_proj_bias``, ``down_proj_bias``: ``(E, N)``, gathered by
+    each row's expert and added to a grouped matmul's output): the first matmul's is split with
+    its weight's N dim (the same blocks), the last one's is replicated and read as ``Partial()``,
+    so that it enters the partial sum once (as a ModuleList's row bias, ``_place_linear``)."""
     gm = [node for node in block.chain.graph.nodes if grouped(node)]
-    ph = [node for node in block.chain.graph.nodes if node.op == "placeholder"][3:]
+    phs = [node for node in block.chain.graph.nodes if node.op == "placeholder"]
+    ph, ids = phs[3:], phs[2]
     if len(gm) != 2:
         raise _fail(block, f"its chain has {len(gm)} grouped matmuls; expert tensor parallelism needs up and down")
     found = {}
-    for node, w_dim, blocks in ((gm[0], 2, _blocks(gm[0])), (gm[1], 1, 1)):
+    for node, w_dim, row in ((gm[0], 2, False), (gm[1], 1, True)):
+        bias, out = _stacked_bias(node, ids)
+        blocks = 1 if row else _blocks(out)
         param, dim = _source_dim(node.args[1], w_dim, through)
-        if param not in ph:
-            raise _fail(block, f"{node.name}'s weight is not one of the module's parameters")
+        if param not in ph or bias is not None and (bias not in ph or bias is param):
+            raise _fail(block, f"{node.name}'s weight or bias is not one of the module's parameters")
         found[param] = Shard(dim, blocks=blocks) if blocks > 1 else Shard(dim)
+        if bias is not None:  # (E, N): split with the weight's N dim, or added once (row)
+            found[bias] = Partial() if row else Shard(1, blocks=blocks) if blocks > 1 else Shard(1)
+        if not row:
+            _check_interleave(block, out, n, blocks)
     if len(found) != len(ph):
-        raise _fail(block, "parameters other than the two grouped matmuls' weights")
+        raise _fail(block, "parameters other than the two grouped matmuls' weights and the biases added to them")
     placements = [found[p] for p in ph]
     _check(block, placements, n)
     return placements
+
+
+def _stacked_bias(node: fx.Node, ids: fx.Node) -> tuple:
+    """(the expert bias a grouped matmul's output gets, the node that holds the sum): the one add
+    that reads the output with ``bias[ids]`` (each row's expert's bias: gpt-oss); (None, node)."""
+    if len(node.users) != 1:
+        return None, node
+    add = next(iter(node.users))
+    if add.target not in (aten.add.Tensor, aten.add_.Tensor) or len(add.args) != 2 or add.kwargs:
+        return None, node
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    while isinstance(other, fx.Node) and other.target in CASTS:
+        other = other.args[0]
+    if not isinstance(other, fx.Node) or other.target is not aten.index.Tensor or list(other.args[1]) != [ids]:
+        return None, node
+    return other.args[0], add
+
+
+def _check_interleave(block, out: fx.Node, n: int, blocks: int) -> None:
+    """Gate and up interleaved column by column (gpt-oss: ``gate_up[..., ::2]``, ``[..., 1::2]``):
+    a rank's contiguous piece keeps each gate with its up only if it holds whole pairs."""
+    val = out.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return
+    width = int(val.shape[-1]) // blocks
+    for u in out.users:
+        step = u.args[4] if u.target is aten.slice.Tensor and len(u.args) > 4 and u.args[1] in (-1, 1) else 1
+        if step > 1 and width % (n * step):
+            raise _fail(
+                block,
+                f"its gate and up columns interleave (every {step}th of {width}): split over {n} ranks, a "
+                f"rank's piece would part a gate from its up; use a tp axis whose size divides {width // step}",
+            )
 
 
 def _fail(block, why: str) -> AnnotationError:
@@ -67,7 +113,7 @@ def _source_dim(w: fx.Node, dim: int, through) -> tuple:
             dim = b if dim == a else a if dim == b else dim
         elif w.target is aten.permute.default:
             dim = w.args[1][dim] % 3
-        elif w.target not in (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.alias.default):
+        elif w.target not in CASTS:
             break  # a view: dims no longer map one to one
         w = w.args[0]
     return w, dim
@@ -97,7 +143,6 @@ def _check(block, placements, n: int) -> None:
 LINEAR = {aten.linear.default}
 MATMUL = {aten.mm.default, aten.matmul.default}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
-CASTS = {aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.alias.default}
 
 
 def list_tp_placements(block, n: int) -> list:

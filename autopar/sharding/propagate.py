@@ -521,7 +521,7 @@ def _valid(
     """May ``s`` run on ``axis``? ``ragged``: dynamic dims split on it may be cut unevenly (is_ragged);
     ``multiple`` > 1: every split dim must cut into multiple x n equal chunks (Seeds.piece_multiple)."""
     n = mesh.shape[axis]
-    split_sizes, uneven = set(), False
+    split_sizes, uneven, rows = set(), False, False
     for metas, places, prior in (
         (info.tensors, s.inputs, [c.inputs for c in chosen]),
         (info.outputs, s.outputs, [c.outputs for c in chosen]),
@@ -535,25 +535,25 @@ def _valid(
                 return False  # split on a part (Shard.within / across) that does not cut this axis
             if p.of is not None:  # an item of a split list (an expert's weight): whole or empty by construction
                 continue
-            size = meta.shape[p.dim]
+            size, pieces = meta.shape[p.dim], p.pieces(n)  # a split on a part of the axis: that part's pieces
             # a dynamic dim (the batch) must divide at the example's sizes: its pieces are sized
             # at run time by the input guard; a blocked shard must divide in every block
             dynamic = p.dim < len(meta.dynamic) and meta.dynamic[p.dim]
-            if ((dynamic and not ragged) or p.blocks > 1) and size % (n * p.blocks):
+            if ((dynamic and not ragged) or p.blocks > 1) and size % (pieces * p.blocks):
                 return False
-            if multiple > 1 and size % (n * p.blocks * multiple):
+            if multiple > 1 and size % (pieces * p.blocks * multiple):
                 return False
             if any(isinstance(pl[k], Shard) and pl[k].dim == p.dim and pl[k].of is None for pl in prior):
                 return False  # that dim is already split by an earlier axis (an item of a list's is whole or empty)
             if dynamic and ragged:  # pieces of any size, whose rows stay in order: no size to match
-                uneven = True
+                rows = True
                 continue
             split_sizes.add(size)
-            uneven = uneven or size % n != 0
-    return not uneven or _uneven_ok(s, split_sizes)
+            uneven = uneven or size % pieces != 0
+    return not (uneven or rows) or _uneven_ok(s, split_sizes, rows_only=not uneven)
 
 
-def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
+def _uneven_ok(s: Strategy, split_sizes: set, rows_only: bool = False) -> bool:
     """May ``s`` run on pieces of different sizes (a split dim that does not divide)?
 
     Why this test: a strategy made for even splits pairs row i of a split input dim with row i
@@ -562,13 +562,14 @@ def _uneven_ok(s: Strategy, split_sizes: set) -> bool:
     with others, ``(6, 11) -> (66,)``, does not (6 on 4 ranks is 2,2,1,1 rows; 66 is 17,17,16,16).
     A mean over a split dim (Partial("avg")) is weighted by each rank's share of the rows at
     emission (Emitter._weigh_averages; one tensor output only), and a lowering must say that it
-    sizes its pieces (``Lowering.uneven``).
+    sizes its pieces (``Lowering.uneven``); where only dynamic dims on a ragged axis are uneven
+    (``rows_only``), a lowering that sizes everything from its own pieces will do (``Lowering.ragged``).
     """
     if len(split_sizes) > 1:
         return False
     if len(s.outputs) > 1 and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in s.outputs):
         return False
-    return s.lowering is None or getattr(s.lowering, "uneven", False)
+    return s.lowering is None or getattr(s.lowering, "uneven", False) or (rows_only and s.lowering.ragged)
 
 
 def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) -> tuple:

@@ -62,6 +62,16 @@ def _config(kind: str):
             qk_nope_head_dim=8,
             v_head_dim=8,
         )
+    if kind == "gpt_oss":  # stacked experts with biases, gate|up interleaved, a clamped gate
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        return T.GptOssConfig(
+            **COMMON,
+            intermediate_size=FFN,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            head_dim=8,
+            rope_parameters=rope,
+        )
     raise KeyError(kind)
 
 
@@ -71,6 +81,7 @@ CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",  # not in KINDS: its own tests
 }
 
 
@@ -86,6 +97,11 @@ def moe_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 8):
     if kind == "deepseek_v3":
         for layer in model.model.layers:
             layer.mlp.gate.e_score_correction_bias[-1] = -1e4
+    if kind == "gpt_oss":
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("_bias") and ".experts." in n:
+                    p.normal_(0.0, 0.5)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
     return model, {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, seq), generator=g)}

@@ -10,6 +10,7 @@ import torch
 
 import autopar as ap
 from tests.harness import moe as M
+from tests.harness.serial import assert_params_close
 
 DP4 = ap.Mesh((4,), ("dp",))
 DP2TP2 = ap.Mesh((2, 2), ("dp", "tp"))
@@ -137,10 +138,9 @@ def test_histogram_rule_partial_counts():
 
 def test_gpt_oss_expert_biases_dispatched():
     """gpt-oss's experts: biases gathered by each row's expert, interleaved gate|up, a clamped gate;
-    the rows' experts travel with them (their local ids after the dispatch), equal to serial."""
-    from bench.survey_models import architectures, build
-
-    model, kw = build(next(a for a in architectures() if a.name == "GptOssForCausalLM"))
+    the rows' experts travel with them (their local ids after the dispatch), equal to serial (the
+    biases drawn at random: HF initialises them to zero)."""
+    model, kw = M.moe_model("gpt_oss")
     ann = {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
     plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
     assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
@@ -150,13 +150,73 @@ def test_gpt_oss_expert_biases_dispatched():
     plan.check(**kw, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_bf16_policy(zero):
-    """A bf16 precision policy (fp32 pieces, bf16 compute) with the experts dispatched: within
-    bf16's tolerance of the serial model under the same policy."""
+GPT_OSS_TP = {  # (experts, columns) of a rank's piece on (2, 2) dp x tp: 1/2 of the experts, 1/2 of a column split
+    "gate_up_proj": (2, M.HIDDEN, M.FFN),
+    "gate_up_proj_bias": (2, M.FFN),
+    "down_proj": (2, M.FFN // 2, M.HIDDEN),
+    "down_proj_bias": (2, M.HIDDEN),
+}
+
+
+def test_gpt_oss_expert_tensor_parallel_routed():
+    """Expert tensor parallelism of gpt-oss's stacked experts with biases (fed a routing that never
+    picks the last expert) on (2, 2) dp x tp: gate_up_proj and its bias split with the output
+    columns (gate|up interleaved column by column: a rank's half holds whole pairs), down_proj on
+    its rows, down_proj_bias whole on each tp rank and read as a partial sum (added once, by tp rank
+    0), nothing of the experts summed over tp; forward, every gradient and 3 AdamW steps equal serial."""
+    batches = [M.routing(16, seed=s) for s in range(3)]
+    model = M.RoutedExperts("gpt_oss")
+    ann = {"experts": ap.expert_parallel("dp", tp="tp")}
+    plan = ap.plan(model, DP2TP2, args=batches[0], annotations=ann, data_parallel="dp", dynamic=False)
+    for name, shape in GPT_OSS_TP.items():
+        assert tuple(plan.module(3).get_parameter(f"experts.{name}").shape) == shape, name
+    assert "down_proj_bias (S(0), R) used redistributed to (S(0), P) (local)" in plan.explain("moe_experts_default")
+    tp_synced = {n for b in plan.grad_buckets(0) if 1 in b.axes for n in b.names}
+    assert not any(n.startswith("experts.") for n in tp_synced), tp_synced
+    plan.check(*batches[0], rtol=1e-4, atol=1e-5)
+    serial = M.train_serial(M.RoutedExperts("gpt_oss"), batches, eps=1e-3)
+    assert_params_close(M.train_ranks(plan, batches, eps=1e-3), serial)
+
+
+def test_gpt_oss_expert_tensor_parallel_whole_model():
+    """presets.megatron(..., expert_axis="dp", expert_tp=True) on a whole gpt-oss on (2, 2): forward,
+    every gradient and 3 AdamW steps (eps 1e-3) equal serial."""
+    model, kw = M.moe_model("gpt_oss")
+    ann = dict(ap.presets.megatron(model, "tp", kwargs=kw, expert_axis="dp", expert_tp=True, vocab=False))
+    plan = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    moe = {(c.kind, c.axis) for c in plan.collectives() if c.node.startswith("moe_experts")}
+    assert ("all_to_all", "dp") in moe, moe
+    plan.check(**kw, rtol=1e-4, atol=1e-5)
+    batches = [kw] + [M.moe_model("gpt_oss", seed=s)[1] for s in (5, 6)]
+    merged = M.train_ranks(plan, batches, eps=1e-3)
+    assert_params_close(merged, M.train_serial(M.moe_model("gpt_oss")[0], batches, eps=1e-3))
+
+
+def test_gpt_oss_expert_tp_refuses_parting_gate_from_up():
+    """gate|up interleaved over 2 x 6 columns: on 4 tp ranks a rank's 3 columns would part a gate
+    from its up; refused, naming the module and the sizes that work."""
+    import transformers as T
+
+    cfg = M._config("gpt_oss")
+    cfg.intermediate_size = 6
+    model = T.GptOssForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    _, kw = M.moe_model("mixtral")
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("dp", tp="tp")}
+    mesh = ap.Mesh((2, 4), ("dp", "tp"))
+    with pytest.raises(ap.PlanError, match=r"model.layers.0.mlp.experts.*part a gate from its up.*divides 6"):
+        ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+
+
+def test_bf16_policy_refused_and_bf16_model_dispatched():
+    """A bf16 precision policy (fp32 pieces, bf16 compute) is refused at planning, naming the experts:
+    the expert chain copied into the rank program keeps the fp32 trace's casts (plan.check, which
+    runs the exact fp32 variant, used to pass while every rank's program failed to build). The
+    model converted to bf16 plans, dispatches and equals serial within bf16's tolerance."""
     model, kw = M.moe_model("mixtral")
-    dp = ap.DataParallel("dp", zero=zero, param_dtype=torch.bfloat16)
-    plan = ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
+    dp = ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16)
+    with pytest.raises(ap.PlanError, match=r"model.layers.0.mlp.experts.*precision policy does not retarget"):
+        ap.plan(model, DP4, kwargs=kw, annotations=M.EP, data_parallel=dp, dynamic=False)
+    plan = ap.plan(model.to(torch.bfloat16), DP4, kwargs=kw, annotations=M.EP, data_parallel="dp", dynamic=False)
     assert {c.kind for c in plan.collectives() if c.node.startswith("moe")} == {"all_to_all"}
     plan.check(**kw)
 

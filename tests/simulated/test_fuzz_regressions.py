@@ -9,8 +9,19 @@ import torch.nn as nn
 import autopar as ap
 from autopar.sharding.rules import TensorMeta
 from autopar.trace.export import trace
-from fuzz.spec import run_case
+from fuzz.spec import plan_case, run_case
 
+MOE_PLAIN = {  # fuzz/moe.py: stacked 3-D experts, one up projection, expert biases
+    "kind": "moe",
+    "experts": 4,
+    "top_k": 1,
+    "ffn": 5,
+    "form": "stacked",
+    "bias": True,
+    "router": "topk_softmax",
+    "renorm": True,
+    "layout": "plain",
+}
 CASES = {
     # gradflow: a batch-split value gathered for a colwise layer on the same axis feeds split
     # compute; its gradient arrives in parts and needed "f" after the all-gather.
@@ -66,6 +77,20 @@ CASES = {
         "dp": None,
         "annotations": [["x", "place", [None]]],
     },
+    # issue 26, propagate: a batch of 7 on 2 ranks (ragged: cut unevenly at run time) left the
+    # experts op no strategy with its tokens split (its lowering was not marked as sizing itself
+    # from its own rows): a ShardingError unannotated, tokens gathered around the experts annotated.
+    "moe_ragged_batch_plain_dp": {
+        "seed": 7,
+        "vocab": 0,
+        "d": 8,
+        "batch": 7,
+        "seq": 2,
+        "blocks": [MOE_PLAIN, {"kind": "residual", "hidden": 5, "fn": "silu"}],
+        "mesh": [[2], ["a0"]],
+        "dp": "a0",
+        "annotations": [],
+    },
 }
 
 
@@ -88,3 +113,54 @@ def test_guard_refuses_the_global_batch_on_a_static_split_dim():
     )
     with pytest.raises(ap.InputError, match="global input was passed"):
         plan.module(0)(torch.randn(8, 6))
+
+
+def test_moe_ragged_batch_dispatched():
+    """The same model with its experts on the batch's axis: dispatched by all-to-all, no gather."""
+    case = dict(CASES["moe_ragged_batch_plain_dp"], annotations=[["blocks.0.experts", "expert", ["a0", None]]])
+    plan, _ = plan_case(case)
+    kinds = {c.kind for c in plan.collectives() if c.node.startswith("moe")}
+    assert kinds == {"all_to_all"}, kinds
+    assert run_case(case) == "ok"
+
+
+def test_moe_trace_reused_by_a_sub_axis_plan():
+    """expert_blocks: a trace collapsed by an earlier plan (the fuzzer's cache, the search's probes)
+    kept that plan's split of the experts; a later plan over one part of a two-axis data
+    parallelism (Shard(0, within=2)) found no strategy ("no collective turns S(0,within=2) into R")."""
+    base = dict(CASES["moe_ragged_batch_plain_dp"], batch=8, mesh=[[2, 2], ["a0", "a1"]], dp="a1")
+    assert run_case(dict(base, annotations=[["blocks.0.experts", "expert", ["a1", None]]])) == "ok"
+    for on in ("a1", "a0"):  # the inner part (within), the outer (across), on the same cached trace
+        ann = [["blocks.0.experts", "expert", [on, None]]]
+        assert run_case(dict(base, dp_replicate="a0", annotations=ann)) == "ok"
+
+
+MOE_LIST = dict(MOE_PLAIN, form="list", experts=4, ffn=4, bias=False, layout=None)
+
+
+def test_moe_list_trace_reused_after_another_plan():
+    """expert_blocks: a ModuleList collapsed by an earlier plan on the cached trace was not found
+    again (its items' nodes are gone), so a later plan kept that plan's expert tensor parallelism
+    (each expert's w1 (4, 8) stored as (4, 4) and multiplied with whole rows: "mat1 and mat2 shapes
+    cannot be multiplied"); the fuzzer met it after a plan refused for its tp split."""
+    base = dict(CASES["moe_ragged_batch_plain_dp"], d=8, blocks=[MOE_LIST], mesh=[[2, 2], ["a0", "a1"]], dp="a1")
+    assert run_case(dict(base, annotations=[["blocks.0.experts", "expert", ["a1", "a0"]]])) == "ok"  # tp on a0
+    assert run_case(dict(base, annotations=[["blocks.0.experts", "expert", ["a1", None]]])) == "ok"
+    assert run_case(dict(base, annotations=[])) == "ok"
+
+
+@pytest.mark.parametrize("experts", [2, 3])
+def test_moe_experts_over_a_part_of_few_ranks(experts):
+    """Two experts over the inner or outer part of a (2, 2) two-axis data parallelism: propagate
+    judged S(0, within=2) by the merged axis' 4 ranks (2 experts: "uneven") and offered no strategy
+    ("no collective turns S(0,within=2) into R"). A part of one rank (the other axis of 4) named a
+    process group of one rank that does not exist; a part of every rank (the other axis of 1) was
+    refused as groups as large as the axis: now the experts whole on each rank, or split over all."""
+    moe = dict(MOE_PLAIN, experts=experts)
+    base = dict(CASES["moe_ragged_batch_plain_dp"], batch=8, blocks=[moe], dp="a1", dp_replicate="a0")
+    meshes = [[[2, 2], ["a0", "a1"]]] if experts == 2 else [[[4, 1], ["a0", "a1"]], [[1, 4], ["a0", "a1"]]]
+    for mesh in meshes:
+        for on in ("a0", "a1"):
+            case = dict(base, mesh=mesh, annotations=[["blocks.0.experts", "expert", [on, None]]])
+            refused = experts == 3 and (mesh[0][0] if on == "a0" else mesh[0][1]) == 4
+            assert run_case(case).startswith("AnnotationError") if refused else run_case(case) == "ok", (mesh, on)

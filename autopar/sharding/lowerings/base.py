@@ -28,6 +28,10 @@ class Lowering:
     # axis: placement.piece_sizes). Propagation offers a strategy with such a lowering on an
     # uneven split only when it does; the others need the split to divide.
     uneven: bool = False
+    # Whether emit() handles a dynamic dim (the batch) cut unevenly at run time on a ragged axis
+    # (propagate.is_ragged: pieces of any size, no rank knowing the others'), its static split dims
+    # dividing: it sizes everything from its own pieces. ``uneven`` implies it.
+    ragged: bool = False
 
     def emit(self, em, node, args: tuple, kwargs: dict, axis: int):
         """Add the rank's nodes for ``node`` to ``em.graph`` (args are already local)."""

@@ -66,6 +66,9 @@ def dispatch_part(strategies, axis: int, mesh):
 class ExpertDispatch(Lowering):
     name = "expert_dispatch"
     priority = 10
+    # a batch cut unevenly at run time: the rank routes its own tokens and the dispatch exchanges
+    # the counts first (the experts must divide: E/n each)
+    ragged = True
 
     def emit(self, em, node, args, kwargs, axis: int):
         hidden, index, weights, params, key = args
