@@ -21,24 +21,22 @@ def _test(within) -> Callable[[fx.Node], bool]:
 
 def ancestors(starts: Iterable[fx.Node], within) -> set:
     """``starts`` and the nodes they are computed from, through nodes ``within``."""
-    keep, seen = _test(within), set(starts)
-    todo = list(seen)
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in seen and keep(a):
-                seen.add(a)
-                todo.append(a)
-    return seen
+    starts = list(starts)
+    return _reached(starts, within, lambda n: n.all_input_nodes, set(starts))
 
 
 def descendants(starts: Iterable[fx.Node], within) -> set:
     """The nodes computed from any of ``starts`` through nodes ``within`` (a start only where
     another start reaches it)."""
-    keep, seen = _test(within), set()
-    todo = list(starts)
+    return _reached(list(starts), within, lambda n: n.users, set())
+
+
+def _reached(todo: list, within, neighbours, seen: set) -> set:
+    """``seen`` grown by every node reached from ``todo`` along ``neighbours`` through ``within``."""
+    keep = _test(within)
     while todo:
-        for u in todo.pop().users:
-            if u not in seen and keep(u):
-                seen.add(u)
-                todo.append(u)
+        for a in neighbours(todo.pop()):
+            if a not in seen and keep(a):
+                seen.add(a)
+                todo.append(a)
     return seen

@@ -14,7 +14,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import autopar as ap
+
 VOCAB = 64
+# Megatron annotations of llama_like on a mesh axis "tp" (head-split attention, SwiGLU split on ffn)
+TP = {
+    "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
+    "blocks.*.attn.o_proj": ap.rowwise("tp"),
+    "blocks.*.gate": ap.colwise("tp"),
+    "blocks.*.up": ap.colwise("tp"),
+    "blocks.*.down": ap.rowwise("tp"),
+}
 
 
 class RMSNorm(nn.Module):

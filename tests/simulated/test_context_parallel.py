@@ -13,16 +13,8 @@ from autopar.errors import PlanError
 from autopar.runtime.context_attention import block_plan
 from autopar.runtime.ring import ring_bytes, ring_steps
 from autopar.runtime.zigzag import from_zigzag, local_positions, to_zigzag, zigzag_index
-from tests.harness.llama_like import llama_batch, llama_like
+from tests.harness.llama_like import TP, llama_batch, llama_like
 from tests.harness.models import MEGATRON, gpt_batch, small_gpt
-
-TP = {
-    "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
-    "blocks.*.attn.o_proj": ap.rowwise("tp"),
-    "blocks.*.gate": ap.colwise("tp"),
-    "blocks.*.up": ap.colwise("tp"),
-    "blocks.*.down": ap.rowwise("tp"),
-}
 
 
 def cp_plan(n=2, method="allgather", batch=None, mesh=None, load_balance=False, **kw):

@@ -16,20 +16,13 @@ import torch
 import autopar as ap
 from autopar.parallel.fsdp import groups
 from autopar.runtime.simulator import run_ranks
-from tests.harness.llama_like import llama_batch, llama_like
+from tests.harness.llama_like import TP, llama_batch, llama_like
 from tests.harness.serial import assert_params_close, serial_step
 
 BATCHES = [llama_batch(batch=4, seed=s) for s in range(3)]
 ADAMW = dict(lr=0.01, weight_decay=0.1, eps=1e-3)  # eps well above float noise: AdamW divides by sqrt(v)
 FOLD = ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp"))
 CP_ONLY = ap.DataParallel(zero=3, shard_axes=("cp",))
-TP = {
-    "blocks.*.attn.[qkv]_proj": ap.colwise("tp"),
-    "blocks.*.attn.o_proj": ap.rowwise("tp"),
-    "blocks.*.gate": ap.colwise("tp"),
-    "blocks.*.up": ap.colwise("tp"),
-    "blocks.*.down": ap.rowwise("tp"),
-}
 
 
 def _plan(shape, axes, dp, method="ring", **kw):
