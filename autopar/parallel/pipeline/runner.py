@@ -55,7 +55,8 @@ MAX_SHAPES = 64  # input shapes whose boundary shapes a runner's channel remembe
 @dataclass
 class Event:
     """One action as it ran: perf_counter start and end of its compute (waits excluded), and
-    the CPU time its thread spent (robust when ranks share cores, as simulated ranks do)."""
+    the CPU time its thread spent (robust when ranks share cores, as simulated ranks do; the
+    calling thread's only: what intra-op OpenMP workers compute for it is not counted)."""
 
     kind: str
     microbatch: int
