@@ -29,7 +29,7 @@ class PlanOptions:
     techniques: tuple = ()  # the techniques asked for, in the order they apply (registry order)
     split_before: tuple[str, ...] = ()  # module paths where a pipeline stage starts
     strict: bool = False  # an op without a rule on split inputs is an error, not a gather
-    dynamic: bool = True  # batch and sequence dims exported as dynamic
+    dynamic: bool = True  # batch and sequence dims exported as dynamic (False: static, but a pipeline's batch dim)
     repeat_blocks: bool = True  # trace identical blocks two deep and copy the rest
     debug: bool = False  # ap.parallelize checks that every rank planned alike
     auto: object = None  # True or ap.Auto: the search chooses layouts (search/); None once done

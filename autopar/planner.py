@@ -64,7 +64,7 @@ def make_plan(
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
     with keep_opaque(model, keep, args, kwargs or {}):
-        traced = trace(model, args, kwargs, dynamic=options.dynamic, repeat_blocks=options.repeat_blocks)
+        traced = trace(model, args, kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks)
     traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)  # a precision policy traces again
     if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
         traced.materialize_device = input_device(args, kwargs)
@@ -101,6 +101,23 @@ def make_plan(
     if record is not None:
         plan.built["auto"] = record  # JSON: the search's choice, its reasons and the runners-up
     return plan
+
+
+def _trace_dynamic(options: PlanOptions) -> bool | str:
+    """How the model is exported: ``options.dynamic``, except that a pipelined plan's batch dim is
+    dynamic even with ``dynamic=False`` ("batch"). Why: its runner cuts the batch into micro-batches
+    along dim 0 and runs each stage on one, so a stage traced at the whole batch failed on its
+    first reshape (shape '[8, 16, ...]' is invalid for input of size 3072), and the activations it
+    holds, sized by dividing the batch symbol by the micro-batch count, were counted at the whole
+    batch. The other dims stay static, as asked.
+
+    Example:
+        >>> _trace_dynamic(PlanOptions(dynamic=False, pipeline=ap.Pipeline("pp", microbatches=4)))
+        'batch'
+    """
+    if options.dynamic or options.pipeline is None:
+        return options.dynamic
+    return "batch"
 
 
 def load_plan(path, model: torch.nn.Module, *, mesh: Mesh | None = None, args=None, kwargs=None) -> Plan:

@@ -48,7 +48,7 @@ class Traced:
     in_spec: object
     out_spec: object
     forward_arg_names: list[str]
-    dynamic: bool
+    dynamic: bool | str  # as exported: True, False, or "batch" (dim 0 only; trace()'s ``dynamic``)
     tied: dict[str, list[str]] = field(default_factory=dict)  # canonical param -> all its names
     repeated: object = None  # repeat.Repeated when blocks were copied, not exported
     training: bool = True  # the model's mode when traced (export bakes it into flags)
@@ -64,10 +64,14 @@ def trace(
     model: torch.nn.Module,
     args: tuple = (),
     kwargs: dict | None = None,
-    dynamic: bool = True,
+    dynamic: bool | str = True,
     repeat_blocks: bool = True,
 ) -> Traced:
     """Export ``model`` at ``args``/``kwargs`` and prepare the graph for propagation.
+
+    ``dynamic``: True exports every dim of the tensor inputs as dynamic (static where export
+    must specialise), False none, ``"batch"`` only their dim 0 (a pipeline's static trace: its
+    stages run micro-batches, the batch cut along dim 0).
 
     With ``repeat_blocks``, a long list of identical blocks is exported two blocks deep and
     the rest copied (see repeat_blocks.py); the graph is the one a full export gives.
@@ -179,10 +183,10 @@ def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map(distinct, (args, kwargs))
 
 
-def _dynamic_shapes(model, args, kwargs):
+def _dynamic_shapes(model, args, kwargs, batch_only: bool = False):
     def spec(x):
         if isinstance(x, torch.Tensor):
-            return {d: Dim.AUTO for d in range(x.dim())}
+            return {d: Dim.AUTO for d in range(min(x.dim(), 1) if batch_only else x.dim())}
         return None
 
     signature = inspect.signature(model.forward)
@@ -198,8 +202,8 @@ def _dynamic_shapes(model, args, kwargs):
 def _export(model, args, kwargs, dynamic):
     """torch.export, dynamic first; static shapes as a fallback (with a warning)."""
     errors = []
-    for use_dynamic in [True, False] if dynamic else [False]:
-        shapes = _dynamic_shapes(model, args, kwargs) if use_dynamic else None
+    for use_dynamic in [dynamic, False] if dynamic else [False]:
+        shapes = _dynamic_shapes(model, args, kwargs, batch_only=use_dynamic == "batch") if use_dynamic else None
         try:
             with warnings.catch_warnings(), _no_fake_tensor_cache():
                 warnings.simplefilter("ignore")

@@ -81,3 +81,68 @@ def test_preset_on_plain_pytorch_models():
     }
     mlp = MLP()
     assert _expand(ap.presets.megatron(mlp, "tp", args=(torch.randn(4, 16),)), mlp) == _expand(MLP_TP, mlp)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_gqa_llama_at_8b_sizes_keeps_every_layer_head_split(sp):
+    """HF LLaMA with GQA (8 K/V heads for 32 query heads) and an attention mask HF builds, at 8B
+    widths on the meta device, on tp=8: every layer's q/k/v column-parallel and o_proj
+    row-parallel, nothing moved inside the attention (each rank its head groups, no weight
+    all-to-all'd or gathered, no attention replicated or split on the sequence).
+
+    Before 0342b65 (ANNOTATED_MOVE) the cost model, one consumer at a time, found moving the small
+    GQA k/v weights cheaper than the activation's redistribution: k_proj's weight was
+    all-to-all'd and the k/v heads all-reduced on tp, while the preset had annotated them colwise.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=2048,
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.zeros(2, 2048, dtype=torch.long, device="meta")
+    kw = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=sp)
+    plan = ap.plan(model, ap.Mesh((8,), ("tp",)), kwargs=kw, annotations=ann, dynamic=False)
+    for layer in range(4):
+        attn = f"model.layers.{layer}.self_attn"
+        for proj in "qkv":
+            assert plan.param_specs[f"{attn}.{proj}_proj.weight"] == (ap.Shard(0),), (layer, proj)
+        assert plan.param_specs[f"{attn}.o_proj.weight"] == (ap.Shard(1),), layer
+    inside = [
+        c
+        for c in plan.collectives()
+        if c.phase == "forward" and c.module and ".self_attn" in c.module and not c.module.endswith(("q_proj", "o_proj"))
+    ]
+    assert not inside, inside  # sp: q_proj's input all-gather and o_proj's reduce-scatter only
+
+
+def test_gqa_llama_with_padding_mask_head_split_equals_serial():
+    """The same at tiny sizes, run: GQA (2 K/V heads for 4), a padded attention mask HF turns into
+    its causal mask, presets.megatron on tp=2: k/v split by head group and the plan equals serial."""
+    import torch
+    from tests.harness.hf_models import batch, llama
+
+    model = llama(layers=2, kv_heads=2, attn="sdpa")
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: the mask is not all ones
+    kw = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw, annotations=ap.presets.megatron(model, "tp", kwargs=kw))
+    for layer in range(2):
+        for proj in "kv":
+            assert plan.param_specs[f"model.layers.{layer}.self_attn.{proj}_proj.weight"] == (ap.Shard(0),)
+    assert not [c for c in plan.collectives() if c.phase == "forward" and c.module and "self_attn." in c.module
+                and not c.module.endswith("o_proj")]  # fmt: skip
+    plan.check(**kw, rtol=1e-4, atol=1e-5)

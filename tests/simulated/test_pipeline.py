@@ -78,6 +78,38 @@ def test_3d_mesh_dp_pp_tp(gpt, schedule, chunks, ckpt):
     test_gpt_step_equals_serial(gpt, "dp2xpp2xtp2", schedule, chunks, ckpt)
 
 
+@pytest.mark.parametrize("mesh", ["pp2", "dp2xpp2xtp2"])
+def test_static_shapes_step_equals_serial_and_count_one_micro_batch(gpt, mesh):
+    """dynamic=False with a pipeline: the batch dim is still exported dynamic (the runner cuts it
+    into micro-batches; a stage traced at the whole batch failed on its first reshape), the step
+    equals serial and each rank's activations are counted per micro-batch, as with dynamic=True
+    (they were the whole batch's: m times too many)."""
+    model, batch, (serial_loss, serial_grads) = gpt
+    pipe = ap.Pipeline("pp", microbatches=4)
+    static = _gpt_plan(mesh, model=model, batch=batch, pipeline=pipe, dynamic=False)
+    runners, losses = run_step(static, batch)
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    errors = [e for r in static.mesh.ranks() for e in grad_errors(static, r, runners[r], serial_grads)]
+    assert not errors, errors[:5]
+    dynamic = gpt_plan(mesh, gpt)
+    for r in static.mesh.ranks():
+        assert static.memory_per_rank(r)["activations"] == dynamic.memory_per_rank(r)["activations"]
+    # the sequence dim stays static, as asked
+    idx = next(n for n in static.graph.nodes if n.op == "placeholder" and n.name in static.traced.user_inputs)
+    assert [isinstance(d, torch.SymInt) for d in idx.meta["val"].shape] == [True, False]
+
+
+def test_static_trace_given_a_pipeline_later_names_the_fix(gpt):
+    """A plan traced static without a pipeline, given one by with_options: its stages take only
+    the traced batch; the runner says so, and what to do, instead of a reshape failing."""
+    model, batch, _ = gpt
+    static = _gpt_plan("pp2", model=model, batch=batch, dynamic=False)
+    plan = with_pipeline(static, ap.Pipeline("pp", microbatches=4))
+    with pytest.raises(Exception, match=r"static batch \(8 rows.*pipeline=ap.Pipeline"):
+        run_step(plan, batch)
+
+
 def test_memory_in_flight_counts(gpt):
     """1F1B holds at most p micro-batches per rank (p - r on rank r), GPipe all m; checkpointing
     lowers the measured peak of saved activation bytes."""

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.placement import counts_piece
+from autopar.placement import Shard, counts_piece
 from autopar.runtime.backend import current_backend
 from autopar.errors import InputError
 from autopar.parallel.dp_module import bucket_limits, sync_axes_all_names
@@ -55,7 +55,8 @@ MAX_SHAPES = 64  # input shapes whose boundary shapes a runner's channel remembe
 @dataclass
 class Event:
     """One action as it ran: perf_counter start and end of its compute (waits excluded), and
-    the CPU time its thread spent (robust when ranks share cores, as simulated ranks do)."""
+    the CPU time its thread spent (robust when ranks share cores, as simulated ranks do; the
+    calling thread's only: what intra-op OpenMP workers compute for it is not counted)."""
 
     kind: str
     microbatch: int
@@ -213,6 +214,8 @@ class PipelineRunner:
             pieces = _chunk(v, m, name) if isinstance(v, torch.Tensor) else [v] * m
             if isinstance(v, torch.Tensor) and rows is None:
                 rows = [p.shape[0] for p in pieces]
+            if isinstance(v, torch.Tensor):
+                _check_static_rows(self.plan, name, pieces, m)
             for i in range(m):
                 per[i][name] = pieces[i]
         self._weights = _weights(rows, m, self.plan.ragged, self.plan.dp_axis)
@@ -650,6 +653,30 @@ def _own_loss(flat):
         if isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype.is_floating_point:
             return t
     return None
+
+
+def _check_static_rows(plan, name: str, pieces: list, m: int) -> None:
+    """A PipelineError where the stages were traced with a static dim 0 other than a micro-batch's
+    rows (a static trace reused for a pipeline: plan.with_options adding one, or a model whose
+    export could not keep the batch dynamic), rather than a reshape failing inside a stage."""
+    names = plan.traced.user_inputs
+    ph = next((n for n in plan.graph.nodes if n.op == "placeholder" and n.name == name), None)
+    val = ph.meta.get("val") if ph is not None else None
+    if not isinstance(val, torch.Tensor) or not val.dim() or not isinstance(val.shape[0], int):
+        return
+    local = val.shape[0]  # this rank's rows as traced: the static batch over the axes that split it
+    for axis, p in enumerate(plan.input_specs[names.index(name)] or ()):
+        if isinstance(p, Shard) and p.dim == 0:
+            if local % plan.mesh.shape[axis]:
+                return  # cut unevenly: the rows differ by rank, left to the stage
+            local //= plan.mesh.shape[axis]
+    if any(p.shape[0] != local for p in pieces):
+        raise PipelineError(
+            f"Input {name!r}: the pipeline's stages were traced with a static batch ({val.shape[0]} rows, "
+            f"{local} on this rank) and its {m} micro-batches have {', '.join(str(p.shape[0]) for p in pieces)}. "
+            "Give the pipeline to ap.plan itself (pipeline=ap.Pipeline(...)): it exports the batch dim as "
+            "dynamic even with dynamic=False; plan.with_options(...) adding one reuses the static trace."
+        )
 
 
 def _chunk(t: torch.Tensor, m: int, name: str, per: str = "micro-batch") -> list:
