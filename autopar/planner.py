@@ -29,6 +29,7 @@ from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
 from autopar.trace.in_dtype import skeleton
+from autopar.trace.model_members import held
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 
 
@@ -80,21 +81,22 @@ def make_plan(
                 model, probe_mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims
             )
 
-        annotations, chosen, record = search(
-            model,
-            mesh,
-            traced,
-            annotations,
-            options.data_parallel,
-            options.auto,
-            ndims,
-            options.strict,
-            plan_probe,
-            options.pipeline,
-            options.activation_checkpoint,
-            options.context_parallel,
-            options.split_before,
-        )
+        with held(model):  # the probes change no module: its parameters walked once
+            annotations, chosen, record = search(
+                model,
+                mesh,
+                traced,
+                annotations,
+                options.data_parallel,
+                options.auto,
+                ndims,
+                options.strict,
+                plan_probe,
+                options.pipeline,
+                options.activation_checkpoint,
+                options.context_parallel,
+                options.split_before,
+            )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)

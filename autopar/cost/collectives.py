@@ -23,6 +23,7 @@ from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path
+from autopar.trace.model_members import named_parameters
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, step_bytes
 
@@ -129,7 +130,7 @@ def _sync_comms(plan, sy) -> list[Comm]:
     """Gradient-sync collectives per step: per bucket and axis. On the data-parallel axis its
     options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none)."""
     mesh, dp = plan.mesh, plan.data_parallel
-    params = dict(plan.model.named_parameters())
+    params = dict(named_parameters(plan.model))
     out = []
     for i, b in enumerate(plan.grad_buckets()):
         # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece
