@@ -83,8 +83,10 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
         )
 
 
-def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
-    """Every collective of one training step on one rank, in graph order, then gradient buckets."""
+def collectives(plan, sy: PlanSymbols | None = None, grad_sync: bool = True) -> list[Comm]:
+    """Every collective of one training step on one rank, in graph order, then gradient buckets
+    (left out with ``grad_sync=False``: the search counts the gradient sync per parameter and
+    reads only the activations' collectives here; the buckets were most of this list's cost)."""
     sy = sy or PlanSymbols.of(plan)
     out: list[Comm] = []
     seen = set()
@@ -107,7 +109,8 @@ def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
             if key not in seen:
                 seen.add(key)
                 _edge_comms(plan, v, key[1], out_node, (), out, sy)
-    out += _sync_comms(plan, sy)
+    if grad_sync:
+        out += _sync_comms(plan, sy)
     for technique in plan.options.techniques:
         out += technique.collectives(plan, sy)
     return out

@@ -275,7 +275,7 @@ def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
     """(component key, seconds, axis name, bytes) of each activation collective of ``plan``."""
     mesh, out = plan.mesh, []
     in_graph = {n.name for n in plan.graph.nodes}
-    for c in collectives(plan, sy):
+    for c in collectives(plan, sy, grad_sync=False):
         if c.phase not in ("forward", "backward") or c.node not in in_graph:
             continue  # the gradient sync (zero=3's gathers too) is counted per parameter (_param_terms)
         key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
