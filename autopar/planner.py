@@ -23,6 +23,7 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.search.auto import search
+from autopar.search.quiet_gc import quiet_gc
 from autopar.sharding.annotations import Seeds, replicated, resolve
 from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
@@ -81,7 +82,9 @@ def make_plan(
                 model, probe_mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims
             )
 
-        with held(model):  # the probes change no module: its parameters walked once
+        # the probes change no module: its parameters walked once; the trace and the model left
+        # out of the collector's passes (quiet_gc.py)
+        with held(model), quiet_gc():
             annotations, chosen, record = search(
                 model,
                 mesh,
