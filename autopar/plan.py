@@ -43,6 +43,7 @@ from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
 from autopar.sharding.propagate import is_ragged, layout_of
 from autopar.sharding.ragged import check_ragged
+from autopar.trace.model_members import named_parameters
 
 R = Replicate()
 
@@ -215,7 +216,7 @@ class Plan(PlanViews):
             fqn = self.traced.param_fqn[ph]
             key = canonical.get(fqn, fqn)
             out[key] = tuple(sorted(set(out.get(key, ())) | set(axes)))
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        trainable = {n for n, p in named_parameters(self.model) if p.requires_grad}
         for fqn, spec in self.param_specs.items():
             key = canonical.get(fqn, fqn)
             replicas = [

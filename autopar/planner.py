@@ -23,12 +23,14 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.search.auto import search
+from autopar.search.quiet_gc import quiet_gc
 from autopar.sharding.annotations import Seeds, replicated, resolve
 from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
 from autopar.trace.in_dtype import skeleton
+from autopar.trace.model_members import held
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 
 
@@ -80,21 +82,24 @@ def make_plan(
                 model, probe_mesh, probe_traced, probe_options, annotations=probe_annotations, ndims=ndims
             )
 
-        annotations, chosen, record = search(
-            model,
-            mesh,
-            traced,
-            annotations,
-            options.data_parallel,
-            options.auto,
-            ndims,
-            options.strict,
-            plan_probe,
-            options.pipeline,
-            options.activation_checkpoint,
-            options.context_parallel,
-            options.split_before,
-        )
+        # the probes change no module: its parameters walked once; the trace and the model left
+        # out of the collector's passes (quiet_gc.py)
+        with held(model), quiet_gc():
+            annotations, chosen, record = search(
+                model,
+                mesh,
+                traced,
+                annotations,
+                options.data_parallel,
+                options.auto,
+                ndims,
+                options.strict,
+                plan_probe,
+                options.pipeline,
+                options.activation_checkpoint,
+                options.context_parallel,
+                options.split_before,
+            )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)

@@ -23,6 +23,7 @@ from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path
+from autopar.trace.model_members import named_parameters
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, step_bytes
 
@@ -82,8 +83,10 @@ def _edge_comms(plan, src: fx.Node, target, consumer: fx.Node, f_axes, out, sy) 
         )
 
 
-def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
-    """Every collective of one training step on one rank, in graph order, then gradient buckets."""
+def collectives(plan, sy: PlanSymbols | None = None, grad_sync: bool = True) -> list[Comm]:
+    """Every collective of one training step on one rank, in graph order, then gradient buckets
+    (left out with ``grad_sync=False``: the search counts the gradient sync per parameter and
+    reads only the activations' collectives here; the buckets were most of this list's cost)."""
     sy = sy or PlanSymbols.of(plan)
     out: list[Comm] = []
     seen = set()
@@ -106,7 +109,8 @@ def collectives(plan, sy: PlanSymbols | None = None) -> list[Comm]:
             if key not in seen:
                 seen.add(key)
                 _edge_comms(plan, v, key[1], out_node, (), out, sy)
-    out += _sync_comms(plan, sy)
+    if grad_sync:
+        out += _sync_comms(plan, sy)
     for technique in plan.options.techniques:
         out += technique.collectives(plan, sy)
     return out
@@ -129,7 +133,7 @@ def _sync_comms(plan, sy) -> list[Comm]:
     """Gradient-sync collectives per step: per bucket and axis. On the data-parallel axis its
     options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none)."""
     mesh, dp = plan.mesh, plan.data_parallel
-    params = dict(plan.model.named_parameters())
+    params = dict(named_parameters(plan.model))
     out = []
     for i, b in enumerate(plan.grad_buckets()):
         # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece

@@ -48,6 +48,7 @@ from autopar.placement import Shard, is_uneven
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of, tensor_outputs
+from autopar.trace.model_members import named_parameters
 
 
 def layer_of(path: str) -> str:
@@ -189,7 +190,7 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
     params = sympy.Integer(0)
     grads = sympy.Integer(0)
     opt = sympy.Integer(0)
-    for name, p in plan.model.named_parameters():
+    for name, p in named_parameters(plan.model):
         local = sy.numel(p.shape, plan.param_specs.get(name))
         params += local * p.element_size()
         if p.requires_grad:

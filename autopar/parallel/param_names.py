@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import Replicate, local_shape
+from autopar.trace.model_members import named_parameters
 
 
 def canonical_names(plan) -> dict[str, str]:
@@ -60,7 +61,7 @@ def param_order(plan) -> list[str]:
 def local_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
     """Meta tensors with this rank's local shapes (deduplicated names, as a module has them)."""
     out = {}
-    for n, p in plan.model.named_parameters():
+    for n, p in named_parameters(plan.model):
         spec = plan.param_specs.get(n, (Replicate(),) * plan.mesh.ndim)
         shape = local_shape(tuple(p.shape), spec, plan.mesh, plan.mesh.coords(rank))
         out[n] = torch.empty(shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad)

@@ -37,6 +37,7 @@ from autopar.search.options import Auto
 from autopar.search.short import copied, reweighed, shortened
 from autopar.search.solver import Option, solve
 from autopar.trace.module_paths import module_path
+from autopar.trace.model_members import named_modules
 
 
 class NoPlanError(PlanError):
@@ -272,7 +273,7 @@ def search(
 
 def _touched(comp, user, model) -> bool:
     pats = comp.patterns
-    paths = [p for p, _ in model.named_modules() if any(fnmatch.fnmatchcase(p, q) for q in pats)]
+    paths = [p for p, _ in named_modules(model) if any(fnmatch.fnmatchcase(p, q) for q in pats)]
     return any(fnmatch.fnmatchcase(p, u) for p in paths for u in user) or any(
         fnmatch.fnmatchcase(n, u) for n in comp.params for u in user
     )

@@ -46,6 +46,7 @@ from autopar.cost.op_time import node_seconds, optimizer_step_bytes
 from autopar.cost.plan_cost import activation_terms
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of
+from autopar.trace.model_members import named_parameters
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -274,7 +275,7 @@ def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
     """(component key, seconds, axis name, bytes) of each activation collective of ``plan``."""
     mesh, out = plan.mesh, []
     in_graph = {n.name for n in plan.graph.nodes}
-    for c in collectives(plan, sy):
+    for c in collectives(plan, sy, grad_sync=False):
         if c.phase not in ("forward", "backward") or c.node not in in_graph:
             continue  # the gradient sync (zero=3's gathers too) is counted per parameter (_param_terms)
         key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
@@ -293,7 +294,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     sync = plan.grad_sync_axes
     units: dict[str, float] = {}  # zero=3's gather units: each repeated block, and the rest as one
     unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
-    for name, p in plan.model.named_parameters():
+    for name, p in named_parameters(plan.model):
         t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
         local = sy.numel(p.shape, plan.param_specs.get(name)) * p.element_size()
         axes = sync.get(name, ())

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 from autopar.errors import AnnotationError, close_matches
 from autopar.placement import Annotation, Placement, Replicate, Shard, check_layout, fmt_spec
+from autopar.trace.model_members import named_modules, named_parameters
 
 R = Replicate()
 
@@ -198,8 +200,9 @@ def resolve(
 ) -> Seeds:
     """Turn ``{pattern: annotation}`` into placements for parameters and inputs."""
     seeds = Seeds()
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
+    params = dict(named_parameters(model))
+    modules = dict(named_modules(model))
+    paths = [n for n in modules if n]  # module paths, the root's '' left out
     per_axis: dict[str, dict[int, tuple[Placement, str]]] = {}  # fqn -> axis -> (placement, why)
 
     def put(fqn: str, axis: int, p: Placement, why: str) -> None:
@@ -222,13 +225,13 @@ def resolve(
         elif isinstance(ann, replicated):
             _apply_replicate(pattern, modules, params, mesh, put, why)
         elif isinstance(ann, expert_parallel):
-            _apply_experts(pattern, ann, modules, mesh, put, why, seeds)
+            _apply_experts(pattern, ann, modules, paths, mesh, put, why, seeds)
         elif isinstance(ann, sequence_parallel):
-            for path in _matching(pattern, [n for n in modules if n], "module path"):
+            for path in _matching(pattern, paths, "module path"):
                 seeds.module_outputs.setdefault(path, {})[mesh.axis_index(ann.axis)] = Shard(ann.dim)
                 seeds.reasons[path] = why
         else:
-            _apply_layer(pattern, ann, modules, mesh, put, why, seeds)
+            _apply_layer(pattern, ann, modules, paths, mesh, put, why, seeds)
 
     for fqn, axes in per_axis.items():
         placements = tuple(axes.get(a, (R, ""))[0] for a in range(mesh.ndim))
@@ -244,7 +247,8 @@ def resolve(
 
 
 def _matching(pattern: str, names, what: str) -> list[str]:
-    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    match = re.compile(fnmatch.translate(pattern)).match  # fnmatchcase's test, without its call per name
+    hits = [n for n in names if match(n)]
     if not hits:
         raise AnnotationError(
             f"Annotation pattern {pattern!r} matches no {what}. Closest {what}s: {close_matches(pattern, names)}."
@@ -295,9 +299,9 @@ def _expert_split(part: dict | None, **kw):
     return R if part is None else Shard(0, **kw, **part)
 
 
-def _apply_experts(pattern, ann, modules, mesh, put, why, seeds):
+def _apply_experts(pattern, ann, modules, paths, mesh, put, why, seeds):
     axis, n, part = _expert_axis(ann, mesh)
-    for path in _matching(pattern, [n for n in modules if n], "module path"):
+    for path in _matching(pattern, paths, "module path"):
         if isinstance(modules[path], nn.ModuleList):
             _apply_expert_list(path, ann, modules[path], mesh, put, why, seeds)
             continue
@@ -347,9 +351,9 @@ def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds)
             put(f"{path}.{i}.{pname}", axis, _expert_split(part, of=(i, count)), why)
 
 
-def _apply_layer(pattern, ann, modules, mesh, put, why, seeds):
+def _apply_layer(pattern, ann, modules, paths, mesh, put, why, seeds):
     axis = mesh.axis_index(ann.axis)
-    for path in _matching(pattern, [n for n in modules if n], "module path"):
+    for path in _matching(pattern, paths, "module path"):
         module = modules[path]
         kind = _layer_kind(module)
         split = SPLITS[(kind, type(ann))]

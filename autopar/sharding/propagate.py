@@ -151,8 +151,7 @@ def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> 
     ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
     phs = [n for n in graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs]
     ctx.ragged = is_ragged([(n.meta.get("val"), seeds.inputs.get(n.name)) for n in phs], mesh)
-    if not cache:
-        ctx.choices = None
+    ctx.choices = _kept_choices(traced.gm, ctx) if cache else None
     for node in graph.nodes:
         if node.meta.get(BOUNDARY):
             continue  # inserted just now by _enforce_output_constraint, with its layout
@@ -418,7 +417,7 @@ def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
     rule = get_rule(node.target)
     if rule is None:
         return _no_rule(node, ins, info, cur, ctx)
-    key = _choice_key(node, ins, info, cur, ctx) if ctx.choices is not None else None
+    key = _choice_key(node, ins, info, cur, rule, ctx) if ctx.choices is not None else None
     hit = ctx.choices.get(key) if key is not None else None
     if hit is None:
         hit = _solve(node, ins, info, cur, rule, ctx)
@@ -430,7 +429,20 @@ def choose(node: fx.Node, ins: list[fx.Node], ctx: Context) -> Layout:
     return Layout(list(outputs), list(ins), list(targets), chosen, reason, list(alternatives))
 
 
-def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
+CHOICES = "autopar_choices"  # gm.meta: the choice cache of each earlier propagation of the graph
+
+
+def _kept_choices(gm, ctx: Context) -> dict:
+    """The choice cache for propagating ``gm`` under ``ctx``: shared by every propagation of the
+    same graph on the same mesh with the same ragged axes and piece multiples (what _solve reads
+    besides the key), so that the search's probes, which plan one graph under many annotations,
+    solve an op once for all of them (propagation was a third of a 512-rank search)."""
+    mesh = ctx.mesh
+    where = (mesh.shape, mesh.axis_names, frozenset(ctx.ragged), tuple(sorted(ctx.seeds.piece_multiple.items())))
+    return gm.meta.setdefault(CHOICES, {}).setdefault(where, {})
+
+
+def _choice_key(node, ins, info: OpInfo, cur, rule, ctx: Context):
     """Everything _solve reads, as a hashable key; None when something is not hashable.
 
     Why: a model of N identical blocks has N copies of each op with the same shapes, the same
@@ -438,8 +450,10 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
     with the number of *distinct* ops, not with depth. The key holds the op, its arguments
     with every tensor replaced by (shape, dtype, dynamic dims), the output metas, the current
     placements of the inputs, per input whether it is a parameter / needs a gradient / is
-    computed from parameters alone, and the node's module-output constraint: exactly what the
-    rule (a pure function of OpInfo) and _cost look at.
+    computed from parameters alone, the node's module-output constraint, and the rule itself
+    (the cache outlives one propagation: _kept_choices; a rule registered again must not meet
+    its predecessor's answers): exactly what the rule (a pure function of OpInfo) and _cost
+    look at. The mesh, the ragged axes and the piece multiples are _kept_choices' key.
     """
 
     def freeze(a):
@@ -456,6 +470,7 @@ def _choice_key(node, ins, info: OpInfo, cur, ctx: Context):
     try:
         key = (
             node.target,
+            rule,
             freeze(info.args),
             freeze(info.kwargs),
             freeze(info.outputs),

@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import TraceError
 from autopar.trace.inline_wrappers import inline_wrappers
+from autopar.trace.model_members import released
 from autopar.trace.repeat_blocks import Repeated, copy_blocks, find_repeated, truncated
 
 aten = torch.ops.aten
@@ -78,6 +79,11 @@ def trace(
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar needs an nn.Module, got {type(model).__name__}.")
+    with released():  # it swaps the model's modules (a truncated stack) while it runs
+        return _trace(model, args, kwargs, dynamic, repeat_blocks)
+
+
+def _trace(model, args, kwargs, dynamic, repeat_blocks) -> Traced:
     args = args if isinstance(args, tuple) else (args,)
     args, kwargs = _distinct_inputs(args, dict(kwargs or {}))
     found = find_repeated(model) if repeat_blocks else None

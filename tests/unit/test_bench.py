@@ -30,6 +30,35 @@ def test_propagate_cache_gives_identical_layouts():
     assert _layouts(traced) == cached
 
 
+
+def test_propagate_cache_kept_across_propagations_is_never_stale():
+    """The choice cache lives on the graph (gm.meta) and is shared by every later propagation of
+    it, as the search's probes do: under other annotations, another data-parallel axis, a mesh
+    of the same shape with a batch cut unevenly, piece multiples, each propagation must give
+    what a propagation without the cache gives."""
+    model, (idx, tg) = small_gpt(layers=2), gpt_batch()
+    traced = trace(model, (idx, tg))
+    ndims = {n: 2 for n in traced.user_inputs}
+    cases = [
+        ((2, 2), ("dp", "tp"), MEGATRON, "dp", {}),
+        ((2, 2), ("dp", "tp"), {}, "dp", {}),
+        ((2, 2), ("dp", "tp"), MEGATRON, None, {}),
+        ((2, 2), ("tp", "dp"), MEGATRON, "dp", {}),
+        ((2, 2), ("dp", "tp"), MEGATRON, "dp", {1: 2}),  # context parallel's multiple of pieces
+        ((3, 2), ("dp", "tp"), MEGATRON, "dp", {}),  # a batch of 8 cut unevenly on dp=3
+        ((3, 2), ("dp", "tp"), MEGATRON, None, {}),
+        ((2, 2), ("dp", "tp"), MEGATRON, "dp", {}),  # the first again, after the others
+    ]
+    for shape, names, annotations, dp, multiple in cases:
+        mesh = ap.Mesh(shape, names)
+        seeds = resolve(annotations, model, mesh, traced.user_inputs, dp, ndims)
+        seeds.piece_multiple.update(multiple)
+        propagate(traced, mesh, seeds)
+        cached = _layouts(traced)
+        propagate(traced, mesh, seeds, cache=False)
+        assert _layouts(traced) == cached, (shape, names, dp, multiple)
+
+
 def test_compile_and_memory_bench_quick(tmp_path):
     from bench import run
 

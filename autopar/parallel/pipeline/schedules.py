@@ -13,15 +13,17 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopar.errors import PipelineError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
+    """A tuple (made, hashed and compared in C: a schedule of a 512-rank search's pipelines has
+    tens of thousands, replayed for each pipeline it costs)."""
+
     kind: str  # "F" forward, "B" backward
     microbatch: int
     stage: int
@@ -86,18 +88,19 @@ def interleaved(pp: int, m: int, v: int, r: int) -> list[Action]:
     return acts
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
     action: Action
     start: float
     end: float
 
 
-def deps(a: Action, n_stages: int) -> list[Action]:
-    if a.kind == "F":
-        return [Action("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
-    after = Action("B", a.microbatch, a.stage + 1) if a.stage < n_stages - 1 else None
-    return [Action("F", a.microbatch, a.stage)] + ([after] if after else [])
+def deps(kind: str, microbatch: int, stage: int, n_stages: int) -> list[tuple]:
+    """What an action waits for, as (kind, micro-batch, stage): the forward of the stage before;
+    for a backward, its own forward and the backward of the stage after."""
+    if kind == "F":
+        return [("F", microbatch, stage - 1)] if stage > 0 else []
+    after = [("B", microbatch, stage + 1)] if stage < n_stages - 1 else []
+    return [("F", microbatch, stage)] + after
 
 
 def replay(schedule: list[list[Action]], n_stages: int, duration=None) -> list[list[Slot]]:
@@ -105,33 +108,38 @@ def replay(schedule: list[list[Action]], n_stages: int, duration=None) -> list[l
 
     ``duration(action)`` defaults to 1 for a forward and 1 for a backward (one slot each).
     Raises PipelineError if the schedule would deadlock (an action waits on one that its
-    rank can only reach later).
+    rank can only reach later). An action's start is the latest end of its rank's previous
+    action and of its inputs, whatever order the ranks are walked in: each rank runs until an
+    input is missing and waits on it, and resumes when it is done (each action visited once;
+    sweeping every rank until one progressed was a tenth of a 512-rank search).
     """
     duration = duration or (lambda a: 1.0)
-    done: dict[Action, float] = {}
+    done: dict[tuple, float] = {}
     pos = [0] * len(schedule)
     free = [0.0] * len(schedule)
     out: list[list[Slot]] = [[] for _ in schedule]
-    remaining = sum(len(s) for s in schedule)
     present = {a for acts in schedule for a in acts}  # forward-only schedules have no backwards
-    while remaining:
-        progressed = False
-        for r, acts in enumerate(schedule):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                need = [d for d in deps(a, n_stages) if d in present]
-                if any(d not in done for d in need):
-                    break
-                start = max([free[r]] + [done[d] for d in need])
-                end = start + duration(a)
-                done[a], free[r] = end, end
-                out[r].append(Slot(a, start, end))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(acts[pos[r]]) for r, acts in enumerate(schedule) if pos[r] < len(acts)}
-            raise PipelineError(f"The schedule deadlocks: ranks wait at {stuck}.")
+    waiting: dict[tuple, list[int]] = {}  # an action not run yet -> the ranks waiting on it
+    ready = list(range(len(schedule)))
+    while ready:
+        r = ready.pop()
+        acts = schedule[r]
+        while pos[r] < len(acts):
+            a = acts[pos[r]]
+            need = [d for d in deps(*a, n_stages) if d in present]
+            missing = next((d for d in need if d not in done), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            start = max([free[r]] + [done[d] for d in need])
+            end = start + duration(a)
+            done[a], free[r] = end, end
+            out[r].append(Slot(a, start, end))
+            pos[r] += 1
+            ready += waiting.pop(a, [])
+    if any(pos[r] < len(acts) for r, acts in enumerate(schedule)):
+        stuck = {r: str(acts[pos[r]]) for r, acts in enumerate(schedule) if pos[r] < len(acts)}
+        raise PipelineError(f"The schedule deadlocks: ranks wait at {stuck}.")
     return out
 
 

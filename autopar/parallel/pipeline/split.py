@@ -144,12 +144,12 @@ def _unit(node: fx.Node) -> str:
 def _candidates(order: list[fx.Node]) -> list[int]:
     """Positions where a stage may start: where the owning block changes (never inside a
     multi-output op's getitems)."""
-    out = [
+    units = [_unit(n) for n in order]
+    return [
         i
         for i in range(1, len(order))
-        if _unit(order[i]) and _unit(order[i]) != _unit(order[i - 1]) and order[i].target is not operator.getitem
+        if units[i] and units[i] != units[i - 1] and order[i].target is not operator.getitem
     ]
-    return out
 
 
 def annotated_cuts(order: list[fx.Node], paths: list[str]) -> list[int]:
