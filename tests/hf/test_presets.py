@@ -123,7 +123,10 @@ def test_gqa_llama_at_8b_sizes_keeps_every_layer_head_split(sp):
     inside = [
         c
         for c in plan.collectives()
-        if c.phase == "forward" and c.module and ".self_attn" in c.module and not c.module.endswith(("q_proj", "o_proj"))
+        if c.phase == "forward"
+        and c.module
+        and ".self_attn" in c.module
+        and not c.module.endswith(("q_proj", "o_proj"))
     ]
     assert not inside, inside  # sp: q_proj's input all-gather and o_proj's reduce-scatter only
 

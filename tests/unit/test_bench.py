@@ -30,7 +30,6 @@ def test_propagate_cache_gives_identical_layouts():
     assert _layouts(traced) == cached
 
 
-
 def test_propagate_cache_kept_across_propagations_is_never_stale():
     """The choice cache lives on the graph (gm.meta) and is shared by every later propagation of
     it, as the search's probes do: under other annotations, another data-parallel axis, a mesh
@@ -49,9 +48,9 @@ def test_propagate_cache_kept_across_propagations_is_never_stale():
         ((3, 2), ("dp", "tp"), MEGATRON, None, {}),
         ((2, 2), ("dp", "tp"), MEGATRON, "dp", {}),  # the first again, after the others
     ]
-    for shape, names, annotations, dp, multiple in cases:
+    for shape, names, annotated, dp, multiple in cases:
         mesh = ap.Mesh(shape, names)
-        seeds = resolve(annotations, model, mesh, traced.user_inputs, dp, ndims)
+        seeds = resolve(annotated, model, mesh, traced.user_inputs, dp, ndims)
         seeds.piece_multiple.update(multiple)
         propagate(traced, mesh, seeds)
         cached = _layouts(traced)
