@@ -63,6 +63,11 @@ def layer_of(path: str) -> str:
     return path
 
 
+# Bytes per element of one optimizer state (Adam's moments): fp32, the dtype of the master weights
+# they step (a precision policy keeps fp32 masters: parallel/precision.py).
+STATE_BYTES = 4
+
+
 class Cost:
     """Formulas for one plan (see the module docstring); ``at(**dims)`` gives numbers."""
 
@@ -124,8 +129,9 @@ class Cost:
         """Bytes the optimizer step moves on a rank: its state (``memory["optimizer"]``, as ZeRO
         shards it) and the parameters it steps with their gradients (as many bytes per state
         byte as the model's trainable parameters have)."""
-        states = sum(p.numel() for p in self.plan.model.parameters() if p.requires_grad) * 4 * self.states
-        grads = sum(p.numel() * p.element_size() for p in self.plan.model.parameters() if p.requires_grad)
+        trained = [p for _, p in named_parameters(self.plan.model) if p.requires_grad]
+        states = sum(p.numel() for p in trained) * STATE_BYTES * self.states
+        grads = sum(p.numel() * p.element_size() for p in trained)
         stepped = self.memory["optimizer"] * sympy.Rational(grads, states) if states else self.memory["grads"]
         return optimizer_step_bytes(self.memory["optimizer"], stepped)
 
@@ -195,7 +201,7 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
         params += local * p.element_size()
         if p.requires_grad:
             grads += local * p.element_size()
-            opt += optimizer_states * local * 4
+            opt += optimizer_states * local * STATE_BYTES
     out = {"params": params, "grads": grads, "optimizer": opt, **activation_terms(plan, sy)}
     for technique in plan.options.techniques:  # ZeRO's shares, zero=3's gathered blocks, ...
         out = technique.memory_formulas(plan, sy, out)

@@ -43,7 +43,7 @@ from autopar.cost.activation_memory import bytes_by_node, loss_backward_source, 
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
 from autopar.cost.op_time import node_seconds, optimizer_step_bytes
-from autopar.cost.plan_cost import activation_terms
+from autopar.cost.plan_cost import STATE_BYTES, activation_terms
 from autopar.runtime.ring import ring_steps
 from autopar.sharding.propagate import layout_of
 from autopar.trace.model_members import named_parameters
@@ -311,10 +311,10 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         if plan.dp_axis in axes:
             t.dp_grad += w * local
             t.dp_grad_elems += w * local / p.element_size()
-            t.opt_dp += w * states * 4 * local / p.element_size()
+            t.opt_dp += w * states * STATE_BYTES * local / p.element_size()
         else:
             t.grads_other += w * local
-            t.opt_other += w * states * 4 * local / p.element_size()
+            t.opt_other += w * states * STATE_BYTES * local / p.element_size()
         for a in axes:
             if a == plan.dp_axis:
                 continue
