@@ -2,9 +2,9 @@
 
 - ``memory_budget``: bytes per rank (parameters, gradients, optimizer state, activations as
   plan.cost() counts them); None: no limit.
-- ``device``: a profile name ("h100", "h100-500w", "a100", "cpu-gloo") or an ap.calibrate() result;
+- ``device``: a profile name ("h100", "h100-500w", "h200", "a100", "cpu-gloo") or an ap.calibrate() result;
   ``alpha`` / ``beta`` / ``flops_per_s`` / ``memory_bandwidth`` override its numbers (every link). None: the device
-  the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100" or "h100" by name; meta: "h100").
+  the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100", "h200" or "h100" by name; meta: "h100").
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
 - ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).

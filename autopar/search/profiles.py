@@ -13,17 +13,20 @@ An op takes the longer of its FLOPs at ``flops_per_s`` (matmuls; attention at
 GPU rates are measured (``bench/gpu_calibration.py``; figures in bench/RESULTS.md): on an H100
 80GB HBM3 the four matmuls of a LLaMA-3.1-8B decoder layer (bf16, local batch 2 x 8192) ran
 forward + backward at 731 TFLOP/s (74% of the 989 TFLOP/s datasheet peak) and its causal flash
-attention at 453, counting FLOPs as the cost model does. The bandwidth is the datasheet's (HBM3
-3.35 TB/s; the calibration's 4 GiB copy ran at 3.0). The rest of that layer (norms, RoPE,
-SwiGLU's products, residual adds, casts: 12.4 of its 49.0 ms measured) the bandwidth term puts at
-8.0 ms (tests/unit/test_op_time.py; docs/auto.md). The A100 was not measured: ``a100`` takes the
-same share of its 312 TFLOP/s peak and its datasheet bandwidth (A100 80GB SXM, 2.04 TB/s). Links
-are derived from published figures: NVLink 4 ~450 GB/s per direction of all-reduce bus
+attention at 453, counting FLOPs as the cost model does. The bandwidth is what the calibration's
+4 GiB copy reached (3.0 TB/s of the datasheet's 3.35: the roof a memory-bound kernel can reach).
+The rest of that layer (norms, RoPE, SwiGLU's products, residual adds, casts: 12.4 of its 49.0 ms
+measured) the bandwidth term puts at 8.5 ms (tests/unit/test_op_time.py; docs/auto.md). ``h200``
+is the same calibration run on a lent H200 (141 GB HBM3e): matmuls 699, attention 452 TFLOP/s,
+its copy 4.27 TB/s. The A100 was not measured: ``a100`` takes the H100's share of its 312 TFLOP/s
+peak and the H100 copy's share (0.895) of its datasheet bandwidth (A100 80GB SXM, 2.04 TB/s).
+Links are derived from published figures: NVLink 4 ~450 GB/s per direction of all-reduce bus
 bandwidth, InfiniBand NDR 400 Gb/s ~45 GB/s per GPU; A100: NVLink 3 ~240 GB/s, HDR IB ~22 GB/s.
 ``cpu-gloo`` is this kind of machine (a few CPU cores, loopback TCP; FLOPs only: its rate is a
 measured step's); ``ap.calibrate()`` measures the real one. ``h100-500w`` is the H100 of
 torchtitan's published runs (HBM2e, a 500 W power limit): the H100 rates scaled by the
-datasheets' power-cap ratio, and its datasheet bandwidth (no constant fitted to their figures).
+datasheets' power-cap ratio, and the H100 copy's share of its datasheet bandwidth (no constant
+fitted to their figures).
 
 Example:
     >>> PROFILES["h100"].link(ap.Mesh((16, 8), ("dp", "tp")), 0)   # (alpha, beta) of InfiniBand
@@ -78,28 +81,42 @@ class Profile:
 # forward, backward twice that), in 7.3 ms: 453 TFLOP/s.
 H100_MATMUL_FLOPS = 730.8e12
 H100_ATTENTION_FLOPS = 452.9e12
-H100_BANDWIDTH = 3.35e12  # HBM3, the H100 SXM datasheet
+H100_DATASHEET_BANDWIDTH = 3.35e12  # HBM3, the H100 SXM datasheet
+# What a memory-bound kernel can reach: the same calibration's 4 GiB device-to-device copy
+# (read + write bytes over its time), 0.895 of the datasheet's figure. Other cards' datasheet
+# bandwidths are taken at that share.
+H100_BANDWIDTH = 3.00e12
+ACHIEVED_BANDWIDTH_SHARE = H100_BANDWIDTH / H100_DATASHEET_BANDWIDTH
+
+# The H200's rates (bench/gpu_calibration_h200.json, 2026-11-27, a lent H200 141 GB HBM3e), the
+# same calibration: the 8B layer's four matmuls at 699 TFLOP/s, its causal flash attention at 452,
+# the 4 GiB copy at 4.27 TB/s (its datasheet's 4.8 x 0.89).
+H200_MATMUL_FLOPS = 699.1e12
+H200_ATTENTION_FLOPS = 451.7e12
+H200_BANDWIDTH = 4.27e12
 
 # torchtitan's published H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md):
 # 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, a peak "between SXM and NVL" (their
 # footnote). Derived, not fitted to their throughput: the tensor-core rate scales with the peak
 # at 500 W, interpolated on power between the datasheets' H100 NVL (400 W, 835 TFLOP/s dense
 # bf16) and H100 SXM (700 W, 989): 886 TFLOP/s, 0.896x; the memory-bound ops take the HBM2e's
-# 2.4 TB/s. Links as ``h100`` (NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU across).
+# 2.4 TB/s at the share the H100's copy reached (2.15 TB/s). Links as ``h100`` (NVLink inside the
+# 8-GPU host, 400 Gb/s RDMA per GPU across).
 H100_500W_TENSOR = (835e12 + (500 - 400) / (700 - 400) * (989e12 - 835e12)) / 989e12
-H100_HBM2E_BANDWIDTH = 2.4e12
-A100_BANDWIDTH = 2.039e12  # A100 80GB SXM datasheet
+H100_HBM2E_BANDWIDTH = 2.4e12 * ACHIEVED_BANDWIDTH_SHARE
+A100_BANDWIDTH = 2.039e12 * ACHIEVED_BANDWIDTH_SHARE  # A100 80GB SXM datasheet
 
 
-def _gpu(name, scale, links, bandwidth) -> Profile:
-    """A GPU profile: the H100's measured matmul and attention rates times ``scale``."""
-    return Profile(name, H100_MATMUL_FLOPS * scale, *links, 8, 1.0, bandwidth, H100_ATTENTION_FLOPS * scale)
+def _gpu(name, scale, links, bandwidth, matmul=H100_MATMUL_FLOPS, attention=H100_ATTENTION_FLOPS) -> Profile:
+    """A GPU profile: measured matmul and attention rates (the H100's by default) times ``scale``."""
+    return Profile(name, matmul * scale, *links, 8, 1.0, bandwidth, attention * scale)
 
 
 H100_LINKS = ((3e-6, 450e9), (8e-6, 45e9))
 PROFILES = {
     "h100": _gpu("h100", 1.0, H100_LINKS, H100_BANDWIDTH),
     "h100-500w": _gpu("h100-500w", H100_500W_TENSOR, H100_LINKS, H100_HBM2E_BANDWIDTH),
+    "h200": _gpu("h200", 1.0, H100_LINKS, H200_BANDWIDTH, H200_MATMUL_FLOPS, H200_ATTENTION_FLOPS),
     "a100": _gpu("a100", 312e12 / 989e12, ((4e-6, 240e9), (10e-6, 22e9)), A100_BANDWIDTH),
     "cpu-gloo": Profile("cpu-gloo", 20e9, (60e-6, 1.0e9), (60e-6, 1.0e9), 1 << 30, 0.0),
 }
@@ -109,15 +126,18 @@ DEFAULT = "h100"
 def profile_for(where) -> str:
     """The profile name for a job whose tensors live on ``where`` (a torch.device or None): a
     CPU job is ``cpu-gloo`` (planned for the machine it runs on, not for a GPU it does not
-    have); a CUDA device by its name (A100, else H100: the closest published profile); the meta
-    device or None (a shapes-only plan for a cluster) the default, ``h100``."""
+    have); a CUDA device by its name (A100, H200, else H100: the closest measured profile); the
+    meta device or None (a shapes-only plan for a cluster) the default, ``h100``."""
     where = torch.device(where) if where is not None else None
     if where is None or where.type == "meta":
         return DEFAULT
     if where.type == "cpu":
         return "cpu-gloo"
-    if where.type == "cuda" and torch.cuda.is_available() and "A100" in torch.cuda.get_device_name(where):
-        return "a100"
+    if where.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(where)
+        for kind in ("A100", "H200"):
+            if kind in name:
+                return kind.lower()
     return DEFAULT
 
 
