@@ -46,6 +46,116 @@ PUBLISHED = {
     ),
 }
 
+# Eager runs (no torch.compile, no Float8): torchtitan's docs/performance.md, each row read at the
+# commit that added it, its configuration from train_configs/*.toml and the parallelisms' code at
+# that commit. WPS there is tokens/s per GPU (train.py: a rank's tokens over model_parallel_size);
+# MFU counts 6 x all parameters + 12 x layers x heads x head_dim x seq FLOPs per token, which
+# checks the sequence length: each published MFU is its WPS at these sizes within 0.1 points.
+# Common to all: FSDP2 with bf16 parameters and fp32 gradient reduction
+# (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)), every block resharded after
+# forward but the last, causal F.scaled_dot_product_attention; selective "op" keeps every second
+# mm's output (and SDPA's), as in the Dec-2024 runs.
+TT_A100 = "pytorch/torchtitan 1ea476e9f24b docs/performance.md (2024-04-24; train_configs/llama3_*.toml there)"
+TT_A100_L2 = "pytorch/torchtitan 395a526276ee docs/performance.md (2024-04-18; train_configs/llama_13b.toml there)"
+TT_405B = (
+    "pytorch/torchtitan 3faaa1a0dee6 docs/performance.md (2024-08-23; train_configs/llama3_405b.toml at 9515a140b^)"
+)
+LLAMA2_13B = (5120, 13824, 40, 40, 40, 32000)  # torchtitan "13B": dim 5120, 40 layers, 40 heads, ffn 13824
+LLAMA2_70B = (8192, 28672, 80, 64, 8, 32000)  # "70B": ffn 1.3 x 8/3 x 8192 rounded up to 4096s
+# name: (model, mesh shape, mesh names, local batch, seq, checkpointing, profile, published
+#        tok/s/GPU, published MFU %, source, what it ran)
+PUBLISHED_EAGER = {
+    # 64 A100 80GB (the A100's kind is not stated beyond 80GB; the multinode script at that commit
+    # is "optimized for AWS with EFA"). FSDP over all 64 ranks: (8, 8) with ZeRO-3 sharded over both
+    # axes, as the 8B FSDP 128 row above. The tomls' tensor_parallel_degree (70B: 8) and batch_size
+    # (70B: 8) were overridden: the table says FSDP2 1D at local batch 1.
+    "Llama 3 8B FSDP 64, A100": (
+        "8b",
+        (8, 8),
+        ("rep", "dp"),
+        1,
+        8192,
+        "selective",
+        "a100",
+        2973,
+        58.2,
+        TT_A100,
+        "FSDP, selective op AC, fused_rmsnorm (Triton)",
+    ),
+    "Llama 3 70B FSDP 64, A100": (
+        "70b",
+        (8, 8),
+        ("rep", "dp"),
+        1,
+        8192,
+        "full",
+        "a100",
+        331,
+        51.7,
+        TT_A100,
+        "FSDP, full AC",
+    ),
+    "Llama 2 13B FSDP 64, A100, no AC": (
+        LLAMA2_13B,
+        (8, 8),
+        ("rep", "dp"),
+        2,
+        4096,
+        "none",
+        "a100",
+        2162,
+        61.1,
+        TT_A100_L2,
+        "FSDP, no AC, fused_rmsnorm",
+    ),
+    "Llama 2 13B FSDP 64, A100": (
+        LLAMA2_13B,
+        (8, 8),
+        ("rep", "dp"),
+        2,
+        4096,
+        "selective",
+        "a100",
+        1904,
+        53.8,
+        TT_A100_L2,
+        "FSDP, selective op AC, fused_rmsnorm",
+    ),
+    "Llama 2 70B FSDP 64, A100": (
+        LLAMA2_70B,
+        (8, 8),
+        ("rep", "dp"),
+        2,
+        4096,
+        "full",
+        "a100",
+        353,
+        50.5,
+        TT_A100_L2,
+        "FSDP, full AC",
+    ),
+    # 128 H100 "(94GB)", "HBM2e based lower TDP SXM H100", peak "between SXM and NVL" (their
+    # footnote, as the Dec-2024 table's): the fleet h100-500w is derived for. FSDP 16 x TP 8
+    # (Megatron tp + sp, loss parallel), local batch 2, full AC, "Optimizations: None". The toml
+    # at the doc's commit turns compile, Float8 and async TP on (their other two rows, 177 and
+    # 185 WPS); the configuration the None row ran is the toml before that commit (compile =
+    # false, Float8 off). The same commit replaced a first figure, 118 WPS at 37.1% MFU (NVL's
+    # peak), by 109 at 29.0% (SXM's) when they "updated the peak FLOPs for H100".
+    "Llama 3.1 405B FSDP 16 x TP 8, H100 94GB": (
+        "405b",
+        (16, 8),
+        ("dp", "tp"),
+        2,
+        8192,
+        "full",
+        "h100-500w",
+        109,
+        29.0,
+        TT_405B,
+        "FSDP + TP (sp), full AC, no compile, no Float8",
+    ),
+}
+
 SIZES = {  # LLaMA-3.1 (hidden, intermediate, layers, heads, kv heads)
     "8b": (4096, 14336, 32, 32, 8),
     "70b": (8192, 28672, 80, 64, 8),
@@ -64,11 +174,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 # comes); under a name HF has no mask function for, it builds none and SDPA runs causal, GQA in
 # the kernel (enable_gqa) instead of copied K/V heads.
 AttentionInterface.register("causal_sdpa", sdpa_attention_forward)
-size, shape, names, local, seq, mode, search = json.loads(sys.argv[1])
-hidden, inter, layers, heads, kv = {"8b": (4096, 14336, 32, 32, 8), "70b": (8192, 28672, 80, 64, 8),
-                                    "405b": (16384, 53248, 126, 128, 8)}[size]
+args = json.loads(sys.argv[1])
+size, shape, names, local, seq, mode, search = args[:7]
+profiles = args[7] if len(args) > 7 else []  # eager rows: each profile's prediction, parts too
+# a size by name (LLaMA-3.1, its 128,256-token vocabulary) or (hidden, intermediate, layers, heads, kv, vocab)
+hidden, inter, layers, heads, kv, vocab = {"8b": (4096, 14336, 32, 32, 8, 128256), "70b": (8192, 28672, 80, 64, 8, 128256),
+                                           "405b": (16384, 53248, 126, 128, 8, 128256)}.get(size) or size
 cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, vocab_size=128256, max_position_embeddings=seq, use_cache=False,
+                  num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
                   tie_word_embeddings=False, attn_implementation="causal_sdpa")
 
 
@@ -104,7 +217,7 @@ if search is None:
     pp = dict(zip(names, shape)).get("pp")  # torchtitan's default micro-batch count: the pp degree
     pipe = ap.Pipeline("pp", microbatches=pp, schedule="1f1b") if pp else None
     # torchtitan's selective policy (selective_ac_option = "op") keeps every second matmul's output
-    ac = ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
+    ac = None if mode == "none" else ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
     plan = ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False, pipeline=pipe,
                    activation_checkpoint=ac)
     chosen = "hand"
@@ -116,13 +229,15 @@ p = ap.predict(plan, "h100")
 print(json.dumps({"time_s": p["time_s"], "time_500w_s": ap.predict(plan, "h100-500w")["time_s"], "memory": p["memory"], "tokens": local * dp_size * seq, "ranks": mesh.size,
                   "chosen": chosen, "seconds": seconds,
                   "search_s": plan.built.get("auto", {}).get("search_s"),
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "by_profile": {d: {k: v for k, v in ap.predict(plan, d).items() if k.endswith("_s")} for d in profiles}}))
 """
 
 
-def predicted(size, shape, names, local, seq, mode, search=None) -> dict:
-    """ap.predict of the hand plan (search=None) or of the search's plan under a budget (GiB)."""
-    arg = json.dumps([size, list(shape), list(names), local, seq, mode, search])
+def predicted(size, shape, names, local, seq, mode, search=None, profiles=()) -> dict:
+    """ap.predict of the hand plan (search=None) or of the search's plan under a budget (GiB);
+    ``profiles``: also each named profile's time and its parts (``by_profile``)."""
+    arg = json.dumps([size, list(shape), list(names), local, seq, mode, search, list(profiles)])
     out = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, check=False)
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
@@ -185,9 +300,65 @@ def run(quick: bool) -> list[dict]:
                     f"trace + search {found['seconds']:.1f} s, RSS {found['rss_mib']:.0f} MiB",
                 )
             )
+    return rows + run_eager(quick)
+
+
+CAPACITY_GIB = {"a100": 80, "h100-500w": 94}  # the cards the eager runs fit on, as their docs name them
+
+
+def eager_args(name: str) -> tuple:
+    """The arguments ``predicted`` takes for an eager row: its hand plan as they ran it, and the
+    row's profile with ``h100`` (measured) beside it."""
+    size, shape, names, local, seq, mode, profile = PUBLISHED_EAGER[name][:7]
+    return size, shape, names, local, seq, mode, None, tuple(dict.fromkeys((profile, "h100")))
+
+
+def run_eager(quick: bool) -> list[dict]:
+    """The eager runs (PUBLISHED_EAGER): predicted tok/s/GPU under the row's profile beside the
+    published figure, the prediction's parts, and the predicted memory against the card's."""
+    rows = []
+    for name, (size, _, _, local, seq, mode, profile, tps, mfu, source, what) in PUBLISHED_EAGER.items():
+        if quick and size != "8b":
+            continue
+        hand = predicted(*eager_args(name))
+        if "error" in hand:
+            rows.append(row("published eager", name, "predicted tok/s/GPU", "-", f"{tps:,}", hand["error"]))
+            continue
+        speed = {d: hand["tokens"] / p["time_s"] / hand["ranks"] for d, p in hand["by_profile"].items()}
+        p = hand["by_profile"][profile]
+        parts = ", ".join(f"{k[:-2]} {p[k]:.3f}" for k in ("compute_s", "comm_s", "sync_s", "optimizer_s"))
+        rows += [
+            row(
+                "published eager",
+                name,
+                f"predicted ({profile}) / published tok/s/GPU",
+                round(speed[profile] / tps, 3),
+                "0.8-1.2",
+                f"predicted {speed[profile]:,.0f}, published {tps:,} (MFU {mfu}%); {what}, "
+                f"local batch {local} x {seq}; step {p['time_s']:.3f} s ({parts}); {source}",
+            ),
+            row(
+                "published eager",
+                name,
+                "predicted (h100) / published tok/s/GPU",
+                round(speed["h100"] / tps, 3),
+                "-",
+                f"predicted {speed['h100']:,.0f} on the measured 700 W H100, published {tps:,}",
+            ),
+            row(
+                "published eager",
+                name,
+                "predicted GiB per rank",
+                round(hand["memory"] / GIB, 1),
+                f"<= {CAPACITY_GIB[profile]} (it ran)",
+                f"not published; plan + predict {hand['seconds']:.1f} s",
+            ),
+        ]
     return rows
 
 
 if __name__ == "__main__":
-    for r in run(quick="--quick" in sys.argv):
+    # --eager: the eager rows alone (a minute or two; the full run also searches 512 ranks)
+    rows = run_eager("--quick" in sys.argv) if "--eager" in sys.argv else run(quick="--quick" in sys.argv)
+    for r in rows:
         print(r)

@@ -92,3 +92,31 @@ def test_owned_all_reduce_only_where_nothing_else_reads():
     for n in reduces:
         assert len(n.args[0].users) == 1 and "linear" in str(n.args[0].target)
     plan.check(x)
+
+
+def test_published_eager_rows_are_what_their_sources_ran():
+    """Each eager row's published MFU is its WPS at the row's sizes and sequence length under
+    torchtitan's count (6 x all parameters + 12 x layers x heads x head_dim x seq FLOPs per token,
+    over the bf16 peak its train.py took: A100 312, H100 SXM 989 TFLOP/s): a wrong size or
+    sequence length would not reproduce it. The mesh holds the GPUs the source names, and each
+    row is predicted under a known profile with the measured ``h100`` beside it."""
+    from autopar.search.profiles import PROFILES
+    from bench.bench_published import PUBLISHED_EAGER, SIZES, eager_args
+
+    peak = {"a100": 312e12, "h100-500w": 989e12}
+    gpus = {"a100": 64, "h100-500w": 128}
+    for name, (size, shape, names, local, seq, mode, profile, wps, mfu, source, _) in PUBLISHED_EAGER.items():
+        hidden, inter, layers, heads, kv, vocab = (*SIZES[size], 128256) if isinstance(size, str) else size
+        hd = hidden // heads
+        block = 2 * hidden * hidden + 2 * hidden * kv * hd + 3 * hidden * inter + 2 * hidden
+        params = 2 * vocab * hidden + layers * block + hidden
+        flops = 6 * params + 12 * layers * heads * hd * seq
+        assert abs(100 * flops * wps / peak[profile] - mfu) < 0.15, name
+        assert profile in PROFILES and mode in ("none", "selective", "full"), name
+        n = 1
+        for s in shape:
+            n *= s
+        assert n == gpus[profile] and len(shape) == len(names), name
+        assert "pytorch/torchtitan" in source and "docs/performance.md" in source, name
+        args = eager_args(name)
+        assert args[-1][0] == profile and "h100" in args[-1] and args[6] is None, name
