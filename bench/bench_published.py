@@ -179,7 +179,7 @@ size, shape, names, local, seq, mode, search = args[:7]
 profiles = args[7] if len(args) > 7 else []  # eager rows: each profile's prediction, parts too
 # a size by name (LLaMA-3.1, its 128,256-token vocabulary) or (hidden, intermediate, layers, heads, kv, vocab)
 hidden, inter, layers, heads, kv, vocab = {"8b": (4096, 14336, 32, 32, 8, 128256), "70b": (8192, 28672, 80, 64, 8, 128256),
-                                           "405b": (16384, 53248, 126, 128, 8, 128256)}.get(size) or size
+                                           "405b": (16384, 53248, 126, 128, 8, 128256)}[size] if isinstance(size, str) else size
 cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
                   tie_word_embeddings=False, attn_implementation="causal_sdpa")
