@@ -14,8 +14,13 @@ ratios, no constant fitted to the published figures); both predictions are given
 torch.compile, Float8 and activation checkpointing where the table says so; the rows name what
 the prediction models and what it does not.
 
+``PUBLISHED_EAGER``: torchtitan's runs without compile or Float8 (docs/performance.md at the
+commits that added them: 64 A100s, and the 405B on 128 H100s), each predicted under its own
+profile (``a100``, ``h100-500w``) beside ``h100``; no search. ``--eager`` runs them alone.
+
 Example:
     $ PYTHONPATH=. python -m bench.run --only published
+    $ PYTHONPATH=. python -m bench.bench_published --eager
 """
 
 from __future__ import annotations
