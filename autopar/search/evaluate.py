@@ -18,6 +18,11 @@ needs that a byte count does not: links and overlap.
   ``plan.collectives()`` (zero=3's per-bucket gathers) are not counted again from that list.
   Approximation: buckets' latency counted as ``bytes / bucket_bytes`` rounds (fractional), and
   the last bucket's tail (it cannot overlap anything) is not charged.
+- ZeRO over folded axes (``DataParallel(shard_axes=("dp", "cp"))``, or ``("cp",)`` alone):
+  one group over them (``Terms.zero_groups``), its collectives over the product of their sizes
+  on the slowest link it spans (its outermost axis', as two-axis data parallel's merged axis),
+  the state a rank keeps divided by that product; cp's own all-reduce of those gradients
+  (``fold_sync``) is dropped, the group's reduction summing the cp parts as it sums dp's.
 - ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
