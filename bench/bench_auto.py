@@ -1,9 +1,9 @@
 """Automatic planning: the cost model against measured time, auto vs hand plans, search time.
 
-1. **rank correlation**: 13 plans of one GPT on 4 real gloo processes (dp with ZeRO 0/1/2/3, tp,
+1. **rank correlation**: 14 plans of one GPT on 4 real gloo processes (dp with ZeRO 0/1/2/3, tp,
    tp + sequence parallel, dp x tp, dp x (tp + sp), ZeRO-2 x tp, dp over two axes, HSDP over
-   two axes, context parallel by a ring (load balanced) and dp x context parallel by all-gathered
-   K/V) and 2 of a mixture-of-experts model (HF Mixtral, 8 experts: data parallel with
+   two axes, context parallel by a ring (load balanced), dp x context parallel by all-gathered
+   K/V, and the same with ZeRO-3 folded over dp x cp, torchtitan's dp_shard_cp) and 2 of a mixture-of-experts model (HF Mixtral, 8 experts: data parallel with
    every expert on each rank, and expert parallel on dp; pipelines are left out: their step is
    the runner's); each rank calibrates first
    (ap.calibrate: FLOP/s, alpha, beta on this process group), then every plan's step (forward,
@@ -65,6 +65,12 @@ def _plans(cfg):
             "hsdp 2x2": (mrep, None, ap.DataParallel("dp", zero=3, replicate_axis="rep")),
             "cp ring": (ap.Mesh((4,), ("cp",)), None, None, ap.ContextParallel("cp", "ring", load_balance=True)),
             "dp x cp": (ap.Mesh((2, 2), ("dp", "cp")), None, ap.DataParallel("dp"), ap.ContextParallel("cp")),
+            "dp x cp zero3 folded": (
+                ap.Mesh((2, 2), ("dp", "cp")),
+                None,
+                ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp")),
+                ap.ContextParallel("cp"),
+            ),
         },
     )
 

@@ -249,6 +249,8 @@ class DataParallel(Technique):
                 f"order (e.g. Mesh((dp, cp, tp), ('dp', 'cp', 'tp')) with shard_axes=('dp', 'cp')): the shard "
                 "groups torchtitan's flattened dp_shard_cp mesh has. Reorder the mesh's axes."
             )
+        if options.auto is not None:
+            return  # the search chooses what splits the tokens (context parallel on the folded axis): checked after it
         split = {a for t in options.techniques if t is not self for a in t.token_axes()}
         for a in self.shard_axes:
             if a != self.axis and a not in split:
@@ -269,6 +271,15 @@ class DataParallel(Technique):
         """The mesh axes (indices) ZeRO shards over: ``shard_axes``, or the data-parallel axis."""
         names = self.shard_axes or ((self.axis,) if self.axis is not None else ())
         return tuple(mesh.axis_index(a) for a in names)
+
+    def fold_axes(self, mesh) -> tuple[int, ...]:
+        """The mesh axes (indices) ``shard_axes`` folds into ZeRO's shard group besides the
+        data-parallel axis (context parallel's): () when not folded.
+
+        Example: ``ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp")).fold_axes(mesh)`` -> (1,)
+        """
+        dp = mesh.axis_index(self.axis) if self.axis is not None else None
+        return tuple(a for a in self.shard_group_axes(mesh) if a != dp) if self.shard_axes else ()
 
     def group_axes(self, mesh, axes: tuple) -> tuple[int, ...]:
         """Of a gradient bucket summed over mesh axes ``axes``, those this technique's options

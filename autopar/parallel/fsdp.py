@@ -347,10 +347,12 @@ class FullyShardedStorage(Storage):
         k = (dp.shard_size or n) * fold
         return k, k, k
 
-    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0) -> list[tuple]:
+    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0, fold=1) -> list[tuple]:
         """The gathers of ``collectives`` (forward, and backward again when resharded; prefetched)
-        and the reduce-scatter (+ HSDP's all-reduce across replicas), one of each per unit."""
-        k = dp.shard_size or n
+        and the reduce-scatter (+ HSDP's all-reduce across replicas), one of each per unit; over
+        shard groups ``fold`` times larger where ``shard_axes`` folds cp in (the replicas as many)."""
+        k = (dp.shard_size or n) * fold
+        replicas = n // (dp.shard_size or n)
         gather = ring_bytes("all_gather", _as(param_bytes, dp.param_dtype) / k, k)
         ahead = dp.prefetch > 0
         out = [("all_gather", "forward", gather, ahead, units)]
@@ -358,8 +360,8 @@ class FullyShardedStorage(Storage):
             out.append(("all_gather", "backward", gather, ahead, units))
         grad = _as(grad_bytes, dp.reduce_dtype or dp.param_dtype)
         out.append(("reduce_scatter", "grad sync", ring_bytes("reduce_scatter", grad, k), False, units))
-        if n // k > 1:
-            out.append(("all_reduce", "grad sync", ring_bytes("all_reduce", grad / k, n // k), False, units))
+        if replicas > 1:
+            out.append(("all_reduce", "grad sync", ring_bytes("all_reduce", grad / k, replicas), False, units))
         return out
 
     def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:

@@ -81,14 +81,15 @@ class Storage:
         """(kind, phase, bytes per rank) of one gradient bucket's sync on the dp axis of size ``n``."""
         return bucket_sync(self.level, n, wire_bytes, param_bytes)
 
-    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0) -> list[tuple]:
+    def step_comms(self, dp, n, grad_bytes, param_bytes, units: float = 1.0, fold=1) -> list[tuple]:
         """(kind, phase, bytes per rank, prefetched, launches) of a step's communication of
         ``grad_bytes`` of dp-synced gradients and ``param_bytes`` of their parameters: what the
         search charges a level it has not planned (prefetched: started ahead of its use, so it
         hides behind forward compute too, not only backward's; launches: how many collectives
         carry it, None for the gradient buckets' bytes / bucket size; ``units``: the number of
-        blocks a storage that gathers per block would gather)."""
-        comms = self.bucket_comms(dp, n, grad_bytes, param_bytes)
+        blocks a storage that gathers per block would gather; ``fold``: the size of the axes
+        ``shard_axes`` folds in, whose ranks join the dp axis' ``n`` in one group)."""
+        comms = self.bucket_comms(dp, n * fold, grad_bytes, param_bytes)
         return [(kind, phase, nbytes, False, None) for kind, phase, nbytes in comms]
 
     def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:

@@ -86,12 +86,7 @@ def search(
             "uses one tensor-parallel axis. Annotate one axis, or plan without auto."
         )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
-    if dp is not None and dp.shard_axes is not None:
-        raise PlanError(
-            f"ap.plan(auto=...) with {dp}: the search does not cost ZeRO over folded axes (shard_axes) yet; "
-            "plan the layouts by hand with it, or search with DataParallel(axis, zero=...) alone."
-        )
-    fixed_dp = mesh.axis_index(dp.axis) if dp is not None else None
+    fixed_dp = mesh.axis_index(dp.axis) if dp is not None and dp.axis is not None else None
     cp_methods, balanced = _context_options(traced, comps, auto, context)
     structs = structures(
         mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True, auto.pipeline, cp_methods, balanced
@@ -100,9 +95,19 @@ def search(
         structs = [s for s in structs if s.pp == mesh.axis_index(pipeline.axis)]
     if context is not None:  # the user's context-parallel axis
         structs = [s for s in structs if s.cp == mesh.axis_index(context.axis)]
+    if dp is not None and dp.shard_axes is not None:  # the user's fold: its cp axis (and no dp axis without one)
+        folds = dp.fold_axes(mesh)
+        structs = [s for s in structs if s.cp in folds and s.can_fold() and (dp.axis is not None or s.dp is None)]
+        if not structs:
+            raise NoPlanError(
+                f"ap.plan(auto=...) with {dp}: no structure puts context parallel on the folded axes "
+                f"{[mesh.axis_names[a] for a in folds]} (the search's ap.Auto(context_parallel=...) methods, and "
+                "the model's sequence inputs, decide where it may): allow context parallel there, or leave shard_axes out."
+            )
     batch = batch_size(traced)
     if context is None:
-        structs = _undominated(structs, mesh, batch, _state_floor(model, auto), auto.memory_budget)
+        folding = any(z for z, _, fold in _storages(None, mesh, dp, auto) if fold)
+        structs = _undominated(structs, mesh, batch, _state_floor(model, auto), auto.memory_budget, folding)
     modes = (checkpoint,) if checkpoint is not None else (tuple(auto.activation_checkpoint) or (None,))
     if dp is not None:  # the user's data parallel: over their axes only
         fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
@@ -280,23 +285,36 @@ def _touched(comp, user, model) -> bool:
 
 
 def _storages(s, mesh, dp, auto) -> list[tuple]:
-    """(zero, shard_size) the search may pick for structure ``s``: the allowed ZeRO levels (the
-    user's when given); zero=3 over two axes both as HSDP (sharded on the inner axis, replicated
-    on the outer) and sharded over both."""
-    if s.dp is None:
-        return [(0, None)]
+    """(zero, shard_size, fold) the search may pick for structure ``s`` (None: any structure
+    that can fold): the allowed ZeRO levels (the user's when given); zero=3 over two axes both
+    as HSDP (sharded on the inner axis, replicated on the outer) and sharded over both; and,
+    where ``s`` has a cp axis ZeRO may fold in (Structure.can_fold), each level >= 1 also over
+    dp x cp (over cp alone without a dp axis): the state sharded over more ranks, its sync one
+    group over both instead of dp's and cp's apart. The user's ``shard_axes`` folds only; a
+    user's level without them does not fold (the user chose the storage)."""
     zeros = (dp.zero,) if dp is not None and dp.zero else (tuple(auto.zero) or (0,))
+    user_fold = dp is not None and dp.shard_axes is not None
+    folds = (True,) if user_fold else (False, True) if dp is None or not dp.zero else (False,)
+    can_fold = s is None or s.can_fold()
     out = []
-    for z in zeros:
-        if z == 3 and s.rep is not None:
-            shards = (
-                (dp.shard_size,)
-                if dp is not None and dp.shard_size
-                else (mesh.shape[s.dp], mesh.shape[s.dp] * mesh.shape[s.rep])
-            )
-            out += [(3, k) for k in shards]
-        else:
-            out.append((z, dp.shard_size if dp is not None and z == 3 else None))
+    for fold in folds:
+        if fold and not can_fold:
+            continue
+        if s is not None and s.dp is None:  # no data parallel: ZeRO only folded over cp
+            out += [(z, None, True) for z in zeros if z and fold] if fold else [(0, None, False)]
+            continue
+        for z in zeros:
+            if fold and not z:
+                continue  # folding shards ZeRO's state: no level, nothing to fold
+            if z == 3 and s is not None and s.rep is not None:
+                shards = (
+                    (dp.shard_size,)
+                    if dp is not None and dp.shard_size
+                    else (mesh.shape[s.dp], mesh.shape[s.dp] * mesh.shape[s.rep])
+                )
+                out += [(3, k, fold) for k in shards]
+            else:
+                out.append((z, dp.shard_size if dp is not None and z == 3 else None, fold))
     return out
 
 
@@ -418,17 +436,19 @@ def _coefs(t: Terms, mesh, profile, dp, shares=None, base=False) -> tuple:
     dp_axis = None
     if dp is not None:
         mesh, dp = dp.reshape_mesh(mesh)
-        dp_axis = mesh.axis_index(dp.axis)
+        dp_axis = mesh.axis_index(dp.axis) if dp.axis is not None else None  # None: ZeRO over cp alone
     sync, ahead, after = t.dp_sync(mesh, profile, dp_axis, dp)
     hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
     step = t.step_seconds(mesh, profile, dp_axis, dp)
-    return (t.compute + t.comm + after + step, sync + ahead + t.sync_other, hide, t.memory(mesh, dp_axis, dp))
+    rest = t.other_sync(mesh, dp)  # folded: the group's reduction replaces cp's all-reduce
+    return (t.compute + t.comm + after + step, sync + ahead + rest, hide, t.memory(mesh, dp_axis, dp))
 
 
 def prefetches(dp, mesh, dp_axis) -> bool:
     """Whether ``dp``'s storage starts gathers ahead of their use (then the whole step's compute
     hides its communication, not only backward's)."""
-    return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, mesh.shape[dp_axis], 1.0, 1.0))
+    n = mesh.shape[dp_axis] if dp_axis is not None else 1
+    return dp is not None and any(c[3] for c in dp.storage.step_comms(dp, n, 1.0, 1.0))
 
 
 def _expert_parallel_ok(s, mesh, experts) -> bool:
@@ -527,7 +547,7 @@ def job_device(traced):
     return None
 
 
-def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None) -> list:
+def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None, folding: bool = False) -> list:
     """``structs`` without the context-parallel ones that cannot win, left out unprobed (at 512
     ranks most cp structures are such):
     - data parallel on the same axis beats it where the batch rows also divide over that axis as
@@ -537,7 +557,8 @@ def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None) ->
       and it has no K/V to move;
     - it cannot fit: the training state (``floor`` bytes: parameters, gradients, optimizer
       state) spread over every rank of its dp, tp and pp axes (the most any option shards it:
-      ZeRO-3 over dp; a cp axis keeps it whole) is more than ``budget`` per rank."""
+      ZeRO-3 over dp; a cp axis keeps it whole unless ZeRO may fold it in, ``folding``) is more
+      than ``budget`` per rank."""
     plain = {(s.dp, s.rep, s.tp, s.sp, s.pp) for s in structs if s.cp is None}
 
     def size(*axes):
@@ -559,7 +580,8 @@ def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None) ->
                 alternatives.append((a, s.dp, s.tp, s.sp, None))
             if any(alt in plain and batch % size(alt[0], alt[1]) == 0 for alt in alternatives):
                 continue
-        if s.cp is not None and budget is not None and floor / size(s.dp, s.rep, s.tp, s.pp) > budget:
+        shards = size(s.dp, s.rep, s.tp, s.pp, s.cp if folding and s.can_fold() else None)
+        if s.cp is not None and budget is not None and floor / shards > budget:
             continue
         out.append(s)
     return out
@@ -605,12 +627,14 @@ def _sequence_lengths(traced, seq_dim: int = 1) -> list[int]:
 
 
 def _label(mesh, option) -> str:
-    s, (zero, shard), mode, pipe, paths = option
+    s, (zero, shard, fold), mode, pipe, paths = option
     label = s.roles(mesh)
-    if s.dp is not None:
+    if s.dp is not None or fold:
         label += f", ZeRO-{zero}"
         if shard is not None and s.rep is not None:
             label += " sharded over both" if shard == mesh.shape[s.dp] * mesh.shape[s.rep] else " HSDP"
+        if fold:  # ZeRO's shard group over dp x cp (torchtitan's dp_shard_cp)
+            label += " folded over " + "*".join(mesh.axis_names[a] for a in (s.dp, s.cp) if a is not None)
     if s.cp is not None:
         label += f", cp {s.cp_method}" + (" zig-zag" if s.cp_balanced else "")
     if pipe is not None and pipe.chunks > 1:

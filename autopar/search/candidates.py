@@ -217,12 +217,25 @@ class Structure:
             return None
         return ContextParallel(mesh.axis_names[self.cp], method=self.cp_method, load_balance=self.cp_balanced)
 
-    def data_parallel(self, mesh, base, zero: int, shard: int | None):
-        """The ap.DataParallel of this structure as a user writes it (``base``'s other options)."""
-        if self.dp is None:
+    def data_parallel(self, mesh, base, zero: int, shard: int | None, fold: bool = False):
+        """The ap.DataParallel of this structure as a user writes it (``base``'s other options);
+        ``fold``: ZeRO shards over the dp and cp axes together (``shard_axes``; over cp alone
+        without a dp axis), torchtitan's dp_shard_cp.
+
+        Example: Structure(dp=0, tp=None, sp=False, cp=1, cp_method="ring").data_parallel(mesh,
+        ap.DataParallel("dp"), 3, None, fold=True) -> DataParallel('dp', zero=3, shard_axes=('dp', 'cp'))"""
+        if self.dp is None and not fold:
             return None
+        axis = mesh.axis_names[self.dp] if self.dp is not None else None
         rep = mesh.axis_names[self.rep] if self.rep is not None else None
-        return dataclasses.replace(base, axis=mesh.axis_names[self.dp], zero=zero, replicate_axis=rep, shard_size=shard)
+        folded = tuple(a for a in (axis, mesh.axis_names[self.cp]) if a is not None) if fold else None
+        return dataclasses.replace(base, axis=axis, zero=zero, replicate_axis=rep, shard_size=shard, shard_axes=folded)
+
+    def can_fold(self) -> bool:
+        """Whether ZeRO may fold this structure's cp axis into its shard group: the axis right
+        after the dp axis (a shard group's ranks dp-major, DataParallel's rule), or any cp axis
+        without data parallel."""
+        return self.cp is not None and (self.dp is None or self.cp == self.dp + 1)
 
 
 def structures(

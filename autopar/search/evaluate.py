@@ -18,6 +18,11 @@ needs that a byte count does not: links and overlap.
   ``plan.collectives()`` (zero=3's per-bucket gathers) are not counted again from that list.
   Approximation: buckets' latency counted as ``bytes / bucket_bytes`` rounds (fractional), and
   the last bucket's tail (it cannot overlap anything) is not charged.
+- ZeRO over folded axes (``DataParallel(shard_axes=("dp", "cp"))``, or ``("cp",)`` alone):
+  one group over them (``Terms.zero_groups``), its collectives over the product of their sizes
+  on the slowest link it spans (its outermost axis', as two-axis data parallel's merged axis),
+  the state a rank keeps divided by that product; cp's own all-reduce of those gradients
+  (``fold_sync``) is dropped, the group's reduction summing the cp parts as it sums dp's.
 - ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
@@ -35,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -72,6 +78,16 @@ class Terms:
     largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
     boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
     units: float = 0.0  # zero=3's gather units (blocks, and the parameters outside blocks)
+    # where a technique splits tokens on another axis (context parallel's cp): the state ZeRO may
+    # fold that axis into its shard group for (DataParallel(shard_axes=...)): the parameters kept
+    # replicated on dp, the trained ones' gradients (every dp-synced one; without a dp axis every
+    # trained one) and their optimizer state; fold_sync: the s of sync_other that is those
+    # gradients' all-reduce on the cp axis, which a folded group's reduction replaces
+    fold_params: float = 0.0
+    fold_grad: float = 0.0
+    fold_grad_elems: float = 0.0
+    fold_opt: float = 0.0
+    fold_sync: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
 
     def add(self, other: "Terms", w: float = 1.0) -> "Terms":
@@ -103,6 +119,11 @@ class Terms:
             "grads_other",
             "opt_other",
             "opt_dp",
+            "fold_params",
+            "fold_grad",
+            "fold_grad_elems",
+            "fold_opt",
+            "fold_sync",
         )
         for name in (*state, "units"):
             setattr(out, name, getattr(self, name) * shares["state"])
@@ -118,20 +139,61 @@ class Terms:
         out.comm_bytes[axis] = out.comm_bytes.get(axis, 0.0) + messages * share * self.boundary
         return out
 
+    def zero_groups(self, mesh, dp_axis, dp) -> list[tuple]:
+        """The state ``dp``'s storage shards, by the group that shards it: [(n, fold, link axis,
+        label, params, grads, grad elements, optimizer state)], ``n`` the dp axis' size (1 without
+        one) and ``fold`` that of the axes ``shard_axes`` folds in (cp): one group over them all,
+        priced on the link of its outermost axis (the slowest it spans: Profile.link), and the dp
+        axis alone for what the folded group does not hold. [] without data parallel.
+
+        Example: on (2, 2) dp x cp with DataParallel("dp", zero=3, shard_axes=("dp", "cp")),
+        [(2, 2, 0, "dp*cp", ...), (2, 1, 0, "dp", 0.0, 0.0, 0.0, 0.0)]"""
+        if dp is None:
+            return []
+        n = mesh.shape[dp_axis] if dp_axis is not None else 1
+        out = []
+        folds = dp.fold_axes(mesh)
+        if folds:
+            group = dp.shard_group_axes(mesh)
+            fold = math.prod(mesh.shape[a] for a in folds)
+            label = mesh.axis_label(group if len(group) > 1 else group[0])
+            out.append(
+                (n, fold, min(group), label, self.fold_params, self.fold_grad, self.fold_grad_elems, self.fold_opt)
+            )
+        if dp_axis is not None:
+            f = 1.0 if folds else 0.0  # what the folded group holds is not the dp axis' alone
+            out.append(
+                (
+                    n,
+                    1,
+                    dp_axis,
+                    mesh.axis_names[dp_axis],
+                    self.params - f * self.fold_params,
+                    self.dp_grad - f * self.fold_grad,
+                    self.dp_grad_elems - f * self.fold_grad_elems,
+                    self.opt_dp - f * self.fold_opt,
+                )
+            )
+        return out
+
+    def _group_comms(self, mesh, profile, dp_axis, dp):
+        """(label, seconds, bytes, prefetched, phase) of each collective of ``dp``'s groups' sync."""
+        units = max(self.units, 1.0)
+        for n, fold, link, label, _, grad, _, _ in self.zero_groups(mesh, dp_axis, dp):
+            if not grad:
+                continue
+            alpha, beta = profile.link(mesh, link)
+            buckets = grad / BUCKET_BYTES
+            for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(dp, n, grad, grad, units, fold):
+                t = alpha * ring_steps(kind, n * fold) * (buckets if launches is None else launches) + nbytes / beta
+                yield label, t, nbytes, prefetched, phase
+
     def dp_sync(self, mesh, profile, dp_axis, dp) -> tuple[float, float, float]:
         """(seconds of gradient sync on dp, of prefetched gathers, of ZeRO-1/2's all-gather after
-        the step) under the ap.DataParallel ``dp`` (its storage policy says what runs)."""
-        if dp_axis is None or dp is None or not self.dp_grad:
-            return 0.0, 0.0, 0.0
-        n = mesh.shape[dp_axis]
-        alpha, beta = profile.link(mesh, dp_axis)
-        buckets = self.dp_grad / BUCKET_BYTES
+        the step) under the ap.DataParallel ``dp`` (its storage policy says what runs), over the
+        dp axis or the dp x cp group it folds (``zero_groups``)."""
         sync = ahead = after = 0.0
-        units = max(self.units, 1.0)
-        for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(
-            dp, n, self.dp_grad, self.dp_grad, units
-        ):
-            t = alpha * ring_steps(kind, n) * (buckets if launches is None else launches) + nbytes / beta
+        for _, t, _, prefetched, phase in self._group_comms(mesh, profile, dp_axis, dp):
             if prefetched:
                 ahead += t
             elif phase in ("grad sync", "forward", "backward"):
@@ -140,28 +202,38 @@ class Terms:
                 after += t
         return sync, ahead, after
 
+    def sync_bytes(self, mesh, profile, dp_axis, dp) -> dict:
+        """Bytes per rank and step of ``dp``'s gradient sync (and ZeRO's gathers), by the group
+        they run over: ``"dp"``, or ``"dp*cp"`` folded."""
+        out: dict = {}
+        for label, _, nbytes, _, _ in self._group_comms(mesh, profile, dp_axis, dp):
+            out[label] = out.get(label, 0.0) + nbytes
+        return out
+
+    def other_sync(self, mesh, dp) -> float:
+        """Seconds of gradient sync on the axes other than dp: a folded group's reduction
+        replaces the cp axis' all-reduce of the gradients it holds."""
+        return self.sync_other - (self.fold_sync if dp is not None and dp.fold_axes(mesh) else 0.0)
+
     def memory(self, mesh, dp_axis, dp, plan=None) -> float:
-        """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors)
-        and what it holds gathered while stepping (of ``plan``'s own buckets where given)."""
+        """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors,
+        over dp x cp where it folds cp in) and what it holds gathered while stepping (of ``plan``'s
+        own buckets where given)."""
+        params = self.params + self.params_other
+        grads = self.dp_grad + self.grads_other
+        opt = self.opt_dp + self.opt_other
+        out = self.acts + self.peak
         if dp is None:
-            return (
-                self.params
-                + self.params_other
-                + self.dp_grad
-                + self.grads_other
-                + self.opt_dp
-                + self.opt_other
-                + self.acts
-                + self.peak
-            )
-        n = mesh.shape[dp_axis]
-        d_params, d_grads, d_opt = dp.memory_divisors(n)
-        grads, opt = self.dp_grad / d_grads, self.opt_dp / d_opt
-        held = dp.storage.held_bytes(dp, n, self.largest_unit, plan)
-        if self.pieces > 1:  # gradients accumulated over the micro-batches, reduced at the last
-            held += dp.storage.accumulated_bytes(dp, n, self.dp_grad, self.dp_grad_elems, plan)
-        rest = self.params_other + self.grads_other + self.opt_other + self.acts + self.peak
-        return self.params / d_params + held + grads + opt + rest
+            return out + params + grads + opt
+        n = mesh.shape[dp_axis] if dp_axis is not None else 1
+        out += dp.storage.held_bytes(dp, n, self.largest_unit, plan)
+        for n, fold, _, _, p, g, e, o in self.zero_groups(mesh, dp_axis, dp):
+            d_params, d_grads, d_opt = dp.memory_divisors(n, fold)
+            out += p / d_params + g / d_grads + o / d_opt
+            params, grads, opt = params - p, grads - g, opt - o
+            if self.pieces > 1 and g:  # gradients accumulated over the micro-batches, reduced at the last
+                out += dp.storage.accumulated_bytes(dp, n * fold, g, e, plan)
+        return out + params + grads + opt  # what no group shards
 
     def hidden_behind(self, prefetching: bool) -> float:
         """Compute seconds the overlapped communication can hide behind: backward's, or (with
@@ -173,18 +245,20 @@ class Terms:
         gathers) + ZeRO-1/2's gather after the step."""
         sync, ahead, after = self.dp_sync(mesh, profile, dp_axis, dp)
         hide = profile.overlap * self.hidden_behind(ahead > 0)
-        exposed = max(0.0, sync + ahead + self.sync_other - hide)
+        exposed = max(0.0, sync + ahead + self.other_sync(mesh, dp) - hide)
         return self.compute + self.comm + exposed + after + self.step_seconds(mesh, profile, dp_axis, dp)
 
     def step_seconds(self, mesh, profile, dp_axis, dp) -> float:
         """The optimizer step: the bytes it moves (op_time.optimizer_step_bytes) of the state a
-        rank keeps (ZeRO's share of the dp-synced parameters' state and gradients) at the
-        profile's memory bandwidth; 0 without one."""
+        rank keeps (ZeRO's share of the dp-synced parameters' state and gradients, over dp x cp
+        folded) at the profile's memory bandwidth; 0 without one."""
         if profile.memory_bandwidth is None:
             return 0.0
-        d_opt = dp.memory_divisors(mesh.shape[dp_axis])[2] if dp is not None and dp_axis is not None else 1
-        moved = optimizer_step_bytes(self.opt_dp, self.dp_grad) / d_opt
-        return (moved + optimizer_step_bytes(self.opt_other, self.grads_other)) / profile.memory_bandwidth
+        grads, opt, moved = self.dp_grad + self.grads_other, self.opt_dp + self.opt_other, 0.0
+        for n, fold, _, _, _, g, _, o in self.zero_groups(mesh, dp_axis, dp):
+            moved += optimizer_step_bytes(o, g) / dp.memory_divisors(n, fold)[2]
+            grads, opt = grads - g, opt - o
+        return (moved + optimizer_step_bytes(opt, grads)) / profile.memory_bandwidth
 
 
 def plan_terms(
@@ -286,12 +360,22 @@ def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
     return out
 
 
+def fold_candidates(plan) -> tuple:
+    """The mesh axes ZeRO could fold into its shard group: those on which a technique other than
+    data parallel splits the tokens (context parallel's), where the parameters are replicated."""
+    dp = plan.data_parallel
+    return tuple(
+        plan.mesh.axis_index(a) for t in plan.options.techniques if t is not dp for a in t.token_axes() if a is not None
+    )
+
+
 BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.5.mlp.up.weight" -> "model.layers.5"
 
 
 def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     mesh = plan.mesh
     sync = plan.grad_sync_axes
+    folds = fold_candidates(plan)
     units: dict[str, float] = {}  # zero=3's gather units: each repeated block, and the rest as one
     unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
     for name, p in named_parameters(plan.model):
@@ -302,6 +386,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
             t.params_other += w * local  # split on dp already (expert parallel): zero=3 gathers none of it
         else:
             t.params += w * local
+            t.fold_params += w * local if folds else 0.0
             block = BLOCK.match(name)
             unit = block.group(1) if block else ""
             units[unit] = units.get(unit, 0.0) + local
@@ -315,13 +400,23 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         else:
             t.grads_other += w * local
             t.opt_other += w * states * STATE_BYTES * local / p.element_size()
+        # held by a group that folds cp in: zero=3 buckets every parameter replicated on dp (its
+        # gradient whole on cp too, entering the reduce-scatter divided by |cp|); ZeRO-1/2 fold
+        # only the buckets summed over both (DataParallel.group_axes): a gradient whole on cp
+        # (rare: a head on a pooled sequence) is counted folded here
+        folded = bool(folds) and (plan.dp_axis is None or plan.dp_axis in axes)
+        if folded:
+            t.fold_grad += w * local
+            t.fold_grad_elems += w * local / p.element_size()
+            t.fold_opt += w * states * STATE_BYTES * local / p.element_size()
         for a in axes:
             if a == plan.dp_axis:
                 continue
             n = mesh.shape[a]
             alpha, beta = profile.link(mesh, a)
-            t.sync_other += w * (
-                alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + 2 * (n - 1) / n * local / beta
-            )
+            seconds = w * (alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + 2 * (n - 1) / n * local / beta)
+            t.sync_other += seconds
+            if folded and a in folds:
+                t.fold_sync += seconds
     terms("base").largest_unit = max(units.values(), default=0.0)
     terms("base").units = sum(unit_weight.values())

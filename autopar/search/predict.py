@@ -1,25 +1,27 @@
 """ap.predict(plan): the search's cost model for any plan (hand-written or automatic).
 
+ZeRO over folded axes (``DataParallel("dp", zero=3, shard_axes=("dp", "cp"))``, or over cp
+alone) is costed as one group over them: the state sharded over their product, the gradient
+sync (and zero=3's gathers) priced on the slowest link the group spans, cp's own gradient
+all-reduce replaced by it (evaluate.Terms.zero_groups); ``sync_bytes`` names the group.
+
 Example:
     >>> ap.predict(plan, "cpu-gloo")     # {'time_s': 0.0021, 'memory': 433668.0, ...}
+    >>> ap.predict(folded, "h100")["sync_bytes"]    # {'dp*cp': 1.2e9}
 """
 
 from __future__ import annotations
 
-from autopar.errors import PlanError
 from autopar.search.evaluate import Terms, plan_terms
 from autopar.search.options import Auto
 
 
 def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     """Step time (s) and memory per rank (B) of ``plan`` under ``device`` (a profile name, an
-    ap.calibrate() result or an ap.Auto)."""
+    ap.calibrate() result or an ap.Auto). ``comm_bytes``: bytes per rank and step of the
+    activations' collectives by axis; ``sync_bytes``: of the data-parallel gradient sync (and
+    ZeRO's gathers) by the group it runs over (``"dp"``, or ``"dp*cp"`` where ZeRO folds cp in)."""
     dp = plan.data_parallel
-    if dp is not None and dp.shard_axes is not None:
-        raise PlanError(
-            f"ap.predict: the search's cost model does not cost ZeRO over folded axes ({dp}) yet; "
-            "plan.memory_per_rank() and plan.cost() do."
-        )
     auto = device if isinstance(device, Auto) else Auto(device=device)
     profile = auto.profile()
     total = Terms()
@@ -33,9 +35,10 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
         "memory": total.memory(plan.mesh, plan.dp_axis, dp, plan),
         "compute_s": total.compute,
         "comm_s": total.comm,
-        "sync_s": sync + total.sync_other,
+        "sync_s": sync + total.other_sync(plan.mesh, dp),
         "prefetched_s": ahead,
         "zero_gather_s": after,
         "optimizer_s": total.step_seconds(plan.mesh, profile, plan.dp_axis, dp),
         "comm_bytes": dict(total.comm_bytes),
+        "sync_bytes": total.sync_bytes(plan.mesh, profile, plan.dp_axis, dp),
     }

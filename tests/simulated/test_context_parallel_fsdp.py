@@ -271,13 +271,14 @@ def test_pipeline_stages_shard_over_cp():
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
-def test_search_and_predict_say_they_do_not_fold():
-    """The search's cost model (auto=, ap.predict) does not cost folded groups yet: a PlanError says
-    so rather than a figure 1/cp off."""
+def test_predict_counts_a_gradient_whole_on_cp_in_the_folded_group():
+    """ap.predict (the search's cost model) of the folded plan: zero=3 shards every bucketed
+    parameter over dp x cp, the head's (whole on cp) too, as plan.cost() counts it.
+    (Folded plans in ap.predict and the search: tests/simulated/test_auto_fold.py.)"""
     ids, labels = BATCHES[0][0], torch.arange(4) % 5
-    kw = dict(args=(ids, labels), data_parallel=FOLD, context_parallel="cp")
-    plan = ap.plan(Pooled(), ap.Mesh((2, 2), ("dp", "cp")), **kw)
-    with pytest.raises(ap.PlanError, match="folded axes"):
-        ap.predict(plan, "cpu-gloo")
-    with pytest.raises(ap.PlanError, match="folded axes"):
-        ap.plan(Pooled(), ap.Mesh((2, 2), ("dp", "cp")), auto=True, **kw)
+    plan = ap.plan(
+        Pooled(), ap.Mesh((2, 2), ("dp", "cp")), args=(ids, labels), data_parallel=FOLD, context_parallel="cp"
+    )
+    pred = ap.predict(plan, "cpu-gloo")
+    assert pred["memory"] == pytest.approx(sum(plan.cost().at()["memory"].values()), rel=1e-9)
+    assert set(pred["sync_bytes"]) == {"dp*cp"}
