@@ -1,7 +1,8 @@
 """Each op's seconds on one rank as the rank module runs: eager or compiled, bf16 or Float8 Linears.
 
 Eager (the default), op_time's roofline per op. ``profile.compiled``: the memory-bound ops take
-their fused regions' bytes (cost/fusion.py) instead of their eager kernels'. ``profile.float8``:
+their fused regions' bytes (cost/fusion.py) instead of their eager kernels' (``"blocks"``: only
+inside the repeated blocks, each compiled on its own as torchtitan does; the rest eager). ``profile.float8``:
 the converted Linears' matmuls (cost/float8.py) run at ``flops_per_s * fp8_ratio`` and their
 casts' bytes are added at the memory bandwidth (FSDP's fp8 gather of their weights is in the
 search's parameter terms). ``profile`` is any object with a Profile's fields (search/profiles.py:
@@ -22,7 +23,8 @@ from autopar.sharding.propagate import layout_of
 def op_seconds(plan, sy, profile) -> list[tuple]:
     """(node name, forward s, backward s, needs a gradient) of each op of ``plan``."""
     grads, bandwidth = plan.ctx.needs_grad, profile.memory_bandwidth
-    fused = fused_bytes(plan, sy) if getattr(profile, "compiled", False) and bandwidth else {}
+    compiled = getattr(profile, "compiled", False)  # True: the rank module; "blocks": each repeated block
+    fused = fused_bytes(plan, sy, blocks_only=compiled == "blocks") if compiled and bandwidth else {}
     float8 = getattr(profile, "float8", False)
     fp8 = float8_linears(plan) if float8 else {}
     casts = cast_bytes(plan, sy, bool(fused), fsdp_shards(plan)) if float8 and bandwidth else {}

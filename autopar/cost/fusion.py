@@ -67,9 +67,10 @@ def _joined(producer, consumer, recomputed: set) -> bool:
     return True
 
 
-def fused_regions(plan) -> list[list]:
+def fused_regions(plan, blocks_only: bool = False) -> list[list]:
     """The plan's fused regions (lists of graph nodes, graph order), by union-find over the
-    edges ``_joined`` keeps between fusible nodes."""
+    edges ``_joined`` keeps between fusible nodes; ``blocks_only``: only the repeated blocks are
+    compiled (torchtitan's ``apply_compile``), the ops outside them run eager."""
     recomputed = set().union(*(t.recomputed(plan) for t in plan.options.techniques))
     parent: dict = {}
 
@@ -79,7 +80,7 @@ def fused_regions(plan) -> list[list]:
             n = parent[n]
         return n
 
-    nodes = [n for n in plan.graph.nodes if fusible(n)]
+    nodes = [n for n in plan.graph.nodes if fusible(n) and not (blocks_only and _block(n) == "")]
     for n in nodes:
         parent[n] = n
     for n in nodes:
@@ -103,16 +104,17 @@ def _is_view(node) -> bool:
     return op_traits(node.target).work is VIEW
 
 
-def fused_bytes(plan, sy, needs_grad=None) -> dict:
+def fused_bytes(plan, sy, needs_grad=None, blocks_only: bool = False) -> dict:
     """node name -> (forward, backward) bytes charged to that member of a fused region, for
-    every fusible node of ``plan`` (see the module docstring); ``sy`` a Numbers of the mesh."""
+    every node of ``plan`` in one (see the module docstring; ``blocks_only``: fused_regions');
+    ``sy`` a Numbers of the mesh."""
     grads = plan.ctx.needs_grad if needs_grad is None else needs_grad
     saves = saved_activations(plan)
     saved_by: dict = {}  # consumer name -> producer names its backward keeps (itself for its own tensors)
     for s in saves:
         saved_by.setdefault(s.consumer, set()).add(s.producer or s.consumer)
     out = {}
-    for region in fused_regions(plan):
+    for region in fused_regions(plan, blocks_only):
         out.update(_region_bytes(region, sy, grads, saved_by))
     return out
 

@@ -22,7 +22,8 @@
   every sequence split on the axis, K/V all-gathered or passed around a ring; zig-zag ordered
   where the sequences divide into 2 chunks per rank); () leaves sequences whole.
 - ``compiled``: the rank modules will run under torch.compile: connected memory-bound ops are
-  costed as fused regions (cost/fusion.py) instead of one eager kernel each.
+  costed as fused regions (cost/fusion.py) instead of one eager kernel each. ``"blocks"``: each
+  repeated block compiled on its own (torchtitan's ``apply_compile``), the ops outside them eager.
 - ``float8``: every nn.Linear but the LM head runs its matmuls in float8 (torchao's tensorwise
   dynamic scaling, as torchtitan converts them): at the profile's bf16 rate times its fp8 / bf16
   datasheet ratio, plus the casting kernels' bytes, and zero=3 gathers those weights in fp8
@@ -59,7 +60,7 @@ class Auto:
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True
     context_parallel: tuple = ("allgather", "ring")
-    compiled: bool = False
+    compiled: bool | str = False  # False, True (the rank module) or "blocks"
     float8: bool = False
 
     @classmethod
@@ -76,6 +77,8 @@ class Auto:
         profile = profile_of(self.device, where).with_values(
             self.alpha, self.beta, self.flops_per_s, self.memory_bandwidth
         )
+        if self.compiled not in (False, True, "blocks"):
+            raise PlanError(f"ap.Auto(compiled={self.compiled!r}): use False, True or 'blocks'.")
         if self.float8 and not profile.fp8_ratio:
             raise PlanError(
                 f"ap.Auto(float8=True): the {profile.name!r} profile has no fp8 tensor cores (float8 "

@@ -53,7 +53,7 @@ class Profile:
     attention_flops_per_s: float | None = None  # attention kernels' FLOP/s where they differ from matmuls'
     fp8_ratio: float | None = None  # datasheet dense fp8 / bf16 tensor-core peak; None: no fp8 tensor cores
     # how the rank module runs (ap.Auto(compiled=, float8=) sets them; cost/execution.py reads them)
-    compiled: bool = False  # under torch.compile: memory-bound ops fused into regions (cost/fusion.py)
+    compiled: bool | str = False  # under torch.compile ("blocks": each block's): fused regions (cost/fusion.py)
     float8: bool = False  # nn.Linear matmuls (not the LM head) in float8, tensorwise scaling (cost/float8.py)
 
     def link(self, mesh, axis: int) -> tuple[float, float]:

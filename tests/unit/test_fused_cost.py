@@ -122,3 +122,21 @@ def test_the_search_honours_compiled_and_float8():
         llama_like(d=32, layers=2), ap.Mesh((2, 2), ("a", "b")), kwargs={"input_ids": ids, "labels": labels}, auto=auto
     )
     assert plan.built["auto"]["time_s"] == pytest.approx(ap.predict(plan, auto)["time_s"], rel=1e-6)
+
+
+def test_compiling_the_blocks_alone_leaves_the_head_and_loss_eager(plan):
+    """torchtitan compiles each TransformerBlock (apply_compile): the final norm, head and loss
+    run eager. compiled="blocks" fuses inside the blocks only."""
+    sy = Numbers(plan.mesh)
+    whole, blocks = fused_bytes(plan, sy), fused_bytes(plan, sy, blocks_only=True)
+    assert set(blocks) < set(whole)
+    assert all("blocks." in str(n.meta.get("nn_module_stack")) for n in plan.graph.nodes if n.name in blocks)
+    t = {c: ap.predict(plan, ap.Auto(device="h100", compiled=c))["time_s"] for c in (False, "blocks", True)}
+    assert t[False] > t["blocks"] > t[True]
+    with pytest.raises(ap.PlanError, match="compiled"):
+        ap.Auto(device="h100", compiled="yes").profile()
+
+
+def test_fp8_ratio_is_the_datasheets():
+    assert PROFILES["h100"].fp8_ratio == pytest.approx(1979 / 989.5)
+    assert PROFILES["a100"].fp8_ratio is None and PROFILES["cpu-gloo"].fp8_ratio is None
