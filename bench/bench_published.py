@@ -6,13 +6,16 @@ authors ran it, on the meta device (HF LlamaConfig sizes, bf16 compute with fp32
 and ``ap.predict(plan, "h100")`` gives its tokens/s per GPU and memory per rank: the published
 figures sit beside them. Then ``ap.plan(auto=ap.Auto(device="h100", memory_budget=...))`` searches
 the same mesh: its choice, predicted throughput and search time (a fresh process each, peak RSS).
+Each run is predicted as it ran (``ap.Auto(compiled=, float8=)``: the last field of PUBLISHED);
+the 8B's compiled and compiled + Float8 rows of their Table 1 are anchors whose speed-up over the
+eager row is held against the published speed-up (their figures are never inputs to the model).
 
 The published runs used H100s capped at 500 W with 96 GB of HBM2e (2.4 TB/s); the ``h100``
 profile is measured on a 700 W H100 80GB HBM3 (bench/gpu_calibration.py), and ``h100-500w`` is
 derived from that measurement for their hardware (search/profiles.py: power-cap and bandwidth
 ratios, no constant fitted to the published figures); both predictions are given. Their runs also used
-torch.compile, Float8 and activation checkpointing where the table says so; the rows name what
-the prediction models and what it does not.
+torch.compile, Float8 and activation checkpointing where the table says so: compile and Float8 are
+modelled (cost/fusion.py, cost/float8.py), async TP is not.
 
 ``PUBLISHED_EAGER``: torchtitan's runs without compile or Float8 (docs/performance.md at the
 commits that added them: 64 A100s, and the 405B on 128 H100s), each predicted under its own
@@ -33,11 +36,38 @@ from bench.common import row
 
 GIB = 2**30
 
-# name: (model, mesh shape, mesh names, local batch, seq, checkpointing, published tok/s/GPU, GiB, what it ran)
+# name: (model, mesh shape, mesh names, local batch, seq, checkpointing, published tok/s/GPU, GiB, what it ran,
+#        how it ran: what of it the cost model takes (ap.Auto(compiled=, float8=)); async TP is not modelled)
+# torchtitan compiles each TransformerBlock on its own (apply_compile): "blocks", the head and loss eager
+EAGER, COMPILED, FLOAT8 = {}, {"compiled": "blocks"}, {"compiled": "blocks", "float8": True}
 PUBLISHED = {
-    "8B FSDP 8": ("8b", (8,), ("dp",), 2, 8192, "selective", 5762, 82.4, "FSDP (Table 1)"),
-    "8B FSDP 128": ("8b", (16, 8), ("rep", "dp"), 2, 8192, "selective", 5605, 67.0, "FSDP (Table 3)"),
-    "70B FSDP 32 x TP 8": ("70b", (32, 8), ("dp", "tp"), 16, 8192, "full", 829, 71.9, "compile, Float8 (Table 4)"),
+    "8B FSDP 8": ("8b", (8,), ("dp",), 2, 8192, "selective", 5762, 82.4, "FSDP (Table 1)", EAGER),
+    "8B FSDP 8, compile": ("8b", (8,), ("dp",), 2, 8192, "selective", 6667, 77.0, "FSDP + compile (Table 1)", COMPILED),
+    "8B FSDP 8, compile + Float8": (
+        "8b",
+        (8,),
+        ("dp",),
+        2,
+        8192,
+        "selective",
+        8532,
+        76.8,
+        "FSDP + compile + Float8 (Table 1)",
+        FLOAT8,
+    ),
+    "8B FSDP 128": ("8b", (16, 8), ("rep", "dp"), 2, 8192, "selective", 5605, 67.0, "FSDP (Table 3)", EAGER),
+    "70B FSDP 32 x TP 8": (
+        "70b",
+        (32, 8),
+        ("dp", "tp"),
+        16,
+        8192,
+        "full",
+        829,
+        71.9,
+        "compile, Float8 (Table 4)",
+        FLOAT8,
+    ),
     "405B FSDP 8 x PP 8 x TP 8": (
         "405b",
         (8, 8, 8),
@@ -47,7 +77,8 @@ PUBLISHED = {
         "full",
         100,
         82.5,
-        "compile, Float8, async TP, 1F1B (Table 5)",
+        "compile, Float8, async TP (not modelled), 1F1B (Table 5)",
+        FLOAT8,
     ),
 }
 
@@ -184,6 +215,7 @@ AttentionInterface.register("causal_sdpa", sdpa_attention_forward)
 args = json.loads(sys.argv[1])
 size, shape, names, local, seq, mode, search = args[:7]
 profiles = args[7] if len(args) > 7 else []  # eager rows: each profile's prediction, parts too
+ran = args[8] if len(args) > 8 else {}  # how it ran: ap.Auto's compiled= / float8= (eager without)
 # a size by name (LLaMA-3.1, its 128,256-token vocabulary) or (hidden, intermediate, layers, heads, kv, vocab)
 hidden, inter, layers, heads, kv, vocab = {"8b": (4096, 14336, 32, 32, 8, 128256), "70b": (8192, 28672, 80, 64, 8, 128256),
                                            "405b": (16384, 53248, 126, 128, 8, 128256)}[size] if isinstance(size, str) else size
@@ -229,11 +261,12 @@ if search is None:
                    activation_checkpoint=ac)
     chosen = "hand"
 else:
-    plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, auto=ap.Auto(device="h100", memory_budget=search * 2**30))
+    plan = ap.plan(model, mesh, kwargs=kw, dynamic=False,
+                   auto=ap.Auto(device="h100", memory_budget=search * 2**30, **ran))
     chosen = plan.built["auto"]["chosen"]
 seconds = time.perf_counter() - t0
-p = ap.predict(plan, "h100")
-print(json.dumps({"time_s": p["time_s"], "time_500w_s": ap.predict(plan, "h100-500w")["time_s"], "memory": p["memory"], "tokens": local * dp_size * seq, "ranks": mesh.size,
+p = ap.predict(plan, ap.Auto(device="h100", **ran))  # as it ran: eager, compiled, Float8
+print(json.dumps({"time_s": p["time_s"], "time_500w_s": ap.predict(plan, ap.Auto(device="h100-500w", **ran))["time_s"], "memory": p["memory"], "tokens": local * dp_size * seq, "ranks": mesh.size,
                   "chosen": chosen, "seconds": seconds,
                   "search_s": plan.built.get("auto", {}).get("search_s"),
                   "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -241,10 +274,11 @@ print(json.dumps({"time_s": p["time_s"], "time_500w_s": ap.predict(plan, "h100-5
 """
 
 
-def predicted(size, shape, names, local, seq, mode, search=None, profiles=()) -> dict:
-    """ap.predict of the hand plan (search=None) or of the search's plan under a budget (GiB);
-    ``profiles``: also each named profile's time and its parts (``by_profile``)."""
-    arg = json.dumps([size, list(shape), list(names), local, seq, mode, search, list(profiles)])
+def predicted(size, shape, names, local, seq, mode, search=None, profiles=(), ran=None) -> dict:
+    """ap.predict of the hand plan (search=None) or of the search's plan under a budget (GiB),
+    as it ran (``ran``: ap.Auto's compiled= and float8=); ``profiles``: also each named profile's
+    time and its parts (``by_profile``)."""
+    arg = json.dumps([size, list(shape), list(names), local, seq, mode, search, list(profiles), ran or {}])
     out = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, check=False)
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
@@ -253,17 +287,32 @@ def predicted(size, shape, names, local, seq, mode, search=None, profiles=()) ->
 
 
 def run(quick: bool) -> list[dict]:
-    rows = []
-    for name, (size, shape, names, local, seq, mode, tps, gib, what) in PUBLISHED.items():
+    rows, eager = [], {}  # eager: (size, shape) -> (predicted h100, h100-500w, published) tok/s/GPU
+    for name, (size, shape, names, local, seq, mode, tps, gib, what, ran) in PUBLISHED.items():
         if quick and size != "8b":
             continue
         what = f"{what}, {mode} checkpointing"
-        hand = predicted(size, shape, names, local, seq, mode)
+        hand = predicted(size, shape, names, local, seq, mode, ran=ran)
         if "error" in hand:
             rows.append(row("published", name, "predicted tok/s/GPU", "-", f"{tps:,}", hand["error"]))
             continue
         mine = hand["tokens"] / hand["time_s"] / hand["ranks"]
         theirs = hand["tokens"] / hand["time_500w_s"] / hand["ranks"]  # their hardware (profiles.py)
+        if not ran:
+            eager[size, shape] = (mine, theirs, tps)
+        elif (size, shape) in eager:  # the speed-up over the same run eager, against theirs
+            e_mine, e_theirs, e_tps = eager[size, shape]
+            rows.append(
+                row(
+                    "published",
+                    name,
+                    "predicted / published speed-up over eager",
+                    round((theirs / e_theirs) / (tps / e_tps), 3),
+                    "0.9-1.1",
+                    f"predicted {theirs / e_theirs:.3f}x (h100-500w; h100 {mine / e_mine:.3f}x), "
+                    f"published {tps / e_tps:.3f}x",
+                )
+            )
         rows += [
             row(
                 "published",
@@ -291,7 +340,7 @@ def run(quick: bool) -> list[dict]:
             ),
         ]
         for budget in (80, 95):
-            found = predicted(size, shape, names, local, seq, mode, search=budget)
+            found = predicted(size, shape, names, local, seq, mode, search=budget, ran=ran)
             if "error" in found:
                 rows.append(row("published", f"{name}, search {budget} GB", "chose", "-", "fits", found["error"]))
                 continue

@@ -231,13 +231,19 @@ def roofline(flops, nbytes, flops_per_s, bandwidth=None):
     return sympy.Max(compute, moved)
 
 
-def node_seconds(node, sy, flops_per_s, bandwidth=None, grad=False, needs_grad=None, attention_flops_per_s=None):
+def node_seconds(
+    node, sy, flops_per_s, bandwidth=None, grad=False, needs_grad=None, attention_flops_per_s=None, nbytes=None
+):
     """(forward, backward) seconds of ``node`` on one rank (backward 0 without a gradient):
     its local FLOPs (``node_flops`` over the ranks that share it; backward twice) at
     ``flops_per_s`` (attention at ``attention_flops_per_s`` where given) and its bytes
-    (``node_bytes``) at ``bandwidth``, through ``roofline``."""
+    (``node_bytes``, or ``nbytes``: (forward, backward) given, a fused region's share) at
+    ``bandwidth``, through ``roofline``."""
     flops = node_flops(node, sy) / split_factor(layout_of(node).spec, sy)
-    fwd_b, bwd_b = node_bytes(node, sy, needs_grad) if bandwidth is not None else (0, 0)
+    if bandwidth is None:
+        fwd_b, bwd_b = 0, 0
+    else:
+        fwd_b, bwd_b = node_bytes(node, sy, needs_grad) if nbytes is None else nbytes
     if isinstance(sy, Numbers):
         flops, fwd_b, bwd_b = float(flops), float(fwd_b), float(bwd_b)
     rate = attention_flops_per_s if attention_flops_per_s and op_work(node).kind == "attention" else flops_per_s

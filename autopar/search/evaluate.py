@@ -48,10 +48,11 @@ from dataclasses import dataclass, field, fields
 from autopar.cost.activation_memory import bytes_by_node, loss_backward_source, saved_activations
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
-from autopar.cost.op_time import node_seconds, optimizer_step_bytes
+from autopar.cost.execution import op_seconds
+from autopar.cost.float8 import float8_linears
+from autopar.cost.op_time import optimizer_step_bytes
 from autopar.cost.plan_cost import STATE_BYTES, activation_terms
 from autopar.runtime.ring import ring_steps
-from autopar.sharding.propagate import layout_of
 from autopar.trace.model_members import named_parameters
 
 BUCKET_BYTES = 25 * 2**20
@@ -74,6 +75,7 @@ class Terms:
     acts: float = 0.0  # the tensors autograd keeps through the step (and per-block extras)
     peak: float = 0.0  # what one batch's step adds at its peak: a recompute, a workspace, the loss's backward
     dp_grad_elems: float = 0.0  # elements of the dp-synced gradients (their bytes in another dtype)
+    dp_fp8: float = 0.0  # bytes of the dp-synced Float8 Linear weights (zero=3 gathers them in fp8: half)
     pieces: float = 1.0  # backward passes per step (a pipeline's micro-batches; a max): > 1 accumulates
     largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
     boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
@@ -114,6 +116,7 @@ class Terms:
             "sync_other",
             "dp_grad",
             "dp_grad_elems",
+            "dp_fp8",
             "params",
             "params_other",
             "grads_other",
@@ -184,7 +187,12 @@ class Terms:
                 continue
             alpha, beta = profile.link(mesh, link)
             buckets = grad / BUCKET_BYTES
-            for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(dp, n, grad, grad, units, fold):
+            # torchao's FSDP fp8 all-gather (torchtitan's enable_fsdp_float8_all_gather): 1 byte, not
+            # 2, for the Float8 linears' weights (this group's share of them)
+            fp8 = self.dp_fp8 / 2 * grad / self.dp_grad if getattr(dp, "zero", 0) == 3 and self.dp_grad else 0.0
+            for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(
+                dp, n, grad, grad - fp8, units, fold
+            ):
                 t = alpha * ring_steps(kind, n * fold) * (buckets if launches is None else launches) + nbytes / beta
                 yield label, t, nbytes, prefetched, phase
 
@@ -333,16 +341,9 @@ def plan_terms(
 
 
 def _op_seconds(plan, sy, profile) -> list[tuple]:
-    """(node name, forward s, backward s, needs a gradient) of each op of ``plan`` (op_time's roofline)."""
-    out, grads = [], plan.ctx.needs_grad
-    rates = (profile.flops_per_s, profile.memory_bandwidth)
-    for node in plan.graph.nodes:
-        if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
-            continue
-        grad = bool(grads.get(node))
-        fwd, bwd = node_seconds(node, sy, *rates, grad, grads, profile.attention_flops_per_s)
-        out.append((node.name, fwd, bwd, grad))
-    return out
+    """(node name, forward s, backward s, needs a gradient) of each op of ``plan`` (op_time's
+    roofline; compiled and Float8 as the profile says: cost/execution.py)."""
+    return op_seconds(plan, sy, profile)
 
 
 def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
@@ -376,6 +377,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     mesh = plan.mesh
     sync = plan.grad_sync_axes
     folds = fold_candidates(plan)
+    fp8 = set(float8_linears(plan).values()) if getattr(profile, "float8", False) else set()
     units: dict[str, float] = {}  # zero=3's gather units: each repeated block, and the rest as one
     unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
     for name, p in named_parameters(plan.model):
@@ -396,6 +398,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         if plan.dp_axis in axes:
             t.dp_grad += w * local
             t.dp_grad_elems += w * local / p.element_size()
+            t.dp_fp8 += w * local if name in fp8 else 0.0
             t.opt_dp += w * states * STATE_BYTES * local / p.element_size()
         else:
             t.grads_other += w * local

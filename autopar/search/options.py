@@ -21,6 +21,13 @@
 - ``context_parallel``: the attention methods a context-parallel axis may use (ap.ContextParallel:
   every sequence split on the axis, K/V all-gathered or passed around a ring; zig-zag ordered
   where the sequences divide into 2 chunks per rank); () leaves sequences whole.
+- ``compiled``: the rank modules will run under torch.compile: connected memory-bound ops are
+  costed as fused regions (cost/fusion.py) instead of one eager kernel each. ``"blocks"``: each
+  repeated block compiled on its own (torchtitan's ``apply_compile``), the ops outside them eager.
+- ``float8``: every nn.Linear but the LM head runs its matmuls in float8 (torchao's tensorwise
+  dynamic scaling, as torchtitan converts them): at the profile's bf16 rate times its fp8 / bf16
+  datasheet ratio, plus the casting kernels' bytes, and zero=3 gathers those weights in fp8
+  (cost/float8.py). A PlanError on a profile without fp8 tensor cores (a100, cpu-gloo).
 
 Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
@@ -29,7 +36,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.search.profiles import Profile, profile_of
@@ -53,6 +60,8 @@ class Auto:
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True
     context_parallel: tuple = ("allgather", "ring")
+    compiled: bool | str = False  # False, True (the rank module) or "blocks"
+    float8: bool = False
 
     @classmethod
     def of(cls, value) -> "Auto":
@@ -65,6 +74,14 @@ class Auto:
     def profile(self, where=None) -> Profile:
         """The cost model's device: ``device``, or (None) the one the job runs on (``where``,
         the example inputs' device: a CPU job is planned for ``cpu-gloo``, not an H100)."""
-        return profile_of(self.device, where).with_values(
+        profile = profile_of(self.device, where).with_values(
             self.alpha, self.beta, self.flops_per_s, self.memory_bandwidth
         )
+        if self.compiled not in (False, True, "blocks"):
+            raise PlanError(f"ap.Auto(compiled={self.compiled!r}): use False, True or 'blocks'.")
+        if self.float8 and not profile.fp8_ratio:
+            raise PlanError(
+                f"ap.Auto(float8=True): the {profile.name!r} profile has no fp8 tensor cores (float8 "
+                "matmuls need an H100/H200-class GPU); drop float8= or pick such a device."
+            )
+        return replace(profile, compiled=self.compiled, float8=self.float8)

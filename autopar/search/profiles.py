@@ -51,6 +51,10 @@ class Profile:
     overlap: float = 1.0  # fraction of backward compute that hides the gradient sync
     memory_bandwidth: float | None = None  # B/s of device memory: memory-bound ops' roof; None: FLOPs only
     attention_flops_per_s: float | None = None  # attention kernels' FLOP/s where they differ from matmuls'
+    fp8_ratio: float | None = None  # datasheet dense fp8 / bf16 tensor-core peak; None: no fp8 tensor cores
+    # how the rank module runs (ap.Auto(compiled=, float8=) sets them; cost/execution.py reads them)
+    compiled: bool | str = False  # under torch.compile ("blocks": each block's): fused regions (cost/fusion.py)
+    float8: bool = False  # nn.Linear matmuls (not the LM head) in float8, tensorwise scaling (cost/float8.py)
 
     def link(self, mesh, axis: int) -> tuple[float, float]:
         """(alpha, beta) of mesh axis ``axis`` (inner axes first fill a node)."""
@@ -105,11 +109,17 @@ H200_BANDWIDTH = 4.27e12
 H100_500W_TENSOR = (835e12 + (500 - 400) / (700 - 400) * (989e12 - 835e12)) / 989e12
 H100_HBM2E_BANDWIDTH = 2.4e12 * ACHIEVED_BANDWIDTH_SHARE
 A100_BANDWIDTH = 2.039e12 * ACHIEVED_BANDWIDTH_SHARE  # A100 80GB SXM datasheet
+# Float8 matmuls: the measured bf16 rate times the datasheets' dense fp8 / bf16 peak ratio. H100
+# SXM: 1,979 / 989.5 TFLOP/s (the H100 NVL's 1,671 / 835 and the H200's 1,979 / 989 are the same
+# 2x). The A100 has no fp8 tensor cores (its datasheet lists none), nor has a CPU: None.
+FP8_OVER_BF16 = 1979e12 / 989.5e12
 
 
-def _gpu(name, scale, links, bandwidth, matmul=H100_MATMUL_FLOPS, attention=H100_ATTENTION_FLOPS) -> Profile:
+def _gpu(
+    name, scale, links, bandwidth, matmul=H100_MATMUL_FLOPS, attention=H100_ATTENTION_FLOPS, fp8=FP8_OVER_BF16
+) -> Profile:
     """A GPU profile: measured matmul and attention rates (the H100's by default) times ``scale``."""
-    return Profile(name, matmul * scale, *links, 8, 1.0, bandwidth, attention * scale)
+    return Profile(name, matmul * scale, *links, 8, 1.0, bandwidth, attention * scale, fp8)
 
 
 H100_LINKS = ((3e-6, 450e9), (8e-6, 45e9))
@@ -117,7 +127,7 @@ PROFILES = {
     "h100": _gpu("h100", 1.0, H100_LINKS, H100_BANDWIDTH),
     "h100-500w": _gpu("h100-500w", H100_500W_TENSOR, H100_LINKS, H100_HBM2E_BANDWIDTH),
     "h200": _gpu("h200", 1.0, H100_LINKS, H200_BANDWIDTH, H200_MATMUL_FLOPS, H200_ATTENTION_FLOPS),
-    "a100": _gpu("a100", 312e12 / 989e12, ((4e-6, 240e9), (10e-6, 22e9)), A100_BANDWIDTH),
+    "a100": _gpu("a100", 312e12 / 989e12, ((4e-6, 240e9), (10e-6, 22e9)), A100_BANDWIDTH, fp8=None),
     "cpu-gloo": Profile("cpu-gloo", 20e9, (60e-6, 1.0e9), (60e-6, 1.0e9), 1 << 30, 0.0),
 }
 DEFAULT = "h100"
