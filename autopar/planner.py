@@ -25,7 +25,7 @@ from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.search.auto import search
 from autopar.search.quiet_gc import quiet_gc
-from autopar.sharding.annotations import Seeds, replicated, resolve
+from autopar.sharding.annotations import Seeds, data_parallel_inputs, replicated, resolve
 from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
@@ -119,20 +119,24 @@ def make_plan(
 def _resolved(cache: dict | None, annotations, model, mesh, inputs, data_axis, ndims) -> Seeds:
     """resolve's seeds, kept in ``cache`` by its arguments (the model is the search's one): the
     search's ~35 probes resolve a few annotation sets, each over every layer of the model (900 on
-    a 405B, 7% of a 512-rank search). Each call gets its own copy: the techniques, the tied
-    weights and the expert blocks add to the seeds."""
+    a 405B, 7% of a 512-rank search). What the annotations give is kept without the batch split
+    of the data-parallel axis, which resolve adds last (the probes differ in that axis more than
+    in their annotations), and added to each copy. Each call gets its own copy: the techniques,
+    the tied weights and the expert blocks add to the seeds."""
     if cache is None:
         return resolve(annotations, model, mesh, inputs, data_axis, ndims)
-    key = (tuple((annotations or {}).items()), mesh, mesh.parts, tuple(inputs), data_axis)
-    key += (tuple(sorted((ndims or {}).items())),)
+    key = (tuple((annotations or {}).items()), mesh, mesh.parts, tuple(inputs))
     try:
         hash(key)
     except TypeError:  # an annotation that cannot be a key: resolved each time
         return resolve(annotations, model, mesh, inputs, data_axis, ndims)
     if key not in cache:
-        cache[key] = resolve(annotations, model, mesh, inputs, data_axis, ndims)
+        cache[key] = resolve(annotations, model, mesh, inputs, None, ndims)
     held = cache[key]
-    return Seeds(**{f.name: _copied(getattr(held, f.name)) for f in dataclasses.fields(Seeds)})
+    seeds = Seeds(**{f.name: _copied(getattr(held, f.name)) for f in dataclasses.fields(Seeds)})
+    if data_axis is not None:  # resolve's last step
+        data_parallel_inputs(seeds, mesh, data_axis, inputs, ndims or {})
+    return seeds
 
 
 def _copied(table: dict) -> dict:
