@@ -159,8 +159,28 @@ def tensor_bytes(plan, sy, name: str, index: int = 0, leaving: bool = False, gat
 
 def bytes_by_node(plan, sy, saves: list[Saved] | None = None, with_outputs: bool = True) -> dict:
     """Node name -> bytes of the kept tensors it made (``saves``, default: all of the plan's),
-    each storage once, plus the model's outputs: what the search adds per node."""
+    each storage once, plus the model's outputs: what the search adds per node.
+
+    Kept on the plan for the last few (saves, sy) objects: costing one plan asks the same list
+    two or three times (the search's terms, then the activation terms, then checkpointing's),
+    each time the same objects (saved_activations' list, checkpointed_saves'): compared by
+    identity, held so that no other list takes their id."""
     saves = saved_activations(plan) if saves is None else saves
+    memo = plan.__dict__.setdefault("_bytes_by_node", [])
+    for held, symbols, outputs, got in memo:
+        if held is saves and symbols is sy and outputs == with_outputs:
+            return dict(got)
+    got = _bytes_by_node(plan, sy, saves, with_outputs)
+    if len(saves) > 1:  # a single save (a largest-tensor scan) is asked once: not kept
+        memo.append((saves, sy, with_outputs, got))
+        del memo[:-MEMO_SIZE]
+    return dict(got)
+
+
+MEMO_SIZE = 8  # bytes_by_node's kept answers per plan
+
+
+def _bytes_by_node(plan, sy, saves: list[Saved], with_outputs: bool) -> dict:
     seen: dict = {}
     for s in saves:
         if s.gathered:  # the producer's value gathered by a lowering: its own storage
@@ -220,7 +240,17 @@ def loss_backward_bytes(plan, sy):
 def loss_backward_source(plan, sy) -> tuple:
     """(``loss_backward_bytes``, the node whose saved tensor sets it: None when nothing is kept).
     The search charges the bytes to that node's component (the head's logits: whether the
-    vocabulary is split decides them)."""
+    vocabulary is split decides them). Kept on the plan for the last ``sy`` (the search's cost
+    of a plan asks it twice: its activation terms, then whose component the bytes are)."""
+    held = plan.__dict__.get("_loss_backward")
+    if held is not None and held[0] is sy:
+        return held[1]
+    got = _loss_backward_source(plan, sy)
+    plan.__dict__["_loss_backward"] = (sy, got)
+    return got
+
+
+def _loss_backward_source(plan, sy) -> tuple:
     saves = saved_activations(plan)
     nodes = list(plan.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}

@@ -32,30 +32,54 @@ from autopar.sharding.propagate import layout_of
 def checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Saved]], list[Saved]]:
     """(the saves kept on the device through the step, per block the saves its recompute makes
     again, the saves kept in host memory: under ``offload``, each block's activation inputs and
-    what its selective policy keeps; empty without it)."""
+    what its selective policy keeps; empty without it). Kept on the plan per technique, as
+    saved_activations is: the search's cost of one plan asks it twice (its kept saves, then its
+    activation terms); the lists are shared, not to be changed by the callers."""
+    cache = plan.__dict__.setdefault("_checkpointed_saves", [])
+    for done, got in cache:
+        if done == technique:
+            return got
+    got = _checkpointed_saves(plan, technique)
+    cache.append((technique, got))
+    return got
+
+
+def block_map(plan, blocks: set) -> dict:
+    """Node -> its checkpointed block among ``blocks`` (block_of), for every node of the plan's
+    graph that has one: read once per plan and blocks, where each save, each block node and
+    each of its inputs asked again (~1,200 module-path walks per plan on a 405B's short graph)."""
+    key = (frozenset(blocks), len(plan.graph.nodes))  # a graph grown since: read again
+    cache = plan.__dict__.setdefault("_block_maps", {})
+    if key not in cache:
+        cache[key] = {n: b for n in plan.graph.nodes if (b := block_of(n, blocks)) is not None}
+    return cache[key]
+
+
+def _checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Saved]], list[Saved]]:
     blocks = set(plan.built[technique.name])
+    where = block_map(plan, blocks)
     nodes = {n.name: n for n in plan.graph.nodes}
     keep = technique.kept_nodes(plan)
     kept, redone, edges = [], {b: [] for b in blocks}, []
     for s in saved_activations(plan):
-        block = block_of(nodes[s.consumer], blocks)
+        block = where.get(nodes[s.consumer])
         if block is None:
             kept.append(s)
             continue
-        inside = s.producer is not None and block_of(nodes[s.producer], blocks) == block
+        inside = s.producer is not None and where.get(nodes[s.producer]) == block
         if not inside and s.producer is not None:
             edges.append(s)  # the block's input: the checkpoint holds it
         elif (s.producer or s.consumer) in keep:
             edges.append(s)  # a selective policy keeps this op's outputs
         else:
             redone[block].append(s)
-    edges += _block_inputs(plan, blocks, nodes)
+    edges += _block_inputs(plan, where)
     # a selective policy stores every output of the ops it keeps, read by backward or not
     # (consumer "<op>:cache": the policy's cache holds it, no backward op; alive in a recompute
     # only while the recompute reads it, unless a backward op saves it too)
     edges += [Saved(f"{n.name}:cache", n.name, 0) for n in plan.graph.nodes if n.name in keep]
     if technique.mode == "selective":
-        edges += _collective_outputs(plan, blocks)
+        edges += _collective_outputs(plan, where)
     if not technique.offload:
         return kept + edges, redone, []
     host = [s for s in edges if _offloaded(s, nodes, blocks, plan.ctx.needs_grad.get)]
@@ -78,13 +102,14 @@ def _offloaded(s: Saved, nodes: dict, blocks: set, plan_needs_grad) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point() and bool(plan_needs_grad(producer))
 
 
-def _collective_outputs(plan, blocks) -> list[Saved]:
+def _collective_outputs(plan, where: dict) -> list[Saved]:
     """The outputs of the collectives on a block's edges (kept by the selective policy): one per
-    edge layout that communicates (all-reduce, all-gather, Megatron's f), at the input's size."""
+    edge layout that communicates (all-reduce, all-gather, Megatron's f), at the input's size;
+    ``where``: node -> its block (block_map)."""
     seen, out = set(), []
     f_edges = plan.flow.f_edges
     for node in plan.graph.nodes:
-        if "autopar" not in node.meta or block_of(node, blocks) is None or not layout_of(node).outputs:
+        if "autopar" not in node.meta or node not in where or not layout_of(node).outputs:
             continue
         lay = layout_of(node)
         for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets)):
@@ -95,16 +120,17 @@ def _collective_outputs(plan, blocks) -> list[Saved]:
     return out
 
 
-def _block_inputs(plan, blocks, nodes) -> list[Saved]:
+def _block_inputs(plan, where: dict) -> list[Saved]:
     """Tensors made outside a block and read inside it (the checkpoint keeps them, whether they
-    need a gradient or not: rotary tables, masks), each as the storage it views."""
+    need a gradient or not: rotary tables, masks), each as the storage it views; ``where``:
+    node -> its block (block_map)."""
     out = []
     for node in plan.graph.nodes:
-        block = block_of(node, blocks)
+        block = where.get(node)
         if block is None or node.op != "call_function":
             continue
         for a in node.all_input_nodes:
-            if block_of(a, blocks) == block or not isinstance(a.meta.get("val"), torch.Tensor):
+            if where.get(a) == block or not isinstance(a.meta.get("val"), torch.Tensor):
                 continue
             base, idx = base_of(a)
             if base.op == "call_function":
@@ -128,7 +154,8 @@ def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
     else:
         peak = recompute_peak(plan, technique, sy, kept, redone, host)
     blocks = set(plan.built[technique.name])
-    drawing = {block_of(n, blocks) for n in plan.graph.nodes if n.op == "call_function" and draws_random(n)} - {None}
+    where = block_map(plan, blocks)
+    drawing = {where.get(n) for n in plan.graph.nodes if n.op == "call_function" and draws_random(n)} - {None}
     snapshots = len(drawing) * initial_state(0).numel()
     out = dict(terms, activations=activation_bytes(plan, sy, kept) + snapshots, recompute=peak)
     if technique.offload:
@@ -145,17 +172,18 @@ def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict, host: l
     order = plan.built[technique.name]  # program order: backward runs them last to first
     nodes = {n.name: n for n in plan.graph.nodes}
     index = {n.name: i for i, n in enumerate(plan.graph.nodes)}
-    first = min((index[n.name] for n in plan.graph.nodes if block_of(n, set(order))), default=0)
+    where = block_map(plan, set(order))
+    first = min((index[n.name] for n in plan.graph.nodes if where.get(n)), default=0)
     by_block, back = {b: [] for b in order}, {b: [] for b in order}
     tail = []
     for s in kept:
-        block = block_of(nodes[s.consumer.split(":")[0]], set(order))
+        block = where.get(nodes[s.consumer.split(":")[0]])
         if block is not None:
             by_block[block].append(s)
         elif index.get(s.consumer.split(":")[0], 0) > first:
             tail.append(s)
     for s in host:  # moved back for the recompute
-        back[block_of(nodes[s.consumer.split(":")[0]], set(order))].append(s)
+        back[where.get(nodes[s.consumer.split(":")[0]])].append(s)
     freed = activation_bytes(plan, sy, tail, with_outputs=False)
     best, best_value = 0, 0.0
     for b in reversed(order):

@@ -34,7 +34,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.parallel import ac_memory
-from autopar.parallel.ac_regions import chosen_blocks, outline, spans, block_of
+from autopar.parallel.ac_regions import chosen_blocks, outline, spans
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.runtime.recompute import MODES, Region, is_collective
@@ -198,12 +198,8 @@ class ActivationCheckpoint(Technique):
 
     def recomputed(self, plan) -> set:
         """Every node of a checkpointed block; under the selective policy, less the ops it keeps."""
-        blocks, keep = set(plan.built[self.name]), self.kept_nodes(plan)
-        return {
-            n.name
-            for n in plan.graph.nodes
-            if n.op == "call_function" and n.name not in keep and block_of(n, blocks) is not None
-        }
+        where, keep = ac_memory.block_map(plan, set(plan.built[self.name])), self.kept_nodes(plan)
+        return {n.name for n in plan.graph.nodes if n.op == "call_function" and n.name not in keep and n in where}
 
     def kept_nodes(self, plan) -> set:
         """The graph nodes of the blocks whose outputs the selective policy keeps: its ops, of the
@@ -211,10 +207,11 @@ class ActivationCheckpoint(Technique):
         kernel, which the run-time policy counts); none in full mode."""
         if self.mode != "selective":
             return set()
-        ops, blocks, kept, count = self.graph_save_ops(), set(plan.built[self.name]), set(), {}
+        ops, kept, count = self.graph_save_ops(), set(), {}
+        where = ac_memory.block_map(plan, set(plan.built[self.name]))
         matmuls = set(MATMULS) | set(RUNS_AS) - {aten.scaled_dot_product_attention.default}
         for n in plan.graph.nodes:
-            block = block_of(n, blocks) if n.op == "call_function" and n.target in ops else None
+            block = where.get(n) if n.op == "call_function" and n.target in ops else None
             if block is None:
                 continue
             if n.target in matmuls:

@@ -242,7 +242,7 @@ def resolve(
             seeds.inputs[fqn] = placements
         seeds.reasons[fqn] = "; ".join(why for _, why in axes.values())
     if data_parallel is not None:
-        _data_parallel_inputs(seeds, mesh, data_parallel, input_names, input_ndims or {})
+        data_parallel_inputs(seeds, mesh, data_parallel, input_names, input_ndims or {})
     return seeds
 
 
@@ -382,7 +382,7 @@ def _apply_layer(pattern, ann, modules, paths, mesh, put, why, seeds):
             seeds.reasons[path] = why
 
 
-def _data_parallel_inputs(seeds, mesh, axis_name, input_names, input_ndims):
+def data_parallel_inputs(seeds, mesh, axis_name, input_names, input_ndims):
     """Inputs split on dim 0 (the batch) over the data-parallel axis unless placed explicitly."""
     axis = mesh.axis_index(axis_name)
     for name in input_names:

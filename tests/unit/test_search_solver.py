@@ -39,3 +39,20 @@ def test_enumeration_equals_milp(seed):
             assert (fast.option, fast.choices) == (slow.option, slow.choices) or (
                 fast.memory == pytest.approx(slow.memory)
             )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_small_options_costed_in_python_as_numpy(seed, monkeypatch):
+    # the search's one-option solves go through the Python rows (solver.SMALL): the same floats,
+    # the same choice and tie-break as the numpy rows, with and without a budget
+    import autopar.search.solver as solver
+
+    rng = random.Random(seed)
+    options = _options(rng, rng.randint(1, 6), rng.randint(0, 4), ties=seed % 2 == 0)
+    for budget in (None, 6.0, 9.0, 0.5):
+        overlap = rng.choice([0.0, 0.5, 1.0])
+        got = [solve(options, budget, overlap)] + [solve([o], budget, overlap) for o in options]
+        monkeypatch.setattr(solver, "SMALL", 0)
+        want = [solve(options, budget, overlap)] + [solve([o], budget, overlap) for o in options]
+        monkeypatch.undo()
+        assert got == want

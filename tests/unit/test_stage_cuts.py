@@ -1,0 +1,59 @@
+"""The pipeline's automatic cut (split.balanced_cuts) against the plain dynamic program it
+replaced: one start at a time, a strict ``<`` (the first start of equal cost wins)."""
+
+import random
+
+import pytest
+
+from autopar.errors import PipelineError
+from autopar.parallel.pipeline.split import balanced_cuts
+
+
+def _plain(costs, candidates, n_stages, weights=None):
+    w = list(weights) if weights is not None else [1.0] * n_stages
+    if n_stages == 1:
+        return []
+    if len(candidates) < n_stages - 1:
+        candidates = list(range(1, len(costs)))
+    if len(candidates) < n_stages - 1:
+        raise PipelineError("too few operations")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    ends = candidates + [len(costs)]
+    inf = float("inf")
+    best = [[w[0] * prefix[e] for e in ends]] + [[inf] * len(ends) for _ in range(n_stages - 1)]
+    back = [[-1] * len(ends) for _ in range(n_stages)]
+    for k in range(1, n_stages):
+        for j, e in enumerate(ends):
+            for i in range(j):
+                v = max(best[k - 1][i], w[k] * (prefix[e] - prefix[ends[i]]))
+                if v < best[k][j]:
+                    best[k][j], back[k][j] = v, i
+    cuts, j = [], len(ends) - 1
+    for k in range(n_stages - 1, 0, -1):
+        j = back[k][j]
+        cuts.append(ends[j])
+    return sorted(cuts)
+
+
+def _cut(fn, *args):
+    try:
+        return fn(*args)
+    except PipelineError:
+        return "refused"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_balanced_cuts_as_the_plain_program(seed):
+    # integer costs make many ties (which start wins), weights the 1F1B memory balance
+    rng = random.Random(seed)
+    for _ in range(400):
+        n = rng.randint(2, 40)
+        ties = rng.random() < 0.5
+        costs = [float(rng.choice([0, 1, 2])) if ties else rng.random() * 10 for _ in range(n)]
+        candidates = sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))
+        stages = rng.randint(1, 9)
+        weights = [float(rng.randint(1, 4)) for _ in range(stages)] if rng.random() < 0.5 else None
+        args = (costs, candidates, stages, weights)
+        assert _cut(balanced_cuts, *args) == _cut(_plain, *args), args
