@@ -165,18 +165,8 @@ def _bases(node, target, members) -> list:
     for a view of outside tensors inside the region, the tensors it views."""
     if node not in members:
         return [(node, target)]
-    out, todo, seen = [], [node], set()
-    while todo:
-        n = todo.pop()
-        for i in n.all_input_nodes:
-            if i in seen:
-                continue
-            seen.add(i)
-            if i in members:
-                todo.append(i)
-            else:
-                out.append((i, layout_of(i).spec if "autopar" in i.meta else None))
-    return out
+    outside = _external_ancestors(node, members)
+    return [(i, layout_of(i).spec if "autopar" in i.meta else None) for i in outside]
 
 
 def _external_ancestors(node, members) -> set:
