@@ -18,6 +18,7 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.search import Profile
 
 from tests.harness.hf_models import MODELS, inputs, megatron_dp_plan
+from tests.harness.models import MEGATRON as MEGATRON_GPT
 
 SHAPES = [(2,), (4,), (2, 2)]
 # a device on which splitting pays even for the tiny test models: fast links, slow compute
@@ -55,6 +56,28 @@ def test_gpt_auto_equals_serial(shape, device):
     pred = ap.predict(plan, rec_profile(rec))
     assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-6)
     assert pred["memory"] == pytest.approx(rec["memory"], rel=1e-6)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the step's peak is a max (recompute + workspace, the loss's backward, gathered outputs); "
+    "the solver sums a plan's parts, each component option's from its own probe, so where the "
+    "vocabulary's choice moves the peak between the loss and the gathered logits the search counts "
+    "16 KiB more than ap.predict (4 layers); exact needs the max in the solver",
+)
+def test_search_memory_is_predicts_with_a_free_vocabulary_on_a_deep_stack():
+    """The search costs a short probe of a deep stack and each component's options in their own
+    probes; the chosen plan's memory should still be ap.predict's."""
+    for layers in (3, 4):
+        model, args = gpt(layers=layers)
+        mesh = ap.Mesh((2, 2), ("dp", "tp"))
+        auto = ap.Auto(
+            device="h100", pipeline=False, activation_checkpoint=(None,), context_parallel=(), sequence_parallel=False
+        )
+        dp = ap.DataParallel("dp", zero=3)
+        plan = ap.plan(model, mesh, args=args, auto=auto, annotations=MEGATRON_GPT, data_parallel=dp)
+        rec = plan.built["auto"]
+        assert ap.predict(plan, auto)["memory"] == pytest.approx(rec["memory"], rel=1e-9)
 
 
 def rec_profile(rec):
