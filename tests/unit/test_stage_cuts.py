@@ -6,35 +6,28 @@ import random
 import pytest
 
 from autopar.errors import PipelineError
+from autopar.parallel.pipeline import split
 from autopar.parallel.pipeline.split import balanced_cuts
 
 
-def _plain(costs, candidates, n_stages, weights=None):
-    w = list(weights) if weights is not None else [1.0] * n_stages
-    if n_stages == 1:
-        return []
-    if len(candidates) < n_stages - 1:
-        candidates = list(range(1, len(costs)))
-    if len(candidates) < n_stages - 1:
-        raise PipelineError("too few operations")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    ends = candidates + [len(costs)]
-    inf = float("inf")
-    best = [[w[0] * prefix[e] for e in ends]] + [[inf] * len(ends) for _ in range(n_stages - 1)]
-    back = [[-1] * len(ends) for _ in range(n_stages)]
+def _plain_table(at_end, w, n_stages):
+    """split._stage_table as it was: one (stage, end, start) at a time, a strict ``<``."""
+    n, inf = len(at_end), float("inf")
+    best = [[w[0] * float(a) for a in at_end]] + [[inf] * n for _ in range(n_stages - 1)]
+    back = [[-1] * n for _ in range(n_stages)]
     for k in range(1, n_stages):
-        for j, e in enumerate(ends):
+        for j in range(n):
             for i in range(j):
-                v = max(best[k - 1][i], w[k] * (prefix[e] - prefix[ends[i]]))
+                v = max(best[k - 1][i], w[k] * float(at_end[j] - at_end[i]))
                 if v < best[k][j]:
                     best[k][j], back[k][j] = v, i
-    cuts, j = [], len(ends) - 1
-    for k in range(n_stages - 1, 0, -1):
-        j = back[k][j]
-        cuts.append(ends[j])
-    return sorted(cuts)
+    return back
+
+
+def _plain(*args):
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(split, "_stage_table", _plain_table)
+        return balanced_cuts(*args)
 
 
 def _cut(fn, *args):
