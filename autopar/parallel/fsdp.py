@@ -300,6 +300,7 @@ class FullyShardedStorage(Storage):
     """zero=3: the hooks of ``DataParallel`` that store, gather and reduce (see the module docstring)."""
 
     level = exact_level = 3  # plan.check runs the zero=3 program itself: its sums are exact in fp32
+    gathers_params = True
 
     def stored(self, plan, rank, fqn, local):
         return stored(plan, rank, fqn, local)

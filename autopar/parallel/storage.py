@@ -35,6 +35,7 @@ class Storage:
 
     level = 0
     exact_level = 0  # the level plan.check runs (exact fp32 gradient sums; see DataParallel.exact)
+    gathers_params = False  # parameters stored in pieces and all-gathered before use (zero=3)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(level={self.level})"

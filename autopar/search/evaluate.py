@@ -189,7 +189,7 @@ class Terms:
             buckets = grad / BUCKET_BYTES
             # torchao's FSDP fp8 all-gather (torchtitan's enable_fsdp_float8_all_gather): 1 byte, not
             # 2, for the Float8 linears' weights (this group's share of them)
-            fp8 = self.dp_fp8 / 2 * grad / self.dp_grad if getattr(dp, "zero", 0) == 3 and self.dp_grad else 0.0
+            fp8 = self.dp_fp8 / 2 * grad / self.dp_grad if dp.storage.gathers_params and self.dp_grad else 0.0
             for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(
                 dp, n, grad, grad - fp8, units, fold
             ):
