@@ -35,6 +35,7 @@ from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start
 from autopar.errors import ShardingError
 from autopar.mesh import SubAxis
 from autopar.runtime.zigzag import from_zigzag, to_zigzag
+from autopar.sharding.piece_order import piece_orders
 from autopar.runtime.uneven import (
     from_padded,
     pad_piece,
@@ -47,7 +48,7 @@ from autopar.runtime.uneven import (
     weigh,
 )
 from autopar.sharding.propagate import layout_of
-from autopar.sharding.redistribute import STEP_KINDS, plan_steps
+from autopar.sharding.redistribute import STEP_KINDS, Step, plan_steps
 from autopar.sharding.rules import TensorMeta, op_traits
 
 aten = torch.ops.aten
@@ -102,12 +103,11 @@ class Emitter:
         self.env: dict[fx.Node, fx.Node] = {}
         self.edges: dict[tuple, fx.Node] = {}
         self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
-        # axes whose pieces are in the zig-zag order (load-balanced context parallel, runtime/zigzag.py)
-        self.zigzag = frozenset(
-            a
-            for a, name in enumerate(self.mesh.axis_names)
-            if self.mesh.shape[a] > 1 and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques)
-        )
+        # which split values are in the zig-zag order (load-balanced context parallel) and which plain
+        self.orders = piece_orders(plan)
+        self._reorders: dict[tuple, frozenset] = {}
+        for name, i, axis in self.orders.reorders:
+            self._reorders[(name, i)] = self._reorders.get((name, i), frozenset()) | {axis}
 
     # ------------------------------------------------------------------ helpers
     def global_shape(self, node: fx.Node) -> tuple:
@@ -142,13 +142,15 @@ class Emitter:
         """A (global) size divided into ``f`` equal pieces: an int, or a value of the program."""
         return self._local_size(size, f)
 
-    def piece_bounds(self, size, axis: int) -> tuple:
+    def piece_bounds(self, size, axis: int, zigzag: bool = False) -> tuple:
         """(start, rows) of this rank's piece of a dim of global ``size`` split on mesh ``axis``,
-        as values of the program (uneven pieces included: placement.piece_start / piece_size)."""
-        if axis in self.zigzag:
+        as values of the program (uneven pieces included: placement.piece_start / piece_size).
+        ``zigzag``: the piece is in the zig-zag order (sharding/piece_order.py), two ranges: a
+        lowering that reads one range declares ``Lowering.contiguous`` and gets the plain order."""
+        if zigzag:
             raise ShardingError(
-                f"an op needs the contiguous range of its piece on mesh axis {self.mesh.axis_names[axis]!r}, whose "
-                "pieces are in the zig-zag order (ContextParallel(load_balance=True)); plan with load_balance=False."
+                f"internal: an op reads its piece on mesh axis {self.mesh.axis_names[axis]!r} as one range, but "
+                "the piece is in the zig-zag order; its lowering must declare contiguous = True."
             )
         n, coord = self.mesh.shape[axis], self.coord(axis)
         call = self.graph.call_function
@@ -191,10 +193,12 @@ class Emitter:
         name = self.mesh.axis_names[axis] if part is None else self.mesh.axis_label(part)
         return self.graph.call_function(op, (*args, name, group, self.rank_value(RANK_ATTR), *extra))
 
-    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=(), sizes=()) -> fx.Node:
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=(), sizes=(), order=(False, False)):
+        """One redistribution step. ``order``: (the joined pieces are zig-zag, the cut pieces are
+        to be zig-zag) on a load-balanced context-parallel axis (sharding/piece_order.py)."""
         gather = gather or ops.all_gather.default
-        if st.axis in self.zigzag and st.kind in ("all_gather", "slice", "reduce_scatter", "all_to_all"):
-            return self._zigzag_step(x, st, gather, owned, shape, sizes)
+        if any(order) and st.kind in ("all_gather", "slice", "reduce_scatter", "all_to_all"):
+            return self._zigzag_step(x, st, gather, shape, sizes, *order)
         if st.blocks > 1:
             return self._blocked_step(x, st, gather, sizes)
         n = self.mesh.shape[st.axis]
@@ -259,22 +263,32 @@ class Emitter:
             x = g.call_function(trim_piece, (x, dst, int(shape[dst]), n, coord))
         return x
 
-    def _zigzag_step(self, x: fx.Node, st, gather, owned, shape, sizes=()) -> fx.Node:
-        """A step on an axis whose pieces are in the zig-zag order: the serial order is reordered
-        to the ranks' pieces before a cut (slice, reduce-scatter, the split side of an all-to-all)
-        and back after a concatenation (all-gather, the joined side): then every split tensor holds
-        rank r's head-tail chunks of its dim, whatever the dim, and the collectives stay plain."""
+    def _zigzag_step(self, x: fx.Node, st, gather, shape, sizes, joined_zz: bool, cut_zz: bool) -> fx.Node:
+        """A step joining or cutting pieces in the zig-zag order: the serial order is reordered to
+        the ranks' pieces before a cut (slice, reduce-scatter, the split side of an all-to-all) and
+        back after a concatenation (all-gather, the joined side), so the collectives stay plain."""
         g, n = self.graph, self.mesh.shape[st.axis]
         if st.kind == "all_gather":
             x = self._step_plain(x, st, gather, shape, sizes)
-            return g.call_function(from_zigzag, (x, st.dim, n, self._block_count(st, sizes)))
+            return g.call_function(from_zigzag, (x, st.dim, n, self._block_count(st, sizes))) if joined_zz else x
         if st.kind == "all_to_all":
-            x = g.call_function(to_zigzag, (x, st.dim2, n))
+            if cut_zz:
+                x = g.call_function(to_zigzag, (x, st.dim2, n))
             x = self._step_plain(x, st, gather, shape, sizes)
-            return g.call_function(from_zigzag, (x, st.dim, n))
-        k = self._block_count(st, sizes)
-        x = g.call_function(to_zigzag, (x, st.dim, n, k))  # slice, reduce_scatter
+            return g.call_function(from_zigzag, (x, st.dim, n)) if joined_zz else x
+        if cut_zz:  # slice, reduce_scatter
+            x = g.call_function(to_zigzag, (x, st.dim, n, self._block_count(st, sizes)))
         return self._step_plain(x, st, gather, shape, sizes)
+
+    def _reorder(self, x: fx.Node, p: Shard, axis: int, to_zigzag: bool, shape, sizes) -> fx.Node:
+        """Pieces on ``axis`` from one order to the other (sharding/piece_order.py's reorders): the
+        whole dim gathered in its order and cut again in the other; autograd runs it back."""
+        x = self._step(
+            x, Step("all_gather", axis, p.dim, blocks=p.blocks), shape=shape, sizes=sizes, order=(not to_zigzag, False)
+        )
+        return self._step(
+            x, Step("slice", axis, p.dim, blocks=p.blocks), shape=shape, sizes=sizes, order=(False, to_zigzag)
+        )
 
     def _step_plain(self, x, st, gather, shape, sizes=()):
         """``st`` as on a contiguous axis (blocked: the blocks regrouped around the collective)."""
@@ -337,22 +351,36 @@ class Emitter:
         d, node = min(found, key=lambda f: f[0])
         return self.global_size(node, d)
 
-    def edge(self, src: fx.Node, target: tuple, f_axes=frozenset()) -> fx.Node:
-        """``src``'s value in layout ``target`` (collectives added once per layout)."""
-        key = (src, target, frozenset(f_axes))
+    def edge(self, src: fx.Node, target: tuple, f_axes=frozenset(), reader: tuple = ()) -> fx.Node:
+        """``src``'s value in layout ``target`` (collectives added once per layout). ``reader``:
+        (node, input index) reading it, whose order of pieces on a zig-zag axis it gets."""
+        plain_in = self.orders.plain_in.get((reader[0].name, reader[1]), frozenset()) if reader else frozenset()
+        reorder = self._reorders.get((reader[0].name, reader[1]), frozenset()) if reader else frozenset()
+        key = (src, target, frozenset(f_axes), plain_in, reorder)
         if key not in self.edges:
             x = self.env[src]
             f_axes = set(f_axes)
             shape = _static_shape(src)
             val = src.meta.get("val")
             sizes = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
-            for i, st in enumerate(_steps(layout_of(src).spec, target)):
+            spec = layout_of(src).spec
+            zz = {a for a in self.orders.axes if self.orders.zigzag_out(src, a)}  # axes src is zig-zag on
+            for a in sorted(reorder):
+                x = self._reorder(x, spec[a], a, a not in plain_in, shape, sizes)
+                zz.symmetric_difference_update({a})
+            for i, st in enumerate(_steps(spec, target)):
+                order = (st.axis in zz, st.axis in self.orders.axes and st.axis not in plain_in)
                 if st.kind == "all_gather" and st.axis in f_axes:
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
-                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape, sizes=sizes)
+                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape, sizes=sizes, order=order)
                     f_axes.discard(st.axis)
+                    zz.discard(st.axis)
                     continue
-                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape, sizes=sizes)
+                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape, sizes=sizes, order=order)
+                if st.kind in ("slice", "reduce_scatter", "all_to_all") and order[1]:
+                    zz.add(st.axis)
+                elif st.kind != "to_partial":
+                    zz.discard(st.axis)
             for axis in sorted(f_axes):
                 flag = self.eager_flag()  # Megatron's f returns its input only in plain eager mode
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
@@ -478,7 +506,7 @@ class Emitter:
         lay = layout_of(node)
         f_edges = self.plan.flow.f_edges
         local_inputs = [
-            self.edge(inp, tgt, f_edges.get((node.name, i), ()))
+            self.edge(inp, tgt, f_edges.get((node.name, i), ()), (node, i))
             for i, (inp, tgt) in enumerate(zip(lay.inputs, lay.input_targets))
         ]
         it = iter(local_inputs)

@@ -91,6 +91,45 @@ CASES = {
         "dp": "a0",
         "annotations": [],
     },
+    # issue 52, emit: a column-parallel Linear on the load-balanced context-parallel axis split its
+    # output by the weight's rows (plain pieces), and the output's all-gather rejoined them as if
+    # zig-zag: off by 1.66. Now every split on the axis knows its order (sharding/piece_order.py).
+    "colwise_on_zigzag_cp_axis": {
+        "seed": 1770,
+        "vocab": 13,
+        "d": 8,
+        "batch": 7,
+        "seq": 4,
+        "blocks": [{"kind": "bn"}, {"kind": "act", "fn": "silu"}, {"kind": "linear", "out": 12, "bias": True}],
+        "mesh": [[4, 2, 1], ["a0", "a1", "a2"]],
+        "dp": None,
+        "annotations": [["embed", "rowwise", "a0"], ["blocks.2", "colwise", "a1"]],
+        "checkpoint": "full",
+        "offload": False,
+        "cp": ["a1", "ring", True],
+    },
+    # issue 52, emit: a vocabulary-parallel embedding on the zig-zag axis was planned and then
+    # refused while emitting (its lowering reads one range of rows): the weight's rows are plain.
+    "vocab_embedding_on_zigzag_cp_axis": {
+        "seed": 1024,
+        "vocab": 12,
+        "d": 4,
+        "batch": 8,
+        "seq": 4,
+        "blocks": [{"kind": "attn", "heads": 4}],
+        "mesh": [[2, 2], ["a0", "a1"]],
+        "dp": "a0",
+        "annotations": [
+            ["blocks.0.qkv", "colwise", "a0"],
+            ["embed", "rowwise", "a1"],
+            ["blocks.0.proj", "colwise", "a0"],
+        ],
+        "zero": 3,
+        "checkpoint": "selective",
+        "offload": True,
+        "cp": ["a1", "allgather", True],
+        "fold": True,
+    },
 }
 
 

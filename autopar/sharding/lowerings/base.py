@@ -32,6 +32,10 @@ class Lowering:
     # (propagate.is_ragged: pieces of any size, no rank knowing the others'), its static split dims
     # dividing: it sizes everything from its own pieces. ``uneven`` implies it.
     ragged: bool = False
+    # Whether emit() reads its piece of the split dim as one range (em.piece_bounds: a vocabulary's
+    # rows). On a load-balanced context-parallel axis its inputs then come in the plain order, not
+    # the zig-zag one (sharding/piece_order.py reorders them on the way in).
+    contiguous: bool = False
 
     def emit(self, em, node, args: tuple, kwargs: dict, axis: int):
         """Add the rank's nodes for ``node`` to ``em.graph`` (args are already local)."""

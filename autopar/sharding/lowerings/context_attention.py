@@ -74,7 +74,7 @@ class ContextAttention(Lowering):
         method = attention_method(em.plan, axis)
         group, rank = em.rank_value(f"autopar_group_{axis}"), em.rank_value("autopar_rank")
         name = em.mesh.axis_names[axis]
-        zigzag = axis in em.zigzag  # load balanced: each rank's positions are two chunks
+        zigzag = em.orders.zigzag_in(node, 0, axis)  # load balanced: each rank's positions are two chunks
         return em.graph.call_function(
             cp_attention, (q, k, v, mask, is_causal, scale, gqa, method, zigzag, name, group, rank)
         )

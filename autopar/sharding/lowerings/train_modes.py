@@ -38,7 +38,7 @@ def cuts_of(em, node, dims=None) -> list:
     val = node.meta.get("val")
     for axis, pl in enumerate(node.meta["autopar"].spec):
         if isinstance(pl, Shard) and (dims is None or pl.dim in dims):
-            zigzag = int(axis in em.zigzag)
+            zigzag = int(em.orders.zigzag_out(node, axis))
             cuts += [pl.dim, em.mesh.shape[axis], em.coord(axis), pl.blocks, static_size(val, pl.dim), zigzag]
     return cuts
 

@@ -43,7 +43,7 @@ def cross_entropy_vocab_parallel(em, node, args, kwargs, axis: int):
     reduction = _arg(node, 3, "reduction", REDUCTION_MEAN)
     call = em.graph.call_function
     vocab = em.global_shape(node.args[0])[1]
-    start, n_local = em.piece_bounds(vocab, axis)
+    start, n_local = em.piece_bounds(vocab, axis, em.orders.zigzag_in(node, 0, axis))
     if isinstance(vocab, int) and vocab < em.mesh.shape[axis]:  # a rank may hold no class: one -inf column
         logits = call(pad_piece, (logits, 1, 1, float("-inf")))
     local_max = call(aten.amax.default, (call(aten.detach.default, (logits,)), [1], True))
@@ -76,6 +76,7 @@ class CrossEntropyVocabParallel(Lowering):
 
     name = "cross_entropy_vocab_parallel"
     uneven = True  # any vocabulary: each rank's classes are placement.piece_start/piece_size
+    contiguous = True  # reads its classes as one range (on a zig-zag axis: the plain order, piece_order.py)
     priority = 1  # also counts rows split on other axes: it takes over cross_entropy_split_rows
 
     def emit(self, em, node, args, kwargs, axis: int):

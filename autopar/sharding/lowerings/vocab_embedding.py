@@ -23,12 +23,13 @@ aten = torch.ops.aten
 class VocabParallelEmbedding(Lowering):
     name = "vocab_parallel_embedding"
     uneven = True  # any vocabulary: each rank's range is placement.piece_start/piece_size
+    contiguous = True  # reads its rows as one range (on a zig-zag axis: the plain order, piece_order.py)
 
     def emit(self, em, node, args, kwargs, axis: int):
         weight, ids = args[0], args[1]
         n = em.mesh.shape[axis]
         vocab = em.global_shape(node.args[0])[0]
-        start, rows = em.piece_bounds(vocab, axis)
+        start, rows = em.piece_bounds(vocab, axis, em.orders.zigzag_in(node, 0, axis))
         g = em.graph
         if isinstance(vocab, int) and vocab < n:  # a rank may hold no row: look up in one zero row
             weight = g.call_function(pad_piece, (weight, 0, 1))

@@ -36,7 +36,7 @@ class TriangularLocal(Lowering):
         lay = node.meta["autopar"]
         diagonal = args[1] if len(args) > 1 else kwargs.pop("diagonal", 0)
         mine = [a for a, s in enumerate(lay.strategies) if s is not None and s.lowering is self]
-        zigzag = [a for a in mine if a in em.zigzag]
+        zigzag = [a for a in mine if em.orders.zigzag_in(node, 0, a)]
         if zigzag:  # pieces in the zig-zag order (load-balanced context parallel): from the positions
             if len(mine) > 1:
                 raise ShardingError(
@@ -52,7 +52,7 @@ class TriangularLocal(Lowering):
             if s is None or s.lowering is not self:
                 continue
             dim = lay.input_targets[0][a].dim
-            start, _ = em.piece_bounds(em.global_shape(x_node)[dim], a)
+            start, _ = em.piece_bounds(em.global_shape(x_node)[dim], a, em.orders.zigzag_in(node, 0, a))
             shift = operator.add if dim == ndim - 2 else operator.sub
             diagonal = em.graph.call_function(shift, (diagonal, start))
         return em.graph.call_function(node.target, (args[0], diagonal), kwargs)

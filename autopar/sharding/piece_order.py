@@ -1,0 +1,129 @@
+"""Which split tensors hold their pieces in the zig-zag order, and which in the plain one.
+
+Load-balanced context parallel (``ContextParallel(load_balance=True)``) cuts the user's
+sequences head-tail (runtime/zigzag.py): rank r of the axis holds chunks r and 2n-1-r. A
+parameter split on the same axis (a column-parallel Linear there, a vocabulary split) is cut
+plainly: rank r holds piece r. So on such an axis a split tensor is in one of two orders, and
+every collective that joins or cuts pieces must know which. This pass says it for every value
+of the plan and every input of every op, before anything is emitted:
+
+- a user input split on the axis is in the zig-zag order (``plan.local_inputs`` cuts it so);
+- a parameter, buffer or constant is in the plain order (its stored piece);
+- an op's output split on the axis is in the order of its inputs split on the axis (zig-zag
+  where none is: a draw cut by positions);
+- a cut made on the way into an op (slice, reduce-scatter, the new split of an all-to-all)
+  takes the order the op needs: that of its other inputs split on the axis, zig-zag where they
+  have none, plain for a lowering that reads its piece as one range (``Lowering.contiguous``);
+- an input that arrives split in the other order than the op needs is reordered on that edge
+  (gathered, reordered, cut again: ``PieceOrders.reorders``), so every op sees one order.
+
+Example (a column-parallel Linear on the context-parallel axis, as the fuzzer drew it): the
+sequence is gathered before the Linear (zig-zag pieces rejoined), its output is split by the
+weight's rows (plain pieces), so the output's final all-gather joins them plainly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.placement import Shard
+from autopar.sharding.lowerings.base import lowering_for
+from autopar.sharding.redistribute import plan_steps
+
+CUTS = ("slice", "reduce_scatter", "all_to_all")  # steps that make a new split on their axis
+
+
+@dataclass
+class PieceOrders:
+    """The zig-zag axes and, on them, the values in the plain order.
+
+    ``plain_out[node]``: the axes on which ``node``'s output is split in the plain order (every
+    other split on a zig-zag axis is zig-zag). ``plain_in[(node, i)]``: the same for input ``i``
+    as the op reads it (after its redistribution). ``reorders``: (node, input index, axis) of
+    each edge whose arriving order differs from what the op reads (an extra all-gather there).
+    """
+
+    axes: frozenset = frozenset()
+    plain_out: dict = field(default_factory=dict)
+    plain_in: dict = field(default_factory=dict)
+    reorders: list = field(default_factory=list)
+
+    def zigzag_out(self, node: fx.Node, axis: int) -> bool:
+        """Whether ``node``'s output split on ``axis`` is in the zig-zag order."""
+        return axis in self.axes and axis not in self.plain_out.get(node.name, ())
+
+    def zigzag_in(self, node: fx.Node, i: int, axis: int) -> bool:
+        """Whether ``node``'s input ``i`` split on ``axis``, as the op reads it, is zig-zag."""
+        return axis in self.axes and axis not in self.plain_in.get((node.name, i), ())
+
+
+def zigzag_axes(plan) -> frozenset:
+    """The mesh axes (of more than one rank) whose sequence pieces are in the zig-zag order."""
+    return frozenset(
+        a
+        for a, name in enumerate(plan.mesh.axis_names)
+        if plan.mesh.shape[a] > 1 and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques)
+    )
+
+
+def piece_orders(plan) -> PieceOrders:
+    """The orders of ``plan``'s split values (computed once per plan, kept in ``plan.built``)."""
+    found = plan.built.get("piece_orders")
+    if found is None:
+        found = plan.built["piece_orders"] = _walk(plan, zigzag_axes(plan))
+    return found
+
+
+def _walk(plan, axes: frozenset) -> PieceOrders:
+    orders = PieceOrders(axes)
+    if not axes:
+        return orders
+    for node in plan.graph.nodes:
+        lay = node.meta.get("autopar")
+        if node.op == "placeholder" or node.op == "get_attr":
+            stored = node.op == "get_attr" or plan.attr_name(node.name) is not None
+            if stored and lay is not None and lay.outputs:
+                orders.plain_out[node.name] = _split_on(lay.spec, axes)
+            continue
+        if lay is None or not lay.outputs or not lay.inputs:
+            src = next((a for a in node.args if isinstance(a, fx.Node)), None)  # getitem and friends
+            if src is not None and src.name in orders.plain_out:
+                orders.plain_out[node.name] = orders.plain_out[src.name]
+            continue
+        _resolve(plan, node, lay, axes, orders)
+    return orders
+
+
+def _split_on(spec, axes) -> frozenset:
+    return frozenset(a for a in axes if isinstance(spec[a], Shard))
+
+
+def _resolve(plan, node, lay, axes, orders: PieceOrders) -> None:
+    """Each input's order as ``node`` reads it, and its output's, on every zig-zag axis."""
+    arriving = []  # per input: {axis: plain?} for its fixed splits; the axes it cuts on the way
+    for src, target in zip(lay.inputs, lay.input_targets):
+        steps = plan_steps(src.meta["autopar"].spec, target) if "autopar" in src.meta else []
+        cut = {s.axis for s in steps if s.kind in CUTS}
+        plain = orders.plain_out.get(src.name, frozenset())
+        arriving.append(({a: a in plain for a in _split_on(target, axes) - cut}, _split_on(target, axes) & cut))
+    chosen = lowering_for(lay.strategies)
+    plain_out = set()
+    for a in axes:
+        fixed = [f[a] for f, _ in arriving if a in f]
+        if chosen is not None and chosen[1] == a and getattr(chosen[0], "contiguous", False):
+            want_plain = True  # the lowering reads its piece as one range (a vocabulary's rows)
+        else:
+            want_plain = bool(fixed) and all(fixed)  # the user's zig-zag wins over a stored piece
+        for i, (fixed_in, _) in enumerate(arriving):
+            if a in fixed_in and fixed_in[a] != want_plain:
+                orders.reorders.append((node.name, i, a))
+        if want_plain and any(a in f or a in c for f, c in arriving):
+            plain_out.add(a)
+        if want_plain:
+            for i, (f, c) in enumerate(arriving):
+                if a in f or a in c:
+                    orders.plain_in[(node.name, i)] = orders.plain_in.get((node.name, i), frozenset()) | {a}
+    if plain_out:
+        orders.plain_out[node.name] = frozenset(plain_out & _split_on(lay.spec, axes))
