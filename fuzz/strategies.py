@@ -158,8 +158,20 @@ def cases(draw, pool: int = 12) -> dict:
         right_after_dp = case["dp"] is not None and names.index(case["cp"][0]) == names.index(case["dp"]) + 1
         if case.get("zero") == 3 and right_after_dp:  # cp folded into zero=3's shard group, half of these
             case["fold"] = draw(st.booleans())  # (other axis orders are refused: unit tests)
+        on_cp_axis(draw, case)
     expert_annotations(draw, case)  # drawn last
     return case
+
+
+def on_cp_axis(draw, case: dict) -> None:
+    """issue 52: a layer split on the context-parallel axis too, one cp case in two (a layer of the
+    model colwise or rowwise there, replacing its own annotation): the pieces of its weights are
+    plain while the sequence's may be zig-zag, which the emitted program must keep apart."""
+    paths = layer_paths(case)
+    if not paths or draw(st.integers(0, 1)):
+        return
+    path, kind = draw(st.sampled_from(paths)), draw(st.sampled_from(("colwise", "rowwise")))
+    case["annotations"] = [a for a in case["annotations"] if a[0] != path] + [[path, kind, case["cp"][0]]]
 
 
 def _replicate_axis(draw, case: dict):

@@ -39,12 +39,16 @@ from dataclasses import dataclass
 import sympy
 import torch
 
+from autopar.cost.collectives import make_comm
 from autopar.errors import PlanError
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
 from autopar.sharding.eager_attention import fuse_eager_attention
 from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
+from autopar.sharding.piece_order import piece_orders
+from autopar.sharding.propagate import layout_of
+from autopar.sharding.redistribute import Step, step_bytes
 from autopar.sharding.rules.attention import ATTENTION_KERNELS
 from autopar.runtime.zigzag import to_zigzag
 from autopar.trace.module_paths import module_path
@@ -215,10 +219,33 @@ class ContextParallel(Technique):
 
     def describe(self, plan) -> str:
         calls = plan.built.get(self.name) or []
+        reorders = piece_orders(plan).reorders
+        again = (
+            f"; {len(reorders)} split value(s) reordered to zig-zag where they meet the sequence" if reorders else ""
+        )
         return (
             f"context parallel on {self.axis!r} ({self.method}): every sequence split in "
-            f"{plan.mesh.axis_size(self.axis)}, {len(calls)} attention calls meet every key"
+            f"{plan.mesh.axis_size(self.axis)}, {len(calls)} attention calls meet every key{again}"
         )
+
+    def collectives(self, plan, symbols) -> list:
+        """The reorders between a split's plain and zig-zag orders (sharding/piece_order.py: a
+        parameter split on the axis meeting the sequence): an all-gather forward, one backward."""
+        out = []
+        nodes = {n.name: n for n in plan.graph.nodes}
+        for name, i, axis in piece_orders(plan).reorders:
+            node = nodes[name]
+            src = layout_of(node).inputs[i]
+            spec = layout_of(src).spec
+            local, n = symbols.local_bytes(src, spec), symbols.axes[axis]
+            moved = step_bytes(Step("all_gather", axis, spec[axis].dim), local, n)
+            phases = ("forward", "backward") if plan.ctx.needs_grad.get(src) else ("forward",)
+            for phase in phases:
+                why = "pieces reordered between the plain and the zig-zag order"
+                out.append(
+                    make_comm(symbols, "all_gather", self.axis, phase, moved, name, module_path(node), src.name, why)
+                )
+        return out
 
     def explain_module(self, plan, path: str) -> list[str]:
         calls = set(plan.built.get(self.name) or [])
