@@ -105,9 +105,6 @@ class Emitter:
         self.scaled: dict[fx.Node, tuple[fx.Node, int]] = {}  # global size node -> (local, factor)
         # which split values are in the zig-zag order (load-balanced context parallel) and which plain
         self.orders = piece_orders(plan)
-        self._reorders: dict[tuple, frozenset] = {}
-        for name, i, axis in self.orders.reorders:
-            self._reorders[(name, i)] = self._reorders.get((name, i), frozenset()) | {axis}
 
     # ------------------------------------------------------------------ helpers
     def global_shape(self, node: fx.Node) -> tuple:
@@ -355,7 +352,7 @@ class Emitter:
         """``src``'s value in layout ``target`` (collectives added once per layout). ``reader``:
         (node, input index) reading it, whose order of pieces on a zig-zag axis it gets."""
         plain_in = self.orders.plain_in.get((reader[0].name, reader[1]), frozenset()) if reader else frozenset()
-        reorder = self._reorders.get((reader[0].name, reader[1]), frozenset()) if reader else frozenset()
+        reorder = self.orders.reordered(*reader) if reader else frozenset()
         key = (src, target, frozenset(f_axes), plain_in, reorder)
         if key not in self.edges:
             x = self.env[src]

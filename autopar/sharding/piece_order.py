@@ -58,6 +58,10 @@ class PieceOrders:
         """Whether ``node``'s input ``i`` split on ``axis``, as the op reads it, is zig-zag."""
         return axis in self.axes and axis not in self.plain_in.get((node.name, i), ())
 
+    def reordered(self, node: fx.Node, i: int) -> frozenset:
+        """The axes on which ``node``'s input ``i`` is reordered on its way in."""
+        return frozenset(a for name, j, a in self.reorders if name == node.name and j == i)
+
 
 def zigzag_axes(plan) -> frozenset:
     """The mesh axes (of more than one rank) whose sequence pieces are in the zig-zag order."""
@@ -102,28 +106,26 @@ def _split_on(spec, axes) -> frozenset:
 
 def _resolve(plan, node, lay, axes, orders: PieceOrders) -> None:
     """Each input's order as ``node`` reads it, and its output's, on every zig-zag axis."""
-    arriving = []  # per input: {axis: plain?} for its fixed splits; the axes it cuts on the way
+    fixed, split = [], []  # per input: {axis: arrives plain?} where no cut makes its split; the axes it is split on
     for src, target in zip(lay.inputs, lay.input_targets):
         steps = plan_steps(src.meta["autopar"].spec, target) if "autopar" in src.meta else []
         cut = {s.axis for s in steps if s.kind in CUTS}
         plain = orders.plain_out.get(src.name, frozenset())
-        arriving.append(({a: a in plain for a in _split_on(target, axes) - cut}, _split_on(target, axes) & cut))
+        split.append(_split_on(target, axes))
+        fixed.append({a: a in plain for a in split[-1] - cut})
     chosen = lowering_for(lay.strategies)
     plain_out = set()
     for a in axes:
-        fixed = [f[a] for f, _ in arriving if a in f]
-        if chosen is not None and chosen[1] == a and getattr(chosen[0], "contiguous", False):
+        arrived = [f[a] for f in fixed if a in f]
+        if chosen is not None and chosen[1] == a and chosen[0].contiguous:
             want_plain = True  # the lowering reads its piece as one range (a vocabulary's rows)
         else:
-            want_plain = bool(fixed) and all(fixed)  # the user's zig-zag wins over a stored piece
-        for i, (fixed_in, _) in enumerate(arriving):
-            if a in fixed_in and fixed_in[a] != want_plain:
-                orders.reorders.append((node.name, i, a))
-        if want_plain and any(a in f or a in c for f, c in arriving):
+            want_plain = bool(arrived) and all(arrived)  # the user's zig-zag wins over a stored piece
+        orders.reorders += [(node.name, i, a) for i, f in enumerate(fixed) if a in f and f[a] != want_plain]
+        readers = [i for i, s in enumerate(split) if a in s]
+        if want_plain and readers:
             plain_out.add(a)
-        if want_plain:
-            for i, (f, c) in enumerate(arriving):
-                if a in f or a in c:
-                    orders.plain_in[(node.name, i)] = orders.plain_in.get((node.name, i), frozenset()) | {a}
+            for i in readers:
+                orders.plain_in[(node.name, i)] = orders.plain_in.get((node.name, i), frozenset()) | {a}
     if plain_out:
         orders.plain_out[node.name] = frozenset(plain_out & _split_on(lay.spec, axes))

@@ -80,3 +80,37 @@ def test_reorders_are_counted_and_described():
     assert [c.phase for c in moved] == ["forward", "backward"]
     assert moved[0].bytes == 8 * 6 * 4 / 2  # the rank's half of the (8, 6) fp32 table, sent once
     assert "reordered to zig-zag" in str(plan)
+
+
+class NoisyPositionTable(PositionTable):
+    """The position-table model with dropout after the sum (a training loop's randomness)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, ids):
+        return self.head(self.drop(torch.tanh(self.embed(ids) + self.pos)))
+
+
+def test_reordered_plan_on_a_3_axis_mesh_in_a_training_loop():
+    """The reorder on the paths users take: dp x cp x tp with head features that do not divide by tp,
+    dropout with serial draws, eval and no_grad, clipping, compiled, and the checkpoint's boxes."""
+    from fuzz.clip_mode import check_clipping
+    from fuzz.modes import compare_with_serial
+    from fuzz.user_modes import check_state_dict
+
+    torch.manual_seed(3)
+    model, ids = NoisyPositionTable(out=5), torch.randint(0, 16, (4, 8))
+    mesh = ap.Mesh((2, 2, 2), ("dp", "cp", "tp"))
+    cp = ap.ContextParallel("cp", method="ring", load_balance=True)
+    annotations = {"pos": ap.place(ap.Replicate(), ap.Shard(0), ap.Replicate()), "head": ap.colwise("tp")}
+    plan = ap.plan(
+        model, mesh, args=(ids,), annotations=annotations, context_parallel=cp, data_parallel="dp", rng="serial"
+    )
+    assert piece_orders(plan).reorders  # the table meets the sequence
+    compare_with_serial(plan, (ids,), seed=5, calls=2)  # dropout, gradients accumulated
+    compare_with_serial(plan, (ids,), train=False, ctx=torch.no_grad)
+    check_clipping(plan, (ids,))
+    check_state_dict(None, plan, (ids,))
+    compare_with_serial(plan, (ids,), wrap=torch.compile, seed=5)

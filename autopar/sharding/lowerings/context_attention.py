@@ -29,6 +29,7 @@ import torch.fx as fx
 from autopar.runtime.context_attention import cp_attention
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.lowerings.base import Lowering, register_lowering
+from autopar.sharding.piece_order import zigzag_axes
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
@@ -156,8 +157,7 @@ class ContextAttention(Lowering):
         block = symbols.shape(kv_val.shape, lay.input_targets[1])[-2]
         flops = 3 * 4 * q_numel * block
         causal = bool(sdpa_arg(node.args, node.kwargs, 5, "is_causal", False))
-        name = plan.mesh.axis_names[axis]
-        if causal and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques):
+        if causal and axis in zigzag_axes(plan):
             flops = flops / 2
         kv = symbols.numel(kv_val.shape, lay.input_targets[1]) * kv_val.dtype.itemsize
         ring = attention_method(plan, axis) == "ring"
