@@ -42,6 +42,7 @@ from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_te
 from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
 from autopar.sharding.propagate import is_ragged, layout_of
+from autopar.sharding.lowerings.base import check_lowerings
 from autopar.sharding.ragged import check_ragged
 from autopar.trace.model_members import named_parameters
 
@@ -77,6 +78,7 @@ class Plan(PlanViews):
         """Refuse what a ragged batch cannot do (sharding/ragged.py), then let each technique build
         its structure over the layouts (``Technique.after_plan``)."""
         check_ragged(self.graph, self.mesh, self.ragged, self.output_target, self.options.rng == "serial")
+        check_lowerings(self.graph)  # what a lowering cannot emit is refused now, not in plan.module()
         for technique in self.options.techniques:
             built = technique.after_plan(self)
             if built is not None:

@@ -203,3 +203,25 @@ def test_moe_experts_over_a_part_of_few_ranks(experts):
             case = dict(base, mesh=mesh, annotations=[["blocks.0.experts", "expert", [on, None]]])
             refused = experts == 3 and (mesh[0][0] if on == "a0" else mesh[0][1]) == 4
             assert run_case(case).startswith("AnnotationError") if refused else run_case(case) == "ok", (mesh, on)
+
+
+def test_experts_split_twice_with_a_dispatch_refused_while_planning():
+    """issue 52: a plan ap.plan accepted was refused while its program was emitted (experts split
+    on two axes, a dispatch on one): lowerings now say so while planning (Lowering.refusal)."""
+    case = {
+        "seed": 7,
+        "vocab": 0,
+        "d": 8,
+        "batch": 7,
+        "seq": 2,
+        "blocks": [
+            {**MOE_PLAIN, "top_k": 2, "ffn": 4, "form": "list", "layout": None},
+            {"kind": "residual", "hidden": 5, "fn": "silu"},
+        ],
+        "mesh": [[4, 2, 1], ["a0", "a1", "a2"]],
+        "dp": None,
+        "annotations": [["x", "place", [0, None, None]], ["blocks.0.experts", "expert", ["a1", "a0"]]],
+        "checkpoint": None,
+    }
+    del case["blocks"][0]["layout"]
+    assert run_case(case).startswith("ShardingError: moe_experts at")

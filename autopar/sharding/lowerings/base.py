@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+from autopar.errors import ShardingError
+
 LOWERINGS: dict[str, "Lowering"] = {}
 
 
@@ -67,6 +69,12 @@ class Lowering:
         """Why this lowering's collectives run, for plan.explain."""
         return f"{self.name} on {axis_name}"
 
+    def refusal(self, node, axis: int) -> str | None:
+        """Why emit() cannot run ``node`` as planned (a combination of the axes' strategies it does
+        not handle), or None. Asked while planning (``check_lowerings``), so that a plan ap.plan
+        returns always emits: a refusal after a plan was accepted is a defect."""
+        return None
+
     def __repr__(self) -> str:
         return self.name
 
@@ -83,3 +91,17 @@ def lowering_for(strategies) -> tuple[Lowering, int] | None:
     """(lowering, its axis) that a node's per-axis strategies call for, or None."""
     found = [(s.lowering, axis) for axis, s in enumerate(strategies) if s is not None and s.lowering]
     return max(found, key=lambda la: la[0].priority, default=None)
+
+
+def check_lowerings(graph) -> None:
+    """Refuse, while planning, every lowered node whose lowering says it cannot run as planned.
+
+    Example:
+        >>> check_lowerings(plan.graph)   # in Plan.finish, beside check_ragged
+    """
+    for node in graph.nodes:
+        lay = node.meta.get("autopar")
+        found = lowering_for(lay.strategies) if lay is not None and lay.strategies else None
+        why = found[0].refusal(node, found[1]) if found is not None else None
+        if why:
+            raise ShardingError(why)

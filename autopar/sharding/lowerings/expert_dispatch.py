@@ -27,7 +27,6 @@ import operator
 
 import torch
 
-from autopar.errors import ShardingError
 from autopar.placement import Shard
 from autopar.runtime import moe_dispatch as md
 from autopar.sharding.expert_blocks import BLOCKS
@@ -70,17 +69,23 @@ class ExpertDispatch(Lowering):
     # the counts first (the experts must divide: E/n each)
     ragged = True
 
+    def refusal(self, node, axis: int) -> str | None:
+        block = BLOCKS[node.args[4]]
+        modes = axis_modes(node.meta["autopar"].strategies, block)
+        dispatch = [a for a, m in modes.items() if m == "dispatch"]
+        if len(dispatch) > 1 or (dispatch and "experts" in modes.values()):
+            return (
+                f"moe_experts at {node.name!r} ({block.path}): experts split on more than one axis with a "
+                "dispatch on one of them is not supported yet; split the experts over one axis."
+            )
+        return None
+
     def emit(self, em, node, args, kwargs, axis: int):
         hidden, index, weights, params, key = args
         block = BLOCKS[key]
         modes = axis_modes(node.meta["autopar"].strategies, block)
         dispatch = [a for a, m in modes.items() if m == "dispatch"]
         split = [a for a, m in modes.items() if m == "experts"]
-        if len(dispatch) > 1 or (dispatch and split):
-            raise ShardingError(
-                f"moe_experts at {node.name!r} ({block.path}): experts split on more than one axis with a "
-                "dispatch on one of them is not supported yet; split the experts over one axis."
-            )
         g = em.graph
         routed = g.call_function(md.route, (hidden, index, block.experts))
         rows, order, counts, ids = (g.call_function(operator.getitem, (routed, i)) for i in range(4))
