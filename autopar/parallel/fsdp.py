@@ -109,6 +109,8 @@ def restored(plan, per_rank: list[dict]) -> list[dict]:
                     break
                 if hi > lo:
                     parts.append(piece.reshape(-1)[: hi - lo])
+            if parts is not None and not parts:  # an empty piece everywhere (another rank's expert)
+                parts = [value.reshape(-1)[:0]]
             new[key] = torch.cat(parts).view(b.shapes[i]) if parts is not None else None
         out.append(new)
     return out
