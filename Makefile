@@ -15,8 +15,12 @@ $(STAMP): requirements-test.txt pyproject.toml
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python examples/demo.py
 
+# Two pytest workers (pytest-xdist; TEST_WORKERS=0 runs in one process), each with its own gloo pools;
+# a file's tests stay together on one worker (--dist loadfile: in order, sharing the file's cached plans).
+# --durations=20 prints the 20 slowest tests, so that the next slowdown shows.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
 # Ruff: lint and format check (the formatter keeps lines to 120; pyproject.toml [tool.ruff]).
 LINTED := autopar tests bench fuzz examples

@@ -47,6 +47,7 @@ def _exit_with_parent(parent: int, every: float = 1.0) -> None:
 
 
 def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: float, parent: int) -> None:
+    """One rank: join the group through the store the parent serves on ``port``, then run jobs."""
     _exit_with_parent(parent)
     os.environ.update(
         OMP_NUM_THREADS="1",
@@ -61,7 +62,9 @@ def _worker(rank: int, world: int, port: int, jobs, results, paths, pg_timeout: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+    timeout = datetime.timedelta(seconds=pg_timeout)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     while True:
         job = jobs.get()
         if job is None:
@@ -87,10 +90,19 @@ class GlooPool:
     def __init__(self, world_size: int, timeout: float = 180.0, pg_timeout: float = 60.0):
         self.world_size, self.timeout, self.pg_timeout = world_size, timeout, pg_timeout
         self.procs: list = []
+        self.store = None  # the c10d TCPStore this process serves to the workers (start())
 
     def start(self) -> "GlooPool":
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        port = free_port()
+        # The parent serves the group's store on a port the OS picks as it binds (port 0): pools
+        # started at once (pytest-xdist workers, other test runs on the machine) cannot collide,
+        # as they could on a port probed free first and bound by rank 0 later.
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.pg_timeout)
+        )
+        port = self.store.port
         self.jobs = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
         paths = [p for p in sys.path if p]
@@ -157,6 +169,7 @@ class GlooPool:
             if p.is_alive():
                 p.kill()
         self.procs = []
+        self.store = None  # its server stops with the workers it served
 
     def __enter__(self) -> "GlooPool":
         return self.start()

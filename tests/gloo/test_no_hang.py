@@ -78,3 +78,18 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids if alive(p)]
+
+
+def test_pool_starts_when_a_probed_port_is_taken(monkeypatch):
+    """Pools started at once (one per pytest-xdist worker, other runs on the machine) must not race for
+    a port: the store binds its own (port 0), so a port probed free and taken since changes nothing."""
+    import socket
+
+    from autopar.runtime import gloo_pool
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(gloo_pool, "free_port", lambda: taken.getsockname()[1])
+        with gloo_pool.GlooPool(2, timeout=60) as pool:
+            assert pool.run("tests.gloo.jobs:world_info") == [(0, 2), (1, 2)]

@@ -64,9 +64,16 @@ def back_to_step(src: str, dst: str, step: int) -> None:
         f.write(f"step_{step:06d}")
 
 
-def test_train_resume_export(tmp_path):
-    a = str(tmp_path / "a")
-    done = launch(2, f"--mesh tp=2 --steps 4 {TINY} {QUICK} --out {a}")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 4-step tp=2 run shared by the export and both resumes (three torchrun launches in one test
+    ran past pytest's 300 s on a loaded machine): its directory and stdout."""
+    a = str(tmp_path_factory.mktemp("train_lm") / "a")
+    return a, launch(2, f"--mesh tp=2 --steps 4 {TINY} {QUICK} --out {a}")
+
+
+def test_train_and_export(trained):
+    a, done = trained
     train = rows(a)
     assert sorted(train) == [1, 2, 3, 4] and sorted(rows(a, "val")) == [2, 4]
     assert {"step", "loss", "lr", "tokens_per_s", "grad_norm"} <= set(train[1])
@@ -83,7 +90,11 @@ def test_train_resume_export(tmp_path):
     theirs, ours = re.search(r"reloads it: loss ([\d.]+) .*trained module: ([\d.]+)", done).groups()
     assert float(theirs) == pytest.approx(float(ours), abs=2e-5)
 
-    # interrupted after step 2, resumed on the same mesh: the same losses as the uninterrupted run
+
+def test_resume_on_the_same_mesh(trained, tmp_path):
+    """Interrupted after step 2, resumed on the same mesh: the same losses as the uninterrupted run."""
+    a, _ = trained
+    train = rows(a)
     b = str(tmp_path / "b")
     back_to_step(a, b, 2)
     launch(2, f"--mesh tp=2 --steps 4 {QUICK} --out {b} --resume")
@@ -93,7 +104,11 @@ def test_train_resume_export(tmp_path):
         assert resumed[step]["loss"] == pytest.approx(train[step]["loss"], rel=1e-6, abs=1e-6)
         assert resumed[step]["lr"] == pytest.approx(train[step]["lr"], rel=1e-12)
 
-    # ... and on another mesh: a two-stage pipeline (the checkpoint resharded by DCP)
+
+def test_resume_on_another_mesh(trained, tmp_path):
+    """... and on another mesh: a two-stage pipeline (the checkpoint resharded by DCP)."""
+    a, _ = trained
+    train = rows(a)
     c = str(tmp_path / "c")
     back_to_step(a, c, 2)
     launch(2, f"--mesh pp=2 --microbatches 2 --steps 4 {QUICK} --out {c} --resume")

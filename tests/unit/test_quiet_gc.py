@@ -20,6 +20,8 @@ def test_someone_elses_frozen_heap_is_left_frozen():
         before = gc.get_freeze_count()
         with quiet_gc():
             pass
-        assert gc.get_freeze_count() == before
+        # still frozen (unfrozen: 0). Not ``== before``: another thread (pytest-xdist's channel) may
+        # free a few frozen objects meanwhile, and the count drops by them.
+        assert gc.get_freeze_count() > before // 2
     finally:
         gc.unfreeze()
