@@ -278,7 +278,11 @@ class Plan(PlanViews):
 
     # -------------------------------------------------------------------------- inputs
     def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:
-        """This rank's slice of a global batch, in the model's (args, kwargs) structure."""
+        """This rank's slice of a global batch, in the model's (args, kwargs) structure.
+
+        Each piece is contiguous, as a DTensor's local tensor is: a sequence cut (context
+        parallel) narrows a middle dim, and a model that calls ``targets.view(-1)`` needs the
+        piece's own storage (a batch cut is already contiguous and is not copied)."""
         self.mesh.check_rank(rank)
         flat, spec = pytree.tree_flatten((args, kwargs))
         names = self.traced.user_inputs
@@ -293,7 +297,7 @@ class Plan(PlanViews):
                 self._check_input(name, value, ispec)
                 for technique in self.options.techniques:  # pieces in another order (zig-zag)
                     value = technique.input_order(self, value, ispec)
-                value = shard_tensor(value, ispec, self.mesh, rank)
+                value = shard_tensor(value, ispec, self.mesh, rank).contiguous()
             local.append(value)
         return pytree.tree_unflatten(local, spec)
 
