@@ -364,7 +364,8 @@ class Plan(PlanViews):
         """Compare every rank (simulated) with the serial model: outputs and every gradient.
 
         Raises ap.PlanMismatch naming the first tensor that differs. Returns a small report.
-        ``rtol``/``atol`` default to the model's dtype (runtime/serial_check.py TOLERANCES: fp32 1e-5/1e-6).
+        ``rtol``/``atol`` default to the model's dtype (runtime/serial_check.py TOLERANCES: fp32 1e-5/1e-6);
+        an element may differ by rtol of itself plus max(atol, rtol x its tensor's largest magnitude).
         """
         return check_plan(self, args, kwargs, loss, *default_tolerances(self.model, rtol, atol))
 
