@@ -26,7 +26,6 @@ from functools import cached_property
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.export._unlift import _get_codegen
 
 from autopar.codegen.emit import emit_graph
 from autopar.codegen.program import Program
@@ -273,6 +272,9 @@ class Plan(PlanViews):
             technique.rewrite_program(self, graph)
         graph.lint()
         t = self.traced
+        # imported here: torch.export._unlift imports torch._dynamo (~1 s), which import autopar need not pay
+        from torch.export._unlift import _get_codegen
+
         graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
         return Program(graph, slots=tensor_slots(self))
 
