@@ -1,11 +1,11 @@
 """``eager``: ``torch.compiler.disable`` without importing torch._dynamo when autopar is imported.
 
 ``@torch.compiler.disable`` on a module-level function imports torch._dynamo (and with it
-inductor's config, FSDP, DTensor's op strategies and sympy: about 2 s) the moment the module
-is imported, on every rank and in every process, compiled or not. Nothing can be compiling
-before torch._dynamo is imported, so ``eager(fn)`` calls ``fn`` directly until then, and the
-disabled function (made once) after: under torch.compile it runs eagerly, a graph break, as
-with the decorator.
+inductor's config, FSDP1 and DTensor's op strategies: about 1 s here) the moment the module is
+imported, on every rank and in every process, compiled or not. ``eager`` is torch's own lazy
+form of it (``torch._disable_dynamo``, torch/_compile.py): torch._dynamo is imported at the
+first call; under torch.compile the function runs eagerly, one graph break per call site, as
+with the decorator (the break reads "function marked as skipped", torch/_compile.py).
 
 Example:
     >>> @eager
@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -22,15 +21,7 @@ import torch
 
 def eager(fn):
     """``fn`` run eagerly under torch.compile (see the module docstring); works on methods too."""
-    disabled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal disabled
-        if disabled is None:
-            if "torch._dynamo" not in sys.modules:  # nothing compiles without it
-                return fn(*args, **kwargs)
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    return call
+    if "torch._dynamo" in sys.modules:  # already paid for: the plain decorator
+        return torch.compiler.disable(fn)
+    # torch's own lazy form of the decorator (torch/_compile.py): dynamo imported at the first call
+    return torch._disable_dynamo(fn)
