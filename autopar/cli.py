@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from autopar import presets
@@ -72,6 +73,10 @@ def load_factory(target: str, model_only: bool = False):
     module_name, _, attr = target.partition(":")
     if not attr:
         raise SystemExit(f"autopar: {target!r}: write PACKAGE.MODULE:FACTORY, e.g. autopar.models.examples:gpt")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # ``python -m autopar`` has the current directory on sys.path, the ``autopar`` script (run
+        # from its bin/ folder) has not: both import a factory from where the user stands
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:

@@ -26,7 +26,6 @@ from functools import cached_property
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.export._unlift import _get_codegen
 
 from autopar.codegen.emit import emit_graph
 from autopar.codegen.program import Program
@@ -275,12 +274,19 @@ class Plan(PlanViews):
             technique.rewrite_program(self, graph)
         graph.lint()
         t = self.traced
+        # imported here: torch.export._unlift imports torch._dynamo (~1 s), which import autopar need not pay
+        from torch.export._unlift import _get_codegen
+
         graph._codegen = _get_codegen(t.in_spec, t.out_spec, t.forward_arg_names or None)
         return Program(graph, slots=tensor_slots(self))
 
     # -------------------------------------------------------------------------- inputs
     def local_inputs(self, rank: int, *args, **kwargs) -> tuple[tuple, dict]:
-        """This rank's slice of a global batch, in the model's (args, kwargs) structure."""
+        """This rank's slice of a global batch, in the model's (args, kwargs) structure.
+
+        Each piece is contiguous, as a DTensor's local tensor is: a sequence cut (context
+        parallel) narrows a middle dim, and a model that calls ``targets.view(-1)`` needs the
+        piece's own storage (a batch cut is already contiguous and is not copied)."""
         self.mesh.check_rank(rank)
         flat, spec = pytree.tree_flatten((args, kwargs))
         names = self.traced.user_inputs
@@ -295,7 +301,7 @@ class Plan(PlanViews):
                 self._check_input(name, value, ispec)
                 for technique in self.options.techniques:  # pieces in another order (zig-zag)
                     value = technique.input_order(self, value, ispec)
-                value = shard_tensor(value, ispec, self.mesh, rank)
+                value = shard_tensor(value, ispec, self.mesh, rank).contiguous()
             local.append(value)
         return pytree.tree_unflatten(local, spec)
 
@@ -362,7 +368,8 @@ class Plan(PlanViews):
         """Compare every rank (simulated) with the serial model: outputs and every gradient.
 
         Raises ap.PlanMismatch naming the first tensor that differs. Returns a small report.
-        ``rtol``/``atol`` default to the model's dtype (runtime/serial_check.py TOLERANCES: fp32 1e-5/1e-6).
+        ``rtol``/``atol`` default to the model's dtype (runtime/serial_check.py TOLERANCES: fp32 1e-5/1e-6);
+        an element may differ by rtol of itself plus max(atol, rtol x its tensor's largest magnitude).
         """
         return check_plan(self, args, kwargs, loss, *default_tolerances(self.model, rtol, atol))
 

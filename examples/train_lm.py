@@ -501,7 +501,7 @@ def train(args, run: dict, shape, names) -> None:
                 with sync:
                     loss = call(x, y)
                     (loss / run["accum"]).backward()
-            total += float(loss) / run["accum"]
+            total += loss.item() / run["accum"]  # .item(): float() of a tensor that requires grad warns
         norm = float(ap.clip_grad_norm_(target, run["clip"]))
         lr = opt.param_groups[0]["lr"]
         opt.step()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from autopar.runtime.backend import current_backend
+from autopar.runtime.eager import eager
 from autopar.sharding.rules.batch_norm import SYNC_ATTR
 
 
@@ -85,7 +86,7 @@ def attach(plan, module: torch.nn.Module, rank: int) -> None:
         return
     group = plan.mesh.group(plan.dp_axis, rank)
 
-    @torch.compiler.disable  # a collective on module state between compiled forwards
+    @eager  # a collective on module state between compiled forwards
     def broadcast_after_forward(mod, args, output):
         if mod.training:
             broadcast_buffers([mod.get_buffer(n) for n in names], group, rank)

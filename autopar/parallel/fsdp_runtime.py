@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.runtime.eager import eager
 from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, groups, rank_buckets, shard_axes
 from autopar.parallel.param_names import canonical_names
 from autopar.runtime.backend import current_backend
 
 
-@torch.compiler.disable
+@eager
 def fsdp_gather(runtime, k: int, *pieces):
     """Bucket ``k``'s parameters, gathered (see the module docstring); an op of the program.
 
@@ -189,14 +190,14 @@ class FSDPRuntime:
             return x
         return self._regathered(x.k).as_strided(x.size, x.stride, x.offset)
 
-    @torch.compiler.disable  # enters saved-tensor hooks for the whole forward: not traceable
+    @eager  # enters saved-tensor hooks for the whole forward: not traceable
     def _pre_forward(self, module, args):
         self._clear()
         if self.reshard and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
 
-    @torch.compiler.disable
+    @eager
     def _post_forward(self, module, args, output):
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)

@@ -17,8 +17,10 @@ Muon's momentum is a whole copy of each matrix): exactness first, memory as seri
 
 ``params``: which of the module's parameters it steps (None: every trainable one), as serial
 names or fnmatch patterns, or ``callable(name, serial_shape) -> bool`` (Muon takes matrices:
-``params=lambda name, shape: len(shape) == 2``). ``param_groups``: as ap.ZeroOptimizer's, name
-patterns with per-group options.
+``params=lambda name, shape: len(shape) == 2``), or as torch.optim takes them: the module's
+parameters (``[p for p in module.parameters() if p.dim() == 2]``) or param-group dicts of them
+(``[{"params": [...], "lr": 0.02}]``). ``param_groups``: as ap.ZeroOptimizer's, name patterns
+with per-group options.
 
 And so that no one trains silently wrong: a plain torch.optim optimizer that is not
 elementwise (Adafactor, Muon, LBFGS, SparseAdam) stepping rank pieces raises a PlanError naming
@@ -54,6 +56,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, module, optimizer_class, params=None, param_groups=None, elementwise=None, **defaults):
         plan, rank = _plan_and_rank(module)
+        params, param_groups = _by_name(module, plan, params, param_groups)
         everywhere = _selected(module, plan, params)  # every rank's selection, in one order
         named = [(n, p) for n, p in everywhere if p is not None]  # what this rank holds
         names = [n for n, _ in everywhere]
@@ -272,6 +275,35 @@ def _plan_and_rank(module):
             f"got {type(module).__name__}."
         )
     return plan, rank
+
+
+def _by_name(module, plan, params, param_groups) -> tuple:
+    """``params`` (and ``param_groups``) in names, where given as torch.optim takes them: tensors
+    of the module (or of the serial model), or dicts whose ``"params"`` are such tensors."""
+    if params is None or callable(params) or isinstance(params, str):
+        return ([params] if isinstance(params, str) else params), param_groups
+    params = list(params)
+    if not any(isinstance(p, (torch.Tensor, dict)) for p in params):
+        return params, param_groups  # names and patterns
+    known = {id(t): n for n, t in (*plan.model.named_parameters(), *_all_names(module).items())}
+
+    def names(tensors) -> list[str]:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        out = [t if isinstance(t, str) else known.get(id(t)) for t in tensors]
+        if None in out:
+            t = tensors[out.index(None)]
+            raise PlanError(
+                f"ap.Optimizer(params=...): a tensor of shape {tuple(t.shape)} is not a parameter of the module "
+                "(or of the serial model): pass the module's own parameters, their names, or a callable(name, shape)."
+            )
+        return out
+
+    if not any(isinstance(p, dict) for p in params):
+        return names(params), param_groups
+    if param_groups:
+        raise PlanError("ap.Optimizer: param-group dicts in params= and param_groups= at once; give the groups once.")
+    groups = [dict(g, params=names(g["params"])) if isinstance(g, dict) else {"params": names(g)} for g in params]
+    return [n for g in groups for n in g["params"]], groups
 
 
 def _selected(module, plan, params) -> list[tuple[str, torch.nn.Parameter | None]]:

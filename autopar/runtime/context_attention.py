@@ -145,34 +145,40 @@ def _causal_mask(q, kr):
     return torch.ones(q.shape[-2], kr.shape[-2], dtype=torch.bool, device=q.device).tril()
 
 
+def _acc(q) -> torch.dtype:
+    """The accumulators' and log-sum-exp's dtype: float32, or float64 for a float64 model (whose
+    result keeps its precision; the fused kernel takes a float64 log-sum-exp beside float64 q)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _block_forward(q, kr, vr, blk: Block, scale):
-    """(out, lse) of q against one key block, fp32 (rows the block hides: out 0, lse -inf)."""
+    """(out, lse) of q against one key block, in _acc(q) (rows the block hides: out 0, lse -inf)."""
     if _fused(q):
         add, hidden = _additive(blk.mask, q)
         o, lse = FLASH_CPU(q, kr, vr, 0.0, blk.causal, attn_mask=add, scale=scale)
-        lse = lse.float()
+        lse = lse.to(_acc(q))
         if hidden is not None:  # the kernel leaves lse 0 there: no key, no mass
             lse = lse.masked_fill(hidden.expand_as(lse), float("-inf"))
-        return o.float(), lse
-    s = _scores(q.float(), kr.float(), _causal_mask(q, kr) if blk.causal else blk.mask, scale)
+        return o.to(_acc(q)), lse
+    s = _scores(q.to(_acc(q)), kr.to(_acc(q)), _causal_mask(q, kr) if blk.causal else blk.mask, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
-    return torch.matmul(p, vr.float()), lse
+    return torch.matmul(p, vr.to(_acc(q))), lse
 
 
 def _block_backward(d_out, q, kr, vr, out, lse, delta, blk: Block, scale):
-    """(dq, dk, dv) of one key block given the final output and log-sum-exp, fp32."""
+    """(dq, dk, dv) of one key block given the final output and log-sum-exp, in _acc(q)."""
     if _fused(q):
         add, _ = _additive(blk.mask, q)
         safe = torch.where(torch.isinf(lse), float("inf"), lse)  # a row with no key: P = 0
         grads = FLASH_CPU_BACKWARD(
-            d_out.to(q.dtype), q, kr, vr, out, safe.to(torch.float32), 0.0, blk.causal, attn_mask=add, scale=scale
+            d_out.to(q.dtype), q, kr, vr, out, safe.to(_acc(q)), 0.0, blk.causal, attn_mask=add, scale=scale
         )
-        return tuple(g.float() for g in grads)
-    qf, kf, vf = q.float(), kr.float(), vr.float()
+        return tuple(g.to(_acc(q)) for g in grads)
+    qf, kf, vf = q.to(_acc(q)), kr.to(_acc(q)), vr.to(_acc(q))
     s = _scores(qf, kf, _causal_mask(q, kr) if blk.causal else blk.mask, scale)
     p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
-    d_out = d_out.float()
+    d_out = d_out.to(_acc(q))
     ds = p * (torch.matmul(d_out, vf.transpose(-2, -1)) - delta)
     return (
         torch.matmul(ds, kf) * scale,
@@ -203,8 +209,8 @@ class BlockAttention(torch.autograd.Function):
         groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1
         gathered = method == "allgather"
         L, S = q.shape[-2], k.shape[-2] // n if gathered else k.shape[-2]
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros_like(q, dtype=_acc(q))
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
         kb, vb = k, v
         for step in range(n):
             src = (pos - step) % n
@@ -237,10 +243,10 @@ class BlockAttention(torch.autograd.Function):
         is_causal, scale, zigzag, gathered, axis, group, rank, groups = ctx.meta
         n, pos = len(group), _pos(group, rank)
         L, S = q.shape[-2], k.shape[-2] // n if gathered else k.shape[-2]
-        delta = (d_out.float() * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        delta = (d_out.to(_acc(q)) * out.to(_acc(q))).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros_like(q, dtype=_acc(q))
         kb, vb = k, v
-        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k, dtype=_acc(q)), torch.zeros_like(v, dtype=_acc(q))
         dkb, dvb = dk, dv
         for step in range(n):
             src = (pos - step) % n

@@ -170,7 +170,9 @@ class DistBackend:
     def all_gather_async(self, out, chunk, group, rank):
         """Concatenate every rank's ``chunk`` into ``out`` (numel = group size * chunk numel)."""
         self._note("all_gather", group, chunk)
-        work = dist.all_gather_into_tensor(out, chunk, group=self._pg(group, rank), async_op=True)
+        # torch 2.13 names it all_gather_single (all_gather_into_tensor warns, deprecated); older torch has only the old name
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, chunk, group=self._pg(group, rank), async_op=True)
         return _Work(work, out)
 
 

@@ -37,6 +37,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.runtime.eager import eager
 from autopar.runtime.offload import Ahead, cached_on_host, host_cache, prefetching, to_device, to_host
 
 MODES = ("full", "selective")
@@ -203,7 +204,7 @@ class Region:
     def __repr__(self) -> str:
         return f"<{self.mode} checkpoint region {self.__name__}: {len(self.body.graph.nodes)} nodes>"
 
-    @torch.compiler.disable  # the region's checkpoint and replay run eagerly between compiled pieces
+    @eager  # the region's checkpoint and replay run eagerly between compiled pieces
     def __call__(self, *args):
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is kept, nothing to recompute
             return self.body(*args)

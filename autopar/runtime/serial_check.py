@@ -7,7 +7,10 @@ on the rank's slice of the outputs: data-parallel slices average to the serial m
 in DDP.
 
 Tolerances default to the model's lowest floating precision (``TOLERANCES``): a bf16
-model is checked at bf16 tolerances without hand-set ``rtol``/``atol``. ``max_rel`` is each
+model is checked at bf16 tolerances without hand-set ``rtol``/``atol``. They scale with each
+tensor: an element may differ by ``rtol`` of itself plus ``rtol`` of the tensor's largest
+magnitude (``atol`` at least), since a sum taken in another order is off by rounding of its
+terms, not of its result. ``max_rel`` is each
 tensor's largest difference over its own largest magnitude, floored at ``rtol`` times the
 largest magnitude of its kind in the model (all outputs, or all gradients): a gradient that is
 zero in exact arithmetic carries rounding noise of the model's scale, not of its own, and
@@ -212,7 +215,7 @@ def _compare_input_grads(plan, serial: dict, per_rank: list, rtol, atol) -> floa
 def _compare_pieces(items, rtol: float, atol: float) -> float:
     """(what, serial piece, rank's piece, whole serial tensor): the floor from the whole tensors."""
     floor = rtol * max((_magnitude(full) for *_, full in items), default=0.0)
-    return max((_compare(what, s, m, rtol, atol, floor) for what, s, m, _ in items), default=0.0)
+    return max((_compare(what, s, m, rtol, atol, floor, _magnitude(full)) for what, s, m, full in items), default=0.0)
 
 
 CHECK_SEED = 1234  # the serial model and every rank draw from torch.manual_seed(CHECK_SEED)'s state
@@ -279,18 +282,31 @@ def _compare_all(items, rtol: float, atol: float) -> float:
 
 
 def _compare(
-    what: str, serial: torch.Tensor, merged: torch.Tensor, rtol: float, atol: float, floor: float = 0.0
+    what: str,
+    serial: torch.Tensor,
+    merged: torch.Tensor,
+    rtol: float,
+    atol: float,
+    floor: float = 0.0,
+    whole: float | None = None,
 ) -> float:
+    """The largest difference over the tensor's scale; PlanMismatch where an element differs by more
+    than ``rtol`` of itself plus ``atol`` or ``rtol`` of the largest magnitude of the whole tensor
+    (``whole``: of the serial tensor a piece is cut from; None: of ``serial``)."""
     if serial.shape != merged.shape:
         raise PlanMismatch(f"{what}: serial shape {tuple(serial.shape)}, ranks give {tuple(merged.shape)}.")
     if serial.dtype.is_floating_point or serial.is_complex():
         wide = torch.complex128 if serial.is_complex() else torch.float64  # complex: |difference|
         diff = (serial.to(wide) - merged.to(wide)).abs()
-        bad = diff > atol + rtol * serial.to(wide).abs()
+        # an element summed in another order is off by rounding of its terms, which are of the
+        # tensor's scale: a logit near 0 beside logits of 37 may be 4e-6 off (fp32's unit at 37)
+        near = max(atol, rtol * (whole if whole is not None else _magnitude(serial)))
+        bad = diff > near + rtol * serial.to(wide).abs()
         if bad.any():
             idx = tuple(int(i) for i in bad.nonzero()[0])
             raise PlanMismatch(
-                f"{what} differs from serial: max |diff| {diff.max().item():.3g} (rtol {rtol}, atol {atol}); "
+                f"{what} differs from serial: max |diff| {diff.max().item():.3g} (rtol {rtol} of each element, "
+                f"plus {near:.3g}: atol {atol} or rtol times the tensor's largest magnitude); "
                 f"first at index {idx}: serial {serial[idx].item():.6g}, ranks {merged[idx].item():.6g}."
             )
         scale = max(_magnitude(serial), floor) or 1.0

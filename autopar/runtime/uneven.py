@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from autopar.runtime.eager import eager
 from autopar.placement import piece_size
 
 
@@ -61,7 +62,7 @@ def piece_share(size: int, n: int, k: int) -> float:
     return piece_size(size, n, k) / size if size else 0.0
 
 
-@torch.compiler.disable
+@eager
 def ragged_share(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> float:
     """This rank's share of the rows of ``x``'s dim ``dim``, split over ``group`` in pieces of any
     size (a batch cut unevenly at run time): its rows over the sum of every rank's (one
@@ -73,7 +74,7 @@ def ragged_share(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: i
     return x.shape[dim] / total if total else 0.0
 
 
-@torch.compiler.disable
+@eager
 def ragged_total(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> int:
     """The whole size of ``x``'s dim ``dim``, cut in pieces of any size over ``group`` (a batch cut
     unevenly at run time): the sum of every rank's rows (one all-reduce of one number)."""
@@ -81,7 +82,7 @@ def ragged_total(x: torch.Tensor, dim: int, axis: str, group: list[int], rank: i
     return int(torch.ops.autopar.all_reduce(rows, axis, list(group), rank, "sum").item())
 
 
-@torch.compiler.disable
+@eager
 def ragged_all_gather(gather, x: torch.Tensor, dim: int, axis: str, group: list[int], rank: int) -> torch.Tensor:
     """``gather`` (an all-gather op: S(dim) -> R) of pieces whose sizes only their own ranks know
     (a batch cut unevenly at run time): the sizes exchanged first (one all-gather of one number

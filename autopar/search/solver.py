@@ -36,7 +36,6 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 
 EXACT = {"mip_rel_gap": 1e-12}  # HiGHS stops at a 1e-4 gap by default; these problems are small
@@ -140,6 +139,8 @@ def _costed(g: int, opt: Option, keys: list, names: list, budget: float | None, 
 
 
 def _milp(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
+    from scipy.optimize import Bounds, LinearConstraint, milp  # here: scipy costs import autopar ~0.3 s
+
     cols = []  # (kind, g, comp, choice)
     for g, opt in enumerate(options):
         cols.append(("x", g, None, None))

@@ -26,7 +26,6 @@ import re
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.errors import AnnotationError
 from autopar.trace.graph_walk import ancestors, descendants
@@ -62,6 +61,9 @@ def list_expert_modules(traced) -> dict[str, int]:
 
 
 def _runs_on_routed_rows(graph: fx.Graph, scope: str) -> bool:
+    # imported here: symbolic_shapes loads sympy (~1 s), which import autopar need not pay
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     for n in graph.nodes:
         if n.op == "call_function" and scope in module_paths(n):
             val = n.meta.get("val")

@@ -254,9 +254,16 @@ def _explain_export_failure(model, e: BaseException) -> str:
     where = _user_frame(e, text)
     data_dep = "data-dependent" in text.lower() or "GuardOnDataDependent" in type(e).__name__
     if "in output" in text and "Found <class" in text:
+        cache = re.search(r"Found <class '[\w.]*(Cache)'>", text)  # HF's DynamicCache, StaticCache, ...
+        fix = (
+            "\nIt is a key/value cache (transformers' past_key_values): plan with the cache off, "
+            "model.config.use_cache = False (or pass use_cache=False among the example kwargs)."
+            if cache
+            else ""
+        )
         return (
             f"{type(model).__name__} returns a value autopar cannot handle: {_first_line(e)}\n"
-            "autopar needs tensors or (nested) tuples/lists/dicts of tensors as outputs."
+            f"autopar needs tensors or (nested) tuples/lists/dicts of tensors as outputs.{fix}"
         )
     hint = (
         "The model branches on tensor values (data-dependent control flow): replace "

@@ -51,3 +51,18 @@ def pipeline_matches_serial(method):
     runner = plan.pipeline_runner(rank)
     loss = runner.step(batch)
     return {"loss": loss.item(), "serial": serial_loss.item(), "errors": grad_errors(plan, rank, runner, serial_grads)}
+
+
+def view_loss_matches_serial(method, balanced, steps=2, lr=0.2, double=False):
+    """nanoGPT's loss (``targets.view(-1)``) on cp=4 over real processes: the worst relative parameter
+    difference from serial training and the losses (each rank's sequence piece must be contiguous).
+    ``double``: the model in float64, on dp=2 x cp=2 (its attention and loss stay float64)."""
+    from tests.harness.models import NanoGPTLoss, gpt_batch
+
+    cp = ap.ContextParallel("cp", method=method, load_balance=balanced)
+    model, serial = (NanoGPTLoss().double(), NanoGPTLoss().double()) if double else (NanoGPTLoss(), NanoGPTLoss())
+    mesh, dp = (ap.Mesh((2, 2), ("dp", "cp")), "dp") if double else (ap.Mesh((4,), ("cp",)), None)
+    module = ap.parallelize(model, mesh, args=gpt_batch(batch=2, seq=16), context_parallel=cp, data_parallel=dp)
+    batches = [gpt_batch(batch=2, seq=16, seed=step + 10) for step in range(steps)]
+    losses = train_beside_serial(module, serial, batches, lr, loss_of=lambda out: out)
+    return {"max_rel": max_rel_diff(merged_parameters(module), dict(serial.named_parameters())), "losses": losses}

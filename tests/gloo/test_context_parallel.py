@@ -20,6 +20,26 @@ def test_context_parallel_training_matches_serial_over_gloo(gloo, method, mesh_n
             assert abs(got - want) < 1e-5 * max(1.0, abs(want))
 
 
+@pytest.mark.parametrize("method, balanced", [("allgather", False), ("ring", True)])
+def test_view_loss_trains_as_serial_over_gloo(gloo, method, balanced):
+    """nanoGPT's ``targets.view(-1)`` on each rank's sequence piece (plain and zig-zag): the
+    pieces plan.local_inputs hands out are contiguous, and training equals serial."""
+    for r in gloo(4).run("tests.gloo.jobs_context_parallel:view_loss_matches_serial", method, balanced):
+        assert r["max_rel"] < 1e-5, r
+        for got, want in r["losses"]:
+            assert abs(got - want) < 1e-5 * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_float64_model_trains_as_serial_to_1e12_over_gloo(gloo, method):
+    """A float64 GPT on dp=2 x cp=2 over real processes: float64 throughout (attention's log-sum-exp,
+    the loss's split-row mean), parameters and losses equal serial's to 1e-12."""
+    for r in gloo(4).run("tests.gloo.jobs_context_parallel:view_loss_matches_serial", method, True, double=True):
+        assert r["max_rel"] < 1e-12, r
+        for got, want in r["losses"]:
+            assert abs(got - want) < 1e-12 * abs(want), r
+
+
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_pipeline_with_context_parallel_matches_serial_over_gloo(gloo, method):
     """pp x cp (2, 2): pipeline stages over real processes, the sequences split on cp (load

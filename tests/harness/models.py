@@ -62,6 +62,19 @@ def small_gpt(tied=True, layers=2, seed=0):
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_embd=32, tied=tied))
 
 
+class NanoGPTLoss(nn.Module):
+    """The package's GPT with nanoGPT's own loss: ``targets.view(-1)`` needs a contiguous
+    targets tensor (a sequence-split piece must be one)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.gpt = small_gpt(seed=seed)
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
 def gpt_batch(batch=8, seq=8, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g)

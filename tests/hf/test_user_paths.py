@@ -83,3 +83,17 @@ def test_bf16_policy_on_hf_causal_lms(name, mesh_name, zeros):
         for n, p in ref.items():
             torch.testing.assert_close(got[n], p.detach(), rtol=2e-2, atol=2e-3, msg=lambda m: f"zero={zero} {n}: {m}")
         assert max((got[n] - p.detach()).abs().max().item() for n, p in fp32.items()) > 1e-5
+
+
+def test_traced_with_its_cache_on_says_use_cache_false():
+    """An HF model with ``use_cache`` on returns a DynamicCache: the TraceError names the cache
+    and the way out, which then plans."""
+    import torch
+
+    model = llama()
+    model.config.use_cache = True
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with pytest.raises(ap.TraceError, match=r"(?s)DynamicCache.*key/value cache.*use_cache = False"):
+        ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs={"input_ids": ids}, data_parallel="dp")
+    kwargs = {"input_ids": ids, "use_cache": False}
+    ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs=kwargs, data_parallel="dp").check(**kwargs)

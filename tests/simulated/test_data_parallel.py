@@ -296,3 +296,20 @@ def test_tp_sharded_gradients_are_reduced_over_dp_only():
     run(plan, lambda r: H.train_rank(plan, r, "sgd", H.batches(1)), backend=rec)
     for rank in plan.mesh.ranks():
         assert {g for _, g, _ in sync_calls(rec.calls[rank])} == {plan.mesh.group("dp", rank)}
+
+
+@pytest.mark.parametrize("loss_mean", ["global", "per_rank"])
+def test_float64_cross_entropy_over_split_rows_stays_float64(loss_mean):
+    """A float64 GPT's cross-entropy over dp-split rows: the rank's sum and count are reduced in
+    float64 (a float32 pair moved the loss by ~1e-8), so every rank's loss is serial's to 1e-12."""
+    from tests.harness.models import NanoGPTLoss, gpt_batch
+
+    model = NanoGPTLoss().double()
+    idx, tg = gpt_batch(batch=4, seq=8)
+    dp = ap.DataParallel("dp", loss_mean=loss_mean)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(idx, tg), data_parallel=dp)
+    want = model(idx, tg).item() if loss_mean == "global" else None
+    losses = plan.simulate(lambda m, *a: m(*a), idx, tg)
+    if want is None:  # the mean of the ranks' own means
+        want = sum(model(*(t[2 * r : 2 * r + 2] for t in (idx, tg))).item() for r in range(2)) / 2
+    assert all(x.dtype == torch.float64 and abs(x.item() - want) < 1e-12 * abs(want) for x in losses), losses

@@ -569,8 +569,9 @@ def test_compiled_rank_modules_equal_serial(case):
     counters.clear()
     plan = _plan(case)
     H.compare(_train_all(plan, wrap=torch.compile), H.train_serial("adamw"), "default", case)
-    breaks = {k.split("\n")[0]: v for k, v in counters["graph_break"].items()}
-    assert breaks and all("disable" in k for k in breaks), breaks  # only at the gathers
+    breaks = dict(counters["graph_break"])
+    # only at the gathers: torch.compiler.disable, or its lazy form (torch/_compile.py, runtime/eager.py)
+    assert breaks and all("disable" in k or "torch/_compile.py" in k for k in breaks), breaks
 
 
 def test_compiled_eval_forward_equals_serial():

@@ -86,6 +86,37 @@ def test_zero_levels_on_dp2xtp2(cls_name, zero):
     _assert_serial(_train_ranks(_plan("dp2xtp2", zero), cls_name), _train_serial(H.make_model(), cls_name))
 
 
+@pytest.mark.parametrize("mesh_name, zero", [("tp2", 0), ("dp2xtp2", 2)])
+def test_params_given_as_torch_optim_takes_them(mesh_name, zero):
+    """``params=[p for p in module.parameters() if p.dim() == 2]`` (Muon) and a param-group dict of
+    tensors (AdamW), written as for torch.optim, step as the serial optimizers on the same choice."""
+    plan = _plan(mesh_name, zero)
+
+    def step(rank):
+        module = plan.build_module(rank)
+        matrices = [p for n, p in module.named_parameters() if plan.model.get_parameter(n).dim() == 2]
+        rest = [p for p in module.parameters() if all(p is not m for m in matrices)]
+        opts = [
+            ap.Optimizer(module, torch.optim.Muon, params=matrices, lr=0.02),
+            ap.Optimizer(module, torch.optim.AdamW, params=[{"params": rest, "lr": 0.01}]),
+        ]
+        for x in H.batches(3):
+            H.loss_of(module(plan.local_inputs(rank, x)[0][0])).backward()
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad()
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    _assert_serial(plan.merge_state_dicts(run_ranks(plan.mesh.size, step)), _train_serial(H.make_model(), "Muon"))
+
+
+def test_params_not_of_the_module_are_named():
+    module = _plan("tp2").build_module(0)
+    with pytest.raises(ap.PlanError, match=r"a tensor of shape \(3,\) is not a parameter of the module"):
+        ap.Optimizer(module, torch.optim.AdamW, params=[torch.zeros(3)])
+
+
 @pytest.mark.parametrize("cls_name", ["Adafactor", "Muon"])
 def test_whole_tensor_optimizers_in_a_pipeline(cls_name):
     """(2, 2) pp x tp GPT, its embedding tied to the head across stages: the runners' stages hold

@@ -267,3 +267,24 @@ def test_check_tolerances_follow_dtype():
     assert (report["rtol"], report["atol"]) == TOLERANCES[torch.bfloat16]
     with pytest.raises(ap.PlanMismatch):
         plan.check(x.bfloat16(), t, rtol=1e-5, atol=1e-6)  # fp32 tolerances are too tight for bf16
+
+
+@pytest.mark.parametrize("vocab", [False, True])
+def test_check_tolerance_scales_with_the_tensor(vocab):
+    """A correct tp plan of a GPT whose logits reach +-17: a logit near 0 one rounding unit of the
+    large ones off (3.8e-6) is no mismatch (an absolute atol=1e-6 reported one), while a difference
+    of 1e-4 of the tensor's scale in that element still is."""
+    from autopar.runtime.serial_check import _compare
+    from tests.harness.models import GPT_VOCAB, MEGATRON, gpt_batch, small_gpt
+
+    model = small_gpt(tied=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    idx = gpt_batch(batch=4, seq=16)[0]
+    plan = ap.plan(model, ap.Mesh((4,), ("tp",)), args=(idx,), annotations={**MEGATRON, **(GPT_VOCAB if vocab else {})})
+    assert plan.check(idx)["max_rel"] < 1e-5
+    logits = model(idx).detach()
+    wrong = logits.clone()
+    wrong[0, 0, 0] += 1e-4 * logits.abs().max()
+    with pytest.raises(ap.PlanMismatch, match=r"first at index \(0, 0, 0\)"):
+        _compare("logits", logits, wrong, 1e-5, 1e-6)

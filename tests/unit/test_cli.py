@@ -93,3 +93,44 @@ def test_python_dash_m():
         [sys.executable, "-m", "autopar", "plan", "--help"], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == 0 and "--annotate PATTERN=KIND[:ARG]" in done.stdout
+
+
+FACTORY = """import torch
+
+def tiny():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)), (torch.randn(4, 4),)
+"""
+
+
+def _console_script(tmp_path):
+    """The installed ``autopar`` script, else one written as pip writes it (run from its own
+    folder, so sys.path[0] is that folder and not the current directory)."""
+    installed = os.path.join(os.path.dirname(sys.executable), "autopar")
+    if os.path.exists(installed):
+        return [sys.executable, installed]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "autopar").write_text("import sys\nfrom autopar.cli import main\nsys.exit(main())\n")
+    return [sys.executable, str(bin_dir / "autopar")]
+
+
+@pytest.mark.parametrize("how", ["script", "dash_m"])
+def test_factory_in_the_current_directory(tmp_path, how):
+    """``autopar plan my_models:tiny`` from the folder holding my_models.py, by the console script
+    as by ``python -m autopar`` (the script could not import it)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_models.py").write_text(FACTORY)
+    cmd = _console_script(tmp_path) if how == "script" else [sys.executable, "-m", "autopar"]
+    root = os.path.dirname(os.path.dirname(ap.__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    done = subprocess.run(
+        [*cmd, "plan", "my_models:tiny", "--mesh", "dp=2", "--summary-only"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=work,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "autopar plan for Sequential on Mesh(dp=2)" in done.stdout

@@ -56,19 +56,22 @@ def rows_mean(em, node, total, count, axes: list[int]):
     rank's rows, whatever each rank holds); over a per-rank-mean axis the ranks' means are
     averaged (DDP's loss and gradient)."""
     call, dtype = em.graph.call_function, node.meta["val"].dtype
+    # summed in float32 (a bf16 loss's sum and the count), or in float64 for a float64 model:
+    # its loss keeps its own precision (a float32 sum moved an fp64 loss by 1e-8)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
 
-    def cast(x, to):  # the loss's dtype to the count's (float32) and back: none where it is float32
-        return x if dtype == torch.float32 else call(aten._to_copy.default, (x,), {"dtype": to})
+    def cast(x, frm, to):  # to the pair's dtype and back: none where they are one
+        return x if frm == to else call(aten._to_copy.default, (x,), {"dtype": to})
 
     per_rank = [a for a in axes if per_rank_mean(em.plan, a)]
-    pair = call(aten.stack.default, ([cast(total, torch.float32), count],))
+    pair = call(aten.stack.default, ([cast(total, dtype, wide), cast(count, torch.float32, wide)],))
     for a in axes:
         if a not in per_rank:
             pair = em.collective(ops.all_reduce.default, (pair,), a, extra=("sum",))
     mean = call(aten.div.Tensor, (call(aten.select.int, (pair, 0, 0)), call(aten.select.int, (pair, 0, 1))))
     for a in per_rank:
         mean = em.collective(ops.all_reduce.default, (mean,), a, extra=("avg",))
-    return cast(mean, dtype)
+    return cast(mean, wide, dtype)
 
 
 def mean_comms(plan, axes: list[int], symbols) -> list[tuple]:
