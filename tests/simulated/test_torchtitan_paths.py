@@ -46,3 +46,31 @@ def test_views_run_as_reshape_unless_their_memory_is_written():
     code = plan.module(0).code
     assert code.count("torch.Tensor.view(") == 1 and code.count("torch.reshape(") == 1, code
     plan.check(x)
+
+
+def test_moduledict_layers_are_repeated_blocks():
+    """torchtitan keeps its blocks in ``nn.ModuleDict`` ``layers`` ("0", "1", ...): the trace copies
+    them as it copies a ModuleList's (the graph a full export gives), and checkpointing finds each."""
+    from tests.simulated.test_repeated_blocks import assert_same_as_full_export
+
+    model, args = titan_llama(n_layers=4), titan_batch()
+    fast = assert_same_as_full_export(model, args)
+    assert (fast.repeated.prefix, fast.repeated.count) == ("layers", 4)
+    plan = ap.plan(
+        model, ap.Mesh((2,), ("tp",)), args=args, annotations=TP, activation_checkpoint=ap.ActivationCheckpoint()
+    )
+    assert plan.built["activation_checkpoint"] == [f"layers.{i}" for i in range(4)]
+    assert "checkpoint_layers_3(" in plan.module(0).code
+    plan.check(*args)
+
+
+def test_moduledict_of_other_keys_or_unlike_children_is_no_stack():
+    """Keys that are not the positions, or children that differ, are no stack (exported whole)."""
+    from autopar.trace.repeat_blocks import find_repeated
+
+    model = titan_llama(n_layers=4)
+    assert find_repeated(model).prefix == "layers"
+    model.layers = torch.nn.ModuleDict({f"l{k}": b for k, b in model.layers.items()})
+    assert find_repeated(model) is None
+    model.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4 + i) for i in range(4)})
+    assert find_repeated(model) is None
