@@ -2,7 +2,7 @@
 become one checkpointed call (the graph half of parallel/activation_checkpoint.py).
 
 A block is a module path (``blocks.3``): by default each of the model's repeated blocks (the
-longest ModuleList / Sequential of identical children, trace/repeat_blocks.py), or the
+longest ModuleList / Sequential / ModuleDict of identical children, trace/repeat_blocks.py), or the
 outermost modules matching ``pattern``; ``every=k`` keeps blocks 0, k, 2k, ... Its *region*
 in a program is the run of nodes from the first to the last node that came from the block
 (emitted nodes keep their module path): the collectives emission wrote between them belong
@@ -52,9 +52,9 @@ def chosen_blocks(plan, technique) -> list[str]:
         found = plan.traced.repeated or find_repeated(plan.model, min_blocks=2)
         if found is None:
             raise PlanError(
-                "ActivationCheckpoint found no repeated blocks in the model (a ModuleList or "
-                "Sequential of identical children): name the modules to checkpoint with "
-                "pattern='...' (an fnmatch pattern over module paths, e.g. 'layers.*')."
+                "ActivationCheckpoint found no repeated blocks in the model (a ModuleList, Sequential "
+                "or ModuleDict keyed '0', '1', ... of identical children): name the modules to "
+                "checkpoint with pattern='...' (an fnmatch pattern over module paths, e.g. 'layers.*')."
             )
         hits = [f"{found.prefix}.{i}" for i in range(found.count) if f"{found.prefix}.{i}" in in_graph]
     return hits[:: technique.every]

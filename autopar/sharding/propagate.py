@@ -191,7 +191,11 @@ def hoist_slices(graph: fx.Graph, ctx: Context) -> int:
     up to the producers (which are then considered in turn).
 
     Only tensors no gradient flows through (masks, indices, positions): the backward of a slice
-    of a tensor that needs a gradient gathers. Not on axes where the batch is cut unevenly, nor
+    of a tensor that needs a gradient gathers. And a broadcast of parameters alone (gpt-oss's
+    attention sinks expanded to the global batch, read batch-split): its replicated inputs
+    stay as they are (no slice), so its gradient arrives in parts and reaches the parameters as
+    a partial sum that the gradient sync reduces once, instead of an all-gather of the
+    (batch-sized) gradient at every consumer. Not on axes where the batch is cut unevenly, nor
     for placeholders, in-place ops, multi-output ops or module-output boundaries.
 
     Example (a causal mask on a dp=4 mesh): ``and_2`` (8, 1, 32, 32) was (R,), every attention
@@ -209,7 +213,7 @@ def hoist_slices(graph: fx.Graph, ctx: Context) -> int:
             or any(s is None for s in lay.strategies)
             or node.meta.get(BOUNDARY)
             or node in ctx.output_constraints
-            or ctx.needs_grad.get(node)
+            or (ctx.needs_grad.get(node) and not _broadcasts_parameters(node, lay, ctx))
             or _mutates_first(node)
             or not is_tensor(node.meta.get("val"))
         ):
@@ -221,6 +225,16 @@ def hoist_slices(graph: fx.Graph, ctx: Context) -> int:
             if wanted is not None and _split_output(node, lay, axis, wanted, ctx):
                 changed += 1
     return changed
+
+
+def _broadcasts_parameters(node: fx.Node, lay: Layout, ctx: Context) -> bool:
+    """``node`` is computed from parameters alone (or what needs no gradient) and is no smaller
+    than its inputs together (an expand): its gradient may stay in parts back to them."""
+    val = node.meta.get("val")
+    ins = [i.meta.get("val") for i in lay.inputs]
+    if not all(is_tensor(v) for v in [val, *ins]):
+        return False
+    return bool(ctx.param_derived.get(node)) and val.numel() >= sum(v.numel() for v in ins)
 
 
 def _read_as(node: fx.Node, axis: int):
@@ -257,7 +271,10 @@ def _split_output(node: fx.Node, lay: Layout, axis: int, wanted: Shard, ctx: Con
     for s in with_blocks(offered, info, cur):
         if s.outputs[:1] != (wanted,) or not _valid(s, axis, info, others, ctx.mesh):
             continue
-        if all(not st.communicates for c, t in zip(cur, s.inputs) for st in plan_steps((c[axis],), (t,))):
+        if ctx.needs_grad.get(node):  # inputs kept as they are: a slice's backward would gather
+            if all(c[axis] == t for c, t in zip(cur, s.inputs)):
+                break
+        elif all(not st.communicates for c, t in zip(cur, s.inputs) for st in plan_steps((c[axis],), (t,))):
             break
     else:
         return False

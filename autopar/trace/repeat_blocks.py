@@ -1,10 +1,10 @@
 """Trace a deep model fast: export two of its identical blocks, then copy the second one.
 
 torch.export costs about a third of a second per transformer block with dynamic shapes, so
-a 48-layer GPT took 11-14 s to trace. Deep models are a ModuleList of blocks that are the
-same module with other weights; exporting the model with only its first two blocks and
-repeating block 1's subgraph for blocks 2..n-1 gives the graph a full export gives, at the
-cost of a 2-block export.
+a 48-layer GPT took 11-14 s to trace. Deep models are a ModuleList (or torchtitan's ModuleDict
+keyed "0", "1", ...) of blocks that are the same module with other weights; exporting the model
+with only its first two blocks and repeating block 1's subgraph for blocks 2..n-1 gives the
+graph a full export gives, at the cost of a 2-block export.
 
 It is done only when it is safe to assume that every block computes what block 1 does:
 
@@ -48,14 +48,22 @@ class Repeated:
     count: int
 
 
+STACKS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def find_repeated(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> Repeated | None:
-    """The longest ModuleList / Sequential of identical blocks in ``model``, if any."""
+    """The longest ModuleList / Sequential / ModuleDict of identical blocks in ``model``, if any.
+
+    A ModuleDict counts when its keys are the positions "0", "1", ... in order: torchtitan keeps
+    its layers so (``layers[str(layer_id)]``, so that a pipeline stage keeps the others' names),
+    and its paths (``layers.3``) are then a list's.
+    """
     shared = _shared_parameter_ids(model)
     best = None
     for path, mod in model.named_modules():
-        if not path or type(mod) not in (nn.ModuleList, nn.Sequential) or len(mod) < min_blocks:
+        if not path or type(mod) not in STACKS or len(mod) < min_blocks:
             continue
-        kids = list(mod)
+        kids = [m for _, m in mod.named_children()]
         if [n for n, _ in mod.named_children()] != [str(i) for i in range(len(kids))]:
             continue
         if _identical(kids, shared) and (best is None or len(kids) > best.count):
@@ -74,9 +82,9 @@ def truncated(model: nn.Module, found: Repeated):
     parent_path, _, name = found.prefix.rpartition(".")
     parent = model.get_submodule(parent_path)
     full = getattr(parent, name)
-    short = (_FirstTwoList if isinstance(full, nn.ModuleList) else _FirstTwoSequential)()
+    short = _SHORT[type(full)]()
     short._full_len = len(full)
-    for i, block in enumerate(list(full)[:2]):
+    for i, (_, block) in enumerate(list(full.named_children())[:2]):
         short.add_module(str(i), block)
     short.train(full.training)
     setattr(parent, name, short)
@@ -98,6 +106,18 @@ class _FirstTwoSequential(nn.Sequential):
 
     def __len__(self):
         return self._full_len
+
+
+class _FirstTwoDict(nn.ModuleDict):
+    """``values()`` / ``items()`` walk the two blocks; ``self.layers["5"]`` fails (KeyError)."""
+
+    _full_len = 0
+
+    def __len__(self):
+        return self._full_len
+
+
+_SHORT = {nn.ModuleList: _FirstTwoList, nn.Sequential: _FirstTwoSequential, nn.ModuleDict: _FirstTwoDict}
 
 
 def copy_blocks(traced, found: Repeated) -> bool:

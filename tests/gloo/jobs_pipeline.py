@@ -11,9 +11,10 @@ import torch.nn as nn
 import autopar as ap
 from autopar.parallel.pipeline import with_pipeline
 from autopar.placement import shard_tensor
+from tests.harness.distributed import merged_parameters
 from tests.harness.meshes import MeshSpec
 from tests.harness.models import gpt_batch, gpt_plan, mse, skipnet_plan, small_gpt
-from tests.harness.serial import grad_errors, serial_step
+from tests.harness.serial import grad_errors, max_rel_diff, serial_step
 
 
 def _gpt_plan(shape, axes, dp, layers=4, rows=8):
@@ -52,7 +53,8 @@ def gpt_pipeline_matches_serial(shape, axes, dp, configs, rows=8):
 
 
 def gpt_pipeline_sgd(shape, axes, dp, steps=2, lr=0.1):
-    """Two SGD steps with the runner's parameters; returns the loss curve and serial's."""
+    """Two SGD steps with the runner's parameters; returns the loss curve and serial's, and the
+    worst relative difference of this rank's pieces and of every rank's merged from serial's."""
     rank = dist.get_rank()
     model, plan, _ = _gpt_plan(shape, axes, dp)
     serial = copy.deepcopy(model)
@@ -76,7 +78,10 @@ def gpt_pipeline_sgd(shape, axes, dp, steps=2, lr=0.1):
         if isinstance(p, nn.Parameter):
             ref = shard_tensor(named[name].detach(), plan.param_specs[name], plan.mesh, rank)
             worst = max(worst, ((p.detach() - ref).abs().max() / ref.abs().max()).item())
-    return {"losses": losses, "serial": serial_losses, "max_rel_param": worst}
+    # the stages' parameters merged into the serial state (a KeyError before issue 40: each stage
+    # holds its own parameters, and the tied weight under its own name)
+    merged = max_rel_diff(merged_parameters(runner), dict(serial.named_parameters()))
+    return {"losses": losses, "serial": serial_losses, "max_rel_param": worst, "max_rel_merged": merged}
 
 
 def skipnet_matches_serial():

@@ -137,3 +137,21 @@ def batch_norm_buffers_equal(broadcast: bool = True):
     everyone = [torch.empty_like(mean) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mean)
     return all(torch.equal(everyone[0], m) for m in everyone)
+
+
+def titan_gqa_trains_as_serial(kv_heads: int, how: str = "annotations", steps: int = 2):
+    """Issue 40: torchtitan's LLaMA with ``kv_heads`` kv heads on tp = world size, through
+    ap.parallelize (its annotations, or the Megatron preset given the size), trained beside the
+    serial model: (rank, serial) losses and the worst relative parameter difference after."""
+    from tests.harness.distributed import merged_parameters, train_beside_serial
+    from tests.harness.serial import max_rel_diff
+    from tests.harness.titan_llama import TP as TITAN_TP
+    from tests.harness.titan_llama import titan_batch, titan_llama
+
+    tp = dist.get_world_size()
+    model, serial, args = titan_llama(n_kv_heads=kv_heads), titan_llama(n_kv_heads=kv_heads), titan_batch()
+    ann = TITAN_TP if how == "annotations" else ap.presets.megatron(model, "tp", args=args, size=tp)
+    module = ap.parallelize(model, ap.Mesh((tp,), ("tp",)), args=args, annotations=ann)
+    batches = [titan_batch(seed=s) for s in range(10, 10 + steps)]
+    losses = train_beside_serial(module, serial, batches, lr=0.1, loss_of=lambda out: out)
+    return {"losses": losses, "worst": max_rel_diff(merged_parameters(module), dict(serial.named_parameters()))}

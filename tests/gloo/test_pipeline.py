@@ -39,6 +39,7 @@ def test_pp4_sgd_real_gloo(gloo):
     for r in results:
         assert r["losses"] == pytest.approx(r["serial"], rel=1e-5)
         assert r["max_rel_param"] < 1e-5
+        assert r["max_rel_merged"] < 1e-5  # plan.merge_state_dicts of the runners: the serial state
 
 
 def test_skips_masks_multi_tensor_real_gloo(gloo):

@@ -6,6 +6,7 @@ explain() lists the linears left replicated."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar as ap
 from tests.harness.hf_models import preset_plans
@@ -63,3 +64,23 @@ def test_survey_rows(name):
 
     row = run_one(name)
     assert row["equal"] and not row["fallback"], row
+
+
+def test_bart_with_labels_plans_without_fallback_and_equals_serial():
+    """Issue 40: BART given labels shifts them right in place (``shifted[:, 0] = start``: a select
+    and ``fill_.Tensor``), which had no rule and ran replicated (a warning, a gather). It keeps
+    the batch split under the Megatron preset on (2, 2) and equals serial."""
+    import warnings
+
+    model, kw = build(_arch("BartForConditionalGeneration"))
+    kw = {"input_ids": kw["input_ids"], "labels": kw["decoder_input_ids"]}
+    preset = ap.presets.megatron(model, "tp", kwargs=kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the fallback's "no sharding rule" warning
+        plan = ap.plan(
+            model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=dict(preset), data_parallel="dp", dynamic=False
+        )
+    assert not [n for n in plan.graph.nodes if getattr(n.meta.get("autopar"), "fallback", False)]
+    fill = next(n for n in plan.graph.nodes if n.target == torch.ops.aten.fill_.Tensor)
+    assert repr(fill.meta["autopar"].spec[0]) == "S(0)"  # the batch stays split on dp
+    plan.check(**kw, rtol=1e-3, atol=1e-4)

@@ -235,3 +235,18 @@ def test_clip_grad_norm_counts_expert_pieces_once():
     model(**kw).loss.backward()
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     assert norms == pytest.approx([want] * 4, rel=1e-5)
+
+
+def test_gpt_oss_sinks_stay_batch_split_on_dp():
+    """Issue 40: gpt-oss's attention sinks (a replicated parameter, expanded to the global batch and
+    read batch-split by the softmax's cat) were expanded whole, so the backward all-gathered their
+    gradient over dp (B x H x S floats a layer). The expand now gives the batch split itself: the
+    gradient reaches the sinks as a partial sum, reduced once in the gradient sync."""
+    model, kw = M.moe_model("gpt_oss")
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("dp")}
+    plan = ap.plan(model, ap.Mesh((4,), ("dp",)), kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    attn = [c for c in plan.collectives() if "self_attn" in c.module and c.phase != "grad sync"]
+    assert sum(c.bytes for c in attn) == 0, attn  # was 384 B a layer here: the sinks' gradient gathered
+    synced = {n for b in plan.grad_buckets(0) if 0 in b.axes for n in b.names}
+    assert {n for n in synced if n.endswith("sinks")} == {n for n, _ in model.named_parameters() if n.endswith("sinks")}
+    plan.check(**kw, rtol=1e-4, atol=1e-5)

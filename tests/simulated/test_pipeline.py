@@ -180,6 +180,30 @@ def test_tied_weights_one_value_after_sgd(gpt):
     torch.testing.assert_close(wte.detach(), serial.wte.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh", ["pp2", "pp4", "dp2xpp2", "pp2xtp2"])
+def test_merge_state_dicts_of_runners_gives_the_serial_state(gpt, mesh):
+    """Issue 40: merging the runners' parameters (or gradients) failed with a KeyError, each stage
+    holding its own parameters and naming the tied weight its own way (the last stage
+    ``lm_head.weight``, the first the serial ``wte.weight``). It gives the serial state dict."""
+    model, batch, (_, serial_grads) = gpt
+    plan = gpt_plan(mesh, gpt)
+    runners, _ = run_step(plan, batch)
+    last = {r.rank for r in runners if plan.stage_layout.n_stages - 1 in r.stage_ids}
+
+    def named(r, value):  # what the user passed: the runner's parameters, the last stage's tie renamed
+        rename = {"wte.weight": "lm_head.weight"} if r.rank in last else {}
+        return {rename.get(n, n): value(p) for n, p in r.named_parameters()}
+
+    params = plan.merge_state_dicts([named(r, lambda p: p) for r in runners])
+    assert set(params) == set(model.state_dict())  # the tied weight under both serial names
+    assert all(torch.equal(params[n], p) for n, p in model.state_dict().items())
+    grads = plan.merge_state_dicts([named(r, lambda p: p.grad) for r in runners])
+    for n, g in serial_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    whole = plan.merge_state_dicts([r.params for r in runners])  # every name each stage holds
+    assert all(torch.equal(whole[n], p) for n, p in model.state_dict().items())
+
+
 def test_forward_only_keeps_no_activations(gpt):
     model, batch, (serial_loss, _) = gpt
     plan = gpt_plan("pp2xtp2", gpt)

@@ -1,6 +1,6 @@
 """The pipeline technique's work for the planner and the Plan: checking the options, cutting the
-graph into stages, the runner of a rank (with its process groups in a distributed job), and
-plan variants with other pipeline options.
+graph into stages, the runner of a rank (with its process groups in a distributed job), plan
+variants with other pipeline options, and the stages' pieces put together for merging.
 
 Example:
     >>> plan = ap.plan(model, mesh, args=(x,), pipeline=ap.Pipeline("pp", microbatches=4))
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.errors import PipelineError
+from autopar.errors import InputError, PipelineError
 from autopar.parallel.pipeline import schedules
 from autopar.parallel.pipeline.runner import PipelineRunner, loss_group
 from autopar.parallel.pipeline.split import split_stages
@@ -113,3 +113,46 @@ def with_pipeline(plan, pipeline, split_before=()):
         >>> gpipe = with_pipeline(plan, ap.Pipeline("pp", microbatches=8, schedule="gpipe"))
     """
     return plan.with_options(plan.options.replace(pipeline=pipeline, split_before=tuple(split_before)))
+
+
+def restored(plan, per_rank: list[dict]) -> list[dict]:
+    """Every rank's dict completed with what the other pipeline ranks hold at its other coordinates
+    (plan.merge_state_dicts reads each name from every rank): a stage's parameters (or their
+    gradients) live on its ranks only, and a weight tied across stages is named by each stage's
+    runner as its own holder names it (``lm_head.weight`` on the last stage, the serial
+    ``transformer.wte.weight`` on the first). The result holds every name any rank gave, in the
+    plan's order, a tied weight under each of them.
+
+    Example (pp=2, nanoGPT's tied head):
+        >>> restored(plan, [{"transformer.wte.weight": w0, ...}, {"lm_head.weight": w1, ...}])
+        [{"transformer.wte.weight": w0, "lm_head.weight": w0, ...}, {... the same names ...}]
+    """
+    mesh, axis = plan.mesh, plan.stage_layout.axis
+    tied = {n: names for names in plan.traced.tied.values() for n in names}
+    order = {k: i for i, k in enumerate(plan.param_specs)}
+    wanted = sorted(dict.fromkeys(k for d in per_rank for k in d), key=lambda k: order.get(k, len(order)))
+    out = []
+    for rank in mesh.ranks():
+        coords = list(mesh.coords(rank))
+        peers = [coords[axis]] + [k for k in range(mesh.shape[axis]) if k != coords[axis]]  # its own first
+        held = [per_rank[mesh.rank_of(coords[:axis] + [k] + coords[axis + 1 :])] for k in peers]
+        out.append({key: _held_piece(held, key, tied.get(key, (key,)), rank) for key in wanted})
+    return out
+
+
+def _held_piece(held: list[dict], key: str, names, rank: int):
+    """The first piece of ``key`` (under any of its tied ``names``) in ``held``; None where every
+    holder gives None (a gradient not computed)."""
+    found = False
+    for d in held:
+        for n in (key, *names):
+            if n in d:
+                found = True
+                if d[n] is not None:
+                    return d[n]
+    if not found:
+        raise InputError(
+            f"merge_state_dicts: no pipeline rank at rank {rank}'s other coordinates gave {key!r}; "
+            "pass every rank's dict (runner.named_parameters() or runner.params of each rank)."
+        )
+    return None

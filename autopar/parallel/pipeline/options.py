@@ -130,6 +130,11 @@ class Pipeline(Technique):
         flight, at the micro-batch's size (stage_memory.py)."""
         return stage_memory.rank_terms(plan, self, symbols, terms, rank)
 
+    def restored(self, plan, per_rank: list) -> list:
+        """Each rank's dict completed with the other stages' pieces at its other coordinates, tied
+        weights under every stage's name for them (api.restored): what merging reads."""
+        return api.restored(plan, per_rank)
+
     def describe(self, plan) -> str:
         """The stages: their nodes, modules, FLOPs and what they send (split.describe)."""
         return describe(plan.stage_layout, plan.graph)

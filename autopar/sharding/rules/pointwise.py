@@ -113,6 +113,8 @@ NONLINEAR = aten_ops(
     "silu_",
     "masked_fill_.Scalar",
     "masked_fill_.Tensor",
+    "fill_.Scalar",  # in place: BART's shift_tokens_right writes the start token into a select
+    "fill_.Tensor",
     "tril",
     "triu",
     # more activations and elementwise math (vision models: MobileNet's hardswish, in-place forms)

@@ -3,8 +3,9 @@
 Everything autopar knows about one op is declared here, beside its rule: the rule (which
 layouts it allows), its lowering (on the strategy it offers), and its *traits*: the work it
 does (``Work``: what the cost model counts, never matched by the op's name), the argument that
-holds a global shape (emission rewrites it to local sizes) and a *mode* lowering (the op
-follows the rank module's train/eval mode and the RNG contract on every strategy).
+holds a global shape (emission rewrites it to local sizes) and a *mode* lowering, run on every
+strategy (the op follows the rank module's train/eval mode and the RNG contract; a view meets
+a rank's strides).
 
 Example:
     >>> @register(aten.relu.default)
@@ -149,7 +150,9 @@ class OpTraits:
 
     work: Work = ELEMENTWISE
     shape_arg: int | None = None  # the argument holding a global shape (view's size)
-    mode: Callable | None = None  # (emitter, node, args, kwargs) -> node or None (sharding/lowerings/train_modes.py)
+    # (emitter, node, args, kwargs) -> node or None, on every strategy: the train/eval mode and RNG
+    # (sharding/lowerings/train_modes.py), a view on other strides (sharding/lowerings/view_strides.py)
+    mode: Callable | None = None
 
 
 _TRAITS: dict[object, OpTraits] = {operator.getitem: OpTraits(work=VIEW)}  # an item of a multi-output op

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from autopar.sharding.lowerings.split_blocked import SPLIT_BLOCKED
+from autopar.sharding.lowerings.view_strides import lower_view
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import VIEW, OpInfo, Strategy, aten_ops, declare, functional_overloads, register
 
@@ -31,6 +32,9 @@ declare(
 )
 # the copying views hold a global shape too (emission rewrites it to local sizes)
 declare(*functional_overloads("view_copy", "expand_copy"), shape_arg=1)
+# a rank's tensor may have other strides than the traced one (an export-dropped .contiguous()):
+# a view runs as reshape where nothing writes its memory (sharding/lowerings/view_strides.py)
+declare(aten.view.default, mode=lower_view)
 
 
 def _partials(n_inputs: int, n_outputs: int) -> list[Strategy]:
