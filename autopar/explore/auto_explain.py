@@ -25,12 +25,21 @@ def _bandwidth(prof: dict) -> str:
     return "" if bw is None else f", memory {bw:.3g} B/s"
 
 
+def _estimate(rec: dict) -> str:
+    """The search's own estimate of the memory, where the plan's count differs from it by >1%."""
+    est = rec.get("memory_estimate")
+    if est is None or abs(est - rec["memory"]) <= 0.01 * max(rec["memory"], 1.0):
+        return ""
+    return f"; the search estimated {_gib(est)} (rank {rec.get('memory_rank', 0)} holds the most)"
+
+
 def search_text(rec: dict) -> str:
     prof = rec["profile"]
     budget = "none" if rec["budget"] is None else _gib(rec["budget"])
     lines = [
         f"automatic plan: {rec['chosen']}",
-        f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})",
+        f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})"
+        + _estimate(rec),
         f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s{_bandwidth(prof)}, intra-node alpha "
         f"{prof['intra'][0]:.2g} s beta {prof['intra'][1]:.3g} B/s, inter-node alpha {prof['inter'][0]:.2g} s "
         f"beta {prof['inter'][1]:.3g} B/s, gradient sync overlap {prof['overlap']}",

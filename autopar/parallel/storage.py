@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from autopar.cost.plan_cost import STATE_BYTES
 from autopar.parallel.dp_module import grad_buckets
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
@@ -115,7 +116,7 @@ class Storage:
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         return mem
 
-    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+    def memory_formulas(self, plan, symbols, terms: dict, rank: int = 0) -> dict:
         return terms
 
     def collectives(self, plan, symbols) -> list:
@@ -144,19 +145,20 @@ class ShardedOptimizer(Storage):
 
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Each rank steps its 1/dp slice of every dp bucket (1/(dp cp) folded; ZeRO-2: keeps only
-        its gradients)."""
+        its gradients), the bucket's padding included."""
         dp, mesh = plan.data_parallel, plan.mesh
-        kept = mem["grads"]  # bytes of trainable parameters this rank steps: its slice of each dp bucket
+        kept, elems = mem["grads"], mem["trainable_elements"]  # what this rank steps: its slice of each dp bucket
         for b in grad_buckets(plan, rank):
             n = math.prod(mesh.shape[a] for a in dp.group_axes(mesh, b.axes))
             kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
-        out = dict(mem, optimizer_state=state_slots * kept)
+            elems += -(-b.numel // n) - b.numel
+        out = dict(mem, optimizer_state=state_slots * STATE_BYTES * elems)
         if self.level == 2:
             out["grads"] = kept
             out["accumulated"] = mem["grads"] - kept if accumulates(plan) else 0  # whole until the last backward
         return out
 
-    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+    def memory_formulas(self, plan, symbols, terms: dict, rank: int = 0) -> dict:
         """ZeRO-2 accumulating over micro-batches: the gradients whole until the last backward."""
         if self.level != 2 or not accumulates(plan):
             return terms
