@@ -61,6 +61,12 @@ def search_text(rec: dict) -> str:
     if rec["constrained"]:
         lines.append(f"  fixed by your annotations (not searched): {', '.join(rec['constrained'])}")
     lines.append("  components (time and memory per rank of each choice under the chosen axis roles):")
+    if not rec["components"]:
+        lines.append(
+            "    none: nothing here can be split on a tensor-parallel axis (no Megatron pair, vocabulary or experts "
+            "the search may choose for, or all of them fixed by your annotations); the options below differ in "
+            "the mesh axes' roles, ZeRO level, checkpointing and pipeline only"
+        )
     for c in rec["components"]:
         lines.append(f"    {c['key']}: {c['choice']}  ({c['what']})")
         lines += [
@@ -68,8 +74,13 @@ def search_text(rec: dict) -> str:
             for k, v in c["options"].items()
         ]
     lines.append("  runners-up (each option with its best component choices):")
+    if not [r for r in rec["runners_up"] if r["option"] != rec["chosen"]]:
+        lines.append(
+            f"    none: the chosen option was the only one the constraints allow ({rec['options']} option(s): the "
+            "mesh, your data_parallel / annotations and ap.Auto's zero, pipeline and checkpointing choices fix the rest)"
+        )
     for r in rec["runners_up"]:
-        fit = "" if r["fits"] else "  (over budget)"
+        fit = ("" if r["fits"] else "  (over budget)") + ("  <- chosen" if r["option"] == rec["chosen"] else "")
         lines.append(f"    {r['option']}: {_ms(r['time_s'])}, {_gib(r['memory'])}{fit}")
     return "\n".join(lines)
 

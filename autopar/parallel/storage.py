@@ -37,6 +37,10 @@ class Storage:
     level = 0
     exact_level = 0  # the level plan.check runs (exact fp32 gradient sums; see DataParallel.exact)
     gathers_params = False  # parameters stored in pieces and all-gathered before use (zero=3)
+    # whether a plain torch.optim optimizer over module.parameters() steps the plan as serial does
+    # (zero=0: whole parameters; zero=3: the stored pieces are the parameters, as FSDP2's shards);
+    # ZeRO-1/2 step a slice of each bucket that no parameter is: ap.ZeroOptimizer / ap.Optimizer
+    plain_optimizer = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(level={self.level})"
@@ -131,6 +135,7 @@ class ShardedOptimizer(Storage):
     """zero=1 (optimizer state sharded) and zero=2 (gradients too): see parallel/zero.py."""
 
     exact_level = 0
+    plain_optimizer = False
 
     def __init__(self, level: int):
         self.level = level

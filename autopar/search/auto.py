@@ -492,7 +492,8 @@ def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, sha
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (sum(c.kind != "experts" for c in free) + 1)} if s.tp is not None else {}
-    return Option(label, _coefs(base, mesh, profile, dp, shares, base=True), comps, idle, idle_choice)
+    wrapped = int(dp is not None and not dp.storage.plain_optimizer)
+    return Option(label, _coefs(base, mesh, profile, dp, shares, base=True), comps, idle, idle_choice, wrapped)
 
 
 def _moved(probe: dict, ref: dict, key: str) -> Terms:
