@@ -23,7 +23,8 @@ from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import Plan
-from autopar.search.auto import search
+from autopar.search.auto import search, settle_memory
+from autopar.search.options import Auto
 from autopar.search.quiet_gc import quiet_gc
 from autopar.sharding.annotations import Seeds, data_parallel_inputs, replicated, resolve
 from autopar.sharding.expert_blocks import collapse_expert_blocks
@@ -74,7 +75,7 @@ def make_plan(
         if traced.materialize_device is not None:
             retarget_meta_device(traced.gm.graph, traced.materialize_device)
     ndims = _input_ndims(traced, args, kwargs)
-    record = None
+    record, searched = None, options.auto
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
         resolved: dict = {}  # the probes' seeds by resolve's arguments (_resolved)
 
@@ -111,8 +112,8 @@ def make_plan(
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
-    if record is not None:
-        plan.built["auto"] = record  # JSON: the search's choice, its reasons and the runners-up
+    if record is not None:  # JSON: the search's choice, its reasons and the runners-up
+        plan.built["auto"] = settle_memory(plan, record, Auto.of(searched).optimizer_states)
     return plan
 
 

@@ -71,8 +71,12 @@ STATE_BYTES = 4
 class Cost:
     """Formulas for one plan (see the module docstring); ``at(**dims)`` gives numbers."""
 
-    def __init__(self, plan, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2):
+    def __init__(
+        self, plan, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2, rank=None
+    ):
         self.plan = plan
+        # one rank's memory (None: the rank that holds the most, plan.peak_memory_rank)
+        self.rank = plan.peak_memory_rank(optimizer_states) if rank is None else plan.mesh.check_rank(rank)
         self.sy = PlanSymbols.of(plan, sizes, names)
         self.comms = collectives(plan, self.sy)
         self.comm = _sum_by(self.comms, lambda c: c.axis)
@@ -81,7 +85,9 @@ class Cost:
             self.comms, lambda c: (layer_of(c.module) if c.phase != "grad sync" else "(grad sync)", c.axis)
         )
         self.states = optimizer_states
-        self.memory = memory_formulas(plan, self.sy, optimizer_states)
+        memory = memory_formulas(plan, self.sy, optimizer_states, self.rank)
+        self.host_memory = {k: memory.pop(k) for k in HOST_PARTS if k in memory}  # not the device's
+        self.memory = memory
         self.flops = flops_formula(plan, self.sy)
 
     @property
@@ -189,23 +195,55 @@ def _sum_by(comms, key) -> dict:
     return {k: simplify(v) for k, v in out.items()}
 
 
-def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2) -> dict:
-    """Bytes per rank: params, grads, optimizer, activations (formulas), as the plan's techniques
-    change them (``Technique.memory_formulas``: ZeRO's shares; under zero=3 also ``gathered``,
-    the most gathered blocks alive at once plus one bucket's reduce buffers)."""
+HOST_PARTS = ("offloaded",)  # terms in host memory (offloaded checkpoints): beside the device's total
+STATE_PARTS = ("params", "grads", "optimizer", "accumulated", "gathered")  # the rest: activation terms
+
+
+def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int = 0) -> dict:
+    """Bytes ``rank`` holds at its step's peak, by part (formulas): the parts
+    plan.memory_per_rank(rank) counts (parallel/dp_module.py has what each holds), so that
+    their sums agree at the example.
+
+    ``params`` / ``grads`` / ``optimizer``: of the parameters the rank holds (a pipeline rank:
+    its stages', ``Technique.rank_params``), each in its dtype, the optimizer's
+    ``optimizer_states`` fp32 values (STATE_BYTES) per element, as the techniques shard them
+    (``Technique.memory_formulas``: ZeRO's shares, ZeRO-2's ``accumulated`` gradients over a
+    pipeline's micro-batches, zero=3's ``gathered`` blocks); ``padding``: what the rank's ZeRO
+    slices hold beyond those shares (buckets padded to a multiple of the group: a number); then
+    the activation terms (``activation_terms``) of the rank; ``offloaded`` (host memory) too,
+    which Cost keeps apart."""
     params = sympy.Integer(0)
     grads = sympy.Integer(0)
     opt = sympy.Integer(0)
+    held = {name for name, _ in named_parameters(plan.model)}
+    for technique in plan.options.techniques:  # a pipeline rank holds its stages' parameters only
+        held = technique.rank_params(plan, rank, held)
     for name, p in named_parameters(plan.model):
+        if name not in held:
+            continue
         local = sy.numel(p.shape, plan.param_specs.get(name))
         params += local * p.element_size()
         if p.requires_grad:
             grads += local * p.element_size()
             opt += optimizer_states * local * STATE_BYTES
-    out = {"params": params, "grads": grads, "optimizer": opt, **activation_terms(plan, sy)}
+    out = {"params": params, "grads": grads, "optimizer": opt}
     for technique in plan.options.techniques:  # ZeRO's shares, zero=3's gathered blocks, ...
-        out = technique.memory_formulas(plan, sy, out)
+        out = technique.memory_formulas(plan, sy, out, rank)
+    padding = _padding(plan, sy, out, rank, optimizer_states)
+    if padding:
+        out["padding"] = padding
+    out.update(activation_terms(plan, sy, rank))
     return {k: simplify(sympy.sympify(v)) for k, v in out.items()}
+
+
+def _padding(plan, sy, state: dict, rank: int, optimizer_states: int):
+    """What ``rank``'s stored state (plan.memory_per_rank: its buckets, each padded to a multiple
+    of its group) holds beyond the formulas' even shares of it, at the example: a number."""
+    exact = plan.memory_per_rank(rank, optimizer_states)
+    held = sum(exact.get(k, 0) for k in ("params", "grads", "optimizer_state", "accumulated", "gathered"))
+    held += exact.get("reduce_buffers", 0)
+    extra = held - float(sy.value(sum(state[k] for k in STATE_PARTS if k in state)))
+    return sympy.Float(extra) if abs(extra) > 1e-6 else 0
 
 
 def activation_terms(plan, sy, rank: int | None = None, whole_model: bool = False) -> dict:

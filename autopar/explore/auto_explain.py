@@ -25,12 +25,21 @@ def _bandwidth(prof: dict) -> str:
     return "" if bw is None else f", memory {bw:.3g} B/s"
 
 
+def _estimate(rec: dict) -> str:
+    """The search's own estimate of the memory, where the plan's count differs from it by >1%."""
+    est = rec.get("memory_estimate")
+    if est is None or abs(est - rec["memory"]) <= 0.01 * max(rec["memory"], 1.0):
+        return ""
+    return f"; the search estimated {_gib(est)} (rank {rec.get('memory_rank', 0)} holds the most)"
+
+
 def search_text(rec: dict) -> str:
     prof = rec["profile"]
     budget = "none" if rec["budget"] is None else _gib(rec["budget"])
     lines = [
         f"automatic plan: {rec['chosen']}",
-        f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})",
+        f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})"
+        + _estimate(rec),
         f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s{_bandwidth(prof)}, intra-node alpha "
         f"{prof['intra'][0]:.2g} s beta {prof['intra'][1]:.3g} B/s, inter-node alpha {prof['inter'][0]:.2g} s "
         f"beta {prof['inter'][1]:.3g} B/s, gradient sync overlap {prof['overlap']}",
@@ -52,6 +61,12 @@ def search_text(rec: dict) -> str:
     if rec["constrained"]:
         lines.append(f"  fixed by your annotations (not searched): {', '.join(rec['constrained'])}")
     lines.append("  components (time and memory per rank of each choice under the chosen axis roles):")
+    if not rec["components"]:
+        lines.append(
+            "    none: nothing here can be split on a tensor-parallel axis (no Megatron pair, vocabulary or experts "
+            "the search may choose for, or all of them fixed by your annotations); the options below differ in "
+            "the mesh axes' roles, ZeRO level, checkpointing and pipeline only"
+        )
     for c in rec["components"]:
         lines.append(f"    {c['key']}: {c['choice']}  ({c['what']})")
         lines += [
@@ -59,8 +74,13 @@ def search_text(rec: dict) -> str:
             for k, v in c["options"].items()
         ]
     lines.append("  runners-up (each option with its best component choices):")
+    if not [r for r in rec["runners_up"] if r["option"] != rec["chosen"]]:
+        lines.append(
+            f"    none: the chosen option was the only one the constraints allow ({rec['options']} option(s): the "
+            "mesh, your data_parallel / annotations and ap.Auto's zero, pipeline and checkpointing choices fix the rest)"
+        )
     for r in rec["runners_up"]:
-        fit = "" if r["fits"] else "  (over budget)"
+        fit = ("" if r["fits"] else "  (over budget)") + ("  <- chosen" if r["option"] == rec["chosen"] else "")
         lines.append(f"    {r['option']}: {_ms(r['time_s'])}, {_gib(r['memory'])}{fit}")
     return "\n".join(lines)
 

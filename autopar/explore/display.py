@@ -138,7 +138,9 @@ def comm_totals(comms) -> dict:
 
 def memory_numbers(plan) -> dict:
     """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params."""
-    num = Cost(plan).at()["memory"]
+    cost = Cost(plan)
+    num = cost.at()["memory"]
+    num.update({k: float(cost.sy.value(v)) for k, v in cost.host_memory.items()})
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))
     return num
 

@@ -45,9 +45,13 @@ class PlanViews:
         """Why ``name`` (node, parameter, input or module path) got its layout and collectives."""
         return explain(self, name)
 
-    def cost(self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2) -> Cost:
-        """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost)."""
-        return Cost(self, sizes, names, optimizer_states)
+    def cost(
+        self, sizes: dict | None = None, names: dict | None = None, optimizer_states: int = 2, rank: int | None = None
+    ) -> Cost:
+        """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost).
+        The memory is ``rank``'s (None: the rank that holds the most, plan.peak_memory_rank()):
+        the parts plan.memory_per_rank(rank) counts, summing to its total at the example."""
+        return Cost(self, sizes, names, optimizer_states, rank)
 
     def plot_memory(self, **kw):
         """matplotlib Figure: memory per rank (params, grads, optimizer, activations)."""

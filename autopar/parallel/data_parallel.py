@@ -390,7 +390,7 @@ class DataParallel(Technique):
     def memory(self, plan, rank, state_slots, mem):
         return self.storage.memory(plan, rank, state_slots, mem)
 
-    def memory_formulas(self, plan, symbols, terms):
+    def memory_formulas(self, plan, symbols, terms, rank: int = 0):
         """ZeRO keeps 1/dp (HSDP: 1/shard_size) of what its level shards; zero=3 adds the blocks
         gathered at once and one bucket's reduce buffers (``gathered``)."""
         n = symbols.axes[plan.dp_axis] if plan.dp_axis is not None else 1
@@ -399,7 +399,7 @@ class DataParallel(Technique):
         out = dict(terms)
         for key, d in zip(("params", "grads", "optimizer"), divisors):
             out[key] = terms[key] / d
-        return self.storage.memory_formulas(plan, symbols, out)
+        return self.storage.memory_formulas(plan, symbols, out, rank)
 
     def collectives(self, plan, symbols) -> list:
         return self.storage.collectives(plan, symbols)
@@ -408,7 +408,7 @@ class DataParallel(Technique):
         return self.storage.process_groups(plan)
 
     # ------------------------------------------------------- what a Plan offers (plan.<name>)
-    plan_methods = ("with_data_parallel", "grad_buckets", "memory_per_rank", "zero_optimizer")
+    plan_methods = ("with_data_parallel", "grad_buckets", "memory_per_rank", "peak_memory_rank", "zero_optimizer")
 
     @staticmethod
     def with_data_parallel(plan, data_parallel):
@@ -425,8 +425,15 @@ class DataParallel(Technique):
 
     @staticmethod
     def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict:
-        """Bytes of parameters, gradients and optimizer state on ``rank`` (ZeRO shards counted)."""
+        """Bytes ``rank`` holds at its step's peak, by part (dp_module.RankMemory: parameters,
+        gradients, optimizer state as ZeRO keeps them, activations as the techniques keep them);
+        their sum is what plan.cost(rank=rank) and ap.predict (of the peak rank) say."""
         return dp_module.memory_per_rank(plan, rank, state_slots)
+
+    @staticmethod
+    def peak_memory_rank(plan, state_slots: int = 2) -> int:
+        """The rank that holds the most at its step's peak (plan.cost()'s and ap.predict's)."""
+        return dp_module.peak_memory_rank(plan, state_slots)
 
     @staticmethod
     def zero_optimizer(plan, module, optimizer_class, **kwargs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import activation_terms
+from autopar.cost.plan_cost import STATE_BYTES, activation_terms
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
@@ -61,29 +61,94 @@ def grad_buckets(plan, rank: int = 0):
     return make_buckets(held_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
 
 
-def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients (after backward) and optimizer state, and
-    the activations autograd keeps at the example's sizes (``recompute``: checkpointing's peak).
+class RankMemory(dict):
+    """Bytes one rank holds at its step's peak, by part: ``sum(mem.values())`` (``mem.total``) is
+    the rank's memory, the figure plan.cost(rank).at()["memory"] and ap.predict give too.
+    Figures that are not bytes held (the dp size, the ZeRO level, what zero=0 would keep, host
+    memory) are in ``mem.info``, and ``mem[key]`` reads them there too.
 
-    ``state_slots``: optimizer state tensors per parameter element (Adam/AdamW 2, SGD with
-    momentum 1, plain SGD 0). The techniques change what is kept (ZeRO divides the optimizer
-    state of the dp buckets by dp, and at stage 2 their gradients); ``optimizer_state_unsharded``
-    is what zero=0 would hold.
+    Example:
+        >>> mem = plan.memory_per_rank(2)
+        >>> mem.total == sum(mem.values())        # params + grads + optimizer_state + activations + ...
+        >>> mem["optimizer_state_unsharded"]      # mem.info's: what zero=0 would keep
+    """
+
+    INFO = (
+        "dp",
+        "zero",
+        "optimizer_state_unsharded",
+        "params_unsharded",
+        "shard_size",
+        "offloaded",
+        "trainable_elements",
+    )
+
+    def __init__(self, mem: dict):
+        super().__init__({k: v for k, v in mem.items() if k not in self.INFO})
+        self.info = {k: v for k, v in mem.items() if k in self.INFO}
+
+    def __missing__(self, key):
+        return self.info[key]
+
+    @property
+    def total(self) -> int:
+        return sum(self.values())
+
+
+def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
+    """Bytes ``rank`` holds at its step's peak, by part (RankMemory: their sum is the rank's memory):
+
+    - ``params``: the parameter pieces its modules hold (its pipeline stages' only; tensor- or
+      ZeRO-3-split: its piece, padding included), in their dtype;
+    - ``grads``: the gradients it keeps after backward (ZeRO-2/3: its slice);
+    - ``optimizer_state``: ``state_slots`` fp32 values (cost/plan_cost.STATE_BYTES) per element
+      it steps (ZeRO-1/2/3: its slice): Adam/AdamW 2, SGD with momentum 1, plain SGD 0;
+    - what the storage holds beside (``accumulated``: gradients kept whole over a pipeline's
+      micro-batches; zero=3's ``gathered`` blocks and ``reduce_buffers``);
+    - the activations autograd keeps at the example's sizes, as the techniques change them
+      (cost/plan_cost.activation_terms: ``activations``, checkpointing's ``recompute``, a
+      lowering's ``workspace``, the loss's ``backward``, gathered ``outputs``; a pipeline rank:
+      its stages' micro-batches in flight).
+
+    Host memory (``offloaded`` checkpoints) is in ``info``. plan.cost(rank=r) counts the same
+    parts as formulas (its ``padding``: the buckets' padding, a number) and ap.predict's memory is
+    the total of the rank that holds the most (``peak_memory_rank``).
     """
     dp = plan.data_parallel
     params = held_params(plan, rank)
     total = sum(p.numel() * p.element_size() for p in params.values())
     trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
+    elements = sum(p.numel() for p in params.values() if p.requires_grad)
     mem = {
         "params": total,
         "grads": trainable,
-        "optimizer_state": state_slots * trainable,
-        "optimizer_state_unsharded": state_slots * trainable,
+        "optimizer_state": state_slots * STATE_BYTES * elements,
+        "optimizer_state_unsharded": state_slots * STATE_BYTES * elements,
+        "trainable_elements": elements,
         "dp": plan.mesh.shape[plan.dp_axis] if plan.dp_axis is not None else 1,
         "zero": dp.zero if dp is not None else 0,
     }
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
-    mem.update({k: int(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
-    return mem
+    mem.update({k: float(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
+    return RankMemory(mem)
+
+
+def memory_ranks(plan) -> list[int]:
+    """The ranks whose memory can differ (rank 0 and those the techniques name: one per
+    pipeline position), in order."""
+    ranks = {0}
+    for technique in plan.options.techniques:
+        ranks.update(technique.memory_ranks(plan))
+    return sorted(ranks)
+
+
+def peak_memory_rank(plan, state_slots: int = 2) -> int:
+    """The rank that holds the most at its step's peak (``memory_per_rank``'s total): the one
+    plan.cost() and ap.predict answer for. Kept on the plan per ``state_slots``."""
+    held = plan.__dict__.setdefault("_peak_memory_rank", {})
+    if state_slots not in held:
+        totals = {r: memory_per_rank(plan, r, state_slots).total for r in memory_ranks(plan)}
+        held[state_slots] = max(totals, key=lambda r: (totals[r], -r))
+    return held[state_slots]

@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost import make_comm
+from autopar.cost.plan_cost import STATE_BYTES
 from autopar.parallel import fsdp_runtime
 from autopar.parallel.fsdp_layout import (
     RUNTIME_ATTR,
@@ -201,13 +202,17 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     whole = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index)
     whole_trainable = sum(p.numel() * p.element_size() for n, p in local.items() if n not in index and p.requires_grad)
     pieces = sum(b.chunk * b.dtype.itemsize for b in bs)
-    trainable = sum(b.chunk * b.dtype.itemsize for b in bs if any(local[n].requires_grad for n in b.names))
+    stepped = [b for b in bs if any(local[n].requires_grad for n in b.names)]
+    trainable = sum(b.chunk * b.dtype.itemsize for b in stepped)
+    elements = sum(b.chunk for b in stepped) + sum(
+        p.numel() for n, p in local.items() if n not in index and p.requires_grad
+    )
     gathered, reducing = held(plan, rank)
     out = dict(mem)
     out.update(
         params=whole + pieces,
         grads=whole_trainable + trainable,
-        optimizer_state=state_slots * (whole_trainable + trainable),
+        optimizer_state=state_slots * STATE_BYTES * elements,
         gathered=gathered,
         reduce_buffers=reducing,
         accumulated=accumulated(plan, rank),
@@ -389,11 +394,11 @@ class FullyShardedStorage(Storage):
     def memory(self, plan, rank, state_slots, mem):
         return memory(plan, rank, state_slots, mem)
 
-    def memory_formulas(self, plan, symbols, terms):
+    def memory_formulas(self, plan, symbols, terms, rank: int = 0):
         """Blocks gathered at once, one bucket's reduce buffers and, accumulating over a
         pipeline's micro-batches, the unreduced gradient flats: ``gathered``, as numbers (they
-        depend on the buckets, not on the batch)."""
-        held = plan.memory_per_rank(0)
+        depend on the buckets, not on the batch), ``rank``'s."""
+        held = plan.memory_per_rank(rank)
         return dict(terms, gathered=sympy.Integer(held["gathered"] + held["reduce_buffers"] + held["accumulated"]))
 
     def collectives(self, plan, symbols) -> list:

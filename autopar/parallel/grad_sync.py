@@ -349,9 +349,13 @@ class GradSync:
             self._rebuild(arrived)
         if self.zero is not None and self.zero_optimizer is None:
             raise DataParallelError(
-                f"DataParallel(zero={self.dp.zero}): gradients are sharded over the ranks, so a plain optimizer "
-                "would step on partial or missing gradients. Make the optimizer with "
-                "ap.ZeroOptimizer(module, torch.optim.AdamW, lr=...) (or plan.zero_optimizer(...)) before backward."
+                f"DataParallel(zero={self.dp.zero}): each rank steps only its 1/{len(self.dp_group())} slice of every "
+                "gradient bucket, which no module parameter is, so a plain torch.optim optimizer over "
+                "module.parameters() would step whole parameters on partial or missing gradients. Before backward, "
+                "write opt = ap.Optimizer(module, torch.optim.AdamW, lr=...) in place of "
+                "torch.optim.AdamW(module.parameters(), lr=...) (any torch.optim class; per-group options as "
+                "param_groups=[{'params': ['*.bias'], 'weight_decay': 0}]), or plan with a storage a plain optimizer "
+                f"steps: ap.DataParallel({self.dp.axis!r}, zero=0 or 3), or ap.Auto(zero=(0, 3)) for the search."
             )
 
     # ---------------------------------------------------------------------- rebuilding

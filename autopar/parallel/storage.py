@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from autopar.cost.plan_cost import STATE_BYTES
 from autopar.parallel.dp_module import grad_buckets
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
@@ -36,6 +37,10 @@ class Storage:
     level = 0
     exact_level = 0  # the level plan.check runs (exact fp32 gradient sums; see DataParallel.exact)
     gathers_params = False  # parameters stored in pieces and all-gathered before use (zero=3)
+    # whether a plain torch.optim optimizer over module.parameters() steps the plan as serial does
+    # (zero=0: whole parameters; zero=3: the stored pieces are the parameters, as FSDP2's shards);
+    # ZeRO-1/2 step a slice of each bucket that no parameter is: ap.ZeroOptimizer / ap.Optimizer
+    plain_optimizer = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(level={self.level})"
@@ -115,7 +120,7 @@ class Storage:
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         return mem
 
-    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+    def memory_formulas(self, plan, symbols, terms: dict, rank: int = 0) -> dict:
         return terms
 
     def collectives(self, plan, symbols) -> list:
@@ -130,6 +135,7 @@ class ShardedOptimizer(Storage):
     """zero=1 (optimizer state sharded) and zero=2 (gradients too): see parallel/zero.py."""
 
     exact_level = 0
+    plain_optimizer = False
 
     def __init__(self, level: int):
         self.level = level
@@ -144,19 +150,20 @@ class ShardedOptimizer(Storage):
 
     def memory(self, plan, rank: int, state_slots: int, mem: dict) -> dict:
         """Each rank steps its 1/dp slice of every dp bucket (1/(dp cp) folded; ZeRO-2: keeps only
-        its gradients)."""
+        its gradients), the bucket's padding included."""
         dp, mesh = plan.data_parallel, plan.mesh
-        kept = mem["grads"]  # bytes of trainable parameters this rank steps: its slice of each dp bucket
+        kept, elems = mem["grads"], mem["trainable_elements"]  # what this rank steps: its slice of each dp bucket
         for b in grad_buckets(plan, rank):
             n = math.prod(mesh.shape[a] for a in dp.group_axes(mesh, b.axes))
             kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
-        out = dict(mem, optimizer_state=state_slots * kept)
+            elems += -(-b.numel // n) - b.numel
+        out = dict(mem, optimizer_state=state_slots * STATE_BYTES * elems)
         if self.level == 2:
             out["grads"] = kept
             out["accumulated"] = mem["grads"] - kept if accumulates(plan) else 0  # whole until the last backward
         return out
 
-    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
+    def memory_formulas(self, plan, symbols, terms: dict, rank: int = 0) -> dict:
         """ZeRO-2 accumulating over micro-batches: the gradients whole until the last backward."""
         if self.level != 2 or not accumulates(plan):
             return terms

@@ -211,9 +211,19 @@ class Technique:
         """Names of the nodes whose forward runs again in backward (checkpointed regions)."""
         return set()
 
-    def memory_formulas(self, plan, symbols, terms: dict) -> dict:
-        """plan.cost()'s memory formulas (cost/plan_cost.py) as this technique changes them."""
+    def memory_formulas(self, plan, symbols, terms: dict, rank: int = 0) -> dict:
+        """plan.cost()'s memory formulas (cost/plan_cost.py) of ``rank`` as this technique changes them."""
         return terms
+
+    def rank_params(self, plan, rank: int, names: set) -> set:
+        """Of the parameter names ``names``, those ``rank``'s modules hold (a pipeline rank: its
+        stages'): the parameters plan.cost(rank=rank) counts."""
+        return names
+
+    def memory_ranks(self, plan) -> tuple:
+        """Ranks whose memory may differ from rank 0's (a pipeline: one per stage position): the
+        ones plan.cost() and ap.predict weigh to find the rank that holds the most."""
+        return ()
 
     def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
         """(name, gradient, counted by this rank) of every gradient ``rank`` holds, as the

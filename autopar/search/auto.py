@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import time
+import warnings
 
 import torch
 
@@ -389,14 +390,18 @@ def _probe(
 
 
 def batch_size(traced) -> int | None:
-    """Rows of the first batched input (what data parallel and micro-batches divide)."""
+    """Rows of the first batched input (what data parallel and micro-batches divide), at the
+    example. A dynamic size is read off its hint: int() of a SymInt would guard on it, and the
+    guard turns the trace's batch symbol into the number in every formula of the final plan (a
+    pipeline's micro-batches then counted at the whole batch: m times their activations)."""
     for name in traced.user_inputs:
         val = traced.placeholders()[name].meta.get("val")
         if isinstance(val, torch.Tensor) and val.dim() > 0:
-            try:
-                return int(val.shape[0])
-            except TypeError:  # a symbolic size without a hint
-                return None
+            size = val.shape[0]
+            if isinstance(size, torch.SymInt):
+                hint = size.node.hint
+                return int(hint) if hint is not None else None  # None: a symbolic size without a hint
+            return int(size)
     return None
 
 
@@ -487,7 +492,8 @@ def _option(label, base_dp, base, free, split, rep, mesh, profile, ep=False, sha
     # a tp axis that splits no component is replicated after all: each unsplit component counts a
     # share of an idle axis, all of them together less than one
     idle_choice = {"R": 1.0 / (sum(c.kind != "experts" for c in free) + 1)} if s.tp is not None else {}
-    return Option(label, _coefs(base, mesh, profile, dp, shares, base=True), comps, idle, idle_choice)
+    wrapped = int(dp is not None and not dp.storage.plain_optimizer)
+    return Option(label, _coefs(base, mesh, profile, dp, shares, base=True), comps, idle, idle_choice, wrapped)
 
 
 def _moved(probe: dict, ref: dict, key: str) -> Terms:
@@ -647,6 +653,25 @@ def _label(mesh, option) -> str:
 def _checkpointing(mode) -> ActivationCheckpoint | None:
     """A checkpointing choice of the search (a mode name or an ap.ActivationCheckpoint) as the technique."""
     return mode if mode is None or isinstance(mode, ActivationCheckpoint) else ActivationCheckpoint(mode)
+
+
+def settle_memory(plan, record: dict, optimizer_states: int = 2) -> dict:
+    """The search's record with the chosen plan's memory as the plan holds it: ``memory``, the
+    total of the rank that holds the most (plan.memory_per_rank, what plan.cost() and ap.predict
+    say), ``memory_estimate``, the figure the search weighed (a pipeline's from its step shares,
+    search/evaluate.py). Where the plan holds more than the budget, a warning says by how much."""
+    rank = plan.peak_memory_rank(optimizer_states)
+    held = float(plan.memory_per_rank(rank, optimizer_states).total)
+    out = dict(record, memory=held, memory_rank=rank, memory_estimate=record["memory"])
+    budget = record.get("budget")
+    if budget is not None and held > budget:
+        warnings.warn(
+            f"ap.plan(auto=...): the chosen plan ({record['chosen']}) holds {held:.4g} B on rank {rank}, over the "
+            f"memory budget of {budget:.4g} B: the search estimated {record['memory']:.4g} B "
+            "(plan.memory_per_rank(rank) has the parts). Lower the budget by the difference to plan within it.",
+            stacklevel=3,
+        )
+    return out
 
 
 def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes) -> dict:

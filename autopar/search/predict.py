@@ -20,7 +20,13 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     """Step time (s) and memory per rank (B) of ``plan`` under ``device`` (a profile name, an
     ap.calibrate() result or an ap.Auto). ``comm_bytes``: bytes per rank and step of the
     activations' collectives by axis; ``sync_bytes``: of the data-parallel gradient sync (and
-    ZeRO's gathers) by the group it runs over (``"dp"``, or ``"dp*cp"`` where ZeRO folds cp in)."""
+    ZeRO's gathers) by the group it runs over (``"dp"``, or ``"dp*cp"`` where ZeRO folds cp in).
+
+    ``memory``: what the rank that holds the most holds at its step's peak (``memory_rank``):
+    plan.memory_per_rank(memory_rank)'s total, plan.cost()'s memory summed at the example (one
+    definition: parallel/dp_module.memory_per_rank says what it counts). ``memory_estimate``: the
+    search's own figure for the plan, from its step shares (a pipeline rank's stages and
+    micro-batches in flight estimated: search/evaluate.py), what it weighed while choosing."""
     dp = plan.data_parallel
     auto = device if isinstance(device, Auto) else Auto(device=device)
     profile = auto.profile()
@@ -30,9 +36,12 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     for technique in plan.options.techniques:  # a pipeline stage's share of the step
         total = total.scaled(technique.step_shares(plan.mesh, plan.built.get(technique.name)), plan.mesh, profile)
     sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
+    rank = plan.peak_memory_rank(optimizer_states)
     return {
         "time_s": total.time(plan.mesh, profile, plan.dp_axis, dp),
-        "memory": total.memory(plan.mesh, plan.dp_axis, dp, plan),
+        "memory": float(plan.memory_per_rank(rank, optimizer_states).total),
+        "memory_rank": rank,
+        "memory_estimate": total.memory(plan.mesh, plan.dp_axis, dp, plan),
         "compute_s": total.compute,
         "comm_s": total.comm,
         "sync_s": sync + total.other_sync(plan.mesh, dp),

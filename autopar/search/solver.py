@@ -51,6 +51,10 @@ class Option:
     comps: dict  # component key -> {choice: (time, sync, hide, memory)}
     idle: int = 0  # mesh axes (of size > 1) the option leaves replicated: their ranks repeat work
     idle_choice: dict = field(default_factory=dict)  # choice -> a fraction of an idle axis (R on a tp axis)
+    # 1 where a plain torch.optim optimizer cannot step the plan (ZeRO-1/2: ap.ZeroOptimizer or
+    # ap.Optimizer): on a tie in time, after the idle axes and before memory, the plain ones win,
+    # so that a user's loop keeps working unless the budget needs the sharded state
+    wrapped: int = 0
 
 
 @dataclass
@@ -79,8 +83,8 @@ def _combinations(opt: Option) -> int:
 
 def _enumerate(options: list[Option], budget: float | None, overlap: float) -> Solution | None:
     """solve by costing every (option, component choices): the MILP's optimum and tie-breaks
-    (least time; within the MILP's tolerance of it, fewest idle axes, then least memory
-    normalised as the MILP normalises it)."""
+    (least time; within the MILP's tolerance of it, fewest idle axes, then the options a plain
+    optimizer steps, then least memory normalised as the MILP normalises it)."""
     every_t = [o.base[0] for o in options] + [v[0] for o in options for ch in o.comps.values() for v in ch.values()]
     every_m = [o.base[3] for o in options] + [v[3] for o in options for ch in o.comps.values() for v in ch.values()]
     scale = 1e6 / max(max(abs(t) for t in every_t), 1e-30)  # as the MILP scales time (see _milp)
@@ -111,7 +115,9 @@ def _enumerate(options: list[Option], budget: float | None, overlap: float) -> S
     best = min(f[0] for f in found)
     limit = best * (1 + 1e-9) + 1e-6 / scale
     tied = [f for f in found if f[0] <= limit]
-    t, m, _, g, picked = min(tied, key=lambda f: (2.0 * f[2] + f[1] / norm + 1e-12 * f[0] * scale, f[3]))
+    t, m, _, g, picked = min(
+        tied, key=lambda f: (2.0 * f[2] + options[f[3]].wrapped + f[1] / norm + 1e-12 * f[0] * scale, f[3])
+    )
     return Solution(options[g].label, dict(zip(options[g].comps, picked)), float(t), float(m), "enumerated")
 
 
@@ -205,17 +211,19 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
     )
     if res.x is not None:
         # Ties (ZeRO-2 costs what ZeRO-0 costs when the sync hides behind backward; a tiny model
-        # whose every option is latency) go first to the options that use every rank, then to the
-        # least memory: a second solve, the time held within 1e-9 of the optimum (lexicographic;
-        # the memory term is normalised below 1, so one idle axis outweighs any memory).
+        # whose every option is latency) go first to the options that use every rank, then to
+        # those a plain torch.optim optimizer steps (Option.wrapped), then to the least memory: a
+        # second solve, the time held within 1e-9 of the optimum (lexicographic; the memory term
+        # is normalised below 1, so one idle axis, or a wrapped optimizer, outweighs any memory).
         rows.append(cost)
         lo.append(-np.inf)
         hi.append(res.fun * (1 + 1e-9) + 1e-6)
         idle = np.array(
             [options[col[1]].idle if col[0] == "x" else options[col[1]].idle_choice.get(col[3], 0.0) for col in cols]
         )
+        wrapped = np.array([float(options[col[1]].wrapped) if col[0] == "x" else 0.0 for col in cols])
         second = milp(
-            2.0 * idle + mem / max(float(np.abs(mem).sum()), 1.0) + 1e-12 * cost,
+            2.0 * idle + wrapped + mem / max(float(np.abs(mem).sum()), 1.0) + 1e-12 * cost,
             constraints=LinearConstraint(np.array(rows), lo, hi),
             integrality=integrality,
             bounds=bounds,

@@ -242,7 +242,7 @@ def test_options_are_checked():
         module = plan.build_module(rank)
         H.loss_of(module(plan.local_inputs(rank, H.batches(1)[0])[0][0])).backward()
 
-    with pytest.raises(ap.SimulationError, match="ZeroOptimizer"):
+    with pytest.raises(ap.SimulationError, match=r"ap.Optimizer\(module, torch.optim.AdamW, lr=...\) in place of"):
         run(plan, plain_optimizer)
     with pytest.raises(ap.DataParallelError, match="whole parameter"):
         ap.ZeroOptimizer(plan.build_module(0), torch.optim.LBFGS)

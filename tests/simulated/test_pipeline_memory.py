@@ -40,7 +40,8 @@ def test_memory_per_rank_is_what_each_rank_holds(schedule, checkpoint, chunks, m
     model = [plan.memory_per_rank(r)["activations"] for r in plan.mesh.ranks()]
     for rank, (h, m) in enumerate(zip(held, model)):
         assert abs(m / h - 1) < 0.15, (rank, h, m)
-    assert plan.cost().at()["memory"]["activations"] == pytest.approx(max(model))
+    peak = plan.peak_memory_rank()  # plan.cost() answers for the rank that holds the most in all
+    assert plan.cost().at()["memory"]["activations"] == pytest.approx(model[peak])
 
 
 def test_one_f_one_b_holds_no_more_with_more_micro_batches():
@@ -138,7 +139,7 @@ def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
     rank = terms.scaled(plan.options.pipeline.step_shares(plan.mesh, plan.stage_layout), plan.mesh, prof)
     assert rank.pieces == 2 and rank.peak == pytest.approx(terms.peak / 2)
     with_flats = rank.memory(plan.mesh, plan.dp_axis, dp, plan)
-    assert with_flats == pytest.approx(ap.predict(plan, prof)["memory"])
+    assert with_flats == pytest.approx(ap.predict(plan, prof)["memory_estimate"])
     rank.pieces = 1
     assert with_flats - rank.memory(plan.mesh, plan.dp_axis, dp, plan) == most[0]
     zero2 = plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))

@@ -18,7 +18,10 @@ def _options(rng: random.Random, n_options: int, n_comps: int, ties: bool) -> li
     out = []
     for g in range(n_options):
         comps = {f"c{c}": {"split": coef(), "R": coef()} for c in range(n_comps)}
-        out.append(Option(("opt", g), coef(), comps, idle=rng.choice([0, 0, 1]), idle_choice={"R": 0.25}))
+        # every other option needs a wrapped optimizer (ZeRO-1/2): the tie-break between idle axes and memory
+        out.append(
+            Option(("opt", g), coef(), comps, idle=rng.choice([0, 0, 1]), idle_choice={"R": 0.25}, wrapped=g % 2)
+        )
     return out
 
 
@@ -39,6 +42,19 @@ def test_enumeration_equals_milp(seed):
             assert (fast.option, fast.choices) == (slow.option, slow.choices) or (
                 fast.memory == pytest.approx(slow.memory)
             )
+
+
+@pytest.mark.parametrize("milp_only", [False, True])
+def test_ties_go_to_a_plain_optimizer_unless_the_budget_needs_zero(milp_only):
+    """ZeRO-2 (wrapped: a plain torch.optim optimizer cannot step it) ties ZeRO-0 in time and keeps
+    less: without a budget the plain option wins the tie (the user's loop keeps working); a budget
+    only ZeRO-2 meets takes it; one idle axis still outweighs a wrapped optimizer."""
+    plain = Option("zero=0", (1.0, 0.0, 0.0, 8.0), {})
+    zero2 = Option("zero=2", (1.0, 0.0, 0.0, 5.0), {}, wrapped=1)
+    idle = Option("idle, zero=0", (1.0, 0.0, 0.0, 8.0), {}, idle=1)
+    assert solve([zero2, plain], None, 0.0, milp_only=milp_only).option == "zero=0"
+    assert solve([zero2, plain], 6.0, 0.0, milp_only=milp_only).option == "zero=2"
+    assert solve([zero2, idle], None, 0.0, milp_only=milp_only).option == "zero=2"
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.errors import PipelineError
+from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline import api, stage_memory, stage_shares
 from autopar.parallel.pipeline.schedules import SCHEDULES
 from autopar.parallel.pipeline.split import describe, split_stages
@@ -134,6 +135,16 @@ class Pipeline(Technique):
         """Each rank's dict completed with the other stages' pieces at its other coordinates, tied
         weights under every stage's name for them (api.restored): what merging reads."""
         return api.restored(plan, per_rank)
+
+    def rank_params(self, plan, rank: int, names: set) -> set:
+        """The parameters of ``rank``'s stages (a weight tied across stages: on each)."""
+        return names & set(held_params(plan, rank))
+
+    def memory_ranks(self, plan) -> tuple:
+        """One rank per stage position (the others' coordinates 0)."""
+        mesh = plan.mesh
+        axis = mesh.axis_index(self.axis)
+        return tuple(mesh.rank_of([p if a == axis else 0 for a in range(mesh.ndim)]) for p in range(mesh.shape[axis]))
 
     def describe(self, plan) -> str:
         """The stages: their nodes, modules, FLOPs and what they send (split.describe)."""
