@@ -129,10 +129,11 @@ def _on_ranks(optimizer) -> bool:
 
 def _refuse_plain_scaler(optimizer, args, kwargs) -> None:
     """Refused rather than made to work: a plain scaler decides in its own unscale_, before any
-    optimizer hook runs, and a rank that skips never calls step at all, so nothing autopar can
-    hook sees every rank's finding. Making torch's GradScaler agree would mean patching its
-    private _unscale_grads_ in every process. A rank that reaches step with a plain scaler is
-    refused before it moves a weight, on every rank at the first step any takes."""
+    optimizer hook runs, and a rank that skips never calls step at all, so no hook autopar owns
+    sees every rank's finding in time to change it. Making torch's GradScaler agree would mean
+    patching its private _unscale_grads_ for every user of torch in the process. So each rank
+    that reaches a step through a plain scaler raises before it moves a weight: in a normal first
+    step, every rank; where only some overflowed, the ones that would have stepped."""
     scaler = _driving_scaler()
     if scaler is None or isinstance(scaler, GradScaler) or not _on_ranks(optimizer):
         return
