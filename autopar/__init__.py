@@ -31,6 +31,7 @@ from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.grad_scaler import GradScaler
 from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
 from autopar.parallel.zero import ZeroOptimizer
@@ -66,6 +67,7 @@ __all__ = [
     "Cost",
     "DataParallel",
     "DataParallelError",
+    "GradScaler",
     "InconsistentPlanError",
     "InputError",
     "Mesh",

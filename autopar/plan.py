@@ -35,6 +35,7 @@ from autopar.errors import DataParallelError, InputError
 from autopar.mesh import SubAxis
 from autopar.explore.plan_views import PlanViews
 from autopar.parallel import dp_module
+from autopar.parallel.grad_scaler import mark_rank_params
 from autopar.parallel.optimizer import mark_pieces
 from autopar.parallel.registry import plan_method, plan_method_names
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
@@ -261,7 +262,7 @@ class Plan(PlanViews):
                 self.program,
                 class_name=f"Rank{rank}Module",
                 state=state,
-                before_techniques=[_grad_sync, mark_pieces],
+                before_techniques=[_grad_sync, mark_pieces, mark_rank_params],
             )
         gm.train(self.model.training)  # starts in the model's mode, as a copy of it would
         return gm

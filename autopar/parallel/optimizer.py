@@ -95,6 +95,20 @@ class Optimizer(torch.optim.Optimizer):
         self.whole.write_back()
         return out
 
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` this rank's step reads (what ap.GradScaler unscales and checks):
+        gathering whole tensors, the rank's pieces it gathers from (its shadows' gradients are
+        filled only inside step), and under ZeRO-2 the reduced slices of those."""
+        if self.whole is None:
+            own = getattr(self.inner, "stepped_tensors", None)
+            return own() if own is not None else [p for g in self.param_groups for p in g["params"]]
+        sync = self.whole.zero_sync
+        if sync is None or sync.dp.zero != 2:
+            return list(self.whole.params.values())
+        bucketed = {n for i in sync.zero.bucket_ids for n in sync.buckets[i].names}
+        slices = [piece.tensor for piece in sync.zero.all_pieces() if piece.name in self.whole.params]
+        return slices + [p for n, p in self.whole.params.items() if n not in bucketed]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients of what this optimizer steps (two of them on one module, Muon for the
         matrices and AdamW for the rest, clear each its own)."""

@@ -151,6 +151,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shards.all_gather()
         return loss
 
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` ap.GradScaler unscales: ZeRO-2's slices and the parameters
+        not on dp (the param groups); under ZeRO-1 the module's parameters, whose full gradients
+        the slices are views of (each element once, and clipping reads the full ones)."""
+        if self.shards.sync.dp.zero != 1:
+            return [p for g in self.param_groups for p in g["params"]]
+        seen: dict = {}
+        for p in self.shards.sync.params.values():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)
         for p in self.module.parameters():

@@ -109,6 +109,7 @@ class PipelineRunner:
         self.dtypes = {n.name: _dtype(n) for n in plan.graph.nodes if n.name in lay.value_ids}
         self.timeline: list[Event] = []
         self.stats: dict = {}
+        self._scaler = None  # step's GradScaler, while it runs
         self.measure = measure  # None: on under the simulator (see the module docstring)
         self._schedules: dict = {}  # train -> this rank's actions and the sends each lets go of
         self._receive_lists: dict = {}  # (kind, stage, micro-batch, shapes id) -> its receives (_receives)
@@ -275,15 +276,22 @@ class PipelineRunner:
     def stage_modules(self) -> list:
         return list(self.modules.values())
 
-    def step(self, batch, labels=None, sync_loss: bool = True):
+    def step(self, batch, labels=None, sync_loss: bool = True, scaler=None):
         """One training step over the whole batch; returns the loss (and the metric, if any).
+
+        ``scaler``: an ap.GradScaler: each micro-batch's backward starts from its loss times the
+        scale (``scaler.scale(loss).backward()`` of a rank module); the loss returned is unscaled.
 
         ``sync_loss=False`` skips the step's one collective for the loss (a hand-written
         pipeline's loss lives on its last stage): the loss returned is then this rank's own,
         the mean over its data-parallel slice, where it holds the last stage, and None on the
         other ranks. For a loop that reads the loss every k steps only; every rank of the job
         must pass the same value (the loss's collective is theirs together)."""
-        return self._run(batch, labels, train=True, sync_loss=sync_loss)
+        self._scaler = scaler
+        try:
+            return self._run(batch, labels, train=True, sync_loss=sync_loss)
+        finally:
+            self._scaler = None
 
     def evaluate(self, batch, labels=None, keep_outputs: bool = False, sync_loss: bool = True):
         """Forward only (no activations kept); returns the loss (and metric) like ``step``.
@@ -513,7 +521,8 @@ class PipelineRunner:
         t_go, c_go = time.perf_counter(), clock()
         if st.has_output:
             tensors.append(sv.loss)
-            grads.append(torch.full_like(sv.loss, self._weights[a.microbatch]))
+            seed = torch.full_like(sv.loss, self._weights[a.microbatch])
+            grads.append(seed if self._scaler is None else self._scaler.scale(seed).to(seed.dtype))
         with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext(), self._stage_no_sync(a):
             if tensors:
                 torch.autograd.backward(tensors, grads)

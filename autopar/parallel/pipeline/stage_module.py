@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.codegen.emit import Emitter, keep_meta
+from autopar.parallel.grad_scaler import mark_rank_params
 from autopar.parallel.optimizer import mark_pieces
 from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module, tensor_slots
@@ -64,7 +65,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
         class_name=f"Rank{rank}Stage{stage}",
         names=names,
         pieces=params,
-        before_techniques=[mark_pieces],  # a whole-tensor torch.optim class stepping pieces is refused
+        before_techniques=[mark_pieces, mark_rank_params],  # a whole-tensor optimizer, a plain scaler: refused
     )
     gm.autopar_stage = stage
     return gm
