@@ -31,6 +31,7 @@ from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.precision import MixedPrecision
 from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
 from autopar.parallel.zero import ZeroOptimizer
@@ -65,6 +66,7 @@ __all__ = [
     "ContextParallel",
     "Cost",
     "DataParallel",
+    "MixedPrecision",
     "DataParallelError",
     "InconsistentPlanError",
     "InputError",
