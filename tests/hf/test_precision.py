@@ -158,3 +158,23 @@ def test_mixed_precision_options():
     with pytest.raises(ap.PlanError, match="must be a floating torch dtype"):
         ap.MixedPrecision(param_dtype=torch.int8)
     assert ap.MixedPrecision.from_fields(mp.fields()) == mp
+
+
+def test_bf16_policy_memory_per_rank():
+    """memory_per_rank under the policy: fp32 masters, gradients and optimizer state; the bf16 copies
+    the program makes of them (``compute_copies``, zero 0-2 and without data parallel) or zero=3's
+    gathered blocks in bf16 (half the fp32 plan's); activations in bf16 (less than fp32's)."""
+    model, kw = causal_lm("llama"), inputs("llama")
+    n = sum(p.numel() for p in model.parameters())
+    mesh = ap.Mesh((2,), ("dp",))
+    fp32 = {z: ap.plan(model, mesh, kwargs=kw, data_parallel=ap.DataParallel("dp", zero=z)) for z in (0, 3)}
+    for zero, plan in fp32.items():
+        low = plan.with_data_parallel(ap.DataParallel("dp", zero=zero, param_dtype=BF16)).memory_per_rank()
+        high = plan.memory_per_rank()
+        for key in ("params", "grads", "optimizer_state"):
+            assert low[key] == high[key], key
+        assert low["activations"] < high["activations"]
+        if zero == 0:
+            assert low["compute_copies"] == 2 * n and "compute_copies" not in high
+        else:
+            assert low["gathered"] * 2 == high["gathered"] and "compute_copies" not in low
