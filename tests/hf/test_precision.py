@@ -160,6 +160,18 @@ def test_mixed_precision_options():
     assert ap.MixedPrecision.from_fields(mp.fields()) == mp
 
 
+def test_mixed_precision_plan_file(tmp_path):
+    """A plan under ap.MixedPrecision alone (tp) saved and loaded: the policy comes back and the
+    loaded plan is traced in bf16 again."""
+    model, kw = causal_lm("llama"), inputs("llama")
+    mp = ap.MixedPrecision(param_dtype=BF16)
+    ann = ap.presets.megatron(model, "tp", kwargs=kw)
+    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw, annotations=dict(ann), mixed_precision=mp)
+    plan.save(tmp_path / "p.json")
+    again = ap.load_plan(tmp_path / "p.json", model)
+    assert again.options.mixed_precision == mp and again.traced.dtype == BF16
+
+
 def test_bf16_policy_memory_per_rank():
     """memory_per_rank under the policy: fp32 masters, gradients and optimizer state; the bf16 copies
     the program makes of them (``compute_copies``, zero 0-2 and without data parallel) or zero=3's
