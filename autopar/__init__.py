@@ -32,6 +32,7 @@ from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
 from autopar.parallel.grad_scaler import GradScaler
+from autopar.parallel.precision import MixedPrecision
 from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
 from autopar.parallel.zero import ZeroOptimizer
@@ -72,6 +73,7 @@ __all__ = [
     "InputError",
     "Mesh",
     "MeshError",
+    "MixedPrecision",
     "NoRuleError",
     "Optimizer",
     "Partial",

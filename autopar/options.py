@@ -59,6 +59,8 @@ class PlanOptions:
                     f"{', '.join(TECHNIQUES)} (did you mean {close_matches(name, TECHNIQUES, 1)}?)"
                 )
             chosen[name] = cls.of(value)
+        for cls in TECHNIQUES.values():
+            chosen = cls.fold(chosen)
         ordered = tuple(chosen[n] for n in TECHNIQUES if chosen.get(n) is not None)
         values = dict(techniques=ordered, split_before=tuple(split_before), strict=strict, dynamic=dynamic)
         values.update(repeat_blocks=repeat_blocks, debug=debug, auto=auto, rng=rng, seed=seed)

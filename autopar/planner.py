@@ -22,6 +22,7 @@ from autopar.errors import AnnotationError, MeshError
 from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.parallel.precision import compute_dtype
 from autopar.plan import Plan
 from autopar.search.auto import search, settle_memory
 from autopar.search.options import Auto
@@ -31,7 +32,7 @@ from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.export import trace
-from autopar.trace.in_dtype import skeleton
+from autopar.trace.in_dtype import inputs_in_dtype, materialized, params_in_dtype, skeleton
 from autopar.trace.model_members import held
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 
@@ -67,9 +68,10 @@ def make_plan(
     _validate(mesh, options, annotations)
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
-    with keep_opaque(model, keep, args, kwargs or {}):
-        traced = trace(model, args, kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks)
-    traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)  # a precision policy traces again
+    traced = _trace(model, options, args, kwargs, keep)
+    traced.replan = lambda again, seeds: make_plan(  # Plan.with_options under another compute dtype
+        model, mesh, again, **_example(traced), annotations={p: opaque() for p in keep}, seeds=seeds
+    )
     if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
         traced.materialize_device = input_device(args, kwargs)
         if traced.materialize_device is not None:
@@ -115,6 +117,26 @@ def make_plan(
     if record is not None:  # JSON: the search's choice, its reasons and the runners-up
         plan.built["auto"] = settle_memory(plan, record, Auto.of(searched).optimizer_states)
     return plan
+
+
+def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
+    """``model`` traced as it computes under the options' precision policy: its floating parameters
+    and inputs in ``param_dtype`` (trace/in_dtype.py; the model's own dtype without a policy)."""
+    dtype = compute_dtype(options)
+    low_args, low_kwargs = inputs_in_dtype(args, kwargs or {}, dtype)
+    with params_in_dtype(model, dtype), keep_opaque(model, keep, low_args, low_kwargs):
+        traced = trace(
+            model, low_args, low_kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks
+        )
+    traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)
+    traced.example_device, traced.dtype = input_device(args, kwargs), dtype
+    return traced
+
+
+def _example(traced) -> tuple:
+    """The example inputs to trace again with: zeros of their shapes where they were, as keywords."""
+    args, kwargs = materialized(traced.example, traced.example_device)
+    return {"args": args, "kwargs": kwargs}
 
 
 def _resolved(cache: dict | None, annotations, model, mesh, inputs, data_axis, ndims) -> Seeds:

@@ -84,7 +84,7 @@ def expected_dtypes(vals: list, plan) -> tuple:
     """The dtype each input must have: the traced one (the program was traced for it: a float64
     image where float32 was traced fails deep inside), or "floating" for floating inputs under a
     precision policy, which casts any floating input to its param_dtype."""
-    policy = plan.data_parallel is not None and plan.data_parallel.param_dtype is not None
+    policy = plan.traced.dtype is not None
     return tuple("floating" if policy and val.dtype.is_floating_point else val.dtype for _, val, _ in vals)
 
 

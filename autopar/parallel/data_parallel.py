@@ -25,8 +25,9 @@ option at its default) or a DataParallel naming the axis and the options:
   |rep| x |axis| shards over both (a (8, 8) mesh as 64-way FSDP).
 - data parallel over two mesh axes at any ZeRO level: ``replicate_axis`` with zero 0-2 splits
   the batch over both (one data-parallel axis of their product; ZeRO-1/2 shard over all of it).
-- ``param_dtype`` / ``output_dtype`` (any zero level): compute with parameters (and floating
-  inputs) cast to ``param_dtype`` from their fp32 values; cast the outputs to ``output_dtype``.
+- ``param_dtype`` / ``output_dtype`` (any zero level): the precision policy (parallel/precision.py):
+  the model traced and computed in ``param_dtype`` over fp32 master parameters (cast at the gather
+  under zero=3, at their read otherwise); the outputs cast to ``output_dtype``.
 - ``loss_mean``: a cross-entropy mean computed inside the model over rows split on this axis
   divides by the count of every rank's counted rows ("global", the default: the serial model on
   the union of the ranks' batches, also when ranks hold different numbers of tokens), or by the
@@ -63,7 +64,6 @@ from autopar.parallel import buffer_sync, dp_module
 from autopar.parallel.fsdp import FullyShardedStorage
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from autopar.parallel.local_sgd import LocalSGD
-from autopar.parallel.dtype_retarget import refuse_collapsed_experts, retarget_dtypes
 from autopar.parallel.precision import cast_program
 from autopar.parallel.registry import register_technique
 from autopar.parallel.storage import Replicated, ShardedOptimizer
@@ -367,14 +367,8 @@ class DataParallel(Technique):
     def restored(self, plan, per_rank):
         return self.storage.restored(plan, per_rank)
 
-    def after_plan(self, plan):
-        if self.param_dtype is not None:  # refused at planning rather than when a rank's program is made
-            refuse_collapsed_experts(plan, self.param_dtype)
-        return None
-
     def rewrite_program(self, plan, graph) -> None:
-        if self.param_dtype is not None:  # the model's own dtype constants as it runs in param_dtype
-            retarget_dtypes(plan, graph, self.param_dtype)
+        # the program was traced in param_dtype (parallel/precision.py): it needs the casts only
         self.storage.rewrite_program(plan, graph)  # zero=3's gathers, in param_dtype
         cast_program(plan, graph, self.param_dtype, self.output_dtype)
 

@@ -15,6 +15,7 @@ from autopar.cost.plan_cost import STATE_BYTES, activation_terms
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
+from autopar.parallel.precision import compute_copies
 
 
 def sync_axes_all_names(plan) -> dict[str, tuple[int, ...]]:
@@ -130,6 +131,8 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
     }
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
+    if compute_copies(plan, params):  # a precision policy's param_dtype copies of the fp32 masters
+        mem["compute_copies"] = compute_copies(plan, params)
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
     mem.update({k: float(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
     return RankMemory(mem)

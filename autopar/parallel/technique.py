@@ -54,6 +54,12 @@ class Technique:
         return annotations, {}
 
     @classmethod
+    def fold(cls, chosen: dict) -> dict:
+        """The techniques asked for (name -> technique) as this one changes the others it configures
+        (a precision policy gives its dtypes to the DataParallel beside it); runs on every PlanOptions."""
+        return chosen
+
+    @classmethod
     def check_options(cls, options) -> None:
         """Refuse PlanOptions that need this technique and lack it (split_before without a pipeline)."""
 

@@ -55,7 +55,10 @@ class Traced:
     training: bool = True  # the model's mode when traced (export bakes it into flags)
     materialize_device: object = None  # a meta-device model's rank pieces go here (trace/meta_device.py)
     example: tuple | None = None  # (args, kwargs) as meta tensors: to trace again (trace/in_dtype.py)
+    example_device: object = None  # where the example inputs were (materialized: traced again there)
     opaque: tuple = ()  # the module paths traced as ap.opaque() calls
+    dtype: object = None  # the floating parameters' dtype when traced under a precision policy (None: their own)
+    replan: object = None  # (options, seeds) -> a Plan traced again (planner.make_plan; another compute dtype)
 
     def placeholders(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}

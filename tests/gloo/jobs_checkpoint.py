@@ -18,6 +18,7 @@ TARGETS = {  # name -> (mesh shape, axes, data parallel, annotations, pipeline)
     "dp2_zero2": ((2,), ("dp",), ap.DataParallel("dp", zero=2, bucket_max_params=3), {}, None),
     "dp2xtp2": ((2, 2), ("dp", "tp"), "dp", MEGATRON, None),
     "dp2_zero3": ((2,), ("dp",), ap.DataParallel("dp", zero=3), {}, None),
+    "dp2_zero3_bf16": ((2,), ("dp",), ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16), {}, None),
     "dp2xtp2_zero3": ((2, 2), ("dp", "tp"), ap.DataParallel("dp", zero=3), MEGATRON, None),
     "hsdp_rep2xshard2": ((2, 2), ("rep", "shard"), ap.DataParallel("shard", zero=3, replicate_axis="rep"), {}, None),
     "tp4_blocks": ((4,), ("tp",), None, QKV_BLOCKS, None),
@@ -100,6 +101,23 @@ def _worst(plan, module, serial):
                 continue
             worst = max(worst, ((p.detach() - ref).abs().max() / ref.abs().max()).item())
     return worst
+
+
+def policy_masters_round_trip(path, into="tp2"):
+    """Train under the bf16 policy (zero=3), save through DCP, load into ``into`` (fp32, another
+    init): (the saved values' dtypes, the largest difference of a loaded full tensor from the saved)."""
+    plan, module, opt = _build("dp2_zero3_bf16", seed=0)
+    _train(plan, module, opt, range(10, 13))
+    saved, optim_sd = ap.get_state_dict(module, opt)
+    dcp.save({"model": saved, "optim": optim_sd}, checkpoint_id=path)
+    full = {k: v.full_tensor() for k, v in saved.items()}
+    _, other, other_opt = _build(into, seed=7)
+    model_sd, other_optim_sd = ap.get_state_dict(other, other_opt)
+    dcp.load({"model": model_sd, "optim": other_optim_sd}, checkpoint_id=path)
+    ap.set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=other_optim_sd)
+    loaded = {k: v.full_tensor() for k, v in ap.get_state_dict(other)[0].items()}
+    worst = max((loaded[k] - full[k]).abs().max().item() for k in full)
+    return sorted({str(v.dtype) for v in saved.values()}), worst
 
 
 def plain_state_dict_refused(path):

@@ -100,3 +100,54 @@ def ap_adamw(params):
     import torch
 
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def against_fsdp2(steps=10):
+    """Tiny HF LLaMA, 2 processes, ``steps`` AdamW steps on each rank's half of one global batch:
+    torch FSDP2 (``fully_shard`` per decoder layer and at the root, MixedPrecisionPolicy(bf16,
+    reduce fp32)) and ap.parallelize(DataParallel(zero=3, param_dtype=bf16, reduce_dtype=fp32)) from
+    the same weights. Returns (FSDP2's losses, ours: each the ranks' mean, the largest relative distance of a parameter's
+    total update from FSDP2's, of the parameters themselves)."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from tests.harness.hf_models import causal_lm, inputs
+
+    bf16, rank = torch.bfloat16, dist.get_rank()
+    model, kw = causal_lm("llama", layers=2), inputs("llama")
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = copy.deepcopy(model).train()
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in ref.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    half = {k: v.chunk(2)[rank] for k, v in kw.items()}
+    module = parallelize(
+        copy.deepcopy(model).train(),
+        ap.Mesh((2,), ("dp",)),
+        kwargs=kw,
+        data_parallel=ap.DataParallel("dp", zero=3, param_dtype=bf16, reduce_dtype=torch.float32),
+    )
+    _, local = module.autopar_plan.local_inputs(rank, **kw)
+    theirs, ours = [], []
+    for net, batch, losses in ((ref, half, theirs), (module, local, ours)):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+        for _ in range(steps):
+            loss = net(**batch).loss.float()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # FSDP2's rank holds its half's mean; ours the whole batch's (loss_mean)
+            losses.append(mean.item() / 2)
+    full = {n: p.full_tensor().detach() for n, p in ref.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {n: p.detach() for n, p in module.named_parameters()})
+    got = module.autopar_plan.merge_state_dicts(gathered)
+    moved = max(((got[n] - full[n]).norm() / (full[n] - init[n]).norm()).item() for n in full)
+    params = max(((got[n] - full[n]).norm() / full[n].norm()).item() for n in full)
+    return theirs, ours, moved, params

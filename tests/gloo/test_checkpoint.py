@@ -192,3 +192,10 @@ def test_load_pretrained_gpt2_blocked_qkv_and_tied_head_simulated(tmp_path):
     losses = plan.simulate(lambda m, **k: m(**k)["loss"].item(), **kw)
     serial = GPT2LMHeadModel.from_pretrained(path).eval()(**kw).loss.item()
     assert max(abs(x - serial) for x in losses) < 1e-5 * max(1.0, abs(serial))
+
+
+def test_bf16_policy_saves_fp32_masters(gloo, tmp_path):
+    """Trained under DataParallel(zero=3, param_dtype=bf16): DCP saves the fp32 masters (not bf16
+    copies) and a tp=2 fp32 plan loads them exactly."""
+    for dtypes, worst in gloo(2).run(f"{JOBS}:policy_masters_round_trip", str(tmp_path / "bf16")):
+        assert dtypes == ["torch.float32"] and worst == 0.0, (dtypes, worst)

@@ -74,7 +74,8 @@ def bert(layers=1, seed=0):
 
 def causal_lm(name: str, layers=1, seed=0, attn="eager"):
     """A tiny causal LM of another HF architecture than the ones above (issue 32's user paths):
-    gemma2, granite, stablelm, phi3, olmo2; and qwen2 (context parallel's tests); ``attn``: its
+    gemma2, granite, stablelm, phi3, olmo2; qwen2 (context parallel's tests), llama and mistral
+    (the precision policy's); ``attn``: its
     attention implementation ("eager", "sdpa")."""
     import transformers as T
 
@@ -93,6 +94,8 @@ def causal_lm(name: str, layers=1, seed=0, attn="eager"):
     )
     config, model, extra = {
         "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, {}),
         "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(head_dim=8)),
         "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
         "stablelm": (T.StableLmConfig, T.StableLmForCausalLM, {}),

@@ -203,7 +203,13 @@ def test_techniques_are_registered_plug_ins():
     """Options, ap.plan's keywords, plan files and Plan's technique methods come from the registry."""
     from autopar.parallel import TECHNIQUES
 
-    assert list(TECHNIQUES) == ["data_parallel", "context_parallel", "pipeline", "activation_checkpoint"]
+    assert list(TECHNIQUES) == [
+        "data_parallel",
+        "context_parallel",
+        "pipeline",
+        "mixed_precision",
+        "activation_checkpoint",
+    ]
     for name, cls in TECHNIQUES.items():
         assert cls.name == name and getattr(ap.PlanOptions(), name) is None
     plan = ap.plan(MLP(), ap.Mesh((2,), ("dp",)), args=(torch.randn(4, 16),), data_parallel="dp")
