@@ -91,6 +91,10 @@ class RankMemory(dict):
     def __missing__(self, key):
         return self.info[key]
 
+    def get(self, key, default=None):
+        """``mem.get(key)`` reads ``info`` too, as ``mem[key]`` does (dict.get skips __missing__)."""
+        return super().get(key, self.info.get(key, default))
+
     @property
     def total(self) -> int:
         return sum(self.values())

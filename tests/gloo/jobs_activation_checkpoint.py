@@ -56,4 +56,5 @@ def pipeline_memory(schedule, checkpoint=False, microbatches=4, chunks=1):
         "model": predicted["activations"],
         "in_flight": runner.stats["max_in_flight"],
         "cost": plan.cost().at()["memory"]["activations"],
+        "peak_rank": plan.peak_memory_rank(),
     }
