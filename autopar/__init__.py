@@ -9,10 +9,12 @@ Example:
     >>> module = ap.parallelize(model, mesh, args=(x,), ...)   # in a torchrun job: this rank's module
 """
 
+import importlib
+
 from autopar import presets
 from autopar.api import compile, parallelize, plan
 from autopar.planner import load_plan
-from autopar.checkpoint import CheckpointError, get_state_dict, load_pretrained, save_pretrained, set_state_dict
+from autopar.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from autopar.errors import (
     AnnotationError,
     InconsistentPlanError,
@@ -116,3 +118,15 @@ __all__ = [
     "sync_batch_norm",
     "vocab_parallel",
 ]
+
+
+def __getattr__(name: str):
+    """ap.get_state_dict / ap.set_state_dict import DCP's DTensor machinery on first use
+    (autopar/checkpoint/__init__.py says why)."""
+    if name in ("get_state_dict", "set_state_dict"):
+        return getattr(importlib.import_module("autopar.checkpoint"), name)
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

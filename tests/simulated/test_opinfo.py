@@ -22,6 +22,7 @@ SUBSET = (
     "permute", "transpose", "reshape", "flip", "unfold", "slice_scatter", "permute_copy", "movedim", "cat",
     "nn.functional.conv2d", "nn.functional.conv_transpose2d", "nn.functional.embedding",
     "nn.functional.cross_entropy", "fft.rfft", "nn.functional.prelu", "nn.functional.kl_div",
+    "cdist",
 )  # fmt: skip
 
 

@@ -11,7 +11,14 @@ import sys
 
 import autopar as ap
 
-HEAVY = ("torch._dynamo", "torch._inductor.config", "torch.distributed.fsdp", "scipy", "scipy.optimize")
+HEAVY = (
+    "torch._dynamo",
+    "torch._inductor.config",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "scipy",
+    "scipy.optimize",
+)
 
 
 def test_import_autopar_leaves_heavy_modules_unloaded():
