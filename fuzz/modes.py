@@ -27,7 +27,7 @@ from autopar.runtime.simulator import run_ranks
 
 EVERY = {"eval": 10, "dropout": 8, "compiled": 60}  # one case in N runs the mode
 # issue 32's modes (fuzz/user_modes.py)
-EVERY.update({"random_replicas": 2, "optimizer": 6, "bf16": 8, "state_dict": 4})
+EVERY.update({"random_replicas": 2, "optimizer": 6, "bf16": 8, "state_dict": 4, "grad_scaler": 8})
 RTOL, ATOL = 1e-4, 1e-5
 MAX_COMPILED_RANKS = 2
 
@@ -55,7 +55,7 @@ def selected(case: dict, mode: str) -> bool:
 
 def run_modes(case: dict, plan, args) -> list[str]:
     """Run the modes ``case`` is selected for; a mismatch raises. Returns the modes run."""
-    from .user_modes import check_bf16, check_optimizer, check_random_replicas, check_state_dict
+    from .user_modes import check_bf16, check_grad_scaler, check_optimizer, check_random_replicas, check_state_dict
 
     done = []
     checks = (
@@ -65,6 +65,7 @@ def run_modes(case: dict, plan, args) -> list[str]:
         ("random_replicas", check_random_replicas),
         ("optimizer", check_optimizer),
         ("bf16", check_bf16),
+        ("grad_scaler", check_grad_scaler),
         ("state_dict", check_state_dict),
     )
     for mode, check in checks:

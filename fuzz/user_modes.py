@@ -5,8 +5,11 @@ random plans. Each runs on a deterministic subset of the cases (modes.selected):
   that hold the same output (they differ on replicated axes only) got bit-identical draws;
 - optimizer: a torch.optim class picked by the case, through ap.Optimizer on every rank, two
   steps: the merged parameters equal the serial model's after the same steps;
-- bf16: the data-parallel cases under DataParallel(param_dtype=bf16): outputs and gradients
-  within bf16 tolerance of the serial model under the same policy;
+- bf16: the cases under the bf16 policy (DataParallel(param_dtype=bf16), or ap.MixedPrecision
+  where the plan has no data parallelism): outputs and gradients within bf16 tolerance of the
+  serial model under the same policy;
+- grad_scaler: ap.GradScaler over ap.Optimizer: an inf in one rank's gradient piece, and every
+  rank skips; the clean step after it equals serial SGD;
 - state_dict: every rank's checkpoint boxes of every tensor (what ap.get_state_dict describes,
   blocked shards and zero=3 pieces included), assembled as Pieces.full_tensor() does, are the
   serial tensor, bit for bit.
@@ -129,15 +132,18 @@ def check_optimizer(case, plan, args, steps=2) -> None:
 
 
 def check_bf16(case, plan, args) -> None:
-    """DataParallel(param_dtype=bf16) vs the serial model computing in bf16 from fp32 masters."""
+    """The bf16 policy vs the serial model computing in bf16 from fp32 masters: as
+    DataParallel(param_dtype=bf16) where the plan has data parallelism, as ap.MixedPrecision
+    (tensor, context or expert parallelism alone) where it has none."""
     from .spec import draws_random
 
+    if draws_random(case) or any(b["kind"] == "bn" for b in case["blocks"]):
+        return  # (batch norm's fp32 running statistics do not run with bf16 weights, serial either)
     dp = plan.data_parallel
-    if dp is None or draws_random(case) or any(b["kind"] in ("bn", "moe") for b in case["blocks"]):
-        return  # (batch norm's fp32 running statistics do not run with bf16 weights, serial either;
-        # MoE experts: planned under the policy since issue 41 (tests/simulated/test_expert_layouts.py),
-        # not yet drawn here: this mode's tolerances were not rerun on them)
-    policy = plan.with_data_parallel(dataclasses.replace(dp, param_dtype=torch.bfloat16))
+    if dp is not None:
+        policy = plan.with_data_parallel(dataclasses.replace(dp, param_dtype=torch.bfloat16))
+    else:
+        policy = plan.with_options(plan.options.replace(mixed_precision=ap.MixedPrecision(torch.bfloat16)))
     model = plan.model
     low = {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     cast = [a.to(torch.bfloat16) if a.is_floating_point() else a for a in args]
@@ -172,6 +178,60 @@ def check_bf16(case, plan, args) -> None:
             _compare(
                 f"bf16 gradient of {n!r}", p.grad.float(), grads[n].float(), BF16_RTOL, BF16_ATOL * max(scale, 1.0)
             )
+
+
+def check_grad_scaler(case, plan, args) -> None:
+    """ap.GradScaler over ap.Optimizer(SGD): an inf in one drawn rank's gradient piece makes every
+    rank skip and back off (parameters unchanged), and the clean step after it equals serial SGD
+    (the scale a power of two, so unscaling is exact)."""
+    from autopar.parallel.grad_scaler import stepped_tensors
+
+    from .spec import draws_random
+
+    model = copy.deepcopy(plan.model)
+    if draws_random(case) or not any(p.requires_grad for p in model.parameters()):
+        return
+    weights = _weights(plan, model(*args))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    _objective(model(*args), weights).backward()
+    opt.step()
+    state = {n: p.detach() for n, p in plan.model.named_parameters(remove_duplicate=False)}
+    local_w, inputs = _local_weights(plan, weights), [plan.local_inputs(r, *args) for r in plan.mesh.ranks()]
+    if plan.data_parallel is not None and plan.data_parallel.zero in (1, 2):
+        return  # as check_optimizer: the fuzz plans use zero 0 and 3
+    bad = _pick(case, tuple(plan.mesh.ranks()), "grad_scaler")
+
+    def step(rank):
+        module = plan.build_module(rank, state)
+        o = ap.Optimizer(module, torch.optim.SGD, lr=0.05)
+        scaler, scales, after_skip, injected = ap.GradScaler(module, init_scale=2.0**10), [], None, False
+        for inject in (True, False):
+            a, k = inputs[rank]
+            scaler.scale(_objective(module(*a, **k), local_w[rank])).backward()
+            held = [t for t in stepped_tensors(o) if t.grad is not None and t.grad.numel()]
+            if inject and rank == bad and held:
+                held[0].grad.view(-1)[0], injected = float("inf"), True
+            scaler.step(o)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            o.zero_grad()
+            if inject:
+                after_skip = {n: p.detach().clone() for n, p in module.named_parameters()}
+        return scales, after_skip, {n: p.detach().clone() for n, p in module.named_parameters()}, injected
+
+    results = run_ranks(plan.mesh.size, step)
+    if not results[bad][3]:
+        return  # the drawn rank holds no gradient element (an uneven ZeRO-3 piece): nothing to inject
+    for rank, (scales, *_) in enumerate(results):
+        if scales != [2.0**9, 2.0**9]:
+            raise AssertionError(f"GradScaler: rank {rank}'s scales {scales} (inf on rank {bad}): not [2**9, 2**9]")
+    skipped = plan.merge_state_dicts([r[1] for r in results])
+    for n, p in state.items():
+        if n in skipped and not torch.equal(skipped[n], p):
+            raise AssertionError(f"GradScaler: parameter {n!r} moved on the step rank {bad}'s inf should skip")
+    merged = plan.merge_state_dicts([r[2] for r in results])
+    for n, p in model.named_parameters():
+        _compare(f"GradScaler step: parameter {n!r}", p.detach(), merged[n], 1e-4, 1e-5)
 
 
 def check_state_dict(case, plan, args) -> None:

@@ -260,3 +260,33 @@ def test_experts_split_twice_with_a_dispatch_refused_while_planning():
         "checkpoint": None,
     }
     assert run_case(case).startswith("ShardingError: moe_experts at")
+
+
+# The fuzzer's bf16 mode on plans with no data parallelism (ap.MixedPrecision) and with MoE
+# experts: expert_parallel's tp check summed the bf16 trace's pieces against the whole at fp32's
+# tolerance and refused a correct column- then row-parallel split ("the pieces' sum differs").
+BF16_EXPERTS_TP = {
+    "seed": 7,
+    "vocab": 0,
+    "d": 8,
+    "batch": 7,
+    "seq": 2,
+    "blocks": [
+        {"kind": "moe", "experts": 4, "top_k": 2, "ffn": 4, "form": "list", "bias": True}
+        | {"router": "topk_softmax", "renorm": True},
+        {"kind": "residual", "hidden": 5, "fn": "silu"},
+    ],
+    "mesh": [[2, 2], ["a0", "a1"]],
+    "dp": None,
+    "annotations": [["blocks.0.gate", "colwise", "a1"], ["blocks.0.experts", "expert", ["a0", "a1"]]],
+    "checkpoint": None,
+    "cp": ["a1", "ring", False],
+}
+
+
+def test_bf16_mode_on_experts_split_by_tp_without_data_parallel():
+    from fuzz.user_modes import check_bf16
+
+    plan, args = plan_case(BF16_EXPERTS_TP, rng="placement")
+    assert plan.data_parallel is None
+    check_bf16(BF16_EXPERTS_TP, plan, args)  # raises on a wrong number (and refused before the fix)
