@@ -91,6 +91,19 @@ class ZeroShards:
             held = piece.tensor.grad
             piece.tensor.grad = held.add_(g) if accumulate and held is not None else g
 
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """What the module's zero_grad() clears beside its parameters' .grad: ZeRO-2's slice
+        gradients, which the next backward adds to (ZeRO-1's slices are views of the module's
+        gradients, set again by every sync)."""
+        if self.sync.dp.zero != 2:
+            return
+        for piece in self.all_pieces():
+            if piece.tensor.grad is not None:
+                if set_to_none:
+                    piece.tensor.grad = None
+                else:
+                    piece.tensor.grad.zero_()
+
     def all_pieces(self) -> list[Piece]:
         return [p for i in self.bucket_ids for p in self.pieces[i]]
 

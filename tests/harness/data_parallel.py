@@ -59,9 +59,10 @@ def make_optimizer(module, opt_name, zero):
     return ap.ZeroOptimizer(module, cls, **kw) if zero in (1, 2) else cls(module.parameters(), **kw)
 
 
-def train_rank(plan, rank, opt_name, data=None, wrap=None):
+def train_rank(plan, rank, opt_name, data=None, wrap=None, clear_with_module=False):
     """STEPS steps on ``rank``'s module (a fresh one, called through ``wrap(module)`` if given,
-    e.g. torch.compile); returns its parameters by serial name."""
+    e.g. torch.compile), gradients cleared by the optimizer's zero_grad() (``clear_with_module``:
+    the module's, as loops written ``model.zero_grad()`` do); returns its parameters by serial name."""
     module = plan.build_module(rank)
     run = wrap(module) if wrap is not None else module
     dp = plan.data_parallel
@@ -72,7 +73,7 @@ def train_rank(plan, rank, opt_name, data=None, wrap=None):
         (a,), _ = plan.local_inputs(rank, x)
         loss_of(run(a)).backward()
         opt.step()
-        opt.zero_grad()
+        (module if clear_with_module else opt).zero_grad()
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
