@@ -27,8 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/docs/ -> ..)
 PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md") if "_hooks" not in p.parts)
 
-SKIP = re.compile(r"^<!--\s*test:\s*skip\b(.*?)-->\s*$")
-SETUP = re.compile(r"^<!--\s*test:\s*setup\s*$")
+SKIP = re.compile(r"^\s*<!--\s*test:\s*skip\b(.*?)-->\s*$")  # indented too: a block in a list item
+SETUP = re.compile(r"^\s*<!--\s*test:\s*setup\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*(\S*)")
 
 
@@ -50,7 +50,7 @@ def parse(path: Path) -> list[Block]:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->"), None)
             if end is None:
                 raise ValueError(f"{path.name}:{i + 1}: '<!-- test: setup' without a closing '-->' line")
-            blocks.append(Block(i + 2, "\n".join(lines[i + 1 : end]), "setup"))
+            blocks.append(Block(i + 2, textwrap.dedent("\n".join(lines[i + 1 : end])), "setup"))
             i = end + 1
             continue
         m = SKIP.match(line)
