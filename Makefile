@@ -36,7 +36,7 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
 # Ruff: lint and format check (the formatter keeps lines to 120; pyproject.toml [tool.ruff]).
-LINTED := autopar tests bench fuzz examples
+LINTED := autopar tests bench fuzz examples docs/_hooks
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)

@@ -15,7 +15,6 @@ Example: `pytest tests/docs/test_doc_blocks.py -k getting_started`.
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
 import traceback
@@ -148,4 +147,3 @@ def test_parse_finds_markers(tmp_path):
     page.write_text("<!-- test: skip -->\n```python\nx\n```\n")
     with pytest.raises(ValueError, match="needs a reason"):
         parse(page)
-    assert os.path.exists(ROOT / "README.md")
