@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean fuzz survey opinfo
+.PHONY: demo test lint bench clean fuzz survey opinfo docs
 
 $(STAMP): requirements-test.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,8 +22,21 @@ TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
+# The docs site (issue 49): its own venv (mkdocs, mkdocs-material, mkdocstrings, pinned in requirements-docs.txt;
+# no torch: the API pages are read from the docstrings statically), then a strict build into site/, where a broken
+# link, a missing anchor or an unresolved API name fails. CI (.ci/run) runs it before `make test`.
+DOCS_VENV := .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+$(DOCS_STAMP): requirements-docs.txt
+	$(PY) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install -q -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
 # Ruff: lint and format check (the formatter keeps lines to 120; pyproject.toml [tool.ruff]).
-LINTED := autopar tests bench fuzz examples
+LINTED := autopar tests bench fuzz examples docs/_hooks
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
@@ -45,7 +58,7 @@ opinfo: $(STAMP)
 	$(BIN)/python -m fuzz.opinfo_report fuzz/opinfo-results.json docs/opinfo.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(DOCS_VENV) site .pytest_cache
 
 # Every architecture of the installed transformers, tiny, planned and checked: bench/SURVEY.md (~1 h on 2 vCPUs).
 survey: $(STAMP)

@@ -47,6 +47,16 @@ class SubAxis:
 
 @dataclass(frozen=True)
 class Mesh:
+    """An N-D grid of ranks with named axes; ranks are numbered row-major.
+
+    Example:
+        >>> mesh = Mesh((2, 2), ("dp", "tp"))
+        >>> mesh.size, mesh.coords(3), mesh.group("tp", 3), mesh.groups("tp")
+        (4, (1, 1), (2, 3), [(0, 1), (2, 3)])
+
+    ``Mesh.from_device_mesh(dm)`` and ``mesh.to_device_mesh()`` convert to and from torch's DeviceMesh.
+    """
+
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     # axes made of two by merge_axes: (merged name, outer name, inner name, inner size), for

@@ -53,6 +53,8 @@ class Placement:
 
 @dataclass(frozen=True)
 class Replicate(Placement):
+    """Every rank of the mesh axis holds the whole tensor (printed ``R``)."""
+
     def is_replicate(self) -> bool:
         return True
 
@@ -165,6 +167,9 @@ class Shard(Placement):
 
 @dataclass(frozen=True)
 class Partial(Placement):
+    """Each rank of the mesh axis holds a summand; the tensor is their sum (``reduce_op="avg"``: their
+    mean). Printed ``P``: a row-parallel matmul's output before its all-reduce."""
+
     reduce_op: str = "sum"
 
     def __post_init__(self):
