@@ -10,11 +10,15 @@ Example:
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from autopar import presets
 from autopar.api import compile, parallelize, plan
 from autopar.planner import load_plan
 from autopar.checkpoint import CheckpointError, load_pretrained, save_pretrained
+
+if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for type checkers and the API docs
+    from autopar.checkpoint.state_dict import get_state_dict, set_state_dict
 from autopar.errors import (
     AnnotationError,
     InconsistentPlanError,
