@@ -115,10 +115,10 @@ class Optimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)  # pieces it steps (ZeroOptimizer: the module's), or the shadows
         if self.whole is None:
             return
-        if self.whole.zero_sync is not None:  # the ZeRO slices' reduced gradients
-            for piece in self.whole.zero_sync.zero.all_pieces():
-                piece.tensor.grad = None
-        for p in self.whole.params.values():
+        tensors = list(self.whole.params.values())
+        if self.whole.zero_sync is not None:  # the reduced ZeRO slices of its own parameters (not the other's)
+            tensors += [q.tensor for q in self.whole.zero_sync.zero.all_pieces() if q.name in self.whole.params]
+        for p in tensors:
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
