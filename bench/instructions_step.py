@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import re
 import subprocess
 import sys
@@ -52,11 +51,11 @@ def measure(kind: str, size: str, steps: int, lib: str) -> None:
 
     from autopar.runtime.backend import use_backend
     from bench.bench_overhead import LoopbackBackend, _dp, _tp
-    from autopar.runtime.gloo_pool import free_port
 
     requests = ctypes.CDLL(lib)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one process: an in-memory store, no port to pick (a free port found, closed, then bound
+    # again could be taken by another job in between)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
     with use_backend(LoopbackBackend(0)):
         built = _dp(size) if kind == "dp" else _tp(size)
