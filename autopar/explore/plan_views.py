@@ -16,6 +16,7 @@ from autopar.explore.draw import draw
 from autopar.explore.explain import explain
 from autopar.explore.html import plan_html
 from autopar.explore.plan_file import save_plan
+from autopar.explore.tree_view import PlanTree, tree_text
 from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
 from autopar.parallel.pipeline.api import require_pipeline
 from autopar.parallel.pipeline.timeline import schedule_table, timeline_rows
@@ -32,8 +33,17 @@ class PlanViews:
         return list(comms)
 
     def __str__(self) -> str:
-        parts = [display.plan_table(self)] + [t.describe(self) for t in self.options.techniques]
+        parts = [tree_text(self)] + [t.describe(self) for t in self.options.techniques]
         return "\n\n".join(p for p in parts if p)
+
+    def tree(self, ops: bool = False) -> PlanTree:
+        """The module tree, repeated blocks folded (``print(plan)`` and the notebook view);
+        ``ops=True`` lists every op, not only those that run a collective."""
+        return PlanTree(self, ops)
+
+    def table(self, only_collectives: bool = False) -> str:
+        """The flat table: one line per op, every block written out (for grep and diff)."""
+        return display.plan_table(self, only_collectives=only_collectives)
 
     def summary(self) -> str:
         return display.summary(self)
