@@ -108,8 +108,8 @@ def count_labels(comms) -> str:
 
 
 def op_cell(row) -> str:
-    """'· add_tensor_1 (add)'; a gradient bucket's name already says what it is."""
-    return f"· {row.node}" if row.node.startswith(row.op) else f"· {row.node} ({row.op})"
+    """'· add_tensor_1 (add)'; 'bucket 3 (8 params)' and 'output' already say what they are."""
+    return f"· {row.node}" if row.node.split(" ")[0] == row.op else f"· {row.node} ({row.op})"
 
 
 def _sig(item) -> tuple:

@@ -1,0 +1,84 @@
+"""The default view (print(plan), the notebook's HTML): a module tree whose size follows the
+model's distinct structure, repeated blocks folded, a block that differs shown apart."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import autopar as ap
+from autopar.explore.display import comm_label
+from autopar.explore.module_tree import ModuleNode, module_tree
+from tests.harness.models import MLP, gpt_plan, shared_gpt_plan
+
+
+def _every_comm(node: ModuleNode, times: int = 1) -> Counter:
+    """(label, bytes) of every collective the tree stands for, a fold's first block counted count times."""
+    out: Counter = Counter()
+    for item in node.items:
+        if isinstance(item, ModuleNode):
+            out += _every_comm(item, times * item.count)
+        else:
+            out.update({(comm_label(c), c.bytes): times for c in item.comms})
+    return out
+
+
+def _planned(plan) -> Counter:
+    return Counter((comm_label(c), c.bytes) for c in plan.collectives())
+
+
+@pytest.fixture(scope="module")
+def uneven_mlp():
+    """Six blocks, block 2 left unannotated: 0 | 1 | 2 | 3-5 (block 0 reads the input, which needs
+    no gradient, so it has no Megatron 'f'; block 1 has one)."""
+    torch.manual_seed(0)
+    blocks = (0, 1, 3, 4, 5)
+    ann = {f"layers.{i}.fc1": ap.colwise("tp") for i in blocks} | {f"layers.{i}.fc2": ap.rowwise("tp") for i in blocks}
+    return ap.plan(MLP(layers=6), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 16),), annotations=ann)
+
+
+def test_identical_blocks_fold_and_differing_blocks_stand_apart(uneven_mlp):
+    tree = module_tree(uneven_mlp)
+    layers = tree.find("layers")
+    assert [c.name for c in layers.children()] == ["0", "1", "2", "3-5"]
+    fold = tree.find("layers.4")
+    assert fold.paths == ("layers.3", "layers.4", "layers.5") and fold.title() == "3-5 x 3, identical plan"
+    assert tree.find("layers.1").differs == (
+        "differs from 0 first at fc1: linear (S(1)) all_reduce(tp, bwd) 256 B, there linear (S(1))"
+    )
+    assert tree.find("layers.2").differs.startswith("differs from 1 first at fc1: weight (R), there weight (S(0))")
+    assert not fold.differs and not tree.find("layers.0").differs
+    text = str(uneven_mlp)
+    assert "    (differs from 1 first at fc1: weight (R)" in text and "3-5 x 3, identical plan" in text
+    assert fold.bytes() == 3 * 512 and "1.5 KiB (512 B each)" in text
+
+
+@pytest.mark.parametrize("which", ["gpt", "mlp"])
+def test_the_tree_stands_for_every_collective_once(which, uneven_mlp):
+    """Folding loses nothing: the tree's collectives, each fold counted count times, are the plan's."""
+    plan = shared_gpt_plan("dp2xtp2") if which == "gpt" else uneven_mlp
+    tree = module_tree(plan)
+    assert _every_comm(tree) == _planned(plan)
+    assert tree.bytes() == pytest.approx(sum(c.bytes for c in plan.collectives()))
+
+
+def test_text_grows_with_distinct_structure_not_depth():
+    shallow, deep = gpt_plan("dp2xtp2", layers=2), gpt_plan("dp2xtp2", layers=8)
+    assert _every_comm(module_tree(deep)) == _planned(deep)
+    a, b = str(shallow), str(deep)
+    assert len(b) <= 1.1 * len(a) and len(b.splitlines()) == len(a.splitlines())
+    assert "blocks.0-7 x 8, identical plan" in b
+    flat_a, flat_b = deep.table(), shallow.table()
+    assert len(flat_a.splitlines()) > 3 * len(flat_b.splitlines()) / 1.5  # the flat table grows with depth
+
+
+def test_ops_true_lists_every_op_of_one_block(uneven_mlp):
+    plan = shared_gpt_plan("dp2xtp2")
+    all_ops = str(plan.tree(ops=True))
+    only = str(plan)
+    assert all_ops.count("· ") > 3 * only.count("· ")
+    assert "· layer_norm_1 (layer_norm)" in all_ops and "· layer_norm_2 " not in all_ops  # block 1 is folded
+    html = plan.tree(ops=True)._repr_html_()
+    assert "ops without collectives" not in html and "layer_norm_1 (layer_norm)" in html
