@@ -90,7 +90,10 @@ def test_llama_8b_on_64_ranks_fits_one_screen():
 
 
 if __name__ == "__main__":
-    for name, build in (("tiny LLaMA, 2 layers", lambda: tiny_llama_plan(2)), ("16 layers", lambda: tiny_llama_plan(16))):
+    for name, build in (
+        ("tiny LLaMA, 2 layers", lambda: tiny_llama_plan(2)),
+        ("16 layers", lambda: tiny_llama_plan(16)),
+    ):
         print(name, sizes(build()))
     for layers in (2, 32):
         print(f"LLaMA-8B shapes, {layers} layers, (8, 8)", sizes(llama_8b_plan(layers)))
