@@ -110,7 +110,8 @@ def _items(node: ModuleNode, ops: bool, depth: int) -> list[str]:
     if quiet and ops:
         out += quiet
     elif quiet:
-        what = "ops without collectives" if node.name != "(grad sync)" else "gradient buckets"
+        what = "gradient bucket" if node.name == "(grad sync)" else "op without collectives"
+        what = what.replace("bucket", "buckets").replace("op ", "ops ") if len(quiet) > 1 else what
         summary = f'<summary class="g quiet">{_cell(f"{len(quiet)} {what}", depth, "n")}</summary>'
         out.append(f"<details>{summary}{''.join(quiet)}</details>")
     return out
@@ -131,7 +132,9 @@ def _module(node: ModuleNode, ops: bool, depth: int) -> str:
         f'<span class="num">{escape(node.bytes_text())}</span></summary>'
     )
     inner = "".join(_items(node, ops, depth + 1))
-    return f"<details{' open' if depth == 0 else ''}>{summary}{inner}</details>"
+    # the top modules open to show the structure; leaves and folded blocks stay one line until clicked
+    opened = depth == 0 and node.children() and node.count == 1
+    return f"<details{' open' if opened else ''}>{summary}{inner}</details>"
 
 
 def _op(row, depth: int) -> str:
