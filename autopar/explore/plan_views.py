@@ -15,6 +15,7 @@ from autopar.explore.diff import diff_plans
 from autopar.explore.draw import draw
 from autopar.explore.explain import explain
 from autopar.explore.html import plan_html
+from autopar.explore.param_view import ParamOnMesh
 from autopar.explore.plan_file import save_plan
 from autopar.explore.tree_view import PlanTree, tree_text
 from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
@@ -44,6 +45,11 @@ class PlanViews:
     def table(self, only_collectives: bool = False) -> str:
         """The flat table: one line per op, every block written out (for grep and diff)."""
         return display.plan_table(self, only_collectives=only_collectives)
+
+    def param_on_mesh(self, name: str) -> ParamOnMesh:
+        """Which piece of parameter ``name`` each rank holds: the mesh as a grid, the piece shaded
+        (SVG in Jupyter, index ranges as text)."""
+        return ParamOnMesh(self, name)
 
     def summary(self) -> str:
         return display.summary(self)

@@ -82,3 +82,31 @@ def test_ops_true_lists_every_op_of_one_block(uneven_mlp):
     assert "· layer_norm_1 (layer_norm)" in all_ops and "· layer_norm_2 " not in all_ops  # block 1 is folded
     html = plan.tree(ops=True)._repr_html_()
     assert "ops without collectives" not in html and "layer_norm_1 (layer_norm)" in html
+
+
+def test_param_on_mesh_shows_each_ranks_piece():
+    plan = shared_gpt_plan("dp2xtp2")
+    fc = plan.param_on_mesh("blocks.0.mlp.fc.weight")  # colwise: rows split on tp, whole on dp
+    assert str(fc).splitlines()[2:] == ["dp=0  0:64, :    64:128, :", "dp=1  0:64, :    64:128, :"]
+    for rank in range(4):  # the pieces are the ones the state dict gets
+        full = torch.arange(128 * 32.0).reshape(128, 32)
+        piece = plan.shard_state_dict({"blocks.0.mlp.fc.weight": full}, rank)["blocks.0.mlp.fc.weight"]
+        (a, b), (c, d) = fc.pieces[rank][0][0], fc.pieces[rank][1][0]
+        assert torch.equal(piece, full[a:b, c:d])
+    proj = plan.param_on_mesh("blocks.0.attn.proj.weight")
+    assert proj.cell_text(3) == ":, 16:32" and proj.cell_text(2) == ":, 0:16"
+    svg = proj._repr_svg_()
+    assert svg.startswith("<svg") and svg.count('fill="#3b82f6"') == 4 and "rank 3 (1, 1): [:, 16:32]" in svg
+    with pytest.raises(ap.PlanError, match="Did you mean blocks.0.mlp.fc.weight"):
+        plan.param_on_mesh("blocks.0.mlp.fc.weigth")
+
+
+def test_param_on_mesh_uneven_pieces():
+    """Rows that do not divide: tensor_split's pieces, as the ranks store them (17, 17, 16, 16)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 66), torch.nn.ReLU(), torch.nn.Linear(66, 16))
+    ann = {"0": ap.colwise("tp"), "2": ap.rowwise("tp")}
+    plan = ap.plan(model, ap.Mesh((4,), ("tp",)), args=(torch.randn(4, 16),), annotations=ann)
+    view = plan.param_on_mesh("0.weight")
+    assert [view.cell_text(r) for r in range(4)] == ["0:17, :", "17:34, :", "34:50, :", "50:66, :"]
+    assert plan.param_on_mesh("2.weight").cell_text(1) == ":, 17:34"
