@@ -17,6 +17,7 @@ from autopar.explore.explain import explain
 from autopar.explore.html import plan_html
 from autopar.explore.param_view import ParamOnMesh
 from autopar.explore.plan_file import save_plan
+from autopar.explore.search_view import SearchView, plot_search
 from autopar.explore.tree_view import PlanTree, tree_text
 from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
 from autopar.parallel.pipeline.api import require_pipeline
@@ -76,6 +77,14 @@ class PlanViews:
     def plot_comm(self, **kw):
         """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
         return plot_comm(self, **kw)
+
+    def plot_search(self):
+        """matplotlib Figure of an automatic plan's options: step time against memory per rank, the budget a line."""
+        return plot_search(self)
+
+    def search_view(self) -> SearchView:
+        """An automatic plan's options side by side: the plot, a table, the chosen one's explain."""
+        return SearchView(self)
 
     def draw(self, rank: int = 0, **kw):
         """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""

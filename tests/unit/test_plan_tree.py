@@ -110,3 +110,29 @@ def test_param_on_mesh_uneven_pieces():
     view = plan.param_on_mesh("0.weight")
     assert [view.cell_text(r) for r in range(4)] == ["0:17, :", "17:34, :", "34:50, :", "50:66, :"]
     assert plan.param_on_mesh("2.weight").cell_text(1) == ":, 17:34"
+
+
+def test_search_view_plots_the_options_weighed():
+    from tests.harness.models import gpt_batch, small_gpt
+
+    plan = ap.plan(
+        small_gpt(layers=2),
+        ap.Mesh((2, 2), ("a", "b")),
+        args=gpt_batch(),
+        auto=ap.Auto(device="h100", memory_budget=250e3),
+    )
+    rec = plan.built["auto"]
+    view = plan.search_view()
+    lines = str(view).splitlines()
+    assert len(lines) == 1 + len(rec["runners_up"]) + bool(rec["binding"])
+    assert lines[1].startswith(rec["chosen"]) and lines[1].endswith("<- chosen")
+    if rec["binding"]:  # the fastest option, refused by the budget, drawn as a cross
+        assert lines[-1].endswith("(over budget)") and rec["binding"]["faster"]["option"] in lines[-1]
+    ax = plan.plot_search().axes[0]
+    assert ax.get_xlabel() == "memory per rank (KiB)" and ax.lines[0].get_xdata()[0] == pytest.approx(250e3 / 1024)
+    shown = sum(len(c.get_offsets()) for c in ax.collections)
+    assert shown >= len(rec["runners_up"]) + bool(rec["binding"])  # every option, and the chosen starred
+    html = view._repr_html_()
+    assert html.count("<tr") == len(lines) and "data:image/png;base64," in html and "automatic plan:" in html
+    with pytest.raises(ap.PlanError, match="auto=ap.Auto"):
+        shared_gpt_plan("dp2xtp2").search_view()
