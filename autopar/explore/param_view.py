@@ -26,7 +26,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.placement import Partial, Shard, fmt_spec, narrow_piece
 
-CELL_W, CELL_H, PAD, LABEL = 64, 44, 10, 56  # one rank's picture and the space around it
+CELL_W, CELL_H, PAD, LABEL = 64, 44, 14, 56  # one rank's picture and the space around it
 
 
 def held_indices(size: int, dim: int, placements, mesh, coords) -> list[int]:
@@ -144,7 +144,7 @@ class ParamOnMesh:
                     f'<rect x="{x + CELL_W * c / cols_n:.1f}" y="{y + CELL_H * a / rows_n:.1f}" '
                     f'width="{CELL_W * (d - c) / cols_n:.1f}" height="{CELL_H * (b - a) / rows_n:.1f}" fill="{color}"/>'
                 )
-        out.append(f'<text x="{x + 3}" y="{y + CELL_H - 4}" fill="#0f172a">r{rank}</text></g>')
+        out.append(f'<text x="{x}" y="{y + CELL_H + 10}" font-size="9" fill="#475569">rank {rank}</text></g>')
         return out
 
     def _repr_html_(self) -> str:
