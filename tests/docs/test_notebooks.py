@@ -49,6 +49,7 @@ def test_notebook_runs(path):
         tree, flat = map(int, re.search(r"(\d+) lines, against (\d+) in the flat table", text).groups())
         assert tree <= 60 and flat > 2000
         assert "(R, S(0)) on Mesh(dp=8, tp=8)" in text and "<svg" in text
+        assert "tp=4, batch=32, memory per rank" in text  # the what-if's second plan
     if path.stem == "zero":
         assert "ZeRO-1 vs plain DP: losses and parameters identical" in text
         assert "ZeRO-2 vs plain DP: losses and parameters identical" in text
