@@ -160,31 +160,51 @@ def _move_last(root, names) -> None:
 
 
 def fold_blocks(node: ModuleNode) -> None:
-    """Fold runs of identical numbered sub-modules, innermost first; a module holding only
+    """Fold identical numbered sub-modules, innermost first. Blocks fold by their plan, wherever
+    they stand: alternating layers (sliding and global attention, dense and MoE) give two
+    folds, 'layers.0-30 step 2' and 'layers.1-31 step 2', each shown where its first block is.
+    Every fold after a list's first says how it differs from the first. A module holding only
     numbered blocks (a ModuleList) gives its place to them ('layers.0-31')."""
     for c in node.children():
         fold_blocks(c)
-    out, run = [], []
-    for item in node.items + [None]:
-        numbered = isinstance(item, ModuleNode) and item.name.isdigit()
-        if run and not (numbered and item.signature() == run[0].signature()):
-            out.append(_fold(run))
-            run = []
-        if numbered:
-            if not run and out and isinstance(out[-1], ModuleNode) and out[-1].name[:1].isdigit():
-                item.differs = _first_difference(out[-1], item)
-            run.append(item)
-        elif item is not None:
+    groups: dict = {}  # signature -> the blocks with that plan, in order
+    for item in node.items:
+        if isinstance(item, ModuleNode) and item.name.isdigit():
+            groups.setdefault(item.signature(), []).append(item)
+    folds = {id(blocks[0]): _fold(blocks) for blocks in groups.values()}
+    first = next(iter(folds.values()), None)
+    for f in folds.values():
+        if f is not first:
+            f.differs = _first_difference(first, f)
+    out = []
+    for item in node.items:
+        if not (isinstance(item, ModuleNode) and item.name.isdigit()):
             out.append(item)
+        elif id(item) in folds:
+            out.append(folds[id(item)])
     node.items = [_lift(i) for i in out]
 
 
-def _fold(run: list[ModuleNode]) -> ModuleNode:
-    first = run[0]
-    if len(run) == 1:
+def _fold(blocks: list[ModuleNode]) -> ModuleNode:
+    first = blocks[0]
+    if len(blocks) == 1:
         return first
-    name = f"{first.name}-{run[-1].name}"
-    return ModuleNode(name, first.path, first.items, first.params, tuple(b.path for b in run))
+    name = index_text([int(b.name) for b in blocks])
+    return ModuleNode(name, first.path, first.items, first.params, tuple(b.path for b in blocks))
+
+
+def index_text(idx: list[int]) -> str:
+    """'0-31', '1,3-5', '0-30 step 2': block numbers, short."""
+    step = idx[1] - idx[0] if len(idx) > 1 else 1
+    if len(idx) > 3 and step > 1 and all(b - a == step for a, b in zip(idx, idx[1:])):
+        return f"{idx[0]}-{idx[-1]} step {step}"
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _lift(item):

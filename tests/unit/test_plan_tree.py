@@ -10,7 +10,7 @@ import torch
 
 import autopar as ap
 from autopar.explore.display import comm_label
-from autopar.explore.module_tree import ModuleNode, module_tree
+from autopar.explore.module_tree import ModuleNode, index_text, module_tree
 from tests.harness.models import MLP, gpt_plan, shared_gpt_plan
 
 
@@ -42,17 +42,30 @@ def uneven_mlp():
 def test_identical_blocks_fold_and_differing_blocks_stand_apart(uneven_mlp):
     tree = module_tree(uneven_mlp)
     layers = tree.find("layers")
-    assert [c.name for c in layers.children()] == ["0", "1", "2", "3-5"]
+    assert [c.name for c in layers.children()] == ["0", "1,3-5", "2"]  # shown where each first appears
     fold = tree.find("layers.4")
-    assert fold.paths == ("layers.3", "layers.4", "layers.5") and fold.title() == "3-5 x 3, identical plan"
-    assert tree.find("layers.1").differs == (
-        "differs from 0 first at fc1: linear (S(1)) all_reduce(tp, bwd) 256 B, there linear (S(1))"
+    assert (
+        fold.paths == ("layers.1", "layers.3", "layers.4", "layers.5") and fold.title() == "1,3-5 x 4, identical plan"
     )
-    assert tree.find("layers.2").differs.startswith("differs from 1 first at fc1: weight (R), there weight (S(0))")
-    assert not fold.differs and not tree.find("layers.0").differs
+    assert fold.differs == "differs from 0 first at fc1: linear (S(1)) all_reduce(tp, bwd) 256 B, there linear (S(1))"
+    assert tree.find("layers.2").differs == "differs from 0 first at fc1: weight (R), there weight (S(0))"
+    assert not tree.find("layers.0").differs
     text = str(uneven_mlp)
-    assert "    (differs from 1 first at fc1: weight (R)" in text and "3-5 x 3, identical plan" in text
-    assert fold.bytes() == 3 * 512 and "1.5 KiB (512 B each)" in text
+    assert "    (differs from 0 first at fc1: weight (R), there weight (S(0)))" in text
+    assert fold.bytes() == 4 * 512 and "2.0 KiB (512 B each)" in text
+
+
+def test_alternating_blocks_fold_into_two():
+    """Every other block split (dense and MoE layers, sliding and global attention alternate so)."""
+    torch.manual_seed(0)
+    split = (2, 4, 6)  # block 0 reads the input (no Megatron f): it stands apart from 2, 4, 6
+    ann = {f"layers.{i}.fc1": ap.colwise("tp") for i in (0, *split)}
+    ann |= {f"layers.{i}.fc2": ap.rowwise("tp") for i in (0, *split)}
+    plan = ap.plan(MLP(layers=8), ap.Mesh((2,), ("tp",)), args=(torch.randn(4, 16),), annotations=ann)
+    tree = module_tree(plan)
+    assert [c.name for c in tree.find("layers").children()] == ["0", "1-7 step 2", "2,4,6"]
+    assert tree.find("layers.5").count == 4 and _every_comm(tree) == _planned(plan)
+    assert index_text([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and index_text([3]) == "3"
 
 
 @pytest.mark.parametrize("which", ["gpt", "mlp"])
