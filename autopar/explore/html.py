@@ -45,6 +45,7 @@ STYLE = f"""<style>
 .autopar-plan .fold {{font-weight: bold;}}
 .autopar-plan .fold .x {{background: #e2e8f0; border-radius: 3px; padding: 0 4px;}}
 .autopar-plan .differs {{color: #b45309;}}
+.autopar-plan .note {{padding: 1px 4px; white-space: nowrap;}}
 .autopar-plan .op {{color: #444;}}
 .autopar-plan .op.comm {{background: #fff4e0;}}
 .autopar-plan .quiet {{color: #888;}}
@@ -91,7 +92,7 @@ def plan_html(plan) -> str:
 def tree_html(plan, ops: bool = False) -> str:
     """The summary and the tree; ``ops``: every op shown, not behind a click."""
     comms = plan.collectives()
-    head = "".join(f"<span>{h}</span>" for h in ("module", "layout", "parameters", "collectives", "bytes"))
+    head = _row([f"<span>{h}</span>" for h in ("module", "layout", "parameters", "collectives", "bytes")])
     out = [STYLE, '<div class="autopar-plan">', summary_html(plan, comms), f'<div class="g head">{head}</div>']
     out += _items(module_tree(plan, comms), ops, 0)
     out.append("</div>")
@@ -123,27 +124,42 @@ def _module(node: ModuleNode, ops: bool, depth: int) -> str:
     if node.count > 1:
         cls += " fold"
         title += f' <span class="x">x {node.count}</span> identical plan'
-    elif node.differs:
-        title += f' <span class="differs">{escape(node.differs)}</span>'
+    if node.differs:
+        title += f' <span class="differs" title="{escape(node.differs)}">differs</span>'
     params = ", ".join(f"{k} {v}" for k, v in node.params)
-    summary = (
-        f'<summary class="{cls}">{_cell(title, depth, "n", raw=True)}<span>{escape(node.layout())}</span>'
-        f'<span title="{escape(params)}">{escape(params)}</span><span>{_counted(node.comms())}</span>'
-        f'<span class="num">{escape(node.bytes_text())}</span></summary>'
-    )
-    inner = "".join(_items(node, ops, depth + 1))
+    cells = [
+        _cell(title, depth, "n", raw=True),
+        f"<span>{escape(node.layout())}</span>",
+        f'<span title="{escape(params)}">{escape(params)}</span>',
+        f"<span>{_counted(node.comms())}</span>",
+        f'<span class="num">{escape(node.bytes_text())}</span>',
+    ]
+    inner = _items(node, ops, depth + 1)
+    if node.differs:  # the whole sentence, first thing inside
+        inner.insert(0, f'<div class="note">{_cell(f"({node.differs})", depth + 1, "differs")}</div>')
     # the top modules open to show the structure; leaves and folded blocks stay one line until clicked
     opened = depth == 0 and node.children() and node.count == 1
-    return f"<details{' open' if opened else ''}>{summary}{inner}</details>"
+    return (
+        f'<details{" open" if opened else ""}><summary class="{cls}">{_row(cells)}</summary>{"".join(inner)}</details>'
+    )
 
 
 def _op(row, depth: int) -> str:
     cls = "g op comm" if row.comms else "g op"
-    return (
-        f'<div class="{cls}">{_cell(op_cell(row), depth, "o")}<span>{escape(row.layout)}</span><span></span>'
-        f"<span>{_counted(row.comms)}</span>"
-        f'<span class="num">{fmt_bytes(row.bytes) if row.comms else ""}</span></div>'
-    )
+    cells = [
+        _cell(op_cell(row), depth, "o"),
+        f"<span>{escape(row.layout)}</span>",
+        "<span></span>",
+        f"<span>{_counted(row.comms)}</span>",
+        f'<span class="num">{fmt_bytes(row.bytes) if row.comms else ""}</span>',
+    ]
+    return f'<div class="{cls}">{_row(cells)}</div>'
+
+
+def _row(cells: list[str]) -> str:
+    """The cells with a space between: ignored by the grid, and what keeps a line readable where a
+    notebook's HTML is shown without its <style> (an untrusted notebook in JupyterLab)."""
+    return " ".join(cells)
 
 
 def _cell(text: str, depth: int, cls: str, raw: bool = False) -> str:
@@ -155,4 +171,4 @@ def _counted(comms) -> str:
     seen: dict = {}
     for c in comms:
         seen.setdefault(comm_label(c), []).append(c)
-    return "".join(_badge(cs[0], len(cs)) for cs in seen.values())
+    return " ".join(_badge(cs[0], len(cs)) for cs in seen.values())
