@@ -149,3 +149,15 @@ def test_search_view_plots_the_options_weighed():
     assert html.count("<tr") == len(lines) and "data:image/png;base64," in html and "automatic plan:" in html
     with pytest.raises(ap.PlanError, match="auto=ap.Auto"):
         shared_gpt_plan("dp2xtp2").search_view()
+
+
+def test_diff_text_folds_blocks_with_the_same_changes():
+    a, b = shared_gpt_plan("dp2xtp2"), shared_gpt_plan("dp2xtp2", annotated=False)
+    d = a.diff(b)
+    text = str(d).splitlines()
+    assert "  blocks.0-1 x 2, the same changes in each (block 0's nodes):" in text
+    block = [line for line in text if line.startswith("    ")]
+    assert len(block) * 2 == sum(1 for n in d.nodes if n.module.startswith("blocks."))  # one block of two
+    assert "    linear_default_2 (mlp.fc): (S(0), S(2)) -> (S(0), R); all_reduce(tp, bwd) -> -" in text
+    assert "  parameter blocks.{0-1}.mlp.fc.weight: (R, S(0)) -> (R, R)" in text
+    assert len(d.params) == 12 and sum(line.startswith("  parameter ") for line in text) == 6
