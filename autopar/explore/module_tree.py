@@ -1,10 +1,12 @@
 """The plan as a tree of modules with repeated blocks folded: what ``print(plan)`` and the
 notebook view show, so that their size follows the model's distinct structure, not its depth.
 
-Every op row (``plan_rows``) goes under the module that made it, in graph order. A run of
-sibling blocks (``layers.0``, ``layers.1``, ...) whose plans are the same (the same ops, layouts,
-parameter placements, collectives and bytes; node names aside) folds into one node,
-``layers.0-31 x 32``. A block that differs stays apart and says what differs first. The
+Every op row (``plan_rows``) goes under the module that made it, in graph order. Sibling
+blocks (``layers.0``, ``layers.1``, ...) whose plans are the same (the same ops, layouts,
+parameter placements, collectives and bytes; node names aside) fold into one node,
+``layers.0-31 x 32``, wherever they stand (alternating layers: ``layers.1-31 step 2``). A block
+or fold that differs from a list's first says what differs first. Pipeline stages are not part
+of a block's plan here (the pipeline's own text, after the tree, lists them). The
 pseudo-modules ``(top)`` (the model's own forward: loss, outputs), ``(outputs)`` and
 ``(grad sync)`` sit at the top level beside the model's modules.
 
