@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from html import escape
 
+from autopar.explore.diff_fold import fold_node_lines, fold_param_lines
 from autopar.explore.display import comm_label, comm_totals, fmt_bytes
 from autopar.placement import fmt_spec
 from autopar.sharding.propagate import layout_of
@@ -52,13 +53,7 @@ class PlanDiff:
         if not self:
             return "plans agree: same layouts and collectives"
         lines = [f"{len(self.nodes)} nodes and {len(self.params)} parameters differ ({self.a.mesh} vs {self.b.mesh})"]
-        for d in self.nodes:
-            lines.append(
-                f"  {d.node} ({d.module or '<top>'}): {d.layout[0]} -> {d.layout[1]}"
-                + (f"; {d.comms[0] or '-'} -> {d.comms[1] or '-'}" if d.comms[0] != d.comms[1] else "")
-            )
-        for n, (x, y) in self.params.items():
-            lines.append(f"  parameter {n}: {x} -> {y}")
+        lines += fold_node_lines(self.nodes) + fold_param_lines(self.params)  # repeated blocks once
         for axis in sorted(set(self.totals[0]) | set(self.totals[1])):
             x, y = (t.get(axis, {}).get("bytes", 0.0) for t in self.totals)
             lines.append(f"  bytes per step on {axis}: {fmt_bytes(x)} -> {fmt_bytes(y)}")

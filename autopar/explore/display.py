@@ -137,11 +137,17 @@ def comm_totals(comms) -> dict:
 
 
 def memory_numbers(plan) -> dict:
-    """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params."""
+    """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params.
+    Kept on the plan (it does not change once made): the formulas take seconds on a deep model,
+    and the summary heads print(plan), the HTML view and the flat table alike."""
+    kept = plan.__dict__.get("_memory_numbers")
+    if kept is not None:
+        return dict(kept)
     cost = Cost(plan)
     num = cost.at()["memory"]
     num.update({k: float(cost.sy.value(v)) for k, v in cost.host_memory.items()})
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))
+    plan.__dict__["_memory_numbers"] = dict(num)
     return num
 
 

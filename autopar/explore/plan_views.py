@@ -15,7 +15,10 @@ from autopar.explore.diff import diff_plans
 from autopar.explore.draw import draw
 from autopar.explore.explain import explain
 from autopar.explore.html import plan_html
+from autopar.explore.param_view import ParamOnMesh
 from autopar.explore.plan_file import save_plan
+from autopar.explore.search_view import SearchView, plot_search
+from autopar.explore.tree_view import PlanTree, tree_text
 from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
 from autopar.parallel.pipeline.api import require_pipeline
 from autopar.parallel.pipeline.timeline import schedule_table, timeline_rows
@@ -32,8 +35,22 @@ class PlanViews:
         return list(comms)
 
     def __str__(self) -> str:
-        parts = [display.plan_table(self)] + [t.describe(self) for t in self.options.techniques]
+        parts = [tree_text(self)] + [t.describe(self) for t in self.options.techniques]
         return "\n\n".join(p for p in parts if p)
+
+    def tree(self, ops: bool = False) -> PlanTree:
+        """The module tree, repeated blocks folded (``print(plan)`` and the notebook view);
+        ``ops=True`` lists every op, not only those that run a collective."""
+        return PlanTree(self, ops)
+
+    def table(self, only_collectives: bool = False) -> str:
+        """The flat table: one line per op, every block written out (for grep and diff)."""
+        return display.plan_table(self, only_collectives=only_collectives)
+
+    def param_on_mesh(self, name: str) -> ParamOnMesh:
+        """Which piece of parameter ``name`` each rank holds: the mesh as a grid, the piece shaded
+        (SVG in Jupyter, index ranges as text)."""
+        return ParamOnMesh(self, name)
 
     def summary(self) -> str:
         return display.summary(self)
@@ -60,6 +77,14 @@ class PlanViews:
     def plot_comm(self, **kw):
         """matplotlib Figure: bytes per step and rank, per layer and mesh axis."""
         return plot_comm(self, **kw)
+
+    def plot_search(self):
+        """matplotlib Figure of an automatic plan's options: step time against memory per rank, the budget a line."""
+        return plot_search(self)
+
+    def search_view(self) -> SearchView:
+        """An automatic plan's options side by side: the plot, a table, the chosen one's explain."""
+        return SearchView(self)
 
     def draw(self, rank: int = 0, **kw):
         """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""

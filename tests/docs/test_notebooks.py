@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,12 @@ def test_notebook_runs(path):
     if path.stem == "llama":  # HF LLaMA, Megatron preset, sequence parallel off/on, measured = planned
         assert "SP: measured bytes == planned bytes on every axis: True; same collectives: True" in text
         assert "no SP: measured bytes == planned bytes on every axis: True; same collectives: True" in text
+        # the 8B-shaped model on meta: 32 layers folded into one line, a parameter drawn on the mesh
+        assert "layers.0-31 x 32, identical plan" in text
+        tree, flat = map(int, re.search(r"(\d+) lines, against (\d+) in the flat table", text).groups())
+        assert tree <= 60 and flat > 2000
+        assert "(R, S(0)) on Mesh(dp=8, tp=8)" in text and "<svg" in text
+        assert "tp=4, batch=32, memory per rank" in text  # the what-if's second plan
     if path.stem == "zero":
         assert "ZeRO-1 vs plain DP: losses and parameters identical" in text
         assert "ZeRO-2 vs plain DP: losses and parameters identical" in text

@@ -42,26 +42,30 @@ def test_text_table_and_summary(plan):
     local = plan.cost().at()["memory"]["params"] / 1024
     serial = sum(p.numel() * 4 for p in plan.model.parameters()) / 1024
     assert f"parameters per rank: {local:.1f} KiB (serial {serial:.1f} KiB)" in text
-    row = next(line for line in lines if " add_tensor_1 " in line)
+    fold = next(line for line in lines if line.startswith("blocks.0-1 x 2, identical plan"))
+    assert "all_reduce(tp, bwd) x4, all_reduce(tp) x4" in fold and fold.endswith("32.0 KiB (16.0 KiB each)")
+    op = next(line for line in lines if "· add_tensor_1 (add)" in line)  # under blocks.0-1 > attn > proj
+    assert op.startswith("      · ") and "(S(0), R)" in op and "all_reduce(tp)" in op and op.endswith("4.0 KiB")
+    assert "· layer_norm" not in text  # ops without a collective stay inside their module
+    assert "· layer_norm" in str(plan.tree(ops=True))
+    row = next(line for line in plan.table().splitlines() if " add_tensor_1 " in line)  # the flat table
     for cell in ("blocks.0.attn.proj", "add", "(S(0), R)", "all_reduce(tp)", "4.0 KiB"):
         assert cell in row
     assert plan.summary() == "\n".join(lines[:5]) and repr(plan.summary()) == plan.summary()
 
 
-def test_html_groups_by_module_and_highlights(plan):
+def test_html_is_the_folded_tree_with_collectives_coloured(plan):
     html = plan._repr_html_()
-    rows = plan_rows(plan)
-    assert html.count('<tr class="comm">') == sum(1 for r in rows if r.comms)
-    from autopar.cost.plan_cost import layer_of
-
-    layers = {layer_of(r.module) for r in rows}
-    assert {"blocks.0", "blocks.1", "(grad sync)"} <= layers  # the loss is whole where it is made: no output collective
-    assert html.count('<tr class="group">') >= len(layers)
-    assert '<tr class="group"><td colspan="5">blocks.0</td><td class="num">16.0 KiB</td></tr>' in html
-    assert "<td>attn.proj</td><td>add_tensor_1</td>" in html
-    assert html.count("background:#f4a3a3") == 10  # every collective here is an all-reduce
-    assert "communication on <b>tp</b>: 8 collectives, 32.0 KiB" in html
+    assert html.count("<details") == html.count("</details>") and html.count("<summary") == html.count("</summary>")
+    assert '<summary class="g fold">' in html and 'blocks.0-1 <span class="x">x 2</span> identical plan' in html
+    assert html.count('<div class="g op comm">') == 6  # qkv, proj, fc, proj of one block; the loss; the bucket
+    # block 0's ops stand for both blocks: block 1's (add_tensor_5, add_tensor_7) are folded into them
+    assert "add_tensor_1 (add)" in html and "add_tensor_3 (add)" in html and "add_tensor_5" not in html
+    assert "ops without collectives</span></summary>" in html  # hidden, one click away
+    assert html.count("background:#f4a3a3") == 6 + 12  # all-reduces: 6 op rows, 12 module lines (fold, attn, mlp: 2)
+    assert "all_reduce(tp) x4" in html and "communication on <b>tp</b>: 8 collectives, 32.0 KiB" in html
     assert "memory per rank: params" in html and "on mesh dp=2, tp=2 (4 ranks)" in html
+    assert '<details><summary class="g fold">' in html  # a folded block is one line until clicked
 
 
 def test_progress_line_only_for_slow_steps():

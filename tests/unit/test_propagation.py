@@ -110,7 +110,8 @@ def test_state_dict_round_trip():
 def test_print_plan_shows_layouts_and_collectives():
     plan = gpt_plan()
     text = str(plan)
-    assert "blocks.0.attn.qkv" in text and "S(2)" in text and "all_reduce(tp)" in text
+    assert "blocks.0-1 x 2, identical plan" in text and "S(2)" in text and "all_reduce(tp)" in text
+    assert "blocks.0.attn.qkv" in plan.table()
     assert "all_reduce(tp, bwd)" in text
     assert "parameters per rank" in plan.summary()
 
