@@ -1,7 +1,9 @@
-"""The plan's HTML view in a real browser: Debian's headless ``chromium`` loads the page, a
-script in it opens the folded block and measures what a person sees (skipped without chromium).
+"""The plan's HTML view in a real browser: Playwright drives Debian's headless ``chromium``
+(skipped without either: ``apt-get install chromium``; playwright is pinned in
+requirements-test.txt and uses that browser, nothing downloaded). It loads the page, reads the
+rows a person sees on the first screen, clicks the folded block open and reads its rows, and
+saves a screenshot.
 
-The script writes its findings into the page; ``--dump-dom`` hands the page back after it ran.
 ``python -m tests.docs.test_browser NOTEBOOK.ipynb OUT.png`` screenshots a notebook's outputs
 (the page nbconvert would make: HTML outputs as they are, text as <pre>).
 """
@@ -9,24 +11,23 @@ The script writes its findings into the page; ``--dump-dom`` hands the page back
 from __future__ import annotations
 
 import html
-import json
-import re
 import shutil
-import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,900"]
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - pinned in requirements-test.txt
+    sync_playwright = None
 
-# Runs in the page: the first screen's rows, the tree's indentation, then the fold opened.
-PROBE = """<script>
-window.addEventListener("load", () => {
+# Run in the page: the rows on the first screen, the tree's alignment, the fold and its children.
+SEEN = """() => {
   const shown = (e) => e.checkVisibility();  // false inside a closed <details>
   const rows = [...document.querySelectorAll(".autopar-plan .g:not(.head)")];
-  const first = rows.filter((r) => shown(r) && r.getBoundingClientRect().bottom <= window.innerHeight);
   const name = (r) => r.querySelector("span");
   const textLeft = (e) => {  // where the name's text starts: after its indentation
     const range = document.createRange();
@@ -34,27 +35,26 @@ window.addEventListener("load", () => {
     return range.getBoundingClientRect().left;
   };
   const fold = document.querySelector("summary.fold");
-  const before = rows.filter(shown).length;
-  fold.parentElement.open = true;
   const inside = [...fold.parentElement.querySelectorAll(":scope > details > summary, :scope > div.g")];
-  const out = {
-    first_screen: first.map((r) => name(r).textContent.trim()),
+  return {
+    first_screen: rows.filter((r) => shown(r) && r.getBoundingClientRect().bottom <= window.innerHeight)
+      .map((r) => name(r).textContent.trim()),
     align: getComputedStyle(name(rows[0])).textAlign,
     fold_left: textLeft(name(fold)),
-    inside: inside.map((r) => [name(r).textContent.trim(), textLeft(name(r))]),
-    opened: rows.filter(shown).length - before,
+    inside: inside.filter(shown).map((r) => [name(r).textContent.trim(), textLeft(name(r))]),
+    shown: rows.filter(shown).length,
   };
-  const pre = document.createElement("pre");
-  pre.id = "probe";
-  pre.textContent = JSON.stringify(out);
-  document.body.appendChild(pre);
-});
-</script>"""
+}"""
 
 
-def chromium(page: Path, *args: str) -> str:
-    cmd = [CHROMIUM, *FLAGS, "--virtual-time-budget=3000", *args, page.as_uri()]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+@contextmanager
+def browser_page(width: int = 1400, height: int = 900):
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield browser.new_page(viewport={"width": width, "height": height})
+        finally:
+            browser.close()
 
 
 def notebook_page(path: Path) -> str:
@@ -77,31 +77,37 @@ def notebook_page(path: Path) -> str:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+@pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (requirements-test.txt)")
 def test_folded_tree_in_chromium(tmp_path):
     from tests.harness.models import shared_gpt_plan
 
-    page = tmp_path / "plan.html"
-    page.write_text("<html><body>" + shared_gpt_plan("dp2xtp2")._repr_html_() + PROBE + "</body></html>")
-    dom = chromium(page, "--dump-dom")
-    found = json.loads(html.unescape(re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S).group(1)))
-    first = found["first_screen"]
-    # the whole structure on the first screen, blocks folded, no op without a collective
-    assert first[:4] == ["wte", "wpe", "drop", "blocks.0-1 x 2 identical plan"], first
-    assert {"ln_f", "lm_head", "(top)", "(grad sync)"} <= set(first) and len(first) <= 12
-    assert found["align"] == "left"
-    names = dict((n, left) for n, left in found["inside"])
-    # the fold's children, one click open, indented under it (and its own residual adds, behind one more)
-    assert set(names) == {"ln_1", "attn", "ln_2", "mlp", "2 ops without collectives"}, names
-    assert all(left > found["fold_left"] for left in names.values())
-    assert found["opened"] == 5
-    shot = tmp_path / "plan.png"
-    chromium(page, f"--screenshot={shot}")
+    page_file = tmp_path / "plan.html"
+    page_file.write_text("<html><body>" + shared_gpt_plan("dp2xtp2")._repr_html_() + "</body></html>")
+    with browser_page() as page:
+        page.goto(page_file.as_uri())
+        before = page.evaluate(SEEN)
+        first = before["first_screen"]
+        # the whole structure on the first screen, blocks folded, no op without a collective
+        assert first[:4] == ["wte", "wpe", "drop", "blocks.0-1 x 2 identical plan"], first
+        assert {"ln_f", "lm_head", "(top)", "(grad sync)"} <= set(first) and len(first) <= 12
+        assert before["align"] == "left" and before["inside"] == []  # the fold closed
+        page.click("summary.fold")  # a person's click opens the folded block
+        after = page.evaluate(SEEN)
+        names = dict((n, left) for n, left in after["inside"])
+        # its children, indented under it (and its own residual adds, behind one more click)
+        assert set(names) == {"ln_1", "attn", "ln_2", "mlp", "2 ops without collectives"}, names
+        assert all(left > after["fold_left"] for left in names.values())
+        assert after["shown"] - before["shown"] == 5
+        shot = tmp_path / "plan.png"
+        page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
 
 
 if __name__ == "__main__":
     nb, png = Path(sys.argv[1]), Path(sys.argv[2]).resolve()
-    page = png.with_suffix(".html")
-    page.write_text(notebook_page(nb))
-    chromium(page, f"--screenshot={png}", "--window-size=1400,2400")
+    page_file = png.with_suffix(".html")
+    page_file.write_text(notebook_page(nb))
+    with browser_page(height=2400) as page:
+        page.goto(page_file.as_uri())
+        page.screenshot(path=str(png))
     print(png)
