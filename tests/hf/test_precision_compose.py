@@ -7,7 +7,10 @@ serially (data parallel, pipelines) the gradients are closer to it than to fp32'
 
 Measured (the first gradients' largest relative distance from the recipe's; fp32's in brackets):
 pipelines pp=2 x dp=2 2.7e-3 (1.2e-2), with a single micro-batch bit-identical; pp=2 x tp=2 9.4e-3
-(1.2e-2); sequence parallel tp=2 1.0e-2 (1.4e-2); compiled zero=3 8.0e-3 (1.0e-2).
+(1.2e-2); sequence parallel tp=2 9.4e-3 (1.3e-2), dp=2 x tp=2 zero=3 9.7e-3 (1.3e-2); compiled zero=3
+8.0e-3 (1.0e-2). Under tp the updates after 3 steps are nearer fp32's (5.6e-2) than the recipe's
+(1.3e-1): a norm weight replicated over tp has its gradient summed in fp32 on the master (the
+serial recipe's is one bf16 reduction), and AdamW's first steps follow the gradients' signs.
 """
 
 from __future__ import annotations
