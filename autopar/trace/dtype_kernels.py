@@ -70,6 +70,8 @@ def _smallest_calls(graph: fx.Graph, dtype) -> dict:
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
+        if node.target.namespace != "aten":  # a user's torch.library op may have side effects: not run
+            continue
         vals = [v for v in _input_vals(node) if isinstance(v, torch.Tensor)]
         if not any(v.dtype == dtype for v in vals):
             continue
