@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.trace.meta_device import input_device, meta_names, retarget_meta_device
-from autopar.errors import AnnotationError, MeshError
+from autopar.errors import AnnotationError, MeshError, TraceError
 from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
@@ -31,6 +31,7 @@ from autopar.sharding.annotations import Seeds, data_parallel_inputs, replicated
 from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
+from autopar.trace.dtype_kernels import check_kernels, export_refusal
 from autopar.trace.export import trace
 from autopar.trace.in_dtype import inputs_in_dtype, materialized, params_in_dtype, skeleton
 from autopar.trace.model_members import held
@@ -124,13 +125,27 @@ def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
     and inputs in ``param_dtype`` (trace/in_dtype.py; the model's own dtype without a policy)."""
     dtype = compute_dtype(options)
     low_args, low_kwargs = inputs_in_dtype(args, kwargs or {}, dtype)
-    with params_in_dtype(model, dtype), keep_opaque(model, keep, low_args, low_kwargs):
-        traced = trace(
-            model, low_args, low_kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks
-        )
+    try:
+        with params_in_dtype(model, dtype), keep_opaque(model, keep, low_args, low_kwargs):
+            traced = trace(
+                model, low_args, low_kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks
+            )
+    except TraceError as e:  # export refused the dtype (fft, linalg.inv): say which module and what to write
+        refusal = export_refusal(e, dtype, model)
+        if refusal is None:
+            raise
+        raise refusal from e.__cause__
+    # before anything is planned: an op without a kernel for the dtype here fails now, not at step 1
+    check_kernels(traced.gm.graph, dtype, _run_device(model, args, kwargs), model)
     traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)
     traced.example_device, traced.dtype = input_device(args, kwargs), dtype
     return traced
+
+
+def _run_device(model, args, kwargs):
+    """Where the rank modules will run: the parameters' device, or the inputs' for a meta model."""
+    real = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    return real or input_device(args, kwargs)
 
 
 def _example(traced) -> tuple:

@@ -197,3 +197,62 @@ def serial_gpt():
 
 def serial_after(steps):
     return _serial(steps)
+
+
+def policy_hf_save(out_path, steps=2):
+    """A tiny LLaMA on (2, 2) dp x tp (Megatron, zero=3) under the bf16 policy, ``steps`` AdamW
+    steps, ap.save_pretrained; ap.load_pretrained into the same plan of another init. Every rank
+    returns whether its loaded pieces equal its trained masters bit for bit and the two modules'
+    losses; rank 0 adds the saved files' dtypes, the largest difference of transformers'
+    from_pretrained from the merged masters, and the losses of the serial recipe's model
+    (tests/harness/precision.py, the same AdamW steps) before and after the steps."""
+    import copy
+
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.harness.hf_models import causal_lm, inputs
+    from tests.harness.precision import loss_of, recipe_reference
+
+    rank, bf16 = dist.get_rank(), torch.bfloat16
+    model, kw = causal_lm("llama", layers=1), inputs("llama")
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ann = dict(ap.presets.megatron(model, "tp", kwargs=kw))
+    dp = ap.DataParallel("dp", zero=3, param_dtype=bf16)
+
+    def build(seed):
+        fresh = causal_lm("llama", layers=1, seed=seed)
+        return ap.parallelize(fresh, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, data_parallel=dp)
+
+    module = build(0)
+    plan = module.autopar_plan
+    _, local = plan.local_inputs(rank, **kw)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        module(**local).loss.float().backward()
+        opt.step()
+        opt.zero_grad()
+    ap.save_pretrained(module, out_path)
+    other = build(7)
+    ap.load_pretrained(other, out_path)
+    mine = dict(module.named_parameters())
+    same = all(torch.equal(p, mine[n]) for n, p in other.named_parameters())
+    with torch.no_grad():
+        losses = [m(**local).loss.float().item() for m in (module, other)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {n: p.detach() for n, p in mine.items()})
+    if rank != 0:
+        return same, losses, None
+    masters = plan.merge_state_dicts(gathered)
+    files = [f for f in __import__("os").listdir(out_path) if f.endswith(".safetensors")]
+    dtypes = sorted({str(t.dtype) for f in files for t in load_file(f"{out_path}/{f}").values()})
+    hf = LlamaForCausalLM.from_pretrained(out_path).state_dict()
+    worst = max((hf[n] - masters[n]).abs().max().item() for n in masters)
+    serial = copy.deepcopy(model)
+    recipe_reference(serial, kw, bf16, steps=steps, lr=1e-2)
+    with torch.no_grad():
+        after = loss_of(
+            torch.func.functional_call(serial, {n: p.to(bf16) for n, p in serial.named_parameters()}, (), kw)
+        )
+        before = loss_of(torch.func.functional_call(model, {n: p.to(bf16) for n, p in init.items()}, (), kw))
+    return same, losses, (dtypes, worst, before.item(), after.item())

@@ -103,11 +103,13 @@ def ap_adamw(params):
 
 
 def against_fsdp2(steps=10):
-    """Tiny HF LLaMA, 2 processes, ``steps`` AdamW steps on each rank's half of one global batch:
-    torch FSDP2 (``fully_shard`` per decoder layer and at the root, MixedPrecisionPolicy(bf16,
-    reduce fp32)) and ap.parallelize(DataParallel(zero=3, param_dtype=bf16, reduce_dtype=fp32)) from
-    the same weights. Returns (FSDP2's losses, ours: each the ranks' mean, the largest relative distance of a parameter's
-    total update from FSDP2's, of the parameters themselves)."""
+    """Tiny HF LLaMA, 2 or 4 processes (the pool's), ``steps`` AdamW steps on each rank's share of
+    one global batch (2 rows a process): torch FSDP2 (``fully_shard`` per decoder layer and at the
+    root, MixedPrecisionPolicy(bf16, reduce fp32)) and ap.parallelize(DataParallel(zero=3,
+    param_dtype=bf16, reduce_dtype=fp32)) from the same weights. Returns (FSDP2's losses, ours: each
+    the ranks' mean, the largest relative distance of a parameter's total update from FSDP2's, of
+    the parameters themselves, and on rank 0 the serial model's run under ``torch.autocast("cpu",
+    bf16)`` on the whole batch: its losses and the same two distances of ours from it)."""
     import copy
 
     import torch
@@ -116,25 +118,25 @@ def against_fsdp2(steps=10):
 
     from tests.harness.hf_models import causal_lm, inputs
 
-    bf16, rank = torch.bfloat16, dist.get_rank()
-    model, kw = causal_lm("llama", layers=2), inputs("llama")
+    bf16, rank, world = torch.bfloat16, dist.get_rank(), dist.get_world_size()
+    model, kw = causal_lm("llama", layers=2), inputs("llama", b=2 * world)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref = copy.deepcopy(model).train()
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh("cpu", (world,))
     for layer in ref.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(ref, mesh=mesh, mp_policy=policy)
-    half = {k: v.chunk(2)[rank] for k, v in kw.items()}
+    share = {k: v.chunk(world)[rank] for k, v in kw.items()}
     module = parallelize(
         copy.deepcopy(model).train(),
-        ap.Mesh((2,), ("dp",)),
+        ap.Mesh((world,), ("dp",)),
         kwargs=kw,
         data_parallel=ap.DataParallel("dp", zero=3, param_dtype=bf16, reduce_dtype=torch.float32),
     )
     _, local = module.autopar_plan.local_inputs(rank, **kw)
     theirs, ours = [], []
-    for net, batch, losses in ((ref, half, theirs), (module, local, ours)):
+    for net, batch, losses in ((ref, share, theirs), (module, local, ours)):
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
         for _ in range(steps):
             loss = net(**batch).loss.float()
@@ -142,12 +144,35 @@ def against_fsdp2(steps=10):
             opt.step()
             opt.zero_grad()
             mean = loss.detach().clone()
-            dist.all_reduce(mean)  # FSDP2's rank holds its half's mean; ours the whole batch's (loss_mean)
-            losses.append(mean.item() / 2)
+            dist.all_reduce(mean)  # FSDP2's rank holds its share's mean; ours the whole batch's (loss_mean)
+            losses.append(mean.item() / world)
     full = {n: p.full_tensor().detach() for n, p in ref.named_parameters()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {n: p.detach() for n, p in module.named_parameters()})
     got = module.autopar_plan.merge_state_dicts(gathered)
-    moved = max(((got[n] - full[n]).norm() / (full[n] - init[n]).norm()).item() for n in full)
-    params = max(((got[n] - full[n]).norm() / full[n].norm()).item() for n in full)
-    return theirs, ours, moved, params
+    autocast = _autocast_run(copy.deepcopy(model).train(), kw, steps, got, init) if rank == 0 else None
+    return theirs, ours, *_distances(got, full, init), autocast
+
+
+def _distances(got, ref, init):
+    """(the largest ||got - ref|| / ||ref - init|| of a parameter: its total update's distance; the
+    largest ||got - ref|| / ||ref||: the parameter's)."""
+    moved = max(((got[n] - ref[n]).norm() / (ref[n] - init[n]).norm()).item() for n in ref)
+    params = max(((got[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+    return moved, params
+
+
+def _autocast_run(model, kw, steps, got, init):
+    """The serial model trained under torch.autocast("cpu", bf16) with the same AdamW steps on the
+    whole batch: (its losses, ours' update and parameter distances from it)."""
+    import torch
+
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**kw).loss.float()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, *_distances(got, {n: p.detach() for n, p in model.named_parameters()}, init)

@@ -199,3 +199,22 @@ def test_bf16_policy_saves_fp32_masters(gloo, tmp_path):
     copies) and a tp=2 fp32 plan loads them exactly."""
     for dtypes, worst in gloo(2).run(f"{JOBS}:policy_masters_round_trip", str(tmp_path / "bf16")):
         assert dtypes == ["torch.float32"] and worst == 0.0, (dtypes, worst)
+
+
+def test_bf16_policy_save_pretrained_writes_fp32_masters(gloo, tmp_path):
+    """ap.save_pretrained of a (2, 2) dp x tp zero=3 plan trained under the bf16 policy writes the
+    fp32 masters (not the bf16 copies the program computes with): transformers' from_pretrained
+    reads them bit for bit; ap.load_pretrained into another init of the plan gives every rank its
+    pieces back bit for bit and the same loss, the serial recipe's after the same 2 AdamW steps
+    (measured 3.9621 against 3.9631, from 4.8442 before the steps)."""
+    results = gloo(4).run(f"{JOBS}:policy_hf_save", str(tmp_path / "hf"))
+    for same, (trained, loaded), _ in results:
+        assert same and trained == loaded, (same, trained, loaded)
+    dtypes, worst, before, after = results[0][2]
+    assert dtypes == ["torch.float32"] and worst == 0.0, (dtypes, worst)
+    trained = results[0][1][0]
+    assert abs(trained - after) < 2e-3 * after and abs(trained - after) < 0.1 * abs(before - after), (
+        trained,
+        after,
+        before,
+    )
