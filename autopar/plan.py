@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autopar.codegen.device_args import bind_device
 from autopar.codegen.emit import emit_graph
 from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module, tensor_slots
@@ -277,6 +278,7 @@ class Plan(PlanViews):
     def program(self) -> Program:
         """The emitted program every rank runs, its Python code generated once."""
         graph = emit_graph(self)
+        bind_device(graph)  # before the rewrites: an outlined region gets the device as an input
         for technique in self.options.techniques:
             technique.rewrite_program(self, graph)
         graph.lint()

@@ -23,14 +23,18 @@ DEVICE_ATTR = "autopar_device"
 
 def bind_device(graph: fx.Graph) -> int:
     """Every ``torch.device`` in the nodes' arguments read from the module at run time; returns
-    how many were replaced (0: the graph is left as it was)."""
+    how many were replaced (0: the graph is left as it was). Run before the techniques rewrite
+    the program (a checkpointed region outlined later gets the device as one of its inputs), and
+    again when its code is generated (what a rewrite wrote: the same ``get_attr``)."""
     users = [n for n in graph.nodes if n.op == "call_function" and _has_device((n.args, n.kwargs))]
     if not users:
         return 0
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    anchor = placeholders[-1] if placeholders else None
-    with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(next(iter(graph.nodes))):
-        device = graph.get_attr(DEVICE_ATTR)
+    device = next((n for n in graph.nodes if n.op == "get_attr" and n.target == DEVICE_ATTR), None)
+    if device is None:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        anchor = placeholders[-1] if placeholders else None
+        with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(next(iter(graph.nodes))):
+            device = graph.get_attr(DEVICE_ATTR)
     count = 0
     for node in users:
 

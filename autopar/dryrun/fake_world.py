@@ -2,14 +2,14 @@
 group (every collective returns at once, moving nothing), and autopar's torch.distributed
 backend over its groups, so a rank program runs exactly the calls it makes on a cluster.
 
-On a torch built without CUDA, FakeTensorMode makes ``device="cuda"`` tensors, but no op runs on
-them: indexing and autograd ask for a CUDA device guard, which a CPU build lacks. There a stand-in
-accelerator takes their place: the PrivateUse1 device, named ``fakecuda``, with torch's Python
-device guard. It checks what CUDA would: a CPU tensor meeting one of its tensors raises
-FakeTensorDeviceMismatchError, and it holds no memory.
+On a torch built without CUDA, FakeTensorMode makes ``device="cuda"`` tensors but runs no op on
+them: indexing asks for a CUDA device guard, and backward for an accelerator, which a CPU build
+lacks (torch 2.13; a PrivateUse1 stand-in with torch's Python device guard aborts in backward's
+stream guard). There the meta device stands in: fake tensors on it check what CUDA would (a CPU
+tensor meeting one of them raises FakeTensorDeviceMismatchError) and hold no memory.
 
 Example:
-    >>> dev = fake_device("cuda")                      # cuda, or fakecuda on a CPU-only torch
+    >>> dev = fake_device("cuda")                      # cuda, or meta on a CPU-only torch
     >>> with fake_world(plan, rank=3, counter=mem) as stats:   # a CommStats of rank 3's collectives
     ...     module(*inputs)
 """
@@ -27,7 +27,6 @@ from autopar.runtime.backend import use_backend
 from autopar.runtime.comm_stats import CommStats
 from autopar.runtime.dist_backend import DistBackend
 
-STAND_IN = "fakecuda"
 BACKEND = "autopar_fake"
 COLLECTIVES = (
     "all_reduce",
@@ -45,22 +44,12 @@ COLLECTIVES = (
 
 
 def fake_device(device) -> torch.device:
-    """The device fake tensors are made on for ``device``: itself, or the stand-in for CUDA where
-    this torch has none (the module docstring)."""
+    """The device fake tensors are made on for ``device``: itself, or meta for CUDA where this
+    torch has none (the module docstring)."""
     device = torch.device(device)
-    if device.type != "cuda" or torch.backends.cuda.is_built():
-        return device
-    name = torch._C._get_privateuse1_backend_name()
-    if name == "privateuseone":
-        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend  # experimental API
-
-        _setup_privateuseone_for_python_backend(rename=STAND_IN)
-    elif name != STAND_IN:
-        raise MeshError(
-            f"A dry run on cuda needs a CUDA build of torch, or the PrivateUse1 device for its stand-in; "
-            f"this torch has no CUDA and PrivateUse1 is taken by {name!r}: dry-run on device='meta'."
-        )
-    return torch.device(STAND_IN, device.index or 0)
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        return torch.device("meta")
+    return device
 
 
 def _register_backend() -> None:
@@ -68,12 +57,11 @@ def _register_backend() -> None:
         return
     from torch._C._distributed_c10d import FakeProcessGroup  # torch's fake process group
 
-    devices = ["cpu", "cuda"] + ([STAND_IN] if torch._C._get_privateuse1_backend_name() == STAND_IN else [])
     dist.Backend.register_backend(
         BACKEND,
         lambda common, opts: FakeProcessGroup._create_internal(common.group_rank, common.group_size, opts),
         extended_api=True,
-        devices=devices,
+        devices=["cpu", "cuda", "meta"],
     )
 
 
