@@ -28,8 +28,9 @@ from autopar.runtime.collectives import collective_kernel
 
 
 class MemoryCounter(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, device=None):
         super().__init__()
+        self.device = None if device is None else torch.device(device)  # None: every device's bytes
         self.live: dict[int, tuple] = {}  # storage key -> (weakref, bytes, kind)
         self.by_kind: dict[str, int] = {}
         self.total = 0
@@ -56,7 +57,10 @@ class MemoryCounter(TorchDispatchMode):
         return "temporaries" if torch._C._current_graph_task_id() != -1 else "activations"
 
     def track(self, t: torch.Tensor, kind: str) -> None:
-        """Count ``t``'s storage once, under ``kind``, until it dies."""
+        """Count ``t``'s storage once, under ``kind``, until it dies (host tensors, such as Adam's
+        step counts, are not the device's)."""
+        if self.device is not None and t.device != self.device:
+            return
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:
@@ -80,7 +84,7 @@ class MemoryCounter(TorchDispatchMode):
         now on (tracked first if they are new), and at the peak too where the peak is now."""
         at_peak = self.total == self.peak
         for t in tensors:
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or (self.device is not None and t.device != self.device):
                 continue
             key = t.untyped_storage()._cdata
             if key not in self.live:

@@ -55,7 +55,7 @@ def dry_run(plan, rank=None, device="cuda", steps=2, optimizer=torch.optim.AdamW
 def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: dict) -> RankRun:
     dev = fake_device(device)
     start = time.perf_counter()
-    counter = MemoryCounter()
+    counter = MemoryCounter(dev)
     with FakeTensorMode(allow_non_fake_inputs=True), counter, fake_world(plan, rank, counter) as stats:
         module = _module(plan, rank, dev, counter)
         inputs = _inputs(plan, rank, dev)
@@ -74,7 +74,7 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         slots = _state_slots(opt)
     return RankRun(
         rank=rank,
-        device=str(dev),
+        device=str(dev) if dev.type == torch.device(device).type else f"{dev} (for {device}: this torch has no CUDA)",
         steps=steps,
         peak_bytes=counter.peak,
         peak_by_kind={k: v for k, v in counter.peak_by_kind.items() if v},
