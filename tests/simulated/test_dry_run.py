@@ -101,5 +101,6 @@ def test_auto_verify_dry_runs_the_choice_and_warns_over_budget():
         plan = ap.plan(model, mesh, args=(idx, tgt), auto=ap.Auto(memory_budget=1e7, device="h100", verify=True))
     record = plan.built["auto"]
     assert 0.75 < record["dry_run_peak"] / record["memory"] < 1.25  # a tiny model: the formulas leave out small tensors
+    assert "dry run: rank 0 peaked at" in plan.explain("auto")
     with pytest.warns(UserWarning, match="peaked at .* in a dry run, over the memory budget"):
         verify_choice(plan, dict(record, budget=record["dry_run_peak"] / 2))
