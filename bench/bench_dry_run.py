@@ -55,6 +55,7 @@ print(json.dumps({
     "peak": run.peak_bytes, "peak_by_kind": run.peak_by_kind, "predicted": run.predicted_bytes,
     "predicted_by_kind": run.predicted_by_kind, "predict": ap.predict(plan, "h100")["memory"],
     "flops": run.flops, "predicted_flops": run.predicted_flops,
+    "attention_flops": sum(v for k, v in run.flops_by_op.items() if "attention" in k),
     "collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.collectives).items()),
     "predicted_collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.predicted_collectives).items()),
     "bytes": sum(b for *_, b in run.collectives), "predicted_bytes": sum(b for *_, b in run.predicted_collectives),
@@ -96,6 +97,7 @@ def run(quick: bool) -> list[dict]:
                 "FLOPs per step, measured / plan.cost()",
                 f"{got['flops']:.4g} / {got['predicted_flops']:.4g} ({got['flops'] / got['predicted_flops']:.3f}x)",
                 "within 2%",
+                f"attention (FlopCounterMode: causal counted whole, backward 2.5x) {got['attention_flops']:.4g}",
             ),
             row(
                 "dry_run",

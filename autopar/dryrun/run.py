@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
@@ -24,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
 from autopar.dryrun.memory import MemoryCounter
 from autopar.dryrun.report import DryRun, RankRun
@@ -56,7 +58,12 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
     dev = fake_device(device)
     start = time.perf_counter()
     counter = MemoryCounter(dev)
-    with FakeTensorMode(allow_non_fake_inputs=True), counter, fake_world(plan, rank, counter) as stats:
+    gpu = (
+        flash_attention_on_meta()
+        if dev.type == "meta" and torch.device(device).type == "cuda"
+        else contextlib.nullcontext()
+    )
+    with FakeTensorMode(allow_non_fake_inputs=True), gpu, counter, fake_world(plan, rank, counter) as stats:
         module = _module(plan, rank, dev, counter)
         inputs = _inputs(plan, rank, dev)
         opt = Optimizer(module, optimizer, **optimizer_kwargs)
@@ -70,6 +77,7 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
             with FlopCounterMode(display=False) as flop_counter:
                 _step(module, opt, inputs, counter)
             flops = flop_counter.get_total_flops()
+            by_op = {str(op): n for op, n in flop_counter.get_flop_counts().get("Global", {}).items()}
             collectives = [(r.kind, _axis(r.group, plan.mesh), r.bytes) for r in stats.records[first:]]
         slots = _state_slots(opt)
     return RankRun(
@@ -80,6 +88,7 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         peak_by_kind={k: v for k, v in counter.peak_by_kind.items() if v},
         collectives=collectives,
         flops=float(flops),
+        flops_by_op=by_op,
         seconds=time.perf_counter() - start,
         predicted_bytes=float(memory_per_rank(plan, rank, slots).total),
         predicted_by_kind={k: float(v) for k, v in memory_per_rank(plan, rank, slots).items()},
