@@ -22,13 +22,14 @@ import time
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
 from autopar.dryrun.memory import MemoryCounter
 from autopar.dryrun.report import DryRun, RankRun
+from autopar.dryrun.where import failing_node
 from autopar.errors import MeshError, PlanError
 from autopar.parallel.dp_module import memory_per_rank, memory_ranks
 from autopar.parallel.optimizer import Optimizer
@@ -74,7 +75,7 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         counter.reset_peak()  # the build's full-size state is gone: the step's peak from here
         for _ in range(steps):
             first = len(stats.records)
-            with FlopCounterMode(display=False) as flop_counter:
+            with FlopCounterMode(display=False) as flop_counter, _named(rank, dev):
                 _step(module, opt, inputs, counter)
             flops = flop_counter.get_total_flops()
             by_op = {str(op): n for op, n in flop_counter.get_flop_counts().get("Global", {}).items()}
@@ -95,6 +96,28 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         predicted_collectives=[(c.kind, c.axis, c.bytes) for c in plan.collectives()],
         predicted_flops=float(plan.cost(optimizer_states=slots, rank=rank).at()["flops"]),
     )
+
+
+@contextlib.contextmanager
+def _named(rank: int, dev):
+    """An op that cannot run on the device raises a PlanError naming the program's node."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as e:
+        where = failing_node(e.__traceback__)
+        if where is None:
+            raise
+        mismatch = isinstance(e, FakeTensorDeviceMismatchError)
+        raise PlanError(
+            f"plan.dry_run: rank {rank}'s program failed on {dev} at node {where}: {e}"
+            + (
+                " A tensor made on another device met the program's: make it where the module is "
+                "(x.device, or a registered buffer that module.to() moves)."
+                if mismatch
+                else " The op has no kernel for this device (or none for fake tensors): keep it out "
+                "of the program (ap.opaque) or give it a fake kernel (torch.library.register_fake)."
+            )
+        ) from e
 
 
 def _module(plan, rank: int, dev, counter):

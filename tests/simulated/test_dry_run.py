@@ -54,8 +54,11 @@ def test_without_binding_the_device_a_cpu_constant_meets_the_device(monkeypatch)
     monkeypatch.setattr(program_module, "bind_device", lambda graph: 0)
     monkeypatch.setattr(sys.modules["autopar.plan"], "bind_device", lambda graph: 0)
     plan = _gpt_plan(data_parallel="dp")
-    with pytest.raises(FakeTensorDeviceMismatchError):
+    with pytest.raises(
+        ap.PlanError, match=r"at node \w+ \(aten\.\S+\), in module blocks\.0\.attn: .* met the program.s"
+    ) as caught:
         plan.dry_run(rank=0, device="cuda", steps=1)
+    assert isinstance(caught.value.__cause__, FakeTensorDeviceMismatchError)
 
 
 def test_zero3_with_checkpointing_gathers_and_frees_at_full_size():
