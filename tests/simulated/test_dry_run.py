@@ -107,3 +107,35 @@ def test_auto_verify_dry_runs_the_choice_and_warns_over_budget():
     assert "dry run: rank 0 peaked at" in plan.explain("auto")
     with pytest.warns(UserWarning, match="peaked at .* in a dry run, over the memory budget"):
         verify_choice(plan, dict(record, budget=record["dry_run_peak"] / 2))
+
+
+def test_checkpointed_blocks_of_a_zero3_llama_are_gathered_again_in_backward():
+    """A LLaMA block's region takes zero=3's gathered block as one tuple argument: checkpoint held
+    it from forward to backward (no regather; 13 GiB on an 8B) until the region passed its
+    tensors one by one through the saved-tensor hooks. The dry run counts the gathers."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 32, dtype=torch.long, device="meta")
+    plan = ap.plan(
+        model,
+        ap.Mesh((4,), ("dp",)),
+        kwargs={"input_ids": ids, "labels": ids},
+        data_parallel=ap.DataParallel("dp", zero=3),
+        activation_checkpoint="full",
+        dynamic=False,
+    )
+    run = plan.dry_run(rank=0, steps=1).runs[0]
+    assert [k for k, *_ in run.collectives].count("all_gather") == 7  # 4 buckets, then the 3 before the head again
+    assert run.collectives_match, (run.collectives, run.predicted_collectives)
