@@ -5,6 +5,9 @@
                   [--cost] [--sizes H=32,V=64] [--save PLAN.json] [--html PLAN.html]
     autopar check PACKAGE.MODULE:FACTORY --mesh ... (same options): simulate every rank and
                   compare outputs and gradients with the serial model
+    autopar dry-run PACKAGE.MODULE:FACTORY --mesh ... (same options) [--rank R] [--device cuda] [--steps 2]:
+                  run rank programs at full size on fake tensors in a fake world; measured peak
+                  memory, collectives and FLOPs beside the plan's (autopar/dryrun/)
     autopar convert DCP_DIR HF_DIR --model PACKAGE.MODULE:FACTORY [--key model]: a DCP checkpoint
                   saved from any plan to a HuggingFace directory (config.json + safetensors)
 
@@ -116,8 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (
         ("plan", "print the plan table and summary"),
         ("check", "simulate every rank and compare with the serial model"),
+        ("dry-run", "run rank programs at full size on fake tensors: measured memory, collectives, FLOPs"),
     ):
         s = sub.add_parser(name, help=what)
+        if name == "dry-run":
+            s.add_argument("--rank", type=int, default=None, help="the rank to run (default: every distinct one)")
+            s.add_argument("--device", default="cuda", help="the device the fake tensors are on (default cuda)")
+            s.add_argument("--steps", type=int, default=2, help="training steps to run (default 2)")
         s.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning (model, example_args)")
         s.add_argument("--mesh", required=True, help="axis sizes, e.g. dp=2,tp=2")
         s.add_argument("--preset", help="annotations from autopar.presets: NAME or NAME:AXIS (e.g. megatron)")
@@ -157,6 +165,11 @@ def make_plan(opts):
 def run(opts, out=None) -> int:
     out = out or sys.stdout
     plan, args, kwargs = make_plan(opts)
+    if opts.command == "dry-run":  # the plan's own table is ``autopar plan``'s
+        with progress(f"dry-running {plan.mesh.size}-rank programs on fake {opts.device} tensors"):
+            report = plan.dry_run(rank=opts.rank, device=opts.device, steps=opts.steps)
+        print(report, file=out)
+        return 0
     with progress("costing the plan"):
         text = plan.summary() if opts.summary_only else plan_table(plan, only_collectives=opts.collectives_only)
     print(text, file=out)

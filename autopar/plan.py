@@ -27,10 +27,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autopar.codegen.device_args import bind_device
 from autopar.codegen.emit import emit_graph
 from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module, tensor_slots
 from autopar.codegen.rank_state import merge_states, shard_state
+from autopar.dryrun.run import dry_run
 from autopar.errors import DataParallelError, InputError
 from autopar.mesh import SubAxis
 from autopar.explore.plan_views import PlanViews
@@ -276,6 +278,7 @@ class Plan(PlanViews):
     def program(self) -> Program:
         """The emitted program every rank runs, its Python code generated once."""
         graph = emit_graph(self)
+        bind_device(graph)  # before the rewrites: an outlined region gets the device as an input
         for technique in self.options.techniques:
             technique.rewrite_program(self, graph)
         graph.lint()
@@ -378,6 +381,14 @@ class Plan(PlanViews):
         an element may differ by rtol of itself plus max(atol, rtol x its tensor's largest magnitude).
         """
         return check_plan(self, args, kwargs, loss, *default_tolerances(self.model, rtol, atol))
+
+    def dry_run(self, rank=None, device="cuda", steps=2, optimizer=torch.optim.AdamW, **optimizer_kwargs):
+        """Run ``rank``'s program (None: every distinct rank program) at full size on fake tensors on
+        ``device``, ``steps`` whole training steps in a fake world of the mesh's size; returns the
+        measured peak memory by kind, collectives and FLOPs beside the plan's (autopar/dryrun/).
+
+        Example: ``plan.dry_run(device="cuda").peak_bytes``"""
+        return dry_run(self, rank, device, steps, optimizer, **optimizer_kwargs)
 
     def __repr__(self) -> str:
         return (

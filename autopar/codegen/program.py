@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.codegen.device_args import bind_device
 from autopar.codegen.fast_calls import fast_codegen
 from autopar.codegen.rank_module import RankModule
 
@@ -34,6 +35,7 @@ class Program:
     that holds it (``tensor_slots(plan)``), read directly by the generated code."""
 
     def __init__(self, graph: fx.Graph, class_name: str = "RankModule", slots: dict | None = None):
+        bind_device(graph)  # the program makes its tensors where its module is (device_args.py)
         graph._codegen = fast_codegen(graph._codegen, slots)  # the fast per-op calls (fast_calls.py)
         root = {n.target: None for n in graph.nodes if n.op == "get_attr"}
         self.carrier = fx.GraphModule(root, graph, class_name=class_name)

@@ -35,6 +35,30 @@ class RankModule:
 
     autopar_plan = None
     autopar_rank = None
+    autopar_constants: tuple = ()  # the traced constants it holds as plain attributes (their paths)
+
+    @property
+    def autopar_device(self) -> torch.device:
+        """Where the program makes its tensors (codegen/device_args.py): its parameters' device (its
+        buffers', the CPU without either), kept until the module is moved (``_apply``)."""
+        device = self.__dict__.get("_autopar_device")
+        if device is None:
+            first = next(self.parameters(), None)
+            first = first if first is not None else next(self.buffers(), None)
+            device = first.device if first is not None else torch.device("cpu")
+            self.__dict__["_autopar_device"] = device
+        return device
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(device)``, ``.cuda()``, ``.half()``: the traced constants (plain attributes,
+        not in the state dict) move with the parameters and buffers, as a buffer would."""
+        super()._apply(fn, recurse)
+        for fqn in self.autopar_constants:
+            path, _, leaf = fqn.rpartition(".")
+            owner = self.get_submodule(path)
+            setattr(owner, leaf, fn(getattr(owner, leaf)))
+        self.__dict__.pop("_autopar_device", None)
+        return self
 
     def autopar_tensors(self, all_buffers: bool = False) -> dict:
         """Serial name -> this rank's tensor: parameters (tied names too) and persistent buffers
@@ -75,6 +99,7 @@ def build_rank_module(
     pieces, owners = ({} if pieces is None else pieces), _Owners(gm)
     for fqn in _names(plan) if names is None else names:
         owners.register(fqn, piece(plan, rank, fqn, state, pieces), _persistent(plan, fqn))
+    gm.autopar_constants = tuple(n for n in plan.traced.constants if names is None or n in names)
     for name, value in rank_attrs(plan.mesh, rank).items():  # what the program reads per rank
         setattr(gm, name, value)
     attach_state(gm, plan)  # the dropout generator (runtime/rng.py)

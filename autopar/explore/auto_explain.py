@@ -33,13 +33,24 @@ def _estimate(rec: dict) -> str:
     return f"; the search estimated {_gib(est)} (rank {rec.get('memory_rank', 0)} holds the most)"
 
 
+def _dry_run(rec: dict) -> str:
+    """What ap.Auto(verify=True)'s dry run measured (autopar/dryrun/verify.py), where it ran."""
+    if "dry_run_peak" not in rec:
+        return ""
+    over = rec["budget"] is not None and rec["dry_run_peak"] > rec["budget"]
+    return f"; dry run: rank {rec['dry_run_rank']} peaked at {_gib(rec['dry_run_peak'])}" + (
+        " (over the budget)" if over else ""
+    )
+
+
 def search_text(rec: dict) -> str:
     prof = rec["profile"]
     budget = "none" if rec["budget"] is None else _gib(rec["budget"])
     lines = [
         f"automatic plan: {rec['chosen']}",
         f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})"
-        + _estimate(rec),
+        + _estimate(rec)
+        + _dry_run(rec),
         f"  cost model: profile {prof['name']}: {prof['flops_per_s']:.3g} FLOP/s{_bandwidth(prof)}, intra-node alpha "
         f"{prof['intra'][0]:.2g} s beta {prof['intra'][1]:.3g} B/s, inter-node alpha {prof['inter'][0]:.2g} s "
         f"beta {prof['inter'][1]:.3g} B/s, gradient sync overlap {prof['overlap']}",

@@ -114,8 +114,11 @@ class FSDPRuntime:
     def _flatten(self, module, b: FlatBucket) -> torch.Tensor:
         """The bucket's chunk as one buffer; the module's pieces become views of it (on the meta
         device for a meta-device model: shapes only, no data to copy, no host memory taken)."""
-        meta = any(p is not None and p.is_meta for p in (self._param(module, n) for n in b.names))
-        flat = torch.zeros(b.chunk, dtype=b.dtype, device="meta" if meta else None)
+        params = [p for p in (self._param(module, n) for n in b.names) if p is not None]
+        meta = any(p.is_meta for p in params)
+        # on the pieces' device: made on the default device (the CPU), a CUDA module's pieces
+        # would have become CPU views
+        flat = torch.zeros(b.chunk, dtype=b.dtype, device=params[0].device if params else None)
         with torch.no_grad():
             for i, name in enumerate(b.names):
                 lo, hi = b.piece(i, self.pos)
@@ -160,7 +163,7 @@ class FSDPRuntime:
             if j not in self.pending:
                 self._start(j)
         if self._hooks is not None:
-            self.live[flat.untyped_storage().data_ptr()] = (k, weakref.ref(flat))
+            self.live[flat.untyped_storage()._cdata] = (k, weakref.ref(flat))
         return self.views(k, flat)
 
     def _regathered(self, k: int) -> torch.Tensor:
@@ -176,7 +179,7 @@ class FSDPRuntime:
     # ------------------------------------------------------------------ saved tensors
     def _pack(self, t):
         try:
-            hit = self.live.get(t.untyped_storage().data_ptr())
+            hit = self.live.get(t.untyped_storage()._cdata)  # the storage, not its address: a fake tensor has none
         except (RuntimeError, NotImplementedError):
             return t
         if hit is None or hit[1]() is None:
@@ -212,7 +215,7 @@ class FSDPRuntime:
         # before the gradient flat takes its place, not after (one block less at the peak)
         self.regather.pop(k, None)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
-        flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype)
+        flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype, device=self.flats[k].device)  # the pieces'
         for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):
             if g is not None:
                 part = flat[o : o + _numel(s)]

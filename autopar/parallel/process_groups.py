@@ -40,27 +40,24 @@ def wants_distributed(plan, rank: int) -> bool:
 def make_groups(plan, rank: int, timeout: float | None = None, p2p: bool = False):
     """Make every group the plan's collectives use and install the backend; returns the world
     group for point-to-point messages when ``p2p`` (a pipeline's), else None."""
-    mesh, world = plan.mesh, dist.get_world_size()
+    world = dist.get_world_size()
     kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout is not None else {}
-    groups: dict = {}
-
-    def add(g) -> None:
-        if g not in groups:
-            groups[g] = dist.new_group(list(g), **kw) if len(g) < world or kw else dist.group.WORLD
-
-    for axis in range(mesh.ndim):
-        for g in mesh.groups(axis):
-            add(g)
-    for axis in split_parts(plan):  # tensors split on a part of an axis: those groups and their replicas
-        for g in mesh.groups(axis):
-            add(g)
-    for technique in plan.options.techniques:  # HSDP's groups, tied weights across stages, ...
-        for g in technique.process_groups(plan):
-            add(g)
+    groups = {g: dist.new_group(list(g), **kw) if len(g) < world or kw else dist.group.WORLD for g in plan_groups(plan)}
     p2p_group = dist.new_group(list(range(world)), **kw) if p2p else None
     install_backend(DistBackend(groups, rank, timeout, groups_timeout=timeout))
     install_excepthook(rank)
     return p2p_group
+
+
+def plan_groups(plan) -> list[tuple]:
+    """Every group of ranks the plan's collectives use, in the order every rank makes them: the
+    mesh axes' groups, those of the axes' parts that split a tensor, the techniques' own."""
+    mesh, groups = plan.mesh, {}
+    for axis in list(range(mesh.ndim)) + split_parts(plan):  # parts: their groups and their replicas
+        groups.update((tuple(g), None) for g in mesh.groups(axis))
+    for technique in plan.options.techniques:  # HSDP's groups, tied weights across stages, ...
+        groups.update((tuple(g), None) for g in technique.process_groups(plan))
+    return list(groups)
 
 
 def split_parts(plan) -> list:

@@ -109,9 +109,19 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
     _LIB.impl(name, fn.apply, "Autograd")
     _FUNCTIONS[name] = fn
     _EAGER[name] = (op, run_eager, backward, saved)
+    _KERNELS[op] = kernel
 
 
 _FUNCTIONS: dict = {}  # op name -> its autograd.Function (what its Autograd kernel runs)
+_KERNELS: dict = {}  # op overload -> its kernel (the backend's collective; a dry run calls it on fake tensors)
+
+
+def collective_kernel(op):
+    """The kernel that runs autopar collective ``op`` on the current backend (None for another op):
+    what a dry run calls where a fake tensor would take the op's shapes-only kernel."""
+    return _KERNELS.get(op)
+
+
 _EAGER: dict = {}  # op name -> (op overload, eager kernel, backward, saved argument names)
 
 

@@ -35,6 +35,7 @@ import threading
 import weakref
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.runtime.eager import eager
@@ -211,18 +212,21 @@ class Region:
         states = [args[i] for i in self.mutated]
         # the written inputs reach the body from here, not through checkpoint: it would refuse to
         # recompute from an input whose version moved (the forward's draws advanced the generator)
-        kept = [a for i, a in enumerate(args) if i not in self.mutated]
+        # flat: a tuple argument (zero=3's gathered block) given as its tensors, which checkpoint
+        # saves through the saved-tensor hooks (zero=3's keep (bucket, view) and gather it again);
+        # a tuple it would hold as it is, the block gathered from forward to backward
+        flat, spec = pytree.tree_flatten([a for i, a in enumerate(args) if i not in self.mutated])
         prev = self.before.latest() if self.offload and self.before is not None else None
-        moved = _Moved({i: a for i, a in enumerate(kept) if self.offload and _activation(a)}, prev)
+        moved = _Moved({i: a for i, a in enumerate(flat) if self.offload and _activation(a)}, prev)
         if self.offload:
             _latest()[self] = weakref.ref(moved)
-        kept = [moved.host(i, a) for i, a in enumerate(kept)]
+        flat = [moved.host(i, a) for i, a in enumerate(flat)]
         context_fn = functools.partial(self._contexts, states, [s.clone() for s in states], moved)
-        run = functools.partial(self._run, moved, states)
-        return checkpoint(run, *kept, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
+        run = functools.partial(self._run, moved, states, spec)
+        return checkpoint(run, *flat, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
 
-    def _run(self, moved: _Moved, states: list, *kept):
-        kept = moved.inputs(kept)
+    def _run(self, moved: _Moved, states: list, spec, *flat):
+        kept = pytree.tree_unflatten(moved.inputs(flat), spec)
         it, written = iter(kept), iter(states)
         n = len(kept) + len(states)
         return self.body(*(next(written) if i in self.mutated else next(it) for i in range(n)))

@@ -28,6 +28,8 @@
   dynamic scaling, as torchtitan converts them): at the profile's bf16 rate times its fp8 / bf16
   datasheet ratio, plus the casting kernels' bytes, and zero=3 gathers those weights in fp8
   (cost/float8.py). A PlanError on a profile without fp8 tensor cores (a100, cpu-gloo).
+- ``verify``: the chosen plan's peak rank dry-run at full size on fake tensors (plan.dry_run); its
+  measured peak goes into the record (``dry_run_peak``), with a warning where it is over the budget.
 
 Example:
     >>> plan = ap.plan(model, mesh, kwargs=batch, auto=ap.Auto(memory_budget=2**30, device="cpu-gloo"))
@@ -62,6 +64,7 @@ class Auto:
     context_parallel: tuple = ("allgather", "ring")
     compiled: bool | str = False  # False, True (the rank module) or "blocks"
     float8: bool = False
+    verify: bool = False  # dry-run the chosen plan (autopar/dryrun/verify.py): warn where it peaks over the budget
 
     @classmethod
     def of(cls, value) -> "Auto":

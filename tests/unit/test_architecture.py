@@ -130,6 +130,7 @@ PART_ORDER = (
     ("parallel",),
     ("options",),
     ("presets",),
+    ("dryrun",),
     ("search",),
     ("explore",),
     ("checkpoint",),

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from autopar.codegen.emit import Emitter, keep_meta
 from autopar.parallel.grad_scaler import mark_rank_params
 from autopar.parallel.optimizer import mark_pieces
+from autopar.codegen.device_args import bind_device
 from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module, tensor_slots
 
@@ -76,6 +77,7 @@ def _program(plan, stage: int) -> Program:
     programs = plan.stage_layout.programs
     if stage not in programs:
         graph = StageEmitter(plan, plan.stage_layout.stages[stage]).run()
+        bind_device(graph)  # before the rewrites: an outlined region gets the device as an input
         for technique in plan.options.techniques:  # e.g. zero=3's gathers of the stage's buckets
             technique.rewrite_program(plan, graph)
         graph.lint()

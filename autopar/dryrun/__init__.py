@@ -1,0 +1,1 @@
+"""Dry runs: rank programs at full size on fake tensors in a fake world (run.py)."""

@@ -1,0 +1,123 @@
+"""Dry runs at full size: a LLaMA-3.1-8B-shaped rank program on fake tensors in a fake world of 8
+ranks (plan.dry_run), its measured peak memory, collectives and FLOPs against the plan's formulas
+(plan.memory_per_rank, ap.predict, plan.collectives(), plan.cost()), and the seconds and RSS it took.
+
+The model is built on the meta device in bf16, planned as torchtitan ran it (FSDP, gradients reduced
+in fp32, their selective checkpointing: every second matmul kept), local batch 2 x 8192, and run in
+a subprocess (the fake process group is the process's one; RSS is its own).
+
+Example:
+    $ python -m bench.run --only dry_run
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.common import row
+
+SCRIPT = r"""
+import json, resource, sys, time
+from collections import Counter
+import torch
+import autopar as ap
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+AttentionInterface.register("causal_sdpa", sdpa_attention_forward)  # torchtitan's causal SDPA, no mask
+hidden, inter, layers, heads, kv, vocab, local, seq, n, mode = json.loads(sys.argv[1])
+cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
+                  tie_word_embeddings=False, attn_implementation="causal_sdpa")
+
+
+class LossOnly(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+with torch.device("meta"):
+    model = LossOnly(LlamaForCausalLM(cfg).to(torch.bfloat16))
+ids = torch.zeros(local * n, seq, dtype=torch.long, device="meta")
+ac = None if mode == "none" else ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
+plan = ap.plan(model, ap.Mesh((n,), ("dp",)), kwargs={"input_ids": ids, "labels": ids}, dynamic=False,
+               data_parallel=ap.DataParallel("dp", zero=3, reduce_dtype=torch.float32), activation_checkpoint=ac)
+t0 = time.perf_counter()
+run = plan.dry_run(rank=0, device="cuda", steps=2).runs[0]
+print(json.dumps({
+    "seconds": time.perf_counter() - t0, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "peak": run.peak_bytes, "peak_by_kind": run.peak_by_kind, "predicted": run.predicted_bytes,
+    "predicted_by_kind": run.predicted_by_kind, "predict": ap.predict(plan, "h100")["memory"],
+    "flops": run.flops, "predicted_flops": run.predicted_flops,
+    "attention_flops": sum(v for k, v in run.flops_by_op.items() if "attention" in k),
+    "collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.collectives).items()),
+    "predicted_collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.predicted_collectives).items()),
+    "bytes": sum(b for *_, b in run.collectives), "predicted_bytes": sum(b for *_, b in run.predicted_collectives),
+}))
+"""
+
+CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local batch, seq, ranks, checkpointing)
+    "LLaMA-3.1-8B, FSDP 8, selective AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "selective"),
+    "LLaMA-3.1-8B, FSDP 8, no AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "none"),
+}
+QUICK = {"LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective")}
+
+
+def dry_run(case: tuple) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(case)], capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1][:300])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    for name, case in (QUICK if quick else CASES).items():
+        got = dry_run(case)
+        gib = 2**30
+        kinds = ", ".join(f"{k} {v / gib:.2f}" for k, v in sorted(got["peak_by_kind"].items()))
+        rows += [
+            row(
+                "dry_run",
+                name,
+                "peak GiB, measured / plan.memory_per_rank",
+                f"{got['peak'] / gib:.2f} / {got['predicted'] / gib:.2f} ({got['peak'] / got['predicted']:.3f}x)",
+                "within 5%",
+                kinds,
+            ),
+            row(
+                "dry_run",
+                name,
+                "FLOPs per step, measured / plan.cost()",
+                f"{got['flops']:.4g} / {got['predicted_flops']:.4g} ({got['flops'] / got['predicted_flops']:.3f}x)",
+                "within 2%",
+                f"attention (FlopCounterMode: causal counted whole, backward 2.5x) {got['attention_flops']:.4g}",
+            ),
+            row(
+                "dry_run",
+                name,
+                "collectives per step, measured / plan.collectives()",
+                f"{dict(got['collectives'])} / {dict(got['predicted_collectives'])}",
+                "equal",
+                f"bytes {got['bytes']:.4g} / {got['predicted_bytes']:.4g}",
+            ),
+            row(
+                "dry_run",
+                name,
+                "seconds (2 steps), RSS MiB",
+                f"{got['seconds']:.0f} s, {got['rss_mib']:.0f}",
+                "<= 120 s, 4 GiB",
+            ),
+        ]
+    return rows
+
+
+if __name__ == "__main__":
+    for r in run("--quick" in sys.argv):
+        print(r)
