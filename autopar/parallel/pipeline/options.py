@@ -27,9 +27,10 @@ __all__ = ["Pipeline", "PipelineError", "SplitBefore", "split_before"]
 class Pipeline(Technique):
     """Pipeline parallelism on mesh axis ``axis``.
 
-    ``schedule``: "gpipe" (fill-drain), "1f1b", or "interleaved" (1F1B over ``chunks`` model
-    chunks per rank: rank r holds stages r, r + pp, ...); "1f1b" with chunks > 1 means
-    interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
+    ``schedule``: "gpipe" (fill-drain), "1f1b", "interleaved" (1F1B over ``chunks`` model
+    chunks per rank: rank r holds stages r, r + pp, ...), or "zb-h1" (zero-bubble: each backward
+    split into its input-gradient part and its weight-gradient part, the latter deferred into
+    1F1B's bubble); "1f1b" with chunks > 1 means interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
     (outputs, labels) -> scalar replaces the model's own loss; ``metric`` (outputs, labels)
     -> scalar is averaged alongside. ``stages`` overrides the number of stages (pp * chunks).
     """
@@ -49,6 +50,8 @@ class Pipeline(Technique):
             raise PipelineError(f"microbatches ({self.microbatches}) and chunks ({self.chunks}) must be >= 1.")
         if self.schedule == "interleaved" and self.chunks < 2:
             raise PipelineError("schedule='interleaved' needs chunks >= 2 (model chunks per rank).")
+        if self.schedule == "zb-h1" and self.chunks > 1:
+            raise PipelineError("schedule='zb-h1' runs one chunk per rank: use chunks=1.")
         if self.schedule == "gpipe" and self.chunks > 1:
             raise PipelineError(
                 "schedule='gpipe' runs one chunk per rank: use chunks=1, or schedule='interleaved' for several chunks."

@@ -118,10 +118,11 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
 
     own = {}  # stage -> what its ops keep beyond its received and sent values
     out = []
+    freed_by = "W" if any(a.kind == "W" for a in acts) else "B"  # zero-bubble: W needs the activations
     for i, a in enumerate(acts):
         st = lay.stages[a.stage]
         if a.kind == "F":
-            done = where.get(Action("B", a.microbatch, a.stage), n)  # forward-only: to the step's end
+            done = where.get(Action(freed_by, a.microbatch, a.stage), n)  # forward-only: to the step's end
             if a.stage not in own:
                 own[a.stage] = (
                     _replay_bytes(plan, st)
@@ -136,7 +137,7 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
                 ends = [release.get(messages.Message(name, a.microbatch, a.stage, d, 0), n) for d in dsts
                         if lay.rank_of_stage(d) != pos]  # fmt: skip
                 out.append((i, max([done, *ends]), size(name)))
-        else:
+        elif a.kind == "B":
             for msg in messages.sent(lay, a):  # gradients: pending sends, or copies to a chunk of ours
                 end = where.get(messages.consumer_action(msg), n) if local(msg) else release.get(msg, n)
                 out.append((i, end, size(msg.value)))
