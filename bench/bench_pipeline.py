@@ -13,6 +13,12 @@ every forward and backward with its start, end and CPU time. Two idle fractions 
 The full size also runs GPipe and 1F1B on two real gloo processes and reports their
 wall-clock idle fraction (perf_counter is one clock for all processes of a machine).
 
+Zero bubble (``--zb``, and in the full run): 1F1B and ZB-H1 at the same micro-batch count on 4
+real gloo processes: per rank the idle time (replayed from the measured CPU times, and wall
+clock) and the activation bytes autograd held at the peak (``runner.stats``). Theory: ZB-H1
+idles (p - 1)(T_F + T_B - T_W) where 1F1B idles (p - 1)(T_F + T_B + T_W), a third when the three
+are equal; the row gives the ratio at the measured T_F, T_B, T_W beside the measured one.
+
 Target (GPipe, 1F1B): every rank's replayed idle fraction within 10% (relative) of the
 theory. The interleaved row is information: its bubble is small, so a 2% difference between
 stages (the last one also computes the loss) already moves it by 7%.
@@ -20,6 +26,7 @@ stages (the last one also computes the loss) already moves it by 7%.
 Example:
     $ PYTHONPATH=. python bench/bench_pipeline.py          # full size; --quick for the tiny one
     $ PYTHONPATH=. python bench/bench_pipeline.py --real   # only the real gloo rows
+    $ PYTHONPATH=. python bench/bench_pipeline.py --zb     # only 1F1B against ZB-H1, 4 gloo ranks
 """
 
 from __future__ import annotations
@@ -193,6 +200,97 @@ def _real_rows(width, hidden, rows, m) -> list[dict]:
     return out
 
 
+ZB_SIZE = (256, 1024, 32, 8)  # width, hidden, rows per micro-batch, micro-batches (m = 2p)
+ZB_STEPS = 6
+
+
+def zb_job(kind, width, hidden, rows, m, steps=ZB_STEPS, warmup=WARMUP):
+    """One rank of the zero-bubble comparison: its events of each step after the warm-up, and the
+    peak activation bytes and micro-batches it held (the last step's)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    plan, x, y = _plan(kind, 1, dist.get_world_size(), width, hidden, rows, m)
+    runner = plan.pipeline_runner(dist.get_rank(), measure=True)
+    per_step = []
+    for step in range(warmup + steps):
+        dist.barrier()
+        runner.step((x,), y)
+        if step >= warmup:
+            per_step.append([tuple(vars(e).values()) for e in runner.timeline])
+    return {"steps": per_step, "peak": runner.stats["peak_activation_bytes"], "held": runner.stats["max_in_flight"]}
+
+
+def _durations(events) -> dict:
+    """(kind, stage) -> the smallest per-step mean CPU time (timeline.replayed_idle's rule)."""
+    per: dict = {}
+    for step in events:
+        for rank in step:
+            for e in rank:
+                per.setdefault((e.kind, e.stage), {}).setdefault(id(step), []).append(e.cpu)
+    return {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per.items()}
+
+
+def _zero_bubble_rows(width, hidden, rows, m, p=4) -> list[dict]:
+    """1F1B and ZB-H1 on ``p`` gloo processes: idle seconds per rank (replayed and wall clock),
+    their ratio against theory, and peak activation bytes per rank."""
+    from autopar.parallel.pipeline import schedules
+    from autopar.parallel.pipeline.runner import Event
+    from autopar.runtime.gloo_pool import GlooPool
+
+    got = {}
+    with GlooPool(p, timeout=900) as pool:
+        for kind in ("1f1b", "zb-h1"):
+            res = pool.run(f"{_MODULE}:zb_job", kind, width, hidden, rows, m)
+            steps = [[[Event(*e) for e in res[r]["steps"][s]] for r in range(p)] for s in range(len(res[0]["steps"]))]
+            dur = _durations(steps)
+            sched = schedules.build(kind, p, m)
+            slots = schedules.replay(sched, p, lambda a, d=dur: d[(a.kind, a.stage)])
+            span = max(s.end for rs in slots for s in rs)
+            idle = [span - sum(s.end - s.start for s in rs) for rs in slots]  # replayed idle seconds
+            wall = step_idle(steps)
+            wall_med = [_median([st[r] for st in wall]) for r in range(p)]
+            shares = [cpu_share(st) for st in steps]
+            got[kind] = dict(dur=dur, span=span, idle=idle, wall=wall_med, shares=shares, res=res)
+    one, zb = got["1f1b"], got["zb-h1"]
+    mean = lambda kind: sum(v for (k, _), v in zb["dur"].items() if k == kind) / p  # noqa: E731
+    tf, tb, tw = mean("F"), mean("B"), mean("W")
+    theory = (tf + tb - tw) / (tf + tb + tw)
+    ratio = [z / o if o else float("nan") for z, o in zip(zb["idle"], one["idle"])]
+    mib = lambda b: round(b / 2**20, 2)  # noqa: E731
+    return [
+        {
+            "benchmark": "pipeline",
+            "case": f"zb-h1 vs 1f1b p={p} m={m} real gloo",
+            "metric": "idle time per rank, ZB-H1 / 1F1B (replayed from measured CPU times, max over ranks)",
+            "value": round(max(ratio), 3),
+            "target": f"<= {theory:.3f} (theory at measured T_F {tf * 1e3:.1f} T_B {tb * 1e3:.1f} T_W {tw * 1e3:.1f} ms)",
+            "note": (
+                f"{'OK' if max(ratio) <= theory * 1.1 else 'MISS'}: per rank {[round(v, 3) for v in ratio]}; idle "
+                f"fraction 1F1B {[round(v / one['span'], 3) for v in one['idle']]} (theory "
+                f"{schedules.theoretical_bubble('1f1b', p, m):.3f}), ZB-H1 "
+                f"{[round(v / zb['span'], 3) for v in zb['idle']]} (unit theory "
+                f"{schedules.theoretical_bubble('zb-h1', p, m):.3f}); step {one['span'] * 1e3:.0f} -> "
+                f"{zb['span'] * 1e3:.0f} ms replayed; wall-clock idle 1F1B {[round(v, 3) for v in one['wall']]}, "
+                f"ZB-H1 {[round(v, 3) for v in zb['wall']]} (CPU share {min(one['shares'] + zb['shares']):.2f}-"
+                f"{max(one['shares'] + zb['shares']):.2f}: under 1, ranks shared cores)"
+            ),
+        },
+        {
+            "benchmark": "pipeline",
+            "case": f"zb-h1 vs 1f1b p={p} m={m} real gloo",
+            "metric": "peak activation MiB per rank (autograd's saved tensors), ZB-H1 against 1F1B",
+            "value": [mib(r["peak"]) for r in zb["res"]],
+            "target": f"max over ranks <= 1F1B's max {max(mib(r['peak']) for r in one['res'])}",
+            "note": (
+                f"1F1B {[mib(r['peak']) for r in one['res']]}; micro-batches held 1F1B "
+                f"{[r['held'] for r in one['res']]}, ZB-H1 {[r['held'] for r in zb['res']]}"
+            ),
+        },
+    ]
+
+
 def run(quick: bool) -> list[dict]:
     import torch
 
@@ -225,10 +323,14 @@ def run(quick: bool) -> list[dict]:
         torch.set_num_threads(threads)
     if not quick:
         rows_out += _real_rows(*REAL_SIZE)
+        rows_out += _zero_bubble_rows(*ZB_SIZE)
     return rows_out
 
 
 if __name__ == "__main__":
-    rows = _real_rows(*REAL_SIZE) if "--real" in sys.argv else run(quick="--quick" in sys.argv)
+    if "--zb" in sys.argv:
+        rows = _zero_bubble_rows(*ZB_SIZE)
+    else:
+        rows = _real_rows(*REAL_SIZE) if "--real" in sys.argv else run(quick="--quick" in sys.argv)
     for row in rows:
         print(f"{row['case']:<26} {row['metric']}: {row['value']} (target {row['target']}) {row['note']}")

@@ -36,12 +36,13 @@ class _Stage(nn.Module):
 @pytest.mark.parametrize("first", [False, True])
 def test_b_then_w_equals_the_whole_backward(first):
     """B gives the input's gradient and leaves every weight's untouched; W then gives each weight's
-    gradient: both equal one plain backward (on a first stage, with no input to send, W does all)."""
+    gradient: both equal one plain backward (on a first stage, with no input to send, W does all,
+    the gradient of a user input that asks for one included)."""
 
     def outputs():
         torch.manual_seed(0)
         m = _Stage()
-        x = torch.randn(3, 4, requires_grad=not first)
+        x = torch.randn(3, 4, requires_grad=True)
         out = m(x, torch.randn(4))
         return m, x, list(out), [torch.randn(3, 4), torch.tensor(0.7)]
 
@@ -49,11 +50,13 @@ def test_b_then_w_equals_the_whole_backward(first):
     torch.autograd.backward(out, seeds)
     want = {n: p.grad for n, p in m.named_parameters()}
     m, x2, out, seeds = outputs()
-    wg, got = backward_input(out, seeds, [] if first else [x2], list(m.parameters()))
+    wg, got = backward_input(out, seeds, [] if first else [x2])
     assert all(p.grad is None for p in m.parameters())  # B computed no weight gradient
     if not first:
         torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
     backward_weight(wg)
+    if first:
+        torch.testing.assert_close(x2.grad, x.grad, rtol=1e-6, atol=1e-7)
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7, msg=n)
 

@@ -120,7 +120,6 @@ class PipelineRunner:
         self._loss_group = loss_group(plan, self.rank)  # pp x dp: the step's loss in one all-reduce
         self._holds_last = lay.n_stages - 1 in self.stage_ids
         self._n_results = 1 if self.metric_fn is None else 2
-        self._params_of: dict = {}  # stage -> its parameters (_stage_params)
 
     # ------------------------------------------------------------------ parameters
     def _holder(self) -> nn.Module:
@@ -531,7 +530,7 @@ class PipelineRunner:
             grads.append(seed if self._scaler is None else self._scaler.scale(seed).to(seed.dtype))
         if self._split:  # input gradients only; the weights' in this micro-batch's W
             inputs = [t for _name, _src, t in sv.received]
-            wg, got = backward_input(tensors, grads, inputs, self._stage_params(a.stage)) if tensors else (None, [])
+            wg, got = backward_input(tensors, grads, inputs) if tensors else (None, [None] * len(inputs))
             for t, g in zip(inputs, got):
                 t.grad = g
             self._pending[(a.microbatch, a.stage)] = (wg, sv.nbytes)
@@ -564,16 +563,6 @@ class PipelineRunner:
             Event("W", a.microbatch, a.stage, t0, t1, time.thread_time() - c0 if self._measuring else None)
         )
         self._held_bytes -= nbytes
-
-    def _stage_params(self, stage: int) -> list:
-        """The parameters stage ``stage``'s module reads (a weight tied with another stage: its one
-        Parameter), in a fixed order."""
-        found = self._params_of.get(stage)
-        if found is None:
-            found = self._params_of[stage] = list(
-                {id(p): p for p in self.modules[stage].parameters() if p.requires_grad}.values()
-            )
-        return found
 
     def _stage_no_sync(self, a):
         """A stage module's own gradient reduction (a technique's, attached as ``no_sync``: zero=3

@@ -25,7 +25,7 @@ its gradient twice in W: a pre-hook in W replaces what it receives with what it 
 torch.distributed.pipelining does; each group of frontier nodes sharing parameters is one call).
 
 Example:
-    >>> wgrad, input_grads = backward_input(outputs, grads, received, params)
+    >>> wgrad, input_grads = backward_input(outputs, grads, received)
     >>> send(input_grads)                       # upstream, now
     >>> backward_weight(wgrad)                  # later: params' .grad accumulate
 """
@@ -46,17 +46,19 @@ class WeightGrad:
 
     groups: list = field(default_factory=list)  # [{"nodes": [...], "grads": [...], "params": [...]}]
     roots: list = field(default_factory=list)
-    params: list = field(default_factory=list)  # every parameter needing a gradient (the roots' W)
+    params: list = field(default_factory=list)  # every leaf needing a gradient (the roots' W)
 
 
-def backward_input(outputs: list, grads: list, inputs: list, params: list) -> tuple[WeightGrad, list]:
+def backward_input(outputs: list, grads: list, inputs: list) -> tuple[WeightGrad, list]:
     """Input gradients of ``inputs`` (received tensors, requires_grad leaves; None where unused) from
-    ``outputs`` seeded with ``grads``; and what ``backward_weight`` needs for ``params``' gradients."""
+    ``outputs`` seeded with ``grads``; and what ``backward_weight`` needs for the gradients of every
+    other leaf the outputs reach (the parameters; a user input that asks for its gradient too)."""
     out_nodes = [_node(t) for t in outputs]
     in_nodes = {_node(t) for t in inputs}
     users = _users(out_nodes)
     on_path = _reaching(in_nodes, users)  # nodes from which an input is reached: B runs these
-    param_nodes = {_node(p): p for p in params if p.requires_grad}
+    # leaves in the order the walk found them: every rank of a stage calls W's groups alike
+    param_nodes = {n: n.variable for n in [*dict.fromkeys(out_nodes), *users] if _is_leaf(n) and n not in in_nodes}
     groups = _groups(on_path, param_nodes, users)
     wg = WeightGrad(
         groups=groups,
@@ -105,6 +107,11 @@ def backward_weight(wg: WeightGrad) -> None:
         if wg.params:
             torch.autograd.backward([t for t, _ in wg.roots], [g for _, g in wg.roots], inputs=wg.params)
     wg.groups, wg.roots, wg.params = [], [], []
+
+
+def _is_leaf(node) -> bool:
+    """An AccumulateGrad node: where a leaf tensor's gradient is accumulated into ``.grad``."""
+    return hasattr(node, "variable")
 
 
 def _node(t: torch.Tensor):
