@@ -392,6 +392,8 @@ class PipelineRunner:
         return found
 
     def _work_out_sends(self, a) -> list:
+        if a.kind == "W":  # a zero-bubble schedule's weight gradients: no messages
+            return []
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
         if a.kind == "F":
             return [
@@ -407,6 +409,8 @@ class PipelineRunner:
         ]
 
     def _work_out_receives(self, a) -> list[tuple]:
+        if a.kind == "W":  # a zero-bubble schedule's weight gradients: no messages
+            return []
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
         if a.kind == "F":
             return [
