@@ -170,11 +170,13 @@ def gpt_zero_bubble_adamw(zero: int, steps: int = 3):
         sl.backward()
         serial_losses.append(sl.item())
         if step == 0 and zero < 2:  # ZeRO-2 keeps reduced slices: the parameters below check it
-            errors = grad_errors(plan, rank, runner, {n: p.grad for n, p in model.named_parameters()}, rtol=1e-4)
+            errors = grad_errors(
+                plan, rank, runner, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, rtol=1e-4
+            )
         opt.step()
         opt.zero_grad()
         sopt.step()
         sopt.zero_grad()
-    ref = plan.shard_state_dict({n: p.detach() for n, p in model.named_parameters()}, rank)
+    ref = plan.shard_state_dict({n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, rank)
     worst = max((p.detach() - ref[n]).abs().max().item() for n, p in runner.named_parameters())
     return {"losses": losses, "serial": serial_losses, "errors": errors, "max_param_diff": worst}
