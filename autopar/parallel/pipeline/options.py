@@ -14,7 +14,7 @@ from typing import Callable
 from autopar.errors import PipelineError
 from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline import api, stage_memory, stage_shares
-from autopar.parallel.pipeline.schedules import SCHEDULES
+from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD
 from autopar.parallel.pipeline.split import describe, split_stages
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
@@ -98,9 +98,10 @@ class Pipeline(Technique):
         FLOPs, the slowest sets the pace; state and activations per rank). Without: even stages.
         A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
         of one micro-batch's stage work (1/chunks of it interleaved), so the step takes
-        (m*v + pp - 1) / (m*v*pp) of the unpipelined one. It keeps 1/pp of the parameters. In
+        (m*v + pp - 1) / (m*v*pp) of the unpipelined one (ZB-H1: (3m + pp - 1) / (3m*pp), its W's
+        filling two thirds of the idle slots). It keeps 1/pp of the parameters. In
         flight at the first stage: 1F1B pp micro-batches of its 1/pp of the layers (1/m of the
-        activations), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
+        activations; ZB-H1 the same on every rank), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
         A middle stage sends 2m messages per step (each micro-batch's activation forward, its
         gradient backward; v times interleaved), each 1/m of the batch's boundary activation.
         ``pieces``: m backward passes a step, so what one batch's step holds at once (a block's
@@ -111,6 +112,8 @@ class Pipeline(Technique):
         if built is not None:
             return {**stage_shares.shares(built, self), "sends": sends, "pieces": m}
         time = (m * v + pp - 1) / (m * v * pp)
+        if self.kind in SPLIT_BACKWARD:  # B and W a slot each, F one: p - 1 idle slots of 3m + p - 1
+            time = (3 * m + pp - 1) / (3 * m * pp)
         if self.kind == "gpipe":
             acts = 1 / pp
         elif self.kind == "interleaved":
