@@ -1,5 +1,5 @@
 """Zero-bubble pipelines (schedule="zb-h1"): the B/W split of a stage's backward, the schedule, and
-training against serial (3 AdamW steps) with data parallel (zero 0-2) and checkpointing."""
+training against serial (3 AdamW steps) with data parallel (zero 0-3), tp, and checkpointing."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from autopar.parallel.pipeline.split_backward import backward_input, backward_we
 from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES
 from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.serial import grad_errors, serial_step
 
 
 class _Stage(nn.Module):
@@ -93,7 +94,16 @@ def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
 
 @pytest.mark.parametrize(
     "mesh,zero,ckpt",
-    [("pp2", 0, False), ("pp4", 0, True), ("dp2xpp2", 0, False), ("dp2xpp2", 1, True), ("dp2xpp2", 2, False)],
+    [
+        ("pp2", 0, False),
+        ("pp4", 0, True),
+        ("dp2xpp2", 0, False),
+        ("dp2xpp2", 1, True),
+        ("dp2xpp2", 2, False),
+        ("dp2xpp2", 3, False),
+        ("pp2xtp2", 0, True),
+        ("dp2xpp2xtp2", 2, False),
+    ],
 )
 def test_zb_h1_three_adamw_steps_equal_serial(mesh, zero, ckpt):
     plan = _plan(mesh, zero, ckpt)
@@ -164,3 +174,21 @@ def test_zb_h1_table_figure_and_runner_order():
 def test_zb_h1_refuses_chunks():
     with pytest.raises(ap.PipelineError, match="zb-h1.*chunks=1"):
         ap.Pipeline("pp", schedule="zb-h1", chunks=2)
+
+
+def test_zb_h1_uneven_micro_batches_and_evaluate():
+    """6 rows in 4 micro-batches (2, 2, 1, 1: losses weighted by rows): the step's loss and every
+    gradient equal serial's; ``evaluate`` runs the forwards only and gives serial's loss."""
+    plan = _plan("pp2", 0, False)
+    batch = gpt_batch(batch=6, seed=3)
+    serial_loss, serial_grads = serial_step(plan.model, batch)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    losses = run_ranks(2, lambda r: runners[r].step(batch), timeout=60)
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    errors = [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+    assert not errors, errors[:5]
+    evals = run_ranks(2, lambda r: runners[r].evaluate(batch), timeout=60)
+    for loss in evals:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    assert all(e.kind == "F" for r in runners for e in r.timeline)
