@@ -13,7 +13,7 @@ from typing import Callable
 
 from autopar.errors import PipelineError
 from autopar.parallel.param_names import held_params
-from autopar.parallel.pipeline import api, stage_memory, stage_shares
+from autopar.parallel.pipeline import api, schedules, stage_memory, stage_shares
 from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD
 from autopar.parallel.pipeline.split import describe, split_stages
 from autopar.parallel.registry import register_technique
@@ -30,7 +30,8 @@ class Pipeline(Technique):
     ``schedule``: "gpipe" (fill-drain), "1f1b", "interleaved" (1F1B over ``chunks`` model
     chunks per rank: rank r holds stages r, r + pp, ...), or "zb-h1" (zero-bubble: each backward
     split into its input-gradient part and its weight-gradient part, the latter deferred into
-    1F1B's bubble); "1f1b" with chunks > 1 means interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
+    1F1B's bubble), or "zbv" (zero-bubble V: chunks=2, rank r holds stages r and 2pp - 1 - r, B
+    and W split as in zb-h1); "1f1b" with chunks > 1 means interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
     (outputs, labels) -> scalar replaces the model's own loss; ``metric`` (outputs, labels)
     -> scalar is averaged alongside. ``stages`` overrides the number of stages (pp * chunks).
     """
@@ -51,7 +52,9 @@ class Pipeline(Technique):
         if self.schedule == "interleaved" and self.chunks < 2:
             raise PipelineError("schedule='interleaved' needs chunks >= 2 (model chunks per rank).")
         if self.schedule == "zb-h1" and self.chunks > 1:
-            raise PipelineError("schedule='zb-h1' runs one chunk per rank: use chunks=1.")
+            raise PipelineError("schedule='zb-h1' runs one chunk per rank: use chunks=1, or schedule='zbv'.")
+        if self.schedule == "zbv" and self.chunks != 2:
+            raise PipelineError("schedule='zbv' runs two chunks per rank, in a V: use chunks=2.")
         if self.schedule == "gpipe" and self.chunks > 1:
             raise PipelineError(
                 "schedule='gpipe' runs one chunk per rank: use chunks=1, or schedule='interleaved' for several chunks."
@@ -63,7 +66,7 @@ class Pipeline(Technique):
 
     @property
     def kind(self) -> str:
-        return "interleaved" if self.chunks > 1 else self.schedule
+        return "interleaved" if self.chunks > 1 and self.schedule != "zbv" else self.schedule
 
     # ------------------------------------------------------- the technique (technique.py)
     @classmethod
@@ -112,8 +115,8 @@ class Pipeline(Technique):
         if built is not None:
             return {**stage_shares.shares(built, self), "sends": sends, "pieces": m}
         time = (m * v + pp - 1) / (m * v * pp)
-        if self.kind in SPLIT_BACKWARD:  # B and W a slot each, F one: p - 1 idle slots of 3m + p - 1
-            time = (3 * m + pp - 1) / (3 * m * pp)
+        if self.kind in SPLIT_BACKWARD:  # B and W a slot each, F one (ZB-H1: p - 1 idle of 3m + p - 1)
+            time = 1 / (pp * (1 - schedules.theoretical_bubble(self.kind, pp, m)))
         if self.kind == "gpipe":
             acts = 1 / pp
         elif self.kind == "interleaved":

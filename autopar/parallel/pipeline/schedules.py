@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 from autopar.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is B (input gradients) then W (weights)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules whose backward is B (input gradients) then W (weights)
 
 
 class Action(NamedTuple):
@@ -45,6 +45,8 @@ def build(kind: str, pp: int, microbatches: int, chunks: int = 1, forward_only: 
         out = [interleaved(pp, microbatches, chunks, r) for r in range(pp)]
     elif kind == "zb-h1":
         out = [zb_h1(pp, microbatches, r) for r in range(pp)]
+    elif kind == "zbv":
+        out = zbv(pp, microbatches)
     else:
         raise PipelineError(f"Unknown schedule {kind!r}.")
     if forward_only:
@@ -90,6 +92,63 @@ def zb_h1(pp: int, m: int, r: int) -> list[Action]:
                 acts.append(Action("W", done_w, r))
                 done_w += 1
     return acts + [Action("W", i, r) for i in range(done_w, m)]
+
+
+def v_rank(stage: int, pp: int) -> int:
+    """ZBV's V-shaped placement: stages 0 .. pp - 1 down the ranks, pp .. 2pp - 1 back up (rank r
+    holds stages r and 2pp - 1 - r; the last rank runs the middle two, the first the two ends)."""
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+def zbv(pp: int, m: int) -> list[list[Action]]:
+    """Zero-bubble V (Qi et al., 2024): two chunks per rank placed in a V (``v_rank``), each backward
+    split into B and W, the order found by running every rank on unit slots: at each slot a rank
+    runs a ready B (the later stage first), else a forward whose input is there while it holds
+    fewer than 2pp micro-batch chunks (1F1B's first rank's activations), the later stage first,
+    else its oldest pending W. A fixed order that one run of the whole pipeline followed cannot
+    deadlock under other durations (each rank waits only on actions that run earlier in it).
+
+    Example:
+        >>> [str(a) for a in zbv(2, 2)[1]][:4]
+        ['F0.s1', 'F0.s2', 'F1.s1', 'F1.s2']
+    """
+    n = 2 * pp
+    mine = [(2 * pp - 1 - r, r) for r in range(pp)]  # later stage first
+    nxt = {k: [0] * n for k in "FBW"}
+    done: dict = {}
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    t, left = 0, 3 * n * m
+    while left:
+        picks = []
+        for r in range(pp):
+            picks.append(_zbv_pick(mine[r], nxt, done, t, n, m, 2 * pp))
+        if not any(picks):  # cannot happen with a cap of 2pp; a loud stop rather than a hang
+            raise PipelineError(f"ZBV's order stalled at slot {t} (pp={pp}, m={m}).")
+        for r, a in enumerate(picks):
+            if a is not None:
+                done[a] = t + 1
+                out[r].append(a)
+                nxt[a.kind][a.stage] += 1
+                left -= 1
+        t += 1
+    return out
+
+
+def _zbv_pick(stages, nxt, done, t, n, m, cap):
+    for s in stages:  # a B whose gradient has arrived
+        i = nxt["B"][s]
+        if i < nxt["F"][s] and done.get(Action("F", i, s), t + 1) <= t:
+            if s == n - 1 or done.get(Action("B", i, s + 1), t + 1) <= t:
+                return Action("B", i, s)
+    held = sum(nxt["F"][s] - nxt["W"][s] for s in stages)
+    for s in stages:  # a forward whose input has arrived, within the cap
+        i = nxt["F"][s]
+        if i < m and held < cap and (s == 0 or done.get(Action("F", i, s - 1), t + 1) <= t):
+            return Action("F", i, s)
+    for s in reversed(stages):  # the oldest pending W (the earlier stage's first)
+        if nxt["W"][s] < nxt["B"][s]:
+            return Action("W", nxt["W"][s], s)
+    return None
 
 
 def interleaved(pp: int, m: int, v: int, r: int) -> list[Action]:
@@ -190,6 +249,9 @@ def theoretical_bubble(kind: str, pp: int, microbatches: int, chunks: int = 1) -
     (p - 1) / (3m + p - 1)."""
     if kind == "zb-h1":
         return (pp - 1) / (3 * microbatches + pp - 1)
+    if kind == "zbv":  # what the unit-slot order leaves (no closed form: the greedy order's)
+        slots = replay(zbv(pp, microbatches), 2 * pp)
+        return max(idle_fraction(slots))
     v = chunks if kind == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
 
