@@ -71,3 +71,8 @@ def test_zero_bubble_dp2xpp2_adamw_real_gloo(gloo, zero):
         assert r["losses"] == pytest.approx(r["serial"], rel=1e-5)
         assert not r["errors"], r["errors"][:3]
         assert r["max_param_diff"] < 1e-5
+
+
+def test_zbv_pp2_real_gloo(gloo):
+    """ZBV on 2 real ranks, checkpointed: rank 1 hands stage 1's output to its own stage 2 in process."""
+    _check(gloo(2).run("tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial", (2,), ("pp",), None, [("zbv", 2, True)]))
