@@ -13,10 +13,11 @@ every forward and backward with its start, end and CPU time. Two idle fractions 
 The full size also runs GPipe and 1F1B on two real gloo processes and reports their
 wall-clock idle fraction (perf_counter is one clock for all processes of a machine).
 
-Zero bubble (``--zb``, and in the full run): 1F1B and ZB-H1 at the same micro-batch count on 4
-real gloo processes: per rank the idle time (replayed from the measured CPU times, and wall
+Zero bubble (``--zb``, and in the full run): 1F1B, ZB-H1 and ZBV at the same micro-batch count
+on 4 real gloo processes (one model: ZBV cuts it into 2p stages): per rank the idle time (replayed from the measured CPU times, and wall
 clock) and the activation bytes autograd held at the peak (``runner.stats``). Theory: with F, B
-and W of one slot each ZB-H1 idles p - 1 slots where 1F1B idles 3(p - 1): a third. Stage 0 has no
+and W of one slot each ZB-H1 idles p - 1 slots where 1F1B idles 3(p - 1): a third (ZBV: what its
+order leaves on unit slots, ``_unit_ratio``). Stage 0 has no
 received input, so its B is empty and its whole backward is W (the measured T_B, T_W per stage
 show it): its rank is the one the unit theory fits least.
 
@@ -96,13 +97,13 @@ def _one(kind: str, chunks: int, p: int, width: int, hidden: int, rows: int, m: 
     }
 
 
-def _plan(kind, chunks, p, width, hidden, rows, m):
+def _plan(kind, chunks, p, width, hidden, rows, m, blocks=None):
     import torch
     import torch.nn.functional as F
 
     import autopar as ap
 
-    model = _model(width, hidden, BLOCKS_PER_STAGE * p * chunks)
+    model = _model(width, hidden, blocks or BLOCKS_PER_STAGE * p * chunks)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(rows * m, width, generator=g), torch.randn(rows * m, width, generator=g)
     # The input asks for its gradient so that stage 0's backward does the same work as the others
@@ -205,14 +206,15 @@ ZB_SIZE = (256, 1024, 32, 8)  # width, hidden, rows per micro-batch, micro-batch
 ZB_STEPS = 6
 
 
-def zb_job(kind, width, hidden, rows, m, steps=ZB_STEPS, warmup=WARMUP):
+def zb_job(kind, chunks, width, hidden, rows, m, steps=ZB_STEPS, warmup=WARMUP):
     """One rank of the zero-bubble comparison: its events of each step after the warm-up, and the
     peak activation bytes and micro-batches it held (the last step's)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    plan, x, y = _plan(kind, 1, dist.get_world_size(), width, hidden, rows, m)
+    p = dist.get_world_size()  # one model whatever the chunks: the same work on every schedule
+    plan, x, y = _plan(kind, chunks, p, width, hidden, rows, m, blocks=BLOCKS_PER_STAGE * p)
     runner = plan.pipeline_runner(dist.get_rank(), measure=True)
     per_step = []
     for step in range(warmup + steps):
@@ -233,64 +235,93 @@ def _durations(events) -> dict:
     return {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per.items()}
 
 
-def _zero_bubble_rows(width, hidden, rows, m, p=4) -> list[dict]:
-    """1F1B and ZB-H1 on ``p`` gloo processes: idle seconds per rank (replayed and wall clock),
-    their ratio against theory, and peak activation bytes per rank."""
+ZERO_BUBBLE = (("zb-h1", 1), ("zbv", 2))
+
+
+def _idle_seconds(kind, chunks, p, m, duration) -> tuple[list[float], float]:
+    """Per rank: idle time of ``kind``'s schedule replayed with ``duration``; and the span."""
     from autopar.parallel.pipeline import schedules
+
+    slots = schedules.replay(schedules.build(kind, p, m, chunks), p * chunks, duration)
+    span = max(s.end for rs in slots for s in rs)
+    return [span - sum(s.end - s.start for s in rs) for rs in slots], span
+
+
+def _unit_ratio(kind, chunks, p, m) -> float:
+    """Theory: the most idle time of a rank under ``kind`` over 1F1B's, with a stage's F, B and W
+    (1F1B: F and a backward of two) of one slot each, a chunk's of 1/chunks."""
+    mine, _ = _idle_seconds(kind, chunks, p, m, lambda a: 1.0 / chunks)
+    base, _ = _idle_seconds("1f1b", 1, p, m, lambda a: 1.0 if a.kind == "F" else 2.0)
+    return max(mine) / max(base)
+
+
+def _zero_bubble_rows(width, hidden, rows, m, p=4) -> list[dict]:
+    """1F1B, ZB-H1 and ZBV on ``p`` gloo processes (one model, 4p blocks): idle seconds per rank
+    (replayed from the measured CPU times, and wall clock) against theory, and the peak
+    activation bytes per rank."""
     from autopar.parallel.pipeline.runner import Event
     from autopar.runtime.gloo_pool import GlooPool
 
     got = {}
     with GlooPool(p, timeout=900) as pool:
-        for kind in ("1f1b", "zb-h1"):
-            res = pool.run(f"{_MODULE}:zb_job", kind, width, hidden, rows, m)
+        for kind, chunks in (("1f1b", 1), *ZERO_BUBBLE):
+            res = pool.run(f"{_MODULE}:zb_job", kind, chunks, width, hidden, rows, m)
             steps = [[[Event(*e) for e in res[r]["steps"][s]] for r in range(p)] for s in range(len(res[0]["steps"]))]
             dur = _durations(steps)
-            sched = schedules.build(kind, p, m)
-            slots = schedules.replay(sched, p, lambda a, d=dur: d[(a.kind, a.stage)])
-            span = max(s.end for rs in slots for s in rs)
-            idle = [span - sum(s.end - s.start for s in rs) for rs in slots]  # replayed idle seconds
+            idle, span = _idle_seconds(kind, chunks, p, m, lambda a, d=dur: d[(a.kind, a.stage)])
             wall = step_idle(steps)
-            wall_med = [_median([st[r] for st in wall]) for r in range(p)]
-            shares = [cpu_share(st) for st in steps]
-            got[kind] = dict(dur=dur, span=span, idle=idle, wall=wall_med, shares=shares, res=res)
-    one, zb = got["1f1b"], got["zb-h1"]
-    per_stage = {k: [round(zb["dur"][(k, s)] * 1e3, 1) for s in range(p)] for k in "FBW"}
-    theory = 1 / 3
-    ratio = [z / o if o else float("nan") for z, o in zip(zb["idle"], one["idle"])]
+            got[kind] = dict(
+                dur=dur,
+                span=span,
+                idle=idle,
+                wall=[_median([st[r] for st in wall]) for r in range(p)],
+                shares=[cpu_share(st) for st in steps],
+                res=res,
+                chunks=chunks,
+            )
+    one = got["1f1b"]
     mib = lambda b: round(b / 2**20, 2)  # noqa: E731
-    return [
-        {
-            "benchmark": "pipeline",
-            "case": f"zb-h1 vs 1f1b p={p} m={m} real gloo",
-            "metric": "idle time per rank, ZB-H1 / 1F1B (replayed from measured CPU times, max over ranks)",
-            "value": round(max(ratio), 3),
-            "target": f"<= {theory:.3f} (F, B, W of one slot each)",
-            "note": (
-                f"{'OK' if max(ratio) <= theory * 1.1 else 'MISS'}: per rank {[round(v, 3) for v in ratio]}; idle "
-                f"fraction 1F1B {[round(v / one['span'], 3) for v in one['idle']]} (theory "
-                f"{schedules.theoretical_bubble('1f1b', p, m):.3f}), ZB-H1 "
-                f"{[round(v / zb['span'], 3) for v in zb['idle']]} (unit theory "
-                f"{schedules.theoretical_bubble('zb-h1', p, m):.3f}); ms per stage T_F {per_stage['F']} "
-                f"T_B {per_stage['B']} T_W {per_stage['W']} (1F1B's whole backward "
-                f"{[round(one['dur'][('B', s)] * 1e3, 1) for s in range(p)]}); step {one['span'] * 1e3:.0f} -> "
-                f"{zb['span'] * 1e3:.0f} ms replayed; wall-clock idle 1F1B {[round(v, 3) for v in one['wall']]}, "
-                f"ZB-H1 {[round(v, 3) for v in zb['wall']]} (CPU share {min(one['shares'] + zb['shares']):.2f}-"
-                f"{max(one['shares'] + zb['shares']):.2f}: under 1, ranks shared cores)"
-            ),
-        },
-        {
-            "benchmark": "pipeline",
-            "case": f"zb-h1 vs 1f1b p={p} m={m} real gloo",
-            "metric": "peak activation MiB per rank (autograd's saved tensors), ZB-H1 against 1F1B",
-            "value": [mib(r["peak"]) for r in zb["res"]],
-            "target": f"max over ranks <= 1F1B's max {max(mib(r['peak']) for r in one['res'])}",
-            "note": (
-                f"1F1B {[mib(r['peak']) for r in one['res']]}; micro-batches held 1F1B "
-                f"{[r['held'] for r in one['res']]}, ZB-H1 {[r['held'] for r in zb['res']]}"
-            ),
-        },
-    ]
+    out = []
+    for kind, chunks in ZERO_BUBBLE:
+        zb = got[kind]
+        n = p * chunks
+        per_stage = {k: [round(zb["dur"][(k, s)] * 1e3, 1) for s in range(n)] for k in "FBW"}
+        theory = _unit_ratio(kind, chunks, p, m)
+        ratio = [z / o if o else float("nan") for z, o in zip(zb["idle"], one["idle"])]
+        shares = one["shares"] + zb["shares"]
+        out.append(
+            {
+                "benchmark": "pipeline",
+                "case": f"{kind} vs 1f1b p={p} m={m} real gloo",
+                "metric": f"idle time per rank, {kind} / 1F1B (replayed from measured CPU times, max over ranks)",
+                "value": round(max(ratio), 3),
+                "target": f"<= {theory:.3f} (unit theory: F, B, W of one slot each)",
+                "note": (
+                    f"{'OK' if max(ratio) <= theory * 1.1 else 'MISS'}: per rank {[round(v, 3) for v in ratio]}; "
+                    f"idle fraction 1F1B {[round(v / one['span'], 3) for v in one['idle']]}, {kind} "
+                    f"{[round(v / zb['span'], 3) for v in zb['idle']]}; ms per stage T_F {per_stage['F']} "
+                    f"T_B {per_stage['B']} T_W {per_stage['W']} (1F1B's whole backward "
+                    f"{[round(one['dur'][('B', s)] * 1e3, 1) for s in range(p)]}); step {one['span'] * 1e3:.0f} -> "
+                    f"{zb['span'] * 1e3:.0f} ms replayed; wall-clock idle 1F1B {[round(v, 3) for v in one['wall']]}, "
+                    f"{kind} {[round(v, 3) for v in zb['wall']]} (CPU share {min(shares):.2f}-{max(shares):.2f}: "
+                    "under 1, ranks shared cores)"
+                ),
+            }
+        )
+        out.append(
+            {
+                "benchmark": "pipeline",
+                "case": f"{kind} vs 1f1b p={p} m={m} real gloo",
+                "metric": f"peak activation MiB per rank (autograd's saved tensors), {kind} against 1F1B",
+                "value": [mib(r["peak"]) for r in zb["res"]],
+                "target": f"max over ranks <= 1F1B's max {max(mib(r['peak']) for r in one['res'])}",
+                "note": (
+                    f"1F1B {[mib(r['peak']) for r in one['res']]}; micro-batch chunks held 1F1B "
+                    f"{[r['held'] for r in one['res']]}, {kind} {[r['held'] for r in zb['res']]}"
+                ),
+            }
+        )
+    return out
 
 
 def run(quick: bool) -> list[dict]:
