@@ -20,8 +20,8 @@ from tests.harness.serial import grad_errors, serial_step
 
 
 class _Stage(nn.Module):
-    """A weight read twice on the inputs' path (a.weight), and an output made from parameters and a
-    user input alone (off the path: left wholly to W)."""
+    """A weight read twice on the inputs' path (a.weight), the input read twice (a residual), and an
+    output made from parameters and a user input alone (off the path: left wholly to W)."""
 
     def __init__(self):
         super().__init__()
@@ -30,7 +30,7 @@ class _Stage(nn.Module):
 
     def forward(self, x, y):
         h = torch.relu(self.a(x))
-        h = self.b(h) + self.a(h)
+        h = self.b(h) + self.a(h) + x
         return self.norm(h) * self.c, (y * self.c).sum() + self.c.sum()
 
 

@@ -99,7 +99,9 @@ def backward_weight(wg: WeightGrad) -> None:
         if len(group["nodes"]) > 1:  # a frontier node below another: what it kept, not twice
             handles = [n.register_prehook(lambda _, k=k: k) for n, k in zip(group["nodes"], group["grads"]) if k]
         try:
-            torch.autograd.backward(edges, grads, inputs=group["params"])
+            # the graph kept: a frontier node below another (a weight read twice) runs in more than
+            # one call's walk (the clamp above keeps its sum right); freed with ``wg`` after W
+            torch.autograd.backward(edges, grads, inputs=group["params"], retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
