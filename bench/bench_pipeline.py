@@ -13,6 +13,14 @@ every forward and backward with its start, end and CPU time. Two idle fractions 
 The full size also runs GPipe and 1F1B on two real gloo processes and reports their
 wall-clock idle fraction (perf_counter is one clock for all processes of a machine).
 
+Zero bubble (``--zb``, and in the full run): 1F1B, ZB-H1 and ZBV at the same micro-batch count
+on 4 real gloo processes (one model: ZBV cuts it into 2p stages): per rank the idle time (replayed from the measured CPU times, and wall
+clock) and the activation bytes autograd held at the peak (``runner.stats``). Theory: with F, B
+and W of one slot each ZB-H1 idles p - 1 slots where 1F1B idles 3(p - 1): a third (ZBV: what its
+order leaves on unit slots, ``_unit_ratio``). Stage 0 has no
+received input, so its B is empty and its whole backward is W (the measured T_B, T_W per stage
+show it): its rank is the one the unit theory fits least.
+
 Target (GPipe, 1F1B): every rank's replayed idle fraction within 10% (relative) of the
 theory. The interleaved row is information: its bubble is small, so a 2% difference between
 stages (the last one also computes the loss) already moves it by 7%.
@@ -20,6 +28,7 @@ stages (the last one also computes the loss) already moves it by 7%.
 Example:
     $ PYTHONPATH=. python bench/bench_pipeline.py          # full size; --quick for the tiny one
     $ PYTHONPATH=. python bench/bench_pipeline.py --real   # only the real gloo rows
+    $ PYTHONPATH=. python bench/bench_pipeline.py --zb     # only 1F1B against ZB-H1, 4 gloo ranks
 """
 
 from __future__ import annotations
@@ -88,13 +97,13 @@ def _one(kind: str, chunks: int, p: int, width: int, hidden: int, rows: int, m: 
     }
 
 
-def _plan(kind, chunks, p, width, hidden, rows, m):
+def _plan(kind, chunks, p, width, hidden, rows, m, blocks=None):
     import torch
     import torch.nn.functional as F
 
     import autopar as ap
 
-    model = _model(width, hidden, BLOCKS_PER_STAGE * p * chunks)
+    model = _model(width, hidden, blocks or BLOCKS_PER_STAGE * p * chunks)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(rows * m, width, generator=g), torch.randn(rows * m, width, generator=g)
     # The input asks for its gradient so that stage 0's backward does the same work as the others
@@ -193,6 +202,128 @@ def _real_rows(width, hidden, rows, m) -> list[dict]:
     return out
 
 
+ZB_SIZE = (256, 1024, 32, 8)  # width, hidden, rows per micro-batch, micro-batches (m = 2p)
+ZB_STEPS = 6
+
+
+def zb_job(kind, chunks, width, hidden, rows, m, steps=ZB_STEPS, warmup=WARMUP):
+    """One rank of the zero-bubble comparison: its events of each step after the warm-up, and the
+    peak activation bytes and micro-batches it held (the last step's)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    p = dist.get_world_size()  # one model whatever the chunks: the same work on every schedule
+    plan, x, y = _plan(kind, chunks, p, width, hidden, rows, m, blocks=BLOCKS_PER_STAGE * p)
+    runner = plan.pipeline_runner(dist.get_rank(), measure=True)
+    per_step = []
+    for step in range(warmup + steps):
+        dist.barrier()
+        runner.step((x,), y)
+        if step >= warmup:
+            per_step.append([tuple(vars(e).values()) for e in runner.timeline])
+    return {"steps": per_step, "peak": runner.stats["peak_activation_bytes"], "held": runner.stats["max_in_flight"]}
+
+
+def _durations(events) -> dict:
+    """(kind, stage) -> the smallest per-step mean CPU time (timeline.replayed_idle's rule)."""
+    per: dict = {}
+    for step in events:
+        for rank in step:
+            for e in rank:
+                per.setdefault((e.kind, e.stage), {}).setdefault(id(step), []).append(e.cpu)
+    return {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per.items()}
+
+
+ZERO_BUBBLE = (("zb-h1", 1), ("zbv", 2))
+
+
+def _idle_seconds(kind, chunks, p, m, duration) -> tuple[list[float], float]:
+    """Per rank: idle time of ``kind``'s schedule replayed with ``duration``; and the span."""
+    from autopar.parallel.pipeline import schedules
+
+    slots = schedules.replay(schedules.build(kind, p, m, chunks), p * chunks, duration)
+    span = max(s.end for rs in slots for s in rs)
+    return [span - sum(s.end - s.start for s in rs) for rs in slots], span
+
+
+def _unit_ratio(kind, chunks, p, m) -> float:
+    """Theory: the most idle time of a rank under ``kind`` over 1F1B's, with a stage's F, B and W
+    (1F1B: F and a backward of two) of one slot each, a chunk's of 1/chunks."""
+    mine, _ = _idle_seconds(kind, chunks, p, m, lambda a: 1.0 / chunks)
+    base, _ = _idle_seconds("1f1b", 1, p, m, lambda a: 1.0 if a.kind == "F" else 2.0)
+    return max(mine) / max(base)
+
+
+def _zero_bubble_rows(width, hidden, rows, m, p=4) -> list[dict]:
+    """1F1B, ZB-H1 and ZBV on ``p`` gloo processes (one model, 4p blocks): idle seconds per rank
+    (replayed from the measured CPU times, and wall clock) against theory, and the peak
+    activation bytes per rank."""
+    from autopar.parallel.pipeline.runner import Event
+    from autopar.runtime.gloo_pool import GlooPool
+
+    got = {}
+    with GlooPool(p, timeout=900) as pool:
+        for kind, chunks in (("1f1b", 1), *ZERO_BUBBLE):
+            res = pool.run(f"{_MODULE}:zb_job", kind, chunks, width, hidden, rows, m)
+            steps = [[[Event(*e) for e in res[r]["steps"][s]] for r in range(p)] for s in range(len(res[0]["steps"]))]
+            dur = _durations(steps)
+            idle, span = _idle_seconds(kind, chunks, p, m, lambda a, d=dur: d[(a.kind, a.stage)])
+            wall = step_idle(steps)
+            got[kind] = dict(
+                dur=dur,
+                span=span,
+                idle=idle,
+                wall=[_median([st[r] for st in wall]) for r in range(p)],
+                shares=[cpu_share(st) for st in steps],
+                res=res,
+                chunks=chunks,
+            )
+    one = got["1f1b"]
+    mib = lambda b: round(b / 2**20, 2)  # noqa: E731
+    out = []
+    for kind, chunks in ZERO_BUBBLE:
+        zb = got[kind]
+        n = p * chunks
+        per_stage = {k: [round(zb["dur"][(k, s)] * 1e3, 1) for s in range(n)] for k in "FBW"}
+        theory = _unit_ratio(kind, chunks, p, m)
+        ratio = [z / o if o else float("nan") for z, o in zip(zb["idle"], one["idle"])]
+        shares = one["shares"] + zb["shares"]
+        out.append(
+            {
+                "benchmark": "pipeline",
+                "case": f"{kind} vs 1f1b p={p} m={m} real gloo",
+                "metric": f"idle time per rank, {kind} / 1F1B (replayed from measured CPU times, max over ranks)",
+                "value": round(max(ratio), 3),
+                "target": f"<= {theory:.3f} (unit theory: F, B, W of one slot each)",
+                "note": (
+                    f"{'OK' if max(ratio) <= theory * 1.1 else 'MISS'}: per rank {[round(v, 3) for v in ratio]}; "
+                    f"idle fraction 1F1B {[round(v / one['span'], 3) for v in one['idle']]}, {kind} "
+                    f"{[round(v / zb['span'], 3) for v in zb['idle']]}; ms per stage T_F {per_stage['F']} "
+                    f"T_B {per_stage['B']} T_W {per_stage['W']} (1F1B's whole backward "
+                    f"{[round(one['dur'][('B', s)] * 1e3, 1) for s in range(p)]}); step {one['span'] * 1e3:.0f} -> "
+                    f"{zb['span'] * 1e3:.0f} ms replayed; wall-clock idle 1F1B {[round(v, 3) for v in one['wall']]}, "
+                    f"{kind} {[round(v, 3) for v in zb['wall']]} (CPU share {min(shares):.2f}-{max(shares):.2f}: "
+                    "under 1, ranks shared cores)"
+                ),
+            }
+        )
+        out.append(
+            {
+                "benchmark": "pipeline",
+                "case": f"{kind} vs 1f1b p={p} m={m} real gloo",
+                "metric": f"peak activation MiB per rank (autograd's saved tensors), {kind} against 1F1B",
+                "value": [mib(r["peak"]) for r in zb["res"]],
+                "target": f"max over ranks <= 1F1B's max {max(mib(r['peak']) for r in one['res'])}",
+                "note": (
+                    f"1F1B {[mib(r['peak']) for r in one['res']]}; micro-batch chunks held 1F1B "
+                    f"{[r['held'] for r in one['res']]}, {kind} {[r['held'] for r in zb['res']]}"
+                ),
+            }
+        )
+    return out
+
+
 def run(quick: bool) -> list[dict]:
     import torch
 
@@ -225,10 +356,14 @@ def run(quick: bool) -> list[dict]:
         torch.set_num_threads(threads)
     if not quick:
         rows_out += _real_rows(*REAL_SIZE)
+        rows_out += _zero_bubble_rows(*ZB_SIZE)
     return rows_out
 
 
 if __name__ == "__main__":
-    rows = _real_rows(*REAL_SIZE) if "--real" in sys.argv else run(quick="--quick" in sys.argv)
+    if "--zb" in sys.argv:
+        rows = _zero_bubble_rows(*ZB_SIZE)
+    else:
+        rows = _real_rows(*REAL_SIZE) if "--real" in sys.argv else run(quick="--quick" in sys.argv)
     for row in rows:
         print(f"{row['case']:<26} {row['metric']}: {row['value']} (target {row['target']}) {row['note']}")

@@ -91,12 +91,12 @@ def plot_comm(plan, **dims):
 
 def plot_timeline(rows, unit: str, title: str | None = None):
     """A matplotlib Figure (shown inline in Jupyter): one row per rank, a bar per action
-    (forward blue, backward orange) labelled with its micro-batch, and with its stage (``F3/1``:
+    (forward blue, backward orange, a zero-bubble schedule's weight-gradient part W green) labelled with its micro-batch, and with its stage (``F3/1``:
     micro-batch 3 of stage 1) where a rank runs several stages (interleaved schedules); ``rows``
     from parallel/pipeline/timeline.py's ``timeline_rows``."""
     fig = _figure(10, 0.6 * len(rows) + 1.2)
     ax = fig.add_subplot(1, 1, 1)
-    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
     chunks = any(len({a[2] for a in acts}) > 1 for acts in rows)
     for r, acts in enumerate(rows):
         for kind, mb, stage, start, end in acts:
@@ -106,5 +106,11 @@ def plot_timeline(rows, unit: str, title: str | None = None):
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
-    ax.set_title(title or "pipeline timeline (blue: forward, orange: backward)")
+    split = any(a[0] == "W" for acts in rows for a in acts)
+    legend = (
+        "blue: forward, orange: input gradients, green: weight gradients"
+        if split
+        else "blue: forward, orange: backward"
+    )
+    ax.set_title(title or f"pipeline timeline ({legend})")
     return fig

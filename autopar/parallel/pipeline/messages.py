@@ -61,16 +61,20 @@ class Message:
 
 
 def sent(layout, a: Action) -> list[Message]:
-    """The messages action ``a`` sends (in the runner's order)."""
+    """The messages action ``a`` sends (in the runner's order; a weight-gradient part "W": none)."""
     st = layout.stages[a.stage]
+    if a.kind == "W":
+        return []
     if a.kind == "F":
         return [Message(name, a.microbatch, a.stage, d, 0) for name, dsts in st.send for d in dsts]
     return [Message(name, a.microbatch, src, a.stage, 1) for name, src in st.recv if layout.kinds[name] == "grad"]
 
 
 def received(layout, a: Action) -> list[Message]:
-    """The messages action ``a`` receives."""
+    """The messages action ``a`` receives (a weight-gradient part "W": none)."""
     st = layout.stages[a.stage]
+    if a.kind == "W":
+        return []
     if a.kind == "F":
         return [Message(name, a.microbatch, src, a.stage, 0) for name, src in st.recv]
     return [

@@ -13,8 +13,8 @@ from typing import Callable
 
 from autopar.errors import PipelineError
 from autopar.parallel.param_names import held_params
-from autopar.parallel.pipeline import api, stage_memory, stage_shares
-from autopar.parallel.pipeline.schedules import SCHEDULES
+from autopar.parallel.pipeline import api, schedules, stage_memory, stage_shares
+from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD
 from autopar.parallel.pipeline.split import describe, split_stages
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
@@ -27,9 +27,11 @@ __all__ = ["Pipeline", "PipelineError", "SplitBefore", "split_before"]
 class Pipeline(Technique):
     """Pipeline parallelism on mesh axis ``axis``.
 
-    ``schedule``: "gpipe" (fill-drain), "1f1b", or "interleaved" (1F1B over ``chunks`` model
-    chunks per rank: rank r holds stages r, r + pp, ...); "1f1b" with chunks > 1 means
-    interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
+    ``schedule``: "gpipe" (fill-drain), "1f1b", "interleaved" (1F1B over ``chunks`` model
+    chunks per rank: rank r holds stages r, r + pp, ...), or "zb-h1" (zero-bubble: each backward
+    split into its input-gradient part and its weight-gradient part, the latter deferred into
+    1F1B's bubble), or "zbv" (zero-bubble V: chunks=2, rank r holds stages r and 2pp - 1 - r, B
+    and W split as in zb-h1); "1f1b" with chunks > 1 means interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
     (outputs, labels) -> scalar replaces the model's own loss; ``metric`` (outputs, labels)
     -> scalar is averaged alongside. ``stages`` overrides the number of stages (pp * chunks).
     """
@@ -49,6 +51,10 @@ class Pipeline(Technique):
             raise PipelineError(f"microbatches ({self.microbatches}) and chunks ({self.chunks}) must be >= 1.")
         if self.schedule == "interleaved" and self.chunks < 2:
             raise PipelineError("schedule='interleaved' needs chunks >= 2 (model chunks per rank).")
+        if self.schedule == "zb-h1" and self.chunks > 1:
+            raise PipelineError("schedule='zb-h1' runs one chunk per rank: use chunks=1, or schedule='zbv'.")
+        if self.schedule == "zbv" and self.chunks != 2:
+            raise PipelineError("schedule='zbv' runs two chunks per rank, in a V: use chunks=2.")
         if self.schedule == "gpipe" and self.chunks > 1:
             raise PipelineError(
                 "schedule='gpipe' runs one chunk per rank: use chunks=1, or schedule='interleaved' for several chunks."
@@ -60,7 +66,7 @@ class Pipeline(Technique):
 
     @property
     def kind(self) -> str:
-        return "interleaved" if self.chunks > 1 else self.schedule
+        return "interleaved" if self.chunks > 1 and self.schedule != "zbv" else self.schedule
 
     # ------------------------------------------------------- the technique (technique.py)
     @classmethod
@@ -95,9 +101,10 @@ class Pipeline(Technique):
         FLOPs, the slowest sets the pace; state and activations per rank). Without: even stages.
         A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
         of one micro-batch's stage work (1/chunks of it interleaved), so the step takes
-        (m*v + pp - 1) / (m*v*pp) of the unpipelined one. It keeps 1/pp of the parameters. In
+        (m*v + pp - 1) / (m*v*pp) of the unpipelined one (ZB-H1: (3m + pp - 1) / (3m*pp), its W's
+        filling two thirds of the idle slots). It keeps 1/pp of the parameters. In
         flight at the first stage: 1F1B pp micro-batches of its 1/pp of the layers (1/m of the
-        activations), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
+        activations; ZB-H1 the same on every rank), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
         A middle stage sends 2m messages per step (each micro-batch's activation forward, its
         gradient backward; v times interleaved), each 1/m of the batch's boundary activation.
         ``pieces``: m backward passes a step, so what one batch's step holds at once (a block's
@@ -108,6 +115,8 @@ class Pipeline(Technique):
         if built is not None:
             return {**stage_shares.shares(built, self), "sends": sends, "pieces": m}
         time = (m * v + pp - 1) / (m * v * pp)
+        if self.kind in SPLIT_BACKWARD:  # B and W a slot each, F one (ZB-H1: p - 1 idle of 3m + p - 1)
+            time = 1 / (pp * (1 - schedules.theoretical_bubble(self.kind, pp, m)))
         if self.kind == "gpipe":
             acts = 1 / pp
         elif self.kind == "interleaved":

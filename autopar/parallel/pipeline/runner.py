@@ -47,6 +47,7 @@ from autopar.parallel.pipeline import messages, schedules
 from autopar.parallel.pipeline.messages import PREFETCH_AHEAD
 from autopar.errors import PipelineError
 from autopar.parallel.pipeline.p2p import channel
+from autopar.parallel.pipeline.split_backward import backward_input, backward_weight
 from autopar.parallel.pipeline.stage_module import build_stage_module
 
 MAX_SHAPES = 64  # input shapes whose boundary shapes a runner's channel remembers (then it starts afresh)
@@ -336,6 +337,8 @@ class PipelineRunner:
         self.stats = {"max_in_flight": 0, "peak_activation_bytes": 0 if self._measuring else None}
         self._held_bytes = 0
         self._backwards: dict[int, int] = {}
+        self._split = o.kind in schedules.SPLIT_BACKWARD  # B sends input gradients, W (later) the weights'
+        self._pending: dict = {}  # (micro-batch, stage) -> (split_backward.WeightGrad, bytes held) until its W
         self._loss_work = None
         if sync_loss and not self._holds_last and self._folded(backend):  # its part is zeros: at once
             self._loss_work = backend.all_reduce_async(torch.zeros(self._n_results), self._loss_group, self.rank)
@@ -346,8 +349,10 @@ class PipelineRunner:
                 self._prefetch(acts[i : i + 1 + PREFETCH_AHEAD])
                 if a.kind == "F":
                     self._forward(a, train)
-                else:
+                elif a.kind == "B":
                     self._backward(a)
+                else:
+                    self._weight_grads(a)
                 for dst, tag in releases.get(i, ()):  # sends this action proved arrived: let go of them
                     self._ch.release(dst, tag)
             self._ch.flush()
@@ -387,6 +392,8 @@ class PipelineRunner:
         return found
 
     def _work_out_sends(self, a) -> list:
+        if a.kind == "W":  # a zero-bubble schedule's weight gradients: no messages
+            return []
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
         if a.kind == "F":
             return [
@@ -402,6 +409,8 @@ class PipelineRunner:
         ]
 
     def _work_out_receives(self, a) -> list[tuple]:
+        if a.kind == "W":  # a zero-bubble schedule's weight gradients: no messages
+            return []
         st, lay, mb = self.layout.stages[a.stage], self.layout, a.microbatch
         if a.kind == "F":
             return [
@@ -473,7 +482,7 @@ class PipelineRunner:
             nbytes = (counter.bytes if keep_graph else sum(_nbytes(x) for x in args)) if measuring else 0
             self._saved[(a.microbatch, a.stage)] = _Saved(args, received, list(sends), loss, nbytes, rng)
             self._held_bytes += nbytes
-            held = len(self._saved)
+            held = len(self._saved) + len(self._pending)
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], held)
             if measuring:
                 self.stats["peak_activation_bytes"] = max(self.stats["peak_activation_bytes"], self._held_bytes)
@@ -523,9 +532,16 @@ class PipelineRunner:
             tensors.append(sv.loss)
             seed = torch.full_like(sv.loss, self._weights[a.microbatch])
             grads.append(seed if self._scaler is None else self._scaler.scale(seed).to(seed.dtype))
-        with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext(), self._stage_no_sync(a):
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+        if self._split:  # input gradients only; the weights' in this micro-batch's W
+            inputs = [t for _name, _src, t in sv.received]
+            wg, got = backward_input(tensors, grads, inputs) if tensors else (None, [None] * len(inputs))
+            for t, g in zip(inputs, got):
+                t.grad = g
+            self._pending[(a.microbatch, a.stage)] = (wg, sv.nbytes)
+        else:
+            with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext(), self._stage_no_sync(a):
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
         t1 = time.perf_counter()
         # The event's time is compute only (as the forward's): recomputation plus backward, not the
         # gradient wait nor the sends.
@@ -535,7 +551,22 @@ class PipelineRunner:
         for name, _src, t in sv.received:
             g = t.grad if t.grad is not None else torch.zeros_like(t)
             self._ch.send(g, *to[name])
-        self._held_bytes -= sv.nbytes
+        if not self._split:
+            self._held_bytes -= sv.nbytes
+
+    def _weight_grads(self, a) -> None:
+        """A zero-bubble schedule's W: the weights' gradients of one micro-batch's stage backward,
+        whose input gradients its B computed and sent (split_backward.py); frees its graph."""
+        wg, nbytes = self._pending.pop((a.microbatch, a.stage))
+        t0, c0 = time.perf_counter(), time.thread_time() if self._measuring else None
+        with self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext(), self._stage_no_sync(a):
+            if wg is not None:
+                backward_weight(wg)
+        t1 = time.perf_counter()
+        self.timeline.append(
+            Event("W", a.microbatch, a.stage, t0, t1, time.thread_time() - c0 if self._measuring else None)
+        )
+        self._held_bytes -= nbytes
 
     def _stage_no_sync(self, a):
         """A stage module's own gradient reduction (a technique's, attached as ``no_sync``: zero=3

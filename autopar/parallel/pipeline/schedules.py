@@ -1,6 +1,8 @@
 """Pipeline schedules as plain data: for each rank, the ordered list of actions it runs.
 
-An action is ``Action("F" | "B", microbatch, stage)``. Stage s lives on rank s % pp (with
+An action is ``Action("F" | "B" | "W", microbatch, stage)``: "B" is a stage's whole backward, or
+under a zero-bubble schedule ("zb-h1") its input-gradient part only, "W" then its weight-gradient
+part, run later (parallel/pipeline/split_backward.py). Stage s lives on rank s % pp (with
 ``chunks`` > 1, rank r holds stages r, r + pp, ...). Pure Python, no torch: the runner
 executes these lists, and ``replay`` puts them on a time axis from their dependencies
 (forward of stage s after forward of s - 1, backward of s after backward of s + 1), which
@@ -17,14 +19,15 @@ from typing import NamedTuple
 
 from autopar.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules whose backward is B (input gradients) then W (weights)
 
 
 class Action(NamedTuple):
     """A tuple (made, hashed and compared in C: a schedule of a 512-rank search's pipelines has
     tens of thousands, replayed for each pipeline it costs)."""
 
-    kind: str  # "F" forward, "B" backward
+    kind: str  # "F" forward, "B" backward (input gradients only where the schedule has "W"), "W" weights
     microbatch: int
     stage: int
 
@@ -33,13 +36,17 @@ class Action(NamedTuple):
 
 
 def build(kind: str, pp: int, microbatches: int, chunks: int = 1, forward_only: bool = False) -> list[list[Action]]:
-    """Actions per pipeline rank for schedule ``kind`` ("gpipe", "1f1b", "interleaved")."""
+    """Actions per pipeline rank for schedule ``kind`` ("gpipe", "1f1b", "interleaved", "zb-h1")."""
     if kind == "gpipe":
         out = [gpipe(pp, microbatches, r) for r in range(pp)]
     elif kind == "1f1b":
         out = [one_f_one_b(pp, microbatches, r) for r in range(pp)]
     elif kind == "interleaved":
         out = [interleaved(pp, microbatches, chunks, r) for r in range(pp)]
+    elif kind == "zb-h1":
+        out = [zb_h1(pp, microbatches, r) for r in range(pp)]
+    elif kind == "zbv":
+        out = zbv(pp, microbatches)
     else:
         raise PipelineError(f"Unknown schedule {kind!r}.")
     if forward_only:
@@ -60,6 +67,88 @@ def one_f_one_b(pp: int, m: int, r: int) -> list[Action]:
         acts += [Action("F", warmup + i, r), Action("B", i, r)]
     acts += [Action("B", i, r) for i in range(m - warmup, m)]
     return acts
+
+
+def zb_h1(pp: int, m: int, r: int) -> list[Action]:
+    """Zero-bubble ZB-H1 (Qi et al., 2023): 1F1B's forwards and input-gradient backwards (B), each
+    weight-gradient part (W) deferred on rank r until r more B's have run.
+
+    The deferred W's fill what 1F1B leaves idle: a B now takes one slot, not two, so its gradient
+    reaches the rank before sooner, and the last ranks' W's run while the first ranks finish
+    their B's. With F, B and W one slot each, a rank idles p - 1 slots of 3m + p - 1 (1F1B: 3(p - 1)
+    of 3(m + p - 1)), a third of 1F1B's bubble. Rank r holds at most p micro-batches (1F1B: p - r):
+    the peak over ranks is 1F1B's, on every rank.
+
+    Example:
+        >>> [str(a) for a in zb_h1(2, 3, 1)]
+        ['F0.s1', 'B0.s1', 'F1.s1', 'B1.s1', 'W0.s1', 'F2.s1', 'B2.s1', 'W1.s1', 'W2.s1']
+    """
+    acts, done_b, done_w = [], 0, 0
+    for a in one_f_one_b(pp, m, r):
+        acts.append(a)
+        if a.kind == "B":
+            done_b += 1
+            if done_b - done_w > r:
+                acts.append(Action("W", done_w, r))
+                done_w += 1
+    return acts + [Action("W", i, r) for i in range(done_w, m)]
+
+
+def v_rank(stage: int, pp: int) -> int:
+    """ZBV's V-shaped placement: stages 0 .. pp - 1 down the ranks, pp .. 2pp - 1 back up (rank r
+    holds stages r and 2pp - 1 - r; the last rank runs the middle two, the first the two ends)."""
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+def zbv(pp: int, m: int) -> list[list[Action]]:
+    """Zero-bubble V (Qi et al., 2024): two chunks per rank placed in a V (``v_rank``), each backward
+    split into B and W, the order found by running every rank on unit slots: at each slot a rank
+    runs a ready B (the later stage first), else a forward whose input is there while it holds
+    fewer than 2pp micro-batch chunks (1F1B's first rank's activations), the later stage first,
+    else its oldest pending W. A fixed order that one run of the whole pipeline followed cannot
+    deadlock under other durations (each rank waits only on actions that run earlier in it).
+
+    Example:
+        >>> [str(a) for a in zbv(2, 2)[1]][:4]
+        ['F0.s1', 'F0.s2', 'F1.s1', 'F1.s2']
+    """
+    n = 2 * pp
+    mine = [(2 * pp - 1 - r, r) for r in range(pp)]  # later stage first
+    nxt = {k: [0] * n for k in "FBW"}
+    done: dict = {}
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    t, left = 0, 3 * n * m
+    while left:
+        picks = []
+        for r in range(pp):
+            picks.append(_zbv_pick(mine[r], nxt, done, t, n, m, 2 * pp))
+        if not any(picks):  # cannot happen with a cap of 2pp; a loud stop rather than a hang
+            raise PipelineError(f"ZBV's order stalled at slot {t} (pp={pp}, m={m}).")
+        for r, a in enumerate(picks):
+            if a is not None:
+                done[a] = t + 1
+                out[r].append(a)
+                nxt[a.kind][a.stage] += 1
+                left -= 1
+        t += 1
+    return out
+
+
+def _zbv_pick(stages, nxt, done, t, n, m, cap):
+    for s in stages:  # a B whose gradient has arrived
+        i = nxt["B"][s]
+        if i < nxt["F"][s] and done.get(Action("F", i, s), t + 1) <= t:
+            if s == n - 1 or done.get(Action("B", i, s + 1), t + 1) <= t:
+                return Action("B", i, s)
+    held = sum(nxt["F"][s] - nxt["W"][s] for s in stages)
+    for s in stages:  # a forward whose input has arrived, within the cap
+        i = nxt["F"][s]
+        if i < m and held < cap and (s == 0 or done.get(Action("F", i, s - 1), t + 1) <= t):
+            return Action("F", i, s)
+    for s in reversed(stages):  # the oldest pending W (the earlier stage's first)
+        if nxt["W"][s] < nxt["B"][s]:
+            return Action("W", nxt["W"][s], s)
+    return None
 
 
 def interleaved(pp: int, m: int, v: int, r: int) -> list[Action]:
@@ -96,7 +185,10 @@ class Slot(NamedTuple):
 
 def deps(kind: str, microbatch: int, stage: int, n_stages: int) -> list[tuple]:
     """What an action waits for, as (kind, micro-batch, stage): the forward of the stage before;
-    for a backward, its own forward and the backward of the stage after."""
+    for a backward, its own forward and the backward of the stage after; for a weight-gradient
+    part, its own backward."""
+    if kind == "W":
+        return [("B", microbatch, stage)]
     if kind == "F":
         return [("F", microbatch, stage - 1)] if stage > 0 else []
     after = [("B", microbatch, stage + 1)] if stage < n_stages - 1 else []
@@ -106,7 +198,7 @@ def deps(kind: str, microbatch: int, stage: int, n_stages: int) -> list[tuple]:
 def replay(schedule: list[list[Action]], n_stages: int, duration=None) -> list[list[Slot]]:
     """Start and end of every action when each runs as soon as its rank and inputs are free.
 
-    ``duration(action)`` defaults to 1 for a forward and 1 for a backward (one slot each).
+    ``duration(action)`` defaults to 1 for every action (one slot each).
     Raises PipelineError if the schedule would deadlock (an action waits on one that its
     rank can only reach later). An action's start is the latest end of its rank's previous
     action and of its inputs, whatever order the ranks are walked in: each rank runs until an
@@ -153,22 +245,30 @@ def idle_fraction(slots: list[list[Slot]]) -> list[float]:
 
 def theoretical_bubble(kind: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     """The idle fraction of a balanced pipeline: (p - 1) / (m + p - 1), or (p - 1) / (v m + p - 1)
-    for the interleaved schedule with v chunks."""
+    for the interleaved schedule with v chunks; ZB-H1 with F, B and W of one slot each (m >= p):
+    (p - 1) / (3m + p - 1)."""
+    if kind == "zb-h1":
+        return (pp - 1) / (3 * microbatches + pp - 1)
+    if kind == "zbv":  # what the unit-slot order leaves (no closed form: the greedy order's)
+        slots = replay(zbv(pp, microbatches), 2 * pp)
+        return max(idle_fraction(slots))
     v = chunks if kind == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches whose forward ran and backward has not (activations held)."""
+    """The most micro-batches whose forward ran and backward has not (activations held; under a
+    zero-bubble schedule until its W: the weights' gradients need them)."""
     held, peak = 0, 0
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
     for a in actions:
-        held += 1 if a.kind == "F" else -1
+        held += 1 if a.kind == "F" else -1 if a.kind == release else 0
         peak = max(peak, held)
     return peak
 
 
 def table(slots: list[list[Slot]], ranks=None) -> str:
-    """A text grid: one row per rank, one column per unit slot, cells like F3 / B0 (. = idle)."""
+    """A text grid: one row per rank, one column per unit slot, cells like F3 / B0 / W0 (. = idle)."""
     ranks = range(len(slots)) if ranks is None else ranks
     end = int(max(s.end for rs in slots for s in rs))
     lines = ["slot   " + " ".join(f"{t:>5}" for t in range(end))]

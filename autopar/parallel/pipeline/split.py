@@ -30,6 +30,7 @@ from autopar.cost.op_time import node_flops, op_work
 from autopar.errors import close_matches
 from autopar.trace.module_paths import module_paths
 from autopar.errors import PipelineError
+from autopar.parallel.pipeline.schedules import v_rank
 from autopar.sharding.rules import VIEW
 
 aten = torch.ops.aten
@@ -73,7 +74,10 @@ class StageLayout:
         return len(self.stages)
 
     def rank_of_stage(self, stage: int) -> int:
-        """The pipeline coordinate (position on the pp axis) that runs ``stage``."""
+        """The pipeline coordinate (position on the pp axis) that runs ``stage``: stage % pp, or
+        under ZBV its V (rank r holds stages r and 2pp - 1 - r)."""
+        if getattr(self.options, "schedule", None) == "zbv":
+            return v_rank(stage, self.pp)
         return stage % self.pp
 
 

@@ -19,6 +19,11 @@ gloo ranks: 34-74% of what a checkpointed stage holds when they were left out):
 - a message to the rank itself (two chunks of one rank) is a copy, alive from the send to the
   backward of the micro-batch that reads it.
 
+Under a zero-bubble schedule ("zb-h1") a micro-batch's stage is held until its W, not its B; from
+its B to its W also the gradients B computed at the ops that read a parameter (what W starts
+from: one output gradient of each such op, split_backward.py), and under checkpoint=True the
+recomputed stage whole (recomputed before B, freed by W).
+
 Sizes are the plan's formulas with every user input's batch dim divided by the micro-batch count
 (the runner splits dim 0). ``activations`` is the most held after any of the rank's actions.
 
@@ -118,10 +123,13 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
 
     own = {}  # stage -> what its ops keep beyond its received and sent values
     out = []
+    split = any(a.kind == "W" for a in acts)
+    freed_by = "W" if split else "B"  # zero-bubble: W needs the activations
+    kept_for_w = {}  # stage -> what it holds from its B to its W beyond its forward's
     for i, a in enumerate(acts):
         st = lay.stages[a.stage]
         if a.kind == "F":
-            done = where.get(Action("B", a.microbatch, a.stage), n)  # forward-only: to the step's end
+            done = where.get(Action(freed_by, a.microbatch, a.stage), n)  # forward-only: to the step's end
             if a.stage not in own:
                 own[a.stage] = (
                     _replay_bytes(plan, st)
@@ -136,7 +144,13 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
                 ends = [release.get(messages.Message(name, a.microbatch, a.stage, d, 0), n) for d in dsts
                         if lay.rank_of_stage(d) != pos]  # fmt: skip
                 out.append((i, max([done, *ends]), size(name)))
-        else:
+        elif a.kind == "B":
+            if split:
+                if a.stage not in kept_for_w:
+                    kept_for_w[a.stage] = _weight_grad_starts(plan, sy, st) + (
+                        _kept_bytes(plan, sy, st, own=False, boundary=False) if pipeline.checkpoint else 0
+                    )
+                out.append((i, where.get(Action("W", a.microbatch, a.stage), n), kept_for_w[a.stage]))
             for msg in messages.sent(lay, a):  # gradients: pending sends, or copies to a chunk of ours
                 end = where.get(messages.consumer_action(msg), n) if local(msg) else release.get(msg, n)
                 out.append((i, end, size(msg.value)))
@@ -144,6 +158,38 @@ def held_intervals(plan, pipeline, sy, built, pos: int) -> list[tuple[int, int, 
         if post < taken:
             out.append((post, taken, size(msg.value)))
     return out
+
+
+def _weight_grad_starts(plan, sy, st):
+    """The output gradients a zero-bubble B keeps for its W: one per op of the stage that reads a
+    parameter (or a value made from parameters alone, a transpose) and a value on the way to the
+    stage's received inputs. A first stage (nothing received) keeps none: its B does nothing."""
+    if not any(True for name, _ in st.recv):
+        return 0
+    params = {n for n, _ in plan.model.named_parameters(remove_duplicate=False)}
+    from_params = {ph for ph in st.attrs if plan.attr_name(ph) in params}
+    nodes = {n.name: n for n in plan.graph.nodes}
+    starts = []
+    for name in st.nodes:
+        node = nodes[name]
+        ins = [a.name for a in node.all_input_nodes]
+        if ins and all(i in from_params for i in ins):
+            from_params.add(name)
+        elif any(i in from_params for i in ins) and any(_floating(nodes[i]) for i in ins if i not in from_params):
+            starts.append(node)
+    names = {n.name for n in starts}
+    total = sympy.Integer(0)
+    for node in starts:  # an add passes its output's gradient on as it is: a linear then its bias, one tensor
+        users = list(node.users)
+        if len(users) == 1 and users[0].target is torch.ops.aten.add.Tensor and users[0].name in names:
+            continue
+        total = total + tensor_bytes(plan, sy, node.name)
+    return total
+
+
+def _floating(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
 
 def _replay_bytes(plan, st) -> int:

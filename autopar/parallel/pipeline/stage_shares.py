@@ -34,8 +34,10 @@ def shares(layout, pipeline) -> dict:
     a = _fractions([getattr(st, "out_bytes", st.flops) for st in layout.stages])
     plan = schedules.build(pipeline.kind, pp, m, v)
 
+    split = pipeline.kind in schedules.SPLIT_BACKWARD  # B then W: half the backward each
+
     def duration(a):
-        return f[a.stage] / (3 * m) * (1 if a.kind == "F" else 2)
+        return f[a.stage] / (3 * m) * (1 if a.kind == "F" or split else 2)
 
     slots = schedules.replay(plan, n, duration)
     span = max(s.end for rs in slots for s in rs) - min(s.start for rs in slots for s in rs)
@@ -44,7 +46,8 @@ def shares(layout, pipeline) -> dict:
     for actions in plan:
         held = 0.0
         for act in actions:
-            held += a[act.stage] / m if act.kind == "F" else -a[act.stage] / m
+            if act.kind == "F" or act.kind == ("W" if split else "B"):
+                held += a[act.stage] / m if act.kind == "F" else -a[act.stage] / m
             acts = max(acts, held)
     return {"time": span, "state": state, "acts": min(1.0, acts)}
 

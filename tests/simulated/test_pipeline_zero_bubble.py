@@ -1,0 +1,230 @@
+"""Zero-bubble pipelines (schedule="zb-h1"): the B/W split of a stage's backward, the schedule, and
+training against serial (3 AdamW steps) with data parallel (zero 0-3), tp, and checkpointing."""
+
+from __future__ import annotations
+
+import copy
+
+import matplotlib.figure
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar as ap
+from autopar.parallel.pipeline import schedules
+from autopar.parallel.pipeline.split_backward import backward_input, backward_weight
+from autopar.runtime.simulator import run_ranks
+from tests.harness.meshes import MESHES
+from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.serial import grad_errors, serial_step
+
+
+class _Stage(nn.Module):
+    """A weight read twice on the inputs' path (a.weight), the input read twice (a residual), and an
+    output made from parameters and a user input alone (off the path: left wholly to W)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4)
+        self.c = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        h = self.b(h) + self.a(h) + x
+        return self.norm(h) * self.c, (y * self.c).sum() + self.c.sum()
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_b_then_w_equals_the_whole_backward(first):
+    """B gives the input's gradient and leaves every weight's untouched; W then gives each weight's
+    gradient: both equal one plain backward (on a first stage, with no input to send, W does all,
+    the gradient of a user input that asks for one included)."""
+
+    def outputs():
+        torch.manual_seed(0)
+        m = _Stage()
+        x = torch.randn(3, 4, requires_grad=True)
+        out = m(x, torch.randn(4))
+        return m, x, list(out), [torch.randn(3, 4), torch.tensor(0.7)]
+
+    m, x, out, seeds = outputs()
+    torch.autograd.backward(out, seeds)
+    want = {n: p.grad for n, p in m.named_parameters()}
+    m, x2, out, seeds = outputs()
+    wg, got = backward_input(out, seeds, [] if first else [x2])
+    assert all(p.grad is None for p in m.parameters())  # B computed no weight gradient
+    if not first:
+        torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
+    backward_weight(wg)
+    if first:
+        torch.testing.assert_close(x2.grad, x.grad, rtol=1e-6, atol=1e-7)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (4, 2), (3, 1)])
+def test_zb_h1_leaves_a_third_of_1f1b_bubble(pp, m):
+    """Unit F, B, W: the step spans 3m + p - 1 slots for m >= p (1F1B with B + W as one action of
+    two: 3(m + p - 1)), each rank holds at most p micro-batches (1F1B's first rank), no deadlock."""
+    sched = schedules.build("zb-h1", pp, m)
+    for r, acts in enumerate(sched):
+        assert sorted(acts) == sorted(schedules.Action(k, i, r) for k in "FBW" for i in range(m))
+        assert schedules.max_in_flight(acts) <= pp
+    slots = schedules.replay(sched, pp)
+    span = max(s.end for rs in slots for s in rs)
+    one_f_one_b = schedules.replay(schedules.build("1f1b", pp, m), pp, lambda a: 1.0 if a.kind == "F" else 2.0)
+    assert span < max(s.end for rs in one_f_one_b for s in rs)
+    if m >= pp:
+        assert span == 3 * m + pp - 1
+        idle = schedules.idle_fraction(slots)
+        assert max(idle) == pytest.approx(schedules.theoretical_bubble("zb-h1", pp, m))
+
+
+def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
+    spec = MESHES[mesh]
+    chunks = 2 if schedule == "zbv" else 1
+    return ap.plan(
+        small_gpt(layers=4 * chunks),
+        spec.mesh(),
+        args=gpt_batch(batch=8),
+        annotations=MEGATRON if "tp" in spec.axes else {},
+        data_parallel=ap.DataParallel("dp", zero=zero) if spec.dp else None,
+        pipeline=ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks, checkpoint=ckpt),
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh,zero,ckpt,schedule",
+    [
+        ("pp2", 0, False, "zb-h1"),
+        ("pp4", 0, True, "zb-h1"),
+        ("dp2xpp2", 0, False, "zb-h1"),
+        ("dp2xpp2", 1, True, "zb-h1"),
+        ("dp2xpp2", 2, False, "zb-h1"),
+        ("dp2xpp2", 3, False, "zb-h1"),
+        ("pp2xtp2", 0, True, "zb-h1"),
+        ("dp2xpp2xtp2", 2, False, "zb-h1"),
+        ("pp2", 0, False, "zbv"),
+        ("pp4", 0, True, "zbv"),
+        ("dp2xpp2", 2, False, "zbv"),
+    ],
+)
+def test_zero_bubble_three_adamw_steps_equal_serial(mesh, zero, ckpt, schedule):
+    plan = _plan(mesh, zero, ckpt, schedule)
+    model = copy.deepcopy(plan.model)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    # eps 1e-4: the key bias's gradient is zero but for float noise (softmax ignores a constant
+    # shift), which AdamW's first step divides by itself (+-lr either way, 1F1B's too)
+    adamw = dict(lr=0.01, eps=1e-4)
+    serial_opt = torch.optim.AdamW(model.parameters(), **adamw)
+
+    def step(rank):
+        opt = ap.Optimizer(runners[rank], torch.optim.AdamW, **adamw)
+        losses = []
+        for s in range(3):
+            losses.append(runners[rank].step(gpt_batch(batch=8, seed=s)))
+            if s == 2:  # the last step's gradients, before the optimizer, against serial's
+                grads = {n: p.grad.clone() for n, p in runners[rank].named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad()
+        return losses, grads, {n: p.detach().clone() for n, p in runners[rank].named_parameters()}
+
+    per_rank = run_ranks(plan.mesh.size, step, timeout=120)
+    serial_losses = []
+    for s in range(3):
+        loss = model(*gpt_batch(batch=8, seed=s))[1]
+        loss.backward()
+        serial_losses.append(loss.detach())
+        if s == 2:
+            serial_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        serial_opt.step()
+        serial_opt.zero_grad()
+    for rank, (losses, grads, params) in enumerate(per_rank):
+        for got, want in zip(losses, serial_losses):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if zero < 2:  # ZeRO-2 keeps reduced slices of the gradients: the parameters below say it all
+            ref = plan.shard_state_dict({n: g for n, g in serial_grads.items() if n in grads}, rank)
+            for n, g in grads.items():
+                torch.testing.assert_close(
+                    g, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"rank {rank} grad {n}: {m}"
+                )
+        ref = plan.shard_state_dict({n: p.detach() for n, p in model.named_parameters() if n in params}, rank)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
+
+
+def test_zb_h1_table_figure_and_runner_order():
+    """The table and the figure show W; each runner runs its schedule's actions in order, and holds
+    at most pp micro-batches."""
+    plan = _plan("pp2", 0, False)
+    table = plan.schedule_table().splitlines()
+    assert table[1].split()[2:] == ["F0", "F1", ".", "B0", "W0", "F2", "B1", "W1", "F3", "B2", "W2", "B3", "W3"]
+    assert table[2].split()[2:] == [".", "F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "F3", "B3", "W2", "W3"]
+    fig = plan.timeline_figure()
+    assert isinstance(fig, matplotlib.figure.Figure)
+    assert len(fig.axes[0].patches) == 2 * 3 * 4  # 2 ranks x (F, B, W) x 4 micro-batches
+    assert "W3" in {t.get_text() for t in fig.axes[0].texts}
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    run_ranks(2, lambda r: runners[r].step(gpt_batch(batch=8)), timeout=60)
+    for r, runner in enumerate(runners):
+        assert [(e.kind, e.microbatch, e.stage) for e in runner.timeline] == [
+            tuple(a) for a in schedules.build("zb-h1", 2, 4)[r]
+        ]
+        assert runner.stats["max_in_flight"] == 2
+    measured = plan.timeline_figure([r.timeline for r in runners])
+    assert len(measured.axes[0].patches) == 24
+
+
+def test_zero_bubble_chunks_are_checked():
+    with pytest.raises(ap.PipelineError, match="zb-h1.*chunks=1"):
+        ap.Pipeline("pp", schedule="zb-h1", chunks=2)
+    with pytest.raises(ap.PipelineError, match="zbv.*chunks=2"):
+        ap.Pipeline("pp", schedule="zbv")
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4), (2, 1), (3, 5)])
+def test_zbv_places_stages_in_a_v_and_leaves_less_bubble_than_zb_h1(pp, m):
+    """Rank r runs stages r and 2pp - 1 - r, every F, B and W of each once; no deadlock; on unit
+    slots it idles less than ZB-H1 and holds at most 2pp micro-batch chunks (half a rank's layers
+    each: 1F1B's first rank's pp micro-batches)."""
+    sched = schedules.build("zbv", pp, m)
+    for r, acts in enumerate(sched):
+        stages = (r, 2 * pp - 1 - r)
+        assert sorted(acts) == sorted(schedules.Action(k, i, s) for k in "FBW" for i in range(m) for s in stages)
+        assert schedules.max_in_flight(acts) <= 2 * pp
+        assert {schedules.v_rank(s, pp) for s in stages} == {r}
+    idle = schedules.idle_fraction(schedules.replay(sched, 2 * pp))
+    if m >= pp:
+        assert max(idle) < schedules.theoretical_bubble("zb-h1", pp, m)
+    assert max(idle) == pytest.approx(schedules.theoretical_bubble("zbv", pp, m))
+
+
+def test_zbv_table_and_runner_order():
+    plan = _plan("pp2", 0, False, "zbv")
+    assert [plan.stage_layout.rank_of_stage(s) for s in range(4)] == [0, 1, 1, 0]
+    assert "W3/3" in plan.schedule_table(0) and "F0/2" in plan.schedule_table(1)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    assert sorted(runners[0].modules) == [0, 3] and sorted(runners[1].modules) == [1, 2]
+    run_ranks(2, lambda r: runners[r].step(gpt_batch(batch=8)), timeout=60)
+    for r, runner in enumerate(runners):
+        assert [(e.kind, e.microbatch, e.stage) for e in runner.timeline] == [
+            tuple(a) for a in schedules.build("zbv", 2, 4)[r]
+        ]
+
+
+def test_zb_h1_uneven_micro_batches_and_evaluate():
+    """6 rows in 4 micro-batches (2, 2, 1, 1: losses weighted by rows): the step's loss and every
+    gradient equal serial's; ``evaluate`` runs the forwards only and gives serial's loss."""
+    plan = _plan("pp2", 0, False)
+    batch = gpt_batch(batch=6, seed=3)
+    serial_loss, serial_grads = serial_step(plan.model, batch)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    losses = run_ranks(2, lambda r: runners[r].step(batch), timeout=60)
+    for loss in losses:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    errors = [e for r in plan.mesh.ranks() for e in grad_errors(plan, r, runners[r], serial_grads)]
+    assert not errors, errors[:5]
+    evals = run_ranks(2, lambda r: runners[r].evaluate(batch), timeout=60)
+    for loss in evals:
+        torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
+    assert all(e.kind == "F" for r in runners for e in r.timeline)
