@@ -15,7 +15,12 @@ at 2^-8 relative; the plan sums in another order (a row-parallel layer's partial
 bf16 before their all-reduce, a split batch's means), so its gradients are as far from the
 reference's as bf16 noise allows, not closer. A parameter passes when its gradient is within
 ``GRAD_REL`` of the reference's norm, or no farther from it than ``NOISE_FACTOR`` times the
-reference's own distance from the fp32 gradient (the noise bf16 adds to that parameter).
+reference's own distance from the fp32 gradient (the noise bf16 adds to that parameter), or
+within ``GRAD_REL`` of ``FLOOR`` times the whole model's gradient norm: a gradient a thousand
+times smaller than the model's is a difference of far larger terms, each rounded at 2^-8 of its
+own size (DiffLlama's lambda_q1/k1/q2/k2, the gradient of the scalar weighing its two attention
+maps: over five batches the serial bf16 reference itself lands 6-62% from fp32's, the tp=2 plan
+14-66%, in the same direction, 1e-5 of the model's gradient norm).
 
 Example:
     >>> kwargs = with_labels(kwargs)
@@ -33,9 +38,12 @@ BF16 = torch.bfloat16
 LOSS_REL = 2e-2  # rank 0's loss against the reference's (measured: under 1e-3 on LLaMA)
 GRAD_REL = 3e-2  # a gradient's distance from the reference's, relative to its norm
 NOISE_FACTOR = 3.0  # or within this many times bf16's own distance from the fp32 gradient
+FLOOR = 1e-3  # or within GRAD_REL of this fraction of the whole model's gradient norm
 TOLERANCE = (
     f"loss within {LOSS_REL:g} relative; each parameter's gradient within {GRAD_REL:g} of the reference's norm, "
-    f"or within {NOISE_FACTOR:g} x the reference's own distance from fp32's gradient (bf16 noise)"
+    f"or within {NOISE_FACTOR:g} x the reference's own distance from fp32's gradient (bf16 noise), or within "
+    f"{GRAD_REL:g} x {FLOOR:g} of the model's whole gradient norm (a gradient that small is a difference of far "
+    "larger terms)"
 )
 
 
@@ -112,7 +120,7 @@ def policy_check(plan, model, kwargs: dict) -> float:
     got_loss, got = plan_gradients(plan, kwargs)
     if abs(got_loss - want_loss) > LOSS_REL * abs(want_loss):
         raise AssertionError(f"loss {got_loss:.6g} against the bf16 reference's {want_loss:.6g}")
-    worst = 0.0
+    worst, whole = 0.0, sum(g.norm() ** 2 for g in want.values()).sqrt().item()
     for name, ref in want.items():
         if name not in got:
             raise AssertionError(f"no gradient for {name!r} on the plan's ranks")
@@ -122,9 +130,9 @@ def policy_check(plan, model, kwargs: dict) -> float:
         dist, norm = (g - ref).norm().item(), ref.norm().item()
         noise = (fp32[name] - ref).norm().item() if name in fp32 else 0.0
         worst = max(worst, dist / norm if norm else 0.0)
-        if dist > GRAD_REL * norm and dist > NOISE_FACTOR * noise:
+        if dist > GRAD_REL * max(norm, FLOOR * whole) and dist > NOISE_FACTOR * noise:
             raise AssertionError(
                 f"gradient of {name!r} is {dist:.3g} from the bf16 reference's (norm {norm:.3g}, "
-                f"bf16's own distance from fp32 {noise:.3g})"
+                f"bf16's own distance from fp32 {noise:.3g}, the model's gradient norm {whole:.3g})"
             )
     return worst

@@ -68,11 +68,16 @@ def bf16_headline(rows: list[dict]) -> str:
     )
 
 
+def bf16_cause(row: dict) -> str:
+    """Why ``row`` failed under the policy (a time limit met in its bf16 stage is the row's cause)."""
+    return row.get("bf16_cause") or row.get("cause") or "fallback: " + ", ".join(row.get("bf16_fallback", []))
+
+
 def _bf16_row(r: dict) -> str:
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     fb = ", ".join(f.replace("aten.", "") for f in r.get("bf16_fallback", []))
     worst = "" if r.get("bf16_max_rel") is None else f"{r['bf16_max_rel']:.1e}"
-    cause = (r.get("bf16_cause") or "").replace("|", "/").replace("\n", " ")
+    cause = "" if bf16_ok(r) else bf16_cause(r).replace("|", "/").replace("\n", " ")
     return (
         f"| {r['name']} | {r.get('plan', '')} | {yes(r.get('bf16_planned'))} | {yes(r.get('bf16_equal'))} | "
         f"{fb} | {worst} | {r.get('seconds', '')} | {cause} |"
