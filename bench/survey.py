@@ -122,12 +122,16 @@ def run_one(name: str, precision: str | None = None) -> dict:
 
 def _bf16(row: dict, model, kwargs: dict, preset) -> None:
     """The bf16 policy's plans of ``model`` checked against the serial policy (``bf16_*`` fields)."""
-    from bench.survey_precision import policy_check, policy_plans, with_labels
+    import autopar as ap
+    from bench.survey_precision import policy_check, policy_plans, training_model
 
     row.update(bf16_planned=False, bf16_equal=False, bf16_fallback=[], bf16_cause="", bf16_max_rel=None)
     stage, worst, fallback = "plan", 0.0, set()
     try:
-        kwargs = with_labels(kwargs)
+        trained, kwargs = training_model(model, kwargs)
+        if trained is not model and preset is not None:  # the wrapper's module paths
+            preset = ap.presets.megatron(trained, "tp", kwargs=kwargs)
+        model = trained
         for shape, plan in policy_plans(model, kwargs, preset):
             fallback |= set(_fallbacks(plan))
             row["bf16_planned"] = shape == MESHES[-1]

@@ -9,7 +9,8 @@ preset, ``ap.DataParallel("dp", zero=3, param_dtype=bf16)``; on (2, 2) dp x tp t
 
 Reference: the serial model computing with bf16 copies of its fp32 parameters
 (``torch.func.functional_call`` with ``p.to(bf16)``, as tests/harness/precision.py does), the
-loss of ``labels=input_ids``, its gradient landing in fp32 on the parameters. Compared: rank 0's
+loss of ``labels=input_ids`` (or, where the model's own loss needs other inputs, the next-token
+cross-entropy of its logits: ``NextTokenLoss``), its gradient landing in fp32 on the parameters. Compared: rank 0's
 loss and every parameter's merged fp32 gradient. Tolerance (``TOLERANCE``): bf16 rounds each sum
 at 2^-8 relative; the plan sums in another order (a row-parallel layer's partial sums rounded to
 bf16 before their all-reduce, a split batch's means), so its gradients are as far from the
@@ -23,7 +24,7 @@ maps: over five batches the serial bf16 reference itself lands 6-62% from fp32's
 14-66%, in the same direction, 1e-5 of the model's gradient norm).
 
 Example:
-    >>> kwargs = with_labels(kwargs)
+    >>> model, kwargs = training_model(model, kwargs)
     >>> for mesh_shape, plan in policy_plans(model, kwargs, preset): policy_check(plan, model, kwargs)
 """
 
@@ -50,6 +51,33 @@ TOLERANCE = (
 def with_labels(kwargs: dict) -> dict:
     """The survey's token ids as labels too: the model returns its loss (computed as it trains)."""
     return {**kwargs, "labels": kwargs["input_ids"]}
+
+
+class NextTokenLoss(torch.nn.Module):
+    """A model whose own loss does not run on token ids alone (GitForCausalLM's expects image
+    tokens before the text), trained as a user writes the loop: cross-entropy of its logits
+    against the next token, in fp32, inside the program (so every plan reduces it)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, **kwargs):
+        logits = self.lm(input_ids=input_ids, **kwargs).logits
+        return {
+            "loss": torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+        }
+
+
+def training_model(model, kwargs: dict) -> tuple[torch.nn.Module, dict]:
+    """(the module the survey trains, its inputs): the model given ``labels=input_ids``, or wrapped
+    in NextTokenLoss where its own loss does not run on them."""
+    try:
+        with torch.no_grad():
+            model(**with_labels(kwargs))
+        return model, with_labels(kwargs)
+    except Exception:  # noqa: BLE001 - the model's loss needs other inputs: the loop computes one
+        return NextTokenLoss(model), dict(kwargs)
 
 
 def policy_plans(model, kwargs: dict, preset: dict | None):
