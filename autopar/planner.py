@@ -114,6 +114,7 @@ def make_plan(
                 options.activation_checkpoint,
                 options.context_parallel,
                 options.split_before,
+                precision=None if policy is None else {k: getattr(policy, k) for k in DTYPES},
             )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
