@@ -134,7 +134,8 @@ def plan_gradients(plan, kwargs: dict) -> tuple[float, dict]:
         _, local = plan.local_inputs(rank, **kwargs)
         loss = _loss(module(**local))
         loss.backward()
-        return loss.item(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+        grads = module.named_parameters(remove_duplicate=False)  # a tied weight under each of its names
+        return loss.item(), {n: p.grad for n, p in grads if p.grad is not None}
 
     results = run_ranks(plan.mesh.size, step)
     return results[0][0], plan.merge_state_dicts([r[1] for r in results])
