@@ -23,7 +23,7 @@ from autopar.errors import AnnotationError, MeshError, TraceError
 from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.parallel.precision import compute_dtype
+from autopar.parallel.precision import DTYPES, MixedPrecision, compute_dtype
 from autopar.plan import Plan
 from autopar.search.auto import search, settle_memory
 from autopar.search.options import Auto
@@ -83,7 +83,11 @@ def make_plan(
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
         resolved: dict = {}  # the probes' seeds by resolve's arguments (_resolved)
 
+        policy = _policy(options)
+
         def plan_probe(probe_traced, probe_options, probe_annotations):
+            if policy is not None:  # the probes compute as the plan will, on its trace in the policy's dtype
+                probe_options = probe_options.replace(mixed_precision=policy)
             probe_mesh, probe_options = _reshape_mesh(mesh, probe_options)  # data parallel over two axes
             return plan_traced(
                 model,
@@ -112,6 +116,7 @@ def make_plan(
                 options.activation_checkpoint,
                 options.context_parallel,
                 options.split_before,
+                precision=None if policy is None else {k: getattr(policy, k) for k in DTYPES},
             )
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
@@ -121,6 +126,21 @@ def make_plan(
         if Auto.of(searched).verify:  # the choice dry-run at full size (dryrun/verify.py)
             plan.built["auto"] = verify_choice(plan, plan.built["auto"], Auto.of(searched).optimizer_states)
     return plan
+
+
+def _policy(options: PlanOptions) -> MixedPrecision | None:
+    """The options' precision policy as one technique (ap.MixedPrecision, or a DataParallel's own
+    dtypes): the search's probes, each with a data parallel of its own, plan under it. Without it
+    a probe's options named no compute dtype while its trace was in one, and each checkpointed
+    variant (Plan.with_options) traced the model again in fp32: the probes priced the fp32
+    program, and the saves shared between variants named the other trace's nodes (a KeyError
+    on the 8B with ``mixed_precision=`` and ``auto=``)."""
+    if options.mixed_precision is not None:
+        return options.mixed_precision
+    dp = options.data_parallel
+    if dp is None or all(getattr(dp, k) is None for k in DTYPES):
+        return None
+    return MixedPrecision(**{k: getattr(dp, k) for k in DTYPES})
 
 
 def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):

@@ -2,7 +2,8 @@
 
 Each published configuration (torchtitan's LLaMA-3.1 benchmarks on H100s, end of 2024:
 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md) is planned by hand as its
-authors ran it, on the meta device (HF LlamaConfig sizes, bf16 compute with fp32 master weights),
+authors ran it, on the meta device (HF LlamaConfig sizes; the fp32 HF model under the precision policy
+``ap.MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``: bf16 compute over fp32 master weights),
 and ``ap.predict(plan, "h100")`` gives its tokens/s per GPU and memory per rank: the published
 figures sit beside them. Then ``ap.plan(auto=ap.Auto(device="h100", memory_budget=...))`` searches
 the same mesh: its choice, predicted throughput and search time (a fresh process each, peak RSS).
@@ -237,7 +238,11 @@ class LossOnly(torch.nn.Module):
 
 
 with torch.device("meta"):
-    model = LossOnly(LlamaForCausalLM(cfg).to(torch.bfloat16))  # traced in bf16: activations as the runs kept them
+    model = LossOnly(LlamaForCausalLM(cfg))  # fp32, as HF builds it: the policy computes in bf16 over fp32 masters
+# FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), as torchtitan ran it:
+# the plan is traced in bf16 (activations as the runs kept them), parameters, gradients and Adam
+# state stay fp32 (16 B per parameter), blocks gathered in bf16, gradients reduced in fp32
+policy = ap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 mesh = ap.Mesh(tuple(shape), tuple(names))
 dp_size = 1
 for n, s in zip(names, shape):
@@ -250,7 +255,7 @@ if search is None:
     # torchtitan's FSDP: gradients reduced in fp32; under a pipeline the blocks stay gathered
     # through the step (apply_fsdp: reshard_after_forward=False when pp is on)
     dp = ap.DataParallel("dp", zero=3, replicate_axis="rep" if "rep" in names else None,
-                         shard_size=(shape[0] * shape[1]) if "rep" in names else None, reduce_dtype=torch.float32,
+                         shard_size=(shape[0] * shape[1]) if "rep" in names else None,
                          reshard_after_forward="pp" not in names)
     ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True) if "tp" in names else {}
     pp = dict(zip(names, shape)).get("pp")  # torchtitan's default micro-batch count: the pp degree
@@ -258,10 +263,10 @@ if search is None:
     # torchtitan's selective policy (selective_ac_option = "op") keeps every second matmul's output
     ac = None if mode == "none" else ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
     plan = ap.plan(model, mesh, kwargs=kw, annotations=ann, data_parallel=dp, dynamic=False, pipeline=pipe,
-                   activation_checkpoint=ac)
+                   activation_checkpoint=ac, mixed_precision=policy)
     chosen = "hand"
 else:
-    plan = ap.plan(model, mesh, kwargs=kw, dynamic=False,
+    plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, mixed_precision=policy,
                    auto=ap.Auto(device="h100", memory_budget=search * 2**30, **ran))
     chosen = plan.built["auto"]["chosen"]
 seconds = time.perf_counter() - t0

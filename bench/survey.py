@@ -9,6 +9,11 @@ of the parameters one rank holds. Each model runs in a worker process under a ti
 Example:
     $ python -m bench.survey -j 2 --limit 120            # writes bench/SURVEY.md
     $ python -m bench.survey --only LlamaForCausalLM     # one model, result printed
+    $ python -m bench.survey -j 1 --head causal-lm --precision bf16 --out bench/SURVEY_BF16.md
+
+``--precision bf16``: after the fp32 plan and check, the same model planned under FSDP2's recipe
+(bf16 compute over fp32 masters) and held against the serial model under it
+(bench/survey_precision.py says the plans, the reference and the tolerance).
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {head}"[:240]
 
 
-def run_one(name: str) -> dict:
-    """Build, plan and check one architecture; every failure recorded with its cause."""
+def run_one(name: str, precision: str | None = None) -> dict:
+    """Build, plan and check one architecture; every failure recorded with its cause. With
+    ``precision="bf16"``, an architecture equal to serial in fp32 is planned again under the bf16
+    policy and checked against the serial policy (``bf16_*`` fields)."""
     import autopar as ap
     from bench.survey_models import architectures, build
 
@@ -103,6 +110,9 @@ def run_one(name: str) -> dict:
             row["equal"] = True
             row["fallback"] = sorted(fallback)
             row["params_per_rank"] = round(fractions[0], 3)
+            if precision == "bf16":
+                stage = "bf16"
+                _bf16(row, model, kwargs, preset)
     except BaseException as e:  # noqa: BLE001
         row["cause"] = f"{stage}: " + _cause(e)
         row["trace"] = traceback.format_exc(limit=-3)[-1200:]
@@ -110,7 +120,34 @@ def run_one(name: str) -> dict:
     return row
 
 
-def _worker(names: list[str], out: Path, limit: int) -> None:
+def _bf16(row: dict, model, kwargs: dict, preset) -> None:
+    """The bf16 policy's plans of ``model`` checked against the serial policy (``bf16_*`` fields)."""
+    import autopar as ap
+    from bench.survey_precision import policy_check, policy_plans, training_model
+
+    row.update(bf16_planned=False, bf16_equal=False, bf16_fallback=[], bf16_cause="", bf16_max_rel=None)
+    stage, worst, fallback = "plan", 0.0, set()
+    try:
+        trained, kwargs = training_model(model, kwargs)
+        if trained is not model and preset is not None:  # the wrapper's module paths
+            preset = ap.presets.megatron(trained, "tp", kwargs=kwargs)
+        model = trained
+        for shape, plan in policy_plans(model, kwargs, preset):
+            fallback |= set(_fallbacks(plan))
+            row["bf16_planned"] = shape == MESHES[-1]
+            stage = f"check {shape}"
+            worst = max(worst, policy_check(plan, model, kwargs))
+        row["bf16_equal"] = True
+        row["bf16_max_rel"] = round(worst, 5)
+    except BaseException as e:  # noqa: BLE001 - a survey records every failure
+        if isinstance(e, TimeoutError):
+            raise
+        row["bf16_cause"] = f"{stage}: " + _cause(e)
+        row["bf16_trace"] = traceback.format_exc(limit=-3)[-1200:]
+    row["bf16_fallback"] = sorted(fallback)
+
+
+def _worker(names: list[str], out: Path, limit: int, precision: str | None = None) -> None:
     """Run ``names`` one after another, one JSON line each; SIGALRM ends a model over the limit."""
 
     def alarm(*_):
@@ -123,7 +160,7 @@ def _worker(names: list[str], out: Path, limit: int) -> None:
             f.flush()
             signal.alarm(limit)
             try:
-                row = run_one(name)
+                row = run_one(name, precision)
             except TimeoutError as e:
                 row = {"name": name, "built": True, "cause": f"timeout: {e}"}
             signal.alarm(0)
@@ -144,11 +181,13 @@ def _read(path: Path) -> tuple[dict, str | None]:
     return rows, started
 
 
-def run_all(names: list[str], jobs: int, limit: int, workdir: Path) -> dict:
+def run_all(names: list[str], jobs: int, limit: int, workdir: Path, precision: str | None = None) -> dict:
     """Workers over ``jobs`` processes; a worker stuck past the limit is killed and restarted."""
     workdir.mkdir(parents=True, exist_ok=True)
     chunks = [names[i::jobs] for i in range(jobs)]
-    procs = {i: (chunk, _spawn(chunk, workdir / f"w{i}.jsonl", limit)) for i, chunk in enumerate(chunks) if chunk}
+    procs = {
+        i: (chunk, _spawn(chunk, workdir / f"w{i}.jsonl", limit, precision)) for i, chunk in enumerate(chunks) if chunk
+    }
     rows: dict = {}
     while procs:
         time.sleep(2)
@@ -166,7 +205,7 @@ def run_all(names: list[str], jobs: int, limit: int, workdir: Path) -> dict:
                     left.remove(started)
                 procs.pop(i)
                 if left:
-                    procs[i] = (chunk, _spawn(left, workdir / f"w{i}.jsonl", limit))
+                    procs[i] = (chunk, _spawn(left, workdir / f"w{i}.jsonl", limit, precision))
     return rows
 
 
@@ -180,10 +219,12 @@ def _append(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _spawn(names, out: Path, limit: int):
+def _spawn(names, out: Path, limit: int, precision: str | None = None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     return subprocess.Popen(
-        [sys.executable, "-m", "bench.survey", "--worker", str(out), "--limit", str(limit), *names],
+        [sys.executable, "-m", "bench.survey", "--worker", str(out), "--limit", str(limit)]
+        + (["--precision", precision] if precision else [])
+        + names,
         cwd=HERE.parent,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -191,20 +232,25 @@ def _spawn(names, out: Path, limit: int):
 
 
 def main(argv=None) -> None:
+    from bench.survey_models import HEADS
+
     ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap_.add_argument("names", nargs="*")
     ap_.add_argument("--only", help="run one architecture in this process and print its row")
     ap_.add_argument("--worker", help=argparse.SUPPRESS)
     ap_.add_argument("-j", "--jobs", type=int, default=2)
     ap_.add_argument("--limit", type=int, default=180, help="seconds per model")
-    ap_.add_argument("--out", default=str(HERE / "SURVEY.md"))
+    ap_.add_argument("--out", help="default: bench/SURVEY.md, bench/SURVEY_BF16.md with --precision bf16")
     ap_.add_argument("--report", help="write SURVEY.md from the worker files in this folder (a partial run)")
+    ap_.add_argument("--head", choices=sorted(HEADS), help="survey the architectures with this head only")
+    ap_.add_argument("--precision", choices=["bf16"], help="also plan under the bf16 policy (survey_precision.py)")
     args = ap_.parse_args(argv)
+    args.out = args.out or str(HERE / ("SURVEY.md" if args.precision is None else "SURVEY_BF16.md"))
     if args.only:
-        print(json.dumps(run_one(args.only), indent=1))
+        print(json.dumps(run_one(args.only, args.precision), indent=1))
         return
     if args.worker:
-        _worker(args.names, Path(args.worker), args.limit)
+        _worker(args.names, Path(args.worker), args.limit, args.precision)
         return
     from bench.survey_models import architectures
     from bench.survey_report import write
@@ -213,14 +259,15 @@ def main(argv=None) -> None:
         rows = {}
         for p in sorted(Path(args.report).glob("w*.jsonl")):
             rows.update(_read(p)[0])
-        Path(args.out).write_text(write(list(rows.values()), 0.0, args, total=len(architectures())))
+        total = len([a for a in architectures() if args.head in (None, a.head)])
+        Path(args.out).write_text(write(list(rows.values()), 0.0, args, total=total))
         return
-    names = args.names or [a.name for a in architectures()]
+    names = args.names or [a.name for a in architectures() if args.head in (None, a.head)]
     t0 = time.time()
-    workdir = HERE / ".survey"
+    workdir = HERE / (".survey" if args.precision is None else f".survey-{args.precision}")
     for p in workdir.glob("w*.jsonl"):
         p.unlink()
-    rows = run_all(names, args.jobs, args.limit, workdir)
+    rows = run_all(names, args.jobs, args.limit, workdir, args.precision)
     text = write([rows[n] for n in names if n in rows], time.time() - t0, args)
     Path(args.out).write_text(text)
     print(text.split("\n\n")[1] if "\n\n" in text else text)

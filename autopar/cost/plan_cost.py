@@ -68,6 +68,33 @@ def layer_of(path: str) -> str:
 STATE_BYTES = 4
 
 
+def copy_dtype(plan, dp="plan") -> torch.dtype | None:
+    """The dtype of the copies a precision policy's program makes of the parameters it reads: its
+    ``param_dtype``, the dtype the plan was traced in (``plan.traced.dtype``, parallel/precision.py).
+    None where it makes none of its own: without a policy, or where ``dp``'s storage gathers the
+    parameters (zero=3: the gathers cast, their blocks are the storage's ``gathered``). ``dp``:
+    the plan's DataParallel unless another is given (the search weighs others on one plan).
+
+    Example:
+        >>> copy_dtype(plan)      # torch.bfloat16 under DataParallel("dp", zero=1, param_dtype=bf16)
+    """
+    dtype, dp = plan.traced.dtype, plan.options.data_parallel if dp == "plan" else dp
+    if dtype is None or (dp is not None and dp.storage.gathers_params):
+        return None
+    return dtype
+
+
+def copy_bytes(p: torch.Tensor, numel, dtype: torch.dtype | None):
+    """Bytes of ``dtype``'s copy of ``numel`` elements of parameter ``p`` (a number or a formula):
+    0 where no copy is made (no dtype, an integer parameter, one already in ``dtype``, whose cast
+    returns it). Under the policy each copy lives from its read in forward to its last use in
+    backward (autograd keeps it for the matmul's gradient), as FSDP2's unsharded copies do, so a
+    rank holds all of them at its peak."""
+    if dtype is None or not p.is_floating_point() or p.dtype == dtype:
+        return 0
+    return numel * dtype.itemsize
+
+
 class Cost:
     """Formulas for one plan (see the module docstring); ``at(**dims)`` gives numbers."""
 
@@ -205,16 +232,21 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int 
     their sums agree at the example.
 
     ``params`` / ``grads`` / ``optimizer``: of the parameters the rank holds (a pipeline rank:
-    its stages', ``Technique.rank_params``), each in its dtype, the optimizer's
+    its stages', ``Technique.rank_params``), each in its dtype (a precision policy's fp32 masters),
+    the optimizer's
     ``optimizer_states`` fp32 values (STATE_BYTES) per element, as the techniques shard them
     (``Technique.memory_formulas``: ZeRO's shares, ZeRO-2's ``accumulated`` gradients over a
-    pipeline's micro-batches, zero=3's ``gathered`` blocks); ``padding``: what the rank's ZeRO
+    pipeline's micro-batches, zero=3's ``gathered`` blocks); ``compute_copies``: a precision
+    policy's ``param_dtype`` copies of the parameters read without a gather (``copy_bytes``);
+    ``padding``: what the rank's ZeRO
     slices hold beyond those shares (buckets padded to a multiple of the group: a number); then
     the activation terms (``activation_terms``) of the rank; ``offloaded`` (host memory) too,
     which Cost keeps apart."""
     params = sympy.Integer(0)
     grads = sympy.Integer(0)
     opt = sympy.Integer(0)
+    copies = sympy.Integer(0)
+    dtype = copy_dtype(plan)
     held = {name for name, _ in named_parameters(plan.model)}
     for technique in plan.options.techniques:  # a pipeline rank holds its stages' parameters only
         held = technique.rank_params(plan, rank, held)
@@ -223,12 +255,15 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int 
             continue
         local = sy.numel(p.shape, plan.param_specs.get(name))
         params += local * p.element_size()
+        copies += copy_bytes(p, local, dtype)
         if p.requires_grad:
             grads += local * p.element_size()
             opt += optimizer_states * local * STATE_BYTES
     out = {"params": params, "grads": grads, "optimizer": opt}
     for technique in plan.options.techniques:  # ZeRO's shares, zero=3's gathered blocks, ...
         out = technique.memory_formulas(plan, sy, out, rank)
+    if copies:
+        out["compute_copies"] = copies
     padding = _padding(plan, sy, out, rank, optimizer_states)
     if padding:
         out["padding"] = padding

@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import STATE_BYTES, activation_terms
+from autopar.cost.plan_cost import STATE_BYTES, activation_terms, copy_bytes, copy_dtype
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
-from autopar.parallel.precision import compute_copies
 
 
 def sync_axes_all_names(plan) -> dict[str, tuple[int, ...]]:
@@ -120,6 +119,8 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
       it steps (ZeRO-1/2/3: its slice): Adam/AdamW 2, SGD with momentum 1, plain SGD 0;
     - what the storage holds beside (``accumulated``: gradients kept whole over a pipeline's
       micro-batches; zero=3's ``gathered`` blocks and ``reduce_buffers``);
+    - ``compute_copies``: a precision policy's ``param_dtype`` copies of the parameters the
+      program reads without a gather (zero 0-2, no data parallel: cost/plan_cost.copy_bytes);
     - the activations autograd keeps at the example's sizes, as the techniques change them
       (cost/plan_cost.activation_terms: ``activations``, checkpointing's ``recompute``, a
       lowering's ``workspace``, the loss's ``backward``, gathered ``outputs``; a pipeline rank:
@@ -145,8 +146,10 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
     }
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
-    if compute_copies(plan, params):  # a precision policy's param_dtype copies of the fp32 masters
-        mem["compute_copies"] = compute_copies(plan, params)
+    dtype = copy_dtype(plan)  # a precision policy's param_dtype copies of the fp32 masters
+    copies = sum(copy_bytes(p, p.numel(), dtype) for p in params.values())
+    if copies:
+        mem["compute_copies"] = copies
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
     mem.update({k: float(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
     return RankMemory(mem)

@@ -59,6 +59,7 @@ def search(
     checkpoint=None,
     context=None,
     split_before=(),
+    precision=None,
 ):
     """(annotations, {technique name: its value}, record) of the best plan under ``auto``: the
     annotations, ``data_parallel``, ``pipeline``, ``activation_checkpoint`` and
@@ -66,7 +67,9 @@ def search(
     probe on a trace (the planner's stages after tracing: the search decides, the planner
     plans); ``dp`` / ``pipeline`` / ``checkpoint`` / ``context``: the user's, kept (the user's
     checkpointing is costed as its mode on every block, the user's context parallel fixes its
-    axis, method and order; ``split_before``: the user's stage boundaries)."""
+    axis, method and order; ``split_before``: the user's stage boundaries); ``precision``: a
+    precision policy's dtypes (``param_dtype``, ...) for the data parallel it picks where the user
+    gave none (its gathered blocks estimated in ``param_dtype``, as the plan will gather them)."""
     t0 = time.perf_counter()
     auto = Auto.of(auto)
     profile = auto.profile(job_device(traced))
@@ -113,7 +116,7 @@ def search(
     if dp is not None:  # the user's data parallel: over their axes only
         fixed_rep = mesh.axis_index(dp.replicate_axis) if dp.replicate_axis is not None else None
         structs = [s for s in structs if s.rep == fixed_rep]
-    base_dp = dp or DataParallel(mesh.axis_names[0])
+    base_dp = dp or DataParallel(mesh.axis_names[0], **(precision or {}))
     probes: dict = {}
     planned: dict = {}  # probe plans by layout (a context-parallel method is an option of the same layouts)
     short = shortened(traced)  # probes plan two blocks of a repeated stack, weighted (short.py)

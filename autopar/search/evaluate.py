@@ -26,7 +26,9 @@ needs that a byte count does not: links and overlap.
 - ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
-  unit: a repeated block, or the parameters outside blocks), activations (the tensors autograd
+  unit: a repeated block, or the parameters outside blocks), a precision policy's compute copies
+  of the parameters (``copies``: plan_cost.copy_bytes, where the storage does not gather them),
+  activations (the tensors autograd
   keeps, by the node that made them), ``peak`` (what one batch's step adds at its peak: a
   block's recompute, a lowering's workspace, the loss's backward) - as cost/plan_cost.py
   memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each
@@ -51,7 +53,7 @@ from autopar.cost.formulas import Numbers
 from autopar.cost.execution import op_seconds
 from autopar.cost.float8 import float8_linears
 from autopar.cost.op_time import optimizer_step_bytes
-from autopar.cost.plan_cost import STATE_BYTES, activation_terms
+from autopar.cost.plan_cost import STATE_BYTES, activation_terms, copy_bytes
 from autopar.runtime.ring import ring_steps
 from autopar.trace.model_members import named_parameters
 
@@ -90,6 +92,7 @@ class Terms:
     fold_grad_elems: float = 0.0
     fold_opt: float = 0.0
     fold_sync: float = 0.0
+    copies: float = 0.0  # a precision policy's param_dtype copies of the parameters (zero=3's gathers make none)
     comm_bytes: dict = field(default_factory=dict)  # axis name -> bytes (for explain)
 
     def add(self, other: "Terms", w: float = 1.0) -> "Terms":
@@ -127,6 +130,7 @@ class Terms:
             "fold_grad_elems",
             "fold_opt",
             "fold_sync",
+            "copies",
         )
         for name in (*state, "units"):
             setattr(out, name, getattr(self, name) * shares["state"])
@@ -231,6 +235,8 @@ class Terms:
         grads = self.dp_grad + self.grads_other
         opt = self.opt_dp + self.opt_other
         out = self.acts + self.peak
+        if dp is None or not dp.storage.gathers_params:  # zero=3's gathered blocks are its copies
+            out += self.copies
         if dp is None:
             return out + params + grads + opt
         n = mesh.shape[dp_axis] if dp_axis is not None else 1
@@ -382,7 +388,9 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
     for name, p in named_parameters(plan.model):
         t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
-        local = sy.numel(p.shape, plan.param_specs.get(name)) * p.element_size()
+        numel = sy.numel(p.shape, plan.param_specs.get(name))
+        local = numel * p.element_size()
+        t.copies += w * copy_bytes(p, numel, plan.traced.dtype)  # Terms.memory: unless dp gathers them
         axes = sync.get(name, ())
         if p.requires_grad and plan.dp_axis is not None and plan.dp_axis not in axes:
             t.params_other += w * local  # split on dp already (expert parallel): zero=3 gathers none of it

@@ -1,7 +1,10 @@
 """One rank's memory, one answer (issue 40, item 16): plan.memory_per_rank(rank) (its parts sum
 to the rank's memory), plan.cost(rank=rank).at()["memory"] (the same parts as formulas) and
 ap.predict(plan)["memory"] (the rank that holds the most) agree on pipelined, ZeRO, checkpointed
-and context-parallel plans, and on the plan a search chose under a budget."""
+and context-parallel plans, and on the plan a search chose under a budget; under the bf16
+precision policy too (issue 41: fp32 masters, the bf16 copies the program makes of them at zero
+0-2 and without data parallel, zero=3's bf16 gathered blocks, bf16 activations), where the
+search's estimate counts the copies as well."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from tests.harness.models import gpt_batch, small_gpt
 
 DATA = gpt_batch(batch=8, seq=16)
 SELECTIVE = ap.ActivationCheckpoint("selective")
+BF16 = torch.bfloat16
 
 
 def _gpt(mesh, **options):
@@ -57,6 +61,29 @@ PLANS = {
         context_parallel=ap.ContextParallel("cp", method="ring", load_balance=True),
     ),
 }
+POLICY = {
+    **{
+        f"bf16 zero={z}": lambda z=z: _gpt(
+            ap.Mesh((2,), ("dp",)), data_parallel=ap.DataParallel("dp", zero=z, param_dtype=BF16)
+        )
+        for z in (0, 1, 2, 3)
+    },
+    "bf16 tp alone (MixedPrecision)": lambda: _gpt(
+        ap.Mesh((2,), ("tp",)),
+        annotations=dict(ap.presets.megatron(small_gpt(layers=4), "tp", args=DATA)),
+        mixed_precision=ap.MixedPrecision(BF16),
+    ),
+    "bf16 pp, ZeRO-2, selective": lambda: _gpt(
+        ap.Mesh((2, 2), ("dp", "pp")),
+        data_parallel=ap.DataParallel("dp", zero=2, param_dtype=BF16),
+        pipeline=ap.Pipeline("pp", microbatches=4),
+        activation_checkpoint=SELECTIVE,
+    ),
+    "bf16 pp alone (MixedPrecision)": lambda: _gpt(
+        ap.Mesh((2,), ("pp",)), pipeline=ap.Pipeline("pp", microbatches=2), mixed_precision=ap.MixedPrecision(BF16)
+    ),
+}
+PLANS.update(POLICY)
 
 
 @functools.cache
@@ -131,3 +158,27 @@ def test_searched_pipeline_counts_micro_batches_and_meets_its_record():
     assert rec["memory"] == mem.total == ap.predict(plan, auto)["memory"]
     assert sum(plan.cost().at()["memory"].values()) == pytest.approx(mem.total, rel=1e-9)
     assert rec["memory"] == pytest.approx(rec["memory_estimate"], rel=0.25)  # m times over before
+
+
+@pytest.mark.parametrize("name", list(POLICY))
+def test_bf16_policy_counts_the_compute_copies(name):
+    """Under the policy the three count the bf16 copies of the fp32 masters the program makes
+    (``compute_copies``: half the fp32 parameters a rank reads without a gather; none under zero=3,
+    whose bf16 gathered blocks are the copies), and the search's own estimate counts them too:
+    equal to the plan's figure where it makes no estimate of its own (no pipeline)."""
+    plan = _plan(name)
+    zero3 = plan.data_parallel is not None and plan.data_parallel.zero == 3
+    for rank in plan.mesh.ranks():
+        mem, cost = plan.memory_per_rank(rank), plan.cost(rank=rank).at()["memory"]
+        assert mem["params"] > 0 and cost["params"] == mem["params"]  # fp32 masters
+        if zero3:
+            assert "compute_copies" not in mem and "compute_copies" not in cost and mem["gathered"] > 0
+        else:
+            assert mem["compute_copies"] * 2 == mem["params"], rank
+            assert cost["compute_copies"] == mem["compute_copies"], rank
+    pred = ap.predict(plan, "cpu-gloo")
+    if plan.options.pipeline is None:
+        assert pred["memory_estimate"] == pytest.approx(pred["memory"], rel=1e-9)
+    else:  # the search estimates a stage's share: near the plan's count, copies included
+        without = pred["memory"] - plan.memory_per_rank(pred["memory_rank"]).get("compute_copies", 0)
+        assert abs(pred["memory_estimate"] - pred["memory"]) < abs(pred["memory_estimate"] - without)
