@@ -106,17 +106,6 @@ def compute_dtype(options) -> torch.dtype | None:
     return None
 
 
-def compute_copies(plan, params: dict) -> int:
-    """Bytes of the ``param_dtype`` copies the program makes of the floating parameters ``params`` it
-    reads without a gather (zero 0-2, no data parallel): each lives from its read in forward to its
-    last use in backward (autograd keeps it for the matmul's gradient), as FSDP2's unsharded copies
-    do. Under zero=3 the gathers' copies are the storage's ``gathered``. 0 without a policy."""
-    dtype, dp = compute_dtype(plan.options), plan.options.data_parallel
-    if dtype is None or (dp is not None and dp.storage.gathers_params):
-        return 0
-    return sum(p.numel() * dtype.itemsize for p in params.values() if p.is_floating_point())
-
-
 def cast_program(plan, graph: fx.Graph, param_dtype, output_dtype) -> None:
     """Write the policy's casts into ``graph`` (the one program every rank runs)."""
     if param_dtype is not None:
