@@ -76,7 +76,10 @@ def _smallest_calls(graph: fx.Graph, dtype) -> dict:
         if not any(v.dtype == dtype for v in vals):
             continue
         outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-        size = sum(_numel(v) for v in vals + outs)
+        sizes = [_numel(v) for v in vals + outs]
+        if None in sizes:  # a data-dependent size (MoE dispatch's rows): no shape to run it at
+            continue
+        size = sum(sizes)
         key = (node.target, tuple(v.dtype for v in vals))
         if size <= PROBE_ELEMENTS and (key not in best or size < best[key][0]):
             best[key] = (size, node)
@@ -110,15 +113,21 @@ def _probe(node: fx.Node, device, dtype=None) -> None:
 
 
 def _hint(d):
+    """A symbolic size's example value; None for a data-dependent one (an unbacked symbol)."""
     if isinstance(d, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return d.node.hint if d.node.hint is not None else d.node.shape_env.size_hint(d.node.expr)
+        if d.node.hint is not None:
+            return d.node.hint
+        return d.node.shape_env.size_hint(d.node.expr, allow_none=True)
     return d
 
 
-def _numel(v) -> int:
+def _numel(v) -> int | None:
     n = 1
     for d in v.shape:
-        n *= int(_hint(d))
+        h = _hint(d)
+        if h is None:
+            return None
+        n *= int(h)
     return n
 
 
