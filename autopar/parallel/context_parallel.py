@@ -45,7 +45,7 @@ from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
 from autopar.sharding.eager_attention import fuse_eager_attention
-from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
+from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION, local_heads, ulysses_repeat
 from autopar.sharding.piece_order import piece_orders
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import Step, step_bytes
@@ -53,7 +53,7 @@ from autopar.sharding.rules.attention import ATTENTION_KERNELS
 from autopar.runtime.zigzag import to_zigzag
 from autopar.trace.module_paths import module_path
 
-METHODS = ("allgather", "ring")
+METHODS = ("allgather", "ring", "ulysses")
 
 
 @register_technique
@@ -73,7 +73,8 @@ class ContextParallel(Technique):
         if self.method not in METHODS:
             raise PlanError(
                 f"ContextParallel(method={self.method!r}): 'allgather' (K/V gathered: short sequences, "
-                "GQA) or 'ring' (K/V blocks passed around the axis: memory ~1/cp)."
+                "GQA), 'ring' (K/V blocks passed around the axis: memory ~1/cp) or 'ulysses' (an "
+                "all-to-all to a head split: the heads must split over the axis)."
             )
         if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
             raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
@@ -175,6 +176,7 @@ class ContextParallel(Technique):
             lay = node.meta.get("autopar")
             chosen = lay.strategies[axis] if lay is not None and lay.strategies else None
             if chosen is not None and chosen.lowering is CONTEXT_ATTENTION:
+                self._check_heads(plan, node, axis)
                 lowered.append(node.name)
                 continue
             q = node.args[0]
@@ -190,6 +192,22 @@ class ContextParallel(Technique):
         if self.load_balance:
             self._check_zigzag(plan, axis)
         return lowered
+
+    def _check_heads(self, plan, node, axis: int) -> None:
+        """Ulysses splits each rank's heads over the axis: they must divide (K/V heads are
+        repeated as Megatron does where they are fewer, runtime/ulysses.kv_repeat)."""
+        if self.method != "ulysses":
+            return
+        try:
+            ulysses_repeat(plan, node, axis)
+        except ValueError as e:
+            heads = local_heads(plan, node, 0)
+            raise PlanError(
+                f"context_parallel on {self.axis!r} by 'ulysses': the attention in module {module_path(node)!r} "
+                f"({node.name}) has {heads} query heads per rank, which the {plan.mesh.shape[axis]} ranks of the "
+                f"axis cannot split ({e}). Use method='ring' or 'allgather', a cp size dividing the heads "
+                "(after tp's split), or fewer tp ranks."
+            ) from None
 
     def _check_zigzag(self, plan, axis: int) -> None:
         """Every dim split on the axis must cut into 2 x cp chunks (per block) for the zig-zag

@@ -263,7 +263,7 @@ def test_bad_input_is_a_plan_error():
     with pytest.raises(PlanError, match="does not split into 8 equal pieces"):
         cp_plan(4, batch=llama_batch(seq=12), load_balance=True)  # 2 chunks per rank
     with pytest.raises(PlanError, match="method"):
-        ap.ContextParallel("cp", method="ulysses")
+        ap.ContextParallel("cp", method="tree")
     with pytest.raises(PlanError, match="KV cache"):
         ap.plan(CachedLM(), ap.Mesh((2,), ("cp",)), args=llama_batch(), context_parallel="cp")
 

@@ -1,9 +1,10 @@
 """Attention with the sequence split on a mesh axis (context parallel): the rank's queries
-against every key, by all-gathered K/V or by a ring of K/V blocks (runtime/context_attention.py).
+against every key, by all-gathered K/V or by a ring of K/V blocks (runtime/context_attention.py),
+or every position of 1/n of the heads after an all-to-all (Ulysses: runtime/ulysses.py).
 
 The rule (rules/attention.py) offers it when q, k and v arrive split on their sequence dim
 (dim -2): the technique that split the sequence (``ap.ContextParallel``) answers
-``attention_method(axis)`` with "allgather" or "ring"; without one the lowering all-gathers.
+``attention_method(axis)`` with "allgather", "ring" or "ulysses"; without one the lowering all-gathers.
 
 What a call keeps for backward (``kept``) and holds while it runs (``workspace``) are stated
 here for the cost model (cost/activation_memory.py): allgather keeps the gathered K/V.
@@ -14,6 +15,9 @@ Collectives per attention call, K and V of ``kv`` bytes per rank each, ``n`` ran
     ring:      forward a ring pass (n-1 shifts, n-1 steps) of K and of V; backward a pass of K and
                V again and of their fp32 gradients (they travel with the blocks), plus one shift
                of each gradient home. ap.comm_stats() records every shift as ring_shift.
+    ulysses:   forward 4 all-to-alls ((n-1)/n of q, of K and V repeated t times for GQA, of the
+               output back), backward the same on their gradients; a mask split on its query
+               rows is all-gathered ((n-1) x its piece).
 
 Example:
     >>> CONTEXT_ATTENTION.comms(plan, node, axis, symbols)   # ring: ('ring_pass', axis, 'forward', ...)
@@ -28,6 +32,7 @@ import torch.fx as fx
 
 from autopar.runtime.context_attention import cp_attention
 from autopar.runtime.ring import ring_bytes
+from autopar.runtime.ulysses import kv_repeat, ulysses_attention
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.sharding.piece_order import zigzag_axes
 
@@ -51,13 +56,61 @@ def _most(symbols, *values):
 
 
 def attention_method(plan, axis: int) -> str:
-    """ "allgather" or "ring": what a technique splitting the sequence on ``axis`` asks for."""
+    """ "allgather", "ring" or "ulysses": what a technique splitting the sequence on ``axis`` asks for."""
     name = plan.mesh.axis_names[axis]
     for technique in plan.options.techniques:
         method = technique.attention_method(name)
         if method is not None:
             return method
     return "allgather"
+
+
+def _mask_rows_split(node, axis: int) -> bool:
+    """Whether the call's mask arrives split on its query rows on ``axis`` (rules/attention.py
+    splits it so unless it broadcasts along them)."""
+    mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
+    lay = node.meta["autopar"]
+    i = lay.inputs.index(mask)
+    return lay.input_targets[i][axis].is_shard()
+
+
+def local_heads(plan, node, i: int) -> int:
+    """Heads (dim -3) of input ``i`` of an attention call on one rank: the global count over the
+    mesh axes that split it (tp's head split)."""
+    val = node.args[i].meta["val"]
+    spec = node.meta["autopar"].input_targets[i]
+    heads = _hint(val.shape[-3]) if val.dim() >= 3 else 1
+    for a, p in enumerate(spec):
+        if p.is_shard() and p.dim % val.dim() == val.dim() - 3:
+            heads //= plan.mesh.shape[a]
+    return heads
+
+
+def ulysses_repeat(plan, node, axis: int) -> int:
+    """Ulysses' K/V head repeat for this call on ``axis`` (runtime/ulysses.kv_repeat); ValueError
+    where the heads do not split over the axis."""
+    return kv_repeat(local_heads(plan, node, 0), local_heads(plan, node, 1), plan.mesh.shape[axis])
+
+
+def _ulysses_comms(plan, node, axis: int, symbols) -> list[tuple]:
+    """Four all-to-alls each way ((n-1)/n of q, of K and V repeated for GQA, of the output; the
+    same on their gradients) and, with a mask split on its rows, the rows' all-gather."""
+    lay, n = node.meta["autopar"], symbols.axes[axis]
+    t = ulysses_repeat(plan, node, axis)
+    sizes = []
+    for i, times in ((0, 1), (1, t), (2, t)):
+        val = node.args[i].meta["val"]
+        sizes.append(times * symbols.numel(val.shape, lay.input_targets[i]) * val.dtype.itemsize)
+    sizes.append(sizes[0])  # the output: q's shape
+    out = [
+        ("all_to_all", axis, phase, ring_bytes("all_to_all", b, n)) for phase in ("forward", "backward") for b in sizes
+    ]
+    mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
+    if isinstance(mask, fx.Node) and _mask_rows_split(node, axis):
+        i = lay.inputs.index(mask)
+        m = symbols.numel(mask.meta["val"].shape, lay.input_targets[i]) * mask.meta["val"].dtype.itemsize
+        out.append(("all_gather", axis, "forward", ring_bytes("all_gather", m, n)))
+    return out
 
 
 class ContextAttention(Lowering):
@@ -76,6 +129,11 @@ class ContextAttention(Lowering):
         group, rank = em.rank_value(f"autopar_group_{axis}"), em.rank_value("autopar_rank")
         name = em.mesh.axis_names[axis]
         zigzag = em.orders.zigzag_in(node, 0, axis)  # load balanced: each rank's positions are two chunks
+        if method == "ulysses":
+            rows_split = isinstance(mask, fx.Node) and _mask_rows_split(node, axis)
+            return em.graph.call_function(
+                ulysses_attention, (q, k, v, mask, is_causal, scale, rows_split, zigzag, name, group, rank)
+            )
         return em.graph.call_function(
             cp_attention, (q, k, v, mask, is_causal, scale, gqa, method, zigzag, name, group, rank)
         )
@@ -83,6 +141,8 @@ class ContextAttention(Lowering):
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
         lay = node.meta["autopar"]
         n = symbols.axes[axis]
+        if attention_method(plan, axis) == "ulysses":
+            return _ulysses_comms(plan, node, axis, symbols)
         out = []
         for i in (1, 2):  # K, V
             val = node.args[i].meta["val"]
@@ -107,14 +167,20 @@ class ContextAttention(Lowering):
         q, k, v = node.args[0], node.args[1], node.args[2]
         out = node.meta["val"]
         lse = 4 / (_hint(out.shape[-1]) * out.dtype.itemsize)  # (..., L) fp32 against out's (..., L, D)
-        if attention_method(plan, axis) == "ring":
+        method = attention_method(plan, axis)
+        if method == "ulysses":  # the head-split q, K, V (K/V repeated t times for GQA) and output
+            kv = [("in", index[k], 0.0), ("in", index[v], 0.0)]
+            t = ulysses_repeat(plan, node, axis)
+            kv += [("own", 0, 2.0 * (t - 1), ("in", index[k]))] if t > 1 else []
+        elif method == "ring":
             kv = [("in", index[k], 0.0), ("in", index[v], 0.0)]
         else:
             kv = [("gathered", index[k], axis), ("gathered", index[v], axis)]
         kept = [("in", index[q], 0.0), *kv, ("out", 0, 0.0), ("own", 0, lse, ("out", 0))]
         mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
         if isinstance(mask, fx.Node) and mask in index:
-            kept.append(("in", index[mask], 0.0))
+            rows = method == "ulysses" and _mask_rows_split(node, axis)  # every row kept, gathered
+            kept.append(("gathered", index[mask], axis) if rows else ("in", index[mask], 0.0))
         return kept
 
     def workspace(self, plan, node, axis: int, symbols):
@@ -135,7 +201,15 @@ class ContextAttention(Lowering):
         groups = _hint(qv.shape[-3]) // _hint(kv_val.shape[-3]) if qv.dim() >= 3 and kv_val.dim() >= 3 else 1
         repeated = 2 * groups * kv if groups > 1 else 0
         grads = 2 * f * groups * kv + f * kv  # one block's dK, dV (query heads) and a fold
-        if attention_method(plan, axis) == "ring":
+        method = attention_method(plan, axis)
+        if method == "ulysses":  # K/V repeated t times, then one block of every position
+            t = ulysses_repeat(plan, node, axis)
+            kv, groups = t * kv, groups // t
+            repeated = 2 * groups * kv if groups > 1 else 0
+            grads = 2 * f * groups * kv + f * kv
+            forward = _most(symbols, 4 * kv if t > 1 else 2 * kv, 2 * f * q + repeated + q)
+            backward = 2 * q + 2 * f * q + 2 * f * kv + repeated + grads
+        elif method == "ring":
             forward = 2 * f * q + _most(symbols, 4 * kv, 2 * kv + repeated)
             backward = q + 2 * f * q + _most(symbols, 2 * (2 * kv + 2 * f * kv), 2 * kv + 2 * f * kv + repeated + grads)
         else:  # the gather: every rank's piece received, then concatenated (DistBackend.all_gather)
@@ -151,6 +225,8 @@ class ContextAttention(Lowering):
         what a step shifts: K and V forward, K, V and their fp32 gradients backward (4
         messages). The runtime does not overlap a block's shift with its compute: Cost.time()
         adds both, and shows them side by side."""
+        if attention_method(plan, axis) == "ulysses":
+            return None  # one block, every position: the op's own FLOPs split over the heads
         lay = node.meta["autopar"]
         qv, kv_val = node.args[0].meta["val"], node.args[1].meta["val"]
         q_numel = symbols.numel(qv.shape, lay.input_targets[0])

@@ -1,0 +1,92 @@
+"""Ulysses attention: the sequence split swapped for a head split around attention (DeepSpeed
+Ulysses, Megatron's and torchtitan's all-to-all context parallel).
+
+Each rank holds (..., H, L/n, E) pieces of q, k and v: its own positions, every (local) head. One
+all-to-all per tensor regroups them to (..., H/n, L, E): every position, 1/n of the heads. Attention
+then runs whole on those heads (``BlockAttention`` with one block: the fused CPU kernel, the fp32
+log-sum-exp, the same exact backward as the ring's), and one all-to-all turns the output back to
+the rank's positions. Each all-to-all sends (n-1)/n of its tensor; backward runs the same four on
+the gradients (the op's autograd: ``autopar::all_to_all`` backward is the reverse all-to-all).
+
+- GQA with fewer K/V heads than the axis (or a count the axis does not divide): K and V heads are
+  repeated ``kv_repeat`` times first, as Megatron does (their gradients fold back by autograd), so
+  that every rank gets the K/V heads of its query heads. ``kv_repeat`` raises ValueError where no
+  repeat fits (query heads the axis does not divide); the technique turns that into a PlanError
+  naming the module while planning.
+- Load balancing: the pieces arrive as the ranks' zig-zag chunks in rank order; they are put back
+  in serial order after the all-to-all (``from_zigzag``) and in the ranks' order before the
+  return trip, so the causal mask is the plain lower triangle.
+- A model's mask (..., L or 1, S) arrives split on its query rows (whole on the keys): its rows are
+  all-gathered (and reordered likewise), and a per-head mask cut to the rank's heads.
+
+Example:
+    >>> out = ulysses_attention(q, k, v, None, True, None, False, False, "cp", [0, 1], 0)   # on rank 0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopar.runtime.collectives import ops
+from autopar.runtime.context_attention import BlockAttention
+from autopar.runtime.pieces import _pos
+from autopar.runtime.zigzag import from_zigzag, to_zigzag
+
+
+def kv_repeat(heads: int, kv_heads: int, n: int) -> int:
+    """How many times each K/V head is repeated so that ``n`` ranks each get whole groups: the
+    least t with kv_heads * t divisible by n (1 when it already is). kv_heads * t is then
+    lcm(kv_heads, n), which divides the query heads (a multiple of both). ValueError where ``n``
+    does not divide ``heads``."""
+    if heads % n:
+        raise ValueError(f"{heads} query heads do not split over {n} ranks")
+    return n // math.gcd(kv_heads, n)
+
+
+def _to_heads(x, zigzag: bool, axis: str, group: list, rank: int):
+    """(..., h, L/n, E) on each rank -> (..., h/n, L, E) in serial order of positions."""
+    d = x.dim()
+    out = ops.all_to_all.default(x.contiguous(), d - 2, d - 3, axis, group, rank)
+    return from_zigzag(out, d - 2, len(group)) if zigzag else out
+
+
+def _to_positions(x, zigzag: bool, axis: str, group: list, rank: int):
+    """The inverse of ``_to_heads``: (..., h/n, L, E) -> (..., h, L/n, E), the rank's positions."""
+    d = x.dim()
+    if zigzag:
+        x = to_zigzag(x, d - 2, len(group))
+    return ops.all_to_all.default(x.contiguous(), d - 3, d - 2, axis, group, rank)
+
+
+def _whole_mask(mask, rows_split: bool, heads: int, zigzag: bool, axis: str, group: list, rank: int):
+    """The model's mask for every query row and the rank's heads (None stays None)."""
+    if mask is None:
+        return None
+    if rows_split:  # the rows of every rank, in rank order
+        d, dtype = mask.dim(), mask.dtype
+        wire = mask.to(torch.uint8) if dtype == torch.bool else mask.contiguous()  # gloo sends no bool
+        mask = ops.all_gather.default(wire, d - 2, axis, group, rank).to(dtype)
+        if zigzag:
+            mask = from_zigzag(mask, d - 2, len(group))
+    if mask.dim() >= 3 and mask.shape[-3] > 1:  # one mask per head: the rank's heads
+        h = heads // len(group)
+        mask = mask.narrow(-3, _pos(group, rank) * h, h)
+    return mask
+
+
+def ulysses_attention(q, k, v, mask, is_causal: bool, scale, rows_split: bool, zigzag: bool, axis: str, group, rank):
+    """This rank's attention output (the shape of ``q``) for sequence pieces split on ``group``,
+    by a head split: all-to-all, attention on every position of 1/n of the heads, all-to-all back.
+    ``rows_split``: the mask arrives split on its query rows (else it broadcasts along them)."""
+    group = list(group)
+    n = len(group)
+    t = kv_repeat(q.shape[-3], k.shape[-3], n)
+    if t > 1:  # Megatron's repeat: each rank gets the K/V heads of its query heads
+        k, v = k.repeat_interleave(t, dim=-3), v.repeat_interleave(t, dim=-3)
+    heads = q.shape[-3]
+    qh, kh, vh = (_to_heads(x, zigzag, axis, group, rank) for x in (q, k, v))
+    m = _whole_mask(mask, rows_split, heads, zigzag, axis, group, rank)
+    out = BlockAttention.apply(qh, kh, vh, m, is_causal, scale, False, "ring", axis, [rank], rank)
+    return _to_positions(out, zigzag, axis, group, rank)
