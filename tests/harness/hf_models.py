@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 import autopar as ap
+from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES
+from tests.harness.serial import assert_params_close
 
 VOCAB, HIDDEN, SEQ = 128, 32, 8
 
@@ -188,3 +190,30 @@ def megatron_dp_plan(model, mesh, kwargs):
         data_parallel="a",
         dynamic=False,
     )
+
+
+ADAMW = dict(lr=0.01, weight_decay=0.1, eps=1e-3)  # eps well above float noise: AdamW divides by sqrt(v)
+
+
+def adamw_matches_serial(plan, build, batches: list[dict], where: str = "", rtol=1e-4, atol=1e-5) -> None:
+    """AdamW steps, one per batch (HF keyword inputs with labels), on every rank of ``plan``
+    (simulated) end where the same steps on a fresh serial model from ``build()`` end."""
+    serial = build().train()
+    opt = torch.optim.AdamW(serial.parameters(), **ADAMW)
+    for kw in batches:
+        serial(**kw).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def train(rank):
+        module = plan.build_module(rank)
+        opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+        for kw in batches:
+            args, kwargs = plan.local_inputs(rank, **kw)
+            module(*args, **kwargs).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    got = plan.merge_state_dicts(run_ranks(plan.mesh.size, train))
+    assert_params_close(got, dict(serial.named_parameters()), where, rtol=rtol, atol=atol)

@@ -11,10 +11,8 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.runtime.simulator import run_ranks
 from autopar.runtime.ulysses import kv_repeat
-from tests.harness.hf_models import batch, causal_lm, llama
-from tests.harness.serial import assert_params_close
+from tests.harness.hf_models import adamw_matches_serial, batch, causal_lm, llama
 
 import transformers  # noqa: F401  (pinned: a missing one is a failure, not a skip)
 
@@ -22,7 +20,6 @@ BUILD = {
     "llama": lambda: llama(layers=2, attn="sdpa"),
     "qwen2": lambda: causal_lm("qwen2", layers=2, attn="sdpa"),
 }
-ADAMW = dict(lr=0.01, weight_decay=0.1, eps=1e-3)  # eps well above float noise: AdamW divides by sqrt(v)
 
 
 def _kw(b=2, s=16, seed=1):
@@ -35,27 +32,8 @@ def _loss(out):
 
 
 def _train_matches_serial(plan, name, b=2, steps=3):
-    """``steps`` AdamW steps on every rank (simulated) end where the serial model's end."""
     batches = [_kw(b=b, seed=s) for s in range(1, steps + 1)]
-    serial = BUILD[name]().train()
-    opt = torch.optim.AdamW(serial.parameters(), **ADAMW)
-    for kw in batches:
-        serial(**kw).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    def train(rank):
-        module = plan.build_module(rank)
-        opt = torch.optim.AdamW(module.parameters(), **ADAMW)
-        for kw in batches:
-            args, kwargs = plan.local_inputs(rank, **kw)
-            module(*args, **kwargs).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-    got = plan.merge_state_dicts(run_ranks(plan.mesh.size, train))
-    assert_params_close(got, dict(serial.named_parameters()), f"ulysses {plan.mesh}", rtol=1e-4, atol=1e-5)
+    adamw_matches_serial(plan, BUILD[name], batches, where=f"ulysses {plan.mesh}")
 
 
 def test_kv_repeat_is_megatrons():
