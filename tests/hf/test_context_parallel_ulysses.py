@@ -8,7 +8,6 @@ heads the axis cannot split are a PlanError naming the module. Gloo: tests/gloo/
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autopar as ap
 from autopar.runtime.ulysses import kv_repeat
