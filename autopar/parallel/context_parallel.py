@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
 from autopar.sharding.eager_attention import fuse_eager_attention
-from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION, local_heads, ulysses_repeat
+from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION, call_splits, local_heads, ulysses_repeat
 from autopar.sharding.piece_order import piece_orders
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import Step, step_bytes
@@ -59,8 +60,14 @@ METHODS = ("allgather", "ring", "ulysses")
 @register_technique
 @dataclass(frozen=True)
 class ContextParallel(Technique):
-    axis: str
-    method: str = "allgather"
+    """``axis`` a mesh axis name and ``method`` one of METHODS; or hybrid: two adjacent axes
+    (outer, inner) and a method per axis, "ring" or "allgather" on the outer one and "ulysses" on
+    the inner one: ``ContextParallel(("cp_ring", "cp_uly"), method=("ring", "ulysses"))``. The two
+    become one axis to plan on (``reshape_mesh``: the sequence split over both, rank (r, u) holding
+    piece r |inner| + u), whose method is the pair."""
+
+    axis: str | tuple
+    method: str | tuple = "allgather"
     load_balance: bool = False
     seq_dim: int = 1
 
@@ -68,14 +75,39 @@ class ContextParallel(Technique):
     order = 15  # after data parallel (the batch split), before the others
 
     def __post_init__(self):
-        if not isinstance(self.axis, str):
-            raise PlanError(f"ContextParallel axis must be a mesh axis name, got {self.axis!r}.")
-        if self.method not in METHODS:
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        if not isinstance(axes, tuple) or not 1 <= len(axes) <= 2 or not all(isinstance(a, str) for a in axes):
+            raise PlanError(f"ContextParallel axis must be a mesh axis name (or two, hybrid), got {self.axis!r}.")
+        methods = (self.method,) if isinstance(self.method, str) else self.method
+        if not isinstance(methods, tuple) or any(m not in METHODS for m in methods):
             raise PlanError(
                 f"ContextParallel(method={self.method!r}): 'allgather' (K/V gathered: short sequences, "
                 "GQA), 'ring' (K/V blocks passed around the axis: memory ~1/cp) or 'ulysses' (an "
-                "all-to-all to a head split: the heads must split over the axis)."
+                "all-to-all to a head split: the heads must split over the axis); a pair for two axes "
+                "(hybrid: ('ring', 'ulysses'))."
             )
+        if len(methods) == 2 and (methods[0] == "ulysses" or methods[1] != "ulysses" or len(set(axes)) < len(axes)):
+            raise PlanError(
+                f"ContextParallel({self.axis!r}, method={self.method!r}): hybrid context parallel takes two "
+                "axes, outer first, and one method per axis: 'ring' or 'allgather' on the outer one (across "
+                "nodes), 'ulysses' on the inner one (inside a node), e.g. "
+                "ContextParallel(('cp_ring', 'cp_uly'), method=('ring', 'ulysses'))."
+            )
+        if len(axes) == 2 and len(methods) != 2:
+            raise PlanError(f"ContextParallel({self.axis!r}, method={self.method!r}): two axes take a method each.")
+
+    def reshape_mesh(self, mesh):
+        """Hybrid: the two axes merged into one (outer-major: Mesh.merge_axes), the method pair on it."""
+        if isinstance(self.axis, str):
+            return mesh, self
+        outer, inner = self.axis
+        i, j = mesh.axis_index(outer), mesh.axis_index(inner)
+        if j != i + 1:
+            raise PlanError(
+                f"hybrid context parallel on {self.axis}: the mesh {mesh.axis_names} must have {inner!r} (Ulysses, "
+                f"inside a node) right after {outer!r} ({self.method[0]}, across nodes); reorder the mesh's axes."
+            )
+        return mesh.merge_axes(outer, inner), dataclasses.replace(self, axis=f"{outer}_{inner}")
         if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
             raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
 
@@ -90,6 +122,8 @@ class ContextParallel(Technique):
 
     def validate(self, mesh, options, annotations: dict) -> None:
         mesh.axis_index(self.axis)
+        if not isinstance(self.method, str) and not any(part[0] == self.axis for part in mesh.parts):
+            raise PlanError(f"ContextParallel({self.axis!r}, method={self.method!r}): a method pair takes two axes.")
         dp = options.data_parallel
         if dp is not None and dp.axis == self.axis:
             raise PlanError(
@@ -196,15 +230,16 @@ class ContextParallel(Technique):
     def _check_heads(self, plan, node, axis: int) -> None:
         """Ulysses splits each rank's heads over the axis: they must divide (K/V heads are
         repeated as Megatron does where they are fewer, runtime/ulysses.kv_repeat)."""
-        if self.method != "ulysses":
+        uly = call_splits(plan, node, axis)[0]
+        if uly is None:
             return
         try:
-            ulysses_repeat(plan, node, axis)
+            ulysses_repeat(plan, node, uly)
         except ValueError as e:
             heads = local_heads(plan, node, 0)
             raise PlanError(
-                f"context_parallel on {self.axis!r} by 'ulysses': the attention in module {module_path(node)!r} "
-                f"({node.name}) has {heads} query heads per rank, which the {plan.mesh.shape[axis]} ranks of the "
+                f"context_parallel on {plan.mesh.axis_label(uly.key)!r} by 'ulysses': the attention in module {module_path(node)!r} "
+                f"({node.name}) has {heads} query heads per rank, which the {uly.size(plan.mesh)} ranks of the "
                 f"axis cannot split ({e}). Use method='ring' or 'allgather', a cp size dividing the heads "
                 "(after tp's split), or fewer tp ranks."
             ) from None
@@ -242,7 +277,7 @@ class ContextParallel(Technique):
             f"; {len(reorders)} split value(s) reordered to zig-zag where they meet the sequence" if reorders else ""
         )
         return (
-            f"context parallel on {self.axis!r} ({self.method}): every sequence split in "
+            f"context parallel on {self.axis!r} ({'+'.join(self._methods)}): every sequence split in "
             f"{plan.mesh.axis_size(self.axis)}, {len(calls)} attention calls meet every key{again}"
         )
 
@@ -270,7 +305,11 @@ class ContextParallel(Technique):
         here = [n for n in plan.graph.nodes if n.name in calls and module_path(n).startswith(path)]
         if not here:
             return []
-        return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {self.method}"]
+        return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {'+'.join(self._methods)}"]
+
+    @property
+    def _methods(self) -> tuple:
+        return (self.method,) if isinstance(self.method, str) else self.method
 
 
 def _sizes_at(plan, pieces: int) -> dict:

@@ -16,6 +16,9 @@ the gradients (the op's autograd: ``autopar::all_to_all`` backward is the revers
 - Load balancing: the pieces arrive as the ranks' zig-zag chunks in rank order; they are put back
   in serial order after the all-to-all (``from_zigzag``) and in the ranks' order before the
   return trip, so the causal mask is the plain lower triangle.
+- Hybrid (``outer``: Ulysses on the inner axis, ring or all-gather on the outer one): the
+  all-to-all gathers the inner axis' pieces, which together are the outer axis' piece; attention
+  then runs over the outer axis as context parallel does on one axis, on 1/n of the heads.
 - A model's mask (..., L or 1, S) arrives split on its query rows (whole on the keys): its rows are
   all-gathered (and reordered likewise), and a per-head mask cut to the rank's heads.
 
@@ -30,7 +33,7 @@ import math
 import torch
 
 from autopar.runtime.collectives import ops
-from autopar.runtime.context_attention import BlockAttention
+from autopar.runtime.context_attention import BlockAttention, cp_attention
 from autopar.runtime.pieces import _pos
 from autopar.runtime.zigzag import from_zigzag, to_zigzag
 
@@ -76,10 +79,16 @@ def _whole_mask(mask, rows_split: bool, heads: int, zigzag: bool, axis: str, gro
     return mask
 
 
-def ulysses_attention(q, k, v, mask, is_causal: bool, scale, rows_split: bool, zigzag: bool, axis: str, group, rank):
+def ulysses_attention(
+    q, k, v, mask, is_causal: bool, scale, rows_split: bool, zigzag: bool, axis: str, group, rank, outer=None
+):
     """This rank's attention output (the shape of ``q``) for sequence pieces split on ``group``,
     by a head split: all-to-all, attention on every position of 1/n of the heads, all-to-all back.
-    ``rows_split``: the mask arrives split on its query rows (else it broadcasts along them)."""
+    ``rows_split``: the mask arrives split on its query rows (else it broadcasts along them).
+    ``outer``: hybrid context parallel, (method, zigzag, axis, group) of a second split of the
+    sequence, outside this one: after the all-to-all the rank holds every position of the outer
+    piece, and meets the other outer pieces' keys by the ring or the all-gather
+    (runtime/context_attention.cp_attention)."""
     group = list(group)
     n = len(group)
     t = kv_repeat(q.shape[-3], k.shape[-3], n)
@@ -88,5 +97,9 @@ def ulysses_attention(q, k, v, mask, is_causal: bool, scale, rows_split: bool, z
     heads = q.shape[-3]
     qh, kh, vh = (_to_heads(x, zigzag, axis, group, rank) for x in (q, k, v))
     m = _whole_mask(mask, rows_split, heads, zigzag, axis, group, rank)
-    out = BlockAttention.apply(qh, kh, vh, m, is_causal, scale, False, "ring", axis, [rank], rank)
+    if outer is None:  # every position here: one block
+        out = BlockAttention.apply(qh, kh, vh, m, is_causal, scale, False, "ring", axis, [rank], rank)
+    else:
+        method, outer_zigzag, outer_axis, outer_group = outer
+        out = cp_attention(qh, kh, vh, m, is_causal, scale, False, method, outer_zigzag, outer_axis, outer_group, rank)
     return _to_positions(out, zigzag, axis, group, rank)

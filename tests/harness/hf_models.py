@@ -115,6 +115,14 @@ def batch(b=4, s=SEQ, seed=1):
     return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
 
 
+def packed_batch(docs=((5, 7, 4), (16,)), seed=1) -> dict:
+    """HF keyword inputs for rows of documents packed along the sequence (lengths ``docs`` per
+    row): position ids restart at each document, so HF builds a per-document causal mask."""
+    ids, labels = batch(b=len(docs), s=sum(docs[0]), seed=seed)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
 LLAMA_TP = {
     "model.layers.*.self_attn.[qkv]_proj": ap.colwise("tp"),
     "model.layers.*.self_attn.o_proj": ap.rowwise("tp"),

@@ -7,11 +7,10 @@ load balanced or not; the ring and all-gather skip key blocks of other documents
 from __future__ import annotations
 
 import pytest
-import torch
-
 import autopar as ap
 import autopar.runtime.context_attention as context_attention
-from tests.harness.hf_models import adamw_matches_serial, batch, causal_lm, llama
+from tests.harness.hf_models import adamw_matches_serial, causal_lm, llama
+from tests.harness.hf_models import packed_batch as packed
 
 import transformers  # noqa: F401  (pinned: a missing one is a failure, not a skip)
 
@@ -19,14 +18,6 @@ BUILD = {
     "llama": lambda: llama(layers=2, attn="sdpa"),
     "qwen2": lambda: causal_lm("qwen2", layers=2, attn="sdpa"),
 }
-DOCS = ((5, 7, 4), (16,))  # row 0: three documents (boundaries inside ranks' pieces), row 1: one
-
-
-def packed(docs=DOCS, seed=1) -> dict:
-    """HF keyword inputs for rows of packed documents of the given lengths."""
-    ids, labels = batch(b=len(docs), s=sum(docs[0]), seed=seed)
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
-    return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 
 def _plan(name, n, method, balanced, kw):
