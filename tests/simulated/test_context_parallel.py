@@ -226,7 +226,7 @@ def test_serial_dropout_under_load_balance(method, mesh):
     plan.check(*batch, loss=lambda out: out[1])
 
 
-@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
 def test_with_pipeline(method):
     """pp x cp: pipeline stages on one axis, the sequence split on the other (load balanced);
     each stage runs its micro-batches on the rank's sequence pieces. Loss and every gradient
