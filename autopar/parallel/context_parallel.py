@@ -42,6 +42,7 @@ import torch
 
 from autopar.cost.collectives import make_comm
 from autopar.errors import PlanError
+from autopar.mesh import SubAxis
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
@@ -119,6 +120,20 @@ class ContextParallel(Technique):
         if isinstance(value, str):
             return cls(value)
         raise PlanError(f"context_parallel={value!r}: give a mesh axis name ('cp') or ap.ContextParallel('cp', ...).")
+
+    def process_groups(self, plan) -> list:
+        """Hybrid's inner (Ulysses) and outer (ring or all-gather) groups of the merged axis: not
+        one mesh axis' groups (ap.parallelize makes them on every rank, in this order)."""
+        part = next((p for p in plan.mesh.parts if p[0] == self.axis), None)
+        if isinstance(self.method, str) or part is None:
+            return []
+        out, i = [], plan.mesh.axis_index(self.axis)
+        for kind in ("inner", "outer"):
+            for rank in plan.mesh.ranks():
+                group = plan.mesh.group(SubAxis(i, part[3], kind), rank)
+                if len(group) > 1 and group not in out:
+                    out.append(group)
+        return out
 
     def validate(self, mesh, options, annotations: dict) -> None:
         mesh.axis_index(self.axis)
