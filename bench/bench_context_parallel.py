@@ -53,55 +53,54 @@ def _module(model, kw, cp: int, method, load_balance: bool = True):
     return ap.parallelize(model, ap.Mesh((cp,), ("cp",)), kwargs=kw, context_parallel=cp_opt)
 
 
-def long_job(seq: int, iters: int, warmup: int) -> dict:
+def long_job(seq: int, method: str) -> dict:
     """One rank of cp = world at one long sequence (the quick model, d 64, 4 layers: 1 x ``seq``
-    tokens), per method: the attention's bytes per rank and step (the plan's, and what ran:
-    ap.comm_stats), the peak bytes alive (LiveBytes) beside the model's, and seconds per step
-    (methods alternating)."""
+    tokens) by ``method``: the attention's bytes per rank and step (the plan's, and the whole
+    step's planned and ran: ap.comm_stats), the peak bytes alive over the first step (LiveBytes;
+    the gradients it allocates are ~1 MB) beside the model's, and the seconds of a second, plain
+    step (one step per method and job: at 8192 tokens a step takes minutes on the shared 2 cores)."""
+    import time
+
     import torch.distributed as dist
 
     rank = dist.get_rank()
     model, kw = llama(True, seq)
-    out, steps = {}, {}
-    for method in METHODS:
-        module = _module(model, kw, dist.get_world_size(), method)
-        plan = module.autopar_plan
-        _, local = plan.local_inputs(rank, **kw)
-        with ap.comm_stats() as stats:
-            measured = measure_step(lambda: module(**local).loss)  # gradients allocated, comm counted
+    module = _module(model, kw, dist.get_world_size(), method)
+    plan = module.autopar_plan
+    _, local = plan.local_inputs(rank, **kw)
+    with ap.comm_stats() as stats:
         measured = measure_step(lambda: module(**local).loss)
-        attention = [c for c in plan.collectives() if c.node in set(plan.built["context_parallel"])]
-        out[method] = (
-            measured
-            | predicted(plan, rank)
-            | {
-                "planned_bytes": sum(c.bytes for c in attention),
-                "step_planned": sum(c.bytes for c in plan.collectives()),
-                "step_ran": sum(r.bytes for r in stats.records),
-            }
-        )
-        steps[method] = functools.partial(_step, module, local)
-    for method, times in alternate(steps, iters, warmup, barrier=dist.barrier).items():
-        out[method]["step_s"] = sorted(times)[len(times) // 2]
-    return out
+    dist.barrier()
+    t0 = time.perf_counter()
+    _step(module, local)
+    dist.barrier()
+    attention = [c for c in plan.collectives() if c.node in set(plan.built["context_parallel"])]
+    return (
+        measured
+        | predicted(plan, rank)
+        | {
+            "planned_bytes": sum(c.bytes for c in attention),
+            "step_planned": sum(c.bytes for c in plan.collectives()),
+            "step_ran": sum(r.bytes for r in stats.records),
+            "step_s": time.perf_counter() - t0,
+        }
+    )
 
 
-def long_rows(seq: int = 8192, cps=(2, 4), iters: int = 2, warmup: int = 0) -> list[dict]:
-    """Rows per cp and method at 1 x ``seq`` tokens: attention bytes per rank and step, peak MB per
-    rank (measured, predicted) and step time (rank 0)."""
-    rows = []
+def long_rows(seq: int = 8192, cps=(2, 4)):
+    """Rows per cp and method at 1 x ``seq`` tokens (rank 0): attention bytes per rank and step,
+    peak MB per rank (measured, predicted) and step time; yielded as each job ends."""
     for cp in cps:
-        got = pool(cp).run("bench.bench_context_parallel:long_job", seq, iters, warmup)[0]
-        for method, r in got.items():
+        for method in METHODS:
+            r = pool(cp).run("bench.bench_context_parallel:long_job", seq, method)[0]
             c = f"llama d 64, 4 layers, 1 x {seq} tokens, cp={cp} {method} (load balanced)"
-            rows += [
+            yield from (
                 row(NAME, c, "attention MB/rank/step", _mb(r["planned_bytes"]), "",
                     f"the plan's; whole step: planned {_mb(r['step_planned'])}, ran {_mb(r['step_ran'])}"),
                 row(NAME, c, "peak MB/rank", _mb(r["peak"]), "", f"predicted {_mb(r['model_peak'])} "
                     f"({r['model_peak'] / r['peak'] - 1:+.1%})"),
-                row(NAME, c, "step ms", round(ms([r["step_s"]]), 1), "", "median, methods alternating"),
-            ]  # fmt: skip
-    return rows
+                row(NAME, c, "step ms", round(1e3 * r["step_s"], 1), "", "one step, rank 0"),
+            )  # fmt: skip
 
 
 def memory_job(quick, method, steps=2) -> dict:
@@ -245,7 +244,7 @@ if __name__ == "__main__":
         try:
             args = [a for a in sys.argv[1:] if a.isdigit()]
             for r in long_rows(int(args[0]) if args else 8192):
-                print(r)
+                print(r, flush=True)
         finally:
             close_pools()
     else:
