@@ -87,11 +87,11 @@ def long_job(seq: int, method: str) -> dict:
     )
 
 
-def long_rows(seq: int = 8192, cps=(2, 4)):
+def long_rows(seq: int = 8192, cps=(2, 4), methods=METHODS):
     """Rows per cp and method at 1 x ``seq`` tokens (rank 0): attention bytes per rank and step,
     peak MB per rank (measured, predicted) and step time; yielded as each job ends."""
     for cp in cps:
-        for method in METHODS:
+        for method in methods:
             r = pool(cp).run("bench.bench_context_parallel:long_job", seq, method)[0]
             c = f"llama d 64, 4 layers, 1 x {seq} tokens, cp={cp} {method} (load balanced)"
             yield from (

@@ -20,7 +20,9 @@ the gradients (the op's autograd: ``autopar::all_to_all`` backward is the revers
   all-to-all gathers the inner axis' pieces, which together are the outer axis' piece; attention
   then runs over the outer axis as context parallel does on one axis, on 1/n of the heads.
 - A model's mask (..., L or 1, S) arrives split on its query rows (whole on the keys): its rows are
-  all-gathered (and reordered likewise), and a per-head mask cut to the rank's heads.
+  all-gathered (and reordered likewise), and a per-head mask cut to the rank's heads. Attention
+  then runs in key blocks of MASK_BLOCK (one block's additive mask at a time, not the whole
+  (L x L) one; blocks the mask hides skipped).
 
 Example:
     >>> out = ulysses_attention(q, k, v, None, True, None, False, False, "cp", [0, 1], 0)   # on rank 0
@@ -79,6 +81,20 @@ def _whole_mask(mask, rows_split: bool, heads: int, zigzag: bool, axis: str, gro
     return mask
 
 
+MASK_BLOCK = 1024  # keys per block under a model's mask: its additive form is (queries x MASK_BLOCK)
+
+
+def _key_blocks(keys: int) -> list:
+    """The blocks BlockAttention cuts the keys in under a model's mask (its "allgather" loop over
+    slices of K; no collective runs there): the most blocks of at least MASK_BLOCK keys that divide
+    ``keys``, so that a block's additive mask stays (queries x ~MASK_BLOCK) and a block the mask
+    hides (the causal future, other documents) is skipped."""
+    n = max(1, keys // MASK_BLOCK)
+    while keys % n:
+        n -= 1
+    return list(range(n))
+
+
 def ulysses_attention(
     q, k, v, mask, is_causal: bool, scale, rows_split: bool, zigzag: bool, axis: str, group, rank, outer=None
 ):
@@ -97,8 +113,11 @@ def ulysses_attention(
     heads = q.shape[-3]
     qh, kh, vh = (_to_heads(x, zigzag, axis, group, rank) for x in (q, k, v))
     m = _whole_mask(mask, rows_split, heads, zigzag, axis, group, rank)
-    if outer is None:  # every position here: one block
+    if outer is None and m is None:  # every position here: one block (causal: the kernel's triangle)
         out = BlockAttention.apply(qh, kh, vh, m, is_causal, scale, False, "ring", axis, [rank], rank)
+    elif outer is None:  # a model's mask: key blocks of MASK_BLOCK, the ones it hides skipped
+        blocks = _key_blocks(kh.shape[-2])
+        out = BlockAttention.apply(qh, kh, vh, m, is_causal, scale, False, "allgather", axis, blocks, 0)
     else:
         method, outer_zigzag, outer_axis, outer_group = outer
         out = cp_attention(qh, kh, vh, m, is_causal, scale, False, method, outer_zigzag, outer_axis, outer_group, rank)

@@ -60,3 +60,19 @@ def test_blocks_of_other_documents_are_skipped(method, monkeypatch):
     monkeypatch.setattr(context_attention, "_block_forward", lambda *a: calls.append(1) or real(*a))
     plan.check(**kw, loss=lambda out: out.loss)
     assert len(calls) == 2 * 2  # 2 attention calls x 1 block on each of 2 ranks
+
+
+def test_ulysses_runs_masked_attention_in_key_blocks(monkeypatch):
+    """Under a model's mask Ulysses attends every position in key blocks (runtime/ulysses.MASK_BLOCK,
+    4 keys here: 4 blocks of the 16, each block's additive mask (16 x 4), not (16 x 16)); it equals
+    serial. Every block meets some query of its own document, so none is skipped."""
+    import autopar.runtime.ulysses as ulysses
+
+    monkeypatch.setattr(ulysses, "MASK_BLOCK", 4)
+    kw = packed(docs=((8, 8), (8, 8)))
+    plan = _plan("llama", 2, "ulysses", True, kw)
+    calls = []
+    real = context_attention._block_forward
+    monkeypatch.setattr(context_attention, "_block_forward", lambda *a: calls.append(1) or real(*a))
+    plan.check(**kw, loss=lambda out: out.loss)
+    assert len(calls) == 2 * 2 * 4  # 2 attention calls x 2 ranks x 4 key blocks
