@@ -76,6 +76,9 @@ class ContextParallel(Technique):
     order = 15  # after data parallel (the batch split), before the others
 
     def __post_init__(self):
+        for name in ("axis", "method"):  # a plan file's JSON lists back as tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         axes = (self.axis,) if isinstance(self.axis, str) else self.axis
         if not isinstance(axes, tuple) or not 1 <= len(axes) <= 2 or not all(isinstance(a, str) for a in axes):
             raise PlanError(f"ContextParallel axis must be a mesh axis name (or two, hybrid), got {self.axis!r}.")

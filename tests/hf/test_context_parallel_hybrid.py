@@ -74,3 +74,13 @@ def test_bad_hybrids_are_plan_errors():
         ap.plan(BUILD["llama"](), MESH, kwargs=kw, context_parallel=cp)
     with pytest.raises(ap.PlanError, match="two axes take a method each"):
         ap.ContextParallel(("cpr", "cpu"), method="ring")
+
+
+def test_hybrid_plan_file_round_trip(tmp_path):
+    """plan.save / ap.load_plan: the merged mesh and the method pair (a JSON list) come back."""
+    kw = _kw()
+    plan = _plan("llama", "ring", True, kw)
+    plan.save(tmp_path / "hybrid.json")
+    again = ap.load_plan(tmp_path / "hybrid.json", BUILD["llama"]())
+    assert again.options.context_parallel.method == ("ring", "ulysses") and again.mesh.axis_names == ("cpr_cpu",)
+    again.check(**kw, loss=lambda out: out.loss)
