@@ -1,5 +1,5 @@
 """Context parallel: peak memory per rank for cp = 1, 2, 4 at one fixed long sequence, and the step
-time of ring vs all-gather attention, on gloo processes.
+time of ring, all-gather and Ulysses attention, on gloo processes.
 
 An HF LLaMA (4 layers, SDPA attention, GQA 4 query / 2 kv heads, RoPE) with batch 1 and one long
 sequence (quick: 256 tokens, d 64; full: 2048 tokens, d 128), trained context-parallel over a gloo
@@ -10,6 +10,9 @@ runtime/live_bytes.LiveBytes; beside them the cost model's (``plan.memory_per_ra
 alternate ring and all-gather modules step by step (bench/common.alternate), rank 0 reports.
 ``state`` (simulated): the parameter, gradient and AdamW-state bytes a rank holds after a step with
 context parallel folded into zero=3's shard group (``DataParallel(shard_axes=...)``) and without.
+
+``long_rows`` (``python -m bench.bench_context_parallel --long [tokens]``, 8192 by default): per
+method at cp = 2 and 4, the attention's bytes per rank and step, the peak per rank and the step time.
 
 Example:
     $ python -m bench.run --only context_parallel
@@ -26,14 +29,15 @@ from bench.bench_activation_checkpoint import measure_step
 from bench.common import alternate, median_ratio, ms, pool, row
 
 NAME = "context_parallel"
-METHODS = ("allgather", "ring")
+METHODS = ("allgather", "ring", "ulysses")
 
 
-def llama(quick):
+def llama(quick, seq=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     d, s = (64, 256) if quick else (128, 2048)
+    s = seq or s
     cfg = LlamaConfig(
         vocab_size=256, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=s, attn_implementation="sdpa", use_cache=False,
@@ -44,9 +48,59 @@ def llama(quick):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def _module(model, kw, cp: int, method: str, load_balance: bool = True):
+def _module(model, kw, cp: int, method, load_balance: bool = True):
     cp_opt = ap.ContextParallel("cp", method=method, load_balance=load_balance) if cp > 1 else None
     return ap.parallelize(model, ap.Mesh((cp,), ("cp",)), kwargs=kw, context_parallel=cp_opt)
+
+
+def long_job(seq: int, method: str) -> dict:
+    """One rank of cp = world at one long sequence (the quick model, d 64, 4 layers: 1 x ``seq``
+    tokens) by ``method``: the attention's bytes per rank and step (the plan's, and the whole
+    step's planned and ran: ap.comm_stats), the peak bytes alive over the first step (LiveBytes;
+    the gradients it allocates are ~1 MB) beside the model's, and the seconds of a second, plain
+    step (one step per method and job: at 8192 tokens a step takes minutes on the shared 2 cores)."""
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, kw = llama(True, seq)
+    module = _module(model, kw, dist.get_world_size(), method)
+    plan = module.autopar_plan
+    _, local = plan.local_inputs(rank, **kw)
+    with ap.comm_stats() as stats:
+        measured = measure_step(lambda: module(**local).loss)
+    dist.barrier()
+    t0 = time.perf_counter()
+    _step(module, local)
+    dist.barrier()
+    attention = [c for c in plan.collectives() if c.node in set(plan.built["context_parallel"])]
+    return (
+        measured
+        | predicted(plan, rank)
+        | {
+            "planned_bytes": sum(c.bytes for c in attention),
+            "step_planned": sum(c.bytes for c in plan.collectives()),
+            "step_ran": sum(r.bytes for r in stats.records),
+            "step_s": time.perf_counter() - t0,
+        }
+    )
+
+
+def long_rows(seq: int = 8192, cps=(2, 4), methods=METHODS):
+    """Rows per cp and method at 1 x ``seq`` tokens (rank 0): attention bytes per rank and step,
+    peak MB per rank (measured, predicted) and step time; yielded as each job ends."""
+    for cp in cps:
+        for method in methods:
+            r = pool(cp).run("bench.bench_context_parallel:long_job", seq, method)[0]
+            c = f"llama d 64, 4 layers, 1 x {seq} tokens, cp={cp} {method} (load balanced)"
+            yield from (
+                row(NAME, c, "attention MB/rank/step", _mb(r["planned_bytes"]), "",
+                    f"the plan's; whole step: planned {_mb(r['step_planned'])}, ran {_mb(r['step_ran'])}"),
+                row(NAME, c, "peak MB/rank", _mb(r["peak"]), "", f"predicted {_mb(r['model_peak'])} "
+                    f"({r['model_peak'] / r['peak'] - 1:+.1%})"),
+                row(NAME, c, "step ms", round(1e3 * r["step_s"], 1), "", "one step, rank 0"),
+            )  # fmt: skip
 
 
 def memory_job(quick, method, steps=2) -> dict:
@@ -182,6 +236,16 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from bench.common import main
+    import sys
 
-    main(run)
+    from bench.common import close_pools, main
+
+    if "--long" in sys.argv:  # python -m bench.bench_context_parallel --long [seq]
+        try:
+            args = [a for a in sys.argv[1:] if a.isdigit()]
+            for r in long_rows(int(args[0]) if args else 8192):
+                print(r, flush=True)
+        finally:
+            close_pools()
+    else:
+        main(run)

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,11 +42,12 @@ import torch
 
 from autopar.cost.collectives import make_comm
 from autopar.errors import PlanError
+from autopar.mesh import SubAxis
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.placement import Replicate, Shard
 from autopar.sharding.eager_attention import fuse_eager_attention
-from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION
+from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION, call_splits, local_heads, ulysses_repeat
 from autopar.sharding.piece_order import piece_orders
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import Step, step_bytes
@@ -53,14 +55,20 @@ from autopar.sharding.rules.attention import ATTENTION_KERNELS
 from autopar.runtime.zigzag import to_zigzag
 from autopar.trace.module_paths import module_path
 
-METHODS = ("allgather", "ring")
+METHODS = ("allgather", "ring", "ulysses")
 
 
 @register_technique
 @dataclass(frozen=True)
 class ContextParallel(Technique):
-    axis: str
-    method: str = "allgather"
+    """``axis`` a mesh axis name and ``method`` one of METHODS; or hybrid: two adjacent axes
+    (outer, inner) and a method per axis, "ring" or "allgather" on the outer one and "ulysses" on
+    the inner one: ``ContextParallel(("cp_ring", "cp_uly"), method=("ring", "ulysses"))``. The two
+    become one axis to plan on (``reshape_mesh``: the sequence split over both, rank (r, u) holding
+    piece r |inner| + u), whose method is the pair."""
+
+    axis: str | tuple
+    method: str | tuple = "allgather"
     load_balance: bool = False
     seq_dim: int = 1
 
@@ -68,13 +76,42 @@ class ContextParallel(Technique):
     order = 15  # after data parallel (the batch split), before the others
 
     def __post_init__(self):
-        if not isinstance(self.axis, str):
-            raise PlanError(f"ContextParallel axis must be a mesh axis name, got {self.axis!r}.")
-        if self.method not in METHODS:
+        for name in ("axis", "method"):  # a plan file's JSON lists back as tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        if not isinstance(axes, tuple) or not 1 <= len(axes) <= 2 or not all(isinstance(a, str) for a in axes):
+            raise PlanError(f"ContextParallel axis must be a mesh axis name (or two, hybrid), got {self.axis!r}.")
+        methods = (self.method,) if isinstance(self.method, str) else self.method
+        if not isinstance(methods, tuple) or any(m not in METHODS for m in methods):
             raise PlanError(
                 f"ContextParallel(method={self.method!r}): 'allgather' (K/V gathered: short sequences, "
-                "GQA) or 'ring' (K/V blocks passed around the axis: memory ~1/cp)."
+                "GQA), 'ring' (K/V blocks passed around the axis: memory ~1/cp) or 'ulysses' (an "
+                "all-to-all to a head split: the heads must split over the axis); a pair for two axes "
+                "(hybrid: ('ring', 'ulysses'))."
             )
+        if len(methods) == 2 and (methods[0] == "ulysses" or methods[1] != "ulysses" or len(set(axes)) < len(axes)):
+            raise PlanError(
+                f"ContextParallel({self.axis!r}, method={self.method!r}): hybrid context parallel takes two "
+                "axes, outer first, and one method per axis: 'ring' or 'allgather' on the outer one (across "
+                "nodes), 'ulysses' on the inner one (inside a node), e.g. "
+                "ContextParallel(('cp_ring', 'cp_uly'), method=('ring', 'ulysses'))."
+            )
+        if len(axes) == 2 and len(methods) != 2:
+            raise PlanError(f"ContextParallel({self.axis!r}, method={self.method!r}): two axes take a method each.")
+
+    def reshape_mesh(self, mesh):
+        """Hybrid: the two axes merged into one (outer-major: Mesh.merge_axes), the method pair on it."""
+        if isinstance(self.axis, str):
+            return mesh, self
+        outer, inner = self.axis
+        i, j = mesh.axis_index(outer), mesh.axis_index(inner)
+        if j != i + 1:
+            raise PlanError(
+                f"hybrid context parallel on {self.axis}: the mesh {mesh.axis_names} must have {inner!r} (Ulysses, "
+                f"inside a node) right after {outer!r} ({self.method[0]}, across nodes); reorder the mesh's axes."
+            )
+        return mesh.merge_axes(outer, inner), dataclasses.replace(self, axis=f"{outer}_{inner}")
         if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
             raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
 
@@ -87,8 +124,24 @@ class ContextParallel(Technique):
             return cls(value)
         raise PlanError(f"context_parallel={value!r}: give a mesh axis name ('cp') or ap.ContextParallel('cp', ...).")
 
+    def process_groups(self, plan) -> list:
+        """Hybrid's inner (Ulysses) and outer (ring or all-gather) groups of the merged axis: not
+        one mesh axis' groups (ap.parallelize makes them on every rank, in this order)."""
+        part = next((p for p in plan.mesh.parts if p[0] == self.axis), None)
+        if isinstance(self.method, str) or part is None:
+            return []
+        out, i = [], plan.mesh.axis_index(self.axis)
+        for kind in ("inner", "outer"):
+            for rank in plan.mesh.ranks():
+                group = plan.mesh.group(SubAxis(i, part[3], kind), rank)
+                if len(group) > 1 and group not in out:
+                    out.append(group)
+        return out
+
     def validate(self, mesh, options, annotations: dict) -> None:
         mesh.axis_index(self.axis)
+        if not isinstance(self.method, str) and not any(part[0] == self.axis for part in mesh.parts):
+            raise PlanError(f"ContextParallel({self.axis!r}, method={self.method!r}): a method pair takes two axes.")
         dp = options.data_parallel
         if dp is not None and dp.axis == self.axis:
             raise PlanError(
@@ -175,6 +228,7 @@ class ContextParallel(Technique):
             lay = node.meta.get("autopar")
             chosen = lay.strategies[axis] if lay is not None and lay.strategies else None
             if chosen is not None and chosen.lowering is CONTEXT_ATTENTION:
+                self._check_heads(plan, node, axis)
                 lowered.append(node.name)
                 continue
             q = node.args[0]
@@ -190,6 +244,23 @@ class ContextParallel(Technique):
         if self.load_balance:
             self._check_zigzag(plan, axis)
         return lowered
+
+    def _check_heads(self, plan, node, axis: int) -> None:
+        """Ulysses splits each rank's heads over the axis: they must divide (K/V heads are
+        repeated as Megatron does where they are fewer, runtime/ulysses.kv_repeat)."""
+        uly = call_splits(plan, node, axis)[0]
+        if uly is None:
+            return
+        try:
+            ulysses_repeat(plan, node, uly)
+        except ValueError as e:
+            heads = local_heads(plan, node, 0)
+            raise PlanError(
+                f"context_parallel on {plan.mesh.axis_label(uly.key)!r} by 'ulysses': the attention in module {module_path(node)!r} "
+                f"({node.name}) has {heads} query heads per rank, which the {uly.size(plan.mesh)} ranks of the "
+                f"axis cannot split ({e}). Use method='ring' or 'allgather', a cp size dividing the heads "
+                "(after tp's split), or fewer tp ranks."
+            ) from None
 
     def _check_zigzag(self, plan, axis: int) -> None:
         """Every dim split on the axis must cut into 2 x cp chunks (per block) for the zig-zag
@@ -224,7 +295,7 @@ class ContextParallel(Technique):
             f"; {len(reorders)} split value(s) reordered to zig-zag where they meet the sequence" if reorders else ""
         )
         return (
-            f"context parallel on {self.axis!r} ({self.method}): every sequence split in "
+            f"context parallel on {self.axis!r} ({'+'.join(self._methods)}): every sequence split in "
             f"{plan.mesh.axis_size(self.axis)}, {len(calls)} attention calls meet every key{again}"
         )
 
@@ -252,7 +323,11 @@ class ContextParallel(Technique):
         here = [n for n in plan.graph.nodes if n.name in calls and module_path(n).startswith(path)]
         if not here:
             return []
-        return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {self.method}"]
+        return [f"  context parallel: {len(here)} attention call(s) on {self.axis!r} by {'+'.join(self._methods)}"]
+
+    @property
+    def _methods(self) -> tuple:
+        return (self.method,) if isinstance(self.method, str) else self.method
 
 
 def _sizes_at(plan, pieces: int) -> dict:

@@ -82,7 +82,8 @@ def block_plan(mask, is_causal: bool, n: int, pos: int, src: int, L: int, S: int
     against src, 2n-1-src): a block of an earlier rank meets every query with its head chunk
     only (its tail follows both query chunks); a later rank's block meets the tail query chunk
     only, whole (its chunks both precede chunk 2n-1-pos and follow chunk pos) -- half a block's
-    work each, the same on every rank."""
+    work each, the same on every rank. A block the model's mask hides entirely (another document
+    of a packed sequence) is skipped."""
     if is_causal:
         if src == pos:
             return Block(0, L, 0, S, causal=True)
@@ -94,8 +95,19 @@ def block_plan(mask, is_causal: bool, n: int, pos: int, src: int, L: int, S: int
     if mask is None:
         return Block(0, L, 0, S)
     if zigzag:
-        return Block(0, L, 0, S, mask=mask.index_select(-1, local_positions(S, n, src, True, mask.device)))
-    return Block(0, L, 0, S, mask=mask.narrow(-1, src * S, S))
+        part = mask.index_select(-1, local_positions(S, n, src, True, mask.device))
+    else:
+        part = mask.narrow(-1, src * S, S)
+    return Block(0, L, 0, S, mask=part) if _attends(part) else None
+
+
+def _attends(mask) -> bool:
+    """Whether any query attends any key of a block's mask: a block of other documents (packed
+    sequences' document mask) or one the model's causal mask hides is skipped, not computed (one
+    host read per block)."""
+    if mask.dtype == torch.bool:
+        return bool(mask.any())
+    return bool((mask > float("-inf")).any())
 
 
 def _repeat_kv(x, groups: int):

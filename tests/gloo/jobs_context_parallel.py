@@ -15,6 +15,7 @@ MESHES = {  # name -> (mesh shape, axes, data parallel, load balanced)
     "dp2xcp2": ((2, 2), ("dp", "cp"), "dp", False),
     "dp2xcp2_fold": ((2, 2), ("dp", "cp"), FOLD, True),
     "cp4_fold": ((4,), ("cp",), ap.DataParallel(zero=3, shard_axes=("cp",)), True),
+    "hybrid": ((2, 2), ("cpr", "cpu"), None, True),  # the method on cpr, Ulysses on cpu
 }
 
 
@@ -27,11 +28,17 @@ def train_matches_serial(method, mesh_name, steps=2, lr=0.2):
         ap.Mesh(shape, names),
         args=llama_batch(batch=4),
         data_parallel=dp,
-        context_parallel=ap.ContextParallel("cp", method=method, load_balance=balanced),
+        context_parallel=_context_parallel(names, method, balanced),
     )
     serial = llama_like()
     losses = train_beside_serial(module, serial, [llama_batch(batch=4, seed=step + 10) for step in range(steps)], lr)
     return {"max_rel": max_rel_diff(merged_parameters(module), dict(serial.named_parameters())), "losses": losses}
+
+
+def _context_parallel(names, method, balanced):
+    if names == ("cpr", "cpu"):  # hybrid: ``method`` across, Ulysses within
+        return ap.ContextParallel(names, method=(method, "ulysses"), load_balance=balanced)
+    return ap.ContextParallel("cp", method=method, load_balance=balanced)
 
 
 def pipeline_matches_serial(method):

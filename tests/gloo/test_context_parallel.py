@@ -1,5 +1,5 @@
 """Context parallel on real gloo processes: the LLaMA-style model trained with its sequences split
-(ring and all-gather attention; cp=4, and dp x cp; zero=3 folded over dp x cp and over cp alone,
+(ring, all-gather and Ulysses attention; cp=4, and dp x cp; hybrid ring + Ulysses on (2, 2); zero=3 folded over dp x cp and over cp alone,
 load balanced) equals serial training."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 
 @pytest.mark.parametrize(
     "method, mesh_name",
-    [("ring", "cp4"), ("allgather", "dp2xcp2"), ("ring", "dp2xcp2_fold"), ("allgather", "cp4_fold")],
-)
+    [("ring", "cp4"), ("allgather", "dp2xcp2"), ("ring", "dp2xcp2_fold"), ("allgather", "cp4_fold"), ("ulysses", "cp4"),
+     ("ulysses", "dp2xcp2_fold"), ("ring", "hybrid")],
+)  # fmt: skip
 def test_context_parallel_training_matches_serial_over_gloo(gloo, method, mesh_name):
     """The folded cases (DataParallel(zero=3, shard_axes=...)) gather and reduce-scatter over a
     process group of the dp x cp ranks, made beside the mesh axes' groups."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 import autopar as ap
+from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES
+from tests.harness.serial import assert_params_close
 
 VOCAB, HIDDEN, SEQ = 128, 32, 8
 
@@ -113,6 +115,14 @@ def batch(b=4, s=SEQ, seed=1):
     return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
 
 
+def packed_batch(docs=((5, 7, 4), (16,)), seed=1) -> dict:
+    """HF keyword inputs for rows of documents packed along the sequence (lengths ``docs`` per
+    row): position ids restart at each document, so HF builds a per-document causal mask."""
+    ids, labels = batch(b=len(docs), s=sum(docs[0]), seed=seed)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
 LLAMA_TP = {
     "model.layers.*.self_attn.[qkv]_proj": ap.colwise("tp"),
     "model.layers.*.self_attn.o_proj": ap.rowwise("tp"),
@@ -188,3 +198,30 @@ def megatron_dp_plan(model, mesh, kwargs):
         data_parallel="a",
         dynamic=False,
     )
+
+
+ADAMW = dict(lr=0.01, weight_decay=0.1, eps=1e-3)  # eps well above float noise: AdamW divides by sqrt(v)
+
+
+def adamw_matches_serial(plan, build, batches: list[dict], where: str = "", rtol=1e-4, atol=1e-5) -> None:
+    """AdamW steps, one per batch (HF keyword inputs with labels), on every rank of ``plan``
+    (simulated) end where the same steps on a fresh serial model from ``build()`` end."""
+    serial = build().train()
+    opt = torch.optim.AdamW(serial.parameters(), **ADAMW)
+    for kw in batches:
+        serial(**kw).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def train(rank):
+        module = plan.build_module(rank)
+        opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+        for kw in batches:
+            args, kwargs = plan.local_inputs(rank, **kw)
+            module(*args, **kwargs).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    got = plan.merge_state_dicts(run_ranks(plan.mesh.size, train))
+    assert_params_close(got, dict(serial.named_parameters()), where, rtol=rtol, atol=atol)

@@ -226,7 +226,7 @@ def test_serial_dropout_under_load_balance(method, mesh):
     plan.check(*batch, loss=lambda out: out[1])
 
 
-@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
 def test_with_pipeline(method):
     """pp x cp: pipeline stages on one axis, the sequence split on the other (load balanced);
     each stage runs its micro-batches on the rank's sequence pieces. Loss and every gradient
@@ -263,7 +263,7 @@ def test_bad_input_is_a_plan_error():
     with pytest.raises(PlanError, match="does not split into 8 equal pieces"):
         cp_plan(4, batch=llama_batch(seq=12), load_balance=True)  # 2 chunks per rank
     with pytest.raises(PlanError, match="method"):
-        ap.ContextParallel("cp", method="ulysses")
+        ap.ContextParallel("cp", method="tree")
     with pytest.raises(PlanError, match="KV cache"):
         ap.plan(CachedLM(), ap.Mesh((2,), ("cp",)), args=llama_batch(), context_parallel="cp")
 
