@@ -23,24 +23,11 @@ import json, resource, sys, time
 from collections import Counter
 import torch
 import autopar as ap
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import LlamaForCausalLM
+from bench.llama_shapes import LossOnly, llama_config
 
-AttentionInterface.register("causal_sdpa", sdpa_attention_forward)  # torchtitan's causal SDPA, no mask
 hidden, inter, layers, heads, kv, vocab, local, seq, n, mode = json.loads(sys.argv[1])
-cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
-                  tie_word_embeddings=False, attn_implementation="causal_sdpa")
-
-
-class LossOnly(torch.nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
-
+cfg = llama_config(hidden, inter, layers, heads, kv, vocab, seq)  # torchtitan's causal SDPA, no mask
 
 with torch.device("meta"):
     model = LossOnly(LlamaForCausalLM(cfg).to(torch.bfloat16))

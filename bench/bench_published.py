@@ -205,14 +205,9 @@ SCRIPT = r"""
 import json, resource, sys, time
 import torch
 import autopar as ap
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import LlamaForCausalLM
+from bench.llama_shapes import LossOnly, llama_config
 
-# torchtitan's attention: F.scaled_dot_product_attention(q, k, v, is_causal=True), no mask tensor.
-# HF's own "sdpa" builds a (B, 1, S, S) boolean mask when traced (it cannot see that no padding
-# comes); under a name HF has no mask function for, it builds none and SDPA runs causal, GQA in
-# the kernel (enable_gqa) instead of copied K/V heads.
-AttentionInterface.register("causal_sdpa", sdpa_attention_forward)
 args = json.loads(sys.argv[1])
 size, shape, names, local, seq, mode, search = args[:7]
 profiles = args[7] if len(args) > 7 else []  # eager rows: each profile's prediction, parts too
@@ -220,22 +215,8 @@ ran = args[8] if len(args) > 8 else {}  # how it ran: ap.Auto's compiled= / floa
 # a size by name (LLaMA-3.1, its 128,256-token vocabulary) or (hidden, intermediate, layers, heads, kv, vocab)
 hidden, inter, layers, heads, kv, vocab = {"8b": (4096, 14336, 32, 32, 8, 128256), "70b": (8192, 28672, 80, 64, 8, 128256),
                                            "405b": (16384, 53248, 126, 128, 8, 128256)}[size] if isinstance(size, str) else size
-cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
-                  tie_word_embeddings=False, attn_implementation="causal_sdpa")
-
-
-class LossOnly(torch.nn.Module):
-    # The step's program returns the loss alone: torchtitan's loop keeps the loss and frees the
-    # logits (del pred; under a pipeline the last stage feeds them to the loss), where HF's model
-    # also returns them, gathered over a vocabulary split.
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
-
+# torchtitan's attention, causal SDPA with no mask tensor (bench/llama_shapes.py says why)
+cfg = llama_config(hidden, inter, layers, heads, kv, vocab, seq)
 
 with torch.device("meta"):
     model = LossOnly(LlamaForCausalLM(cfg))  # fp32, as HF builds it: the policy computes in bf16 over fp32 masters

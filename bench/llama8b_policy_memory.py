@@ -18,41 +18,18 @@ import sys
 import time
 
 import torch
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import LlamaForCausalLM
 
 import autopar as ap
+from bench.llama_shapes import LossOnly, llama_config
 
 GIB = 2**30
-
-
-class LossOnly(torch.nn.Module):
-    """The step's program returns the loss alone (bench_published.py's: the loop frees the logits)."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
 
 
 def predict(variant: str) -> dict:
     """ap.predict's memory (GiB) and memory_per_rank's parts of the 8B under ``variant``."""
     opts = set(variant.split("+"))
-    AttentionInterface.register("causal_sdpa", sdpa_attention_forward)  # no mask function: SDPA is_causal
-    cfg = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        use_cache=False,
-        tie_word_embeddings=False,
-        **({"attn_implementation": "causal_sdpa"} if "causal" in opts else {}),
-    )
+    cfg = llama_config(4096, 14336, 32, 32, 8, 128256, seq=8192, causal_sdpa="causal" in opts)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
         model = model.to(torch.bfloat16) if "bf16model" in opts else model
