@@ -84,3 +84,29 @@ def test_bart_with_labels_plans_without_fallback_and_equals_serial():
     fill = next(n for n in plan.graph.nodes if n.target == torch.ops.aten.fill_.Tensor)
     assert repr(fill.meta["autopar"].spec[0]) == "S(0)"  # the batch stays split on dp
     plan.check(**kw, rtol=1e-3, atol=1e-4)
+
+
+def test_prophetnet_loss_given_labels_on_data_parallel():
+    """ProphetNet's loss fills ``labels.new_zeros(ngram, B, S)`` with -100 and copies labels into
+    each ngram row in place: the new tensor was split on its ngram dim like labels' batch dim, the
+    copies wrote into a redistributed copy, and the loss read the -100s (NaN, every gradient 0)."""
+    arch = next(a for a in architectures() if a.name == "ProphetNetForCausalLM")
+    model, kwargs = build(arch)
+    kwargs = {**kwargs, "labels": kwargs["input_ids"]}
+    model.train()
+    serial = model(**kwargs).loss
+    serial.backward()
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs=kwargs, data_parallel="dp")
+
+    def step(module, *a, **k):
+        loss = module(*a, **k)["loss"]
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+    out = plan.simulate(step, **kwargs)
+    for loss, _ in out:  # loss_mean="global": every rank holds the global batch's mean
+        torch.testing.assert_close(loss, serial.detach(), rtol=1e-5, atol=1e-6)
+    grads = plan.merge_state_dicts([g for _, g in out])
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)

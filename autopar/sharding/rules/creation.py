@@ -59,5 +59,19 @@ def new_filled_rule(op: OpInfo) -> list[Strategy]:
     copies the batch-split parts in; replicated, it was gathered over dp."""
     strategies = creation_rule(op)
     x, out = op.tensors[0], op.outputs[0]
-    split = [Strategy((Shard(d),), (Shard(d),), None, "each rank its piece") for d in range(min(x.ndim, out.ndim))]
+    # only a dim of the same size in both: the same dim of the data (batch for batch). ProphetNet's
+    # labels.new_zeros(ngram, B, S) split its ngram dim like labels' batch dim, and the in-place
+    # copy of labels into each ngram row then wrote into a redistributed copy (a NaN loss)
+    split = [
+        Strategy((Shard(d),), (Shard(d),), None, "each rank its piece")
+        for d in range(min(x.ndim, out.ndim))
+        if _same_dim(x, out, d)
+    ]
     return strategies[:1] + split + strategies[1:]
+
+
+def _same_dim(x, out, d: int) -> bool:
+    """Dim ``d`` of ``x`` and of ``out`` is the same dim of the data: one size, and both dynamic
+    (a batch) or both static."""
+    dynamic = lambda t: t.dynamic[d] if d < len(t.dynamic) else False  # noqa: E731
+    return x.shape[d] == out.shape[d] and dynamic(x) == dynamic(out)
