@@ -39,6 +39,9 @@ from autopar.trace.module_paths import module_path
 
 PROBE_ELEMENTS = 1 << 22  # 8 MiB of bf16: an op's inputs larger than this are not run
 _MISSING = re.compile(r"not implemented for '(BFloat16|Half)'|Unsupported dtype|Low precision dtypes not supported")
+# an op whose inputs meet in two dtypes where its kernel wants one (XGLM's fp32 sinusoidal positions
+# added to bf16 embeddings, then a LayerNorm with bf16 weights): FSDP2's recipe fails there too
+_MIXED = re.compile(r"mixed dtype|to have the same dtype|expected scalar type \S+ but found")
 
 
 def missing_kernel(e: BaseException) -> bool:
@@ -57,10 +60,12 @@ def check_kernels(graph: fx.Graph, dtype: torch.dtype | None, device, model=None
         for node in _smallest_calls(graph, dtype).values():
             try:
                 _probe(node, device)
-            except Exception as e:  # noqa: BLE001 - only a missing kernel is ours to name
+            except Exception as e:  # noqa: BLE001 - only a missing kernel or mixed dtypes are ours to name
                 if missing_kernel(e):
                     other = _other_dtype(node, dtype, device)
                     raise PlanError(_message(node, dtype, device, e, other, model)) from e
+                if isinstance(e, RuntimeError) and _MIXED.search(str(e)):
+                    raise PlanError(_mixed_message(node, dtype, e, model)) from e
 
 
 def _smallest_calls(graph: fx.Graph, dtype) -> dict:
@@ -166,6 +171,24 @@ def _message(node, dtype, device, e, other, model) -> str:
         f"no kernel for {dtype} on {torch.device(device).type}: {str(e).splitlines()[0]}\n"
         + _fix(f"module {path!r}" if path else "the model", dtype, other)
     )
+
+
+def _mixed_message(node, dtype, e, model) -> str:
+    path = module_path(node)
+    where = f"module {path!r}" if path else f"the model's forward ({type(model).__name__})" if model else "the model"
+    dtypes = ", ".join(f"{a.name}: {str(v.dtype).removeprefix('torch.')}" for a, v in _named_vals(node))
+    return (
+        f"The precision policy computes in {dtype}, but {node.target} (node {node.name}, {where}) reads "
+        f"tensors of different dtypes ({dtypes}): {str(e).splitlines()[0]}. A buffer or constant the "
+        f"policy does not cast (it casts the parameters and the floating inputs, as FSDP2's "
+        f"MixedPrecisionPolicy does, which fails here too) meets the {dtype} parameters. Cast it in the "
+        f"model's code where it is read (e.g. `.to(x.dtype)`), or plan without the policy."
+    )
+
+
+def _named_vals(node):
+    args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+    return [(a, a.meta["val"]) for a in args if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def export_refusal(e: BaseException, dtype: torch.dtype | None, model: torch.nn.Module) -> PlanError | None:

@@ -101,3 +101,34 @@ def test_the_named_fix_plans_and_equals_the_serial_policy(how):
     torch.testing.assert_close(sum(loss.float() for loss, _ in out) / 2, want.float(), rtol=1e-2, atol=1e-3)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=2e-2, atol=2e-3, msg=n)
+
+
+class FP32Positions(nn.Module):
+    """XGLM's pattern: an fp32 buffer (sinusoidal positions) added to the bf16 activations, then a
+    LayerNorm whose bf16 weights meet the fp32 sum: "mixed dtype" at the first step, under FSDP2's
+    recipe too (the policy casts parameters and floating inputs, not buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.register_buffer("positions", torch.randn(8))
+
+    def forward(self, x):
+        return self.norm(self.fc(x) + self.positions).square().mean()
+
+
+def test_fp32_buffer_meeting_bf16_parameters_is_refused_while_planning():
+    torch.manual_seed(0)
+    model, x = FP32Positions(), torch.randn(8, 8)
+    before = _snapshot(model)
+    with pytest.raises(ap.PlanError, match=r"aten.layer_norm.default \(node \w+, module 'norm'\) reads tensors of "):
+        _plan(model, x)
+    for name, (value, dtype, device, grad) in before.items():  # nothing half-planned
+        p = model.get_parameter(name)
+        assert torch.equal(p, value) and (p.dtype, p.device, p.requires_grad) == (dtype, device, grad)
+    assert model.positions.dtype == torch.float32
+    # the serial recipe (bf16 copies of the parameters, the buffer as it is) fails the same way
+    low = {n: p.detach().to(BF16) for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="mixed dtype"):
+        torch.func.functional_call(model, low, (x.to(BF16),))
