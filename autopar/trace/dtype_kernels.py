@@ -12,8 +12,10 @@ started, the job lost. So the planner asks here, before anything else is planned
 - ``check_kernels``: each distinct ATen op of the traced forward with a floating input in the
   compute dtype, run once on the device on real tensors of its smallest call's shapes (ops whose
   inputs hold more than PROBE_ELEMENTS elements are left unchecked: dtype support is a property
-  of the kernel, not of the sizes, and a planner must not run a big model's forward). Only a
-  missing kernel counts; any other error of a probe (a value check on random inputs) is not ours.
+  of the kernel, not of the sizes, and a planner must not run a big model's forward). A missing
+  kernel counts, and so do inputs meeting in two dtypes where the kernel wants one (an fp32 buffer
+  the policy does not cast meeting bf16 weights: XGLM); any other error of a probe (a value check on
+  random inputs) is not ours.
 
 Either error says what to write: the op kept in fp32 in the model's own code (the policy's trace
 keeps the model's casts, as HF's RMSNorm's ``.to(torch.float32)``), or another ``param_dtype``
