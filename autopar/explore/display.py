@@ -61,6 +61,7 @@ class Row:
     op: str
     layout: str
     comms: list = field(default_factory=list)
+    stage: int | None = None  # the pipeline stage running it (None: no pipeline, or not a stage's op)
 
     @property
     def bytes(self) -> float:
@@ -73,6 +74,7 @@ def plan_rows(plan, comms=None) -> list[Row]:
     at = defaultdict(list)
     for c in comms:
         at[c.node].append(c)
+    stage_of = {n: st.index for st in plan.stage_layout.stages for n in st.nodes} if plan.stage_layout else {}
     rows = []
     for node in plan.graph.nodes:
         if node.op == "output" and at[node.name]:
@@ -82,9 +84,8 @@ def plan_rows(plan, comms=None) -> list[Row]:
         lay = layout_of(node)
         if not lay.outputs:
             continue
-        rows.append(
-            Row(node.name, module_path(node), op_name(node), " ".join(fmt_spec(s) for s in lay.outputs), at[node.name])
-        )
+        layout = " ".join(fmt_spec(s) for s in lay.outputs)
+        rows.append(Row(node.name, module_path(node), op_name(node), layout, at[node.name], stage_of.get(node.name)))
     nodes = {n.name for n in plan.graph.nodes}
     for c in comms:
         if c.phase in ("grad sync", "optimizer"):

@@ -124,6 +124,7 @@ def _module(node: ModuleNode, ops: bool, depth: int) -> str:
     if node.count > 1:
         cls += " fold"
         title += f' <span class="x">x {node.count}</span> identical plan'
+    title += escape(node.stage_text)
     if node.differs:
         title += f' <span class="differs" title="{escape(node.differs)}">differs</span>'
     params = ", ".join(f"{k} {v}" for k, v in node.params)

@@ -5,8 +5,10 @@ Every op row (``plan_rows``) goes under the module that made it, in graph order.
 blocks (``layers.0``, ``layers.1``, ...) whose plans are the same (the same ops, layouts,
 parameter placements, collectives and bytes; node names aside) fold into one node,
 ``layers.0-31 x 32``, wherever they stand (alternating layers: ``layers.1-31 step 2``). A block
-or fold that differs from a list's first says what differs first. Pipeline stages are not part
-of a block's plan here (the pipeline's own text, after the tree, lists them). The
+or fold that differs from a list's first says what differs first. On a pipeline, the stage
+is part of a block's plan: blocks on different stages fold apart, each fold's line saying its
+stage once (``layers.0-15 x 16, identical plan, stage 0``; where a module spans several, its
+parts say theirs). The
 pseudo-modules ``(top)`` (the model's own forward: loss, outputs), ``(outputs)`` and
 ``(grad sync)`` sit at the top level beside the model's modules.
 
@@ -38,6 +40,7 @@ class ModuleNode:
     params: list = field(default_factory=list)  # (local name, placements text) of its own parameters
     paths: tuple = ()  # a fold: the path of every block in it
     differs: str = ""  # a block shown apart: its first difference from the block before
+    stage_text: str = ""  # ', stage 1': on a pipeline, where this node's stage is first said
 
     @property
     def count(self) -> int:
@@ -85,8 +88,12 @@ class ModuleNode:
     def title(self) -> str:
         """The node's line: 'layers.0-31 x 32, identical plan' for a fold."""
         if self.count > 1:
-            return f"{self.name} x {self.count}, identical plan"
-        return self.name
+            return f"{self.name} x {self.count}, identical plan{self.stage_text}"
+        return self.name + self.stage_text
+
+    def stages(self) -> tuple:
+        """The pipeline stages the subtree's ops run on (empty without a pipeline)."""
+        return tuple(sorted({r.stage for r in self.all_rows() if r.stage is not None}))
 
     def find(self, path: str) -> ModuleNode | None:
         """The node showing module ``path`` (a folded block finds its fold)."""
@@ -100,7 +107,12 @@ class ModuleNode:
 
     def signature(self) -> tuple:
         """What must be equal for two blocks to fold: everything shown but node names."""
-        return (self.name if self.count > 1 else "", tuple(self.params), tuple(_sig(i) for i in self.items))
+        return (
+            self.name if self.count > 1 else "",
+            self.stages(),
+            tuple(self.params),
+            tuple(_sig(i) for i in self.items),
+        )
 
 
 def count_labels(comms) -> str:
@@ -138,7 +150,19 @@ def module_tree(plan, comms=None) -> ModuleNode:
             nodes[owner].params.append((leaf, fmt_spec(spec)))
     _move_last(root, (TOP, *PSEUDO))
     fold_blocks(root)
+    if plan.stage_layout is not None:
+        _say_stage_once(root, ())
     return root
+
+
+def _say_stage_once(node: ModuleNode, above: tuple) -> None:
+    """Mark the highest nodes that run on one stage with it (their parent spans several, or
+    says another), so that a stage is said once per branch, not on every op."""
+    mine = node.stages()
+    if len(mine) == 1 and mine != above and node.path:
+        node.stage_text = f", stage {mine[0]}"
+    for c in node.children():
+        _say_stage_once(c, mine if len(mine) == 1 else above)
 
 
 def _node(root, nodes, path: str) -> ModuleNode:
@@ -233,9 +257,16 @@ def _flat(node: ModuleNode, prefix: str = "") -> list[str]:
 
 
 def _first_difference(before: ModuleNode, block: ModuleNode) -> str:
+    here, there = block.stages(), before.stages()
+    if here != there:  # another pipeline stage: what the reader needs first
+        return f"differs from {before.name}: runs on {_stage_words(here)}, {before.name} on {_stage_words(there)}"
     a, b = _flat(before), _flat(block)
     for x, y in zip(a, b):
         if x != y:
             where, here = y.split(": ", 1)
             return f"differs from {before.name} first at {where}: {here}, there {x.split(': ', 1)[1]}"
     return f"differs from {before.name}: {len(b)} ops and parameters here, {len(a)} there"
+
+
+def _stage_words(stages: tuple) -> str:
+    return "stage " + ",".join(map(str, stages)) if stages else "no stage"

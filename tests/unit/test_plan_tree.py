@@ -161,3 +161,22 @@ def test_diff_text_folds_blocks_with_the_same_changes():
     assert "    linear_default_2 (mlp.fc): (S(0), S(2)) -> (S(0), R); all_reduce(tp, bwd) -> -" in text
     assert "  parameter blocks.{0-1}.mlp.fc.weight: (R, S(0)) -> (R, R)" in text
     assert len(d.params) == 12 and sum(line.startswith("  parameter ") for line in text) == 6
+
+
+def test_blocks_on_different_pipeline_stages_fold_apart():
+    """Four identical blocks on two stages: two folds, each saying its stage once (the pipeline's
+    stage is part of a block's plan); every collective still counted once."""
+    from tests.harness.models import gpt_batch, small_gpt
+
+    plan = ap.plan(
+        small_gpt(layers=4), ap.Mesh((2,), ("pp",)), args=gpt_batch(), pipeline=ap.Pipeline("pp", microbatches=2)
+    )
+    tree = module_tree(plan)
+    blocks = tree.find("blocks")
+    assert blocks.stages() == (0, 1) and blocks.stage_text == ""  # spans both: its parts say theirs
+    assert [(f.name, f.count, f.stages()) for f in blocks.children()] == [("0-1", 2, (0,)), ("2-3", 2, (1,))]
+    text = str(plan)
+    assert "0-1 x 2, identical plan, stage 0" in text and "2-3 x 2, identical plan, stage 1" in text
+    assert all(", stage" not in line for line in text.splitlines() if "· " in line)  # said on modules, not ops
+    assert "runs on stage 1, 0-1 on stage 0" in text and "identical plan, stage 1" in plan._repr_html_()
+    assert _every_comm(tree) == _planned(plan)
