@@ -19,7 +19,9 @@ demo: $(STAMP)
 # a file's tests stay together on one worker (--dist loadfile: in order, sharing the file's cached plans).
 # --durations=20 prints the 20 slowest tests, so that the next slowdown shows.
 TEST_WORKERS ?= 2
+# tests/docs/ensure_chromium.sh installs Debian's chromium for the browser tests where missing (never fails).
 test: $(STAMP) lint
+	sh tests/docs/ensure_chromium.sh
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
 # The docs site (issue 49): its own venv (mkdocs, mkdocs-material, mkdocstrings, pinned in requirements-docs.txt;
