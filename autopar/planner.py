@@ -66,6 +66,7 @@ def make_plan(
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
     annotations = dict(annotations or {})
+    asked = (mesh, options, dict(annotations))  # as given: a searched plan's runner-up is planned from them
     mesh, options = _reshape_mesh(mesh, options)
     _validate(mesh, options, annotations)
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
@@ -125,7 +126,20 @@ def make_plan(
         plan.built["auto"] = settle_memory(plan, record, Auto.of(searched).optimizer_states)
         if Auto.of(searched).verify:  # the choice dry-run at full size (dryrun/verify.py)
             plan.built["auto"] = verify_choice(plan, plan.built["auto"], Auto.of(searched).optimizer_states)
+        plan.plan_option = _option_planner(model, asked, traced)
     return plan
+
+
+def _option_planner(model, asked: tuple, traced) -> Callable:
+    """``plan_option(label)``: the same call planned with ap.Auto(option=label), one of the
+    options the search weighed (explore/search_view.py explains the runners-up with it)."""
+    mesh, options, annotations = asked
+
+    def plan_option(label: str) -> Plan:
+        auto = dataclasses.replace(Auto.of(options.auto), option=label, verify=False)
+        return make_plan(model, mesh, options.replace(auto=auto), **_example(traced), annotations=annotations)
+
+    return plan_option
 
 
 def _policy(options: PlanOptions) -> MixedPrecision | None:

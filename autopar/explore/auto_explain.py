@@ -46,8 +46,11 @@ def _dry_run(rec: dict) -> str:
 def search_text(rec: dict) -> str:
     prof = rec["profile"]
     budget = "none" if rec["budget"] is None else _gib(rec["budget"])
+    asked = ""
+    if rec.get("asked"):  # ap.Auto(option=...): a runner-up planned to be explained
+        asked = f" (asked for with ap.Auto(option=...); the search itself chooses {rec['search_choice']})"
     lines = [
-        f"automatic plan: {rec['chosen']}",
+        f"automatic plan: {rec['chosen']}{asked}",
         f"  predicted step {_ms(rec['time_s'])}, memory per rank {_gib(rec['memory'])} (budget {budget})"
         + _estimate(rec)
         + _dry_run(rec),

@@ -240,7 +240,8 @@ def search(
             f"ap.plan(auto=...): no axis assignment of mesh {mesh} could be planned "
             "(batch or layer sizes not divisible by the axes?). Plan by hand."
         )
-    best = solve(options, auto.memory_budget, profile.overlap)
+    fastest = solve(options, auto.memory_budget, profile.overlap)
+    best = fastest if auto.option is None else _named(options, auto, mesh, profile)
     if best is None:
         least = min(_least_memory(o) for o in options)
         raise NoPlanError(
@@ -249,6 +250,9 @@ def search(
             "use a larger mesh or a smaller batch."
         )
     record = _record(mesh, auto, profile, best, options, free, touched, 0.0, len(probes))
+    if auto.option is not None:  # a runner-up planned on request: what the search itself would choose
+        record["asked"] = auto.option
+        record["search_choice"] = None if fastest is None else _label(mesh, fastest.option)
     s, storage, mode, pipe, paths = best.option
     uses_tp = [best.choices.get(c.key) == "split" for c in dense] + [
         best.choices.get(c.key) == "ep+tp" for c in experts
@@ -635,6 +639,20 @@ def _sequence_lengths(traced, seq_dim: int = 1) -> list[int]:
     return out
 
 
+def _named(options: list, auto, mesh, profile):
+    """The solution of the option ``auto.option`` names (a runners-up label), within the budget
+    where it fits, else without it (a refused option is planned to be explained too)."""
+    named = [o for o in options if _label(mesh, o.label) == auto.option]
+    if not named:
+        labels = sorted({_label(mesh, o.label) for o in options})
+        raise PlanError(
+            f"ap.Auto(option={auto.option!r}): the search weighed no such option on {mesh}; its "
+            f"{len(labels)} options are: {'; '.join(labels)}. Pass one of them (plan.explain('auto') lists "
+            "the fastest), or leave option out to plan the fastest."
+        )
+    return solve(named, auto.memory_budget, profile.overlap) or solve(named, None, profile.overlap)
+
+
 def _label(mesh, option) -> str:
     s, (zero, shard, fold), mode, pipe, paths = option
     label = s.roles(mesh)
@@ -709,6 +727,7 @@ def _record(mesh, auto, profile, best, options, free, touched, seconds, n_probes
         )
     return {
         "chosen": _label(mesh, best.option),
+        "chosen_option": _label(mesh, best.option),  # "chosen" may say more (the tp axis split nothing)
         "time_s": best.time,
         "memory": best.memory,
         "budget": auto.memory_budget,

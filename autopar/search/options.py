@@ -28,6 +28,10 @@
   dynamic scaling, as torchtitan converts them): at the profile's bf16 rate times its fp8 / bf16
   datasheet ratio, plus the casting kernels' bytes, and zero=3 gathers those weights in fp8
   (cost/float8.py). A PlanError on a profile without fp8 tensor cores (a100, cpu-gloo).
+- ``option``: plan this option of the search instead of the fastest one that fits: a label as
+  ``plan.explain("auto")`` lists its runners-up (``"dp=a, tp=b, ZeRO-1"``). The search weighs the
+  same options and keeps the same record; only the choice differs (over the budget too: that is
+  what explaining a refused option needs). ``plan.search_view().explain(i)`` plans with it.
 - ``verify``: the chosen plan's peak rank dry-run at full size on fake tensors (plan.dry_run); its
   measured peak goes into the record (``dry_run_peak``), with a warning where it is over the budget.
 
@@ -65,6 +69,7 @@ class Auto:
     compiled: bool | str = False  # False, True (the rank module) or "blocks"
     float8: bool = False
     verify: bool = False  # dry-run the chosen plan (autopar/dryrun/verify.py): warn where it peaks over the budget
+    option: str | None = None  # a runner-up's label to plan instead of the fastest option (search_view)
 
     @classmethod
     def of(cls, value) -> "Auto":

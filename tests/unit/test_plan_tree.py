@@ -4,6 +4,7 @@ model's distinct structure, repeated blocks folded, a block that differs shown a
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import autopar as ap
 from autopar.explore.display import comm_label
 from autopar.explore.module_tree import ModuleNode, index_text, module_tree
+from autopar.explore.search_view import options
 from tests.harness.models import MLP, gpt_plan, shared_gpt_plan
 
 
@@ -149,6 +151,39 @@ def test_search_view_plots_the_options_weighed():
     assert html.count("<tr") == len(lines) and "data:image/png;base64," in html and "automatic plan:" in html
     with pytest.raises(ap.PlanError, match="auto=ap.Auto"):
         shared_gpt_plan("dp2xtp2").search_view()
+
+
+def test_search_view_explains_any_option_it_weighed(tmp_path):
+    """Choosing an option of the search view plans it (ap.Auto(option=...)) and explains it:
+    the same record, that option chosen, its predicted time the search's figure for it."""
+    from tests.harness.models import gpt_batch, small_gpt
+
+    auto = ap.Auto(device="h100", memory_budget=250e3)
+    plan = ap.plan(small_gpt(layers=2), ap.Mesh((2, 2), ("a", "b")), args=gpt_batch(), auto=auto)
+    view = plan.search_view()
+    rows = options(plan.built["auto"])
+    runner = view.runner_up()
+    assert runner == plan.built["auto"]["runner_up"]["option"] and runner != plan.built["auto"]["chosen_option"]
+    text = view.explain()
+    theirs = view.option_plan(runner).built["auto"]
+    assert text.startswith(f"automatic plan: {runner} (asked for with ap.Auto(option=...); the search itself chooses")
+    assert theirs["chosen_option"] == runner and theirs["options"] == plan.built["auto"]["options"]
+    assert theirs["time_s"] == pytest.approx(next(r["time_s"] for r in rows if r["option"] == runner))
+    refused = next(i for i, r in enumerate(rows) if not r["fits"])  # over the budget: planned all the same
+    assert view.option_plan(refused).built["auto"]["memory"] > 250e3
+    assert view.option_plan(next(i for i, r in enumerate(rows) if r["chosen"])) is plan
+    widget = view.widget()  # choosing an option in the dropdown shows its explain
+    widget.children[1].value = runner
+    assert widget.children[2].value.startswith(f"<pre>automatic plan: {runner} (asked for")
+    html = view._repr_html_()
+    assert f"the runner-up: {runner}: explain" in html and html.count("automatic plan:") == 2
+    with pytest.raises(ap.PlanError, match="weighed no such option.*options are"):
+        ap.plan(small_gpt(layers=2), ap.Mesh((2, 2), ("a", "b")), args=gpt_batch(), auto=replace(auto, option="a=x"))
+    plan.save(tmp_path / "plan.json")
+    loaded = ap.load_plan(tmp_path / "plan.json", plan.model).search_view()
+    assert str(loaded) == str(view) and "the runner-up:" not in loaded._repr_html_()
+    with pytest.raises(ap.PlanError, match="loaded from a plan file"):
+        loaded.explain()
 
 
 def test_diff_text_folds_blocks_with_the_same_changes():
