@@ -21,7 +21,7 @@ from autopar.explore.search_view import SearchView, plot_search
 from autopar.explore.tree_view import PlanTree, tree_text
 from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
 from autopar.parallel.pipeline.api import require_pipeline
-from autopar.parallel.pipeline.timeline import schedule_table, timeline_rows
+from autopar.parallel.pipeline.timeline import marked_actions, schedule_table, timeline_rows
 
 
 class PlanViews:
@@ -97,7 +97,7 @@ class PlanViews:
     def timeline_figure(self, events_per_rank=None, title: str | None = None):
         """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
         rows, unit = timeline_rows(events_per_rank, require_pipeline(self))
-        return plot_timeline(rows, unit, title)
+        return plot_timeline(rows, unit, title, marked_actions(self))
 
     def save(self, path) -> None:
         """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""

@@ -89,18 +89,20 @@ def plot_comm(plan, **dims):
     return fig
 
 
-def plot_timeline(rows, unit: str, title: str | None = None):
+def plot_timeline(rows, unit: str, title: str | None = None, marked=None):
     """A matplotlib Figure (shown inline in Jupyter): one row per rank, a bar per action
     (forward blue, backward orange, a zero-bubble schedule's weight-gradient part W green) labelled with its micro-batch, and with its stage (``F3/1``:
     micro-batch 3 of stage 1) where a rank runs several stages (interleaved schedules); ``rows``
-    from parallel/pipeline/timeline.py's ``timeline_rows``."""
+    from parallel/pipeline/timeline.py's ``timeline_rows``; ``marked`` (per rank, a set of
+    (kind, micro-batch, stage)): actions the schedule overlaps (DualPipeV), hatched."""
     fig = _figure(10, 0.6 * len(rows) + 1.2)
     ax = fig.add_subplot(1, 1, 1)
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
     chunks = any(len({a[2] for a in acts}) > 1 for acts in rows)
     for r, acts in enumerate(rows):
         for kind, mb, stage, start, end in acts:
-            ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white", height=0.8)
+            hatch = "//" if marked and (kind, mb, stage) in marked[r] else None
+            ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white", height=0.8, hatch=hatch)
             label = f"{kind}{mb}/{stage}" if chunks else f"{kind}{mb}"
             ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
@@ -112,5 +114,7 @@ def plot_timeline(rows, unit: str, title: str | None = None):
         if split
         else "blue: forward, orange: backward"
     )
+    if marked and any(marked):
+        legend += "; hatched: a forward and a backward overlapped"
     ax.set_title(title or f"pipeline timeline ({legend})")
     return fig

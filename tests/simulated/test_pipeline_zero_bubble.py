@@ -1,5 +1,6 @@
-"""Zero-bubble pipelines (schedule="zb-h1"): the B/W split of a stage's backward, the schedule, and
-training against serial (3 AdamW steps) with data parallel (zero 0-3), tp, and checkpointing."""
+"""Zero-bubble pipelines (schedule="zb-h1", "zbv", "dualpipev"): the B/W split of a stage's backward,
+the schedules, and training against serial (3 AdamW steps) with data parallel (zero 0-3), tp, and
+checkpointing."""
 
 from __future__ import annotations
 
@@ -82,14 +83,16 @@ def test_zb_h1_leaves_a_third_of_1f1b_bubble(pp, m):
 
 def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
     spec = MESHES[mesh]
-    chunks = 2 if schedule == "zbv" else 1
+    chunks = 2 if schedule in schedules.V_SHAPED else 1
+    pp = spec.shape[spec.axes.index("pp")]
+    m = 2 * pp if schedule == "dualpipev" else 4  # DualPipeV needs 2pp micro-batches
     return ap.plan(
         small_gpt(layers=4 * chunks),
         spec.mesh(),
         args=gpt_batch(batch=8),
         annotations=MEGATRON if "tp" in spec.axes else {},
         data_parallel=ap.DataParallel("dp", zero=zero) if spec.dp else None,
-        pipeline=ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks, checkpoint=ckpt),
+        pipeline=ap.Pipeline("pp", microbatches=m, schedule=schedule, chunks=chunks, checkpoint=ckpt),
     )
 
 
@@ -107,6 +110,12 @@ def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
         ("pp2", 0, False, "zbv"),
         ("pp4", 0, True, "zbv"),
         ("dp2xpp2", 2, False, "zbv"),
+        ("pp2", 0, False, "dualpipev"),
+        ("pp4", 0, True, "dualpipev"),
+        ("dp2xpp2", 1, False, "dualpipev"),
+        ("dp2xpp2", 3, False, "dualpipev"),
+        ("pp2xtp2", 0, True, "dualpipev"),
+        ("dp2xpp2xtp2", 2, False, "dualpipev"),
     ],
 )
 def test_zero_bubble_three_adamw_steps_equal_serial(mesh, zero, ckpt, schedule):
@@ -212,10 +221,11 @@ def test_zbv_table_and_runner_order():
         ]
 
 
-def test_zb_h1_uneven_micro_batches_and_evaluate():
+@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipev"])
+def test_zero_bubble_uneven_micro_batches_and_evaluate(schedule):
     """6 rows in 4 micro-batches (2, 2, 1, 1: losses weighted by rows): the step's loss and every
     gradient equal serial's; ``evaluate`` runs the forwards only and gives serial's loss."""
-    plan = _plan("pp2", 0, False)
+    plan = _plan("pp2", 0, False, schedule)
     batch = gpt_batch(batch=6, seed=3)
     serial_loss, serial_grads = serial_step(plan.model, batch)
     runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
@@ -228,3 +238,59 @@ def test_zb_h1_uneven_micro_batches_and_evaluate():
     for loss in evals:
         torch.testing.assert_close(loss, serial_loss, rtol=1e-5, atol=1e-6)
     assert all(e.kind == "F" for r in runners for e in r.timeline)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 5), (4, 8), (4, 12), (3, 7)])
+def test_dualpipev_places_stages_in_a_v_and_leaves_the_least_bubble(pp, m):
+    """Rank r runs stages r and 2pp - 1 - r, every F, B and W of each once, without deadlock; each
+    overlapped pair is a forward right before another micro-batch's backward on the same rank; on
+    unit slots it idles no more than ZBV and under a third of 1F1B's bubble, holding at most
+    2pp + 1 micro-batch chunks (half a rank's layers each)."""
+    sched = schedules.build("dualpipev", pp, m, 2)
+    pairs = schedules.overlapped("dualpipev", pp, m)
+    for r, acts in enumerate(sched):
+        stages = (r, 2 * pp - 1 - r)
+        assert sorted(acts) == sorted(schedules.Action(k, i, s) for k in "FBW" for i in range(m) for s in stages)
+        assert schedules.max_in_flight(acts) <= 2 * pp + 1
+        assert pairs[r], r  # every rank has a steady phase (m >= 2pp)
+        for f, b in pairs[r]:
+            assert (f.kind, b.kind) == ("F", "B") and acts.index(b) == acts.index(f) + 1
+            assert {f.stage, b.stage} == set(stages)  # one chunk's forward, the other's backward
+    idle = max(schedules.idle_fraction(schedules.replay(sched, 2 * pp)))
+    assert idle == pytest.approx(schedules.theoretical_bubble("dualpipev", pp, m))
+    assert idle <= schedules.theoretical_bubble("zbv", pp, m) + 1e-9
+    assert idle < schedules.theoretical_bubble("1f1b", pp, m) / 3
+
+
+def test_dualpipev_options_are_checked():
+    with pytest.raises(ap.PipelineError, match="dualpipev.*chunks=2"):
+        ap.Pipeline("pp", schedule="dualpipev", microbatches=8)
+    with pytest.raises(ap.PipelineError, match="at least 2 x pp.*microbatches >= 4"):
+        ap.plan(
+            small_gpt(layers=4),
+            ap.Mesh((2,), ("pp",)),
+            args=gpt_batch(batch=8),
+            pipeline=ap.Pipeline("pp", microbatches=3, schedule="dualpipev", chunks=2),
+        )
+
+
+def test_dualpipev_table_figure_and_runner_order():
+    """The table marks the overlapped pairs, the figure hatches them; each runner runs its
+    schedule's actions in order."""
+    plan = _plan("pp2", 0, False, "dualpipev")
+    assert [plan.stage_layout.rank_of_stage(s) for s in range(4)] == [0, 1, 1, 0]
+    table = plan.schedule_table().splitlines()
+    assert table[2].split()[2:11] == [".", "F0/1", "F0/2", "F1/1", "F1/2", "F2/1", "B0/2", "W0/2", "F2/2*"]
+    assert "overlapped" in table[-1]
+    starred = sum(cell.endswith("*") for row in table[1:3] for cell in row.split())
+    assert starred == 2 * sum(len(p) for p in schedules.overlapped("dualpipev", 2, 4))
+    fig = plan.timeline_figure()
+    hatched = [p for p in fig.axes[0].patches if p.get_hatch()]
+    assert len(hatched) == starred and "overlapped" in fig.axes[0].get_title()
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    run_ranks(2, lambda r: runners[r].step(gpt_batch(batch=8)), timeout=60)
+    for r, runner in enumerate(runners):
+        assert [(e.kind, e.microbatch, e.stage) for e in runner.timeline] == [
+            tuple(a) for a in schedules.build("dualpipev", 2, 4)[r]
+        ]
+    assert "1f1b" not in plan.schedule_table() and "*" not in _plan("pp2", 0, False, "zbv").schedule_table()

@@ -23,6 +23,8 @@ from autopar.runtime.backend import current_backend
 def check_options(pipeline, mesh, data_parallel, annotations) -> None:
     """The pipeline axis exists, is not the data-parallel axis, and no annotation splits on it."""
     mesh.axis_index(pipeline.axis)
+    if pipeline.schedule == "dualpipev":  # its phases need m >= 2pp (schedules.dualpipev): say so before tracing
+        schedules.dualpipev(mesh.axis_size(pipeline.axis), pipeline.microbatches, 0)
     if data_parallel == pipeline.axis:
         raise PipelineError(
             f"Axis {pipeline.axis!r} cannot be both the pipeline and the data-parallel axis: "

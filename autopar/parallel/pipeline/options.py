@@ -14,7 +14,7 @@ from typing import Callable
 from autopar.errors import PipelineError
 from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline import api, schedules, stage_memory, stage_shares
-from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD
+from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED
 from autopar.parallel.pipeline.split import describe, split_stages
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
@@ -31,7 +31,9 @@ class Pipeline(Technique):
     chunks per rank: rank r holds stages r, r + pp, ...), or "zb-h1" (zero-bubble: each backward
     split into its input-gradient part and its weight-gradient part, the latter deferred into
     1F1B's bubble), or "zbv" (zero-bubble V: chunks=2, rank r holds stages r and 2pp - 1 - r, B
-    and W split as in zb-h1); "1f1b" with chunks > 1 means interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
+    and W split as in zb-h1), or "dualpipev" (DualPipeV: ZBV's V and split, DualPipe's order: a
+    forward beside another micro-batch's backward; chunks=2, microbatches >= 2pp); "1f1b" with
+    chunks > 1 means interleaved. ``checkpoint`` recomputes each stage's activations in backward. ``loss``
     (outputs, labels) -> scalar replaces the model's own loss; ``metric`` (outputs, labels)
     -> scalar is averaged alongside. ``stages`` overrides the number of stages (pp * chunks).
     """
@@ -53,8 +55,8 @@ class Pipeline(Technique):
             raise PipelineError("schedule='interleaved' needs chunks >= 2 (model chunks per rank).")
         if self.schedule == "zb-h1" and self.chunks > 1:
             raise PipelineError("schedule='zb-h1' runs one chunk per rank: use chunks=1, or schedule='zbv'.")
-        if self.schedule == "zbv" and self.chunks != 2:
-            raise PipelineError("schedule='zbv' runs two chunks per rank, in a V: use chunks=2.")
+        if self.schedule in V_SHAPED and self.chunks != 2:
+            raise PipelineError(f"schedule={self.schedule!r} runs two chunks per rank, in a V: use chunks=2.")
         if self.schedule == "gpipe" and self.chunks > 1:
             raise PipelineError(
                 "schedule='gpipe' runs one chunk per rank: use chunks=1, or schedule='interleaved' for several chunks."
@@ -66,7 +68,7 @@ class Pipeline(Technique):
 
     @property
     def kind(self) -> str:
-        return "interleaved" if self.chunks > 1 and self.schedule != "zbv" else self.schedule
+        return "interleaved" if self.chunks > 1 and self.schedule not in V_SHAPED else self.schedule
 
     # ------------------------------------------------------- the technique (technique.py)
     @classmethod
@@ -121,6 +123,8 @@ class Pipeline(Technique):
             acts = 1 / pp
         elif self.kind == "interleaved":
             acts = min(1.0, (1 + (pp - 1) / (pp * v)) / m)
+        elif self.kind == "dualpipev":  # 2pp + 1 micro-batch chunks of 1/(2pp) of the layers at most
+            acts = min(1.0, max(map(schedules.max_in_flight, schedules.build(self.kind, pp, m, v))) / (v * pp * m))
         else:
             acts = min(m, pp) / (pp * m)
         return {"time": time, "state": 1 / pp, "acts": acts, "sends": sends, "pieces": m}

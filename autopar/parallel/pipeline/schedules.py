@@ -3,7 +3,7 @@
 An action is ``Action("F" | "B" | "W", microbatch, stage)``: "B" is a stage's whole backward, or
 under a zero-bubble schedule ("zb-h1") its input-gradient part only, "W" then its weight-gradient
 part, run later (parallel/pipeline/split_backward.py). Stage s lives on rank s % pp (with
-``chunks`` > 1, rank r holds stages r, r + pp, ...). Pure Python, no torch: the runner
+``chunks`` > 1, rank r holds stages r, r + pp, ...; V_SHAPED schedules: stages r and 2pp - 1 - r). Pure Python, no torch: the runner
 executes these lists, and ``replay`` puts them on a time axis from their dependencies
 (forward of stage s after forward of s - 1, backward of s after backward of s + 1), which
 gives the schedule table, the bubble, and a deadlock check.
@@ -19,8 +19,9 @@ from typing import NamedTuple
 
 from autopar.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules whose backward is B (input gradients) then W (weights)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules whose backward is B (input gradients) then W (weights)
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, rank r holding stages r and 2pp - 1 - r (v_rank)
 
 
 class Action(NamedTuple):
@@ -36,7 +37,7 @@ class Action(NamedTuple):
 
 
 def build(kind: str, pp: int, microbatches: int, chunks: int = 1, forward_only: bool = False) -> list[list[Action]]:
-    """Actions per pipeline rank for schedule ``kind`` ("gpipe", "1f1b", "interleaved", "zb-h1")."""
+    """Actions per pipeline rank for schedule ``kind`` (one of SCHEDULES)."""
     if kind == "gpipe":
         out = [gpipe(pp, microbatches, r) for r in range(pp)]
     elif kind == "1f1b":
@@ -47,6 +48,8 @@ def build(kind: str, pp: int, microbatches: int, chunks: int = 1, forward_only: 
         out = [zb_h1(pp, microbatches, r) for r in range(pp)]
     elif kind == "zbv":
         out = zbv(pp, microbatches)
+    elif kind == "dualpipev":
+        out = [dualpipev(pp, microbatches, r) for r in range(pp)]
     else:
         raise PipelineError(f"Unknown schedule {kind!r}.")
     if forward_only:
@@ -132,6 +135,96 @@ def zbv(pp: int, m: int) -> list[list[Action]]:
                 left -= 1
         t += 1
     return out
+
+
+def dualpipev(pp: int, m: int, r: int) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab 2025) on rank r: ZBV's V placement
+    (``v_rank``: chunk 0 = stage r, chunk 1 = stage 2pp - 1 - r), in DualPipe's eight phases. Its
+    steady phase pairs the forward of one micro-batch in one chunk with the backward of another in
+    the other chunk (``overlapped`` names the pairs), so that one's messages travel while the other
+    computes; warm-up and cool-down defer W's (zero bubble) into the gaps. A backward outside the
+    zero-bubble phases is B followed at once by its W (the runner always splits: they sum to the
+    whole backward). Needs m >= 2pp (Pipeline checks it).
+
+    Example:
+        >>> [str(a) for a in dualpipev(2, 4, 1)][:8]
+        ['F0.s1', 'F0.s2', 'F1.s1', 'F1.s2', 'F2.s1', 'B0.s2', 'W0.s2', 'F2.s2']
+    """
+    return _dualpipev(pp, m, r)[0]
+
+
+def overlapped(kind: str, pp: int, m: int) -> list[set]:
+    """Per rank, the (forward, backward) Action pairs the schedule overlaps (DualPipeV's steady
+    phase; empty for the others): what the schedule table and the figure mark."""
+    if kind != "dualpipev":
+        return [set() for _ in range(pp)]
+    return [_dualpipev(pp, m, r)[1] for r in range(pp)]
+
+
+def _dualpipev(pp: int, m: int, r: int) -> tuple[list[Action], set]:
+    if m < 2 * pp:  # its phases count on it (the main phase runs m - 2pp + r + 1 times)
+        raise PipelineError(
+            f"schedule='dualpipev' needs at least 2 x pp micro-batches: pp={pp}, microbatches={m}. "
+            f"Use microbatches >= {2 * pp}, or schedule='zbv'."
+        )
+    # The phases follow deepseek-ai/DualPipe's dualpipev.py step by step (its step_1 .. step_8);
+    # "zb" backwards leave their W in a queue that a later W slot takes from, oldest first.
+    stage = (r, 2 * pp - 1 - r)
+    acts: list[Action] = []
+    pairs: set = set()
+    nf, nb, queue = [0, 0], [0, 0], []
+
+    def f(c):
+        acts.append(Action("F", nf[c], stage[c]))
+        nf[c] += 1
+
+    def b(c, zb=False):
+        a = Action("B", nb[c], stage[c])
+        acts.append(a)
+        nb[c] += 1
+        (queue.append if zb else acts.append)(Action("W", a.microbatch, a.stage))
+
+    def w():
+        acts.append(queue.pop(0))
+
+    def fb(cf, cb):  # one micro-batch's forward beside another's backward
+        pairs.add((Action("F", nf[cf], stage[cf]), Action("B", nb[cb], stage[cb])))
+        f(cf)
+        b(cb)
+
+    for _ in range(2 * (pp - r - 1)):  # 1: chunk 0's forwards ahead
+        f(0)
+    for _ in range(r + 1):  # 2: F0 F1
+        f(0)
+        f(1)
+    for _ in range(pp - r - 1):  # 3: B1 W1 F1, zero bubble
+        b(1, zb=True)
+        w()
+        f(1)
+    for i in range(m - 2 * pp + r + 1):  # 4, the main phase: F0 with B1, then F1 with B0
+        if i == 0 and r == pp - 1:  # the last rank: not overlapped (a smaller bubble)
+            f(0)
+            b(1)
+        else:
+            fb(0, 1)
+        fb(1, 0)
+    for _ in range(pp - r - 1):  # 5: B1, F1 with B0
+        b(1)
+        fb(1, 0)
+    zb = False
+    for i in range(r + 1):  # 6: B1 B0, zero bubble from half way
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zb = True
+        b(1, zb)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zb = True
+        b(0, zb)
+    for _ in range(pp - r - 1):  # 7: W B0
+        w()
+        b(0, zb=True)
+    while queue:  # 8: the W's left
+        w()
+    return acts, pairs
 
 
 def _zbv_pick(stages, nxt, done, t, n, m, cap):
@@ -249,8 +342,8 @@ def theoretical_bubble(kind: str, pp: int, microbatches: int, chunks: int = 1) -
     (p - 1) / (3m + p - 1)."""
     if kind == "zb-h1":
         return (pp - 1) / (3 * microbatches + pp - 1)
-    if kind == "zbv":  # what the unit-slot order leaves (no closed form: the greedy order's)
-        slots = replay(zbv(pp, microbatches), 2 * pp)
+    if kind in V_SHAPED:  # what the unit-slot order leaves (no closed form: the greedy order's)
+        slots = replay(build(kind, pp, microbatches), 2 * pp)
         return max(idle_fraction(slots))
     v = chunks if kind == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
@@ -267,18 +360,25 @@ def max_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def table(slots: list[list[Slot]], ranks=None) -> str:
-    """A text grid: one row per rank, one column per unit slot, cells like F3 / B0 / W0 (. = idle)."""
+def table(slots: list[list[Slot]], ranks=None, pairs=None) -> str:
+    """A text grid: one row per rank, one column per unit slot, cells like F3 / B0 / W0 (. = idle);
+    ``pairs`` (``overlapped``'s, per rank): a forward and a backward run overlapped end in ``*``."""
     ranks = range(len(slots)) if ranks is None else ranks
     end = int(max(s.end for rs in slots for s in rs))
     lines = ["slot   " + " ".join(f"{t:>5}" for t in range(end))]
+    marked = [{a for pair in p for a in pair} for p in pairs] if pairs else None
     for r in ranks:
         cells = ["    ."] * end
         for s in slots[r]:
             label = f"{s.action.kind}{s.action.microbatch}" + (f"/{s.action.stage}" if _multi(slots) else "")
+            label += "*" if marked and s.action in marked[r] else ""
             for t in range(int(s.start), int(s.end)):
                 cells[t] = f"{label:>5}"
         lines.append(f"rank {r:<2}" + " ".join(cells))
+    if marked and any(marked):
+        lines.append(
+            "* a forward and another micro-batch's backward, overlapped (one runs while the other's messages travel)"
+        )
     return "\n".join(lines)
 
 

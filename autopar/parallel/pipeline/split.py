@@ -30,7 +30,7 @@ from autopar.cost.op_time import node_flops, op_work
 from autopar.errors import close_matches
 from autopar.trace.module_paths import module_paths
 from autopar.errors import PipelineError
-from autopar.parallel.pipeline.schedules import v_rank
+from autopar.parallel.pipeline.schedules import V_SHAPED, v_rank
 from autopar.sharding.rules import VIEW
 
 aten = torch.ops.aten
@@ -75,8 +75,8 @@ class StageLayout:
 
     def rank_of_stage(self, stage: int) -> int:
         """The pipeline coordinate (position on the pp axis) that runs ``stage``: stage % pp, or
-        under ZBV its V (rank r holds stages r and 2pp - 1 - r)."""
-        if getattr(self.options, "schedule", None) == "zbv":
+        under ZBV and DualPipeV their V (rank r holds stages r and 2pp - 1 - r)."""
+        if getattr(self.options, "schedule", None) in V_SHAPED:
             return v_rank(stage, self.pp)
         return stage % self.pp
 

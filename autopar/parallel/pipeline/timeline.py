@@ -34,7 +34,19 @@ def schedule_table(plan, rank: int | None = None) -> str:
     rows = None
     if rank is not None:
         rows = [plan.mesh.coords(rank)[plan.stage_layout.axis]]
-    return schedules.table(slots(plan), rows)
+    return schedules.table(slots(plan), rows, overlapped(plan))
+
+
+def overlapped(plan) -> list[set]:
+    """Per pipeline rank, the (forward, backward) Action pairs its schedule overlaps (DualPipeV)."""
+    lay = plan.stage_layout
+    return schedules.overlapped(lay.options.kind, lay.pp, lay.options.microbatches)
+
+
+def marked_actions(plan) -> list[set]:
+    """Per pipeline rank, (kind, micro-batch, stage) of each action run overlapped with another:
+    what ``timeline_figure`` hatches."""
+    return [{tuple(a) for pair in pairs for a in pair} for pairs in overlapped(plan)]
 
 
 def _span(events_per_rank):
