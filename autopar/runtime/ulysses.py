@@ -20,7 +20,9 @@ the gradients (the op's autograd: ``autopar::all_to_all`` backward is the revers
   all-to-all gathers the inner axis' pieces, which together are the outer axis' piece; attention
   then runs over the outer axis as context parallel does on one axis, on 1/n of the heads.
 - A model's mask (..., L or 1, S) arrives split on its query rows (whole on the keys): its rows are
-  all-gathered (and reordered likewise), and a per-head mask cut to the rank's heads. Attention
+  all-gathered (and reordered likewise) by ``gather_mask_rows``, once per mask and program (the
+  emitter shares it among the calls: every layer reads the model's one mask), and a per-head mask
+  cut to the rank's heads. Attention
   then runs in key blocks of MASK_BLOCK (one block's additive mask at a time, not the whole
   (L x L) one; blocks the mask hides skipped).
 
@@ -65,16 +67,26 @@ def _to_positions(x, zigzag: bool, axis: str, group: list, rank: int):
     return ops.all_to_all.default(x.contiguous(), d - 3, d - 2, axis, group, rank)
 
 
+def gather_mask_rows(mask, zigzag: bool, axis: str, group: list, rank: int):
+    """The model's mask (..., L/n, S), split on its query rows, with every rank's rows in serial
+    order (..., L, S). Emitted once per mask and program (sharding/lowerings/context_attention.py):
+    every attention call of the model reads the same mask, so its rows travel once, not per layer.
+
+    Example:
+        >>> whole = gather_mask_rows(mask_piece, False, "cp", [0, 1], 0)   # (B, 1, L, L) from (B, 1, L/2, L)
+    """
+    d, dtype = mask.dim(), mask.dtype
+    wire = mask.to(torch.uint8) if dtype == torch.bool else mask.contiguous()  # gloo sends no bool
+    whole = ops.all_gather.default(wire, d - 2, axis, list(group), rank).to(dtype)
+    return from_zigzag(whole, d - 2, len(group)) if zigzag else whole
+
+
 def _whole_mask(mask, rows_split: bool, heads: int, zigzag: bool, axis: str, group: list, rank: int):
     """The model's mask for every query row and the rank's heads (None stays None)."""
     if mask is None:
         return None
     if rows_split:  # the rows of every rank, in rank order
-        d, dtype = mask.dim(), mask.dtype
-        wire = mask.to(torch.uint8) if dtype == torch.bool else mask.contiguous()  # gloo sends no bool
-        mask = ops.all_gather.default(wire, d - 2, axis, group, rank).to(dtype)
-        if zigzag:
-            mask = from_zigzag(mask, d - 2, len(group))
+        mask = gather_mask_rows(mask, zigzag, axis, group, rank)
     if mask.dim() >= 3 and mask.shape[-3] > 1:  # one mask per head: the rank's heads
         h = heads // len(group)
         mask = mask.narrow(-3, _pos(group, rank) * h, h)

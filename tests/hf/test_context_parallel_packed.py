@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import autopar as ap
 import autopar.runtime.context_attention as context_attention
+from autopar.runtime.ulysses import gather_mask_rows, ulysses_attention
 from tests.harness.hf_models import adamw_matches_serial, causal_lm, llama
 from tests.harness.hf_models import packed_batch as packed
 
@@ -76,3 +77,21 @@ def test_ulysses_runs_masked_attention_in_key_blocks(monkeypatch):
     monkeypatch.setattr(context_attention, "_block_forward", lambda *a: calls.append(1) or real(*a))
     plan.check(**kw, loss=lambda out: out.loss)
     assert len(calls) == 2 * 2 * 4  # 2 attention calls x 2 ranks x 4 key blocks
+
+
+def test_ulysses_gathers_the_document_mask_once_per_program():
+    """Every layer reads the model's one mask: Ulysses gathers its rows once per rank and step (the
+    first call's), not once per layer, and the plan counts the same (its bytes are what ran)."""
+    kw = packed(docs=((8, 8), (8, 8)))
+    plan = _plan("llama", 2, "ulysses", True, kw)
+    program = plan.module(0).graph
+    assert sum(n.target is gather_mask_rows for n in program.nodes) == 1
+    assert sum(n.target is ulysses_attention for n in program.nodes) == 2
+    planned = [c for c in plan.collectives() if c.kind == "all_gather" and "attn" in c.module]
+    assert len(planned) == 1
+    with ap.comm_stats() as stats:
+        plan.simulate(lambda m, **local: m(**local).loss.backward(), **kw)
+    piece = 2 * 8 * 16  # the rank's (2, 1, 8, 16) rows of the boolean mask, uint8 on the wire
+    ran = [r for r in stats.records if r.kind == "all_gather" and (r.numel, r.itemsize) == (piece, 1)]
+    assert len(ran) == 1  # not one per layer
+    assert ran[0].bytes == pytest.approx(planned[0].bytes) == piece  # (cp - 1) x the piece

@@ -17,7 +17,8 @@ Collectives per attention call, K and V of ``kv`` bytes per rank each, ``n`` ran
                of each gradient home. ap.comm_stats() records every shift as ring_shift.
     ulysses:   forward 4 all-to-alls ((n-1)/n of q, of K and V repeated t times for GQA, of the
                output back), backward the same on their gradients; a mask split on its query
-               rows is all-gathered ((n-1) x its piece).
+               rows is all-gathered ((n-1) x its piece) once per program, by the first call
+               that reads it (every layer reads the model's one mask).
 
 Example:
     >>> CONTEXT_ATTENTION.comms(plan, node, axis, symbols)   # ring: ('ring_pass', axis, 'forward', ...)
@@ -35,7 +36,7 @@ import torch.fx as fx
 from autopar.mesh import SubAxis
 from autopar.runtime.context_attention import cp_attention
 from autopar.runtime.ring import ring_bytes
-from autopar.runtime.ulysses import kv_repeat, ulysses_attention
+from autopar.runtime.ulysses import gather_mask_rows, kv_repeat, ulysses_attention
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.sharding.piece_order import zigzag_axes
 
@@ -77,6 +78,21 @@ def _mask_rows_split(node, axis: int) -> bool:
     return lay.input_targets[i][axis].is_shard()
 
 
+def _gathers_mask(node, axis: int) -> bool:
+    """Whether this Ulysses call gathers its mask's rows: the mask arrives split on its rows, and
+    this is the first call (in program order) that reads it; the later ones read the gathered
+    rows the emitter keeps (ContextAttention.emit), so the traffic and the whole mask's storage
+    are counted once per program."""
+    mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
+    if not isinstance(mask, fx.Node) or not _mask_rows_split(node, axis):
+        return False
+    readers = {u for u in mask.users if u.target == node.target}
+    first = mask.next
+    while first.op != "root" and first not in readers:
+        first = first.next
+    return first is node
+
+
 def local_heads(plan, node, i: int) -> int:
     """Heads (dim -3) of input ``i`` of an attention call on one rank: the global count over the
     mesh axes that split it (tp's head split)."""
@@ -109,7 +125,7 @@ def _ulysses_comms(plan, node, split: "Split", symbols) -> list[tuple]:
         ("all_to_all", axis, phase, ring_bytes("all_to_all", b, n)) for phase in ("forward", "backward") for b in sizes
     ]
     mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
-    if isinstance(mask, fx.Node) and _mask_rows_split(node, split.axis):
+    if _gathers_mask(node, split.axis):  # once per program: the first call's
         i = lay.inputs.index(mask)
         m = symbols.numel(mask.meta["val"].shape, lay.input_targets[i]) * mask.meta["val"].dtype.itemsize
         out.append(("all_gather", axis, "forward", ring_bytes("all_gather", m, n)))
@@ -220,10 +236,16 @@ class ContextAttention(Lowering):
             inner = (outer.method, zigzag, name, group)
         if uly is None:
             return em.graph.call_function(cp_attention, (q, k, v, mask, is_causal, scale, gqa, *inner, rank))
-        rows_split = isinstance(mask, fx.Node) and _mask_rows_split(node, axis)
         name, group = em.mesh.axis_label(uly.key), em.rank_value(uly.group_attr())
+        if isinstance(mask, fx.Node) and _mask_rows_split(node, axis):
+            # every layer reads the model's one mask: its rows are gathered once per program (the
+            # first call's), not once per call (em.edges holds the emitter's shared values)
+            key = ("ulysses_mask_rows", mask, name, zigzag)
+            if key not in em.edges:
+                em.edges[key] = em.graph.call_function(gather_mask_rows, (mask, zigzag, name, group, rank))
+            mask = em.edges[key]
         return em.graph.call_function(
-            ulysses_attention, (q, k, v, mask, is_causal, scale, rows_split, zigzag, name, group, rank, inner)
+            ulysses_attention, (q, k, v, mask, is_causal, scale, False, zigzag, name, group, rank, inner)
         )
 
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
@@ -236,8 +258,9 @@ class ContextAttention(Lowering):
         """What a call keeps for backward (runtime/context_attention.BlockAttention): q, the rank's
         K and V (allgather: gathered on the axis, cp times the piece; Ulysses: the head-split
         q, K, V, repeated t times for GQA, in place of the pieces), the output, the fp32
-        log-sum-exp rows and the model's mask (Ulysses: its rows gathered); no (queries x keys)
-        mask under causal attention."""
+        log-sum-exp rows and the model's mask (Ulysses: its rows gathered, counted at the first
+        call that reads the mask: the later ones keep the same tensor); no (queries x keys) mask
+        under causal attention."""
         tensors = list(dict.fromkeys(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)))
         index = {a: i for i, a in enumerate(tensors)}
         q, k, v = node.args[0], node.args[1], node.args[2]
@@ -256,12 +279,16 @@ class ContextAttention(Lowering):
         kept = [("in", index[q], 0.0), *kv, ("out", 0, 0.0), ("own", 0, lse, ("out", 0))]
         mask = sdpa_arg(node.args, node.kwargs, 3, "attn_mask")
         if isinstance(mask, fx.Node) and mask in index:
-            rows = uly is not None and _mask_rows_split(node, axis)  # every row of the Ulysses group kept
-            if rows and uly.part is None:
-                kept.append(("gathered", index[mask], axis))
-            else:  # the fraction nudged: cost/activation_memory keys own tensors by it
-                more = [("own", 0, uly.size(plan.mesh) - 1 + 1e-9, ("in", index[mask]))] if rows else []
-                kept += [("in", index[mask], 0.0), *more]
+            if uly is not None and _mask_rows_split(node, axis):
+                # every row of the Ulysses group kept, one storage for all calls: counted at the
+                # first call, which gathers it (the later ones keep the same tensor)
+                first, i = _gathers_mask(node, axis), index[mask]
+                if first and uly.part is None:
+                    kept.append(("gathered", i, axis))
+                elif first:  # hybrid: the inner part's rows; the fraction nudged (own tensors are keyed by it)
+                    kept += [("in", i, 0.0), ("own", 0, uly.size(plan.mesh) - 1 + 1e-9, ("in", i))]
+            else:
+                kept.append(("in", index[mask], 0.0))
         return kept
 
     def workspace(self, plan, node, axis: int, symbols):
