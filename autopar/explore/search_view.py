@@ -206,12 +206,12 @@ class SearchView:
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         """The widget where a kernel runs it, the static HTML (plot, table, two explains) where none does."""
-        bundle = {"text/plain": str(self), "text/html": self._repr_html_()}
+        bundle = {}
         try:
             bundle.update(self.widget()._repr_mimebundle_())
         except ImportError:
             pass
-        return bundle
+        return {**bundle, "text/plain": str(self), "text/html": self._repr_html_()}  # ours, not the VBox's
 
 
 def _ms(t) -> str:

@@ -50,6 +50,8 @@ def test_notebook_runs(path):
         assert tree <= 60 and flat > 2000
         assert "(R, S(0)) on Mesh(dp=8, tp=8)" in text and "<svg" in text
         assert "tp=4, batch=32, memory per rank" in text  # the what-if's second plan
+        assert "<- chosen" in text and "the runner-up: " in text  # the search's options, the runner-up explained
+        assert "(asked for with ap.Auto(option=...); the search itself chooses" in text
     if path.stem == "zero":
         assert "ZeRO-1 vs plain DP: losses and parameters identical" in text
         assert "ZeRO-2 vs plain DP: losses and parameters identical" in text
