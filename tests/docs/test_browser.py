@@ -103,6 +103,47 @@ def test_folded_tree_in_chromium(tmp_path):
     assert shot.stat().st_size > 10_000
 
 
+# Run in the notebook's page: the 8B plan's folded layers, and the search view's runner-up.
+NOTEBOOK_SEEN = """() => {
+  const fold = [...document.querySelectorAll("summary.fold")].find((s) => s.textContent.includes("layers.0-31"));
+  const kids = [...fold.parentElement.querySelectorAll(":scope > details > summary, :scope > div.g")];
+  const runner = [...document.querySelectorAll(".autopar-search details")].find(
+    (d) => d.querySelector("summary").textContent.startsWith("the runner-up"));
+  return {
+    fold: fold.textContent.trim().replace(/\\s+/g, " "),
+    open: fold.parentElement.open,
+    children: kids.filter((r) => r.checkVisibility()).map((r) => r.querySelector("span").textContent.trim()),
+    runner_open: runner.open,
+    runner_text: runner.querySelector("pre").checkVisibility() ? runner.querySelector("pre").textContent : "",
+  };
+}"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+@pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (requirements-test.txt)")
+def test_llama_notebook_in_chromium(tmp_path):
+    """The llama notebook as a static page (its committed outputs, no kernel): the 8B shape's 32
+    layers are one closed fold that a click opens onto its modules, and the search view's
+    runner-up explain opens on a click too. The screenshots are the docs' (see docs/explore.md)."""
+    page_file = tmp_path / "llama.html"
+    page_file.write_text(notebook_page(Path(__file__).resolve().parents[2] / "notebooks" / "llama.ipynb"))
+    with browser_page(height=1200) as page:
+        page.goto(page_file.as_uri())
+        before = page.evaluate(NOTEBOOK_SEEN)
+        assert before["fold"].startswith("layers.0-31 x 32 identical plan") and not before["open"], before
+        assert before["children"] == [] and not before["runner_open"] and before["runner_text"] == ""
+        page.locator("summary.fold", has_text="layers.0-31").first.click()
+        page.locator(".autopar-search summary", has_text="the runner-up").first.click()
+        after = page.evaluate(NOTEBOOK_SEEN)
+        assert {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"} <= set(after["children"]), after
+        assert after["runner_text"].startswith("automatic plan: ") and "asked for with ap.Auto(option=" in after[
+            "runner_text"
+        ]
+        shot = tmp_path / "search.png"
+        page.locator(".autopar-search").first.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
+
+
 if __name__ == "__main__":
     nb, png = Path(sys.argv[1]), Path(sys.argv[2]).resolve()
     page_file = png.with_suffix(".html")
