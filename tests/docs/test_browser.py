@@ -136,9 +136,10 @@ def test_llama_notebook_in_chromium(tmp_path):
         page.locator(".autopar-search summary", has_text="the runner-up").first.click()
         after = page.evaluate(NOTEBOOK_SEEN)
         assert {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"} <= set(after["children"]), after
-        assert after["runner_text"].startswith("automatic plan: ") and "asked for with ap.Auto(option=" in after[
-            "runner_text"
-        ]
+        assert (
+            after["runner_text"].startswith("automatic plan: ")
+            and "asked for with ap.Auto(option=" in after["runner_text"]
+        )
         shot = tmp_path / "search.png"
         page.locator(".autopar-search").first.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
