@@ -34,7 +34,7 @@ from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.dtype_kernels import check_kernels, export_refusal
 from autopar.trace.export import trace
-from autopar.trace.in_dtype import inputs_in_dtype, materialized, params_in_dtype, skeleton
+from autopar.trace.in_dtype import inputs_in_dtype, kept_in_fp32, materialized, params_in_dtype, skeleton
 from autopar.trace.model_members import held
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
 
@@ -162,8 +162,9 @@ def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
     and inputs in ``param_dtype`` (trace/in_dtype.py; the model's own dtype without a policy)."""
     dtype = compute_dtype(options)
     low_args, low_kwargs = inputs_in_dtype(args, kwargs or {}, dtype)
+    kept = kept_in_fp32(model, dtype)  # HF's _keep_in_fp32_modules(_strict): traced and read in fp32
     try:
-        with params_in_dtype(model, dtype), keep_opaque(model, keep, low_args, low_kwargs):
+        with params_in_dtype(model, dtype, kept), keep_opaque(model, keep, low_args, low_kwargs):
             traced = trace(
                 model, low_args, low_kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks
             )
@@ -175,7 +176,7 @@ def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
     # before anything is planned: an op without a kernel for the dtype here fails now, not at step 1
     check_kernels(traced.gm.graph, dtype, _run_device(model, args, kwargs), model)
     traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)
-    traced.example_device, traced.dtype = input_device(args, kwargs), dtype
+    traced.example_device, traced.dtype, traced.kept_fp32 = input_device(args, kwargs), dtype, kept
     return traced
 
 

@@ -8,7 +8,8 @@ preset, ``ap.DataParallel("dp", zero=3, param_dtype=bf16)``; on (2, 2) dp x tp t
 ``ap.DataParallel("dp", zero=3, param_dtype=bf16)`` (the gathers cast).
 
 Reference: the serial model computing with bf16 copies of its fp32 parameters
-(``torch.func.functional_call`` with ``p.to(bf16)``, as tests/harness/precision.py does), the
+(``torch.func.functional_call`` with ``p.to(bf16)``, as tests/harness/precision.py does; the
+parameters HF keeps in fp32, ``_keep_in_fp32_modules_strict``, as they are: trace/in_dtype.py), the
 loss of ``labels=input_ids`` (or, where the model's own loss needs other inputs, the next-token
 cross-entropy of its logits: ``NextTokenLoss``), its gradient landing in fp32 on the parameters. Compared: rank 0's
 loss and every parameter's merged fp32 gradient. Tolerance (``TOLERANCE``): bf16 rounds each sum
@@ -34,6 +35,7 @@ import torch
 
 import autopar as ap
 from autopar.runtime.simulator import run_ranks
+from autopar.trace.in_dtype import policy_params
 
 BF16 = torch.bfloat16
 LOSS_REL = 2e-2  # rank 0's loss against the reference's (measured: under 1e-3 on LLaMA)
@@ -118,7 +120,7 @@ def serial_reference(model, kwargs: dict, dtype) -> tuple[float, dict]:
     """(loss, fp32 gradients) of ``model`` computing with ``dtype`` copies of its parameters
     (None: in its own dtype)."""
     params = dict(model.named_parameters())
-    low = {n: p.to(dtype) if dtype is not None and p.is_floating_point() else p for n, p in params.items()}
+    low = policy_params(model, dtype)  # HF's keep-in-fp32 parameters stay fp32, as the plan keeps them
     loss = _loss(torch.func.functional_call(model, low, (), kwargs))
     trained = {n: p for n, p in params.items() if p.requires_grad}
     grads = torch.autograd.grad(loss, list(trained.values()), allow_unused=True)

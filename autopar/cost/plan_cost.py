@@ -87,7 +87,7 @@ def copy_dtype(plan, dp="plan") -> torch.dtype | None:
 def copy_bytes(p: torch.Tensor, numel, dtype: torch.dtype | None):
     """Bytes of ``dtype``'s copy of ``numel`` elements of parameter ``p`` (a number or a formula):
     0 where no copy is made (no dtype, an integer parameter, one already in ``dtype``, whose cast
-    returns it). Under the policy each copy lives from its read in forward to its last use in
+    returns it; callers pass None for a parameter kept in fp32, ``plan.traced.kept_fp32``). Under the policy each copy lives from its read in forward to its last use in
     backward (autograd keeps it for the matmul's gradient), as FSDP2's unsharded copies do, so a
     rank holds all of them at its peak."""
     if dtype is None or not p.is_floating_point() or p.dtype == dtype:
@@ -255,7 +255,7 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int 
             continue
         local = sy.numel(p.shape, plan.param_specs.get(name))
         params += local * p.element_size()
-        copies += copy_bytes(p, local, dtype)
+        copies += copy_bytes(p, local, None if name in plan.traced.kept_fp32 else dtype)
         if p.requires_grad:
             grads += local * p.element_size()
             opt += optimizer_states * local * STATE_BYTES

@@ -147,7 +147,8 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
     for technique in plan.options.techniques:
         mem = technique.memory(plan, rank, state_slots, mem)
     dtype = copy_dtype(plan)  # a precision policy's param_dtype copies of the fp32 masters
-    copies = sum(copy_bytes(p, p.numel(), dtype) for p in params.values())
+    kept = plan.traced.kept_fp32  # HF's keep-in-fp32 parameters: read as they are, no copy
+    copies = sum(copy_bytes(p, p.numel(), None if n in kept else dtype) for n, p in params.items())
     if copies:
         mem["compute_copies"] = copies
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)

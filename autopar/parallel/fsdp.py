@@ -227,15 +227,16 @@ def held(plan, rank: int) -> tuple[int, int]:
     ``prefetch`` next, in ``param_dtype``; all of them without resharding after forward) and one
     bucket's backward buffers (autograd's full gradients and the flat handed to the reduce-scatter)."""
     dp, k, bs = plan.data_parallel, shard_size(plan), held_buckets(plan, rank)
-    full = [b.chunk * k * (dp.param_dtype or b.dtype).itemsize for b in bs]
+    full = [b.chunk * k * b.gather_dtype(dp.param_dtype).itemsize for b in bs]
     window = 1 + dp.prefetch
     gathered = (
         sum(full)
         if not dp.reshard_after_forward
         else max((sum(full[i : i + window]) for i in range(len(full))), default=0)
     )
-    grad_item = (dp.reduce_dtype or dp.param_dtype or torch.float32).itemsize
-    reducing = max((b.chunk * k * ((dp.param_dtype or b.dtype).itemsize + grad_item) for b in bs), default=0)
+    reducing = max(
+        (b.chunk * k * (b.gather_dtype(dp.param_dtype).itemsize + b.grad_dtype(dp).itemsize) for b in bs), default=0
+    )
     return gathered, reducing
 
 
@@ -247,7 +248,7 @@ def accumulated(plan, rank: int) -> int:
     if not accumulates(plan):
         return 0
     dp, k = plan.data_parallel, shard_size(plan)
-    return sum(b.chunk * k * (dp.reduce_dtype or dp.param_dtype or b.dtype).itemsize for b in held_buckets(plan, rank))
+    return sum(b.chunk * k * b.grad_dtype(dp).itemsize for b in held_buckets(plan, rank))
 
 
 def collectives(plan, sy) -> list:
@@ -258,8 +259,8 @@ def collectives(plan, sy) -> list:
     out = []
     for i, b in enumerate(buckets_cached(plan)):
         where = (f"fsdp bucket {i} ({len(b.names)} params)", b.key)
-        gather = sympy.Float(ring_bytes("all_gather", _wire(plan, b, dp.param_dtype), k))
-        grad = _wire(plan, b, dp.reduce_dtype or dp.param_dtype)
+        gather = sympy.Float(ring_bytes("all_gather", _wire(plan, b, b.gather_dtype(dp.param_dtype)), k))
+        grad = _wire(plan, b, b.grad_dtype(dp))
         unit = f"{b.key or 'the ' + str(len(b.names)) + ' parameters outside blocks'}"
         why = {
             "gather": f"zero=3: each rank stores 1/{k} of {unit}; gathered right before its first use",

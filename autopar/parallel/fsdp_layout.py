@@ -36,6 +36,16 @@ class FlatBucket:
     numel: int
     dtype: torch.dtype
     k: int
+    kept: bool = False  # parameters a HF model keeps in fp32 (trace/in_dtype.kept_in_fp32): gathered so
+
+    def gather_dtype(self, param_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype this bucket is gathered and computed in: the policy's ``param_dtype``, or its
+        own where it holds kept-in-fp32 parameters (or no policy)."""
+        return self.dtype if self.kept or param_dtype is None else param_dtype
+
+    def grad_dtype(self, dp) -> torch.dtype:
+        """The dtype its gradient is reduced in: ``reduce_dtype``, else the dtype it computes in."""
+        return dp.reduce_dtype or self.gather_dtype(dp.param_dtype)
 
     @property
     def chunk(self) -> int:
@@ -67,8 +77,8 @@ def block_key(name: str) -> str:
 
 def buckets(plan) -> list[FlatBucket]:
     """The flat buckets of a zero=3 plan, in forward order: runs of consecutively first-used
-    parameters of one block, dtype and program unit (the embedding and the head are separate
-    buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
+    parameters of one block, dtype, program unit and precision (a HF keep-in-fp32 parameter's run
+    is gathered in fp32; the embedding and the head are separate buckets; a pipeline stage's buckets hold only its parameters). A parameter the layouts split
     on the dp axis itself is left out: its pieces already differ per dp rank, and gathering
     them over dp would mix different pieces. One cut unevenly on another axis (a vocabulary of
     67 on tp=4: 17, 17, 17, 16 rows) is bucketed like any other: a shard group spans the dp
@@ -87,21 +97,22 @@ def rank_buckets(plan, rank: int) -> list[FlatBucket]:
     cache = plan.built.setdefault("fsdp_rank_buckets", {})
     if shapes not in cache:
         cache[shapes] = [
-            _laid_out(b.key, b.names, [tuple(local[n].shape) for n in b.names], b.dtype, b.k) for b in base
+            _laid_out(b.key, b.names, [tuple(local[n].shape) for n in b.names], b.dtype, b.k, b.kept) for b in base
         ]
     return cache[shapes]
 
 
-def _laid_out(key, names, shapes, dtype, k) -> FlatBucket:
+def _laid_out(key, names, shapes, dtype, k, kept=False) -> FlatBucket:
     offsets, numel = [], 0
     for shape in shapes:
         offsets.append(numel)
         numel += _numel(shape)
-    return FlatBucket(key, list(names), list(shapes), offsets, numel, dtype, k)
+    return FlatBucket(key, list(names), list(shapes), offsets, numel, dtype, k, kept)
 
 
 def _buckets(plan, local) -> list[FlatBucket]:
     k, units, axes = shard_size(plan), program_units(plan), shard_axes(plan)
+    kept = plan.traced.kept_fp32  # gathered in fp32: a bucket of their own
     out: list[FlatBucket] = []
     last = None
     for name in first_use_order(plan):
@@ -111,9 +122,9 @@ def _buckets(plan, local) -> list[FlatBucket]:
         if spec is not None and not all(spec[a].is_replicate() for a in axes):
             continue  # already split on a shard axis (annotated so): each rank's piece differs, stays as is
         p = local[name]
-        key = (units.get(name, 0), block_key(name), p.dtype)
+        key = (units.get(name, 0), block_key(name), p.dtype, name in kept)
         if key != last:
-            out.append(FlatBucket(key[1], [], [], [], 0, p.dtype, k))
+            out.append(FlatBucket(key[1], [], [], [], 0, p.dtype, k, key[3]))
             last = key
         b = out[-1]
         b.names.append(name)

@@ -138,8 +138,7 @@ class FSDPRuntime:
     # ------------------------------------------------------------------- gathering
     def _start(self, k: int) -> None:
         src = self.flats[k]
-        if self.param_dtype is not None:
-            src = src.to(self.param_dtype)
+        src = src.to(self.buckets[k].gather_dtype(self.param_dtype))  # kept-in-fp32 buckets: as they are
         out = src.new_empty(src.numel() * len(self.shard))
         if len(self.shard) == 1:
             self.pending[k] = _Done(out.copy_(src))

@@ -10,7 +10,9 @@ parameters in ``param_dtype`` (trace/in_dtype.py), so every cast its own code ma
 the graph as it runs in that dtype. The rank modules keep the fp32 parameters (the masters the
 optimizer steps, its state fp32 too); the program casts them to ``param_dtype`` where it reads
 them: at the gather under zero=3 (parallel/fsdp_runtime.py), by a cast here otherwise (zero 0-2,
-no data parallel, a weight tied across pipeline stages). Autograd takes the gradient back through
+no data parallel, a weight tied across pipeline stages), but for the parameters a HuggingFace model
+keeps in fp32 (``_keep_in_fp32_modules_strict``: trace/in_dtype.kept_in_fp32), read in fp32 as
+traced. Autograd takes the gradient back through
 the cast: it lands in fp32 on the master; the data-parallel sync reduces it in ``reduce_dtype``.
 Floating inputs are cast to ``param_dtype``; the outputs to ``output_dtype``. Written into the
 emitted program, so every rank, every mode and torch.compile see the same program.
@@ -110,7 +112,8 @@ def cast_program(plan, graph: fx.Graph, param_dtype, output_dtype) -> None:
     """Write the policy's casts into ``graph`` (the one program every rank runs)."""
     if param_dtype is not None:
         gathered = lambda n: all(u.target is fsdp_gather for u in n.users)  # noqa: E731 - cast by the gather
-        for node in [n for n in param_attrs(plan, graph) if not gathered(n)]:
+        kept = plan.traced.kept_fp32  # HF's keep-in-fp32 modules: traced in fp32, read so
+        for node in [n for n in param_attrs(plan, graph) if not gathered(n) and n.target not in kept]:
             _cast_uses(graph, node, param_dtype)
         for node in [n for n in graph.nodes if n.op == "placeholder"]:
             if node.meta.get("val") is None or node.meta["val"].dtype.is_floating_point:

@@ -390,7 +390,8 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         t, w = terms(param_comp.get(name, "base")), pw.get(name, 1.0)
         numel = sy.numel(p.shape, plan.param_specs.get(name))
         local = numel * p.element_size()
-        t.copies += w * copy_bytes(p, numel, plan.traced.dtype)  # Terms.memory: unless dp gathers them
+        copied = None if name in plan.traced.kept_fp32 else plan.traced.dtype  # HF keeps some in fp32
+        t.copies += w * copy_bytes(p, numel, copied)  # Terms.memory: unless dp gathers them
         axes = sync.get(name, ())
         if p.requires_grad and plan.dp_axis is not None and plan.dp_axis not in axes:
             t.params_other += w * local  # split on dp already (expert parallel): zero=3 gathers none of it

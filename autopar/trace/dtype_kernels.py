@@ -184,7 +184,9 @@ def _mixed_message(node, dtype, e, model) -> str:
         f"tensors of different dtypes ({dtypes}): {str(e).splitlines()[0]}. A buffer or constant the "
         f"policy does not cast (it casts the parameters and the floating inputs, as FSDP2's "
         f"MixedPrecisionPolicy does, which fails here too) meets the {dtype} parameters. Cast it in the "
-        f"model's code where it is read (e.g. `.to(x.dtype)`), or plan without the policy."
+        f"model's code where it is read (e.g. `.to(x.dtype)`); where the model reads a parameter in fp32 on "
+        f"purpose (a router's weight), name its module in the model's `_keep_in_fp32_modules_strict` class "
+        f"attribute, as HF models do (the policy keeps those in fp32); or plan without the policy."
     )
 
 

@@ -58,6 +58,7 @@ class Traced:
     example_device: object = None  # where the example inputs were (materialized: traced again there)
     opaque: tuple = ()  # the module paths traced as ap.opaque() calls
     dtype: object = None  # the floating parameters' dtype when traced under a precision policy (None: their own)
+    kept_fp32: frozenset = frozenset()  # parameter names the policy left in fp32 (trace/in_dtype.kept_in_fp32)
     replan: object = None  # (options, seeds) -> a Plan traced again (planner.make_plan; another compute dtype)
 
     def placeholders(self) -> dict[str, fx.Node]:

@@ -15,6 +15,7 @@ import torch
 
 import autopar as ap
 from autopar.runtime.simulator import run_ranks
+from autopar.trace.in_dtype import policy_params
 
 # after two SGD steps at lr 0.1 a tiny LM's updates under bf16 compute differ from the reference's by
 # the order of bf16 sums: measured at most 7e-3 with data parallel (Gemma2), 1.5e-2 with tensor
@@ -33,7 +34,7 @@ def serial_policy(model, kw, dtype, steps=2, lr=0.1):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
-        low = {n: p.to(dtype) if dtype else p for n, p in model.named_parameters()}
+        low = policy_params(model, dtype)  # HF's keep-in-fp32 parameters stay fp32
         loss = loss_of(torch.func.functional_call(model, low, (), kw))
         loss.backward()
         losses.append(loss.item())
@@ -90,7 +91,7 @@ def recipe_reference(model, kw, dtype, steps=3, lr=1e-3):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses, grads = [], None
     for _ in range(steps):
-        low = {n: p.to(dtype) if dtype else p for n, p in model.named_parameters()}
+        low = policy_params(model, dtype)  # HF's keep-in-fp32 parameters stay fp32
         loss = loss_of(torch.func.functional_call(model, low, (), kw))
         loss.backward()
         losses.append(loss.item())
