@@ -386,7 +386,7 @@ def _probe(node: fx.Node) -> list[tuple]:
     args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), conv)
     kept = []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t.detach(), lambda t: t):
             out = node.target(*args, **kwargs)
     except Exception:  # an op that does not run on meta: count its output, as before this model
         return [("out", 0, 0.0)]

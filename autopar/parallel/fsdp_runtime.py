@@ -180,9 +180,11 @@ class FSDPRuntime:
         try:
             hit = self.live.get(t.untyped_storage()._cdata)  # the storage, not its address: a fake tensor has none
         except (RuntimeError, NotImplementedError):
-            return t
+            return t.detach()
         if hit is None or hit[1]() is None:
-            return t
+            # detached: a pack returning ``t`` itself makes a cycle (an op saving its own output)
+            # that a retained graph (a zero-bubble pipeline's B and W) never frees
+            return t.detach()
         if hit[0] not in self.saved_order:
             self.saved_order.append(hit[0])
         return _Packed(hit[0], t.storage_offset(), tuple(t.shape), tuple(t.stride()))

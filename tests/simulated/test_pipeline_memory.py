@@ -29,7 +29,7 @@ def _held(plan, batch) -> list[int]:
     "schedule,checkpoint,chunks,m",
     [("1f1b", False, 1, 4), ("1f1b", True, 1, 4), ("gpipe", False, 1, 4), ("gpipe", True, 1, 4),
      ("interleaved", False, 2, 8), ("interleaved", True, 2, 8), ("zb-h1", False, 1, 4), ("zb-h1", True, 1, 4),
-     ("zbv", False, 2, 4), ("zbv", True, 2, 4)],
+     ("zbv", False, 2, 4), ("zbv", True, 2, 4), ("dualpipev", False, 2, 8), ("dualpipev", True, 2, 8)],
 )  # fmt: skip
 def test_memory_per_rank_is_what_each_rank_holds(schedule, checkpoint, chunks, m):
     """memory_per_rank(rank)["activations"] within 15% of the most bytes the rank holds between
