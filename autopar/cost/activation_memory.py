@@ -59,8 +59,19 @@ class Saved:
 
 def share_saved_activations(plan, saves: list[Saved]) -> None:
     """Give ``plan`` the saved tensors of another plan on the same graph and layouts (the search's
-    variants under other technique options), so that they are not probed again."""
-    plan.__dict__["_saved_activations"] = saves
+    variants under other technique options), so that they are not probed again. A node whose
+    lowering states what it keeps is asked again: what it keeps may depend on the options
+    (context-parallel attention: all-gather keeps the gathered K/V, the ring its own pieces,
+    Ulysses the head-split q, K, V; a ring plan given all-gather's saves was priced at
+    all-gather's memory)."""
+    by_consumer: dict = {}
+    for s in saves:
+        by_consumer.setdefault(s.consumer, []).append(s)
+    out = []
+    for node in plan.graph.nodes:
+        kept = _lowered_kept(plan, node) if _keeps(plan, node) else None
+        out += _as_saves(node, kept) if kept is not None else by_consumer.get(node.name, [])
+    plan.__dict__["_saved_activations"] = out
 
 
 def saved_activations(plan) -> list[Saved]:
@@ -70,27 +81,37 @@ def saved_activations(plan) -> list[Saved]:
         return cache
     out, probes = [], _PROBES
     for node in plan.graph.nodes:
-        if node.op != "call_function" or not plan.ctx.needs_grad.get(node) or op_traits(node.target).work is VIEW:
-            continue
-        if node.target is operator.getitem:
+        if not _keeps(plan, node):
             continue
         kept = _lowered_kept(plan, node)
-        if kept is None:
-            kept = _kept(node, probes)
-        for kind, i, frac, *ref in kept:
-            if kind == "gathered":  # input i gathered on mesh axis ``frac``: its own storage
-                base, idx = base_of(_tensor_args(node)[i])
-                out.append(Saved(node.name, base.name, idx, gathered=(frac,)))
-            elif kind == "in":
-                base, idx = base_of(_tensor_args(node)[i])
-                if base.op in ("placeholder", "get_attr"):
-                    continue  # parameters and inputs (or views of them): held by their owners
-                out.append(Saved(node.name, base.name, idx))
-            elif kind == "out":
-                out.append(Saved(node.name, node.name, i))
-            else:
-                out.append(Saved(node.name, None, 0, frac, tuple(ref[0]) if ref else ("out", 0)))
+        out += _as_saves(node, _kept(node, probes) if kept is None else kept)
     plan.__dict__["_saved_activations"] = out
+    return out
+
+
+def _keeps(plan, node: fx.Node) -> bool:
+    """Whether ``node``'s backward may keep tensors: an op (not a view, not getitem) that needs a gradient."""
+    if node.op != "call_function" or not plan.ctx.needs_grad.get(node) or op_traits(node.target).work is VIEW:
+        return False
+    return node.target is not operator.getitem
+
+
+def _as_saves(node: fx.Node, kept: list[tuple]) -> list[Saved]:
+    """``node``'s kept entries (``_kept``'s or a lowering's tuples) as Saved records."""
+    out = []
+    for kind, i, frac, *ref in kept:
+        if kind == "gathered":  # input i gathered on mesh axis ``frac``: its own storage
+            base, idx = base_of(_tensor_args(node)[i])
+            out.append(Saved(node.name, base.name, idx, gathered=(frac,)))
+        elif kind == "in":
+            base, idx = base_of(_tensor_args(node)[i])
+            if base.op in ("placeholder", "get_attr"):
+                continue  # parameters and inputs (or views of them): held by their owners
+            out.append(Saved(node.name, base.name, idx))
+        elif kind == "out":
+            out.append(Saved(node.name, node.name, i))
+        else:
+            out.append(Saved(node.name, None, 0, frac, tuple(ref[0]) if ref else ("out", 0)))
     return out
 
 

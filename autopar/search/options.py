@@ -19,8 +19,9 @@
 - ``expert_tensor_parallel``: whether expert-parallel experts may also be split over the tp axis
   (ap.expert_parallel(dp, tp=tp): each expert's up projection column-, down row-parallel).
 - ``context_parallel``: the attention methods a context-parallel axis may use (ap.ContextParallel:
-  every sequence split on the axis, K/V all-gathered or passed around a ring; zig-zag ordered
-  where the sequences divide into 2 chunks per rank); () leaves sequences whole.
+  every sequence split on the axis, K/V all-gathered, passed around a ring, or swapped for a head
+  split by all-to-alls (Ulysses, where the heads divide); zig-zag ordered where the sequences
+  divide into 2 chunks per rank); () leaves sequences whole.
 - ``compiled``: the rank modules will run under torch.compile: connected memory-bound ops are
   costed as fused regions (cost/fusion.py) instead of one eager kernel each. ``"blocks"``: each
   repeated block compiled on its own (torchtitan's ``apply_compile``), the ops outside them eager.
@@ -65,7 +66,7 @@ class Auto:
     activation_checkpoint: tuple = (None, "selective", ActivationCheckpoint("selective", save_every=2), "full")
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True
-    context_parallel: tuple = ("allgather", "ring")
+    context_parallel: tuple = ("allgather", "ring", "ulysses")
     compiled: bool | str = False  # False, True (the rank module) or "blocks"
     float8: bool = False
     verify: bool = False  # dry-run the chosen plan (autopar/dryrun/verify.py): warn where it peaks over the budget

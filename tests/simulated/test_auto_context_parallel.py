@@ -29,7 +29,7 @@ def test_context_parallel_under_a_tight_budget_equals_serial():
     multi-query attention), so cp is the faster split; under a budget that no plan replicated on
     b meets it is chosen, and its memory is within the budget. (ZeRO 0 and 3 only: with every
     level, and each folded over a x b, the cp options fill the twelve runners-up the record keeps.)"""
-    zeros = (0, 3)
+    zeros, methods = (0, 3), ("allgather", "ring")  # Ulysses: tests/simulated/test_ulysses_search.py
     model = llama_like(kv_heads=1, layers=2)
     batch = llama_batch(batch=2, seq=128)
     mesh = ap.Mesh((2, 2), ("a", "b"))
@@ -39,14 +39,17 @@ def test_context_parallel_under_a_tight_budget_equals_serial():
         ]
         for z in zeros
     )
-    free = ap.plan(model, mesh, args=batch, data_parallel="a", auto=ap.Auto(zero=zeros, **AUTO)).built["auto"]
+    free = ap.plan(
+        model, mesh, args=batch, data_parallel="a", auto=ap.Auto(zero=zeros, context_parallel=methods, **AUTO)
+    )
+    free = free.built["auto"]
     cp = {k: r for k, r in _runners(free).items() if "b=cp" in k}
     assert {k.split(", ", 3)[-1] for k in cp} == {"cp allgather zig-zag", "cp ring zig-zag"}, sorted(cp)
     # unfolded: ZeRO folded over a x b keeps less still, and a budget under it leaves no tp option to compare
     least = min(r["memory"] for k, r in cp.items() if "folded" not in k)
     assert least < replicated  # the activations split over b
     budget = (least + replicated) / 2
-    auto = ap.Auto(memory_budget=budget, zero=zeros, **AUTO)
+    auto = ap.Auto(memory_budget=budget, zero=zeros, context_parallel=methods, **AUTO)
     plan = ap.plan(model, mesh, args=batch, data_parallel="a", auto=auto)
     rec = plan.built["auto"]
     assert "b=cp" in rec["chosen"], (rec["chosen"], sorted(_runners(rec)))
