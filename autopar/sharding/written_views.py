@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
@@ -86,8 +87,8 @@ def _read_after(x: fx.Node, write: fx.Node, chain: list, order: dict) -> bool:
                 continue
             if _is_view(u):
                 todo.append(u)
-            elif order.get(u, -1) > order[write]:
-                return True
+            elif order.get(u, -1) > order[write] and isinstance(u.meta.get("val"), torch.Tensor | None):
+                return True  # a read of its values (a size read, a SymInt, sees no write)
     return False
 
 
