@@ -34,6 +34,7 @@ from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.dtype_kernels import check_kernels, export_refusal
 from autopar.trace.export import trace
+from autopar.sharding.written_views import keep_written_layouts
 from autopar.trace.in_dtype import inputs_in_dtype, kept_in_fp32, materialized, params_in_dtype, skeleton
 from autopar.trace.model_members import held
 from autopar.trace.opaque import keep_opaque, opaque, opaque_paths
@@ -286,6 +287,8 @@ def plan_traced(
     # each expert_parallel module as one moe_experts op
     collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
     ctx = propagate(traced, mesh, seeds, options.strict)
+    # a tensor written in place through a view keeps its layout up to the write (else it writes a copy)
+    ctx = keep_written_layouts(traced, mesh, seeds, options.strict, ctx)
     if enforce is not None:
         enforce(traced.gm.graph)
     flow = analyse(traced.gm.graph, mesh, ctx.needs_grad, ctx.param_derived, ctx.param_nodes)

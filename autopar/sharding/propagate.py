@@ -140,15 +140,20 @@ class Context:
     annotated: set = field(default_factory=set)  # parameter nodes an annotation splits
 
 
-def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True) -> Context:
+def propagate(traced, mesh, seeds, strict: bool = False, cache: bool = True, pinned: dict | None = None) -> Context:
     """Fill node.meta["autopar"] for every node of ``traced.gm``; return what was learnt on the way.
 
     ``cache=False`` re-solves every op from scratch (the cache never changes a result: see
-    _choice_key; tests compare both).
+    _choice_key; tests compare both). ``pinned``: node -> {axis: placement} its output must leave
+    in, as a module output constraint (sharding/written_views.py: a tensor written in place
+    through a view).
     """
     graph = traced.gm.graph
     _forget_previous_plan(graph)
-    ctx = Context(mesh, seeds, strict, set(), {}, {}, _module_output_nodes(graph, seeds))
+    constraints = _module_output_nodes(graph, seeds)
+    for node, wanted in (pinned or {}).items():
+        constraints.setdefault(node, {}).update(wanted)
+    ctx = Context(mesh, seeds, strict, set(), {}, {}, constraints)
     phs = [n for n in graph.nodes if n.op == "placeholder" and n.name in traced.user_inputs]
     ctx.ragged = is_ragged([(n.meta.get("val"), seeds.inputs.get(n.name)) for n in phs], mesh)
     ctx.choices = _kept_choices(traced.gm, ctx) if cache else None

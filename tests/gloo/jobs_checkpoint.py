@@ -120,6 +120,47 @@ def policy_masters_round_trip(path, into="tp2"):
     return sorted({str(v.dtype) for v in saved.values()}), worst
 
 
+def policy_resume(path):
+    """Resume under the bf16 policy: 3 steps under DataParallel(zero=3, param_dtype=bf16), saved
+    through DCP; 2 more steps go on in the same processes, and again in a plan of another init that
+    loads the checkpoint (fp32 masters and fp32 AdamW state). (dtypes of the optimizer state saved,
+    the largest difference of a resumed piece from the uninterrupted run's, of the losses)."""
+    plan, module, opt = _build("dp2_zero3_bf16", seed=0)
+    _train(plan, module, opt, range(10, 13))
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    states = sorted({str(v.dtype) for v in _tensors(optim_sd)})
+    want = _losses(plan, module, opt, range(13, 15))
+    plan2, other, other_opt = _build("dp2_zero3_bf16", seed=7)
+    model_sd, optim_sd = ap.get_state_dict(other, other_opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    ap.set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    got = _losses(plan2, other, other_opt, range(13, 15))
+    pieces = dict(module.named_parameters())
+    worst = max((p.detach() - pieces[n].detach()).abs().max().item() for n, p in other.named_parameters() if p.numel())
+    return states, worst, max(abs(a - b) for a, b in zip(got, want))
+
+
+def _losses(plan, module, opt, steps):
+    out = []
+    for s in steps:
+        args, kwargs = plan.local_inputs(dist.get_rank(), *gpt_batch(seed=s))
+        loss = module(*args, **kwargs)[1]
+        loss.backward()
+        out.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _tensors(tree):
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return [tree] if isinstance(tree, torch.Tensor) and tree.is_floating_point() else []
+
+
 def plain_state_dict_refused(path):
     """DCP on a split rank module's plain state_dict(): save and load must raise."""
     plan, module, _ = _build("tp2", seed=0)

@@ -201,6 +201,14 @@ def test_bf16_policy_saves_fp32_masters(gloo, tmp_path):
         assert dtypes == ["torch.float32"] and worst == 0.0, (dtypes, worst)
 
 
+def test_bf16_policy_resumes_from_dcp_exactly(gloo, tmp_path):
+    """Training under the bf16 policy resumed from a DCP checkpoint (a plan of another init loads the
+    fp32 masters and the fp32 AdamW state) takes the uninterrupted run's next 2 steps bit for bit:
+    the same losses, the same pieces."""
+    for states, worst, losses in gloo(2).run(f"{JOBS}:policy_resume", str(tmp_path / "resume")):
+        assert states == ["torch.float32"] and worst == 0.0 and losses == 0.0, (states, worst, losses)
+
+
 def test_bf16_policy_save_pretrained_writes_fp32_masters(gloo, tmp_path):
     """ap.save_pretrained of a (2, 2) dp x tp zero=3 plan trained under the bf16 policy writes the
     fp32 masters (not the bf16 copies the program computes with): transformers' from_pretrained

@@ -69,7 +69,8 @@ def _model(seed=0):
             x = self.embed(input_ids)
             gate = self.router(x)[..., :1].to(x.dtype)
             x = x + gate * self.down(F.gelu(self.up(x)))
-            logits = self.head(self.norm(x))
+            h = self.norm(x)  # as T5 reads its kept ``wo``: the activations cast to the weight's dtype
+            logits = self.head(h.to(self.head.weight.dtype))
             return {"loss": F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())}
 
     torch.manual_seed(seed)
@@ -191,3 +192,18 @@ def test_kept_fp32_buckets_and_copies():
         assert sum(cost.values()) == pytest.approx(mem.total, rel=1e-9)
         pred = ap.predict(plan, "cpu-gloo")
         assert pred["memory_estimate"] == pytest.approx(pred["memory"], rel=1e-9)
+
+
+def test_fp16_keeps_the_plain_list_too():
+    """Under fp16 HF keeps ``_keep_in_fp32_modules`` as well (the head here): zero=3 traces and
+    gathers both kept weights in fp32 and equals the fp16 serial recipe keeping the same two."""
+    model, kw = _model(), _inputs()
+    dp = ap.DataParallel("dp", zero=3, param_dtype=torch.float16)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), kwargs=kw, data_parallel=dp)
+    assert plan.traced.kept_fp32 == {"router.weight", "head.weight"}
+    assert sorted(n for b in buckets_cached(plan) if b.kept for n in b.names) == ["head.weight", "router.weight"]
+    want_loss, want = _reference(model, kw, torch.float16)
+    got_loss, got, _ = _step(plan, kw)
+    assert got_loss == pytest.approx(want_loss, rel=1e-3)
+    for name, ref in want.items():
+        assert (got[name] - ref).norm() <= GRAD_REL * ref.norm(), name
