@@ -73,6 +73,14 @@ def node_flops(node, sy) -> sympy.Expr:
     return out_numel
 
 
+# Backward FLOPs of attention over its forward's: flash attention's backward recomputes the scores
+# (Q K^T) and then forms dP, dV, dQ and dK, five products of the forward's size against its two
+# (torch.utils.flop_counter's sdpa_backward_flop_count counts the same five). The FLOP count
+# (plan.cost()'s ``flops``) uses it; the time model keeps backward = 2 x forward, the convention
+# the calibrated attention rates (search/profiles.py) were measured in.
+ATTENTION_BACKWARD = 2.5
+
+
 def is_causal(node) -> bool:
     """An attention op called with ``is_causal=True`` (where its schema puts the argument: the
     kernels export may leave take it at different positions)."""

@@ -6,7 +6,7 @@ Every formula is in the plan's named dims (B, S, ...), mesh axis sizes (dp, tp) 
 static sizes you name; ``at()`` evaluates them (at the example unless told otherwise).
 
 Memory per rank: ``params`` and ``grads`` (trainable parameters' local pieces),
-``optimizer`` (``optimizer_states`` fp32-sized copies of the trainable pieces, 2 for Adam),
+``optimizer`` (``optimizer_states`` copies of the trainable pieces in their dtype, 2 for Adam),
 ``activations`` (the tensors autograd saves for backward and the model's outputs, each storage
 once, at its local size: cost/activation_memory.py; activation checkpointing keeps fewer and
 adds ``recompute``, one block's recompute at its peak; ``workspace``: what the largest lowered op
@@ -43,7 +43,14 @@ from autopar.cost.activation_memory import (
 )
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers, PlanSymbols, simplify
-from autopar.cost.op_time import node_flops, node_seconds, optimizer_step_bytes, split_factor
+from autopar.cost.op_time import (
+    ATTENTION_BACKWARD,
+    node_flops,
+    node_seconds,
+    op_work,
+    optimizer_step_bytes,
+    split_factor,
+)
 from autopar.placement import Shard, is_uneven
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.runtime.ring import ring_steps
@@ -63,9 +70,11 @@ def layer_of(path: str) -> str:
     return path
 
 
-# Bytes per element of one optimizer state (Adam's moments): fp32, the dtype of the master weights
-# they step (a precision policy keeps fp32 masters: parallel/precision.py).
-STATE_BYTES = 4
+# One optimizer state (Adam's moments) per element is in the dtype of the parameter it steps:
+# torch's optimizers make it with zeros_like(param). A precision policy keeps fp32 masters
+# (parallel/precision.py), so its state is fp32; a bf16 model stepped by plain AdamW keeps bf16
+# moments (measured: a dry run of LLaMA-8B in bf16 holds 3.74 GiB of state on 8 ranks, not 7.48).
+# So the state's bytes are ``slots x`` the stepped parameters' own bytes, nowhere a constant.
 
 
 def copy_dtype(plan, dp="plan") -> torch.dtype | None:
@@ -163,8 +172,8 @@ class Cost:
         shards it) and the parameters it steps with their gradients (as many bytes per state
         byte as the model's trainable parameters have)."""
         trained = [p for _, p in named_parameters(self.plan.model) if p.requires_grad]
-        states = sum(p.numel() for p in trained) * STATE_BYTES * self.states
         grads = sum(p.numel() * p.element_size() for p in trained)
+        states = grads * self.states  # each state in its parameter's dtype
         stepped = self.memory["optimizer"] * sympy.Rational(grads, states) if states else self.memory["grads"]
         return optimizer_step_bytes(self.memory["optimizer"], stepped)
 
@@ -234,7 +243,7 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int 
     ``params`` / ``grads`` / ``optimizer``: of the parameters the rank holds (a pipeline rank:
     its stages', ``Technique.rank_params``), each in its dtype (a precision policy's fp32 masters),
     the optimizer's
-    ``optimizer_states`` fp32 values (STATE_BYTES) per element, as the techniques shard them
+    ``optimizer_states`` values per element in the parameter's dtype, as the techniques shard them
     (``Technique.memory_formulas``: ZeRO's shares, ZeRO-2's ``accumulated`` gradients over a
     pipeline's micro-batches, zero=3's ``gathered`` blocks); ``compute_copies``: a precision
     policy's ``param_dtype`` copies of the parameters read without a gather (``copy_bytes``);
@@ -258,7 +267,7 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int 
         copies += copy_bytes(p, local, None if name in plan.traced.kept_fp32 else dtype)
         if p.requires_grad:
             grads += local * p.element_size()
-            opt += optimizer_states * local * STATE_BYTES
+            opt += optimizer_states * local * p.element_size()
     out = {"params": params, "grads": grads, "optimizer": opt}
     for technique in plan.options.techniques:  # ZeRO's shares, zero=3's gathered blocks, ...
         out = technique.memory_formulas(plan, sy, out, rank)
@@ -331,13 +340,22 @@ def largest_piece(node, sy: PlanSymbols) -> sympy.Expr:
 
 
 def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
-    """FLOPs per rank and step: forward, plus twice that for ops whose output needs a gradient."""
+    """FLOPs per rank and step: forward, plus twice that for ops whose output needs a gradient
+    (attention: ATTENTION_BACKWARD times, flash's backward recomputing the scores), plus the
+    forward once more for the ops activation checkpointing recomputes (``Technique.recomputed``:
+    the kernels run again in backward, as compute_seconds charges them). A dry run's
+    FlopCounterMode counts the same (tests/simulated/test_dry_run_memory.py)."""
+    recomputed = set().union(*(t.recomputed(plan) for t in plan.options.techniques))
     total = sympy.Integer(0)
     for node in plan.graph.nodes:
         if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
             continue
         f = node_flops(node, sy) / split_factor(layout_of(node).spec, sy) * largest_piece(node, sy)
-        total += f * (3 if plan.ctx.needs_grad.get(node) else 1)
+        if not plan.ctx.needs_grad.get(node):
+            total += f
+            continue
+        backward = ATTENTION_BACKWARD if op_work(node).kind == "attention" else 2
+        total += f * (1 + backward + (1 if node.name in recomputed else 0))
     return simplify(total)
 
 

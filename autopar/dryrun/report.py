@@ -35,6 +35,7 @@ class RankRun:
     predicted_collectives: list = field(default_factory=list)  # plan.collectives(): (kind, axis, bytes)
     predicted_flops: float = 0.0  # plan.cost()'s
     flops_by_op: dict = field(default_factory=dict)  # FlopCounterMode's, per op of the last step
+    held_by_kind: dict = field(default_factory=dict)  # bytes by kind after the last step (params, state)
 
     @property
     def memory_ratio(self) -> float:

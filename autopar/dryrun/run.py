@@ -23,10 +23,10 @@ import time
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
+from autopar.dryrun.flops import counting_flops
 from autopar.dryrun.memory import MemoryCounter
 from autopar.dryrun.report import DryRun, RankRun
 from autopar.dryrun.where import failing_node
@@ -75,18 +75,20 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         counter.reset_peak()  # the build's full-size state is gone: the step's peak from here
         for _ in range(steps):
             first = len(stats.records)
-            with FlopCounterMode(display=False) as flop_counter, _named(rank, dev):
+            with counting_flops() as flop_counter, _named(rank, dev):
                 _step(module, opt, inputs, counter)
             flops = flop_counter.get_total_flops()
             by_op = {str(op): n for op, n in flop_counter.get_flop_counts().get("Global", {}).items()}
             collectives = [(r.kind, _axis(r.group, plan.mesh), r.bytes) for r in stats.records[first:]]
         slots = _state_slots(opt)
+        held = {k: v for k, v in counter.by_kind.items() if v}  # between steps: what a rank keeps
     return RankRun(
         rank=rank,
         device=str(dev) if dev.type == torch.device(device).type else f"{dev} (for {device}: this torch has no CUDA)",
         steps=steps,
         peak_bytes=counter.peak,
         peak_by_kind={k: v for k, v in counter.peak_by_kind.items() if v},
+        held_by_kind=held,
         collectives=collectives,
         flops=float(flops),
         flops_by_op=by_op,

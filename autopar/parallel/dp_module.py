@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import STATE_BYTES, activation_terms, copy_bytes, copy_dtype
+from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
@@ -115,8 +115,9 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
     - ``params``: the parameter pieces its modules hold (its pipeline stages' only; tensor- or
       ZeRO-3-split: its piece, padding included), in their dtype;
     - ``grads``: the gradients it keeps after backward (ZeRO-2/3: its slice);
-    - ``optimizer_state``: ``state_slots`` fp32 values (cost/plan_cost.STATE_BYTES) per element
-      it steps (ZeRO-1/2/3: its slice): Adam/AdamW 2, SGD with momentum 1, plain SGD 0;
+    - ``optimizer_state``: ``state_slots`` values per element it steps, in the parameter's dtype
+      (torch's optimizers make their state with zeros_like; a precision policy's masters are fp32)
+      (ZeRO-1/2/3: its slice): Adam/AdamW 2, SGD with momentum 1, plain SGD 0;
     - what the storage holds beside (``accumulated``: gradients kept whole over a pipeline's
       micro-batches; zero=3's ``gathered`` blocks and ``reduce_buffers``);
     - ``compute_copies``: a precision policy's ``param_dtype`` copies of the parameters the
@@ -138,8 +139,8 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
     mem = {
         "params": total,
         "grads": trainable,
-        "optimizer_state": state_slots * STATE_BYTES * elements,
-        "optimizer_state_unsharded": state_slots * STATE_BYTES * elements,
+        "optimizer_state": state_slots * trainable,
+        "optimizer_state_unsharded": state_slots * trainable,
         "trainable_elements": elements,
         "dp": plan.mesh.shape[plan.dp_axis] if plan.dp_axis is not None else 1,
         "zero": dp.zero if dp is not None else 0,

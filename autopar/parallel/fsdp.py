@@ -49,7 +49,6 @@ import torch
 import torch.fx as fx
 
 from autopar.cost import make_comm
-from autopar.cost.plan_cost import STATE_BYTES
 from autopar.parallel import fsdp_runtime
 from autopar.parallel.fsdp_layout import (
     RUNTIME_ATTR,
@@ -204,15 +203,12 @@ def memory(plan, rank: int, state_slots: int, mem: dict) -> dict:
     pieces = sum(b.chunk * b.dtype.itemsize for b in bs)
     stepped = [b for b in bs if any(local[n].requires_grad for n in b.names)]
     trainable = sum(b.chunk * b.dtype.itemsize for b in stepped)
-    elements = sum(b.chunk for b in stepped) + sum(
-        p.numel() for n, p in local.items() if n not in index and p.requires_grad
-    )
     gathered, reducing = held(plan, rank)
     out = dict(mem)
     out.update(
         params=whole + pieces,
         grads=whole_trainable + trainable,
-        optimizer_state=state_slots * STATE_BYTES * elements,
+        optimizer_state=state_slots * (whole_trainable + trainable),  # in the pieces' dtype
         gathered=gathered,
         reduce_buffers=reducing,
         accumulated=accumulated(plan, rank),

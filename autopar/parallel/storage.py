@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost.plan_cost import STATE_BYTES
 from autopar.parallel.dp_module import grad_buckets
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
@@ -152,12 +151,11 @@ class ShardedOptimizer(Storage):
         """Each rank steps its 1/dp slice of every dp bucket (1/(dp cp) folded; ZeRO-2: keeps only
         its gradients), the bucket's padding included."""
         dp, mesh = plan.data_parallel, plan.mesh
-        kept, elems = mem["grads"], mem["trainable_elements"]  # what this rank steps: its slice of each dp bucket
+        kept = mem["grads"]  # what this rank steps (bytes): its slice of each dp bucket
         for b in grad_buckets(plan, rank):
             n = math.prod(mesh.shape[a] for a in dp.group_axes(mesh, b.axes))
             kept += (-(-b.numel // n) - b.numel) * b.dtype.itemsize
-            elems += -(-b.numel // n) - b.numel
-        out = dict(mem, optimizer_state=state_slots * STATE_BYTES * elems)
+        out = dict(mem, optimizer_state=state_slots * kept)  # the state in the bucket's dtype
         if self.level == 2:
             out["grads"] = kept
             out["accumulated"] = mem["grads"] - kept if accumulates(plan) else 0  # whole until the last backward

@@ -602,12 +602,12 @@ def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None, fo
 
 def _state_floor(model, auto) -> float:
     """Bytes of the whole model's training state as the search counts it (evaluate.py):
-    parameters, their gradients and ``optimizer_states`` fp32 copies of each trained one."""
+    parameters, their gradients and ``optimizer_states`` copies of each trained one (its dtype)."""
     total = 0.0
     for p in model.parameters():
         total += p.numel() * p.element_size()
         if p.requires_grad:
-            total += p.numel() * (p.element_size() + 4 * auto.optimizer_states)
+            total += p.numel() * p.element_size() * (1 + auto.optimizer_states)
     return total
 
 

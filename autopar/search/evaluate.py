@@ -24,7 +24,7 @@ needs that a byte count does not: links and overlap.
   the state a rank keeps divided by that product; cp's own all-reduce of those gradients
   (``fold_sync``) is dropped, the group's reduction summing the cp parts as it sums dp's.
 - ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
-- memory: parameters, gradients, optimizer state (``optimizer_states`` fp32 copies; ZeRO
+- memory: parameters, gradients, optimizer state (``optimizer_states`` copies in the parameters' dtype; ZeRO
   divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
   unit: a repeated block, or the parameters outside blocks), a precision policy's compute copies
   of the parameters (``copies``: plan_cost.copy_bytes, where the storage does not gather them),
@@ -53,7 +53,7 @@ from autopar.cost.formulas import Numbers
 from autopar.cost.execution import op_seconds
 from autopar.cost.float8 import float8_linears
 from autopar.cost.op_time import optimizer_step_bytes
-from autopar.cost.plan_cost import STATE_BYTES, activation_terms, copy_bytes
+from autopar.cost.plan_cost import activation_terms, copy_bytes
 from autopar.runtime.ring import ring_steps
 from autopar.trace.model_members import named_parameters
 
@@ -408,10 +408,10 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
             t.dp_grad += w * local
             t.dp_grad_elems += w * local / p.element_size()
             t.dp_fp8 += w * local if name in fp8 else 0.0
-            t.opt_dp += w * states * STATE_BYTES * local / p.element_size()
+            t.opt_dp += w * states * local  # the state in the parameter's dtype
         else:
             t.grads_other += w * local
-            t.opt_other += w * states * STATE_BYTES * local / p.element_size()
+            t.opt_other += w * states * local
         # held by a group that folds cp in: zero=3 buckets every parameter replicated on dp (its
         # gradient whole on cp too, entering the reduce-scatter divided by |cp|); ZeRO-1/2 fold
         # only the buckets summed over both (DataParallel.group_axes): a gradient whole on cp
@@ -420,7 +420,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         if folded:
             t.fold_grad += w * local
             t.fold_grad_elems += w * local / p.element_size()
-            t.fold_opt += w * states * STATE_BYTES * local / p.element_size()
+            t.fold_opt += w * states * local
         for a in axes:
             if a == plan.dp_axis:
                 continue

@@ -7,7 +7,7 @@
   the job's example inputs are on (CPU: "cpu-gloo"; CUDA: "a100", "h200" or "h100" by name; meta: "h100").
 - ``zero``: the ZeRO levels the search may pick for a data-parallel axis.
 - ``sequence_parallel`` / ``vocab_parallel``: whether those options may be chosen.
-- ``optimizer_states``: fp32 state tensors per parameter element (2 for Adam).
+- ``optimizer_states``: state tensors per parameter element, each in its parameter's dtype (2 for Adam).
 - ``activation_checkpoint``: the checkpointing of every repeated block the search may pick
   (None: none, "selective", "full": ap.ActivationCheckpoint's modes, or ap.ActivationCheckpoint
   values; its recompute counted). By default also selective keeping every second matmul

@@ -1,0 +1,52 @@
+"""The plan's memory figures held to what a dry run measures at every allocation: the optimizer's
+state in its parameters' dtype, the peak's phase, and the three figures for one plan
+(``ap.predict``, ``plan.memory_per_rank``, ``plan.cost()``) agreeing with each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar as ap
+from autopar.models.examples import gpt
+
+
+def _bf16_gpt(**options):
+    model, (idx, tgt) = gpt(n_layer=2, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
+    return ap.plan(model.to(torch.bfloat16), ap.Mesh((2,), ("dp",)), args=(idx, tgt), **options)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_optimizer_state_is_counted_in_the_parameters_dtype(zero):
+    """AdamW makes its moments with zeros_like(param): bf16 for a bf16 model (was counted fp32, 2x)."""
+    plan = _bf16_gpt(data_parallel=ap.DataParallel("dp", zero=zero))
+    run = plan.dry_run(rank=0, steps=2).runs[0]
+    measured = run.held_by_kind["optimizer_state"]
+    assert measured == run.predicted_by_kind["optimizer_state"], (measured, run.predicted_by_kind)
+    model, (idx, tgt) = gpt(n_layer=2, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
+    fp32 = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(idx, tgt), data_parallel=ap.DataParallel("dp", zero=zero))
+    assert fp32.memory_per_rank(0, 2)["optimizer_state"] == 2 * measured  # fp32 moments: twice the bytes
+
+
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_flops_count_the_recompute_up_to_the_last_kept_tensor(ac):
+    """plan.cost()'s FLOPs run checkpointed blocks' forward again, stopping where torch's
+    checkpoint stops (the last tensor backward keeps): FlopCounterMode's count within 2%."""
+    model, (idx, tgt) = gpt(n_layer=2, n_embd=128, n_head=4, vocab_size=64, batch=4, seq=128)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(idx, tgt), data_parallel="dp", activation_checkpoint=ac)
+    run = plan.dry_run(rank=0, steps=1).runs[0]
+    assert abs(run.flops_ratio - 1) < 0.02, (run.flops, run.predicted_flops)
+
+
+def test_causal_attention_is_counted_at_half_forward_and_backward():
+    from autopar.dryrun.flops import counting_flops
+
+    q = torch.randn(1, 2, 64, 16, requires_grad=True, device="meta")
+    counts = {}
+    for causal in (False, True):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+        with counting_flops() as counter:
+            out = flash(q, q, q, 0.0, causal, False)[0]
+            out.sum().backward()
+        counts[causal] = counter.get_total_flops()
+    assert counts[True] * 2 == counts[False] == 3.5 * 4 * 64 * 64 * 16 * 2  # forward 4LSD/head, backward 2.5x
