@@ -1,0 +1,1 @@
+"""Float8 training (torchao recipes) as a technique: see technique.py."""
