@@ -188,3 +188,13 @@ def test_unknown_recipe_and_missing_torchao_say_how_to_fix(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torchao)
     with pytest.raises(PlanError, match="pip install torchao==0.18.0"):
         _plan("tp2", "tensorwise", float8=ap.Float8("tensorwise"))
+
+
+def test_a_torchao_converted_model_plans_with_its_recipe():
+    """convert_to_float8_training's model, float8= left out: its Float8Linears are traced as
+    Linears and run float8_mm with their recipe; equal to the converted model trained serially."""
+    plan = _plan("dp2xtp2", "tensorwise", model=_serial("tensorwise"))
+    assert plan.options.float8 == ap.Float8("tensorwise")
+    merged = _train(plan, 3)
+    for n, p in _serial_trained("tensorwise", 3).items():
+        torch.testing.assert_close(merged[n], p, rtol=0, atol=5e-5, msg=n)

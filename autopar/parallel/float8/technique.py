@@ -21,14 +21,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from autopar.errors import PlanError
 from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's rule and lowering
-from autopar.parallel.float8.recipes import RECIPES, config
+from autopar.parallel.float8.recipes import RECIPES, config, recipe_of
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.trace.module_paths import module_path
@@ -46,6 +48,18 @@ def _linear_class(node) -> type | None:
     if isinstance(cls, str):  # export may record the class by its qualified name
         return torch.nn.Linear if cls.rsplit(".", 1)[-1] in ("Linear", "Float8Linear") else None
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Linear) else None
+
+
+@contextlib.contextmanager
+def _as_linears(model):
+    found = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    try:
+        for m in found:
+            m.forward = functools.partial(torch.nn.Linear.forward, m)
+        yield
+    finally:
+        for m in found:
+            m.__dict__.pop("forward", None)
 
 
 @register_technique
@@ -70,6 +84,26 @@ class Float8(Technique):
         if isinstance(value, str):  # float8="rowwise"
             return cls(value)
         return super().of(value)
+
+    @classmethod
+    def implied(cls, model):
+        """The Float8 a torchao-converted model asks for (its Float8Linears' recipe, its plain
+        Linears skipped), or None for a model without Float8Linear."""
+        converted = {p: m for p, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+        if not converted:
+            return None
+        recipes = {recipe_of(m.config) for m in converted.values()}
+        if len(recipes) > 1:
+            raise PlanError(
+                f"Float8Linear modules with different recipes ({sorted(recipes)}): convert with one recipe."
+            )
+        plain = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in converted]
+        return cls(recipes.pop(), tuple(plain))
+
+    def tracing(self, model):
+        """While tracing, a torchao Float8Linear is traced as the Linear it is (torch.export cannot
+        trace its float8 tensor subclass); prepare_graph then makes it float8_mm."""
+        return _as_linears(model)
 
     def validate(self, mesh, options, annotations) -> None:
         config(self.recipe)  # torchao present, or the PlanError saying how to install it
