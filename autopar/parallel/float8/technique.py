@@ -70,7 +70,7 @@ class Float8(Technique):
     recipe: str = "tensorwise"
     skip: tuple = ()  # fnmatch patterns of module paths whose Linears stay in high precision
     name = "float8"
-    order = 5  # before data parallel: zero=3 asks it which weights it gathers in fp8
+    order = 25  # its graph rewrite is local to the Linears: after the layout techniques, before the casts
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
