@@ -198,3 +198,32 @@ def test_a_torchao_converted_model_plans_with_its_recipe():
     merged = _train(plan, 3)
     for n, p in _serial_trained("tensorwise", 3).items():
         torch.testing.assert_close(merged[n], p, rtol=0, atol=5e-5, msg=n)
+
+
+def test_auto_float8_plans_run_equal_to_serial_torchao():
+    """ap.Auto(float8=True) prices the Linears in float8 and its plan runs them so (the LM head
+    left out, as torchtitan does): the loss and every gradient equal the serial converted model's."""
+    from autopar.cost.float8 import lm_heads
+    from tests.harness.llama_like import llama_batch, llama_like
+
+    ids, labels = llama_batch(batch=4, seq=16)
+    kw = {"input_ids": ids, "labels": labels}
+    auto = ap.Auto(device="h100", float8=True, pipeline=False)
+    plan = ap.plan(llama_like(d=32, layers=2), ap.Mesh((2, 2), ("a", "b")), kwargs=kw, auto=auto)
+    assert plan.options.float8 == ap.Float8("tensorwise", skip=lm_heads(llama_like(d=32, layers=2)))
+    assert any(n.target is torch.ops.autopar.float8_mm.default for n in plan.graph.nodes)
+    serial = torchao_float8.convert_to_float8_training(
+        llama_like(d=32, layers=2), module_filter_fn=lambda m, fqn: fqn not in plan.options.float8.skip
+    )
+    loss = serial(**kw)[1]
+    loss.backward()
+
+    def rank(r):
+        m = plan.build_module(r)
+        _, local = plan.local_inputs(r, **kw)
+        m(**local)[1].backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    grads = plan.merge_state_dicts(run_ranks(4, rank))
+    for n, p in serial.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-3, atol=1e-5, msg=n)
