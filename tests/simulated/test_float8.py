@@ -227,3 +227,53 @@ def test_auto_float8_plans_run_equal_to_serial_torchao():
     grads = plan.merge_state_dicts(run_ranks(4, rank))
     for n, p in serial.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-3, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_tensorwise_with_zero_levels_equals_serial(zero):
+    shape, axes = MESHES["dp2xtp2"]
+    plan = ap.plan(
+        _model(),
+        ap.Mesh(shape, axes),
+        args=(_batches(1)[0],),
+        annotations=MLP_TP,
+        data_parallel=ap.DataParallel("dp", zero=zero),
+        float8=ap.Float8("tensorwise"),
+    )
+
+    def rank(r):
+        m = plan.build_module(r)
+        opt = (
+            ap.ZeroOptimizer(m, torch.optim.AdamW, lr=0.01)
+            if zero in (1, 2)
+            else torch.optim.AdamW(m.parameters(), lr=0.01)
+        )
+        for x in _batches(3):
+            (a,), _ = plan.local_inputs(r, x)
+            _loss(m(a)).backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    merged = plan.merge_state_dicts(run_ranks(4, rank))
+    for n, p in _serial_trained("tensorwise", 3).items():
+        torch.testing.assert_close(merged[n], p, rtol=0, atol=5e-5, msg=f"zero={zero} {n}")
+
+
+def test_activation_checkpointing_recomputes_the_same_scales():
+    plan = _plan(
+        "dp2xtp2",
+        "tensorwise",
+        float8=ap.Float8("tensorwise"),
+        activation_checkpoint=ap.ActivationCheckpoint(pattern="layers.*"),
+    )
+    merged = _train(plan, 3)
+    for n, p in _serial_trained("tensorwise", 3).items():
+        torch.testing.assert_close(merged[n], p, rtol=0, atol=5e-5, msg=n)
+
+
+def test_compiled_rank_modules_equal_serial():
+    plan = _plan("tp2", "tensorwise", float8=ap.Float8("tensorwise"))
+    merged = _train(plan, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
+    for n, p in _serial_trained("tensorwise", 2).items():
+        torch.testing.assert_close(merged[n], p, rtol=0, atol=5e-5, msg=n)
