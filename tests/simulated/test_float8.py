@@ -277,3 +277,32 @@ def test_compiled_rank_modules_equal_serial():
     merged = _train(plan, 2, wrap=lambda m: torch.compile(m, backend="aot_eager"))
     for n, p in _serial_trained("tensorwise", 2).items():
         torch.testing.assert_close(merged[n], p, rtol=0, atol=5e-5, msg=n)
+
+
+def test_pipeline_scales_each_microbatch_as_serial_accumulation_does():
+    """A pipeline runs each micro-batch's forward and backward apart: its scales are the
+    micro-batch's, as the serial float8 model's are when it accumulates gradients over the same
+    micro-batches (the reference here); 4 stages, 2 micro-batches, 1F1B."""
+    from tests.harness.models import SKIP_SPLITS, SkipNet, mse
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    x[1, 3] = 30.0  # in the first micro-batch only
+    torch.manual_seed(0)
+    model = SkipNet()
+    serial = torchao_float8.convert_to_float8_training(copy.deepcopy(model))
+    plan = ap.plan(
+        model,
+        ap.Mesh((4,), ("pp",)),
+        args=(x,),
+        annotations=SKIP_SPLITS,
+        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse),
+        float8=ap.Float8("tensorwise"),
+    )
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    run_ranks(4, lambda r: runners[r].step((x,), y))
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        (mse(serial(xs), ys) / 2).backward()
+    grads = plan.merge_state_dicts([{n: p.grad for n, p in r.named_parameters()} for r in runners])
+    for n, p in serial.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
