@@ -306,3 +306,12 @@ def test_pipeline_scales_each_microbatch_as_serial_accumulation_does():
     grads = plan.merge_state_dicts([{n: p.grad for n, p in r.named_parameters()} for r in runners])
     for n, p in serial.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_plan_file_round_trip_keeps_float8(tmp_path):
+    plan = _plan("tp2", "rowwise", float8=ap.Float8("rowwise", skip=("layers.1.fc2",)))
+    plan.save(tmp_path / "p.json")
+    again = ap.load_plan(tmp_path / "p.json", plan.model)
+    assert again.options.float8 == ap.Float8("rowwise", skip=("layers.1.fc2",))
+    f8 = torch.ops.autopar.float8_mm.default
+    assert [n.name for n in again.graph.nodes if n.target is f8] == [n.name for n in plan.graph.nodes if n.target is f8]
