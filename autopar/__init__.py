@@ -37,6 +37,7 @@ from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.float8 import Float8
 from autopar.parallel.grad_scaler import GradScaler
 from autopar.parallel.precision import MixedPrecision
 from autopar.parallel.optimizer import Optimizer
@@ -74,6 +75,7 @@ __all__ = [
     "Cost",
     "DataParallel",
     "DataParallelError",
+    "Float8",
     "GradScaler",
     "InconsistentPlanError",
     "InputError",

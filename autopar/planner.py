@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from contextlib import ExitStack
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ from autopar.errors import AnnotationError, MeshError, TraceError
 from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.parallel import TECHNIQUES
 from autopar.parallel.precision import DTYPES, MixedPrecision, compute_dtype
 from autopar.plan import Plan
 from autopar.search.auto import search, settle_memory
@@ -67,6 +69,7 @@ def make_plan(
         raise MeshError(f"mesh must be an ap.Mesh, got {type(mesh).__name__}.")
     args = args if isinstance(args, tuple) else (args,)
     annotations = dict(annotations or {})
+    options = _implied(model, options)
     asked = (mesh, options, dict(annotations))  # as given: a searched plan's runner-up is planned from them
     mesh, options = _reshape_mesh(mesh, options)
     _validate(mesh, options, annotations)
@@ -165,7 +168,9 @@ def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
     low_args, low_kwargs = inputs_in_dtype(args, kwargs or {}, dtype)
     kept = kept_in_fp32(model, dtype)  # HF's _keep_in_fp32_modules(_strict): traced and read in fp32
     try:
-        with params_in_dtype(model, dtype, kept), keep_opaque(model, keep, low_args, low_kwargs):
+        with params_in_dtype(model, dtype, kept), keep_opaque(model, keep, low_args, low_kwargs), ExitStack() as stack:
+            for technique in options.techniques:  # modules traced as what they compute (Float8Linear)
+                stack.enter_context(technique.tracing(model))
             traced = trace(
                 model, low_args, low_kwargs, dynamic=_trace_dynamic(options), repeat_blocks=options.repeat_blocks
             )
@@ -179,6 +184,17 @@ def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
     traced.example, traced.opaque = skeleton(args, kwargs), tuple(keep)
     traced.example_device, traced.dtype, traced.kept_fp32 = input_device(args, kwargs), dtype, kept
     return traced
+
+
+def _implied(model, options: PlanOptions) -> PlanOptions:
+    """The options with the techniques the model asks for by its modules and was not given
+    (a torchao-converted model: ap.Float8 with its recipe)."""
+    for name, cls in TECHNIQUES.items():
+        if getattr(options, name) is None:
+            found = cls.implied(model)
+            if found is not None:
+                options = options.replace(**{name: found})
+    return options
 
 
 def _run_device(model, args, kwargs):

@@ -59,6 +59,19 @@ def float8_linears(plan) -> dict:
     return out
 
 
+def lm_heads(model) -> tuple:
+    """Module paths of the Linears float8 training leaves in high precision: the LM head (a Linear
+    outside the repeated blocks whose outputs are an embedding's vocabulary), as torchtitan does.
+    ``ap.Auto(float8=True)``'s plan runs ``ap.Float8(skip=lm_heads(model))``."""
+    modules = dict(named_modules(model))
+    vocab = {m.num_embeddings for m in modules.values() if isinstance(m, torch.nn.Embedding)}
+    return tuple(
+        p
+        for p, m in modules.items()
+        if isinstance(m, torch.nn.Linear) and not _in_block(p) and getattr(m, "out_features", None) in vocab
+    )
+
+
 def _in_block(path: str) -> bool:
     """Whether a module path runs inside a repeated block (a numbered module on the way)."""
     return any(part.isdigit() for part in path.split("."))

@@ -23,6 +23,7 @@ Example (the shape of a new technique):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from autopar.errors import PlanError
@@ -62,6 +63,17 @@ class Technique:
     @classmethod
     def check_options(cls, options) -> None:
         """Refuse PlanOptions that need this technique and lack it (split_before without a pipeline)."""
+
+    @classmethod
+    def implied(cls, model) -> "Technique | None":
+        """The technique the model asks for by what it is built of, where ap.plan was not given
+        it (a torchao-converted model's Float8Linears: ap.Float8 with their recipe); None."""
+        return None
+
+    def tracing(self, model):
+        """A context manager under which the model is traced (a module torch.export cannot trace
+        as it is, seen as what it computes: a Float8Linear as a Linear)."""
+        return contextlib.nullcontext()
 
     def exact(self) -> "Technique":
         """These options as plan.check runs them: the variant whose gradients are the exact fp32

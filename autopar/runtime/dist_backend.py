@@ -79,12 +79,15 @@ class DistBackend:
         y = x.clone() if x.is_contiguous() else x.contiguous()  # a copy of its own, made once
         if self.stats is not None:
             self.stats.record(kind, group, y)
+        if op == "max":  # float8's amax (parallel/float8/): the largest over the group
+            self._run(kind, group, dist.all_reduce, y, group=self._pg(group, rank), op=dist.ReduceOp.MAX)
+            return y
         self._run(kind, group, dist.all_reduce, y, group=self._pg(group, rank))
         return y / len(group) if op == "avg" else y
 
     def all_reduce_(self, x, group, rank, op):
         """In place, for inputs nothing else reads (see the ``owned`` hint of autopar::all_reduce)."""
-        if not x.is_contiguous():
+        if not x.is_contiguous() or op == "max":
             return self.all_reduce(x, group, rank, op)
         if self.stats is not None:
             self.stats.record("all_reduce", group, x)

@@ -98,6 +98,8 @@ class SimBackend:
         return total
 
     def all_reduce(self, x, group, rank, op):
+        if op == "max":  # float8's amax: the largest magnitude over the group (parallel/float8/)
+            return torch.stack(self._exchange("all_reduce", group, rank, x)).amax(0)
         total = self._sum(self._exchange("all_reduce", group, rank, x))
         return total / len(group) if op == "avg" else total
 

@@ -27,9 +27,11 @@ import warnings
 import torch
 
 from autopar.cost.activation_memory import saved_activations, share_saved_activations
+from autopar.cost.float8 import lm_heads
 from autopar.options import PlanOptions
 from autopar.parallel.data_parallel import DataParallel
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
+from autopar.parallel.float8 import Float8
 from autopar.parallel.pipeline.options import Pipeline
 from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
@@ -280,6 +282,8 @@ def search(
         "context_parallel": context if context is not None else s.context_parallel(mesh),
         "split_before": paths or tuple(split_before),
     }
+    if auto.float8:  # priced with the Linears in float8 (cost/float8.py): the plan runs them so
+        chosen["float8"] = Float8("tensorwise", skip=lm_heads(model))
     record["search_s"] = time.perf_counter() - t0
     return ann, chosen, record
 

@@ -208,6 +208,7 @@ def test_techniques_are_registered_plug_ins():
         "data_parallel",
         "context_parallel",
         "pipeline",
+        "float8",
         "mixed_precision",
         "activation_checkpoint",
     ]

@@ -1,0 +1,152 @@
+"""``autopar::float8_mm``: a Linear's matmul (``x @ w.T``) in float8, as torchao's Float8Linear
+computes it, on one rank's pieces, with every scale taken from the whole tensor's amax.
+
+torchao scales each cast from an amax (the largest magnitude of the tensor, or of each row or
+column for the axiswise recipes). On a rank that holds a piece, the local amax is the piece's;
+the serial model's is the max over every piece. So before each cast the local amax is
+all-reduced with max over the mesh axes that split the dims it runs over (``masks``), and every
+rank then casts with the serial model's scale: its fp8 values are the serial fp8 values of its
+piece. The casts and gemms themselves are torchao's own functions (tensor_to_amax,
+amax_to_scale, hp_tensor_and_scale_to_float8, its Float8TrainingTensor mm), so nothing of
+torchao's numerics is written twice.
+
+The six casts (roles), in torchao's order (float8_linear.py, matmul_with_hp_or_float8_args):
+0 input for the output gemm, 1 weight for it, 2 output gradient for grad_input, 3 weight for
+grad_input, 4 output gradient for grad_weight, 5 input for grad_weight. ``masks[i]`` has bit r
+set when cast r reduces its amax over the i-th group of ranks (``groups`` holds the groups one
+after the other, ``sizes[i]`` ranks each). The backward is its own op, so torch.compile and export see both.
+
+Example:
+    >>> y = torch.ops.autopar.float8_mm(x, w, "tensorwise", [], [], [], 0)  # nothing split
+    >>> y = torch.ops.autopar.float8_mm(x, w, "tensorwise", [0, 1], [2], [0b111111], 0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.parallel.float8.recipes import config, torchao_float8
+from autopar.runtime.backend import current_backend
+
+ROLES = 6  # the casts of one Linear's forward and backward (module docstring)
+
+
+def _torchao():
+    f8 = torchao_float8()
+    from torchao.float8 import config as cfgs, float8_training_tensor as ftt, float8_utils as fu
+
+    return f8, cfgs, ftt, fu
+
+
+class _Reducer:
+    """Each role's amax made the whole tensor's: max over the ranks of every axis its mask names."""
+
+    def __init__(self, groups, sizes, masks, rank):
+        self.rank, self.per_axis, start = rank, [], 0
+        for size, mask in zip(sizes, masks):
+            self.per_axis.append((tuple(groups[start : start + size]), mask))
+            start += size
+
+    def __call__(self, amax: torch.Tensor, role: int) -> torch.Tensor:
+        for group, mask in self.per_axis:
+            if mask >> role & 1:
+                amax = current_backend().all_reduce(amax.contiguous(), group, self.rank, "max")
+        return amax
+
+
+def _cast(t, cast_config, role_kind, axiswise_dim, reduce, role, mm_config, pow2):
+    """torchao's hp_tensor_to_float8_dynamic with the amax reduced first (or ``t`` for a disabled cast)."""
+    _, cfgs, ftt, fu = _torchao()
+    if cast_config.scaling_type is cfgs.ScalingType.DISABLED:
+        return t
+    gran = cast_config.scaling_granularity
+    dim = axiswise_dim if gran is cfgs.ScalingGranularity.AXISWISE else None
+    amax = reduce(fu.tensor_to_amax(t, False, None, gran, dim), role)
+    scale = fu.amax_to_scale(amax, cast_config.target_dtype, pow2)
+    return ftt.hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, mm_config, role_kind, dim)
+
+
+def _mm_config(c):
+    """torchao's LinearMMConfig of a Float8Linear with config ``c`` (Float8Linear.__init__)."""
+    _, _, ftt, _ = _torchao()
+    gemm = [c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight]
+    return ftt.LinearMMConfig(*(ftt.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemm))
+
+
+def _forward(x, w, recipe, reduce):
+    _, _, ftt, _ = _torchao()
+    c = config(recipe)
+    mm, pow2, role = _mm_config(c), c.round_scales_to_power_of_2, ftt.GemmInputRole
+    # rows flattened before the cast (torchao casts (..., K) then reshapes: the same rows' amaxes,
+    # and its axiswise Float8TrainingTensor cannot be reshaped)
+    x8 = _cast(x.reshape(-1, x.shape[-1]), c.cast_config_input, role.INPUT, -1, reduce, 0, mm, pow2)
+    w8 = _cast(w.t(), c.cast_config_weight, role.WEIGHT, 0, reduce, 1, mm, pow2)
+    y = torch.mm(x8, w8)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _backward(go, x, w, recipe, reduce):
+    _, _, ftt, _ = _torchao()
+    c = config(recipe)
+    mm, pow2, role = _mm_config(c), c.round_scales_to_power_of_2, ftt.GemmInputRole
+    go2, x2, w_t = go.reshape(-1, go.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()
+    go8 = _cast(go2, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, reduce, 2, mm, pow2)
+    wt8 = _cast(w_t, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, reduce, 3, mm, pow2)
+    gx = torch.mm(go8, wt8.t()).reshape(*go.shape[:-1], x.shape[-1])
+    go8 = _cast(go2, c.cast_config_grad_output_for_grad_weight, role.GRAD_OUTPUT, 0, reduce, 4, mm, pow2)
+    x8 = _cast(x2, c.cast_config_input_for_grad_weight, role.INPUT, 0, reduce, 5, mm, pow2)
+    return gx, torch.mm(go8.t(), x8)
+
+
+@torch.library.custom_op("autopar::float8_mm", mutates_args=())
+def float8_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    recipe: str,
+    groups: list[int],
+    sizes: list[int],
+    masks: list[int],
+    rank: int,
+) -> torch.Tensor:
+    """``x @ w.T`` in float8 (``w``: a Linear's weight, out x in features)."""
+    return _forward(x, w, recipe, _Reducer(groups, sizes, masks, rank)).contiguous()
+
+
+@float8_mm.register_fake
+def _(x, w, recipe, groups, sizes, masks, rank):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("autopar::float8_mm_backward", mutates_args=())
+def float8_mm_backward(
+    go: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    recipe: str,
+    groups: list[int],
+    sizes: list[int],
+    masks: list[int],
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of x, grad of w) of float8_mm, torchao's backward gemms with the amax reduced."""
+    gx, gw = _backward(go, x, w, recipe, _Reducer(groups, sizes, masks, rank))
+    return gx.contiguous(), gw.to(w.dtype).contiguous()
+
+
+@float8_mm_backward.register_fake
+def _(go, x, w, recipe, groups, sizes, masks, rank):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.rest = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in inputs[2:])
+
+
+def _grad(ctx, go):
+    x, w = ctx.saved_tensors
+    gx, gw = float8_mm_backward(go.contiguous(), x, w, *ctx.rest)
+    return gx, gw, None, None, None, None, None
+
+
+float8_mm.register_autograd(_grad, setup_context=_setup)

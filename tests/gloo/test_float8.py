@@ -1,0 +1,13 @@
+"""ap.Float8 on real gloo processes: the scales' amax all-reduces (torch.distributed MAX) give
+every rank the serial torchao model's scales; gradients equal serial (tensorwise)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchao.float8")
+
+
+def test_float8_tensorwise_on_gloo(gloo):
+    for worst in gloo(4).run("tests.gloo.jobs_float8:float8_matches_serial", "dp2xtp2", "tensorwise"):
+        assert worst < 1e-5, worst
