@@ -5,7 +5,7 @@ A case is plain data (a JSON-able dict), so that a failure is saved and replayed
     {"seed": 3, "vocab": 0, "d": 8, "batch": 4, "seq": 4,
      "blocks": [{"kind": "linear", "out": 12}, {"kind": "act", "fn": "gelu"}, ...],
      "mesh": [[2, 2], ["a0", "a1"]], "dp": "a0", "zero": 3, "checkpoint": "selective", "offload": true,
-     "cp": ["a1", "ring", true], "fold": true,
+     "cp": ["a1", "ring", true], "fold": true,      (hybrid: [["a0", "a1"], ["ring", "ulysses"], true])
      "annotations": [["b0", "colwise", "a1"], ...]}
 
 A MoE block (fuzz/moe.py) has its own keys; its experts are annotated
@@ -37,11 +37,13 @@ ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
 
 
 class Attention(nn.Module):
-    """q, k, v from one linear; heads by reshape/transpose; scores by matmul; softmax."""
+    """q, k, v from one linear; heads by reshape/transpose; scores by matmul; softmax. ``doc``:
+    packed documents of ``doc`` positions each, every one attending only to itself (a mask built
+    from global positions, as HF builds one from position ids that restart per document)."""
 
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, doc: int | None = None):
         super().__init__()
-        self.heads = heads
+        self.heads, self.doc = heads, doc
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
 
@@ -50,6 +52,10 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        if self.doc:
+            document = torch.arange(t, device=x.device) // self.doc
+            keep = document[:, None] == document[None, :]
+            att = att.masked_fill(~keep, float("-inf"))
         y = att.softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -143,7 +149,7 @@ def _block(spec: dict, d: int, dropout: float = 0.0) -> nn.Module:
     if kind == "norm":
         return nn.LayerNorm(d)
     if kind == "attn":
-        return Attention(d, spec["heads"])
+        return Attention(d, spec["heads"], spec.get("doc"))
     if kind == "residual":
         return Residual(d, spec["hidden"], spec["fn"], dropout)
     if kind == "noise":

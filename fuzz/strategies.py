@@ -160,7 +160,31 @@ def cases(draw, pool: int = 12) -> dict:
             case["fold"] = draw(st.booleans())  # (other axis orders are refused: unit tests)
         on_cp_axis(draw, case)
     expert_annotations(draw, case)  # drawn last
+    long_context(draw, case)  # drawn last too: the cases drawn before stay as they were
     return case
+
+
+def long_context(draw, case: dict) -> None:
+    """issue 47: a cp case's method Ulysses (one in three), hybrid over the cp axis and the next
+    free one (one in four where there is one: ring or all-gather across, Ulysses within), and its
+    attention blocks over packed documents (one in three where the sequence holds two or more)."""
+    if not case.get("cp") or any(b["kind"] == "moe" for b in case["blocks"]):
+        return
+    names = case["mesh"][1]
+    axis, method, balanced = case["cp"]
+    if draw(st.integers(0, 2)) == 0:
+        case["cp"] = [axis, "ulysses", balanced]
+    i = names.index(axis)
+    named = {a[2] for a in case["annotations"] if a[1] in ("colwise", "rowwise")} | {case["dp"]}
+    inner = names[i + 1] if i + 1 < len(names) else None
+    placed = any(a[1] == "place" for a in case["annotations"])  # a layout names each axis: not the merged one
+    if inner and not case.get("fold") and not placed and not {axis, inner} & named and draw(st.integers(0, 3)) == 0:
+        case["cp"] = [[axis, inner], [method, "ulysses"], balanced]
+        case["seq"] = 4 * case["mesh"][0][i] * case["mesh"][0][i + 1]  # a sequence the merged axis cuts (zig-zag too)
+    attention = [b for b in case["blocks"] if b["kind"] == "attn"]
+    if attention and case["seq"] >= 4 and draw(st.integers(0, 2)) == 0:
+        for b in attention:
+            b["doc"] = case["seq"] // 2
 
 
 def on_cp_axis(draw, case: dict) -> None:

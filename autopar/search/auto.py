@@ -93,6 +93,12 @@ def search(
         )
     fixed_tp = mesh.axis_index(user_axes.pop()) if user_axes else None
     fixed_dp = mesh.axis_index(dp.axis) if dp is not None and dp.axis is not None else None
+    if context is not None and not isinstance(context.method, str):
+        raise PlanError(
+            f"ap.plan(auto=...) with the hybrid {context}: the search does not take a user's hybrid context "
+            "parallel (its two axes are planned as one); plan it by hand, or leave context_parallel= out: "
+            "the search offers hybrid itself where two adjacent axes are free (docs/auto.md)."
+        )
     cp_methods, balanced = _context_options(traced, comps, auto, context)
     structs = structures(
         mesh, auto.sequence_parallel and bool(norms), fixed_dp, fixed_tp, True, auto.pipeline, cp_methods, balanced
@@ -100,7 +106,7 @@ def search(
     if pipeline is not None:  # the user's pipeline axis
         structs = [s for s in structs if s.pp == mesh.axis_index(pipeline.axis)]
     if context is not None:  # the user's context-parallel axis
-        structs = [s for s in structs if s.cp == mesh.axis_index(context.axis)]
+        structs = [s for s in structs if s.cp == mesh.axis_index(context.axis) and s.cp_inner is None]
     if dp is not None and dp.shard_axes is not None:  # the user's fold: its cp axis (and no dp axis without one)
         folds = dp.fold_axes(mesh)
         structs = [s for s in structs if s.cp in folds and s.can_fold() and (dp.axis is not None or s.dp is None)]
@@ -139,7 +145,7 @@ def search(
         return rewritten["graph"]
 
     def probe(s, tp_axis, sp, ep=False):
-        key = (s.dp, s.rep, tp_axis, sp, ep, s.cp, s.cp_method)
+        key = (s.dp, s.rep, tp_axis, sp, ep, s.cp, s.cp_inner, s.cp_method)
         if key not in probes:
             ann = dict(user)
             if tp_axis is not None:
@@ -586,7 +592,7 @@ def _undominated(structs: list, mesh, batch, floor: float = 0.0, budget=None, fo
 
     out = []
     for s in structs:
-        if s.cp is not None and batch is not None:
+        if s.cp is not None and s.cp_inner is None and batch is not None:  # (hybrid splits over two axes)
             a = s.cp
             alternatives = []
             if s.dp is None:
@@ -667,7 +673,8 @@ def _label(mesh, option) -> str:
         if fold:  # ZeRO's shard group over dp x cp (torchtitan's dp_shard_cp)
             label += " folded over " + "*".join(mesh.axis_names[a] for a in (s.dp, s.cp) if a is not None)
     if s.cp is not None:
-        label += f", cp {s.cp_method}" + (" zig-zag" if s.cp_balanced else "")
+        method = s.cp_method if s.cp_inner is None else "+".join(s.cp_method)  # hybrid: "ring+ulysses"
+        label += f", cp {method}" + (" zig-zag" if s.cp_balanced else "")
     if pipe is not None and pipe.chunks > 1:
         label += f", interleaved 1F1B x{pipe.chunks}"
     if paths:

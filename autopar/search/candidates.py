@@ -188,7 +188,9 @@ class Structure:
     """What each axis does: the dp axis (with ``rep``, the axis right before it, the batch is
     split over both: one data-parallel axis of their product), the tp axis, sequence parallel on
     tp, the pipeline axis, and the context-parallel axis with its attention method (``cp_method``:
-    "allgather" or "ring") and order (``cp_balanced``: the zig-zag order that evens causal work)."""
+    "allgather", "ring" or "ulysses") and order (``cp_balanced``: the zig-zag order that evens
+    causal work); hybrid context parallel (``cp_inner``: Ulysses on the axis right after ``cp``,
+    ``cp_method`` then ("ring" or "allgather", "ulysses"): ap.ContextParallel over both)."""
 
     dp: int | None
     tp: int | None
@@ -196,25 +198,30 @@ class Structure:
     rep: int | None = None
     pp: int | None = None  # pipeline stages over this axis (the layouts leave it replicated)
     cp: int | None = None  # every sequence split over this axis
-    cp_method: str | None = None
+    cp_method: str | tuple | None = None
     cp_balanced: bool = False
+    cp_inner: int | None = None  # hybrid: Ulysses within this axis (right after cp), cp_method[0] across
 
     def roles(self, mesh) -> str:
         names = []
         for a, n in enumerate(mesh.axis_names):
-            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "cp" if a == self.cp else "R"
+            cp = a in (self.cp, self.cp_inner)
+            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "cp" if cp else "R"
             if a == self.tp:
                 role = "tp+sp" if self.sp else "tp"
             names.append(f"{n}={role}")
         return ", ".join(names)
 
     def uses(self, axis: int) -> bool:
-        return axis in (self.dp, self.tp, self.rep, self.pp, self.cp)
+        return axis in (self.dp, self.tp, self.rep, self.pp, self.cp, self.cp_inner)
 
     def context_parallel(self, mesh):
         """The ap.ContextParallel of this structure (None without a cp axis)."""
         if self.cp is None:
             return None
+        if self.cp_inner is not None:  # hybrid: the two axes, the outer method and Ulysses
+            axes = (mesh.axis_names[self.cp], mesh.axis_names[self.cp_inner])
+            return ContextParallel(axes, method=self.cp_method, load_balance=self.cp_balanced)
         return ContextParallel(mesh.axis_names[self.cp], method=self.cp_method, load_balance=self.cp_balanced)
 
     def data_parallel(self, mesh, base, zero: int, shard: int | None, fold: bool = False):
@@ -235,6 +242,8 @@ class Structure:
         """Whether ZeRO may fold this structure's cp axis into its shard group: the axis right
         after the dp axis (a shard group's ranks dp-major, DataParallel's rule), or any cp axis
         without data parallel."""
+        if self.cp_inner is not None:
+            return False  # hybrid's two axes are planned as one merged axis: not folded (untried)
         return self.cp is not None and (self.dp is None or self.cp == self.dp + 1)
 
 
@@ -275,7 +284,21 @@ def structures(
                         continue
                     for cp in free:
                         lb = balanced(mesh.shape[cp])
-                        out += [Structure(dp, tp, sp, rep, None, cp, m, lb) for m in cp_methods]
+                        out += [Structure(dp, tp, sp, rep, None, cp, m, lb) for m in cp_methods if isinstance(m, str)]
+                    out += _hybrids(mesh, free, dp, tp, sp, rep, cp_methods, balanced)
+    return out
+
+
+def _hybrids(mesh, free: list, dp, tp, sp, rep, cp_methods: tuple, balanced) -> list:
+    """Hybrid context parallel where it fits: Ulysses on a free axis right after another free one
+    (its inner, fast ranks: the mesh's later axis), the ring or all-gather across the outer axis;
+    offered where Ulysses and the outer method are both among ``cp_methods``."""
+    pairs = [(m, "ulysses") for m in ("ring", "allgather") if m in cp_methods and "ulysses" in cp_methods]
+    out = []
+    for cp in free:
+        if cp + 1 in free:
+            lb = balanced(mesh.shape[cp] * mesh.shape[cp + 1])
+            out += [Structure(dp, tp, sp, rep, None, cp, pair, lb, cp_inner=cp + 1) for pair in pairs]
     return out
 
 

@@ -361,10 +361,23 @@ def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:
             continue  # the gradient sync (zero=3's gathers too) is counted per parameter (_param_terms)
         key = comp_of.get(c.node) or comp_of.get(c.src) or "base"
         w = nw.get(c.node, nw.get(c.src, 1.0))
-        a = mesh.axis_index(c.axis)
-        alpha, beta = profile.link(mesh, a)
-        out.append((key, w * (alpha * ring_steps(c.kind, mesh.shape[a]) + c.bytes / beta), c.axis, w * c.bytes))
+        n, (alpha, beta) = _group_link(profile, mesh, c.axis)
+        out.append((key, w * (alpha * ring_steps(c.kind, n) + c.bytes / beta), c.axis, w * c.bytes))
     return out
+
+
+def _group_link(profile, mesh, name) -> tuple:
+    """(ranks, (alpha, beta)) of a collective's group ``name``: a mesh axis, or a part of a merged
+    axis (hybrid context parallel's Ulysses ranks, the inner part, on the link its ranks span;
+    the outer part on the merged axis' link: it spans all of it)."""
+    i, part = mesh.sub_axis(name)
+    if part is None:
+        return mesh.shape[i], profile.link(mesh, i)
+    n = mesh.axis_size(part)
+    if part.part == "outer":
+        return n, profile.link(mesh, i)
+    span = n * math.prod(mesh.shape[i + 1 :])
+    return n, profile.intra if span <= profile.ranks_per_node else profile.inter
 
 
 def fold_candidates(plan) -> tuple:

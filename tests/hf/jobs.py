@@ -59,3 +59,50 @@ def llama_trains_like_serial(shape, axes, steps=2, lr=0.1):
         "ran": sorted(ran.items()),
         "planned": sorted(planned.items()),
     }
+
+
+def ulysses_trains_like_serial(name, shape, axes, case, steps=3):
+    """A tiny HF LLaMA or Qwen2 (SDPA, GQA) under Ulysses context parallel on ``axes``' "cp" axis,
+    load balanced, ``case``: "packed" (documents packed along the sequence on cp alone), "tp" (the
+    Megatron preset on a tp axis) or "zero3" (ZeRO-3 folded over dp x cp): AdamW steps on real
+    processes against the serial model's; the worst relative parameter difference (merged on every
+    rank) and whether one step's collectives (ap.comm_stats) are the plan's."""
+    from tests.harness.hf_models import ADAMW, causal_lm, packed_batch
+
+    rank = dist.get_rank()
+
+    def build():
+        return llama(layers=2, attn="sdpa") if name == "llama" else causal_lm(name, layers=2, attn="sdpa")
+
+    def batch(seed):
+        if case == "packed":
+            return packed_batch(docs=((5, 7, 4), (16,)), seed=seed)
+        return inputs("llama", b=4, s=16, seed=seed)
+
+    serial, kw = build().train(), batch(1)
+    mesh = ap.Mesh(shape, axes)
+    ann = ap.presets.megatron(serial, "tp", kwargs=kw) if case == "tp" else None
+    dp = ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp")) if case == "zero3" else None
+    cp = ap.ContextParallel("cp", method="ulysses", load_balance=True)
+    module = ap.parallelize(build(), mesh, kwargs=kw, annotations=ann, data_parallel=dp, context_parallel=cp)
+    plan = module.autopar_plan
+    opt, sopt = torch.optim.AdamW(module.parameters(), **ADAMW), torch.optim.AdamW(serial.parameters(), **ADAMW)
+    counted = None
+    for step in range(steps):
+        kw = batch(step + 1)
+        args, local = plan.local_inputs(rank, **kw)
+        with ap.comm_stats() as stats:
+            module(*args, **local).loss.backward()
+        counted = counted or stats
+        opt.step()
+        opt.zero_grad()
+        serial(**kw).loss.backward()
+        sopt.step()
+        sopt.zero_grad()
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, {n: p.detach() for n, p in module.named_parameters()})
+    worst = max_rel_diff(plan.merge_state_dicts(pieces), dict(serial.named_parameters()))
+    ran = Counter((r.kind, round(r.bytes, 3)) for r in counted.records if r.kind != "broadcast")
+    planned = Counter((c.kind, round(c.bytes, 3)) for c in plan.collectives())
+    return {"max_rel_param": worst, "comm_equal": ran == planned, "ran": sorted(ran.items()),
+            "planned": sorted(planned.items())}  # fmt: skip

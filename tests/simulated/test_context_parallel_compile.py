@@ -1,5 +1,8 @@
 """torch.compile of context-parallel rank modules (inductor): the LLaMA-style model on (2,), load
-balanced, ring and all-gather, forward and every gradient equal serial and the eager rank modules.
+balanced, ring, all-gather and Ulysses, and hybrid ring + Ulysses on (2, 2): forward and every
+gradient equal serial and the eager rank modules. Ulysses compiles into one graph per rank (its
+all-to-alls are graph ops, its one block of attention has no collective inside); hybrid breaks
+where its ring does.
 
 Found here: compiled, each rank's graph differs (load balancing gives each rank its own block
 plan), and inductor ordered the K and V gradients' two reduce-scatters differently on the two
@@ -49,13 +52,25 @@ def _run(plan, state, batch, wrap, calls=2):
 
 
 # the ring case (its attention eager between compiled pieces) runs in `make fuzz`: allgather is the one whose
-# collectives inductor could reorder
-@pytest.mark.parametrize("method", ["allgather", pytest.param("ring", marks=pytest.mark.slow)])
+# collectives inductor could reorder; hybrid (ring + Ulysses on (2, 2)) compiles four ranks: slow
+@pytest.mark.parametrize(
+    "method",
+    [
+        "allgather",
+        "ulysses",
+        pytest.param("ring", marks=pytest.mark.slow),
+        pytest.param("hybrid", marks=pytest.mark.slow),
+    ],
+)
 def test_compiled_rank_modules_equal_serial_and_eager(method):
     model = llama_like()
     batch = llama_batch(batch=4)
-    cp = ap.ContextParallel("cp", method=method, load_balance=True)
-    plan = ap.plan(model, ap.Mesh((2,), ("cp",)), args=batch, context_parallel=cp)
+    if method == "hybrid":  # the ring across cpr, Ulysses within cpu
+        cp = ap.ContextParallel(("cpr", "cpu"), method=("ring", "ulysses"), load_balance=True)
+        mesh = ap.Mesh((2, 2), ("cpr", "cpu"))
+    else:
+        cp, mesh = ap.ContextParallel("cp", method=method, load_balance=True), ap.Mesh((2,), ("cp",))
+    plan = ap.plan(model, mesh, args=batch, context_parallel=cp)
     state = {n: p.detach() for n, p in model.named_parameters()}
     eager_out, eager_g = _run(plan, state, batch, lambda m: m)
     out, grads = _run(plan, state, batch, torch.compile)
@@ -76,7 +91,7 @@ def test_compiled_rank_modules_equal_serial_and_eager(method):
         torch.testing.assert_close(merged_g[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
     breaks = sum(counters["graph_break"].values())
-    if method == "allgather":
+    if method in ("allgather", "ulysses"):
         assert breaks == 0, dict(counters["graph_break"])  # one graph per rank, collectives in it
     else:  # the ring runs eagerly inside the compiled module: a break per attention call and rank
         assert 0 < breaks <= 6 * plan.mesh.size, dict(counters["graph_break"])

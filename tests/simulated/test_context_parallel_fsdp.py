@@ -87,6 +87,7 @@ def _full_state(plan) -> int:
         ((2, 2), ("dp", "cp"), FOLD, "allgather"),
         ((4,), ("cp",), CP_ONLY, "ring"),
         ((2,), ("cp",), CP_ONLY, "allgather"),
+        ((4,), ("cp",), CP_ONLY, "ulysses"),  # K/V heads repeated twice (issue 47)
     ],
 )
 def test_folded_zero3_equals_serial(shape, axes, dp, method):
@@ -103,11 +104,13 @@ def test_folded_zero3_equals_serial(shape, axes, dp, method):
     assert max(state) <= _full_state(plan) / n + 64 * 4 * 2 * n  # 1/n, and the buckets' padding
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_folded_zero12_shard_optimizer_state_over_dp_x_cp(zero):
+@pytest.mark.parametrize("zero, method", [(1, "allgather"), (2, "allgather"), (2, "ulysses")])
+def test_folded_zero12_shard_optimizer_state_over_dp_x_cp(zero, method):
     """ZeRO-1/2 with shard_axes: one gradient bucket over both axes, all-reduced (1) or
-    reduce-scattered (2) over the 4 ranks at once, each stepping its quarter; 3 AdamW steps equal serial."""
-    plan = _dp2xcp2().with_data_parallel(ap.DataParallel("dp", zero=zero, shard_axes=("dp", "cp")))
+    reduce-scattered (2) over the 4 ranks at once, each stepping its quarter; 3 AdamW steps equal
+    serial (under Ulysses too)."""
+    base = _dp2xcp2() if method == "allgather" else _plan((2, 2), ("dp", "cp"), FOLD, method)
+    plan = base.with_data_parallel(ap.DataParallel("dp", zero=zero, shard_axes=("dp", "cp")))
     assert [b.axes for b in plan.grad_buckets()] == [(0, 1)]
     sync = [(c.kind, c.axis) for c in plan.collectives() if c.phase in ("grad sync", "optimizer")]
     assert sync == [("all_reduce" if zero == 1 else "reduce_scatter", "dp*cp"), ("all_gather", "dp*cp")]

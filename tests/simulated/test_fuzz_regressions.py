@@ -130,6 +130,42 @@ CASES = {
         "cp": ["a1", "allgather", True],
         "fold": True,
     },
+    # issue 47: the fuzzer draws Ulysses, hybrid and packed documents (fuzz/strategies.long_context);
+    # hybrid ring + Ulysses load balanced over two axes, documents of 8 positions masked from global
+    # positions (each layer reads the one mask: Ulysses gathers its rows once), checkpointed
+    "hybrid_ulysses_ring_packed_documents": {
+        "seed": 47,
+        "vocab": 12,
+        "d": 8,
+        "batch": 2,
+        "seq": 16,
+        "blocks": [
+            {"kind": "attn", "heads": 2, "doc": 8},
+            {"kind": "residual", "hidden": 8, "fn": "gelu"},
+            {"kind": "attn", "heads": 2, "doc": 8},
+        ],
+        "mesh": [[2, 2], ["a0", "a1"]],
+        "dp": None,
+        "annotations": [],
+        "checkpoint": "full",
+        "offload": False,
+        "cp": [["a0", "a1"], ["ring", "ulysses"], True],
+    },
+    # issue 47: Ulysses on cp with tp's head split on the other axis and ZeRO-3 on dp (a third axis)
+    "ulysses_with_tp_heads_and_zero3": {
+        "seed": 48,
+        "vocab": 0,
+        "d": 8,
+        "batch": 4,
+        "seq": 8,
+        "blocks": [{"kind": "attn", "heads": 4, "doc": 4}, {"kind": "norm"}],
+        "mesh": [[2, 2, 2], ["a0", "a1", "a2"]],
+        "dp": "a0",
+        "annotations": [["blocks.0.qkv", "colwise", "a1"], ["blocks.0.proj", "rowwise", "a1"]],
+        "zero": 3,
+        "checkpoint": None,
+        "cp": ["a2", "ulysses", True],
+    },
     # issue 52's 2,000-case run, fsdp: experts of a ModuleList split over a0 under zero=3 on a1 (a
     # one-rank shard group): another rank's expert is an empty piece on every rank of the group,
     # and merging its gradient concatenated nothing.

@@ -67,3 +67,30 @@ def test_search_offers_ulysses_only_where_the_heads_split():
     rec = ap.plan(model, ap.Mesh((3,), ("a",)), args=batch, auto=auto).built["auto"]
     options = set(_runners(rec)) | {rec["chosen"]}
     assert "a=cp, cp ring zig-zag" in options and not any("ulysses" in o for o in options)
+
+
+def test_search_offers_hybrid_on_two_free_adjacent_axes():
+    """Hybrid context parallel (the ring or all-gather across the outer axis, Ulysses within the
+    inner one) is a structure where two adjacent axes are free; ap.predict costs a hybrid plan
+    (its collectives on the parts of the merged axis, each on the link its ranks span); a user's
+    hybrid ContextParallel under auto= is a PlanError that says what to do."""
+    from autopar.search.candidates import structures
+
+    mesh = ap.Mesh((2, 2), ("a", "b"))
+    hybrid = [s for s in structures(mesh, False, None, None, True, False, METHODS) if s.cp_inner is not None]
+    assert {(s.cp, s.cp_inner, s.cp_method) for s in hybrid} == {
+        (0, 1, ("ring", "ulysses")),
+        (0, 1, ("allgather", "ulysses")),
+    }
+    assert hybrid[0].roles(mesh) == "a=cp, b=cp" and not hybrid[0].can_fold()
+    assert hybrid[0].context_parallel(mesh).axis == ("a", "b")
+    assert not [s for s in structures(mesh, False, None, None, True, False, ("ring",)) if s.cp_inner is not None]
+    model, batch = llama_like(kv_heads=4, layers=2), llama_batch(batch=1, seq=64)
+    got = {}
+    for outer in ("ring", "allgather"):
+        cp = ap.ContextParallel(("a", "b"), method=(outer, "ulysses"), load_balance=True)
+        got[outer] = ap.predict(ap.plan(model, mesh, args=batch, context_parallel=cp), ap.Auto(**AUTO))
+        assert got[outer]["comm_bytes"]["b"] > 0 and got[outer]["comm_bytes"]["a"] > 0  # Ulysses within, outer across
+    assert got["ring"]["comm_bytes"]["a"] > got["allgather"]["comm_bytes"]["a"]  # the ring moves the gradients too
+    with pytest.raises(ap.PlanError, match="hybrid"):
+        ap.plan(model, mesh, args=batch, context_parallel=cp, auto=ap.Auto(**AUTO))
