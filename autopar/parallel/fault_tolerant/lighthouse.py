@@ -48,12 +48,13 @@ class Lighthouse:
 
 
 def start_lighthouse(
-    min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000, port: int = 0
+    min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000, port: int = 0, log=None
 ) -> Lighthouse:
-    """Start a lighthouse process on ``port`` (0: a free one) of this host; returns once it serves."""
+    """Start a lighthouse process on ``port`` (0: a free one) of this host; returns once it serves.
+    ``log``: where its quorum log goes (a file, subprocess.DEVNULL; None: this process' stderr)."""
     args = f"{min_replicas}, {join_timeout_ms}, {heartbeat_timeout_ms}, {port}"
     code = f"{_SERVE}\nserve({args})"
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True)
     line = process.stdout.readline()  # its address, once it listens
     if not line.startswith("http"):
         process.kill()
