@@ -141,3 +141,31 @@ def recovery(run: dict) -> dict:
     back = [r["t"] for r in read_log(out, groups - 1) if r["t"] > (run["restarted_at"] or 0) and r["part"]]
     rejoin = (back[0] - run["killed_at"]) if back and run["killed_at"] else None
     return dict(steps_lost=lost, survivor_stall_s=stall, rejoin_s=rejoin)
+
+
+def lighthouse_dies(out: Path, after: int = 3, timeout: float = 90.0) -> dict:
+    """One group of 2 ranks training; the lighthouse SIGKILLed after ``after`` commits. Returns how
+    the ranks ended (exit codes, seconds from the kill, their stderr)."""
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = start_lighthouse(1, join_timeout_ms=500, heartbeat_timeout_ms=1000, log=subprocess.DEVNULL)
+    procs = _start_group(out, "tp", 10**6, 1, 0, lighthouse.address, dict(FT_QUORUM_TIMEOUT="5"))
+    try:
+        deadline = time.monotonic() + timeout
+        while sum(r["committed"] for r in read_log(out, 0)) < after:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the group did not train; logs in {out}")
+            time.sleep(0.05)
+        lighthouse.stop()
+        killed = time.monotonic()
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return dict(
+            codes=[p.returncode for p in procs],
+            seconds=time.monotonic() - killed,
+            stderr="".join(f.read_text() for f in sorted(out.glob("stderr_0_*.txt"))),
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.stop()

@@ -38,3 +38,13 @@ def test_hsdp_kill_and_rejoin(tmp_path):
     run = ft_driver.run_job(tmp_path, "hsdp", steps=12, groups=2, kill_at=4, timeout=200)
     steps = _check(run, 2)
     assert steps[max(steps)] == [0, 1]
+
+
+def test_lighthouse_that_dies_is_a_clear_error_not_a_hang(tmp_path):
+    """quorum_timeout 5 s: both ranks of the group exit with FaultToleranceError naming the lighthouse."""
+    out = ft_driver.lighthouse_dies(tmp_path)
+    assert out["codes"] == [1, 1] and out["seconds"] < 30, out
+    assert (
+        out["stderr"].count("FaultToleranceError: ap.FaultTolerant: replica group 0 got no quorum from the lighthouse")
+        == 2
+    )

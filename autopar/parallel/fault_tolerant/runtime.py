@@ -187,7 +187,7 @@ class ReplicaJob:
             f"ap.FaultTolerant: replica group {self.replica} got no quorum from the lighthouse at {lighthouse} "
             f"within {self.ft.quorum_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
             "The lighthouse is gone or unreachable: restart it at that address (python -m "
-            "autopar.parallel.fault_tolerant.lighthouse) and restart the groups; they resume from a checkpoint."
+            "autopar.parallel.fault_tolerant.lighthouse) and restart the groups from your last checkpoint."
         )
 
 
@@ -214,7 +214,10 @@ class FaultTolerantOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start this step's quorum (it runs while the forward does) and clear the gradients."""
-        self.job.manager.start_quorum()
+        try:
+            self.job.manager.start_quorum()  # waits for the last step's quorum: its failure shows here
+        except Exception as e:  # noqa: BLE001 - named: the lighthouse
+            raise self.job.quorum_error(e) from e
         self.inner.zero_grad(set_to_none)
 
     def step(self, closure=None) -> bool:
