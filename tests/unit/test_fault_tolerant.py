@@ -102,6 +102,23 @@ def test_hsdp_shard_axis_is_not_the_replica_axis():
         )
 
 
+class _WithLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def test_a_loss_inside_the_model_is_refused_naming_it():
+    """Its mean over the batch would be all-reduced across replica groups in the forward."""
+    with pytest.raises(
+        ap.FaultToleranceError, match=r"broadcast_tensors .* runs a all_gather over 'dp' in the forward.*outside"
+    ):
+        ap.plan(_WithLoss(), ap.Mesh((2,), ("dp",)), args=(X[:8], torch.randn(8, 4)), fault_tolerant="dp")
+
+
 @pytest.mark.parametrize("bad", [dict(replica_axis=3), dict(min_replicas=0), dict(timeout=0)])
 def test_bad_options(bad):
     with pytest.raises(ap.FaultToleranceError):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.cost.collectives import collectives
 from autopar.errors import FaultToleranceError
 from autopar.parallel.data_parallel import DataParallel
 from autopar.parallel.fault_tolerant import runtime
@@ -144,6 +145,21 @@ class FaultTolerant(Technique):
                 f"({self.replica_axis!r}, 'shard', ...) with ap.DataParallel('shard', zero=3, "
                 f"replicate_axis={self.replica_axis!r})."
             )
+
+    def after_plan(self, plan):
+        """Refuse a collective of the program across the replica axis (a loss the model computes as
+        a mean over the batch: every group's mean averaged across groups in the forward), which a
+        lost group breaks: only gradients cross groups."""
+        label, nodes = plan.mesh.axis_label(self.replica_part(plan.mesh)[0]), {n.name for n in plan.graph.nodes}
+        for c in collectives(plan, grad_sync=False):  # the program's own (not zero=3's gathers inside groups)
+            if c.axis == label and c.node in nodes:
+                raise FaultToleranceError(
+                    f"FaultTolerant({self.replica_axis!r}): {c.node} (module {c.module or '(top)'!r}) runs a {c.kind} "
+                    f"over {label!r} in the {c.phase} (a loss computed inside the model, a mean over the batch, or an "
+                    "op without a rule on the batch): a collective "
+                    "across replica groups that a lost group breaks. Return per-row outputs (the logits) and take "
+                    "the loss outside the module: each group's own mean, averaged across live groups by torchft."
+                )
 
     def join(self, plan, timeout: float | None):
         """ap.parallelize in one replica group's job: make this group's process groups and the
