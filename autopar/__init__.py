@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for t
     from autopar.checkpoint.state_dict import get_state_dict, set_state_dict
 from autopar.errors import (
     AnnotationError,
+    FaultToleranceError,
     InconsistentPlanError,
     InputError,
     MeshError,
@@ -37,6 +38,7 @@ from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.fault_tolerant import FaultTolerant
 from autopar.parallel.float8 import Float8
 from autopar.parallel.grad_scaler import GradScaler
 from autopar.parallel.precision import MixedPrecision
@@ -75,6 +77,8 @@ __all__ = [
     "Cost",
     "DataParallel",
     "DataParallelError",
+    "FaultToleranceError",
+    "FaultTolerant",
     "Float8",
     "GradScaler",
     "InconsistentPlanError",

@@ -98,20 +98,23 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, timeout: float | None = N
             "ap.parallelize needs an initialised process group: call "
             "torch.distributed.init_process_group (torchrun sets the environment)."
         )
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != mesh.size:
-        raise MeshError(
-            f"The world has {world} processes but the mesh {mesh} has {mesh.size} ranks: "
-            f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
-        )
     if plan_kwargs.get("auto") not in (None, False):  # a module comes back, not a pipeline runner
         plan_kwargs["auto"] = dataclasses.replace(Auto.of(plan_kwargs["auto"]), pipeline=False)
     p = plan(model, mesh, **plan_kwargs)
+    # a technique that runs the mesh as several jobs (fault tolerance: one per replica group) joins its own
+    joined = next((j for t in p.options.techniques if (j := t.join(p, timeout)) is not None), None)
+    rank, skip = joined if joined is not None else (dist.get_rank(), ())
+    if joined is None and dist.get_world_size() != mesh.size:
+        raise MeshError(
+            f"The world has {dist.get_world_size()} processes but the mesh {mesh} has {mesh.size} ranks: "
+            f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or change the mesh."
+        )
     # ranks that planned differently all raise here, before any collective (debug: every collective compared)
     exchange_fingerprints(p, timeout, p.module(rank) if p.options.debug else None)
-    make_groups(p, rank, timeout)  # the mesh planned on (two-axis HSDP: one axis, the same ranks)
+    if joined is None:
+        make_groups(p, rank, timeout)  # the mesh planned on (two-axis HSDP: one axis, the same ranks)
     module = p.module(rank)
-    broadcast_replicated(p, rank, list(module.named_parameters()) + list(module.named_buffers()))
+    broadcast_replicated(p, rank, list(module.named_parameters()) + list(module.named_buffers()), skip)
     module.autopar_plan = p
     return module
 

@@ -52,6 +52,11 @@ class PipelineError(PlanError):
     """A pipeline option, stage split or schedule that cannot work."""
 
 
+class FaultToleranceError(PlanError):
+    """Fault tolerance (ap.FaultTolerant) asked of a plan it cannot protect, or its lighthouse or
+    quorum failing at run time."""
+
+
 class CheckpointError(PlanError):
     """A state dict or checkpoint that does not fit the module it is loaded into."""
 

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,tp=2 --steps 50 --out runs/x
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,tp=2 --steps 80 --out runs/x --resume
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=4 --steps 80 --out runs/x --resume   # another mesh
+    python examples/train_lm.py --fault-tolerant --mesh dp=2,tp=2 --steps 40 --out runs/ft   # examples/lm_fault_tolerant.py
 
 The text is the Python standard library's own sources (present wherever Python is), 9/10 for
 training and 1/10 for validation, tokenized by a byte-level BPE trained on it (cached in
@@ -125,6 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=25, help="checkpoint every N steps (and at the end)")
     p.add_argument("--sample-tokens", type=int, default=80, help="tokens generated at the end")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
+    p.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="replica groups on dp that survive a lost one (torchft; run with plain python: it launches them)",
+    )
+    p.add_argument("--kill-at", type=int, default=None, help="--fault-tolerant demo: kill a process at step N")
     run = p.add_argument_group("the run (kept in OUT/run.json; fixed on --resume)")
     for name, default in RUN_DEFAULTS.items():
         flag = f"--{name.replace('_', '-')}"
@@ -547,8 +554,39 @@ def train(args, run: dict, shape, names) -> None:
         print(f"--- sample (sampled, temperature 0.8) ---\n{text}\n---", flush=True)
 
 
+def fault_tolerant(args, argv) -> int:
+    """--fault-tolerant (examples/lm_fault_tolerant.py): this process launches the replica groups,
+    or is a rank of one (REPLICA_GROUP_ID set by the launcher)."""
+    import lm_fault_tolerant
+
+    sizes = [int(part.partition("=")[2] or 0) for part in (args.mesh or "dp=2").split(",")]
+    shape, names = parse_mesh(args.mesh or "dp=2", math.prod(sizes))
+    run = run_settings(args, args.out)
+    if "dp" not in names or "pp" in names or "cp" in names or args.zero or args.auto or args.resume:
+        raise Usage(
+            "--fault-tolerant: replica groups on a dp axis, with tp inside (no pp, cp, --zero, --auto, --resume)"
+        )
+    if "REPLICA_GROUP_ID" not in os.environ:  # the launcher: the data once, then the groups
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        prepare_data(args.out, run, 0)
+        dist.destroy_process_group()
+        return lm_fault_tolerant.launch(args, list(argv if argv is not None else sys.argv[1:]), shape, names)
+    dist.init_process_group("gloo")
+    try:
+        lm_fault_tolerant.worker(args, run, shape, names, prepare_data(args.out, run, dist.get_rank())[1])
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.fault_tolerant:
+        try:
+            return fault_tolerant(args, argv)
+        except Usage as e:
+            print(f"train_lm.py: error: {e}", file=sys.stderr, flush=True)
+            return 2
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         run, shape, names = check_input(args, world)

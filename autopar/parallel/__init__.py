@@ -7,7 +7,7 @@ Importing this package imports every module in it, so each technique registers i
 Example:
     >>> from autopar.parallel import TECHNIQUES
     >>> list(TECHNIQUES)
-    ['data_parallel', 'context_parallel', 'pipeline', 'mixed_precision', 'activation_checkpoint']
+    ['data_parallel', 'fault_tolerant', 'context_parallel', 'pipeline', 'mixed_precision', 'activation_checkpoint']
 """
 
 import importlib

@@ -230,8 +230,8 @@ class FSDPRuntime:
             flat.add_(self.acc.pop(k))
         backend = current_backend()
         mine = backend.reduce_scatter_async(flat, self.shard, self.rank).wait() if len(self.shard) > 1 else flat
-        if len(self.replica) > 1:
-            mine = backend.all_reduce(mine, self.replica, self.rank, "sum")
+        if len(self.replica) > 1:  # the async form: a gradient's sum (ap.FaultTolerant routes it via torchft)
+            mine = backend.all_reduce_async(mine, self.replica, self.rank).wait()
         mine = mine.to(b.dtype)
         if mine._base is not None:  # a view of the whole bucket (all-reduce fallback): keep only ours
             mine = mine.clone()

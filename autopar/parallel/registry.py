@@ -8,8 +8,8 @@ explain iterate over this registry, so adding a technique is its file, its tests
 of docs. ``autopar.parallel`` imports every module of the folder, which fills it.
 
 Example:
-    >>> sorted(TECHNIQUES)
-    ['activation_checkpoint', 'context_parallel', 'data_parallel', 'pipeline']
+    >>> list(TECHNIQUES)  # in the order they apply
+    ['data_parallel', 'fault_tolerant', 'context_parallel', 'pipeline', 'mixed_precision', 'activation_checkpoint']
     >>> TECHNIQUES["data_parallel"].of("dp")
     DataParallel(axis='dp', ...)
 """

@@ -129,6 +129,13 @@ class Technique:
         """Structure built once the layouts are known (the pipeline cuts the graph into stages);
         what it returns is kept as ``plan.built[self.name]``."""
 
+    def join(self, plan, timeout: float | None) -> tuple | None:
+        """ap.parallelize where this technique runs the mesh as several torch.distributed jobs
+        (fault tolerance: one per replica group): make this job's process groups and backend and
+        return (this process' rank in the plan, mesh axes its replicated tensors are not
+        broadcast over). None: one job over the whole mesh (the default)."""
+        return None
+
     def attach(self, plan, module, rank: int) -> None:
         """Runtime hooks on ``rank``'s module (gradient sync, optimizer helpers)."""
 

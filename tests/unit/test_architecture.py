@@ -206,6 +206,7 @@ def test_techniques_are_registered_plug_ins():
 
     assert list(TECHNIQUES) == [
         "data_parallel",
+        "fault_tolerant",
         "context_parallel",
         "pipeline",
         "float8",

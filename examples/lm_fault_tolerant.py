@@ -1,0 +1,133 @@
+"""train_lm.py --fault-tolerant: the LLaMA-style model trained by replica groups that survive a lost one.
+
+    python examples/train_lm.py --fault-tolerant --mesh dp=2,tp=2 --steps 40 --out runs/ft
+    python examples/train_lm.py --fault-tolerant --mesh dp=2,tp=2 --steps 40 --out runs/ft --kill-at 10
+
+Run it with plain ``python`` (not torchrun): this launcher starts the torchft lighthouse, then one
+job of |tp| x ... processes per position of ``dp`` (a replica group, ``REPLICA_GROUP_ID``), and
+restarts a group whose process dies, as torchrun --max-restarts would. ``--kill-at N`` SIGKILLs
+group 1's last process after N committed steps to show it: the other groups keep stepping, the
+killed group comes back, fetches the weights and AdamW state from a live one and rejoins. Each
+group's rank 0 writes OUT/ft_metrics.jsonl (step, loss, groups taking part, committed). The
+batch of each step is read at the job's committed step count, so every committed batch is used
+once. See docs/fault_tolerance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar as ap
+from autopar.parallel.fault_tolerant import start_lighthouse
+from lm_data import TokenLoader
+from lm_model import LlamaLM, llama_config, megatron
+
+MAX_RESTARTS = 3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_group(argv: list, group: int, size: int, lighthouse: str) -> list:
+    port, procs = _port(), []
+    for r in range(size):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1", RUST_LOG="error")
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
+    return procs
+
+
+def launch(args, argv: list, shape: tuple, names: tuple) -> int:
+    """The parent: lighthouse, one job per replica group, restarts; returns when all groups end."""
+    groups, size = shape[names.index("dp")], 1
+    for n in shape:
+        size *= n
+    size //= groups
+    os.makedirs(args.out, exist_ok=True)
+    lighthouse = start_lighthouse(min_replicas=1, log=open(os.path.join(args.out, "lighthouse.log"), "w"))
+    print(f"lighthouse at {lighthouse.address}; {groups} replica groups of {size} processes", flush=True)
+    jobs = {g: _start_group(argv, g, size, lighthouse.address) for g in range(groups)}
+    restarts, killed = 0, args.kill_at is None
+    try:
+        while any(p.poll() is None for procs in jobs.values() for p in procs):
+            if not killed and _committed(args.out) >= args.kill_at:
+                jobs[groups - 1][-1].send_signal(signal.SIGKILL)
+                print(f"killed a process of replica group {groups - 1}", flush=True)
+                killed = True
+            for g, procs in jobs.items():
+                if any(p.poll() not in (None, 0) for p in procs):
+                    if restarts == MAX_RESTARTS:
+                        raise SystemExit(f"replica group {g} failed {MAX_RESTARTS + 1} times; see its output")
+                    for p in procs:
+                        p.kill()
+                        p.wait()
+                    restarts += 1
+                    print(f"restarting replica group {g}", flush=True)
+                    jobs[g] = _start_group(argv, g, size, lighthouse.address)
+            time.sleep(0.1)
+    finally:
+        lighthouse.stop()
+    return 0
+
+
+def _committed(out: str) -> int:
+    path = os.path.join(out, "ft_metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return sum(json.loads(line)["committed"] for line in open(path).read().splitlines() if line.endswith("}"))
+
+
+def worker(args, run: dict, shape: tuple, names: tuple, blob: dict) -> None:
+    """One rank of one replica group's job."""
+    mesh = ap.Mesh(shape, names)
+    groups = shape[names.index("dp")]
+    torch.manual_seed(0)  # the same start everywhere (torchft also syncs it from a live group)
+    cfg = llama_config(run["vocab"], run["hidden"], run["layers"], run["heads"], run["kv_heads"], run["seq"])
+    loader = TokenLoader(blob["train"], run["batch"], run["seq"])
+    x, y = loader.next()
+    kw = {"annotations": megatron("tp")} if "tp" in names else {}
+    ft = ap.FaultTolerant("dp", timeout=60, quorum_timeout=60)
+    # the logits, and the loss taken here: a loss inside the model would average over dp in the forward,
+    # across replica groups (ap.FaultTolerant refuses it); each group's own mean is what torchft averages
+    module = ap.parallelize(LlamaLM(cfg), mesh, args=(x,), fault_tolerant=ft, timeout=args.timeout, **kw)
+    plan, job = module.autopar_plan, module.autopar_fault_tolerant
+    rank = mesh.size // groups * job.replica + dist.get_rank()
+    opt = job.wrap(torch.optim.AdamW(module.parameters(), lr=run["lr"]))
+    span = run["batch"] * run["seq"]
+    metrics = open(os.path.join(args.out, "ft_metrics.jsonl"), "a") if dist.get_rank() == 0 else None
+    while True:
+        opt.zero_grad()
+        loader.load_state_dict({"pos": job.step * span % (blob["train"].numel() - span - 1), "epoch": 0})
+        (lx, ly), _ = plan.local_inputs(rank, *loader.next())
+        logits = module(lx)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ly.reshape(-1))
+        loss.backward()
+        n, committed = job.participants(), opt.step()
+        if metrics is not None:
+            row = dict(group=job.replica, step=job.step, loss=round(loss.item(), 4), groups=n, committed=committed)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            print(f"group {job.replica} step {job.step:4d} loss {loss.item():.4f} groups {n}", flush=True)
+        if committed and job.step >= args.steps and n == groups:
+            break
+    dist.barrier()
+    job.manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":  # a worker, started by launch
+    import train_lm
+
+    sys.exit(train_lm.main(sys.argv[1:]))

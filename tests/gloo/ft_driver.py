@@ -1,0 +1,171 @@
+"""Run a fault-tolerant job of several replica groups (each its own gloo world of 2 processes,
+jobs_fault_tolerant.py), SIGKILL one group's process mid-run and restart that group as torchrun
+would, and rebuild the serial run over the committed batches (test_fault_tolerant.py and
+bench/bench_fault_tolerance.py share it).
+
+Example:
+    >>> run = run_job(tmp_path, "tp", steps=12, groups=2, kill_at=4)
+    >>> reference_matches(run)       # every rank's final pieces vs the serial run's
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from autopar.parallel.fault_tolerant import start_lighthouse
+from autopar.runtime.gloo_pool import free_port
+from tests.gloo import jobs_fault_tolerant as jobs
+
+RANKS = 2  # processes per replica group
+
+
+def _start_group(out: Path, kind: str, steps: int, groups: int, replica: int, lighthouse: str, env_extra=None):
+    port, procs = free_port(), []
+    for r in range(RANKS):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(REPLICA_GROUP_ID=str(replica), TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1")
+        env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.getcwd(), RUST_LOG="error", **(env_extra or {}))
+        cmd = [sys.executable, "-m", "tests.gloo.jobs_fault_tolerant", str(out), kind, str(steps), str(groups)]
+        with open(out / f"stderr_{replica}_{r}_{time.time():.0f}.txt", "w") as err:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    return procs
+
+
+def read_log(out: Path, replica: int) -> list[dict]:
+    path = out / f"log_{replica}_0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_job(out: Path, kind: str, steps: int, groups: int, kill_at: int | None = None, timeout: float = 120.0):
+    """Run the job; with ``kill_at`` the last group's rank 1 is SIGKILLed once ``kill_at`` steps
+    with every group in them committed, and the group restarted. Returns a dict of what happened."""
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = start_lighthouse(1, join_timeout_ms=500, heartbeat_timeout_ms=1000, log=subprocess.DEVNULL)
+    victim, killed_at, restarted_at = groups - 1, None, None
+    try:
+        running = {g: _start_group(out, kind, steps, groups, g, lighthouse.address) for g in range(groups)}
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for procs in running.values() for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fault-tolerant job did not finish in {timeout} s; logs in {out}")
+            if kill_at is not None and killed_at is None:
+                # after kill_at steps every group took part in (groups start at different times)
+                if sum(r["committed"] and r["n"] == groups for r in read_log(out, victim)) >= kill_at:
+                    running[victim][1].send_signal(signal.SIGKILL)
+                    killed_at = time.time()
+            if killed_at is not None and restarted_at is None and running[victim][1].poll() is not None:
+                for p in running[victim]:  # torchrun's restart: the whole group goes, and comes back
+                    p.kill()
+                    p.wait()
+                running[victim] = _start_group(out, kind, steps, groups, victim, lighthouse.address)
+                restarted_at = time.time()
+            for g, procs in running.items():
+                bad = [p.returncode for p in procs if p.poll() not in (None, 0)]
+                if bad and not (g == victim and killed_at is not None and restarted_at is None):
+                    raise RuntimeError(f"replica group {g} failed (exit {bad}); logs in {out}")
+            time.sleep(0.05)
+    finally:
+        for procs in running.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        lighthouse.stop()
+    return dict(out=out, kind=kind, groups=groups, killed_at=killed_at, restarted_at=restarted_at)
+
+
+def committed_steps(out: Path, groups: int) -> dict[int, list[int]]:
+    """Committed step -> the replica groups whose gradients it averaged (their logs must agree
+    on how many took part)."""
+    steps: dict[int, list[int]] = {}
+    counts: dict[int, set] = {}
+    for g in range(groups):
+        for r in read_log(out, g):
+            if r["committed"] and r["part"]:
+                counts.setdefault(r["step"], set()).add(r["n"])
+                if r["part"]:
+                    steps.setdefault(r["step"], []).append(g)
+    for s, groups_in in steps.items():
+        assert counts[s] == {len(groups_in)}, f"step {s}: groups {groups_in} took part but logs say {counts[s]}"
+    return dict(sorted(steps.items()))
+
+
+def serial_reference(steps: dict[int, list[int]], groups: int) -> torch.nn.Module:
+    """The serial model trained on each committed step's batches of the groups that took part."""
+    model = jobs.model()
+    opt = jobs.optimizer(model.parameters())
+    assert list(steps) == list(range(len(steps))), f"committed steps are not 0..n-1 each once: {list(steps)}"
+    for s, groups_in in steps.items():
+        x, y = jobs.batch(s, groups)
+        rows = torch.cat([torch.arange(g * jobs.ROWS, (g + 1) * jobs.ROWS) for g in sorted(groups_in)])
+        opt.zero_grad()
+        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
+        opt.step()
+    return model
+
+
+def max_difference(run: dict) -> float:
+    """Largest |final piece - serial reference's piece| over every rank of every group."""
+    import autopar as ap
+
+    out, groups = run["out"], run["groups"]
+    ref = serial_reference(committed_steps(out, groups), groups)
+    mesh, kw = jobs.setup(run["kind"], groups)
+    x0, _ = jobs.batch(0, groups)
+    plan = ap.plan(jobs.model(), mesh, args=(x0,), fault_tolerant="dp", **kw)
+    worst = 0.0
+    for rank in range(mesh.size):
+        mine = torch.load(out / f"state_{rank}.pt")
+        want = plan.shard_state_dict(ref.state_dict(), rank)
+        assert set(mine) == set(want), (sorted(mine), sorted(want))
+        worst = max(worst, *((mine[k] - want[k]).abs().max().item() for k in want))
+    return worst
+
+
+def recovery(run: dict) -> dict:
+    """Steps lost and seconds to recover around the kill: attempts that did not commit on the
+    survivors, the longest gap between their commits, and from the restart to the killed group's
+    first step taking part again."""
+    out, groups = run["out"], run["groups"]
+    survivor = read_log(out, 0)
+    lost = sum(not r["committed"] for r in survivor)
+    times = [r["t"] for r in survivor if r["committed"]]
+    stall = max(b - a for a, b in zip(times, times[1:]))
+    back = [r["t"] for r in read_log(out, groups - 1) if r["t"] > (run["restarted_at"] or 0) and r["part"]]
+    rejoin = (back[0] - run["killed_at"]) if back and run["killed_at"] else None
+    return dict(steps_lost=lost, survivor_stall_s=stall, rejoin_s=rejoin)
+
+
+def lighthouse_dies(out: Path, after: int = 3, timeout: float = 90.0) -> dict:
+    """One group of 2 ranks training; the lighthouse SIGKILLed after ``after`` commits. Returns how
+    the ranks ended (exit codes, seconds from the kill, their stderr)."""
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = start_lighthouse(1, join_timeout_ms=500, heartbeat_timeout_ms=1000, log=subprocess.DEVNULL)
+    procs = _start_group(out, "tp", 10**6, 1, 0, lighthouse.address, dict(FT_QUORUM_TIMEOUT="5"))
+    try:
+        deadline = time.monotonic() + timeout
+        while sum(r["committed"] for r in read_log(out, 0)) < after:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the group did not train; logs in {out}")
+            time.sleep(0.05)
+        lighthouse.stop()
+        killed = time.monotonic()
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return dict(
+            codes=[p.returncode for p in procs],
+            seconds=time.monotonic() - killed,
+            stderr="".join(f.read_text() for f in sorted(out.glob("stderr_0_*.txt"))),
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.stop()
