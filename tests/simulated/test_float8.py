@@ -315,3 +315,18 @@ def test_plan_file_round_trip_keeps_float8(tmp_path):
     assert again.options.float8 == ap.Float8("rowwise", skip=("layers.1.fc2",))
     f8 = torch.ops.autopar.float8_mm.default
     assert [n.name for n in again.graph.nodes if n.target is f8] == [n.name for n in plan.graph.nodes if n.target is f8]
+
+
+def test_collectives_count_each_amax_reduction():
+    """tensorwise: one float32 per reduced cast; rowwise: one per row of the rank's piece (fc2
+    row-parallel on tp=2, batch 8: its input's 8 row amaxes and its weight's 16 row amaxes)."""
+    from autopar.cost.formulas import Numbers
+    from autopar.parallel.float8.rule import F8, FLOAT8_SCALES
+
+    for recipe, want in (("tensorwise", [4, 4]), ("rowwise", [8 * 4, 16 * 4])):
+        plan = _plan("tp2", recipe, float8=ap.Float8(recipe))
+        fc2 = [n for n in plan.graph.nodes if n.target is F8][1]
+        comms = FLOAT8_SCALES.comms(plan, fc2, 0, Numbers(plan.mesh))
+        forward = [c for c in comms if c[2] == "forward"]
+        # a ring all-reduce over 2 ranks moves the bytes once per rank
+        assert [float(c[3]) for c in forward] == want, (recipe, forward)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Partial, Shard
+from autopar.placement import Partial, Replicate, Shard
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.sharding.propagate import layout_of
@@ -70,6 +70,22 @@ def masks(node) -> list[int]:
     return out
 
 
+def _amax_numel(node, role: int, symbols):
+    """How many amaxes cast ``role`` reduces on one rank: 1 (tensorwise), or one per row or column
+    of the rank's piece (axiswise: the dims the amax runs over become 1, the others stay split)."""
+    cast = _casts(node.args[2])[role]
+    if cast.scaling_granularity.value != "axiswise":
+        return 1
+    lay, t = layout_of(node), ROLE_TENSOR[role]
+    tensor = (node.args[0], node.args[1], node)[t]
+    spec = (lay.input_targets[0], lay.input_targets[1], lay.spec)[t]
+    shape = list(tensor.meta["val"].shape)
+    over = _over(role, len(shape), True)
+    kept = [1 if d in over else s for d, s in enumerate(shape)]
+    placed = tuple(Replicate() if isinstance(p, Shard) and p.dim % len(shape) in over else p for p in spec)
+    return symbols.numel(kept, placed)
+
+
 def _concat(*groups) -> list:
     return [r for g in groups for r in g]
 
@@ -89,13 +105,15 @@ class Float8Scales(Lowering):
         return em.graph.call_function(F8, (args[0], args[1], args[2], groups, sizes, [bits[a] for a in axes], rank))
 
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
-        """One all-reduce (max) of each reduced amax: a float32 per tensor, or per row/column."""
+        """One all-reduce (max) of each reduced amax, on every axis that reduces it: a float32 per
+        tensor (tensorwise) or per row / column of the rank's piece (axiswise)."""
         out = []  # every axis's reductions (the lowering is emitted once, for all axes)
         for a, b in enumerate(masks(node)):
             for role in range(6):
                 if b >> role & 1:
                     phase = "forward" if role < 2 else "backward"
-                    out.append(("all_reduce", a, phase, ring_bytes("all_reduce", AMAX_BYTES, symbols.axes[a])))
+                    size = AMAX_BYTES * _amax_numel(node, role, symbols)
+                    out.append(("all_reduce", a, phase, ring_bytes("all_reduce", size, symbols.axes[a])))
         return out
 
     def reason(self, axis_name: str) -> str:
