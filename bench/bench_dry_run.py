@@ -90,7 +90,7 @@ def run(quick: bool) -> list[dict]:
                 "FLOPs per step, measured / plan.cost()",
                 f"{got['flops']:.4g} / {got['predicted_flops']:.4g} ({got['flops'] / got['predicted_flops']:.3f}x)",
                 "within 2%",
-                f"attention (FlopCounterMode: causal counted whole, backward 2.5x) {got['attention_flops']:.4g}",
+                f"attention (causal at half, backward 2.5x: dryrun/flops.py) {got['attention_flops']:.4g}",
             ),
             row(
                 "dry_run",
