@@ -26,14 +26,17 @@ import autopar as ap
 from transformers import LlamaForCausalLM
 from bench.llama_shapes import LossOnly, llama_config
 
-hidden, inter, layers, heads, kv, vocab, local, seq, n, mode = json.loads(sys.argv[1])
+hidden, inter, layers, heads, kv, vocab, local, seq, n, mode, tp = json.loads(sys.argv[1])
 cfg = llama_config(hidden, inter, layers, heads, kv, vocab, seq)  # torchtitan's causal SDPA, no mask
 
 with torch.device("meta"):
     model = LossOnly(LlamaForCausalLM(cfg).to(torch.bfloat16))
 ids = torch.zeros(local * n, seq, dtype=torch.long, device="meta")
 ac = None if mode == "none" else ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
-plan = ap.plan(model, ap.Mesh((n,), ("dp",)), kwargs={"input_ids": ids, "labels": ids}, dynamic=False,
+kw = {"input_ids": ids, "labels": ids}
+mesh = ap.Mesh((n, tp), ("dp", "tp")) if tp > 1 else ap.Mesh((n,), ("dp",))
+ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True) if tp > 1 else {}  # torchtitan's tp + sp
+plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, annotations=ann,
                data_parallel=ap.DataParallel("dp", zero=3, reduce_dtype=torch.float32), activation_checkpoint=ac)
 t0 = time.perf_counter()
 run = plan.dry_run(rank=0, device="cuda", steps=2).runs[0]
@@ -41,6 +44,7 @@ print(json.dumps({
     "seconds": time.perf_counter() - t0, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "peak": run.peak_bytes, "peak_by_kind": run.peak_by_kind, "predicted": run.predicted_bytes,
     "predicted_by_kind": run.predicted_by_kind, "predict": ap.predict(plan, "h100")["memory"],
+    "phases": run.predicted_phases,
     "flops": run.flops, "predicted_flops": run.predicted_flops,
     "attention_flops": sum(v for k, v in run.flops_by_op.items() if "attention" in k),
     "collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.collectives).items()),
@@ -49,11 +53,13 @@ print(json.dumps({
 }))
 """
 
-CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local batch, seq, ranks, checkpointing)
-    "LLaMA-3.1-8B, FSDP 8, selective AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "selective"),
-    "LLaMA-3.1-8B, FSDP 8, no AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "none"),
+CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local batch, seq, dp ranks, checkpointing, tp)
+    "LLaMA-3.1-8B, FSDP 8, selective AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "selective", 1),
+    "LLaMA-3.1-8B, FSDP 8, no AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "none", 1),
+    "LLaMA-3.1-8B, FSDP 128, selective AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 128, "selective", 1),
+    "LLaMA-3.1-70B, FSDP 32 x TP 8, full AC": (8192, 28672, 80, 64, 8, 128256, 2, 8192, 32, "full", 8),
 }
-QUICK = {"LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective")}
+QUICK = {"LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective", 1)}
 
 
 def dry_run(case: tuple) -> dict:
@@ -76,7 +82,7 @@ def run(quick: bool) -> list[dict]:
                 "peak GiB, measured / plan.memory_per_rank",
                 f"{got['peak'] / gib:.2f} / {got['predicted'] / gib:.2f} ({got['peak'] / got['predicted']:.3f}x)",
                 "within 5%",
-                kinds,
+                kinds + "; predicted by phase " + ", ".join(f"{k} {v / gib:.2f}" for k, v in got["phases"].items()),
             ),
             row(
                 "dry_run",
@@ -84,7 +90,7 @@ def run(quick: bool) -> list[dict]:
                 "FLOPs per step, measured / plan.cost()",
                 f"{got['flops']:.4g} / {got['predicted_flops']:.4g} ({got['flops'] / got['predicted_flops']:.3f}x)",
                 "within 2%",
-                f"attention (FlopCounterMode: causal counted whole, backward 2.5x) {got['attention_flops']:.4g}",
+                f"attention (causal at half, backward 2.5x: dryrun/flops.py) {got['attention_flops']:.4g}",
             ),
             row(
                 "dry_run",

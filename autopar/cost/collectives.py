@@ -32,7 +32,7 @@ from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps
 class Comm:
     kind: str
     axis: str
-    phase: str  # forward | backward | grad sync
+    phase: str  # forward | backward | grad sync | recompute (a checkpointed block's, in backward)
     bytes: float  # per rank
     node: str
     module: str
@@ -88,6 +88,17 @@ def collectives(plan, sy: PlanSymbols | None = None, grad_sync: bool = True) -> 
     (left out with ``grad_sync=False``: the search counts the gradient sync per parameter and
     reads only the activations' collectives here; the buckets were most of this list's cost)."""
     sy = sy or PlanSymbols.of(plan)
+    out = graph_collectives(plan, sy)
+    if grad_sync:
+        out += _sync_comms(plan, sy)
+    for technique in plan.options.techniques:
+        out += technique.collectives(plan, sy)
+    return out
+
+
+def graph_collectives(plan, sy: PlanSymbols) -> list[Comm]:
+    """The collectives of the graph's edges and lowerings (forward and their backward), in graph
+    order: what a technique that runs part of the graph again (checkpointing) repeats."""
     out: list[Comm] = []
     seen = set()
     for node in plan.graph.nodes:
@@ -109,10 +120,6 @@ def collectives(plan, sy: PlanSymbols | None = None, grad_sync: bool = True) -> 
             if key not in seen:
                 seen.add(key)
                 _edge_comms(plan, v, key[1], out_node, (), out, sy)
-    if grad_sync:
-        out += _sync_comms(plan, sy)
-    for technique in plan.options.techniques:
-        out += technique.collectives(plan, sy)
     return out
 
 

@@ -32,6 +32,7 @@ class RankRun:
     seconds: float
     predicted_bytes: float = 0.0  # plan.memory_per_rank(rank).total
     predicted_by_kind: dict = field(default_factory=dict)
+    predicted_phases: dict = field(default_factory=dict)  # memory_per_rank(rank).phases: by phase
     predicted_collectives: list = field(default_factory=list)  # plan.collectives(): (kind, axis, bytes)
     predicted_flops: float = 0.0  # plan.cost()'s
     flops_by_op: dict = field(default_factory=dict)  # FlopCounterMode's, per op of the last step

@@ -95,6 +95,7 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         seconds=time.perf_counter() - start,
         predicted_bytes=float(memory_per_rank(plan, rank, slots).total),
         predicted_by_kind={k: float(v) for k, v in memory_per_rank(plan, rank, slots).items()},
+        predicted_phases={k: float(v) for k, v in memory_per_rank(plan, rank, slots).phases.items()},
         predicted_collectives=[(c.kind, c.axis, c.bytes) for c in plan.collectives()],
         predicted_flops=float(plan.cost(optimizer_states=slots, rank=rank).at()["flops"]),
     )

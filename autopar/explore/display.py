@@ -50,7 +50,13 @@ def op_name(node) -> str:
 
 
 def comm_label(c) -> str:
-    phase = {"forward": "", "backward": ", bwd", "grad sync": ", grad sync", "optimizer": ", after step"}[c.phase]
+    phase = {
+        "forward": "",
+        "backward": ", bwd",
+        "grad sync": ", grad sync",
+        "optimizer": ", after step",
+        "recompute": ", recompute",
+    }[c.phase]
     return f"{c.kind}({c.axis}{phase})"
 
 
@@ -129,7 +135,16 @@ def comm_totals(comms) -> dict:
     out: dict = {}
     for c in comms:
         t = out.setdefault(
-            c.axis, {"count": 0, "bytes": 0.0, "forward": 0.0, "backward": 0.0, "grad sync": 0.0, "optimizer": 0.0}
+            c.axis,
+            {
+                "count": 0,
+                "bytes": 0.0,
+                "forward": 0.0,
+                "backward": 0.0,
+                "grad sync": 0.0,
+                "optimizer": 0.0,
+                "recompute": 0.0,
+            },
         )
         t["count"] += 1
         t["bytes"] += c.bytes

@@ -28,11 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from autopar.cost.activation_memory import saved_activations
+from autopar.cost.collectives import graph_collectives
 from autopar.errors import PlanError
 from autopar.parallel import ac_memory
 from autopar.parallel.ac_regions import chosen_blocks, outline, spans
@@ -217,6 +219,21 @@ class ActivationCheckpoint(Technique):
             for n, block in where.items()
             if n.op == "call_function" and n.name not in keep and order[n.name] <= last.get(block, -1)
         }
+
+    def collectives(self, plan, symbols) -> list:
+        """The forward collectives backward runs again: a full checkpoint recomputes its blocks
+        (up to the last tensor their backward keeps, ``recomputed``) with their collectives; the
+        selective policy keeps collective outputs (runtime/recompute.is_collective). Found by a
+        dry run: LLaMA-70B on TP 8 + sp under full checkpointing sent 2 all-gathers and 1
+        reduce-scatter a layer more than plan.collectives() listed."""
+        if self.mode == "selective":
+            return []
+        again = self.recomputed(plan)
+        return [
+            dataclasses.replace(c, phase="recompute")
+            for c in graph_collectives(plan, symbols)
+            if c.phase == "forward" and c.node in again
+        ]
 
     def kept_nodes(self, plan) -> set:
         """The graph nodes of the blocks whose outputs the selective policy keeps: its ops, of the

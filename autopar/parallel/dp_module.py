@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype
+from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype, memory_phases
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
@@ -73,13 +73,17 @@ def grad_buckets(plan, rank: int = 0):
 
 class RankMemory(dict):
     """Bytes one rank holds at its step's peak, by part: ``sum(mem.values())`` (``mem.total``) is
-    the rank's memory, the figure plan.cost(rank).at()["memory"] and ap.predict give too.
+    the rank's memory, the figure plan.cost(rank).at()["memory"] and ap.predict give too: an upper
+    bound, since no phase of a step holds every part. ``mem.phases`` is what each phase holds
+    (plan_cost.memory_phases: forward, backward, optimizer) and ``mem.phase`` the largest, the
+    figure a dry run measures (docs/dry_run.md); the three figures do not use it yet.
     Figures that are not bytes held (the dp size, the ZeRO level, what zero=0 would keep, host
     memory) are in ``mem.info``, and ``mem[key]`` reads them there too.
 
     Example:
         >>> mem = plan.memory_per_rank(2)
         >>> mem.total == sum(mem.values())        # params + grads + optimizer_state + activations + ...
+        >>> mem.phases[mem.phase]                 # the largest phase's bytes (mem.phase: "backward")
         >>> mem["optimizer_state_unsharded"]      # mem.info's: what zero=0 would keep
     """
 
@@ -93,9 +97,11 @@ class RankMemory(dict):
         "trainable_elements",
     )
 
-    def __init__(self, mem: dict):
+    def __init__(self, mem: dict, grads_in_backward: bool = False):
         super().__init__({k: v for k, v in mem.items() if k not in self.INFO})
         self.info = {k: v for k, v in mem.items() if k in self.INFO}
+        self.phases = memory_phases(self, grads_in_backward)
+        self.phase = max(self.phases, key=self.phases.get)
 
     def __missing__(self, key):
         return self.info[key]
@@ -154,7 +160,8 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
         mem["compute_copies"] = copies
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
     mem.update({k: float(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
-    return RankMemory(mem)
+    # a pipeline's later micro-batches run backward beside the earlier ones' gradients
+    return RankMemory(mem, grads_in_backward=plan.stage_layout is not None)
 
 
 def memory_ranks(plan) -> list[int]:

@@ -396,7 +396,8 @@ class FullyShardedStorage(Storage):
         pipeline's micro-batches, the unreduced gradient flats: ``gathered``, as numbers (they
         depend on the buckets, not on the batch), ``rank``'s."""
         held = plan.memory_per_rank(rank)
-        return dict(terms, gathered=sympy.Integer(held["gathered"] + held["reduce_buffers"] + held["accumulated"]))
+        parts = ("gathered", "reduce_buffers", "accumulated")  # apart: they peak in different phases
+        return dict(terms, **{k: sympy.Integer(held[k]) for k in parts})
 
     def collectives(self, plan, symbols) -> list:
         return collectives(plan, symbols)

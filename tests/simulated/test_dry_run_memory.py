@@ -50,3 +50,54 @@ def test_causal_attention_is_counted_at_half_forward_and_backward():
             out.sum().backward()
         counts[causal] = counter.get_total_flops()
     assert counts[True] * 2 == counts[False] == 3.5 * 4 * 64 * 64 * 16 * 2  # forward 4LSD/head, backward 2.5x
+
+
+def test_the_three_memory_figures_agree_and_the_phases_are_named():
+    """ap.predict, plan.memory_per_rank and plan.cost() give one figure (the parts' sum, an upper
+    bound); it fails if any of the three drifts. The phases (forward, backward, optimizer) are
+    each at most that sum, and the dry run reports them beside its measured peak."""
+    model, (idx, tgt) = gpt(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=8, seq=64)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(idx, tgt), data_parallel=ap.DataParallel("dp", zero=3))
+    mem = plan.memory_per_rank(0)
+    assert set(mem.phases) == {"forward", "backward", "optimizer"}
+    assert mem.phases[mem.phase] == max(mem.phases.values()) < mem.total == sum(mem.values())
+    assert ap.predict(plan, "h100")["memory"] == mem.total
+    assert sum(plan.cost(rank=0).at()["memory"].values()) == pytest.approx(mem.total, rel=1e-9)
+    run = plan.dry_run(rank=0, steps=2).runs[0]
+    assert run.predicted_bytes == mem.total and run.predicted_phases == pytest.approx(mem.phases)
+    assert run.peak_bytes <= mem.total  # the sum bounds the measured peak from above
+
+
+def test_full_checkpointing_lists_the_tp_collectives_its_recompute_sends_again():
+    """Under full checkpointing backward runs a block's sequence-parallel gathers again (up to the
+    last tensor it keeps); plan.collectives() lists them (phase "recompute") as the dry run sends
+    them. Selective checkpointing keeps collective outputs: nothing is sent again."""
+    from collections import Counter
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(4, 32, dtype=torch.long, device="meta")
+    kw = {"input_ids": ids, "labels": ids}
+    counts = {}
+    for mode in ("full", "selective"):
+        ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True)
+        plan = ap.plan(
+            model, ap.Mesh((2, 2), ("dp", "tp")), kwargs=kw, annotations=ann, activation_checkpoint=mode, dynamic=False
+        )
+        run = plan.dry_run(rank=0, steps=1).runs[0]
+        ran = Counter((k, a) for k, a, _ in run.collectives)
+        assert ran == Counter((k, a) for k, a, _ in run.predicted_collectives), mode
+        counts[mode] = [c.phase for c in plan.collectives()].count("recompute")
+    assert counts["selective"] == 0 < counts["full"]

@@ -591,7 +591,7 @@ def test_cost_summary_and_plot_show_gathered_blocks():
         small_gpt(layers=2), ap.Mesh((2,), ("dp",)), args=gpt_batch(), data_parallel=ap.DataParallel("dp", zero=3)
     )
     mem, want = plan.cost().at()["memory"], plan.memory_per_rank(0)
-    assert mem["gathered"] == want["gathered"] + want["reduce_buffers"] > 0
+    assert mem["gathered"] == want["gathered"] > 0 and mem["reduce_buffers"] == want["reduce_buffers"]
     assert "gathered per rank (zero=3)" in str(plan.summary())
     fig = plan.plot_memory()
     assert "gathered" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
