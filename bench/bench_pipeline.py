@@ -13,7 +13,8 @@ every forward and backward with its start, end and CPU time. Two idle fractions 
 The full size also runs GPipe and 1F1B on two real gloo processes and reports their
 wall-clock idle fraction (perf_counter is one clock for all processes of a machine).
 
-Zero bubble (``--zb``, and in the full run): 1F1B, ZB-H1 and ZBV at the same micro-batch count
+Zero bubble (``--zb``, and in the full run; ``--dualpipev`` for DualPipeV alone): 1F1B, ZB-H1, ZBV
+and DualPipeV at the same micro-batch count
 on 4 real gloo processes (one model: ZBV cuts it into 2p stages): per rank the idle time (replayed from the measured CPU times, and wall
 clock) and the activation bytes autograd held at the peak (``runner.stats``). Theory: with F, B
 and W of one slot each ZB-H1 idles p - 1 slots where 1F1B idles 3(p - 1): a third (ZBV: what its
@@ -28,7 +29,8 @@ stages (the last one also computes the loss) already moves it by 7%.
 Example:
     $ PYTHONPATH=. python bench/bench_pipeline.py          # full size; --quick for the tiny one
     $ PYTHONPATH=. python bench/bench_pipeline.py --real   # only the real gloo rows
-    $ PYTHONPATH=. python bench/bench_pipeline.py --zb     # only 1F1B against ZB-H1, 4 gloo ranks
+    $ PYTHONPATH=. python bench/bench_pipeline.py --zb     # only 1F1B against the zero-bubble ones, 4 gloo ranks
+    $ PYTHONPATH=. python bench/bench_pipeline.py --dualpipev   # only 1F1B against DualPipeV
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ def _durations(events) -> dict:
     return {k: min(sum(v) / len(v) for v in steps.values()) for k, steps in per.items()}
 
 
-ZERO_BUBBLE = (("zb-h1", 1), ("zbv", 2))
+ZERO_BUBBLE = (("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
 
 
 def _idle_seconds(kind, chunks, p, m, duration) -> tuple[list[float], float]:
@@ -255,16 +257,24 @@ def _unit_ratio(kind, chunks, p, m) -> float:
     return max(mine) / max(base)
 
 
-def _zero_bubble_rows(width, hidden, rows, m, p=4) -> list[dict]:
-    """1F1B, ZB-H1 and ZBV on ``p`` gloo processes (one model, 4p blocks): idle seconds per rank
-    (replayed from the measured CPU times, and wall clock) against theory, and the peak
-    activation bytes per rank."""
+def _predicted_span(kind, chunks, p, width, hidden, rows, m) -> float:
+    """The cost model's step time of ``kind`` as a share of the unpipelined step (Pipeline.step_shares
+    on the plan's own stages: what the search and ap.predict weigh)."""
+    plan, _, _ = _plan(kind, chunks, p, width, hidden, rows, m, blocks=BLOCKS_PER_STAGE * p)
+    return plan.options.pipeline.step_shares(plan.mesh, plan.stage_layout)["time"]
+
+
+def _zero_bubble_rows(width, hidden, rows, m, p=4, kinds=ZERO_BUBBLE) -> list[dict]:
+    """1F1B and each of ``kinds`` (ZB-H1, ZBV, DualPipeV) on ``p`` gloo processes (one model, 4p
+    blocks): idle seconds per rank (replayed from the measured CPU times, and wall clock) against
+    theory, the peak activation bytes per rank, and the step's span over 1F1B's against the cost
+    model's prediction of it."""
     from autopar.parallel.pipeline.runner import Event
     from autopar.runtime.gloo_pool import GlooPool
 
     got = {}
     with GlooPool(p, timeout=900) as pool:
-        for kind, chunks in (("1f1b", 1), *ZERO_BUBBLE):
+        for kind, chunks in (("1f1b", 1), *kinds):
             res = pool.run(f"{_MODULE}:zb_job", kind, chunks, width, hidden, rows, m)
             steps = [[[Event(*e) for e in res[r]["steps"][s]] for r in range(p)] for s in range(len(res[0]["steps"]))]
             dur = _durations(steps)
@@ -282,8 +292,20 @@ def _zero_bubble_rows(width, hidden, rows, m, p=4) -> list[dict]:
     one = got["1f1b"]
     mib = lambda b: round(b / 2**20, 2)  # noqa: E731
     out = []
-    for kind, chunks in ZERO_BUBBLE:
+    base_pred = _predicted_span("1f1b", 1, p, width, hidden, rows, m)
+    for kind, chunks in kinds:
         zb = got[kind]
+        pred = _predicted_span(kind, chunks, p, width, hidden, rows, m) / base_pred
+        out.append(
+            {
+                "benchmark": "pipeline",
+                "case": f"{kind} vs 1f1b p={p} m={m} real gloo",
+                "metric": f"step span {kind} / 1F1B (replayed from measured CPU times) against the cost model's",
+                "value": round(zb["span"] / one["span"], 3),
+                "target": f"{pred:.3f} +-15% (Pipeline.step_shares time on the plan's stages)",
+                "note": f"{'OK' if abs(zb['span'] / one['span'] / pred - 1) <= 0.15 else 'MISS'}",
+            }
+        )
         n = p * chunks
         per_stage = {k: [round(zb["dur"][(k, s)] * 1e3, 1) for s in range(n)] for k in "FBW"}
         theory = _unit_ratio(kind, chunks, p, m)
@@ -363,6 +385,8 @@ def run(quick: bool) -> list[dict]:
 if __name__ == "__main__":
     if "--zb" in sys.argv:
         rows = _zero_bubble_rows(*ZB_SIZE)
+    elif "--dualpipev" in sys.argv:
+        rows = _zero_bubble_rows(*ZB_SIZE, kinds=(("dualpipev", 2),))
     else:
         rows = _real_rows(*REAL_SIZE) if "--real" in sys.argv else run(quick="--quick" in sys.argv)
     for row in rows:

@@ -33,6 +33,7 @@ from autopar.parallel.data_parallel import DataParallel
 from autopar.parallel.activation_checkpoint import ActivationCheckpoint
 from autopar.parallel.float8 import Float8
 from autopar.parallel.pipeline.options import Pipeline
+from autopar.parallel.pipeline.schedules import V_SHAPED
 from autopar.errors import PlanError
 from autopar.search.candidates import components, sp_annotations, structures
 from autopar.search.evaluate import Terms, plan_terms
@@ -186,6 +187,7 @@ def search(
     def stage_cut(pipe, balance):
         # by sizes: the cut is the same whichever axis of that size holds the stages
         key = (mesh.axis_size(pipe.axis), pipe.chunks, balance, pipe.microbatches if balance == "memory" else None)
+        key += (pipe.kind in V_SHAPED,)  # a V places the stages on other ranks (the cut's rank_of_stage)
         if key not in cuts:
             try:
                 cuts[key] = pipe.cut(traced, mesh, split_before, balance)
@@ -229,7 +231,7 @@ def search(
         # experts' region, as the layouts after their partial sum, is charged to the choice: _moved)
         ept = ep and s.tp is not None and auto.expert_tensor_parallel
         ept_by = probe(s, s.tp, s.sp, "tp") if ept else None
-        pipes = _pipelines(s, mesh, batch, pipeline, blocks)
+        pipes = _pipelines(s, mesh, batch, pipeline, blocks, auto.pipeline_schedules)
         if s.pp is not None and not pipes:
             continue  # fewer rows per data-parallel rank than one micro-batch per stage
         for mode in modes:
@@ -423,16 +425,19 @@ def batch_size(traced) -> int | None:
 
 
 INTERLEAVE = (2, 4)  # model chunks per pipeline rank the search tries besides 1F1B's one
+SCHEDULE_LABELS = {"zb-h1": "ZB-H1", "zbv": "ZBV", "dualpipev": "DualPipeV"}
 
 
-def _pipelines(s, mesh, batch, user, blocks: int = 0) -> list:
+def _pipelines(s, mesh, batch, user, blocks: int = 0, kinds=("1f1b", "interleaved")) -> list:
     """The pipelines of structure ``s``: the user's, or over its pp axis with one micro-batch per
-    row of a data-parallel rank's batch (the fewest idle slots, the least in flight): 1F1B, and
-    the interleaved 1F1B with v model chunks per rank (a bubble of (pp - 1) / v micro-batch
-    slots instead of pp - 1, v times the point-to-point sends, more in flight) where the
-    micro-batches come in groups of pp (the schedule needs it) and the stack has at least one
-    block per stage (pp x v of them). [] when ``s`` has no pp axis or the rows are too few for
-    one micro-batch per stage."""
+    row of a data-parallel rank's batch (the fewest idle slots, the least in flight), under the
+    schedules ``kinds`` (ap.Auto's pipeline_schedules): 1F1B; the interleaved 1F1B with v model
+    chunks per rank (a bubble of (pp - 1) / v micro-batch slots instead of pp - 1, v times the
+    point-to-point sends, more in flight) where the micro-batches come in groups of pp (the
+    schedule needs it); ZB-H1 (1F1B's order, each W deferred into the bubble); ZBV (two chunks in
+    a V, B/W split) and DualPipeV (ZBV's V in DualPipe's order, m >= 2pp). Several chunks per rank
+    need at least one block per stage (pp x v of them). [] when ``s`` has no pp axis or the rows
+    are too few for one micro-batch per stage."""
     if s.pp is None:
         return []
     if user is not None:
@@ -442,10 +447,13 @@ def _pipelines(s, mesh, batch, user, blocks: int = 0) -> list:
     if batch is None or batch % dp_size or batch // dp_size < pp:
         return []
     m, axis = batch // dp_size, mesh.axis_names[s.pp]
-    out = [Pipeline(axis, microbatches=m, schedule="1f1b")]
-    for v in INTERLEAVE:
+    out = [Pipeline(axis, microbatches=m, schedule=k) for k in ("1f1b", "zb-h1") if k in kinds]
+    for v in INTERLEAVE if "interleaved" in kinds else ():
         if m % pp == 0 and pp * v <= blocks:
             out.append(Pipeline(axis, microbatches=m, schedule="interleaved", chunks=v))
+    for k in V_SHAPED:
+        if k in kinds and 2 * pp <= blocks and (k != "dualpipev" or m >= 2 * pp):
+            out.append(Pipeline(axis, microbatches=m, schedule=k, chunks=2))
     return out
 
 
@@ -675,8 +683,10 @@ def _label(mesh, option) -> str:
     if s.cp is not None:
         method = s.cp_method if s.cp_inner is None else "+".join(s.cp_method)  # hybrid: "ring+ulysses"
         label += f", cp {method}" + (" zig-zag" if s.cp_balanced else "")
-    if pipe is not None and pipe.chunks > 1:
+    if pipe is not None and pipe.kind == "interleaved":
         label += f", interleaved 1F1B x{pipe.chunks}"
+    elif pipe is not None and pipe.kind in SCHEDULE_LABELS:
+        label += ", " + SCHEDULE_LABELS[pipe.kind]
     if paths:
         label += ", stages balanced for memory"
     return label + (f", {_checkpointing(mode).label()} checkpointing" if mode else "")

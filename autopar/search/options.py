@@ -12,8 +12,10 @@
   (None: none, "selective", "full": ap.ActivationCheckpoint's modes, or ap.ActivationCheckpoint
   values; its recompute counted). By default also selective keeping every second matmul
   (torchtitan's op policy: between the two in memory and time).
-- ``pipeline``: whether an axis may hold pipeline stages (1F1B or interleaved 1F1B, one
-  micro-batch per row of a data-parallel rank's batch).
+- ``pipeline``: whether an axis may hold pipeline stages (one micro-batch per row of a
+  data-parallel rank's batch), under the schedules of ``pipeline_schedules`` ("1f1b",
+  "interleaved", the zero-bubble "zb-h1", "zbv" and "dualpipev"; each where it applies: two
+  chunks per rank for the V-shaped and interleaved ones, m >= 2pp for DualPipeV).
 - ``expert_parallel``: whether a mixture-of-experts model's experts may be split over the dp
   axis (ap.expert_parallel: E/n experts per rank, tokens dispatched by all-to-all).
 - ``expert_tensor_parallel``: whether expert-parallel experts may also be split over the tp axis
@@ -63,6 +65,7 @@ class Auto:
     vocab_parallel: bool = True
     optimizer_states: int = 2
     pipeline: bool = True
+    pipeline_schedules: tuple = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
     activation_checkpoint: tuple = (None, "selective", ActivationCheckpoint("selective", save_every=2), "full")
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True

@@ -146,18 +146,20 @@ def steady_state_messages():
     return {"counts": counts, "losses": out}
 
 
-def gpt_zero_bubble_adamw(zero: int, steps: int = 3):
-    """ZB-H1 (checkpointed) on dp2 x pp2 with ZeRO ``zero``: ``steps`` AdamW steps of the runner
+def gpt_zero_bubble_adamw(zero: int, steps: int = 3, schedule: str = "zb-h1"):
+    """``schedule`` (checkpointed; ZB-H1 by default, a V-shaped one on two chunks per rank) on
+    dp2 x pp2 with ZeRO ``zero``: ``steps`` AdamW steps of the runner
     (ap.Optimizer) and of the serial model; returns the losses, the first step's gradient errors
     (before its optimizer step) and the worst parameter difference from serial at the end."""
     rank = dist.get_rank()
-    model = small_gpt(layers=4)
+    chunks = 2 if schedule in ("zbv", "dualpipev") else 1
+    model = small_gpt(layers=4 * chunks)
     plan = ap.plan(
         copy.deepcopy(model),
         ap.Mesh((2, 2), ("dp", "pp")),
         args=gpt_batch(batch=8),
         data_parallel=ap.DataParallel("dp", zero=zero),
-        pipeline=ap.Pipeline("pp", microbatches=4, schedule="zb-h1", checkpoint=True),
+        pipeline=ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks, checkpoint=True),
     )
     runner = plan.pipeline_runner(rank)
     adamw = dict(lr=0.01, eps=1e-4)  # eps: the key bias's gradient is float noise (see the simulated test)

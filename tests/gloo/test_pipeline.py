@@ -64,15 +64,17 @@ def test_steady_state_sends_no_shape_header_and_never_receives_blocking(gloo):
         assert new_shape["isend_header"] + new_shape["irecv_header"] > 0, new_shape
 
 
-@pytest.mark.parametrize("zero", [1])
-def test_zero_bubble_dp2xpp2_adamw_real_gloo(gloo, zero):
-    """ZB-H1 with checkpointing beside ZeRO: 3 AdamW steps on real ranks equal serial's."""
-    for r in gloo(4).run("tests.gloo.jobs_pipeline:gpt_zero_bubble_adamw", zero):
+@pytest.mark.parametrize("zero,schedule", [(1, "zb-h1"), (2, "dualpipev")])
+def test_zero_bubble_dp2xpp2_adamw_real_gloo(gloo, zero, schedule):
+    """ZB-H1 (DualPipeV) with checkpointing beside ZeRO: 3 AdamW steps on real ranks equal serial's."""
+    for r in gloo(4).run("tests.gloo.jobs_pipeline:gpt_zero_bubble_adamw", zero, 3, schedule):
         assert r["losses"] == pytest.approx(r["serial"], rel=1e-5)
         assert not r["errors"], r["errors"][:3]
         assert r["max_param_diff"] < 1e-5
 
 
 def test_zbv_pp2_real_gloo(gloo):
-    """ZBV on 2 real ranks, checkpointed: rank 1 hands stage 1's output to its own stage 2 in process."""
-    _check(gloo(2).run("tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial", (2,), ("pp",), None, [("zbv", 2, True)]))
+    """ZBV on 2 real ranks, checkpointed, and DualPipeV (its overlapped pairs' messages in flight
+    both ways at once): rank 1 hands stage 1's output to its own stage 2 in process."""
+    configs = [("zbv", 2, True), ("dualpipev", 2, False)]
+    _check(gloo(2).run("tests.gloo.jobs_pipeline:gpt_pipeline_matches_serial", (2,), ("pp",), None, configs))

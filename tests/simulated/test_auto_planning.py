@@ -333,6 +333,7 @@ def test_interleaved_pipeline_when_the_bubble_costs():
     model, args = gpt(layers=8)
     mesh = mesh_of((2,))
     slow = dict(device="cpu-gloo", flops_per_s=1e6, alpha=0.0, beta=1e12, activation_checkpoint=(None,), zero=(0,))
+    slow["pipeline_schedules"] = ("1f1b", "interleaved")  # the zero-bubble ones: the test below
     free = ap.plan(model, mesh, args=args, auto=ap.Auto(**slow))
     runners = {r["option"]: r for r in free.built["auto"]["runners_up"]}
     one, inter = runners["a=pp"], runners["a=pp, interleaved 1F1B x4"]
@@ -347,6 +348,39 @@ def test_interleaved_pipeline_when_the_bubble_costs():
     pred = ap.predict(plan, ap.Auto(**slow))
     assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
     plan.check(*args)
+
+
+def test_zero_bubble_pipeline_when_the_bubble_costs():
+    """The same compute-bound case with every schedule offered: ZB-H1, ZBV and DualPipeV are among
+    the options, each predicted faster than 1F1B (their W's fill its bubble), and under a budget
+    only pipeline stages meet the search picks the fastest of the schedules, a zero-bubble one;
+    the plan runs it, equals serial, and ap.predict of it is the search's prediction. Offered
+    without the zero-bubble schedules, the same search keeps to 1F1B or interleaved."""
+    model, args = gpt(layers=8)
+    mesh = mesh_of((2,))
+    slow = dict(device="cpu-gloo", flops_per_s=1e6, alpha=0.0, beta=1e12, activation_checkpoint=(None,), zero=(0,))
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(**slow))
+    runners = {r["option"]: r for r in free.built["auto"]["runners_up"]}
+    pipes = {k: r for k, r in runners.items() if k.startswith("a=pp") and "balanced" not in k}
+    for name in ("ZB-H1", "ZBV", "DualPipeV"):
+        assert pipes[f"a=pp, {name}"]["time_s"] < pipes["a=pp"]["time_s"], name
+    fastest = min(pipes, key=lambda k: pipes[k]["time_s"])
+    assert fastest.split(", ")[-1] in ("ZB-H1", "ZBV", "DualPipeV"), fastest
+    others = min(r["memory"] for k, r in runners.items() if not k.startswith("a=pp"))
+    budget = (max(r["memory"] for r in pipes.values()) + others) / 2
+    assert max(r["memory"] for r in pipes.values()) < others
+    plan = ap.plan(model, mesh, args=args, auto=ap.Auto(memory_budget=budget, **slow))
+    rec = plan.built["auto"]
+    assert rec["chosen"] == fastest, (rec["chosen"], fastest)
+    kind = {"ZB-H1": "zb-h1", "ZBV": "zbv", "DualPipeV": "dualpipev"}[fastest.split(", ")[-1]]
+    assert plan.options.pipeline.schedule == kind
+    pred = ap.predict(plan, ap.Auto(**slow))
+    assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
+    plan.check(*args)
+    narrow = ap.plan(
+        model, mesh, args=args, auto=ap.Auto(memory_budget=budget, pipeline_schedules=("1f1b", "interleaved"), **slow)
+    )
+    assert narrow.options.pipeline.schedule in ("1f1b", "interleaved")
 
 
 def test_expert_parallel_when_the_budget_asks():

@@ -318,3 +318,21 @@ def test_split_backward_frees_each_stage_after_its_w(mesh, zero, schedule):
 
     for rank, growth in enumerate(run_ranks(plan.mesh.size, grown, timeout=60)):
         assert growth <= 64, (rank, growth)  # a step's loss values, not a stage's activations
+
+
+@pytest.mark.parametrize("mesh,schedule", [("pp2", "dualpipev"), ("dp2xpp2", "zbv")])
+def test_v_shaped_state_dicts_merge_to_serial(mesh, schedule):
+    """Checkpoints under a V: rank 0 holds both end stages (the tied embedding and head on one
+    rank); merging the runners' parameters and gradients after a step gives serial's."""
+    plan = _plan(mesh, 0, False, schedule)
+    batch = gpt_batch(batch=8)
+    _, serial_grads = serial_step(plan.model, batch)
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    run_ranks(plan.mesh.size, lambda r: runners[r].step(batch), timeout=60)
+    held = [{n: p for n, p in r.params.items() if isinstance(p, nn.Parameter)} for r in runners]  # tied: both names
+    params = plan.merge_state_dicts(held)
+    assert set(serial_grads) <= set(params)
+    assert all(torch.equal(params[n], p) for n, p in plan.model.named_parameters(remove_duplicate=False))
+    grads = plan.merge_state_dicts([{n: p.grad for n, p in h.items()} for h in held])
+    for n, g in serial_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
