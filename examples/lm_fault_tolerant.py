@@ -6,7 +6,7 @@
 Run it with plain ``python`` (not torchrun): this launcher starts the torchft lighthouse, then one
 job of |tp| x ... processes per position of ``dp`` (a replica group, ``REPLICA_GROUP_ID``), and
 restarts a group whose process dies, as torchrun --max-restarts would. ``--kill-at N`` SIGKILLs
-group 1's last process after N committed steps to show it: the other groups keep stepping, the
+the last group's last process after N steps committed by all groups to show it: the other groups keep stepping, the
 killed group comes back, fetches the weights and AdamW state from a live one and rejoins. Each
 group's rank 0 writes OUT/ft_metrics.jsonl (step, loss, groups taking part, committed). The
 batch of each step is read at the job's committed step count, so every committed batch is used
@@ -63,7 +63,7 @@ def launch(args, argv: list, shape: tuple, names: tuple) -> int:
     restarts, killed = 0, args.kill_at is None
     try:
         while any(p.poll() is None for procs in jobs.values() for p in procs):
-            if not killed and _committed(args.out) >= args.kill_at:
+            if not killed and _committed(args.out, groups) >= args.kill_at:
                 jobs[groups - 1][-1].send_signal(signal.SIGKILL)
                 print(f"killed a process of replica group {groups - 1}", flush=True)
                 killed = True
@@ -79,15 +79,21 @@ def launch(args, argv: list, shape: tuple, names: tuple) -> int:
                     jobs[g] = _start_group(argv, g, size, lighthouse.address)
             time.sleep(0.1)
     finally:
+        for procs in jobs.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         lighthouse.stop()
     return 0
 
 
-def _committed(out: str) -> int:
+def _committed(out: str, groups: int) -> int:
+    """Steps committed with every group in them, as the groups' rank 0 logged them."""
     path = os.path.join(out, "ft_metrics.jsonl")
     if not os.path.exists(path):
         return 0
-    return sum(json.loads(line)["committed"] for line in open(path).read().splitlines() if line.endswith("}"))
+    rows = [json.loads(line) for line in open(path).read().splitlines() if line.endswith("}")]
+    return sum(r["committed"] and r["groups"] == groups and r["group"] == 0 for r in rows)
 
 
 def worker(args, run: dict, shape: tuple, names: tuple, blob: dict) -> None:
@@ -111,7 +117,9 @@ def worker(args, run: dict, shape: tuple, names: tuple, blob: dict) -> None:
     while True:
         opt.zero_grad()
         loader.load_state_dict({"pos": job.step * span % (blob["train"].numel() - span - 1), "epoch": 0})
-        (lx, ly), _ = plan.local_inputs(rank, *loader.next())
+        x, y = loader.next()
+        (lx,), _ = plan.local_inputs(rank, x)  # this rank's rows (its group's share of the batch)
+        (ly,), _ = plan.local_inputs(rank, y)  # the same rows of the targets
         logits = module(lx)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ly.reshape(-1))
         loss.backward()

@@ -7,8 +7,9 @@ TORCHFT_LIGHTHOUSE. Arguments: out folder, mesh kind ("tp" or "hsdp"), steps, gr
 Each step's batch is drawn from the job's committed step count (``ft.step``), so a retried step
 reuses its batch and a healed group takes its peers' next one. The group's rank 0 writes one JSON
 line per attempt (step, taking part, participants, committed, time); every rank saves its local
-state at the end. The loop stops once ``steps`` steps committed and the last one had every
-group in it (so a killed group has rejoined before the survivors stop).
+state at the end. The loop stops at the first step with every group in it at or after both
+``steps`` and the step the driver writes into OUT/stop (once the killed group is back), so no
+group is left stepping alone.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # momentum: optimizer state a healer must fetch
 
 
+def _stop_at(out: str) -> float:
+    """The step the driver said to stop at (file ``stop``; none yet: never). Every group stops at
+    the first step at or after it that all groups committed, so none is left alone."""
+    path = os.path.join(out, "stop")
+    return int(open(path).read()) if os.path.exists(path) and os.path.getsize(path) else float("inf")
+
+
 def main(out: str, kind: str, steps: int, groups: int) -> None:
     dist.init_process_group("gloo")
     mesh, kw = setup(kind, groups)
@@ -74,7 +82,7 @@ def main(out: str, kind: str, steps: int, groups: int) -> None:
         record = dict(step=done, part=part, n=n, committed=committed, t=time.time(), pid=os.getpid())
         log.write(json.dumps(record) + "\n")
         log.flush()
-        if committed and job.step >= steps and n == groups:
+        if committed and n == groups and job.step >= max(steps, _stop_at(out)):
             break
         time.sleep(0.05)  # a step of a real model takes a while: leave the failure a window
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}

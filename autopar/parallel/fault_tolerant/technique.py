@@ -43,6 +43,14 @@ from autopar.parallel.technique import Technique
 @register_technique
 @dataclass(frozen=True)
 class FaultTolerant(Technique):
+    """Replica groups on ``replica_axis`` that survive a lost one: each group its own job,
+    gradients averaged across the live groups through torchft each step, a restarted group
+    healed from a live one (docs/fault_tolerance.md).
+
+    Example:
+        >>> ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x,), fault_tolerant=ap.FaultTolerant("dp"))
+    """
+
     replica_axis: str = "dp"
     min_replicas: int = 1  # groups a step needs to commit (torchft's min_replica_size)
     lighthouse: str | None = None  # "http://host:port"; None: $TORCHFT_LIGHTHOUSE
