@@ -63,7 +63,10 @@ def _moved(consumer: fx.Node, x: fx.Node) -> dict:
     lay, have = consumer.meta.get("autopar"), x.meta.get("autopar")
     if lay is None or have is None or not have.outputs or x not in lay.inputs:
         return {}
-    want, spec = lay.input_targets[lay.inputs.index(x)], have.outputs[0]
+    at = lay.inputs.index(x)
+    if at >= len(lay.input_targets):  # an op whose rule set no target for this input (expert blocks' own)
+        return {}
+    want, spec = lay.input_targets[at], have.outputs[0]
     return {a: w for a, (w, h) in enumerate(zip(want, spec)) if w != h}
 
 
