@@ -202,6 +202,15 @@ class Float8(Technique):
         why = f"float8 fp8 all-gather: the amax of the {n} weights gathered in fp8, all at once, so each rank scales its piece as serial"
         return [make_comm(symbols, "all_reduce", label, "forward", size, "float8 weight scales", "", reason=why)]
 
+    def process_groups(self, plan) -> list:
+        """The groups the fp8 gather's amax all-reduce runs over where they span several mesh axes
+        (dp x tp): torch.distributed makes them on every rank (ap.parallelize)."""
+        axes = {w.axes for w in self.gather_wire(plan).values()}
+        if not axes or len(next(iter(axes))) < 2:
+            return []
+        names = tuple(plan.mesh.axis_names[a] for a in axes.pop())
+        return sorted({plan.mesh.group(names, r) for r in plan.mesh.ranks()})
+
     def describe(self, plan) -> str:
         n = sum(1 for node in plan.graph.nodes if node.target is F8)
         text = f"float8 ({self.recipe}): {n} Linear matmuls in float8, each scale from the whole tensor's amax"
