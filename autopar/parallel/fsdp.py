@@ -171,15 +171,23 @@ def _wire(plan, b: FlatBucket, dtype) -> int:
     return b.chunk * (dtype or b.dtype).itemsize
 
 
+# ops whose backward keeps no operand: an embedding lookup needs the indices alone, an add or a
+# subtraction nothing (a bucket of biases alone, beside float8's weights gathered in fp8)
+NOT_KEPT = {torch.ops.aten.embedding.default, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}
+
+
 def read_in_backward(plan, b: FlatBucket) -> bool:
     """Whether backward reads bucket ``b``'s gathered parameters (then resharding after forward
-    gathers it again): False only when every use is an embedding lookup, whose backward needs
-    the indices alone (the runtime gathers again exactly the buckets a saved tensor lives in)."""
+    gathers it again): False only when every use is one of ``NOT_KEPT`` (the runtime gathers
+    again exactly the buckets a saved tensor lives in). Under activation checkpointing only the
+    embedding's: a checkpointed region keeps its inputs, the gathered parameters among them."""
     canon, names = canonical_names(plan), set(b.names)
+    recomputes = any(t.recomputed(plan) for t in plan.options.techniques)
+    not_kept = {torch.ops.aten.embedding.default} if recomputes else NOT_KEPT
     for node in plan.graph.nodes:
         fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
         if fqn is not None and canon.get(fqn, fqn) in names:
-            if any(u.target is not torch.ops.aten.embedding.default for u in node.users):
+            if any(u.target not in not_kept for u in node.users):
                 return True
     return False
 
@@ -231,7 +239,7 @@ def held(plan, rank: int) -> tuple[int, int]:
         else max((sum(full[i : i + window]) for i in range(len(full))), default=0)
     )
     reducing = max(
-        (b.chunk * k * (b.gather_dtype(dp.param_dtype).itemsize + b.grad_dtype(dp).itemsize) for b in bs), default=0
+        (b.chunk * k * (b.compute_dtype(dp.param_dtype).itemsize + b.grad_dtype(dp).itemsize) for b in bs), default=0
     )
     return gathered, reducing
 

@@ -37,15 +37,23 @@ class FlatBucket:
     dtype: torch.dtype
     k: int
     kept: bool = False  # parameters a HF model keeps in fp32 (trace/in_dtype.kept_in_fp32): gathered so
+    # a technique's own form on the wire (Technique.gather_wire: float8's fp8 weights with their
+    # scales), or None: gathered in the compute dtype
+    wire: object = None
+
+    def compute_dtype(self, param_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype this bucket is computed in: the policy's ``param_dtype``, or its own where it
+        holds kept-in-fp32 parameters (or no policy)."""
+        return self.dtype if self.kept or param_dtype is None else param_dtype
 
     def gather_dtype(self, param_dtype: torch.dtype | None) -> torch.dtype:
-        """The dtype this bucket is gathered and computed in: the policy's ``param_dtype``, or its
-        own where it holds kept-in-fp32 parameters (or no policy)."""
-        return self.dtype if self.kept or param_dtype is None else param_dtype
+        """The dtype this bucket crosses the wire in: its wire's (float8: 1 byte), else the one it
+        computes in."""
+        return self.wire.dtype if self.wire is not None else self.compute_dtype(param_dtype)
 
     def grad_dtype(self, dp) -> torch.dtype:
         """The dtype its gradient is reduced in: ``reduce_dtype``, else the dtype it computes in."""
-        return dp.reduce_dtype or self.gather_dtype(dp.param_dtype)
+        return dp.reduce_dtype or self.compute_dtype(dp.param_dtype)
 
     @property
     def chunk(self) -> int:
@@ -97,24 +105,26 @@ def rank_buckets(plan, rank: int) -> list[FlatBucket]:
     cache = plan.built.setdefault("fsdp_rank_buckets", {})
     if shapes not in cache:
         cache[shapes] = [
-            _laid_out(b.key, b.names, [tuple(local[n].shape) for n in b.names], b.dtype, b.k, b.kept) for b in base
+            _laid_out(b.key, b.names, [tuple(local[n].shape) for n in b.names], b.dtype, b.k, b.kept, b.wire)
+            for b in base
         ]
     return cache[shapes]
 
 
-def _laid_out(key, names, shapes, dtype, k, kept=False) -> FlatBucket:
+def _laid_out(key, names, shapes, dtype, k, kept=False, wire=None) -> FlatBucket:
     offsets, numel = [], 0
     for shape in shapes:
         offsets.append(numel)
         numel += _numel(shape)
-    return FlatBucket(key, list(names), list(shapes), offsets, numel, dtype, k, kept)
+    return FlatBucket(key, list(names), list(shapes), offsets, numel, dtype, k, kept, wire)
 
 
 def _buckets(plan, local) -> list[FlatBucket]:
     k, units, axes = shard_size(plan), program_units(plan), shard_axes(plan)
     kept = plan.traced.kept_fp32  # gathered in fp32: a bucket of their own
+    wires = gather_wires(plan)  # gathered in a technique's form (float8's fp8 weights): a bucket of their own
     out: list[FlatBucket] = []
-    last = None
+    last, run = None, {}  # run: the buckets of the current block by wire form (an fp8 weight, then a bias: two)
     for name in first_use_order(plan):
         if units.get(name, 0) is None:
             continue  # read by several programs (a weight tied across stages): stays whole
@@ -124,13 +134,23 @@ def _buckets(plan, local) -> list[FlatBucket]:
         p = local[name]
         key = (units.get(name, 0), block_key(name), p.dtype, name in kept)
         if key != last:
-            out.append(FlatBucket(key[1], [], [], [], 0, p.dtype, k, key[3]))
-            last = key
-        b = out[-1]
+            last, run = key, {}
+        b = run.get(wires.get(name))
+        if b is None:
+            b = run[wires.get(name)] = FlatBucket(key[1], [], [], [], 0, p.dtype, k, key[3], wires.get(name))
+            out.append(b)
         b.names.append(name)
         b.shapes.append(tuple(p.shape))
         b.offsets.append(b.numel)
         b.numel += p.numel()
+    return out
+
+
+def gather_wires(plan) -> dict:
+    """Canonical parameter name -> the wire form a technique gathers it in (Technique.gather_wire)."""
+    out: dict = {}
+    for technique in plan.options.techniques:
+        out.update(technique.gather_wire(plan))
     return out
 
 

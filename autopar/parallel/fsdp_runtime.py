@@ -46,12 +46,14 @@ fsdp_gather.autopar_not_recomputed = True
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runtime, k, *pieces):
-        ctx.runtime, ctx.k = runtime, k
-        return tuple(runtime.gathered(k))
+        ctx.runtime, ctx.k, ctx.n = runtime, k, len(pieces)
+        out = tuple(runtime.gathered(k))
+        ctx.mark_non_differentiable(*out[len(pieces) :])  # a wire's extra outputs (fp8 data, scales)
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *ctx.runtime.reduce(ctx.k, grads))
+        return (None, None, *ctx.runtime.reduce(ctx.k, grads[: ctx.n]))
 
 
 # ------------------------------------------------------------------------------ runtime
@@ -96,6 +98,8 @@ class FSDPRuntime:
         self.aliases = {n: [m for m, c in canon.items() if c == n] for b in self.buckets for n in b.names}
         self.held = [k for k, b in enumerate(self.buckets) if all(self._param(module, n) is not None for n in b.names)]
         self.flats = {k: self._flatten(module, self.buckets[k]) for k in self.held}
+        # the run-time half of each wire form a technique gathers buckets in (Technique.gather_wire)
+        self.wires = {w: w.bind(plan, self) for w in {b.wire for b in self.buckets if b.wire is not None}}
         self.sync_enabled = True
         self.acc: dict[int, torch.Tensor] = {}
         self._clear()
@@ -129,6 +133,8 @@ class FSDPRuntime:
         return flat
 
     def _clear(self):
+        for wire in getattr(self, "wires", {}).values():  # a new forward: the parameters may have been stepped
+            wire.reset()
         self.pending: dict[int, object] = {}
         self.regather: dict[int, torch.Tensor] = {}
         self.live: dict[int, tuple[int, weakref.ref]] = {}
@@ -137,8 +143,10 @@ class FSDPRuntime:
 
     # ------------------------------------------------------------------- gathering
     def _start(self, k: int) -> None:
-        src = self.flats[k]
-        src = src.to(self.buckets[k].gather_dtype(self.param_dtype))  # kept-in-fp32 buckets: as they are
+        src, b = self.flats[k], self.buckets[k]
+        src = src.to(b.compute_dtype(self.param_dtype))  # kept-in-fp32 buckets: as they are
+        if b.wire is not None:  # the technique's form (fp8 bytes: gloo has no float8 dtype, so as uint8)
+            src = self.wires[b.wire].pack(k, src).view(torch.uint8)
         out = src.new_empty(src.numel() * len(self.shard))
         if len(self.shard) == 1:
             self.pending[k] = _Done(out.copy_(src))
@@ -148,7 +156,9 @@ class FSDPRuntime:
     def _wait(self, k: int) -> torch.Tensor:
         if k not in self.pending:
             self._start(k)
-        return self.pending.pop(k).wait()
+        flat = self.pending.pop(k).wait()
+        wire = self.buckets[k].wire
+        return flat if wire is None else flat.view(wire.dtype)
 
     def views(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.buckets[k]
@@ -162,8 +172,12 @@ class FSDPRuntime:
             if j not in self.pending:
                 self._start(j)
         if self._hooks is not None:
-            self.live[flat.untyped_storage()._cdata] = (k, weakref.ref(flat))
-        return self.views(k, flat)
+            root = (
+                flat if flat._base is None else flat._base
+            )  # a wire's dtype view: its views' base is the gathered bytes
+            self.live[flat.untyped_storage()._cdata] = (k, weakref.ref(root))
+        wire = self.buckets[k].wire
+        return self.views(k, flat) if wire is None else self.wires[wire].unpack(k, self.views(k, flat))
 
     def _regathered(self, k: int) -> torch.Tensor:
         """Bucket k gathered again for backward; the buckets backward needs next prefetched."""

@@ -194,6 +194,14 @@ class Technique:
     def rewrite_program(self, plan, graph) -> None:
         """Edit the emitted program (every rank's) before its code is generated."""
 
+    def gather_wire(self, plan) -> dict:
+        """Parameters zero=3 gathers in a form of this technique's rather than in the compute
+        dtype (float8: the weights cast to fp8 before the all-gather), canonical name -> a hashable
+        wire: its ``dtype`` crosses; ``bind(plan, runtime)`` gives the run-time half, whose
+        ``reset()``, ``pack(k, chunk)`` and ``unpack(k, views)`` parallel/fsdp_runtime.py calls.
+        Such parameters get buckets of their own."""
+        return {}
+
     def grad_sync_axes(self, plan, axes: dict) -> dict:
         """The gradient buckets' axes per parameter (a technique reducing some itself drops them)."""
         return axes

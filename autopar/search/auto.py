@@ -290,8 +290,10 @@ def search(
         "context_parallel": context if context is not None else s.context_parallel(mesh),
         "split_before": paths or tuple(split_before),
     }
-    if auto.float8:  # priced with the Linears in float8 (cost/float8.py): the plan runs them so
-        chosen["float8"] = Float8("tensorwise", skip=lm_heads(model))
+    if auto.float8:  # priced with the Linears in float8 (cost/float8.py): the plan runs them so,
+        # and a zero=3 plan gathers their weights in fp8, as it was priced (evaluate.Terms._fp8_share)
+        gathers = chosen["data_parallel"] is not None and chosen["data_parallel"].storage.gathers_params
+        chosen["float8"] = Float8("tensorwise", skip=lm_heads(model), fp8_all_gather=gathers)
     record["search_s"] = time.perf_counter() - t0
     return ann, chosen, record
 

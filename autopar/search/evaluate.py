@@ -54,10 +54,13 @@ from autopar.cost.execution import op_seconds
 from autopar.cost.float8 import float8_linears
 from autopar.cost.op_time import optimizer_step_bytes
 from autopar.cost.plan_cost import activation_terms, copy_bytes
+from autopar.parallel.fsdp_layout import gather_wires
+from autopar.parallel.param_names import canonical_names
 from autopar.runtime.ring import ring_steps
 from autopar.trace.model_members import named_parameters
 
 BUCKET_BYTES = 25 * 2**20
+FP8_BYTES = 1  # an fp8 element on zero=3's wire
 
 
 @dataclass
@@ -77,7 +80,7 @@ class Terms:
     acts: float = 0.0  # the tensors autograd keeps through the step (and per-block extras)
     peak: float = 0.0  # what one batch's step adds at its peak: a recompute, a workspace, the loss's backward
     dp_grad_elems: float = 0.0  # elements of the dp-synced gradients (their bytes in another dtype)
-    dp_fp8: float = 0.0  # bytes of the dp-synced Float8 Linear weights (zero=3 gathers them in fp8: half)
+    dp_fp8: float = 0.0  # bytes of the dp-synced weights zero=3 gathers in fp8 (1 byte each on the wire)
     pieces: float = 1.0  # backward passes per step (a pipeline's micro-batches; a max): > 1 accumulates
     largest_unit: float = 0.0  # parameter bytes of the largest unit zero=3 gathers at once (a max, not a sum)
     boundary: float = 0.0  # bytes of the largest activation (a pipeline stage boundary's, at most; a max)
@@ -191,14 +194,34 @@ class Terms:
                 continue
             alpha, beta = profile.link(mesh, link)
             buckets = grad / BUCKET_BYTES
-            # torchao's FSDP fp8 all-gather (torchtitan's enable_fsdp_float8_all_gather): 1 byte, not
-            # 2, for the Float8 linears' weights (this group's share of them)
-            fp8 = self.dp_fp8 / 2 * grad / self.dp_grad if dp.storage.gathers_params and self.dp_grad else 0.0
+            fp8 = self._fp8_share(grad, dp)
             for kind, phase, nbytes, prefetched, launches in dp.storage.step_comms(
-                dp, n, grad, grad - fp8, units, fold
+                dp, n, grad, grad - fp8 + self._fp8_as_param(fp8, dp), units, fold
             ):
                 t = alpha * ring_steps(kind, n * fold) * (buckets if launches is None else launches) + nbytes / beta
                 yield label, t, nbytes, prefetched, phase
+
+    def _fp8_share(self, grad, dp) -> float:
+        """Of a group's ``grad`` bytes, those of the weights zero=3 gathers in fp8 (``dp_fp8``:
+        torchao's FSDP fp8 all-gather, ap.Float8(fp8_all_gather=True)), in the masters' fp32 bytes."""
+        return self.dp_fp8 * grad / self.dp_grad if dp.storage.gathers_params and self.dp_grad else 0.0
+
+    @staticmethod
+    def _fp8_as_param(fp8, dp) -> float:
+        """The fp32 bytes that step_comms, casting them to ``param_dtype`` for the wire (fsdp._as),
+        turns into the fp8 bytes of ``fp8`` (fp32 bytes: 1 byte on the wire per 4)."""
+        return fp8 * FP8_BYTES / (dp.param_dtype.itemsize if dp.param_dtype is not None else 4)
+
+    def fp8_gather_bytes(self, mesh, dp_axis, dp) -> float:
+        """Bytes per rank and step of zero=3's all-gathers in fp8 (forward, and backward again when
+        resharded): the part of ``sync_bytes`` that ap.Float8(fp8_all_gather=True) moves in fp8."""
+        out = 0.0
+        for n, fold, _, _, _, grad, _, _ in self.zero_groups(mesh, dp_axis, dp):
+            fp8 = self._fp8_share(grad, dp)
+            if fp8:
+                comms = dp.storage.step_comms(dp, n, fp8, self._fp8_as_param(fp8, dp), 1.0, fold)
+                out += sum(nbytes for kind, _, nbytes, _, _ in comms if kind == "all_gather")
+        return out
 
     def dp_sync(self, mesh, profile, dp_axis, dp) -> tuple[float, float, float]:
         """(seconds of gradient sync on dp, of prefetched gathers, of ZeRO-1/2's all-gather after
@@ -392,11 +415,23 @@ def fold_candidates(plan) -> tuple:
 BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.5.mlp.up.weight" -> "model.layers.5"
 
 
+def _fp8_gathered(plan, profile) -> set:
+    """Names of the parameters zero=3 gathers in fp8: the plan's own (a technique's gather wire:
+    ap.Float8(fp8_all_gather=True)), else, where the search prices float8 on a plan not converted
+    yet (``profile.float8``), the weights of the Linears float8 training converts (its plan
+    gathers them so: search/auto.py)."""
+    wired = gather_wires(plan) if plan.data_parallel is not None and plan.data_parallel.storage.gathers_params else {}
+    if wired:
+        canon = canonical_names(plan)
+        return {n for n, _ in named_parameters(plan.model) if canon.get(n, n) in wired}
+    return set(float8_linears(plan).values()) if getattr(profile, "float8", False) else set()
+
+
 def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
     mesh = plan.mesh
     sync = plan.grad_sync_axes
     folds = fold_candidates(plan)
-    fp8 = set(float8_linears(plan).values()) if getattr(profile, "float8", False) else set()
+    fp8 = _fp8_gathered(plan, profile)
     units: dict[str, float] = {}  # zero=3's gather units: each repeated block, and the rest as one
     unit_weight: dict[str, float] = {}  # how many blocks a unit stands for (a short probe's block 1: n - 1)
     for name, p in named_parameters(plan.model):

@@ -20,7 +20,9 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     """Step time (s) and memory per rank (B) of ``plan`` under ``device`` (a profile name, an
     ap.calibrate() result or an ap.Auto). ``comm_bytes``: bytes per rank and step of the
     activations' collectives by axis; ``sync_bytes``: of the data-parallel gradient sync (and
-    ZeRO's gathers) by the group it runs over (``"dp"``, or ``"dp*cp"`` where ZeRO folds cp in).
+    ZeRO's gathers) by the group it runs over (``"dp"``, or ``"dp*cp"`` where ZeRO folds cp in);
+    ``fp8_gather_bytes``: of those, zero=3's all-gathers in fp8 (``ap.Float8(fp8_all_gather=True)``,
+    or the search's float8 pricing).
 
     ``memory``: what the rank that holds the most holds at its step's peak (``memory_rank``):
     plan.memory_per_rank(memory_rank)'s total, plan.cost()'s memory summed at the example (one
@@ -50,4 +52,5 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
         "optimizer_s": total.step_seconds(plan.mesh, profile, plan.dp_axis, dp),
         "comm_bytes": dict(total.comm_bytes),
         "sync_bytes": total.sync_bytes(plan.mesh, profile, plan.dp_axis, dp),
+        "fp8_gather_bytes": total.fp8_gather_bytes(plan.mesh, plan.dp_axis, dp),
     }

@@ -11,3 +11,9 @@ pytest.importorskip("torchao.float8")
 def test_float8_tensorwise_on_gloo(gloo):
     for worst in gloo(4).run("tests.gloo.jobs_float8:float8_matches_serial", "dp2xtp2", "tensorwise"):
         assert worst < 1e-5, worst
+
+
+def test_zero3_fp8_all_gather_on_gloo(gloo):
+    """The fp8 bytes cross gloo as uint8; 2 AdamW steps equal serial torchao (tensorwise, 5e-5)."""
+    for worst in gloo(4).run("tests.gloo.jobs_float8:fp8_gather_matches_serial"):
+        assert worst < 5e-5, worst

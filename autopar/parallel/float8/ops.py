@@ -73,25 +73,38 @@ def _mm_config(c):
     return ftt.LinearMMConfig(*(ftt.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemm))
 
 
-def _forward(x, w, recipe, reduce):
+def _gathered(w, w8, w_scale, mm):
+    """The weight zero=3 gathered in fp8 (gather.py), as torchao's Float8TrainingTensor: ``w`` is its
+    stand-in (shape, dtype), ``w8`` its fp8 data, ``w_scale`` the whole weight's scale."""
+    _, _, ftt, _ = _torchao()
+    return ftt.Float8TrainingTensor(w8, w_scale, w.dtype, mm, ftt.GemmInputRole.WEIGHT)
+
+
+def _forward(x, w, recipe, reduce, w8=None, w_scale=None):
     _, _, ftt, _ = _torchao()
     c = config(recipe)
     mm, pow2, role = _mm_config(c), c.round_scales_to_power_of_2, ftt.GemmInputRole
     # rows flattened before the cast (torchao casts (..., K) then reshapes: the same rows' amaxes,
     # and its axiswise Float8TrainingTensor cannot be reshaped)
     x8 = _cast(x.reshape(-1, x.shape[-1]), c.cast_config_input, role.INPUT, -1, reduce, 0, mm, pow2)
-    w8 = _cast(w.t(), c.cast_config_weight, role.WEIGHT, 0, reduce, 1, mm, pow2)
+    if w8 is None:
+        w8 = _cast(w.t(), c.cast_config_weight, role.WEIGHT, 0, reduce, 1, mm, pow2)
+    else:  # gathered in fp8 with the whole weight's scale: the values the cast above gives
+        w8 = _gathered(w, w8, w_scale, mm).t()
     y = torch.mm(x8, w8)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _backward(go, x, w, recipe, reduce):
+def _backward(go, x, w, recipe, reduce, w8=None, w_scale=None):
     _, _, ftt, _ = _torchao()
     c = config(recipe)
     mm, pow2, role = _mm_config(c), c.round_scales_to_power_of_2, ftt.GemmInputRole
     go2, x2, w_t = go.reshape(-1, go.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()
     go8 = _cast(go2, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, reduce, 2, mm, pow2)
-    wt8 = _cast(w_t, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, reduce, 3, mm, pow2)
+    if w8 is None:
+        wt8 = _cast(w_t, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, reduce, 3, mm, pow2)
+    else:  # torchao reuses the fp8 weight gathered for the output (tensorwise: the same cast)
+        wt8 = _gathered(w, w8, w_scale, mm).t()
     gx = torch.mm(go8, wt8.t()).reshape(*go.shape[:-1], x.shape[-1])
     go8 = _cast(go2, c.cast_config_grad_output_for_grad_weight, role.GRAD_OUTPUT, 0, reduce, 4, mm, pow2)
     x8 = _cast(x2, c.cast_config_input_for_grad_weight, role.INPUT, 0, reduce, 5, mm, pow2)
@@ -107,13 +120,16 @@ def float8_mm(
     sizes: list[int],
     masks: list[int],
     rank: int,
+    w8: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ w.T`` in float8 (``w``: a Linear's weight, out x in features)."""
-    return _forward(x, w, recipe, _Reducer(groups, sizes, masks, rank)).contiguous()
+    """``x @ w.T`` in float8 (``w``: a Linear's weight, out x in features; or, with ``w8`` and
+    ``w_scale``, the fp8 weight zero=3 gathered and ``w`` its stand-in: gather.py)."""
+    return _forward(x, w, recipe, _Reducer(groups, sizes, masks, rank), w8, w_scale).contiguous()
 
 
 @float8_mm.register_fake
-def _(x, w, recipe, groups, sizes, masks, rank):
+def _(x, w, recipe, groups, sizes, masks, rank, w8=None, w_scale=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
@@ -127,26 +143,29 @@ def float8_mm_backward(
     sizes: list[int],
     masks: list[int],
     rank: int,
+    w8: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of x, grad of w) of float8_mm, torchao's backward gemms with the amax reduced."""
-    gx, gw = _backward(go, x, w, recipe, _Reducer(groups, sizes, masks, rank))
+    gx, gw = _backward(go, x, w, recipe, _Reducer(groups, sizes, masks, rank), w8, w_scale)
     return gx.contiguous(), gw.to(w.dtype).contiguous()
 
 
 @float8_mm_backward.register_fake
-def _(go, x, w, recipe, groups, sizes, masks, rank):
-    return torch.empty_like(x), torch.empty_like(w)
+def _(go, x, w, recipe, groups, sizes, masks, rank, w8=None, w_scale=None):
+    return torch.empty_like(x), x.new_empty(w.shape, dtype=w.dtype)
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1])
-    ctx.rest = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in inputs[2:])
+    # the fp8 weight gathered by zero=3 (inputs 7, 8) is saved as it is, as torchao saves it
+    ctx.save_for_backward(inputs[0], inputs[1], *inputs[7:9])
+    ctx.rest = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in inputs[2:7])
 
 
 def _grad(ctx, go):
-    x, w = ctx.saved_tensors
-    gx, gw = float8_mm_backward(go.contiguous(), x, w, *ctx.rest)
-    return gx, gw, None, None, None, None, None
+    x, w, *gathered = ctx.saved_tensors
+    gx, gw = float8_mm_backward(go.contiguous(), x, w, *ctx.rest, *gathered)
+    return gx, gw, None, None, None, None, None, None, None
 
 
 float8_mm.register_autograd(_grad, setup_context=_setup)

@@ -44,12 +44,8 @@ def config(recipe: str):
 
 def recipe_of(cfg) -> str:
     """The recipe name of a torchao Float8LinearConfig (a converted model's), or a PlanError: autopar
-    runs torchao's named recipes, whose every cast it knows how to scale across ranks."""
-    if cfg.enable_fsdp_float8_all_gather:
-        raise PlanError(
-            "a model converted with enable_fsdp_float8_all_gather=True: autopar's zero=3 gathers float8 "
-            "weights itself (ap.DataParallel(zero=3) with float8=ap.Float8(...)); convert without it."
-        )
+    runs torchao's named recipes, whose every cast it knows how to scale across ranks (the config's
+    ``enable_fsdp_float8_all_gather`` is ap.Float8's ``fp8_all_gather``, not part of the recipe)."""
     plain = cfg.__class__(**{**cfg.__dict__, "enable_fsdp_float8_all_gather": False})
     for name in RECIPES:
         if plain == config(name):

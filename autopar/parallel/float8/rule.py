@@ -25,10 +25,11 @@ from autopar.sharding.rules.matmul import BATCH_LABELS, einsum_strategies
 from autopar.sharding.rules.registry import MATMUL, OpInfo, Strategy, register
 from autopar.parallel.float8 import ops  # noqa: F401 - defines autopar::float8_mm
 from autopar.parallel.float8.recipes import config
+from autopar.parallel.param_names import canonical_names
 
 F8 = torch.ops.autopar.float8_mm.default
 ROLE_TENSOR = (0, 1, 2, 1, 2, 0)  # which tensor each cast reads: 0 input, 1 weight, 2 output (gradient)
-AMAX_BYTES = 4  # an amax is float32
+AMAX_BYTES = 4  # the fp8 all-gather's amaxes: float32 (gather.py); a cast's amax is in its tensor's dtype
 
 
 def _over(role: int, ndim: int, axiswise: bool) -> set:
@@ -86,6 +87,12 @@ def _amax_numel(node, role: int, symbols):
     return symbols.numel(kept, placed)
 
 
+def _param_name(plan, node) -> str | None:
+    """The canonical parameter name ``node`` (a placeholder) reads, or None."""
+    fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
+    return None if fqn is None else canonical_names(plan).get(fqn, fqn)
+
+
 def _concat(*groups) -> list:
     return [r for g in groups for r in g]
 
@@ -105,14 +112,21 @@ class Float8Scales(Lowering):
         return em.graph.call_function(F8, (args[0], args[1], args[2], groups, sizes, [bits[a] for a in axes], rank))
 
     def comms(self, plan, node, axis: int, symbols) -> list[tuple]:
-        """One all-reduce (max) of each reduced amax, on every axis that reduces it: a float32 per
-        tensor (tensorwise) or per row / column of the rank's piece (axiswise)."""
+        """One all-reduce (max) of each reduced amax, on every axis that reduces it: one value in the
+        tensor's dtype per tensor (tensorwise) or per row / column of the rank's piece (axiswise);
+        none for a weight zero=3 gathers in fp8 (its scale is gather.py's)."""
         out = []  # every axis's reductions (the lowering is emitted once, for all axes)
+        f8 = plan.options.float8
+        wired = f8 is not None and _param_name(plan, node.args[1]) in f8.gather_wire(plan)
         for a, b in enumerate(masks(node)):
             for role in range(6):
+                if wired and role in (1, 3):
+                    continue  # gathered in fp8 with its scale (gather.py): no cast, no reduction here
                 if b >> role & 1:
                     phase = "forward" if role < 2 else "backward"
-                    size = AMAX_BYTES * _amax_numel(node, role, symbols)
+                    tensor = (node.args[0], node.args[1], node)[ROLE_TENSOR[role]]
+                    # torchao's amax is in the tensor's dtype (tensor_to_amax): 2 bytes under a bf16 policy
+                    size = tensor.meta["val"].dtype.itemsize * _amax_numel(node, role, symbols)
                     out.append(("all_reduce", a, phase, ring_bytes("all_reduce", size, symbols.axes[a])))
         return out
 

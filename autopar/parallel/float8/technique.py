@@ -14,9 +14,14 @@ A model already converted with torchao's ``convert_to_float8_training`` plans th
 its Float8Linear modules are traced as Linears and then become float8_mm with their own recipe
 (float8= may then be left out).
 
+``fp8_all_gather=True`` (torchao's ``enable_fsdp_float8_all_gather``, which a converted model's
+config carries over): under ``ap.DataParallel(zero=3)`` the float8 weights are all-gathered as fp8
+bytes, cast on each rank with the whole weight's scale (gather.py); tensorwise only, as torchao.
+
 Example:
     >>> plan = ap.plan(model, ap.Mesh((2, 2), ("dp", "tp")), args=(x,), annotations=MLP_TP,
     ...                data_parallel="dp", float8=ap.Float8("tensorwise", skip=("lm_head",)))
+    >>> ap.Float8("tensorwise", fp8_all_gather=True)   # with ap.DataParallel("dp", zero=3)
 """
 
 from __future__ import annotations
@@ -28,11 +33,20 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.cost import make_comm
 from autopar.errors import PlanError
 from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's rule and lowering
+from autopar.parallel.float8.rule import AMAX_BYTES
+from autopar.parallel.float8.gather import Float8Wire
 from autopar.parallel.float8.recipes import RECIPES, config, recipe_of
+from autopar.parallel.fsdp import held_buckets
+from autopar.parallel.fsdp_layout import buckets_cached
+from autopar.parallel.fsdp_runtime import fsdp_gather
+from autopar.parallel.param_names import canonical_names
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
+from autopar.runtime.ring import ring_bytes
+from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path
 
 aten = torch.ops.aten
@@ -69,6 +83,8 @@ class Float8(Technique):
 
     recipe: str = "tensorwise"
     skip: tuple = ()  # fnmatch patterns of module paths whose Linears stay in high precision
+    # zero=3 gathers the float8 weights in fp8 (torchao's enable_fsdp_float8_all_gather): gather.py
+    fp8_all_gather: bool = False
     name = "float8"
     order = 25  # its graph rewrite is local to the Linears: after the layout techniques, before the casts
 
@@ -78,6 +94,12 @@ class Float8(Technique):
                 f"ap.Float8(recipe={self.recipe!r}): the recipes are {', '.join(RECIPES)} (torchao's names)."
             )
         object.__setattr__(self, "skip", tuple(self.skip))
+        if self.fp8_all_gather and self.recipe != "tensorwise":
+            raise PlanError(
+                f"ap.Float8({self.recipe!r}, fp8_all_gather=True): the fp8 all-gather needs one scale per "
+                "weight (torchao's enable_fsdp_float8_all_gather supports tensorwise only): use "
+                "recipe='tensorwise' or fp8_all_gather=False."
+            )
 
     @classmethod
     def of(cls, value):
@@ -92,13 +114,15 @@ class Float8(Technique):
         converted = {p: m for p, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
         if not converted:
             return None
-        recipes = {recipe_of(m.config) for m in converted.values()}
+        recipes = {(recipe_of(m.config), m.config.enable_fsdp_float8_all_gather) for m in converted.values()}
         if len(recipes) > 1:
             raise PlanError(
-                f"Float8Linear modules with different recipes ({sorted(recipes)}): convert with one recipe."
+                f"Float8Linear modules with different recipes or enable_fsdp_float8_all_gather "
+                f"({sorted(recipes)}): convert with one config."
             )
         plain = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and p not in converted]
-        return cls(recipes.pop(), tuple(plain))
+        recipe, gather = recipes.pop()
+        return cls(recipe, tuple(plain), gather)
 
     def tracing(self, model):
         """While tracing, a torchao Float8Linear is traced as the Linear it is (torch.export cannot
@@ -107,6 +131,12 @@ class Float8(Technique):
 
     def validate(self, mesh, options, annotations) -> None:
         config(self.recipe)  # torchao present, or the PlanError saying how to install it
+
+    def stored(self, plan, rank: int, fqn: str, local):
+        """A converted model's weights as plain tensors: torchao wraps them for FSDP2's fp8 all-gather
+        (WeightWithDynamicFloat8CastTensor, enable_fsdp_float8_all_gather), which autopar's zero=3
+        does itself (gather.py); wrapped, zero=3's flat storage would not hold them."""
+        return local._tensor if type(local).__name__ == "WeightWithDynamicFloat8CastTensor" else local
 
     def converts(self, path: str) -> bool:
         """Whether the Linear at module path ``path`` runs in float8."""
@@ -127,13 +157,96 @@ class Float8(Technique):
             graph.erase_node(node)
         graph.lint()
 
+    def gather_wire(self, plan) -> dict:
+        """With ``fp8_all_gather`` under zero=3: the weights gathered in fp8 (gather.py)."""
+        if not self.fp8_all_gather or not getattr(plan.data_parallel, "storage", None):
+            return {}
+        if not plan.data_parallel.storage.gathers_params:
+            return {}
+        if "float8_wire" not in plan.built:
+            plan.built["float8_wire"] = fp8_gathered(plan, self.recipe)
+        return plan.built["float8_wire"]
+
+    def rewrite_program(self, plan, graph) -> None:
+        """Each matmul reading a weight gathered in fp8 gets its fp8 data and scale (the gather's
+        outputs after the stand-ins: gather.py's unpack)."""
+        wired = [n for n in graph.nodes if n.target is fsdp_gather and _bucket(plan, n).wire is not None]
+        for gather in wired:
+            n = len(gather.args) - 2
+            for item in [u for u in gather.users if u.args[1] < n]:
+                bad = [u for u in item.users if u.target is not F8 or u.args[1] is not item]
+                if bad:
+                    raise PlanError(
+                        f"float8 fp8_all_gather: {item.name} is read by {bad[0].name}, not a float8 matmul's "
+                        "weight (an internal error: report it; fp8_all_gather=False avoids it)."
+                    )
+                with graph.inserting_after(item):
+                    scale = graph.call_function(item.target, (gather, 2 * n + item.args[1]))
+                    data = graph.call_function(item.target, (gather, n + item.args[1]))
+                for u in list(item.users):
+                    if u.target is F8:
+                        u.args = (*u.args[:7], data, scale)
+
+    def collectives(self, plan, symbols) -> list:
+        """The gathered weights' amaxes: one all-reduce (max) of a float32 each, per forward."""
+        wires = set(self.gather_wire(plan).values())
+        if not wires:
+            return []
+        (wire,) = wires
+        group = plan.mesh.group(tuple(plan.mesh.axis_names[a] for a in wire.axes), 0)
+        n = sum(len(b.names) for b in held_buckets(plan, 0) if b.wire is not None)
+        if len(group) < 2 or not n:
+            return []
+        label = plan.mesh.axis_label(wire.axes if len(wire.axes) > 1 else wire.axes[0])
+        size = ring_bytes("all_reduce", AMAX_BYTES * n, len(group))
+        why = f"float8 fp8 all-gather: the amax of the {n} weights gathered in fp8, all at once, so each rank scales its piece as serial"
+        return [make_comm(symbols, "all_reduce", label, "forward", size, "float8 weight scales", "", reason=why)]
+
+    def process_groups(self, plan) -> list:
+        """The groups the fp8 gather's amax all-reduce runs over where they span several mesh axes
+        (dp x tp): torch.distributed makes them on every rank (ap.parallelize)."""
+        axes = {w.axes for w in self.gather_wire(plan).values()}
+        if not axes or len(next(iter(axes))) < 2:
+            return []
+        names = tuple(plan.mesh.axis_names[a] for a in axes.pop())
+        return sorted({plan.mesh.group(names, r) for r in plan.mesh.ranks()})
+
     def describe(self, plan) -> str:
         n = sum(1 for node in plan.graph.nodes if node.target is F8)
-        return f"float8 ({self.recipe}): {n} Linear matmuls in float8, each scale from the whole tensor's amax"
+        text = f"float8 ({self.recipe}): {n} Linear matmuls in float8, each scale from the whole tensor's amax"
+        if self.fp8_all_gather:
+            g = len(self.gather_wire(plan))
+            text += f"; zero=3 gathers {g} weights in fp8" if g else "; fp8_all_gather: no zero=3 gather here"
+        return text
 
     def fields(self) -> dict:
-        return {"recipe": self.recipe, "skip": list(self.skip)}
+        return {"recipe": self.recipe, "skip": list(self.skip), "fp8_all_gather": self.fp8_all_gather}
 
     @classmethod
     def from_fields(cls, fields: dict):
-        return cls(fields["recipe"], tuple(fields.get("skip", ())))
+        return cls(fields["recipe"], tuple(fields.get("skip", ())), fields.get("fp8_all_gather", False))
+
+
+def _bucket(plan, gather):
+    return buckets_cached(plan)[gather.args[1]]
+
+
+def fp8_gathered(plan, recipe: str) -> dict:
+    """Canonical name -> Float8Wire of each weight zero=3 can gather in fp8: every read of it is a
+    float8 matmul's weight, in the layout it is stored in (nothing between the gather and the
+    matmul). The wire's axes: the shard group's and every axis splitting one of them."""
+    canon, bad, names = canonical_names(plan), set(), set()
+    axes = set(plan.data_parallel.shard_group_axes(plan.mesh))
+    for node in plan.graph.nodes:
+        fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
+        if fqn is None or not node.users:
+            continue
+        name, spec = canon.get(fqn, fqn), layout_of(node).spec
+        direct = all(
+            u.target is F8 and u.args[1] is node and u.args[0] is not node and layout_of(u).input_targets[1] == spec
+            for u in node.users
+        )
+        (names if direct else bad).add(name)
+        axes |= {a for a, p in enumerate(spec) if p.is_shard()} if direct else set()
+    wire = Float8Wire(recipe, tuple(sorted(axes)))
+    return {n: wire for n in sorted(names - bad)}
