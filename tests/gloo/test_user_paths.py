@@ -41,7 +41,15 @@ CHECKPOINT_TARGETS = [
 ]
 
 
-@pytest.mark.parametrize("target,world", CHECKPOINT_TARGETS)
+# make test keeps one of each storage (plain tp, ZeRO-2, ZeRO-3 alone, with tp and under a pipeline);
+# blocks on tp=4, HSDP and pp x tp (the same state_dict paths) run in `make fuzz`
+SLOW_TARGETS = {"tp4_blocks", "hsdp_rep2xshard2", "pp2xtp2"}
+
+
+@pytest.mark.parametrize(
+    "target,world",
+    [pytest.param(*c, marks=pytest.mark.slow) if c[0] in SLOW_TARGETS else c for c in CHECKPOINT_TARGETS],
+)
 def test_state_dict_values_are_truthful(gloo, target, world):
     """Every ap.get_state_dict value's full_tensor() is the serial tensor (parameters and AdamW
     state after 2 steps), with the same keys on every rank, under zero 2/3, HSDP, blocked shards

@@ -335,8 +335,17 @@ def test_zero3_gathers_stay_out_of_regions(ac):
     plan.check(x)
 
 
-@pytest.mark.parametrize("mesh", ["dp2", "dp2xtp2"])
-@pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])
+# make test: full on dp2 x tp2 and selective on dp2 (10-15 s each, loaded); the other two in `make fuzz`
+@pytest.mark.parametrize(
+    "ac,mesh",
+    [
+        (FULL, "dp2xtp2"),
+        (SELECTIVE, "dp2"),
+        pytest.param(FULL, "dp2", marks=pytest.mark.slow),
+        pytest.param(SELECTIVE, "dp2xtp2", marks=pytest.mark.slow),
+    ],
+    ids=["full-dp2xtp2", "selective-dp2", "full-dp2", "selective-dp2xtp2"],
+)
 def test_zero3_frees_the_gathered_block_after_the_region_and_regathers_it_once(mesh, ac):
     """zero=3 with checkpointing (as FSDP2 + AC): a region does not hold its gathered block until
     backward: after the forward the step holds what zero=0 holds (the checkpoint's kept inputs that

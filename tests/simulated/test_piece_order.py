@@ -113,4 +113,4 @@ def test_reordered_plan_on_a_3_axis_mesh_in_a_training_loop():
     compare_with_serial(plan, (ids,), train=False, ctx=torch.no_grad)
     check_clipping(plan, (ids,))
     check_state_dict(None, plan, (ids,))
-    compare_with_serial(plan, (ids,), wrap=torch.compile, seed=5)
+    compare_with_serial(plan, (ids,), wrap=lambda m: torch.compile(m, backend="aot_eager"), seed=5)
