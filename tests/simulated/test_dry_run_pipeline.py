@@ -12,6 +12,7 @@ import pytest
 import autopar as ap
 from autopar.cost.formulas import PlanSymbols
 from autopar.cost.plan_cost import flops_formula
+from autopar.dryrun.verify import verify_choice
 from autopar.models.examples import gpt
 
 MEGATRON = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp")}
@@ -59,3 +60,10 @@ def test_a_stages_receives_are_what_its_neighbour_sends(report):
 
     assert of(first, "send") == of(last, "recv") and of(first, "recv") == of(last, "send")
     assert max(of(first, "send")) == 2 * 16 * 32 * 4  # 8 rows / dp 2 / 2 micro-batches x 16 x 32 fp32
+
+
+def test_auto_verify_dry_runs_a_pipelined_choice(report):
+    plan, rep = report
+    rank = plan.peak_memory_rank(2)
+    record = verify_choice(plan, {"chosen": "pp", "budget": None, "memory": 0.0})
+    assert record["dry_run_rank"] == rank and record["dry_run_peak"] == rep.runs[rank].peak_bytes
