@@ -186,9 +186,10 @@ def predicted(plan, rank: int, optimizer_states: int) -> tuple[list, float]:
         if c.node in nodes:  # every micro-batch runs its stage's collectives (and their recompute)
             b = sy.value(sympy.sympify(c.formula).xreplace(micro))
             out += [(c.kind, c.axis, b)] * o.microbatches
-        elif c.node.startswith(ZERO3_BUCKET):  # zero=3's: the rank's own buckets
-            if any(n in held for n in zero3_bucket(plan, c.node)):  # gathered per micro-batch, reduced once
-                out += [(c.kind, c.axis, c.bytes)] * (1 if c.phase == "grad sync" else o.microbatches)
+        elif c.node.startswith(ZERO3_BUCKET):  # zero=3's: the rank's own buckets, reduced once a step,
+            if any(n in held for n in zero3_bucket(plan, c.node)):  # gathered per micro-batch, or kept
+                again = plan.data_parallel.reshard_after_forward and c.phase != "grad sync"
+                out += [(c.kind, c.axis, c.bytes)] * (o.microbatches if again else 1)
     out += rank_sync(plan, rank, sy)
     out += messages_of(plan, rank, sy, micro)
     flops = float(plan.cost(optimizer_states=optimizer_states, rank=rank).at()["flops"])

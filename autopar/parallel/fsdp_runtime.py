@@ -98,6 +98,14 @@ class FSDPRuntime:
         self.flats = {k: self._flatten(module, self.buckets[k]) for k in self.held}
         self.sync_enabled = True
         self.acc: dict[int, torch.Tensor] = {}
+        # without resharding after forward, a bucket gathered for a forward with gradients stays
+        # gathered until its gradient is reduced: the forwards of later micro-batches (a pipeline's,
+        # no_sync's accumulation) read the same copy (bucket -> (its pieces' version, the gathered
+        # flat): an optimizer step in between changes the version, and the bucket is gathered again).
+        # Each forward gathered its own before: a 405B stage-0 rank of 1F1B held 8 copies of its
+        # stage's blocks (92 GiB in a dry run, 11.6 GiB each) where FSDP2 under torchtitan holds one.
+        self.kept: dict[int, tuple[int, torch.Tensor]] = {}
+        self._keep = False  # this forward's gathers are kept (set at its start: the gather op runs without grad)
         self._clear()
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward, always_call=True)
@@ -146,9 +154,19 @@ class FSDPRuntime:
             self.pending[k] = current_backend().all_gather_async(out, src, self.shard, self.rank)
 
     def _wait(self, k: int) -> torch.Tensor:
+        kept = self.kept.get(k)
+        if kept is not None and kept[0] == self.flats[k]._version:
+            return kept[1]
         if k not in self.pending:
             self._start(k)
-        return self.pending.pop(k).wait()
+        flat = self.pending.pop(k).wait()
+        if self._keep:
+            self.kept[k] = (self.flats[k]._version, flat)
+        return flat
+
+    def _held_gathered(self, k: int) -> bool:
+        kept = self.kept.get(k)
+        return kept is not None and kept[0] == self.flats[k]._version
 
     def views(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.buckets[k]
@@ -159,7 +177,7 @@ class FSDPRuntime:
         flat = self._wait(k)
         i = self.held.index(k)
         for j in self.held[i + 1 : i + 1 + self.prefetch]:
-            if j not in self.pending:
+            if j not in self.pending and not self._held_gathered(j):
                 self._start(j)
         if self._hooks is not None:
             self.live[flat.untyped_storage()._cdata] = (k, weakref.ref(flat))
@@ -197,6 +215,7 @@ class FSDPRuntime:
     @eager  # enters saved-tensor hooks for the whole forward: not traceable
     def _pre_forward(self, module, args):
         self._clear()
+        self._keep = not self.reshard and torch.is_grad_enabled()
         if self.reshard and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
@@ -215,6 +234,8 @@ class FSDPRuntime:
         # the gathered block is used no more (this runs after its last use's backward): free it
         # before the gradient flat takes its place, not after (one block less at the peak)
         self.regather.pop(k, None)
+        if self.sync_enabled:  # the step's last backward of this bucket: the kept copy goes too
+            self.kept.pop(k, None)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
         flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype, device=self.flats[k].device)  # the pieces'
         for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):
