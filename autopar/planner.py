@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.trace.meta_device import input_device, meta_names, retarget_meta_device
-from autopar.dryrun.verify import verify_choice
+from autopar.dryrun.verify import verified
 from autopar.errors import AnnotationError, MeshError, TraceError
 from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
@@ -128,9 +128,10 @@ def make_plan(
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
     if record is not None:  # JSON: the search's choice, its reasons and the runners-up
         plan.built["auto"] = settle_memory(plan, record, Auto.of(searched).optimizer_states)
-        if Auto.of(searched).verify:  # the choice dry-run at full size (dryrun/verify.py)
-            plan.built["auto"] = verify_choice(plan, plan.built["auto"], Auto.of(searched).optimizer_states)
-        plan.plan_option = _option_planner(model, asked, traced)
+        plan_option = _option_planner(model, asked, traced)
+        if Auto.of(searched).verify:  # dry-run at full size; over the budget, the next option (dryrun/verify.py)
+            plan = verified(plan, Auto.of(searched).optimizer_states, plan_option)
+        plan.plan_option = plan_option
     return plan
 
 

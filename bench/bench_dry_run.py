@@ -26,7 +26,8 @@ import autopar as ap
 from transformers import LlamaForCausalLM
 from bench.llama_shapes import LossOnly, llama_config
 
-hidden, inter, layers, heads, kv, vocab, local, seq, n, mode, tp = json.loads(sys.argv[1])
+hidden, inter, layers, heads, kv, vocab, local, seq, n, mode, tp, *more = json.loads(sys.argv[1])
+pp, rank = (more + [1, 0])[:2] if more else (1, 0)  # pipeline positions; the rank to run
 cfg = llama_config(hidden, inter, layers, heads, kv, vocab, seq)  # torchtitan's causal SDPA, no mask
 
 with torch.device("meta"):
@@ -34,19 +35,25 @@ with torch.device("meta"):
 ids = torch.zeros(local * n, seq, dtype=torch.long, device="meta")
 ac = None if mode == "none" else ap.ActivationCheckpoint(mode, save_every=2 if mode == "selective" else 1)
 kw = {"input_ids": ids, "labels": ids}
-mesh = ap.Mesh((n, tp), ("dp", "tp")) if tp > 1 else ap.Mesh((n,), ("dp",))
+axes = [("dp", n)] + ([("pp", pp)] if pp > 1 else []) + ([("tp", tp)] if tp > 1 else [])
+mesh = ap.Mesh(tuple(s for _, s in axes), tuple(a for a, _ in axes))
 ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True) if tp > 1 else {}  # torchtitan's tp + sp
-plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, annotations=ann,
-               data_parallel=ap.DataParallel("dp", zero=3, reduce_dtype=torch.float32), activation_checkpoint=ac)
-t0 = time.perf_counter()
-run = plan.dry_run(rank=0, device="cuda", steps=2).runs[0]
+# torchtitan under pp: 1F1B with pp micro-batches, blocks not resharded after forward
+pipe = ap.Pipeline("pp", microbatches=pp, schedule="1f1b") if pp > 1 else None
+dp = ap.DataParallel("dp", zero=3, reduce_dtype=torch.float32, reshard_after_forward=pp == 1)
+plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, annotations=ann, data_parallel=dp, activation_checkpoint=ac,
+               pipeline=pipe)
+t0, c0, rss0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+run = plan.dry_run(rank=rank, device="cuda", steps=2).runs[rank]
 print(json.dumps({
     "seconds": time.perf_counter() - t0, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "cpu_s": time.process_time() - c0, "planned_rss_mib": rss0 / 1024,  # CPU: the machine is shared
     "peak": run.peak_bytes, "peak_by_kind": run.peak_by_kind, "predicted": run.predicted_bytes,
     "predicted_by_kind": run.predicted_by_kind, "predict": ap.predict(plan, "h100")["memory"],
     "phases": run.predicted_phases,
     "flops": run.flops, "predicted_flops": run.predicted_flops,
     "attention_flops": sum(v for k, v in run.flops_by_op.items() if "attention" in k),
+    "rank": rank, "equal": run.collectives_match,
     "collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.collectives).items()),
     "predicted_collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.predicted_collectives).items()),
     "bytes": sum(b for *_, b in run.collectives), "predicted_bytes": sum(b for *_, b in run.predicted_collectives),
@@ -58,6 +65,38 @@ CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local 
     "LLaMA-3.1-8B, FSDP 8, no AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "none", 1),
     "LLaMA-3.1-8B, FSDP 128, selective AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 128, "selective", 1),
     "LLaMA-3.1-70B, FSDP 32 x TP 8, full AC": (8192, 28672, 80, 64, 8, 128256, 2, 8192, 32, "full", 8),
+    # docs/auto.md's 405B: local batch 32 per dp rank in 8 micro-batches; rank 0 (stage 0: the
+    # embedding and the first blocks) and the last stage's rank 56 (the head and the loss)
+    "LLaMA-3.1-405B, FSDP 8 x PP 8 x TP 8, 1F1B, full AC, stage 0": (
+        16384,
+        53248,
+        126,
+        128,
+        8,
+        128256,
+        32,
+        8192,
+        8,
+        "full",
+        8,
+        8,
+        0,
+    ),
+    "LLaMA-3.1-405B, FSDP 8 x PP 8 x TP 8, 1F1B, full AC, last stage": (
+        16384,
+        53248,
+        126,
+        128,
+        8,
+        128256,
+        32,
+        8192,
+        8,
+        "full",
+        8,
+        8,
+        56,
+    ),
 }
 QUICK = {"LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective", 1)}
 
@@ -69,9 +108,11 @@ def dry_run(case: tuple) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, only: str | None = None) -> list[dict]:
     rows = []
     for name, case in (QUICK if quick else CASES).items():
+        if only is not None and only not in name:
+            continue
         got = dry_run(case)
         gib = 2**30
         kinds = ", ".join(f"{k} {v / gib:.2f}" for k, v in sorted(got["peak_by_kind"].items()))
@@ -98,19 +139,22 @@ def run(quick: bool) -> list[dict]:
                 "collectives per step, measured / plan.collectives()",
                 f"{dict(got['collectives'])} / {dict(got['predicted_collectives'])}",
                 "equal",
+                f"{'equal' if got['equal'] else 'NOT equal'} in kind, axis and bytes; "
                 f"bytes {got['bytes']:.4g} / {got['predicted_bytes']:.4g}",
             ),
             row(
                 "dry_run",
                 name,
                 "seconds (2 steps), RSS MiB",
-                f"{got['seconds']:.0f} s, {got['rss_mib']:.0f}",
+                f"{got['seconds']:.0f} s ({got['cpu_s']:.0f} s of CPU), {got['rss_mib']:.0f}",
                 "<= 120 s, 4 GiB",
+                f"RSS after planning, before the dry run: {got['planned_rss_mib']:.0f} MiB",
             ),
         ]
     return rows
 
 
-if __name__ == "__main__":
-    for r in run("--quick" in sys.argv):
+if __name__ == "__main__":  # python -m bench.bench_dry_run [--quick] [a part of a case's name]
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for r in run("--quick" in sys.argv, names[0] if names else None):
         print(r)

@@ -136,13 +136,14 @@ def _lowering_comms(plan, node, sy) -> list[Comm]:
     ]
 
 
-def _sync_comms(plan, sy) -> list[Comm]:
+def _sync_comms(plan, sy, rank: int = 0) -> list[Comm]:
     """Gradient-sync collectives per step: per bucket and axis. On the data-parallel axis its
-    options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none)."""
+    options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none).
+    ``rank``: whose buckets (a pipeline rank's: its stages' parameters)."""
     mesh, dp = plan.mesh, plan.data_parallel
     params = dict(named_parameters(plan.model))
     out = []
-    for i, b in enumerate(plan.grad_buckets()):
+    for i, b in enumerate(plan.grad_buckets(rank)):
         # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece
         numel = sum(sy.numel(params[n].shape, plan.param_specs.get(n)) / _stored_share(plan, n) for n in b.names)
         where = (f"bucket {i} ({len(b.names)} params)", _bucket_module(b.names))

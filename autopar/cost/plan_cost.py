@@ -124,7 +124,7 @@ class Cost:
         memory = memory_formulas(plan, self.sy, optimizer_states, self.rank)
         self.host_memory = {k: memory.pop(k) for k in HOST_PARTS if k in memory}  # not the device's
         self.memory = memory
-        self.flops = flops_formula(plan, self.sy)
+        self.flops = flops_formula(plan, self.sy, self.rank)
 
     @property
     def symbols(self) -> dict[str, sympy.Symbol]:
@@ -381,16 +381,21 @@ def largest_piece(node, sy: PlanSymbols) -> sympy.Expr:
     return f
 
 
-def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
+def flops_formula(plan, sy: PlanSymbols, rank: int | None = None) -> sympy.Expr:
     """FLOPs per rank and step: forward, plus twice that for ops whose output needs a gradient
     (attention: ATTENTION_BACKWARD times, flash's backward recomputing the scores), plus the
     forward once more for the ops activation checkpointing recomputes (``Technique.recomputed``:
-    the kernels run again in backward, as compute_seconds charges them). A dry run's
-    FlopCounterMode counts the same (tests/simulated/test_dry_run_memory.py)."""
+    the kernels run again in backward, as compute_seconds charges them). A pipeline ``rank``
+    runs its own stages' ops only, on every micro-batch: their FLOPs at the whole batch (None:
+    every op). A dry run's FlopCounterMode counts the same (tests/simulated/test_dry_run_memory.py,
+    test_dry_run_pipeline.py)."""
     recomputed = set().union(*(t.recomputed(plan) for t in plan.options.techniques))
+    mine = stage_nodes(plan, rank)
     total = sympy.Integer(0)
     for node in plan.graph.nodes:
         if node.op != "call_function" or "autopar" not in node.meta or not layout_of(node).outputs:
+            continue
+        if mine is not None and node.name not in mine:
             continue
         f = node_flops(node, sy) / split_factor(layout_of(node).spec, sy) * largest_piece(node, sy)
         if not plan.ctx.needs_grad.get(node):
@@ -399,6 +404,15 @@ def flops_formula(plan, sy: PlanSymbols) -> sympy.Expr:
         backward = ATTENTION_BACKWARD if op_work(node).kind == "attention" else 2
         total += f * (1 + backward + (1 if node.name in recomputed else 0))
     return simplify(total)
+
+
+def stage_nodes(plan, rank: int | None) -> set | None:
+    """The graph nodes pipeline ``rank``'s stages run (None: not a pipeline, or no rank: all)."""
+    lay = plan.stage_layout
+    if lay is None or rank is None:
+        return None
+    pos = plan.mesh.coords(rank)[lay.axis]
+    return {n for st in lay.stages if lay.rank_of_stage(st.index) == pos for n in st.nodes}
 
 
 def compute_seconds(plan, sy: PlanSymbols, flops_per_s, bandwidth=None, attention_flops_per_s=None) -> sympy.Expr:

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
+from autopar.dryrun import pipeline
 from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
 from autopar.dryrun.flops import counting_flops
@@ -33,19 +34,15 @@ from autopar.dryrun.where import failing_node
 from autopar.errors import MeshError, PlanError
 from autopar.parallel.dp_module import memory_per_rank, memory_ranks
 from autopar.parallel.optimizer import Optimizer
+from autopar.runtime.backend import current_backend
 from autopar.runtime.comm_stats import _axis
 from autopar.trace.in_dtype import materialized
 
 
 def dry_run(plan, rank=None, device="cuda", steps=2, optimizer=torch.optim.AdamW, **optimizer_kwargs) -> DryRun:
-    """Run ``rank``'s program (None: every distinct one, ``memory_ranks``) on fake tensors; see
-    the module docstring. ``optimizer``: a torch.optim class, stepped through ap.Optimizer."""
-    if plan.stage_layout is not None:
-        raise PlanError(
-            "plan.dry_run does not run pipeline plans yet: their rank programs are stage modules driven by "
-            "a PipelineRunner, whose point-to-point messages the fake world does not carry. Dry-run the "
-            "plan without its pipeline (ap.plan(..., pipeline=None)) to check its stages' programs."
-        )
+    """Run ``rank``'s program (None: every distinct one, ``memory_ranks``: one per pipeline
+    position) on fake tensors; see the module docstring. ``optimizer``: a torch.optim class,
+    stepped through ap.Optimizer."""
     ranks = memory_ranks(plan) if rank is None else [rank]
     for r in ranks:
         if not 0 <= r < plan.mesh.size:
@@ -64,9 +61,21 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         if dev.type == "meta" and torch.device(device).type == "cuda"
         else contextlib.nullcontext()
     )
+    piped = plan.stage_layout is not None
     with FakeTensorMode(allow_non_fake_inputs=True), gpu, counter, fake_world(plan, rank, counter) as stats:
-        module = _module(plan, rank, dev, counter)
-        inputs = _inputs(plan, rank, dev)
+        if piped:  # the rank's stages, driven by its PipelineRunner; messages through a FakeChannel
+            module = pipeline.build_runner(plan, rank, dev)
+            for stage in module.stage_modules:
+                _move_buffers(stage, dev)
+            channel = pipeline.FakeChannel(plan, rank, dev, stats, module)
+            current_backend().p2p_channel = lambda r: channel
+            inputs = pipeline.batch(plan, materialized(plan.traced.example, dev))
+        else:
+            module = _module(plan, rank, dev)
+            inputs = _inputs(plan, rank, dev)
+        stages = module.stage_modules if piped else [module]
+        counter.label(module.parameters(), "params")
+        counter.label([b for m in stages for b in m.buffers()], "buffers")
         opt = Optimizer(module, optimizer, **optimizer_kwargs)
         for p in module.parameters():
             if p.requires_grad:
@@ -76,12 +85,18 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         for _ in range(steps):
             first = len(stats.records)
             with counting_flops() as flop_counter, _named(rank, dev):
-                _step(module, opt, inputs, counter)
+                _step(module, opt, inputs, counter, piped)
             flops = flop_counter.get_total_flops()
             by_op = {str(op): n for op, n in flop_counter.get_flop_counts().get("Global", {}).items()}
-            collectives = [(r.kind, _axis(r.group, plan.mesh), r.bytes) for r in stats.records[first:]]
+            collectives = [(r.kind, _label(r, plan.mesh), r.bytes) for r in stats.records[first:]]
         slots = _state_slots(opt)
         held = {k: v for k, v in counter.by_kind.items() if v}  # between steps: what a rank keeps
+    mem = memory_per_rank(plan, rank, slots)
+    if piped:
+        predicted_collectives, predicted_flops = pipeline.predicted(plan, rank, slots)
+    else:
+        predicted_collectives = [(c.kind, c.axis, c.bytes) for c in plan.collectives()]
+        predicted_flops = float(plan.cost(optimizer_states=slots, rank=rank).at()["flops"])
     return RankRun(
         rank=rank,
         device=str(dev) if dev.type == torch.device(device).type else f"{dev} (for {device}: this torch has no CUDA)",
@@ -93,12 +108,22 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         flops=float(flops),
         flops_by_op=by_op,
         seconds=time.perf_counter() - start,
-        predicted_bytes=float(memory_per_rank(plan, rank, slots).total),
-        predicted_by_kind={k: float(v) for k, v in memory_per_rank(plan, rank, slots).items()},
-        predicted_phases={k: float(v) for k, v in memory_per_rank(plan, rank, slots).phases.items()},
-        predicted_collectives=[(c.kind, c.axis, c.bytes) for c in plan.collectives()],
-        predicted_flops=float(plan.cost(optimizer_states=slots, rank=rank).at()["flops"]),
+        predicted_bytes=float(mem.total),
+        predicted_by_kind={k: float(v) for k, v in mem.items()},
+        predicted_phases={k: float(v) for k, v in mem.phases.items()},
+        predicted_collectives=predicted_collectives,
+        predicted_flops=predicted_flops,
     )
+
+
+def _label(record, mesh):
+    """A record's axis: its own (a point-to-point message's), the mesh axis of its group, or the
+    axes a group over several spans ("dp*pp": the pipeline's loss)."""
+    axis = getattr(record, "axis", None)
+    if axis is not None:
+        return axis
+    found = _axis(record.group, mesh)
+    return found if isinstance(found, str) else pipeline.group_label(record.group, mesh)
 
 
 @contextlib.contextmanager
@@ -123,15 +148,13 @@ def _named(rank: int, dev):
         ) from e
 
 
-def _module(plan, rank: int, dev, counter):
+def _module(plan, rank: int, dev):
     """``rank``'s module with fake pieces: parameters cut from full-size fake tensors made on
     ``dev``; buffers and constants as the model holds them, then moved as a user moves a module."""
     state = {name: torch.empty(p.shape, dtype=p.dtype, device=dev) for name, p in plan.model_tensors["params"].items()}
     module = plan.build_module(rank, state=state)
     del state
     _move_buffers(module, dev)
-    counter.label(module.parameters(), "params")
-    counter.label(module.buffers(), "buffers")
     return module
 
 
@@ -156,11 +179,14 @@ def _inputs(plan, rank: int, dev) -> tuple:
     return plan.local_inputs(rank, *args, **kwargs)
 
 
-def _step(module, opt, inputs, counter) -> None:
-    args, kwargs = inputs
-    out = module(*args, **kwargs)
-    _loss(out).backward()
-    del out
+def _step(module, opt, inputs, counter, piped: bool = False) -> None:
+    if piped:  # the schedule's forwards and backwards, the gradient sync, the loss's all-reduce
+        module.step(inputs)
+    else:
+        args, kwargs = inputs
+        out = module(*args, **kwargs)
+        _loss(out).backward()
+        del out
     counter.label([p.grad for p in module.parameters()], "grads")
     with counter.kind("optimizer_state"):
         opt.step()

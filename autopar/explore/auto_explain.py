@@ -38,8 +38,14 @@ def _dry_run(rec: dict) -> str:
     if "dry_run_peak" not in rec:
         return ""
     over = rec["budget"] is not None and rec["dry_run_peak"] > rec["budget"]
-    return f"; dry run: rank {rec['dry_run_rank']} peaked at {_gib(rec['dry_run_peak'])}" + (
-        " (over the budget)" if over else ""
+    refused = "".join(
+        f"; refused {r['option']}: its dry run peaked at {_gib(r['dry_run_peak'])}, over the budget"
+        for r in rec.get("dry_run_refused", ())
+    )
+    return (
+        f"; dry run: rank {rec['dry_run_rank']} peaked at {_gib(rec['dry_run_peak'])}"
+        + (" (over the budget)" if over else "")
+        + refused
     )
 
 

@@ -102,6 +102,14 @@ class FSDPRuntime:
         self.wires = {w: w.bind(plan, self) for w in {b.wire for b in self.buckets if b.wire is not None}}
         self.sync_enabled = True
         self.acc: dict[int, torch.Tensor] = {}
+        # without resharding after forward, a bucket gathered for a forward with gradients stays
+        # gathered until its gradient is reduced: the forwards of later micro-batches (a pipeline's,
+        # no_sync's accumulation) read the same copy (bucket -> (its pieces' version, the gathered
+        # flat): an optimizer step in between changes the version, and the bucket is gathered again).
+        # Each forward gathered its own before: a 405B stage-0 rank of 1F1B held 8 copies of its
+        # stage's blocks (92 GiB in a dry run, 11.6 GiB each) where FSDP2 under torchtitan holds one.
+        self.kept: dict[int, tuple[int, torch.Tensor]] = {}
+        self._keep = False  # this forward's gathers are kept (set at its start: the gather op runs without grad)
         self._clear()
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward, always_call=True)
@@ -154,11 +162,22 @@ class FSDPRuntime:
             self.pending[k] = current_backend().all_gather_async(out, src, self.shard, self.rank)
 
     def _wait(self, k: int) -> torch.Tensor:
+        kept = self.kept.get(k)
+        if kept is not None and kept[0] == self.flats[k]._version:
+            return kept[1]
         if k not in self.pending:
             self._start(k)
         flat = self.pending.pop(k).wait()
-        wire = self.buckets[k].wire
-        return flat if wire is None else flat.view(wire.dtype)
+wire = self.buckets[k].wire
+        if wire is not None:  # fp8 bytes: packed with this forward's scales, so never kept across forwards
+            return flat.view(wire.dtype)
+        if self._keep:
+            self.kept[k] = (self.flats[k]._version, flat)
+        return flat
+
+    def _held_gathered(self, k: int) -> bool:
+        kept = self.kept.get(k)
+        return kept is not None and kept[0] == self.flats[k]._version
 
     def views(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.buckets[k]
@@ -169,7 +188,7 @@ class FSDPRuntime:
         flat = self._wait(k)
         i = self.held.index(k)
         for j in self.held[i + 1 : i + 1 + self.prefetch]:
-            if j not in self.pending:
+            if j not in self.pending and not self._held_gathered(j):
                 self._start(j)
         if self._hooks is not None:
             root = (
@@ -211,6 +230,7 @@ class FSDPRuntime:
     @eager  # enters saved-tensor hooks for the whole forward: not traceable
     def _pre_forward(self, module, args):
         self._clear()
+        self._keep = not self.reshard and torch.is_grad_enabled()
         if self.reshard and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
@@ -229,6 +249,8 @@ class FSDPRuntime:
         # the gathered block is used no more (this runs after its last use's backward): free it
         # before the gradient flat takes its place, not after (one block less at the peak)
         self.regather.pop(k, None)
+        if self.sync_enabled:  # the step's last backward of this bucket: the kept copy goes too
+            self.kept.pop(k, None)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), b.dtype)
         flat = torch.zeros(b.chunk * len(self.shard), dtype=dtype, device=self.flats[k].device)  # the pieces'
         for g, o, s, whole in zip(grads, b.offsets, b.shapes, self.whole[k]):

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 import autopar as ap
 from autopar.codegen import program as program_module
-from autopar.dryrun.verify import verify_choice
+from autopar.dryrun.verify import verified, verify_choice
 from autopar.models.examples import gpt
 from autopar.parallel.dp_module import memory_ranks
 
@@ -107,6 +107,26 @@ def test_auto_verify_dry_runs_the_choice_and_warns_over_budget():
     assert "dry run: rank 0 peaked at" in plan.explain("auto")
     with pytest.warns(UserWarning, match="peaked at .* in a dry run, over the memory budget"):
         verify_choice(plan, dict(record, budget=record["dry_run_peak"] / 2))
+
+
+def test_auto_verify_refuses_a_choice_over_budget_and_takes_the_next_that_fits():
+    """A choice whose dry run peaks over the budget is refused: the runners-up (fastest first)
+    are planned and dry-run until one is within it; explain("auto") names the refused."""
+    model, (idx, tgt) = gpt(n_layer=2, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
+    plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(idx, tgt), auto=ap.Auto(device="h100", verify=True))
+    record = plan.built["auto"]
+    budget = record["dry_run_peak"] - 1  # the choice measured 1 B over: refused
+    plan.built["auto"] = dict(record, budget=budget)
+    taken = verified(plan, 2, plan.plan_option)
+    got = taken.built["auto"]
+    assert got["chosen"] != record["chosen"] and got["dry_run_peak"] <= budget
+    assert got["dry_run_refused"][0] == {"option": record["chosen"], "dry_run_peak": record["dry_run_peak"]}
+    assert f"refused {record['chosen']}: its dry run peaked at" in taken.explain("auto")
+    # nothing within the budget: the search's choice stays, with the warning
+    plan.built["auto"] = dict(record, budget=1.0)
+    with pytest.warns(UserWarning, match="no other option tried was within it"):
+        kept = verified(plan, 2, plan.plan_option, tries=1)
+    assert kept is plan and "dry_run_refused" not in kept.built["auto"]
 
 
 def test_checkpointed_blocks_of_a_zero3_llama_are_gathered_again_in_backward():

@@ -251,13 +251,13 @@ def test_options_errors_and_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------- zero=3 inside pipeline stages
-def _pp_dp_plan(tied=False, microbatches=2, **pipeline):
+def _pp_dp_plan(tied=False, microbatches=2, reshard_after_forward=True, **pipeline):
     model = small_gpt(tied=tied, layers=4)
     return ap.plan(
         model,
         ap.Mesh((2, 2), ("pp", "dp")),
         args=gpt_batch(),
-        data_parallel=ap.DataParallel("dp", zero=3),
+        data_parallel=ap.DataParallel("dp", zero=3, reshard_after_forward=reshard_after_forward),
         pipeline=ap.Pipeline("pp", microbatches=microbatches, **pipeline),
     )
 
@@ -282,6 +282,8 @@ def _restore(plan, per_rank):
         (False, dict(schedule="1f1b")),
         (True, dict(schedule="gpipe")),
         (False, dict(schedule="interleaved", chunks=2, checkpoint=True)),
+        # not resharded: one gathered copy kept across the micro-batches, gathered again after a step
+        (True, dict(schedule="1f1b", reshard_after_forward=False)),
     ],
 )
 def test_pipeline_stages_fully_sharded_equal_serial(tied, pipeline):

@@ -45,7 +45,11 @@ HEADER = 9  # ndim + up to 8 sizes
 
 
 def channel(backend, rank: int, group=None):
-    """The p2p channel for ``backend`` (a SimBackend, or anything over torch.distributed)."""
+    """The p2p channel for ``backend`` (a SimBackend, or anything over torch.distributed; a
+    backend that carries messages itself gives its own: the dry run's fake world)."""
+    own = getattr(backend, "p2p_channel", None)
+    if own is not None:
+        return own(rank)
     if isinstance(backend, SimBackend):
         return SimChannel(backend, rank)
     return DistChannel(rank, group)

@@ -80,6 +80,9 @@ class _Saved:
 class PipelineRunner:
     """One rank's pipeline stages and their schedule.
 
+    ``state`` (name -> full tensor): the pieces cut from it instead of the model's values (a dry
+    run's fake tensors, dryrun/pipeline.py).
+
     Attributes: ``modules`` (stage index -> GraphModule, only its parameters), ``params``
     (serial name -> this rank's Parameter, tied names included), ``timeline`` (Events of the
     last step), ``stats`` (``max_in_flight``, ``peak_activation_bytes``), ``outputs`` (last
@@ -90,7 +93,9 @@ class PipelineRunner:
         >>> loss = runner.step((idx, targets)); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, plan, rank: int, loss=None, metric=None, p2p_group=None, measure: bool | None = None):
+    def __init__(
+        self, plan, rank: int, loss=None, metric=None, p2p_group=None, measure: bool | None = None, state=None
+    ):
         self.plan, self.rank = plan, plan.mesh.check_rank(rank)
         self.layout = lay = plan.stage_layout
         if lay is None:
@@ -102,7 +107,7 @@ class PipelineRunner:
         self.pp_rank = self.coords[lay.axis]
         self.stage_ids = [s for s in range(lay.n_stages) if lay.rank_of_stage(s) == self.pp_rank]
         self.params: dict = {}
-        self.modules = {s: build_stage_module(plan, rank, s, self.params) for s in self.stage_ids}
+        self.modules = {s: build_stage_module(plan, rank, s, self.params, state) for s in self.stage_ids}
         self.holder = self._holder()
         self.grad_sync = self._grad_sync()
         self.tied_groups = self._tied_groups()
@@ -341,7 +346,8 @@ class PipelineRunner:
         self._pending: dict = {}  # (micro-batch, stage) -> (split_backward.WeightGrad, bytes held) until its W
         self._loss_work = None
         if sync_loss and not self._holds_last and self._folded(backend):  # its part is zeros: at once
-            self._loss_work = backend.all_reduce_async(torch.zeros(self._n_results), self._loss_group, self.rank)
+            zeros = torch.zeros(self._n_results, device=self._device())
+            self._loss_work = backend.all_reduce_async(zeros, self._loss_group, self.rank)
         self._last_forwards = 0
         self._sync_loss = sync_loss
         try:
@@ -637,11 +643,17 @@ class PipelineRunner:
 
     def _local_values(self) -> torch.Tensor:
         """This rank's loss (and metric): the micro-batches' weighted sum, zeros off the last stage."""
-        w = torch.tensor(self._weights)
-        vals = [(torch.stack(self._losses).float() * w).sum() if self._losses else torch.zeros(())]
+        dev = self._device()  # the losses' (a CPU weight vector times CUDA losses fails: found by a dry run)
+        w = torch.tensor(self._weights, device=dev)
+        vals = [(torch.stack(self._losses).float() * w).sum() if self._losses else torch.zeros((), device=dev)]
         if self.metric_fn is not None:
-            vals.append((torch.stack(self._metrics).float() * w).sum() if self._metrics else torch.zeros(()))
+            metrics = [x.to(dev) for x in self._metrics]
+            vals.append((torch.stack(metrics).float() * w).sum() if metrics else torch.zeros((), device=dev))
         return torch.stack([x.float() for x in vals])
+
+    def _device(self) -> torch.device:
+        """Where this rank computes: its stages' (their parameters', else the CPU)."""
+        return next((m.autopar_device for m in self.modules.values()), torch.device("cpu"))
 
     def _local_results(self):
         """``sync_loss=False``: this rank's loss (and metric) where it holds the last stage, else None."""

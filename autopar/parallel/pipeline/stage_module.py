@@ -54,10 +54,11 @@ class StageEmitter(Emitter):
         return self.graph
 
 
-def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphModule:
+def build_stage_module(plan, rank: int, stage: int, params: dict, state: dict | None = None) -> fx.GraphModule:
     """Stage ``stage``'s module for ``rank`` (codegen/rank_module.py, as every rank module);
     ``params`` (fqn -> tensor) is shared by the stages of one rank so that a weight two of its
-    stages read is one Parameter."""
+    stages read is one Parameter; ``state``: full tensors to cut the pieces from (default: the
+    model's values; a dry run's fake ones)."""
     names = [plan.attr_name(ph) for ph in plan.stage_layout.stages[stage].attrs]
     gm = build_rank_module(
         plan,
@@ -65,6 +66,7 @@ def build_stage_module(plan, rank: int, stage: int, params: dict) -> fx.GraphMod
         _program(plan, stage),
         class_name=f"Rank{rank}Stage{stage}",
         names=names,
+        state=state,
         pieces=params,
         before_techniques=[mark_pieces, mark_rank_params],  # a whole-tensor optimizer, a plain scaler: refused
     )

@@ -1,0 +1,69 @@
+"""plan.dry_run of pipelined plans: each pipeline position's runner driven through its schedule on
+fake tensors, its point-to-point messages carried by the fake world, held against the plan's
+figures for that rank (its stages' collectives per micro-batch, its buckets, its messages, its
+stages' FLOPs, memory_per_rank)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import autopar as ap
+from autopar.cost.formulas import PlanSymbols
+from autopar.cost.plan_cost import flops_formula
+from autopar.dryrun.verify import verify_choice
+from autopar.models.examples import gpt
+
+MEGATRON = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp")}
+
+
+@pytest.fixture(scope="module")
+def report():
+    model, (idx, tgt) = gpt(n_layer=4, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2, 2), ("dp", "pp", "tp")),
+        args=(idx, tgt),
+        annotations=MEGATRON,
+        data_parallel="dp",
+        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b"),
+    )
+    return plan, plan.dry_run(steps=2)
+
+
+def test_every_pipeline_position_runs_with_the_plans_collectives_messages_and_flops(report):
+    plan, rep = report
+    assert sorted(rep.runs) == [0, 2]  # one rank per pipeline position
+    for run in rep.runs.values():
+        assert run.collectives_match, (run.collectives, run.predicted_collectives)
+        kinds = Counter((k, a) for k, a, _ in run.collectives)
+        assert kinds[("all_reduce", "tp")] == 8  # its stage's 2 blocks x 2 all-reduces x 2 micro-batches
+        assert kinds[("all_reduce", "dp*pp")] == 1  # the step's loss
+        assert kinds[("all_reduce", "pp")] == 1  # the tied embedding / head summed over the stages
+        assert abs(run.flops_ratio - 1) < 0.05, run.flops_ratio  # its stages' ops only
+        assert 0.8 < run.memory_ratio < 1.3, run.memory_ratio  # a tiny model: small tensors dominate
+    # plan.cost(rank)'s FLOPs are its stages': the positions' add up to the whole model's
+    sy = PlanSymbols.of(plan)
+    whole = sy.value(flops_formula(plan, sy))
+    assert sum(r.predicted_flops for r in rep.runs.values()) == pytest.approx(whole, rel=1e-9)
+
+
+def test_a_stages_receives_are_what_its_neighbour_sends(report):
+    """The receives are sized from the plan's layouts (nobody sends in a fake world of one rank);
+    the sends are what the rank's program made: each position's receives equal the other's sends."""
+    _, rep = report
+    first, last = rep.runs[0], rep.runs[2]
+
+    def of(run, kind):
+        return sorted(b for k, _, b in run.collectives if k == kind)
+
+    assert of(first, "send") == of(last, "recv") and of(first, "recv") == of(last, "send")
+    assert max(of(first, "send")) == 2 * 16 * 32 * 4  # 8 rows / dp 2 / 2 micro-batches x 16 x 32 fp32
+
+
+def test_auto_verify_dry_runs_a_pipelined_choice(report):
+    plan, rep = report
+    rank = plan.peak_memory_rank(2)
+    record = verify_choice(plan, {"chosen": "pp", "budget": None, "memory": 0.0})
+    assert record["dry_run_rank"] == rank and record["dry_run_peak"] == rep.runs[rank].peak_bytes
