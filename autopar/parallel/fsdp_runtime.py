@@ -196,8 +196,16 @@ class FSDPRuntime:
 
     @eager  # enters saved-tensor hooks for the whole forward: not traceable
     def _pre_forward(self, module, args):
+        if not torch.is_grad_enabled():
+            # A forward that records no graph (a checkpointed pipeline stage's first run, eval)
+            # leaves the saved order and regathered buckets alone: a graph recorded earlier may
+            # still await part of its backward (a zero-bubble schedule's W after another
+            # micro-batch's forward: ZBV's rank 1 runs B0 F2 W0 on one stage). Prefetched gathers
+            # go: they may be of parameters an optimizer step has changed since.
+            self.pending, self.live = {}, {}
+            return
         self._clear()
-        if self.reshard and torch.is_grad_enabled():
+        if self.reshard:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
 

@@ -110,6 +110,7 @@ def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
         ("pp2", 0, False, "zbv"),
         ("pp4", 0, True, "zbv"),
         ("dp2xpp2", 2, False, "zbv"),
+        ("dp2xpp2", 3, True, "zbv"),  # a W after a forward on its stage: ZeRO-3 kept its gathers
         ("pp2", 0, False, "dualpipev"),
         ("pp4", 0, True, "dualpipev"),
         ("dp2xpp2", 1, False, "dualpipev"),
