@@ -337,3 +337,31 @@ def test_v_shaped_state_dicts_merge_to_serial(mesh, schedule):
     grads = plan.merge_state_dicts([{n: p.grad for n, p in h.items()} for h in held])
     for n, g in serial_grads.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_split_backward_costs_what_the_cost_model_charges():
+    """The cost model prices a zero-bubble B and W at SPLIT_B and SPLIT_W of the stage's plain
+    backward (FIRST_W: a first stage's W): measured again here, in CPU time on one thread, on a
+    two-block stage of the bench's MLP (the bench's V chunk), each within 0.15 of the constant
+    (five runs on the loaded 2-vCPU machine gave B 0.47-0.53, W 0.59-0.68, first W 1.03-1.08 at this
+    size). A regression that made the split cost more (a graph walk per parameter, say) fails it."""
+    from autopar.parallel.pipeline import stage_shares
+    from bench.bench_pipeline import split_cost
+
+    ((_, _, whole_ms, b, w, first),) = split_cost(sizes=((2, 32),), repeats=20)
+    assert whole_ms > 0
+    assert b == pytest.approx(stage_shares.SPLIT_B, abs=0.15)
+    assert w == pytest.approx(stage_shares.SPLIT_W, abs=0.15)
+    assert first == pytest.approx(stage_shares.FIRST_W, abs=0.15)
+
+
+@pytest.mark.slow  # ~16 s on the loaded machine: 4 schedules x 5 steps; the split's shares above are its cheap sibling
+def test_zero_bubble_span_prediction_against_measurement():
+    """The cost model's step span of each zero-bubble schedule over 1F1B's (step_shares on the plan's
+    stages, B and W at their measured shares) against the span replayed from the runners' measured
+    CPU times on 2 simulated ranks, m = 4: within 10% (measured: ZB-H1 0.939 and 1.002 against
+    0.941 predicted, ZBV 0.953 and 0.932 against 0.909, DualPipeV 0.966 and 0.950 against 0.908)."""
+    from bench.bench_pipeline import simulated_spans
+
+    for kind, (measured, predicted) in simulated_spans(p=2, m=4).items():
+        assert measured == pytest.approx(predicted, rel=0.10), kind
