@@ -224,7 +224,11 @@ def zb_job(kind, chunks, width, hidden, rows, m, steps=ZB_STEPS, warmup=WARMUP):
         runner.step((x,), y)
         if step >= warmup:
             per_step.append([tuple(vars(e).values()) for e in runner.timeline])
-    return {"steps": per_step, "peak": runner.stats["peak_activation_bytes"], "held": runner.stats["max_in_flight"]}
+    return {
+        "steps": per_step,
+        "peak": runner.stats["peak_activation_bytes"],
+        "held": runner.stats["max_in_flight"],
+    }
 
 
 def _durations(events) -> dict:
@@ -431,7 +435,9 @@ def _zero_bubble_rows(width, hidden, rows, m, p=4, kinds=ZERO_BUBBLE) -> list[di
                 "target": f"max over ranks <= 1F1B's max {max(mib(r['peak']) for r in one['res'])}",
                 "note": (
                     f"1F1B {[mib(r['peak']) for r in one['res']]}; micro-batch chunks held 1F1B "
-                    f"{[r['held'] for r in one['res']]}, {kind} {[r['held'] for r in zb['res']]}"
+                    f"{[r['held'] for r in one['res']]}, {kind} {[r['held'] for r in zb['res']]}; over 1F1B's per "
+                    f"rank {[round(z['peak'] / o['peak'], 2) for z, o in zip(zb['res'], one['res'])]} (the memory "
+                    "model against LiveBytes for each schedule: bench_pipeline_memory)"
                 ),
             }
         )
