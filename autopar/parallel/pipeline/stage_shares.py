@@ -36,7 +36,8 @@ from autopar.parallel.pipeline import schedules
 # six runs, 2026-12-06, on the shared 2-vCPU machine): B 0.47-0.55 (median 0.51), W 0.57-0.79
 # (0.63), B + W 1.03-1.28 (1.14), with no trend in size: a share of the backward, not a fixed
 # cost (W's autograd call per parameter group, the graph kept between). A first stage (nothing
-# received: B empty, W one autograd call from its outputs) 0.99-1.08 (1.04) of its plain backward.
+# received: B empty, W one autograd call from its outputs) 0.99-1.08 (1.04) of its plain backward
+# (four of the runs).
 # Measured on CPU only: the split on a GPU is unmeasured (there a plain backward already runs each
 # matmul's two gradients as two kernels, so its share is expected nearer 1).
 SPLIT_B, SPLIT_W, FIRST_W = 0.51, 0.63, 1.04
