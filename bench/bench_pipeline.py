@@ -224,7 +224,11 @@ def zb_job(kind, chunks, width, hidden, rows, m, steps=ZB_STEPS, warmup=WARMUP):
         runner.step((x,), y)
         if step >= warmup:
             per_step.append([tuple(vars(e).values()) for e in runner.timeline])
-    return {"steps": per_step, "peak": runner.stats["peak_activation_bytes"], "held": runner.stats["max_in_flight"]}
+    return {
+        "steps": per_step,
+        "peak": runner.stats["peak_activation_bytes"],
+        "held": runner.stats["max_in_flight"],
+    }
 
 
 def _durations(events) -> dict:
@@ -262,6 +266,98 @@ def _predicted_span(kind, chunks, p, width, hidden, rows, m) -> float:
     on the plan's own stages: what the search and ap.predict weigh)."""
     plan, _, _ = _plan(kind, chunks, p, width, hidden, rows, m, blocks=BLOCKS_PER_STAGE * p)
     return plan.options.pipeline.step_shares(plan.mesh, plan.stage_layout)["time"]
+
+
+def simulated_spans(kinds=ZERO_BUBBLE, p=2, m=4, width=256, hidden=1024, rows=32, steps=4) -> dict:
+    """Each of ``kinds`` and 1F1B trained ``steps`` steps on ``p`` simulated ranks (one model, 4p
+    blocks, planned once); kind -> (measured, predicted): the step's span over 1F1B's, replayed from
+    the actions' measured CPU times (each rank a thread: its own clock), and the cost model's
+    (``step_shares``). The schedules take turns step by step, so that a busy machine slows them alike.
+
+    Example:
+        >>> simulated_spans((("zb-h1", 1),))   # {'zb-h1': (0.93, 0.94)}
+    """
+    import torch
+
+    import autopar as ap
+    from autopar.parallel.pipeline import with_pipeline
+    from autopar.runtime.simulator import run_ranks
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cases = (("1f1b", 1), *kinds)
+    try:
+        base, x, y = _plan("1f1b", 1, p, width, hidden, rows, m, blocks=BLOCKS_PER_STAGE * p)
+        runners, predicted, events = {}, {}, {k: [] for k, _ in cases}
+        for kind, chunks in cases:
+            pipe = ap.Pipeline("pp", microbatches=m, schedule=kind, chunks=chunks, loss=base.options.pipeline.loss)
+            plan = with_pipeline(base, pipe)
+            predicted[kind] = pipe.step_shares(plan.mesh, plan.stage_layout)["time"]
+            runners[kind] = [plan.pipeline_runner(r) for r in range(p)]
+        for step in range(steps + 1):  # the first warms up
+            for kind, _ in cases:
+                run_ranks(p, lambda r, k=kind: runners[k][r].step((x,), y))
+                if step:
+                    events[kind].append([list(r.timeline) for r in runners[kind]])
+    finally:
+        torch.set_num_threads(threads)
+    spans = {}
+    for kind, chunks in cases:
+        dur = _durations(events[kind])
+        spans[kind] = _idle_seconds(kind, chunks, p, m, lambda a, d=dur: d[(a.kind, a.stage)])[1]
+    return {k: (spans[k] / spans["1f1b"], predicted[k] / predicted["1f1b"]) for k, _ in kinds}
+
+
+def split_cost(sizes=((2, 32), (4, 32), (8, 32), (2, 128), (4, 128)), width=256, hidden=1024, repeats=40) -> list:
+    """B and W of one stage (``blocks`` of the bench's MLP, ``rows`` rows) against its plain
+    backward, in CPU time (one thread, median over ``repeats`` after 5 warm-ups): the measurement
+    behind stage_shares.SPLIT_B / SPLIT_W / FIRST_W. Rows (blocks, rows, whole ms, B share, W share,
+    first-stage W share: against the plain backward of the same stage without an input gradient)."""
+    import statistics
+    import time
+
+    import torch
+
+    from autopar.parallel.pipeline.split_backward import backward_input, backward_weight
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = []
+    try:
+        for blocks, rows in sizes:
+            model = _model(width, hidden, blocks)
+            x, g = torch.randn(rows, width), torch.randn(rows, width)
+            t = {k: [] for k in ("whole", "B", "W", "plain_first", "first")}
+            for _ in range(repeats + 5):
+                xi = x.clone().requires_grad_(True)
+                out_ = model(xi)
+                c = time.thread_time()
+                torch.autograd.backward([out_], [g])
+                t["whole"].append(time.thread_time() - c)
+                xi = x.clone().requires_grad_(True)
+                out_ = model(xi)
+                c = time.thread_time()
+                wg, _ = backward_input([out_], [g], [xi])
+                c1 = time.thread_time()
+                backward_weight(wg)
+                t["B"].append(c1 - c)
+                t["W"].append(time.thread_time() - c1)
+                out_ = model(x)  # a first stage: nothing received (no input gradient), B empty
+                c = time.thread_time()
+                torch.autograd.backward([out_], [g])
+                t["plain_first"].append(time.thread_time() - c)
+                out_ = model(x)
+                c = time.thread_time()
+                wg, _ = backward_input([out_], [g], [])
+                backward_weight(wg)
+                t["first"].append(time.thread_time() - c)
+            med = {k: statistics.median(v[5:]) for k, v in t.items()}
+            whole = med["whole"]
+            first = med["first"] / med["plain_first"]
+            out.append((blocks, rows, whole * 1e3, med["B"] / whole, med["W"] / whole, first))
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 def _zero_bubble_rows(width, hidden, rows, m, p=4, kinds=ZERO_BUBBLE) -> list[dict]:
@@ -339,7 +435,9 @@ def _zero_bubble_rows(width, hidden, rows, m, p=4, kinds=ZERO_BUBBLE) -> list[di
                 "target": f"max over ranks <= 1F1B's max {max(mib(r['peak']) for r in one['res'])}",
                 "note": (
                     f"1F1B {[mib(r['peak']) for r in one['res']]}; micro-batch chunks held 1F1B "
-                    f"{[r['held'] for r in one['res']]}, {kind} {[r['held'] for r in zb['res']]}"
+                    f"{[r['held'] for r in one['res']]}, {kind} {[r['held'] for r in zb['res']]}; over 1F1B's per "
+                    f"rank {[round(z['peak'] / o['peak'], 2) for z, o in zip(zb['res'], one['res'])]} (the memory "
+                    "model against LiveBytes for each schedule: bench_pipeline_memory)"
                 ),
             }
         )
@@ -383,6 +481,17 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if "--split-cost" in sys.argv:
+        for blocks, rows, whole, b, w, first in split_cost():
+            print(
+                f"{blocks} blocks, {rows} rows: plain backward {whole:.2f} ms; B {b:.3f}, W {w:.3f}, B + W "
+                f"{b + w:.3f} of it; a first stage's W {first:.3f}"
+            )
+        sys.exit()
+    if "--simulated-spans" in sys.argv:
+        for kind, (got, want) in simulated_spans().items():
+            print(f"{kind}: step span over 1F1B's {got:.3f} measured (replayed), {want:.3f} predicted")
+        sys.exit()
     if "--zb" in sys.argv:
         rows = _zero_bubble_rows(*ZB_SIZE)
     elif "--dualpipev" in sys.argv:

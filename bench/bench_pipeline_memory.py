@@ -2,8 +2,8 @@
 parallel/pipeline/stage_memory.py) against what each of 4 gloo ranks holds.
 
 A GPT (4 blocks per chunk, dropout 0.1, hidden 128, sequence 64) on 4 pipeline ranks, micro-batches
-of 2 rows, with 1F1B and GPipe (4 micro-batches) and the interleaved 1F1B (2 chunks per rank: 8
-blocks, 8 stages; 8 micro-batches, so that its steady part runs), each with and without
+of 2 rows, with 1F1B, GPipe and ZB-H1 (4 micro-batches) and the interleaved 1F1B, ZBV and DualPipeV
+(2 chunks per rank: 8 blocks, 8 stages; 8 micro-batches, so that the steady parts run), each with and without
 ``Pipeline(checkpoint=True)``. Per rank, the most bytes alive between two of its actions among
 those the step made (runtime/live_bytes.LiveBytes, read as the runner starts each action, after
 a warm-up step: its micro-batches in flight, its sends not yet known received, its prefetched
@@ -28,6 +28,14 @@ CASES = [  # (schedule, chunks, checkpoint, micro-batches): interleaved at m = 2
     ("gpipe", 1, True, 4),
     ("interleaved", 2, False, 8),
     ("interleaved", 2, True, 8),
+    # zero-bubble: a micro-batch held to its W (and from B to W the gradients W starts from); the
+    # V-shaped ones on 2 chunks per rank as interleaved (DualPipeV needs m >= 2 pp)
+    ("zb-h1", 1, False, 4),
+    ("zb-h1", 1, True, 4),
+    ("zbv", 2, False, 8),
+    ("zbv", 2, True, 8),
+    ("dualpipev", 2, False, 8),
+    ("dualpipev", 2, True, 8),
 ]
 
 

@@ -168,7 +168,7 @@ class FSDPRuntime:
         if k not in self.pending:
             self._start(k)
         flat = self.pending.pop(k).wait()
-wire = self.buckets[k].wire
+        wire = self.buckets[k].wire
         if wire is not None:  # fp8 bytes: packed with this forward's scales, so never kept across forwards
             return flat.view(wire.dtype)
         if self._keep:
@@ -229,9 +229,18 @@ wire = self.buckets[k].wire
 
     @eager  # enters saved-tensor hooks for the whole forward: not traceable
     def _pre_forward(self, module, args):
+        if not torch.is_grad_enabled():
+            # A forward that records no graph (a checkpointed pipeline stage's first run, eval)
+            # leaves the saved order and regathered buckets alone: a graph recorded earlier may
+            # still await part of its backward (a zero-bubble schedule's W after another
+            # micro-batch's forward: ZBV's rank 1 runs B0 F2 W0 on one stage). Prefetched gathers
+            # go: they may be of parameters an optimizer step has changed since.
+            self.pending, self.live = {}, {}
+            self._keep = False
+            return
         self._clear()
-        self._keep = not self.reshard and torch.is_grad_enabled()
-        if self.reshard and torch.is_grad_enabled():
+        self._keep = not self.reshard  # one gathered copy across a step's forwards (a pipeline's micro-batches)
+        if self.reshard:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
 

@@ -24,6 +24,16 @@ TARGETS = {  # name -> (mesh shape, axes, data parallel, annotations, pipeline)
     "tp4_blocks": ((4,), ("tp",), None, QKV_BLOCKS, None),
     "pp2xtp2": ((2, 2), ("pp", "tp"), None, MEGATRON, ap.Pipeline("pp", microbatches=2)),
     "pp2xdp2_zero3": ((2, 2), ("pp", "dp"), ap.DataParallel("dp", zero=3), {}, ap.Pipeline("pp", microbatches=2)),
+    # zero-bubble schedules: a V puts the tied embedding and head both on pp rank 0; B/W split
+    "pp2_dualpipev": ((2,), ("pp",), None, {}, ap.Pipeline("pp", microbatches=4, schedule="dualpipev", chunks=2)),
+    "pp2xdp2_zbv_zero3": (
+        (2, 2),
+        ("pp", "dp"),
+        ap.DataParallel("dp", zero=3),
+        {},
+        ap.Pipeline("pp", microbatches=2, schedule="zbv", chunks=2),
+    ),
+    "pp2xtp2_zb_h1": ((2, 2), ("pp", "tp"), None, MEGATRON, ap.Pipeline("pp", microbatches=2, schedule="zb-h1")),
     # cp folded into the FSDP group: a piece's range is its place in the dp x cp group's chunks
     "dp2xcp2_zero3_fold": ((2, 2), ("dp", "cp"), ap.DataParallel("dp", zero=3, shard_axes=("dp", "cp")), {}, None),
 }

@@ -13,7 +13,7 @@ from autopar.parallel.pipeline import with_pipeline
 from autopar.placement import shard_tensor
 from tests.harness.distributed import merged_parameters
 from tests.harness.meshes import MeshSpec
-from tests.harness.models import gpt_batch, gpt_plan, mse, skipnet_plan, small_gpt
+from tests.harness.models import MEGATRON, gpt_batch, gpt_plan, mse, skipnet_plan, small_gpt
 from tests.harness.serial import grad_errors, max_rel_diff, serial_step
 
 
@@ -146,20 +146,31 @@ def steady_state_messages():
     return {"counts": counts, "losses": out}
 
 
-def gpt_zero_bubble_adamw(zero: int, steps: int = 3, schedule: str = "zb-h1"):
-    """``schedule`` (checkpointed; ZB-H1 by default, a V-shaped one on two chunks per rank) on
-    dp2 x pp2 with ZeRO ``zero``: ``steps`` AdamW steps of the runner
+def gpt_zero_bubble_adamw(
+    zero: int, steps: int = 3, schedule: str = "zb-h1", shape=(2, 2), axes=("dp", "pp"), checkpoint: bool = True
+):
+    """``schedule`` (ZB-H1 by default, a V-shaped one on two chunks per rank) on the mesh
+    ``shape`` x ``axes`` (dp2 x pp2 by default; Megatron's tp inside the stages where it has a tp
+    axis) with ZeRO ``zero`` on its dp axis: ``steps`` AdamW steps of the runner
     (ap.Optimizer) and of the serial model; returns the losses, the first step's gradient errors
     (before its optimizer step) and the worst parameter difference from serial at the end."""
     rank = dist.get_rank()
     chunks = 2 if schedule in ("zbv", "dualpipev") else 1
+    pp = shape[axes.index("pp")]
     model = small_gpt(layers=4 * chunks)
     plan = ap.plan(
         copy.deepcopy(model),
-        ap.Mesh((2, 2), ("dp", "pp")),
+        ap.Mesh(shape, axes),
         args=gpt_batch(batch=8),
-        data_parallel=ap.DataParallel("dp", zero=zero),
-        pipeline=ap.Pipeline("pp", microbatches=4, schedule=schedule, chunks=chunks, checkpoint=True),
+        annotations=MEGATRON if "tp" in axes else {},
+        data_parallel=ap.DataParallel("dp", zero=zero) if "dp" in axes else None,
+        pipeline=ap.Pipeline(
+            "pp",
+            microbatches=max(4, 2 * pp) if schedule == "dualpipev" else 4,
+            schedule=schedule,
+            chunks=chunks,
+            checkpoint=checkpoint,
+        ),
     )
     runner = plan.pipeline_runner(rank)
     adamw = dict(lr=0.01, eps=1e-4)  # eps: the key bias's gradient is float noise (see the simulated test)
@@ -180,5 +191,6 @@ def gpt_zero_bubble_adamw(zero: int, steps: int = 3, schedule: str = "zb-h1"):
         sopt.step()
         sopt.zero_grad()
     ref = plan.shard_state_dict({n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, rank)
-    worst = max((p.detach() - ref[n]).abs().max().item() for n, p in runner.named_parameters())
+    # ZeRO-3 leaves some ranks an empty piece of a small parameter: nothing to compare there
+    worst = max((p.detach() - ref[n]).abs().max().item() for n, p in runner.named_parameters() if p.numel())
     return {"losses": losses, "serial": serial_losses, "errors": errors, "max_param_diff": worst}

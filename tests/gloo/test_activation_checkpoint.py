@@ -43,17 +43,19 @@ def test_bench_quick_memory_per_rank_and_model(gloo):
 
 @pytest.mark.parametrize(
     "schedule,checkpoint,chunks",
-    [("1f1b", False, 1), ("gpipe", False, 1), ("1f1b", True, 1), ("gpipe", True, 1), ("interleaved", True, 2)],
+    [("1f1b", False, 1), ("gpipe", False, 1), ("1f1b", True, 1), ("gpipe", True, 1), ("interleaved", True, 2),
+     ("zb-h1", False, 1),
+     pytest.param("dualpipev", False, 2, marks=pytest.mark.slow)],  # simulated: tests/simulated/test_pipeline_memory.py
 )  # fmt: skip
 def test_pipeline_memory_per_rank_counts_its_stage_and_micro_batches(gloo, schedule, checkpoint, chunks):
     """memory_per_rank(rank) of a pipelined plan: the rank's own stages' micro-batches in flight
-    (1F1B: 4 - r on rank r; GPipe: all 4) at the micro-batch's size, and the messages it holds
+    (1F1B: 4 - r on rank r; GPipe and ZB-H1: all 4, ZB-H1's until their W) at the micro-batch's size, and the messages it holds
     (its sends until they are known received, its prefetched receives), within 15% of the most
     bytes LiveBytes sees held between the rank's actions; plan.cost() gives the activations of the
     rank that holds the most in all (plan.peak_memory_rank(): with checkpointing, parameters can
     outweigh the in-flight micro-batches, so that it need not be the rank with the most
     activations)."""
-    m = 8 if chunks > 1 else 4  # interleaved: m = 2 pp, so that its steady 1F1B part runs
+    m = 8 if chunks > 1 else 4  # interleaved: m = 2 pp, so that its steady 1F1B part runs (DualPipeV: its least)
     got = gloo(4).run("tests.gloo.jobs_activation_checkpoint:pipeline_memory", schedule, checkpoint, m, chunks)
     for rank, r in enumerate(got):
         if chunks == 1:

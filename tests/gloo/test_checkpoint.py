@@ -23,12 +23,26 @@ def tp2_checkpoint(gloo, tmp_path_factory):
         ("dp2_zero3", 2),
         ("dp2xtp2_zero3", 4),
         ("pp2xdp2_zero3", 4),
+        ("pp2xdp2_zbv_zero3", 4),
+        pytest.param("pp2xtp2_zb_h1", 4, marks=pytest.mark.slow),  # loaded from a V below, in make test
+        pytest.param("pp2_dualpipev", 2, marks=pytest.mark.slow),  # saved from below, in make test
         ("hsdp_rep2xshard2", 4),
         ("dp2xcp2_zero3_fold", 4),
     ],
 )
 def test_dcp_reshards_into_other_plans(gloo, tp2_checkpoint, target, world):
     worst = gloo(world).run(f"{JOBS}:load_and_train", target, tp2_checkpoint)
+    assert max(worst) < 1e-5, worst
+
+
+def test_dcp_saved_from_dualpipev_loads_into_zb_h1_with_tp(gloo, tmp_path):
+    """A DualPipeV plan (rank 0 holds stages 0 and 3: the tied embedding and head on one rank)
+    trains 3 AdamW steps and saves through DCP; a ZB-H1 pp2 x tp2 plan of another init loads it and
+    trains 3 more: its pieces equal serial AdamW's over the 6 steps."""
+    path = str(tmp_path / "dualpipev")
+    names = gloo(2).run(f"{JOBS}:train_and_save", "pp2_dualpipev", path)
+    assert "wte.weight" in names[0] and "lm_head.weight" in names[0]
+    worst = gloo(4).run(f"{JOBS}:load_and_train", "pp2xtp2_zb_h1", path)
     assert max(worst) < 1e-5, worst
 
 

@@ -16,7 +16,7 @@ from autopar.parallel.pipeline import schedules
 from autopar.parallel.pipeline.split_backward import backward_input, backward_weight
 from autopar.runtime.simulator import run_ranks
 from tests.harness.meshes import MESHES
-from tests.harness.models import MEGATRON, gpt_batch, small_gpt
+from tests.harness.models import GPT_SEQUENCE_PARALLEL, MEGATRON, gpt_batch, small_gpt
 from tests.harness.serial import grad_errors, serial_step
 
 
@@ -82,7 +82,11 @@ def test_zb_h1_leaves_a_third_of_1f1b_bubble(pp, m):
 
 
 def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
+    """``mesh``: a named mesh; "+sp" after one with a tp axis: Megatron's sequence parallel (the
+    residual stream split on the sequence dim, the embedding and head split by vocabulary)."""
+    mesh, _, sp = mesh.partition("+")
     spec = MESHES[mesh]
+    tp = (GPT_SEQUENCE_PARALLEL if sp else MEGATRON) if "tp" in spec.axes else {}
     chunks = 2 if schedule in schedules.V_SHAPED else 1
     pp = spec.shape[spec.axes.index("pp")]
     m = 2 * pp if schedule == "dualpipev" else 4  # DualPipeV needs 2pp micro-batches
@@ -90,7 +94,7 @@ def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
         small_gpt(layers=4 * chunks),
         spec.mesh(),
         args=gpt_batch(batch=8),
-        annotations=MEGATRON if "tp" in spec.axes else {},
+        annotations=tp,
         data_parallel=ap.DataParallel("dp", zero=zero) if spec.dp else None,
         pipeline=ap.Pipeline("pp", microbatches=m, schedule=schedule, chunks=chunks, checkpoint=ckpt),
     )
@@ -110,6 +114,11 @@ def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
         ("pp2", 0, False, "zbv"),
         ("pp4", 0, True, "zbv"),
         ("dp2xpp2", 2, False, "zbv"),
+        # a W after a forward on its stage: ZeRO-3 keeps its gathers (~10 s; in make test on 4 gloo
+        # ranks: tests/gloo/test_pipeline.py)
+        pytest.param("dp2xpp2", 3, True, "zbv", marks=pytest.mark.slow),
+        ("pp2xtp2+sp", 0, False, "zbv"),
+        ("pp2xtp2+sp", 0, True, "zb-h1"),
         ("pp2", 0, False, "dualpipev"),
         ("pp4", 0, True, "dualpipev"),
         ("dp2xpp2", 1, False, "dualpipev"),
@@ -221,7 +230,7 @@ def test_zbv_table_and_runner_order():
         ]
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "dualpipev"])
 def test_zero_bubble_uneven_micro_batches_and_evaluate(schedule):
     """6 rows in 4 micro-batches (2, 2, 1, 1: losses weighted by rows): the step's loss and every
     gradient equal serial's; ``evaluate`` runs the forwards only and gives serial's loss."""
@@ -336,3 +345,31 @@ def test_v_shaped_state_dicts_merge_to_serial(mesh, schedule):
     grads = plan.merge_state_dicts([{n: p.grad for n, p in h.items()} for h in held])
     for n, g in serial_grads.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_split_backward_costs_what_the_cost_model_charges():
+    """The cost model prices a zero-bubble B and W at SPLIT_B and SPLIT_W of the stage's plain
+    backward (FIRST_W: a first stage's W): measured again here, in CPU time on one thread, on a
+    two-block stage of the bench's MLP (the bench's V chunk), each within 0.15 of the constant
+    (five runs on the loaded 2-vCPU machine gave B 0.47-0.53, W 0.59-0.68, first W 1.03-1.08 at this
+    size). A regression that made the split cost more (a graph walk per parameter, say) fails it."""
+    from autopar.parallel.pipeline import stage_shares
+    from bench.bench_pipeline import split_cost
+
+    ((_, _, whole_ms, b, w, first),) = split_cost(sizes=((2, 32),), repeats=20)
+    assert whole_ms > 0
+    assert b == pytest.approx(stage_shares.SPLIT_B, abs=0.15)
+    assert w == pytest.approx(stage_shares.SPLIT_W, abs=0.15)
+    assert first == pytest.approx(stage_shares.FIRST_W, abs=0.15)
+
+
+@pytest.mark.slow  # ~16 s on the loaded machine: 4 schedules x 5 steps; the split's shares above are its cheap sibling
+def test_zero_bubble_span_prediction_against_measurement():
+    """The cost model's step span of each zero-bubble schedule over 1F1B's (step_shares on the plan's
+    stages, B and W at their measured shares) against the span replayed from the runners' measured
+    CPU times on 2 simulated ranks, m = 4: within 10% (measured: ZB-H1 0.939 and 1.002 against
+    0.941 predicted, ZBV 0.953 and 0.932 against 0.909, DualPipeV 0.966 and 0.950 against 0.908)."""
+    from bench.bench_pipeline import simulated_spans
+
+    for kind, (measured, predicted) in simulated_spans(p=2, m=4).items():
+        assert measured == pytest.approx(predicted, rel=0.10), kind

@@ -103,8 +103,10 @@ class Pipeline(Technique):
         FLOPs, the slowest sets the pace; state and activations per rank). Without: even stages.
         A rank runs 1/pp of the layers on m micro-batches; the schedule adds pp - 1 idle slots
         of one micro-batch's stage work (1/chunks of it interleaved), so the step takes
-        (m*v + pp - 1) / (m*v*pp) of the unpipelined one (ZB-H1: (3m + pp - 1) / (3m*pp), its W's
-        filling two thirds of the idle slots). It keeps 1/pp of the parameters. In
+        (m*v + pp - 1) / (m*v*pp) of the unpipelined one (zero-bubble: the schedule replayed with B
+        and W at their measured shares of a backward, stage_shares.split_backward; ZB-H1 with B and W
+        half a backward each would be (3m + pp - 1) / (3m*pp), its W's filling two thirds of the
+        idle slots). It keeps 1/pp of the parameters. In
         flight at the first stage: 1F1B pp micro-batches of its 1/pp of the layers (1/m of the
         activations; ZB-H1 the same on every rank), GPipe all m (1/pp), interleaved 1F1B ~ (1 + (pp-1)/(pp*v)) x 1F1B's.
         A middle stage sends 2m messages per step (each micro-batch's activation forward, its
@@ -117,8 +119,8 @@ class Pipeline(Technique):
         if built is not None:
             return {**stage_shares.shares(built, self), "sends": sends, "pieces": m}
         time = (m * v + pp - 1) / (m * v * pp)
-        if self.kind in SPLIT_BACKWARD:  # B and W a slot each, F one (ZB-H1: p - 1 idle of 3m + p - 1)
-            time = 1 / (pp * (1 - schedules.theoretical_bubble(self.kind, pp, m)))
+        if self.kind in SPLIT_BACKWARD:  # replayed, B and W at their measured shares of a backward
+            time = stage_shares.even_split_time(self.kind, pp, m)
         if self.kind == "gpipe":
             acts = 1 / pp
         elif self.kind == "interleaved":
