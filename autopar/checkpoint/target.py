@@ -111,7 +111,8 @@ def device_mesh(plan):
             "ap.set_state_dict(module, model_state_dict=<full serial tensors>)."
         )
     dm = getattr(plan, "_autopar_device_mesh", None)
-    if dm is None:
-        dm = plan.mesh.to_device_mesh("cpu")
+    if dm is None:  # a technique running the mesh as several jobs gives this job's part
+        dm = next((m for t in plan.options.techniques if (m := t.checkpoint_mesh(plan)) is not None), None)
+        dm = dm if dm is not None else plan.mesh.to_device_mesh("cpu")
         plan._autopar_device_mesh = dm
     return dm

@@ -43,7 +43,7 @@ def written_buffers(plan) -> list[str]:
     if dp is None or plan.dp_axis is None or not dp.broadcast_buffers or dp.local_sgd_every is not None:
         return []
     out = []
-    for name in _written(plan):
+    for name in written(plan):
         path = name.rpartition(".")[0]
         if getattr(plan.model.get_submodule(path), SYNC_ATTR, False):
             continue
@@ -53,7 +53,7 @@ def written_buffers(plan) -> list[str]:
     return out
 
 
-def _written(plan) -> list[str]:
+def written(plan) -> list[str]:
     """Buffers the traced program writes: returned as mutated (its signature's buffer
     mutations) or passed where an op's schema says it writes (batch norm's running stats,
     ``num_batches_tracked.add_``), in graph order."""

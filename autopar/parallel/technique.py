@@ -139,6 +139,11 @@ class Technique:
     def attach(self, plan, module, rank: int) -> None:
         """Runtime hooks on ``rank``'s module (gradient sync, optimizer helpers)."""
 
+    def checkpoint_mesh(self, plan):
+        """The torch DeviceMesh checkpoints describe this job's pieces on, where the job is not
+        the whole mesh (fault tolerance: one replica group); None: the plan's mesh."""
+        return None
+
     def collectives(self, plan, symbols) -> list:
         """The collectives the technique adds per training step (cost.Comm)."""
         return []

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.parallel.fault_tolerant.runtime import ReplicaBackend, ReplicaJob, _TorchftWork
+from autopar.parallel.fault_tolerant.job import ReplicaJob
+from autopar.parallel.fault_tolerant.runtime import ReplicaBackend, _TorchftWork
 
 
 def _mlp():
@@ -119,6 +120,14 @@ def test_a_loss_inside_the_model_is_refused_naming_it():
         ap.plan(_WithLoss(), ap.Mesh((2,), ("dp",)), args=(X[:8], torch.randn(8, 4)), fault_tolerant="dp")
 
 
+def test_a_synced_batch_norm_is_refused_saying_plain_batch_norm_works():
+    """Its whole-batch statistics are an all-reduce across groups in every forward; a plain
+    batch norm's running statistics are broadcast from the first live group instead."""
+    model = ap.sync_batch_norm(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16)))
+    with pytest.raises(ap.FaultToleranceError, match=r"module '1'.*ap.sync_batch_norm.*use plain BatchNorm"):
+        ap.plan(model, ap.Mesh((2,), ("dp",)), args=(X[:8],), fault_tolerant="dp")
+
+
 @pytest.mark.parametrize("bad", [dict(replica_axis=3), dict(min_replicas=0), dict(timeout=0)])
 def test_bad_options(bad):
     with pytest.raises(ap.FaultToleranceError):
@@ -157,14 +166,73 @@ def test_gradient_bucket_goes_through_torchft_scaled_to_the_groups_mean():
     assert isinstance(_TorchftWork(job, torch.ones(1)), _TorchftWork) and len(manager.calls) == 2
 
 
-def test_collectives_crossing_groups_other_than_gradients_are_refused():
+def test_collectives_crossing_groups_other_than_gradients_and_buffers_are_refused():
     job = ReplicaJob(ap.FaultTolerant("dp"), _FakeManager(2), replica=0, replicas=2)
-    inner = types.SimpleNamespace(broadcast=print, all_reduce=print)  # never reached
+    inner = types.SimpleNamespace(all_gather=print, all_reduce=print)  # never reached
     backend = ReplicaBackend(inner=inner, local={0: 0, 1: 1}, line=(0, 2), job=job)
-    with pytest.raises(ap.FaultToleranceError, match=r"a broadcast over ranks \(0, 2\) crosses replica groups"):
-        backend.broadcast(torch.ones(2), (0, 2), 0)
-    with pytest.raises(ap.FaultToleranceError, match="broadcast_buffers=False"):
+    with pytest.raises(ap.FaultToleranceError, match=r"an all_reduce over ranks \(0, 2\) crosses replica groups"):
         backend.all_reduce(torch.ones(2), (0, 2), 0, "sum")
+    with pytest.raises(ap.FaultToleranceError, match="ap.sync_batch_norm"):
+        backend.all_gather(torch.ones(2), 0, (0, 2), 0)
+
+
+class _SumManager:
+    """torchft's Manager for a broadcast across groups: this group's place in the step's quorum,
+    and a SUM all-reduce whose other groups' part is ``others``."""
+
+    def __init__(self, participating_rank, others):
+        self.rank, self.others = participating_rank, others
+
+    def participating_rank(self):
+        return self.rank
+
+    def allreduce(self, flat, reduce_op):
+        assert reduce_op == torch.distributed.ReduceOp.SUM
+        flat.add_(self.others)
+        return types.SimpleNamespace(wait=lambda: True)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_buffer_broadcast_across_groups_comes_from_the_first_group_taking_part(first):
+    """buffer_sync's broadcast over a dp group crossing replica groups: first inside this group
+    (from its first rank), then across groups from the first group in the step's quorum, which
+    adds its values to the others' zeros."""
+    mine, theirs = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 7.0])
+    manager = _SumManager(0, torch.zeros(2)) if first else _SumManager(1, theirs)
+    job = ReplicaJob(ap.FaultTolerant("dp"), manager, replica=0 if first else 1, replicas=2)
+    inside = []
+    inner = types.SimpleNamespace(broadcast=lambda x, group, rank: inside.append((group, rank)))
+    local = {0: 0, 1: 1} if first else {2: 0, 3: 1}  # HSDP: dp group (0, 1, 2, 3), groups of 2
+    backend = ReplicaBackend(inner=inner, local=local, line=(1, 3), job=job)
+    out = backend.broadcast(mine.clone(), (0, 1, 2, 3), 1 if first else 3)
+    torch.testing.assert_close(out, mine if first else theirs)
+    assert inside == [((0, 1), 1)]  # the group's own part, in its job's ranks
+
+
+def test_written_buffers_undone_on_a_dropped_step_and_kept_when_healed():
+    """A step that does not commit runs its forward again: the running statistics it wrote go
+    back. A healing group keeps the synced buffers its forward's broadcast gave it (the peer
+    sends its values from before the step) and takes everything else from the peer."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    job = ReplicaJob(ap.FaultTolerant("dp"), None, replica=0, replicas=2)
+    job.module, job.written = module, ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    job.synced = {"1.running_mean", "1.num_batches_tracked"}
+    job.optimizer = types.SimpleNamespace(inner=torch.optim.SGD(module.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    job.begin_step()
+    module(torch.randn(8, 4))  # the forward writes the running statistics
+    assert job._state()["tensors"]["1.running_mean"].equal(before["1.running_mean"])  # a peer gets the step's start
+    job.end_step(committed=False)
+    for k, v in module.state_dict().items():
+        assert v.equal(before[k]), k
+    job.begin_step()
+    module(torch.randn(8, 4))
+    after = {k: v.clone() for k, v in module.state_dict().items()}
+    peer = {k: torch.full_like(v, 3) for k, v in module.state_dict().items()}
+    job._load({"tensors": peer, "optimizer": job.optimizer.inner.state_dict()})
+    for k, v in module.state_dict().items():
+        assert v.equal(after[k] if k in job.synced else peer[k]), k
 
 
 def test_lighthouse_starts_fast_and_stops():

@@ -6,8 +6,9 @@ It makes the process groups of every collective that stays inside the group, on 
 ranks, starts torchft's ``Manager`` (one per rank; the group's rank 0 serves it to the lighthouse)
 and installs ``ReplicaBackend``: the plan's collectives, in global ranks, run on the group's
 process groups, and the one kind that crosses groups, a gradient bucket's all-reduce over a
-rank's replica line, goes through ``Manager.allreduce``. Anything else that would cross groups (a
-forward collective, a buffer broadcast) raises FaultToleranceError naming it.
+rank's replica line, goes through ``Manager.allreduce``; so does the broadcast of the buffers a
+forward writes (from the first group taking part in the step, job.py). Anything else that would
+cross groups (a forward collective) raises FaultToleranceError naming it.
 
 The emitted program folds 1/|dp| of the data-parallel mean into the loss; torchft averages over
 the n groups that take part, so the bucket is multiplied by the number of groups the plan has:
@@ -33,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import FaultToleranceError
+from autopar.parallel.fault_tolerant.job import LIGHTHOUSE_ENV, ReplicaJob
 from autopar.parallel.process_groups import plan_groups
 from autopar.runtime.backend import current_backend, install_backend
 from autopar.runtime.dist_backend import DistBackend
 from autopar.runtime.failures import install_excepthook
 
 REPLICA_ENV = "REPLICA_GROUP_ID"  # torchft's examples name each group's job so
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable
 
 
 def _torchft():
@@ -124,113 +125,43 @@ def _manager(torchft, ft, replica: int, group_rank: int, group_size: int):
         ) from e
 
 
-def attach(module) -> None:
-    """``module.autopar_fault_tolerant``: the job's ReplicaJob, where a replica group's backend is on."""
+def _replica_backend():
+    """The ReplicaBackend where this process is a replica group's job, else None."""
     try:
         backend = current_backend()
     except RuntimeError:
-        return
-    if isinstance(backend, ReplicaBackend):
-        backend.job.module = module
+        return None
+    return backend if isinstance(backend, ReplicaBackend) else None
+
+
+def attach(plan, module) -> None:
+    """``module.autopar_fault_tolerant``: the job's ReplicaJob, where a replica group's backend is on."""
+    backend = _replica_backend()
+    if backend is not None:
+        backend.job.attach(plan, module)
         module.autopar_fault_tolerant = backend.job
 
 
-class ReplicaJob:
-    """One rank's view of the fault-tolerant job: the torchft Manager and the optimizer wrapper.
+def group_device_mesh(ft, plan):
+    """The DeviceMesh of this replica group's job, for checkpoints (None outside one): the plan's
+    mesh with the replica axis reduced to this group's part, on the group's ranks in the plan's
+    order, so a piece's DTensor (or Pieces) describes the same box of the global tensor as in
+    the plan. Every parameter is replicated across groups: no piece is lost by leaving them out."""
+    if _replica_backend() is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
 
-    ``step``: the job's committed steps (the same in every live group; a healed group takes its
-    peers'), the index to draw the next batch by so every committed batch is used once.
-    """
-
-    def __init__(self, ft, manager, replica: int, replicas: int):
-        self.ft, self.manager, self.replica, self.replicas = ft, manager, replica, replicas
-        self.module, self.optimizer = None, None
-
-    @property
-    def step(self) -> int:
-        return self.manager.current_step()
-
-    def participants(self) -> int:
-        """Groups whose gradients this step averages (waits for the quorum)."""
-        return self.manager.num_participants()
-
-    def participating(self) -> bool:
-        """Whether this group's gradients count this step (False while it heals)."""
-        return self.manager.is_participating()
-
-    def wrap(self, optimizer: torch.optim.Optimizer) -> "FaultTolerantOptimizer":
-        """The optimizer as the loop must use it (zero_grad starts the step's quorum, step commits
-        or drops it); registers what a healing peer fetches: parameters, buffers, optimizer state."""
-        if self.module is None:
-            raise FaultToleranceError("ap.FaultTolerant: wrap the optimizer of a module built by ap.parallelize.")
-        if self.optimizer is not None:
-            raise FaultToleranceError("ap.FaultTolerant: one optimizer per module (wrap was called twice).")
-        self.optimizer = FaultTolerantOptimizer(self, optimizer)
-        self.manager.register_state_dict_fn("autopar", self._load, self._state)
-        return self.optimizer
-
-    def _state(self) -> dict:
-        m = self.module
-        tensors = {k: v.detach() for k, v in [*m.named_parameters(), *m.named_buffers()]}
-        return {"tensors": tensors, "optimizer": self.optimizer.inner.state_dict()}
-
-    def _load(self, state: dict) -> None:
-        m = self.module
-        with torch.no_grad():
-            for name, value in [*m.named_parameters(), *m.named_buffers()]:
-                value.copy_(state["tensors"][name])  # in place: gradient buckets keep their views
-        self.optimizer.inner.load_state_dict(state["optimizer"])
-
-    def quorum_error(self, e: Exception) -> FaultToleranceError:
-        lighthouse = self.ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        return FaultToleranceError(
-            f"ap.FaultTolerant: replica group {self.replica} got no quorum from the lighthouse at {lighthouse} "
-            f"within {self.ft.quorum_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
-            "The lighthouse is gone or unreachable: restart it at that address (python -m "
-            "autopar.parallel.fault_tolerant.lighthouse) and restart the groups from your last checkpoint."
+    mesh = plan.mesh
+    axis, _ = ft.replica_part(mesh)
+    split = sorted(f for f, spec in plan.param_specs.items() if not spec[axis].is_replicate())
+    if split:  # a layout across groups would be a forward collective between them: refused when planning
+        raise FaultToleranceError(
+            f"ap.FaultTolerant: {split[:3]} are split across replica groups on {mesh.axis_names[axis]!r}; "
+            "a group's checkpoint cannot hold them. Keep parameters replicated across groups."
         )
-
-
-class FaultTolerantOptimizer:
-    """A torch optimizer stepped only on committed steps (torchft's OptimizerWrapper, and the
-    errors of a lost lighthouse named). ``inner``: the optimizer wrapped."""
-
-    def __init__(self, job: ReplicaJob, inner: torch.optim.Optimizer):
-        self.job, self.inner = job, inner
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.inner.load_state_dict(state)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start this step's quorum (it runs while the forward does) and clear the gradients."""
-        try:
-            self.job.manager.start_quorum()  # waits for the last step's quorum: its failure shows here
-        except Exception as e:  # noqa: BLE001 - named: the lighthouse
-            raise self.job.quorum_error(e) from e
-        self.inner.zero_grad(set_to_none)
-
-    def step(self, closure=None) -> bool:
-        """Step where every live group's gradients arrived (True), else drop the step (False)."""
-        if closure is not None:
-            raise FaultToleranceError("ap.FaultTolerant: optimizer closures are not supported (torchft's neither).")
-        try:
-            committed = self.job.manager.should_commit()
-        except Exception as e:  # noqa: BLE001 - the quorum's failure surfaces here or in backward
-            raise self.job.quorum_error(e) from e
-        if committed:
-            self.inner.step()
-        return committed
+    shape = list(mesh.shape)
+    shape[axis] //= ft.replicas(mesh)
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=mesh.axis_names)
 
 
 class ReplicaBackend:
@@ -267,10 +198,10 @@ class ReplicaBackend:
         if all(r in self.local for r in group):
             return tuple(self.local[r] for r in group), self.local[rank]
         raise FaultToleranceError(
-            f"ap.FaultTolerant: a {kind} over ranks {group} crosses replica groups; only gradient all-reduces do "
-            "(through torchft). A forward collective on the replica axis (a batch-norm synced over it, buffers "
-            "broadcast after each forward) cannot survive a lost group: plan with "
-            "DataParallel(..., broadcast_buffers=False) and keep such layers' statistics per group."
+            f"ap.FaultTolerant: {'an' if kind[0] in 'aeiou' else 'a'} {kind} over ranks {group} crosses replica "
+            "groups; only gradient all-reduces and written buffers' broadcasts do (through torchft). A forward collective on the replica axis (a batch "
+            "norm synced over it: ap.sync_batch_norm) cannot survive a lost group: keep such layers' statistics "
+            "per rank (plain BatchNorm; DataParallel(broadcast_buffers=True) keeps the running ones equal)."
         )
 
     def all_reduce_async(self, flat, group, rank):
@@ -297,7 +228,15 @@ class ReplicaBackend:
         return self.inner.all_to_all_v(x, send, recv, *self._in("all_to_all", group, rank))
 
     def broadcast(self, x, group, rank):
-        return self.inner.broadcast(x, *self._in("broadcast", group, rank))
+        """From the group's first rank, as without fault tolerance; a group crossing replica
+        groups (buffers kept equal after a forward, buffer_sync.py): from its first rank in this
+        replica group, then across groups from the first group taking part in the step."""
+        if all(r in self.local for r in group):
+            return self.inner.broadcast(x, *self._in("broadcast", group, rank))
+        inside = tuple(r for r in group if r in self.local)
+        if len(inside) > 1:
+            self.inner.broadcast(x, *self._in("broadcast", inside, rank))
+        return self.job.broadcast_across(x)
 
     def ring_shift(self, x, group, rank, offset):
         return self.inner.ring_shift(x, *self._in("ring_shift", group, rank), offset)

@@ -38,6 +38,7 @@ from autopar.parallel.data_parallel import DataParallel
 from autopar.parallel.fault_tolerant import runtime
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
+from autopar.sharding.rules.batch_norm import SYNC_ATTR
 
 
 @register_technique
@@ -163,10 +164,8 @@ class FaultTolerant(Technique):
             if c.axis == label and c.node in nodes:
                 raise FaultToleranceError(
                     f"FaultTolerant({self.replica_axis!r}): {c.node} (module {c.module or '(top)'!r}) runs a {c.kind} "
-                    f"over {label!r} in the {c.phase} (a loss computed inside the model, a mean over the batch, or an "
-                    "op without a rule on the batch): a collective "
-                    "across replica groups that a lost group breaks. Return per-row outputs (the logits) and take "
-                    "the loss outside the module: each group's own mean, averaged across live groups by torchft."
+                    f"over {label!r} in the {c.phase}: a collective across replica groups that a lost group breaks. "
+                    + _fix(plan, c.module)
                 )
 
     def join(self, plan, timeout: float | None):
@@ -178,7 +177,12 @@ class FaultTolerant(Technique):
         """Give ``module`` its ``autopar_fault_tolerant`` (the group's torchft Manager and the
         optimizer wrapper) where it runs in a replica group's job; nothing in plan.simulate or
         plan.check, where every group is present and the sync is plain data parallel."""
-        runtime.attach(module)
+        runtime.attach(plan, module)
+
+    def checkpoint_mesh(self, plan):
+        """In a replica group's job, the group's DeviceMesh (runtime.group_device_mesh): its
+        checkpoint pieces are the global tensors' boxes as in the plan, on the ranks it has."""
+        return runtime.group_device_mesh(self, plan)
 
     def describe(self, plan) -> str:
         n = self.replicas(plan.mesh)
@@ -192,3 +196,19 @@ class FaultTolerant(Technique):
             f"fault tolerant: its gradient is averaged across the live replica groups on {self.replica_axis!r} "
             "through torchft each step; a restarted group fetches it from a live one"
         ]
+
+
+def _fix(plan, module: str | None) -> str:
+    """What to do about a forward collective across replica groups, by what runs it."""
+    owner = plan.model.get_submodule(module) if module else None
+    if getattr(owner, SYNC_ATTR, False):
+        return (
+            "A batch norm synced over the whole batch (ap.sync_batch_norm) needs every group's statistics each "
+            "step: use plain BatchNorm (each rank's own batch statistics; the running ones are broadcast from "
+            "the first live group after each training forward)."
+        )
+    return (
+        "(A loss computed inside the model, a mean over the batch, or an op without a rule on the batch.) Return "
+        "per-row outputs (the logits) and take the loss outside the module: each group's own mean, averaged "
+        "across live groups by torchft."
+    )
