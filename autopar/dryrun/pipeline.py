@@ -29,10 +29,13 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
+from autopar.cost.collectives import _sync_comms, collectives
 from autopar.cost.formulas import PlanSymbols
+from autopar.parallel.fsdp import buckets_cached
 from autopar.parallel.pipeline import messages, schedules
 from autopar.parallel.param_names import held_params
-from autopar.parallel.pipeline.runner import PipelineRunner
+from autopar.parallel.pipeline.api import tied_rank_groups
+from autopar.parallel.pipeline.runner import PipelineRunner, loss_group
 from autopar.parallel.pipeline.stage_memory import _micro_batch, _value_bytes
 from autopar.placement import Shard, local_shape
 from autopar.runtime.ring import ring_bytes
@@ -172,7 +175,6 @@ def batch(plan, inputs) -> tuple:
 
 def predicted(plan, rank: int, optimizer_states: int) -> tuple[list, float]:
     """(the collectives and messages, the FLOPs) the plan says ``rank``'s runner runs in a step."""
-    from autopar.cost.collectives import collectives
 
     lay, o = plan.stage_layout, plan.stage_layout.options
     pos = plan.mesh.coords(rank)[lay.axis]
@@ -201,7 +203,6 @@ ZERO3_BUCKET = "fsdp bucket "  # how parallel/fsdp.collectives names a bucket's 
 
 def zero3_bucket(plan, node: str) -> list:
     """The parameter names of the zero=3 bucket a Comm's ``node`` names."""
-    from autopar.parallel.fsdp import buckets_cached
 
     return buckets_cached(plan)[int(node[len(ZERO3_BUCKET) :].split()[0])].names
 
@@ -209,9 +210,6 @@ def zero3_bucket(plan, node: str) -> list:
 def rank_sync(plan, rank: int, sy) -> list:
     """The gradient sync of the rank's own parameters (its buckets), the tied weights' sums over
     the pipeline ranks that hold them, and the step's loss in one all-reduce (runner.py)."""
-    from autopar.cost.collectives import _sync_comms
-    from autopar.parallel.pipeline.api import tied_rank_groups
-    from autopar.parallel.pipeline.runner import loss_group
 
     out = [(c.kind, c.axis, c.bytes) for c in _sync_comms(plan, sy, rank)]
     held = held_params(plan, rank)
