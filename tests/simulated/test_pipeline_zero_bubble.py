@@ -118,7 +118,7 @@ def _plan(mesh: str, zero: int, ckpt: bool, schedule: str = "zb-h1"):
         # ranks: tests/gloo/test_pipeline.py)
         pytest.param("dp2xpp2", 3, True, "zbv", marks=pytest.mark.slow),
         ("pp2xtp2+sp", 0, False, "zbv"),
-        ("pp2xtp2+sp", 0, True, "zb-h1"),
+        pytest.param("pp2xtp2+sp", 0, True, "zb-h1", marks=pytest.mark.slow),  # sp: ZBV's case above
         ("pp2", 0, False, "dualpipev"),
         ("pp4", 0, True, "dualpipev"),
         ("dp2xpp2", 1, False, "dualpipev"),
