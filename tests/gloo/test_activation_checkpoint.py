@@ -44,8 +44,9 @@ def test_bench_quick_memory_per_rank_and_model(gloo):
 @pytest.mark.parametrize(
     "schedule,checkpoint,chunks",
     [("1f1b", False, 1), ("gpipe", False, 1), ("1f1b", True, 1), ("gpipe", True, 1), ("interleaved", True, 2),
-     ("zb-h1", False, 1),
-     pytest.param("dualpipev", False, 2, marks=pytest.mark.slow)],  # simulated: tests/simulated/test_pipeline_memory.py
+     # zero-bubble: in make test simulated (tests/simulated/test_pipeline_memory.py)
+     pytest.param("zb-h1", False, 1, marks=pytest.mark.slow),
+     pytest.param("dualpipev", False, 2, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_pipeline_memory_per_rank_counts_its_stage_and_micro_batches(gloo, schedule, checkpoint, chunks):
     """memory_per_rank(rank) of a pipelined plan: the rank's own stages' micro-batches in flight

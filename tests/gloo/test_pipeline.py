@@ -77,6 +77,19 @@ def test_zero_bubble_dp2xpp2_adamw_real_gloo(gloo, zero, schedule):
     _check_adamw(gloo(4).run("tests.gloo.jobs_pipeline:gpt_zero_bubble_adamw", zero, 3, schedule))
 
 
+@pytest.mark.parametrize(
+    "schedule,ckpt",
+    [
+        ("zbv", True),
+        pytest.param("zb-h1", False, marks=pytest.mark.slow),  # ZBV's case covers the split on 4 ranks
+        pytest.param("dualpipev", False, marks=pytest.mark.slow),
+    ],
+)
+def test_zero_bubble_pp4_adamw_real_gloo(gloo, schedule, ckpt):
+    """pp=4 on 4 real ranks (a V: 8 stages, rank r holding r and 7 - r): 3 AdamW steps equal serial's."""
+    _check_adamw(gloo(4).run("tests.gloo.jobs_pipeline:gpt_zero_bubble_adamw", 0, 3, schedule, (4,), ("pp",), ckpt))
+
+
 @pytest.mark.slow  # 8 gloo processes on the 2-core CI machine; dp2 x pp2 above (4 ranks) covers the same path
 @pytest.mark.parametrize("zero,schedule,ckpt", [(1, "zb-h1", True), (3, "zbv", False), (2, "dualpipev", True)])
 def test_zero_bubble_dp2xpp2xtp2_adamw_real_gloo(gloo, zero, schedule, ckpt):
