@@ -1,9 +1,10 @@
 """Fault tolerance (issue 48, docs/fault_tolerance.md): what one lost replica group costs.
 
-Two replica groups of 2 gloo processes each (dp=2 x tp=2, a small MLP, SGD with momentum),
-each its own job under ap.FaultTolerant with a torchft lighthouse (heartbeat timeout 1 s). After
-4 steps both groups committed, one process of group 1 is SIGKILLed; the group is restarted as
-torchrun would, heals from group 0 and rejoins (tests/gloo/ft_driver.py). Per failure:
+Two replica groups of 2 gloo processes each (dp=2 x tp=2, a small MLP with a batch norm, SGD
+with momentum), each its own job under ap.FaultTolerant with a torchft lighthouse (heartbeat
+timeout 1 s). After 4 steps both groups committed, one process of group 1 is SIGKILLed; the
+group is restarted as torchrun would, heals from group 0 and rejoins (tests/gloo/ft_driver.py).
+Per failure:
 
 - ``steps lost``: attempts of the survivor that did not commit (its all-reduce met the dead peer);
 - ``survivor stall``: the longest gap between two of the survivor's commits (the failure noticed,

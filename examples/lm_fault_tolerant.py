@@ -7,10 +7,13 @@ Run it with plain ``python`` (not torchrun): this launcher starts the torchft li
 job of |tp| x ... processes per position of ``dp`` (a replica group, ``REPLICA_GROUP_ID``), and
 restarts a group whose process dies, as torchrun --max-restarts would. ``--kill-at N`` SIGKILLs
 the last group's last process after N steps committed by all groups to show it: the other groups keep stepping, the
-killed group comes back, fetches the weights and AdamW state from a live one and rejoins. Each
-group's rank 0 writes OUT/ft_metrics.jsonl (step, loss, groups taking part, committed). The
-batch of each step is read at the job's committed step count, so every committed batch is used
-once. See docs/fault_tolerance.md.
+killed group comes back, loads the latest checkpoint, fetches the weights and AdamW state from a
+live one (further on) and rejoins. Each group's rank 0 writes OUT/ft_metrics.jsonl (step, loss,
+groups taking part, committed). The batch of each step is read at the job's committed step
+count, so every committed batch is used once. Every ``--ckpt-every`` committed steps the first
+group taking part writes a DCP checkpoint, OUT/ckpt/ft_step_N (model, AdamW, the job's step); a
+group starting where one exists resumes from the newest (all of them, when the whole run is
+started again on the same OUT). See docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -112,6 +115,11 @@ def worker(args, run: dict, shape: tuple, names: tuple, blob: dict) -> None:
     plan, job = module.autopar_plan, module.autopar_fault_tolerant
     rank = mesh.size // groups * job.replica + dist.get_rank()
     opt = job.wrap(torch.optim.AdamW(module.parameters(), lr=run["lr"]))
+    folder = os.path.join(args.out, "ckpt")
+    latest = _latest(folder)
+    if latest is not None:  # a restarted group: it heals from the live ones if they are further on
+        _load(latest, module, opt, job)
+        print(f"group {job.replica} resumed from {latest} at step {job.step}", flush=True)
     span = run["batch"] * run["seq"]
     metrics = open(os.path.join(args.out, "ft_metrics.jsonl"), "a") if dist.get_rank() == 0 else None
     while True:
@@ -129,10 +137,43 @@ def worker(args, run: dict, shape: tuple, names: tuple, blob: dict) -> None:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             print(f"group {job.replica} step {job.step:4d} loss {loss.item():.4f} groups {n}", flush=True)
+        if committed and args.ckpt_every and job.step % args.ckpt_every == 0 and job.saves_checkpoint():
+            _save(folder, module, opt, job)
         if committed and job.step >= args.steps and n == groups:
             break
     dist.barrier()
     job.manager.shutdown(wait=False)
+
+
+def _latest(folder: str) -> str | None:
+    """The newest complete checkpoint (rank 0's pick, given to the group's others: a live group
+    may complete another meanwhile)."""
+    done = [d for d in os.listdir(folder) if d.startswith("ft_step_") and "." not in d] if os.path.isdir(folder) else []
+    pick = [os.path.join(folder, max(done, key=lambda d: int(d[8:])))] if done else [None]
+    dist.broadcast_object_list(pick, src=0)
+    return pick[0]
+
+
+def _save(folder: str, module, opt, job) -> None:
+    """This group's ranks write the checkpoint together (each group's pieces are the same global
+    tensors, described on its own DeviceMesh); renamed into place once complete."""
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    path = os.path.join(folder, f"ft_step_{job.step}")
+    dcp.save({"model": model_sd, "optim": optim_sd, "ft": job.state_dict()}, checkpoint_id=path + ".tmp")
+    if dist.get_rank() == 0:
+        os.replace(path + ".tmp", path)
+
+
+def _load(path: str, module, opt, job) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd = ap.get_state_dict(module, opt)
+    state = {"model": model_sd, "optim": optim_sd, "ft": job.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    ap.set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    job.load_state_dict(state["ft"])  # before the first step: the lighthouse hears this step
 
 
 if __name__ == "__main__":  # a worker, started by launch

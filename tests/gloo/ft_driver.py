@@ -40,8 +40,10 @@ def _start_group(out: Path, kind: str, steps: int, groups: int, replica: int, li
         env.update(REPLICA_GROUP_ID=str(replica), TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1")
         env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.getcwd(), RUST_LOG="error", **(env_extra or {}))
         cmd = [sys.executable, "-m", "tests.gloo.jobs_fault_tolerant", str(out), kind, str(steps), str(groups)]
-        with open(out / f"stderr_{replica}_{r}_{time.time():.0f}.txt", "w") as err:
+        path = out / f"stderr_{replica}_{r}_{time.time():.0f}.txt"
+        with open(path, "w") as err:
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+        procs[-1].stderr_path = path
     return procs
 
 
@@ -74,16 +76,23 @@ def run_job(
     victim: int | None = None,
     env: dict | None = None,
     after: int = 3,
+    lose_lighthouse: bool = False,
 ):
     """Run the job; with ``kill_at`` the ``victim`` group's (default: the last) rank 1 is
     SIGKILLed once ``kill_at`` steps with every group in them committed, and the group restarted.
     The jobs stop ``after`` steps after the victim's first step with every group (since its
-    restart). ``env``: more environment for every process (FT_CKPT...). Returns a dict of what
-    happened."""
+    restart). ``env``: more environment for every process (FT_CKPT...). ``lose_lighthouse``: once
+    every rank saved its state the ranks go on stepping and the lighthouse is SIGKILLed; the
+    result's ``lighthouse`` says how they ended (exit codes, seconds from the kill, stderr).
+    Returns a dict of what happened."""
+    size = groups * RANKS
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = start_lighthouse(1, join_timeout_ms=500, heartbeat_timeout_ms=1000, log=subprocess.DEVNULL)
     victim = groups - 1 if victim is None else victim
     killed_at, restarted_at = None, None
+
+    env = {**(env or {}), **({"FT_LOSE_LIGHTHOUSE": "1", "FT_QUORUM_TIMEOUT": "5"} if lose_lighthouse else {})}
+    lost_at = None
 
     def start(g):
         return _start_group(out, kind, steps, groups, g, lighthouse.address, env)
@@ -106,7 +115,12 @@ def run_job(
                 running[victim] = start(victim)
                 restarted_at = time.time()
             _maybe_stop(out, victim, groups, 0.0 if kill_at is None else restarted_at, after)
+            if lose_lighthouse and lost_at is None and all((out / f"state_{r}.pt").exists() for r in range(size)):
+                lighthouse.stop()
+                lost_at = time.monotonic()
             for g, procs in running.items():
+                if lost_at is not None:
+                    break
                 bad = [p.returncode for p in procs if p.poll() not in (None, 0)]
                 if bad and not (g == victim and killed_at is not None and restarted_at is None):
                     raise RuntimeError(f"replica group {g} failed (exit {bad}); logs in {out}")
@@ -117,7 +131,15 @@ def run_job(
                 if p.poll() is None:
                     p.kill()
         lighthouse.stop()
-    return dict(out=out, kind=kind, groups=groups, victim=victim, killed_at=killed_at, restarted_at=restarted_at)
+    run = dict(out=out, kind=kind, groups=groups, victim=victim, killed_at=killed_at, restarted_at=restarted_at)
+    if lose_lighthouse:
+        procs = [p for g in sorted(running) for p in running[g]]
+        run["lighthouse"] = dict(
+            codes=[p.returncode for p in procs],
+            seconds=time.monotonic() - lost_at,
+            stderr=[p.stderr_path.read_text() for p in procs],
+        )
+    return run
 
 
 def committed_steps(out: Path, groups: int) -> dict[int, list[int]]:
@@ -241,31 +263,3 @@ def recovery(run: dict) -> dict:
     back = [r["t"] for r in read_log(out, victim) if r["t"] > (run["restarted_at"] or 0) and r.get("part")]
     rejoin = (back[0] - run["killed_at"]) if back and run["killed_at"] else None
     return dict(steps_lost=lost, survivor_stall_s=stall, rejoin_s=rejoin)
-
-
-def lighthouse_dies(out: Path, after: int = 2, timeout: float = 90.0) -> dict:
-    """One group of 2 ranks training; the lighthouse SIGKILLed after ``after`` commits. Returns how
-    the ranks ended (exit codes, seconds from the kill, their stderr)."""
-    out.mkdir(parents=True, exist_ok=True)
-    lighthouse = start_lighthouse(1, join_timeout_ms=500, heartbeat_timeout_ms=1000, log=subprocess.DEVNULL)
-    procs = _start_group(out, "tp", 10**6, 1, 0, lighthouse.address, dict(FT_QUORUM_TIMEOUT="3"))
-    try:
-        deadline = time.monotonic() + timeout
-        while sum(r.get("committed", False) for r in read_log(out, 0)) < after:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"the group did not train; logs in {out}")
-            time.sleep(0.05)
-        lighthouse.stop()
-        killed = time.monotonic()
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        return dict(
-            codes=[p.returncode for p in procs],
-            seconds=time.monotonic() - killed,
-            stderr="".join(f.read_text() for f in sorted(out.glob("stderr_0_*.txt"))),
-        )
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.stop()

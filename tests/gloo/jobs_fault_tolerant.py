@@ -5,7 +5,8 @@ Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (this group's store), RE
 TORCHFT_LIGHTHOUSE; FT_CKPT (a folder of DCP checkpoints), FT_CKPT_EVERY (save one every that many
 committed steps, from the group ft.saves_checkpoint() names; only steps every group took part in,
 so a killed group resumes from one older than its peers' step and heals), FT_RESUME (load the
-latest one there before the first step, as a restarted job would). Arguments: out folder, mesh kind ("tp" or
+latest one there before the first step, as a restarted job would), FT_LOSE_LIGHTHOUSE (once done,
+go on stepping until the lighthouse is gone: the run ends with its error), FT_QUORUM_TIMEOUT. Arguments: out folder, mesh kind ("tp" or
 "hsdp"), steps, groups.
 
 The model has a batch norm: its running statistics are written by every training forward and
@@ -31,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 import autopar as ap
 
-ROWS = 4  # rows per replica group per step
+ROWS = 8  # rows per replica group per step (4 per rank under HSDP: a batch norm over 2 rows is chaotic)
 
 
 def model():
@@ -110,6 +111,7 @@ def main(out: str, kind: str, steps: int, groups: int) -> None:
         log.write(json.dumps(dict(resumed=job.step, path=path, t=time.time())) + "\n")
         loaded = {k: v.detach().clone() for k, v in module.state_dict().items()}
         torch.save(loaded, os.path.join(out, f"resumed_{rank}.pt"))  # before any heal replaces it
+    lose = bool(os.environ.get("FT_LOSE_LIGHTHOUSE"))
     while True:
         opt.zero_grad()
         step = job.step
@@ -120,6 +122,8 @@ def main(out: str, kind: str, steps: int, groups: int) -> None:
         loss.backward()
         part, n = job.participating(), job.participants()
         committed = opt.step()
+        if os.path.exists(os.path.join(out, f"state_{rank}.pt")):
+            continue  # done, training on until the lighthouse is gone (FT_LOSE_LIGHTHOUSE): no record
         done = job.step - 1 if committed else job.step  # a healed group's step is its peers' (not `step`)
         first = committed and job.saves_checkpoint()  # its buffers went to every group
         if first and every and job.step % every == 0 and n == groups:
@@ -128,10 +132,12 @@ def main(out: str, kind: str, steps: int, groups: int) -> None:
         log.write(json.dumps(record) + "\n")
         log.flush()
         if committed and n == groups and job.step >= max(steps, _stop_at(out)):
-            break
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            torch.save(state, os.path.join(out, f"state_{rank}.pt.tmp"))
+            os.rename(os.path.join(out, f"state_{rank}.pt.tmp"), os.path.join(out, f"state_{rank}.pt"))
+            if not lose:
+                break
         time.sleep(0.05)  # a step of a real model takes a while: leave the failure a window
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    torch.save(state, os.path.join(out, f"state_{rank}.pt"))
     dist.barrier()
     job.manager.shutdown(wait=False)
     dist.destroy_process_group()

@@ -151,7 +151,7 @@ class _FakeManager:
     def allreduce(self, flat):
         self.calls.append(flat.clone())
         flat.div_(self.participants)  # as torchft's AVG: (here, one group's part) / n
-        return type("W", (), {"wait": lambda self: True})()
+        return types.SimpleNamespace(wait=lambda: True)
 
 
 def test_gradient_bucket_goes_through_torchft_scaled_to_the_groups_mean():
@@ -207,6 +207,36 @@ def test_buffer_broadcast_across_groups_comes_from_the_first_group_taking_part(f
     out = backend.broadcast(mine.clone(), (0, 1, 2, 3), 1 if first else 3)
     torch.testing.assert_close(out, mine if first else theirs)
     assert inside == [((0, 1), 1)]  # the group's own part, in its job's ranks
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_step_zero_every_group_takes_the_first_groups_weights(first):
+    """torchft's own start sync (init_sync) heals each rank's line from another group; instead
+    every tensor of the rank (parameters and buffers, one all-reduce per dtype) is the first
+    group's at step 0."""
+    torch.manual_seed(0 if first else 1)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    torch.manual_seed(0)
+    theirs = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    mine = {k: v.clone() for k, v in module.state_dict().items()}
+    sums = {torch.float32: torch.zeros(36), torch.int64: torch.zeros(1, dtype=torch.int64)}
+    if not first:  # what the first group adds to this group's zeros
+        sums = {
+            torch.float32: torch.cat([v.reshape(-1) for v in theirs.state_dict().values() if v.is_floating_point()]),
+            torch.int64: theirs.state_dict()["1.num_batches_tracked"].reshape(1),
+        }
+
+    class _PerDtype(_SumManager):
+        def allreduce(self, flat, reduce_op):
+            self.others = sums[flat.dtype]
+            return super().allreduce(flat, reduce_op)
+
+    job = ReplicaJob(ap.FaultTolerant("dp"), _PerDtype(0 if first else 1, None), replica=0, replicas=2)
+    job.module = module
+    job.sync_start()
+    want = mine if first else theirs.state_dict()
+    for k, v in module.state_dict().items():
+        assert v.equal(want[k]), k
 
 
 def test_written_buffers_undone_on_a_dropped_step_and_kept_when_healed():

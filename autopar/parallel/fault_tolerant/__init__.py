@@ -1,5 +1,6 @@
 """Fault tolerance built on torchft: ap.FaultTolerant (technique.py), its run-time half
-(runtime.py) and the lighthouse that agrees each step's quorum (lighthouse.py).
+(runtime.py: process groups and the backend; job.py: the Manager, healing, checkpoints,
+written buffers) and the lighthouse that agrees each step's quorum (lighthouse.py).
 
 Example:
     >>> from autopar.parallel.fault_tolerant import FaultTolerant, start_lighthouse

@@ -68,7 +68,12 @@ class ReplicaJob:
         return self.manager.num_participants()
 
     def participating(self) -> bool:
-        """Whether this group's gradients count this step (False while it heals)."""
+        """Whether this group's gradients count this step (False while it heals; waits for the
+        quorum)."""
+        try:
+            self.manager.participating_rank()  # waits for the step's quorum (torchft's flag does not)
+        except Exception as e:  # noqa: BLE001 - a quorum that never came: the lighthouse
+            raise self.quorum_error(e) from e
         return self.manager.is_participating()
 
     # ------------------------------------------------------------------ checkpoints
@@ -126,6 +131,23 @@ class ReplicaJob:
         starts: a healing peer may fetch them as soon as it does)."""
         buffers = dict(self.module.named_buffers())
         self._before = {n: buffers[n].detach().clone() for n in self.written}
+
+    def sync_start(self) -> None:
+        """At step 0 every group takes the first group's parameters and buffers (one all-reduce
+        per dtype), as a data-parallel job broadcasts rank 0's at start. torchft's own start sync
+        (init_sync, off here) heals each rank's line from another group (it spreads the sources
+        by rank), so one group's ranks could start from different groups' weights, and it counts
+        the healing groups among those taking part in the step's mean."""
+        m = self.module
+        tensors = [t.detach() for _, t in [*m.named_parameters(), *m.named_buffers()]]
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for same in by_dtype.values():
+                flat = self.broadcast_across(torch.cat([t.reshape(-1) for t in same]))
+                for t, piece in zip(same, flat.split([t.numel() for t in same])):
+                    t.copy_(piece.view_as(t))
 
     def end_step(self, committed: bool) -> None:
         """A step that did not commit runs again: its forward's writes are undone."""
@@ -186,6 +208,8 @@ class FaultTolerantOptimizer:
             self.job.manager.start_quorum()  # waits for the last step's quorum: its failure shows here
         except Exception as e:  # noqa: BLE001 - named: the lighthouse
             raise self.job.quorum_error(e) from e
+        if self.job.step == 0 and self.job.participating():  # (waits for the quorum) not healing: every
+            self.job.sync_start()  # group in it is at step 0 too; they all take the first one's weights
         self.inner.zero_grad(set_to_none)
 
     def step(self, closure=None) -> bool:

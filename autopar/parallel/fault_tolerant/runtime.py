@@ -110,6 +110,7 @@ def _manager(torchft, ft, replica: int, group_rank: int, group_size: int):
             load_state_dict=None,
             state_dict=None,
             min_replica_size=ft.min_replicas,
+            init_sync=False,  # the first group's weights at step 0: ReplicaJob.sync_start
             rank=group_rank,
             world_size=group_size,
             replica_id=f"autopar_replica_{replica}",  # torchft reads the trailing number

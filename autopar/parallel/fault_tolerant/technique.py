@@ -10,8 +10,10 @@ groups is agreed with the lighthouse, the gradient buckets are averaged over the
 (torchft divides by the number that take part, so a step that lost a group commits the
 survivors' mean), and the optimizer steps only where the step commits everywhere. A group that
 restarts fetches parameters, buffers and optimizer state from a live peer (torchft's HTTP
-checkpoint transport) and rejoins at the peers' step. runtime.py holds the run-time half,
-lighthouse.py starts the lighthouse.
+checkpoint transport) and rejoins at the peers' step. Buffers a training forward writes are
+broadcast from the first group taking part in the step; DCP checkpoints describe a group's
+pieces on its own DeviceMesh (``checkpoint_mesh``), so one group writes them and any plan reads
+them (job.py). runtime.py holds the run-time half, lighthouse.py starts the lighthouse.
 
 What cannot cross a replica group is refused while planning, saying why: ZeRO-1/2 (a lost group
 would take its shard of the optimizer state with it), zero=3 sharded across groups, local SGD
