@@ -43,6 +43,10 @@ pipe = ap.Pipeline("pp", microbatches=pp, schedule="1f1b") if pp > 1 else None
 dp = ap.DataParallel("dp", zero=3, reduce_dtype=torch.float32, reshard_after_forward=pp == 1)
 plan = ap.plan(model, mesh, kwargs=kw, dynamic=False, annotations=ann, data_parallel=dp, activation_checkpoint=ac,
                pipeline=pipe)
+def _r(collectives):  # (kind, axis, bytes rounded): the ones that differ are printed
+    return [(k, a, round(b)) for k, a, b in collectives]
+
+
 t0, c0, rss0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 run = plan.dry_run(rank=rank, device="cuda", steps=2).runs[rank]
 print(json.dumps({
@@ -54,6 +58,8 @@ print(json.dumps({
     "flops": run.flops, "predicted_flops": run.predicted_flops,
     "attention_flops": sum(v for k, v in run.flops_by_op.items() if "attention" in k),
     "rank": rank, "equal": run.collectives_match,
+    "differ": [sorted((Counter(_r(run.collectives)) - Counter(_r(run.predicted_collectives))).elements())[:8],
+               sorted((Counter(_r(run.predicted_collectives)) - Counter(_r(run.collectives))).elements())[:8]],
     "collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.collectives).items()),
     "predicted_collectives": sorted(Counter(f"{k} {a}" for k, a, _ in run.predicted_collectives).items()),
     "bytes": sum(b for *_, b in run.collectives), "predicted_bytes": sum(b for *_, b in run.predicted_collectives),
@@ -98,7 +104,24 @@ CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local 
         56,
     ),
 }
-QUICK = {"LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective", 1)}
+QUICK = {
+    "LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective", 1),
+    "LLaMA-shaped 4 x 64, FSDP 2 x PP 2 x TP 2, 1F1B, full AC, last stage": (
+        64,
+        128,
+        4,
+        4,
+        2,
+        256,
+        4,
+        32,
+        2,
+        "full",
+        2,
+        2,
+        2,
+    ),
+}
 
 
 def dry_run(case: tuple) -> dict:
@@ -139,7 +162,8 @@ def run(quick: bool, only: str | None = None) -> list[dict]:
                 "collectives per step, measured / plan.collectives()",
                 f"{dict(got['collectives'])} / {dict(got['predicted_collectives'])}",
                 "equal",
-                f"{'equal' if got['equal'] else 'NOT equal'} in kind, axis and bytes; "
+                f"{'equal' if got['equal'] else 'NOT equal: measured only, predicted only ' + str(got['differ'])}"
+                " in kind, axis and bytes; "
                 f"bytes {got['bytes']:.4g} / {got['predicted_bytes']:.4g}",
             ),
             row(

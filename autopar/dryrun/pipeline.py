@@ -180,6 +180,9 @@ def predicted(plan, rank: int, optimizer_states: int) -> tuple[list, float]:
     pos = plan.mesh.coords(rank)[lay.axis]
     mine = [st for st in lay.stages if lay.rank_of_stage(st.index) == pos]
     nodes = {n for st in mine for n in st.nodes}
+    out_node = next(n.name for n in plan.graph.nodes if n.op == "output")
+    if any(st.has_output for st in mine):  # the model's outputs leave the last stage as the plan's do
+        nodes.add(out_node)
     sy = PlanSymbols.of(plan)
     micro = _micro_batch(plan, sy, o.microbatches)
     held = held_params(plan, rank)

@@ -67,7 +67,8 @@ class PlanViews:
     ) -> Cost:
         """Bytes moved per step per axis, memory per rank and FLOPs as sympy formulas (ap.Cost).
         The memory is ``rank``'s (None: the rank that holds the most, plan.peak_memory_rank()):
-        the parts plan.memory_per_rank(rank) counts, summing to its total at the example."""
+        the parts plan.memory_per_rank(rank) counts, summing to its total at the example; so are
+        the FLOPs of a pipelined plan (its stages' ops, every micro-batch)."""
         return Cost(self, sizes, names, optimizer_states, rank)
 
     def plot_memory(self, **kw):

@@ -8,11 +8,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 import autopar as ap
 from autopar.cost.formulas import PlanSymbols
 from autopar.cost.plan_cost import flops_formula
 from autopar.dryrun.verify import verify_choice
+from autopar.parallel.fsdp import buckets_cached
+from autopar.parallel.param_names import held_params
 from autopar.models.examples import gpt
 
 MEGATRON = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.rowwise("tp")}
@@ -29,7 +32,7 @@ def report():
         data_parallel="dp",
         pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b"),
     )
-    return plan, plan.dry_run(steps=2)
+    return plan, plan.dry_run(steps=2)  # the second step holds the optimizer state from its start
 
 
 def test_every_pipeline_position_runs_with_the_plans_collectives_messages_and_flops(report):
@@ -67,3 +70,46 @@ def test_auto_verify_dry_runs_a_pipelined_choice(report):
     rank = plan.peak_memory_rank(2)
     record = verify_choice(plan, {"chosen": "pp", "budget": None, "memory": 0.0})
     assert record["dry_run_rank"] == rank and record["dry_run_peak"] == rep.runs[rank].peak_bytes
+
+
+@pytest.mark.slow  # ~8 s (20 s at load 10); make test covers zero=3 without resharding in stages in
+# test_fsdp.py::test_pipeline_stages_fully_sharded_equal_serial and the pipeline dry run above
+def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
+    """docs/auto.md's 405B plan, LLaMA-shaped at 4 layers: zero=3 over dp without resharding
+    after forward (one gathered copy for the step's micro-batches: each bucket gathered once),
+    Megatron tp + sequence parallel, 1F1B, full checkpointing (its recomputed tp collectives, per
+    micro-batch). The full size is bench/bench_dry_run.py's row."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 32, dtype=torch.long, device="meta")
+    kw = {"input_ids": ids, "labels": ids}
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2, 2), ("dp", "pp", "tp")),
+        kwargs=kw,
+        annotations=ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True),
+        dynamic=False,
+        data_parallel=ap.DataParallel("dp", zero=3, reshard_after_forward=False),
+        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b"),
+        activation_checkpoint="full",
+    )
+    rep = plan.dry_run(steps=2)
+    for rank, run in rep.runs.items():
+        assert run.collectives_match, rank
+        gathers = [b for k, a, b in run.collectives if (k, a) == ("all_gather", "dp")]
+        held = held_params(plan, rank)
+        own = [b for b in buckets_cached(plan) if any(n in held for n in b.names)]
+        assert len(gathers) == len(own) == 3, (rank, gathers)  # embedding (or head) + 2 blocks, once a step
+        assert abs(run.flops_ratio - 1) < 0.05, run.flops_ratio
