@@ -23,7 +23,6 @@ from autopar.cost.formulas import PlanSymbols, simplify
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of
 from autopar.trace.module_paths import module_path
-from autopar.parallel.param_names import held_params
 from autopar.trace.model_members import named_parameters
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.redistribute import STEP_KINDS, backward_bytes, plan_steps, step_bytes
@@ -137,15 +136,15 @@ def _lowering_comms(plan, node, sy) -> list[Comm]:
     ]
 
 
-def _sync_comms(plan, sy, rank: int | None = None) -> list[Comm]:
+def _sync_comms(plan, sy, rank: int | None = None, stored: dict | None = None) -> list[Comm]:
     """Gradient-sync collectives per step: per bucket and axis. On the data-parallel axis its
     options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none).
-    ``rank``: whose buckets (a pipeline rank's: its stages' parameters), with the pieces it
-    stores of a parameter zero=3 cuts (a range of a flat bucket: a small parameter whole on one
-    rank, none on another); None: rank 0's buckets and an even share of each piece."""
+    ``rank``: whose buckets (a pipeline rank's: its stages' parameters); ``stored``: the pieces it
+    stores (``parallel.param_names.held_params(plan, rank)``, passed in by the caller: cost sits
+    below parallel) of a parameter zero=3 cuts (a range of a flat bucket: a small parameter whole
+    on one rank, none on another); None: rank 0's buckets and an even share of each piece."""
     mesh, dp = plan.mesh, plan.data_parallel
     params = dict(named_parameters(plan.model))
-    stored = held_params(plan, rank) if rank is not None else None
     out = []
     for i, b in enumerate(plan.grad_buckets(rank or 0)):
         # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece

@@ -214,7 +214,7 @@ def rank_sync(plan, rank: int, sy) -> list:
     """The gradient sync of the rank's own parameters (its buckets), the tied weights' sums over
     the pipeline ranks that hold them, and the step's loss in one all-reduce (runner.py)."""
 
-    out = [(c.kind, c.axis, c.bytes) for c in _sync_comms(plan, sy, rank)]
+    out = [(c.kind, c.axis, c.bytes) for c in _sync_comms(plan, sy, rank, held_params(plan, rank))]
     held = held_params(plan, rank)
     for group in tied_rank_groups(plan):
         if rank in group:
