@@ -145,7 +145,7 @@ def _sync_comms(plan, sy, rank: int | None = None) -> list[Comm]:
     rank, none on another); None: rank 0's buckets and an even share of each piece."""
     mesh, dp = plan.mesh, plan.data_parallel
     params = dict(named_parameters(plan.model))
-    stored = held_params(plan, rank) if rank is not None else None
+    stored = _stored_pieces(plan, rank) if rank is not None else None
     out = []
     for i, b in enumerate(plan.grad_buckets(rank or 0)):
         # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece
@@ -175,6 +175,18 @@ def _sync_comms(plan, sy, rank: int | None = None) -> list[Comm]:
                         *where,
                     )
                 )
+    return out
+
+
+def _stored_pieces(plan, rank: int) -> dict:
+    """What ``rank`` stores of each parameter it holds (meta tensors): its compute piece, as the
+    techniques store it (zero=3: its range of the flat bucket, which may hold a small parameter
+    whole, in part or not at all)."""
+    out = {}
+    for name, local in held_params(plan, rank).items():
+        for technique in plan.options.techniques:
+            local = technique.stored(plan, rank, name, local)
+        out[name] = local
     return out
 
 
