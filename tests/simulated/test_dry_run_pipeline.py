@@ -72,7 +72,7 @@ def test_auto_verify_dry_runs_a_pipelined_choice(report):
     assert record["dry_run_rank"] == rank and record["dry_run_peak"] == rep.runs[rank].peak_bytes
 
 
-@pytest.mark.slow  # ~8 s (20 s at load 10); make test covers zero=3 without resharding in stages in
+@pytest.mark.slow  # 8-26 s on this shared machine; make test covers zero=3 without resharding in stages in
 # test_fsdp.py::test_pipeline_stages_fully_sharded_equal_serial and the pipeline dry run above
 def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
     """docs/auto.md's 405B plan, LLaMA-shaped at 4 layers: zero=3 over dp without resharding
