@@ -210,11 +210,23 @@ def zero3_bucket(plan, node: str) -> list:
     return buckets_cached(plan)[int(node[len(ZERO3_BUCKET) :].split()[0])].names
 
 
+def stored_pieces(plan, rank: int) -> dict:
+    """What ``rank`` stores of each parameter it holds (meta tensors): its compute piece, as the
+    techniques store it (zero=3: its range of the flat bucket, which may hold a small parameter
+    whole, in part or not at all)."""
+    out = {}
+    for name, local in held_params(plan, rank).items():
+        for technique in plan.options.techniques:
+            local = technique.stored(plan, rank, name, local)
+        out[name] = local
+    return out
+
+
 def rank_sync(plan, rank: int, sy) -> list:
     """The gradient sync of the rank's own parameters (its buckets), the tied weights' sums over
     the pipeline ranks that hold them, and the step's loss in one all-reduce (runner.py)."""
 
-    out = [(c.kind, c.axis, c.bytes) for c in _sync_comms(plan, sy, rank, held_params(plan, rank))]
+    out = [(c.kind, c.axis, c.bytes) for c in _sync_comms(plan, sy, rank, stored_pieces(plan, rank))]
     held = held_params(plan, rank)
     for group in tied_rank_groups(plan):
         if rank in group:

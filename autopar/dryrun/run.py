@@ -7,7 +7,8 @@ forward, ``loss.backward()`` (the gradient sync, zero=3's gathers and frees, che
 recompute run inside), the optimizer's step and ``zero_grad``, over torch's fake process group
 of the plan's world size (fake_world.py). It counts every allocation (memory.py), every
 collective (autopar's backend reports each one) and the FLOPs (FlopCounterMode), and puts them
-beside the plan's figures for that rank (report.py).
+beside the plan's figures for that rank (report.py). A pipelined plan's rank runs its
+PipelineRunner's step instead, its messages carried by the fake world (pipeline.py).
 
 Example:
     >>> report = dry_run(plan, device="cuda", steps=2)

@@ -112,7 +112,7 @@ def test_auto_verify_dry_runs_the_choice_and_warns_over_budget():
         assert verified(plan, 2, plan.plan_option, tries=0) is plan
 
 
-@pytest.mark.slow  # ~5 s (12 s at load 10): plans and dry-runs runners-up; the refusal path is above
+@pytest.mark.slow  # 5-19 s here: plans and dry-runs runners-up; the refusal path is above
 def test_auto_verify_refuses_a_choice_over_budget_and_takes_the_next_that_fits():
     """A choice whose dry run peaks over the budget is refused: the runners-up (fastest first)
     are planned and dry-run until one is within it; explain("auto") names the refused."""

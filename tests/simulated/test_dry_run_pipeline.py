@@ -23,7 +23,7 @@ MEGATRON = {"blocks.*.attn.qkv": ap.colwise("tp"), "blocks.*.attn.proj": ap.roww
 
 @pytest.fixture(scope="module")
 def report():
-    model, (idx, tgt) = gpt(n_layer=4, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
+    model, (idx, tgt) = gpt(n_layer=2, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
     plan = ap.plan(
         model,
         ap.Mesh((2, 2, 2), ("dp", "pp", "tp")),
@@ -41,7 +41,7 @@ def test_every_pipeline_position_runs_with_the_plans_collectives_messages_and_fl
     for run in rep.runs.values():
         assert run.collectives_match, (run.collectives, run.predicted_collectives)
         kinds = Counter((k, a) for k, a, _ in run.collectives)
-        assert kinds[("all_reduce", "tp")] == 8  # its stage's 2 blocks x 2 all-reduces x 2 micro-batches
+        assert kinds[("all_reduce", "tp")] == 4  # its stage's block x 2 all-reduces x 2 micro-batches
         assert kinds[("all_reduce", "dp*pp")] == 1  # the step's loss
         assert kinds[("all_reduce", "pp")] == 1  # the tied embedding / head summed over the stages
         assert abs(run.flops_ratio - 1) < 0.05, run.flops_ratio  # its stages' ops only
@@ -72,7 +72,7 @@ def test_auto_verify_dry_runs_a_pipelined_choice(report):
     assert record["dry_run_rank"] == rank and record["dry_run_peak"] == rep.runs[rank].peak_bytes
 
 
-@pytest.mark.slow  # ~8 s (20 s at load 10); make test covers zero=3 without resharding in stages in
+@pytest.mark.slow  # 8-26 s on this shared machine; make test covers zero=3 without resharding in stages in
 # test_fsdp.py::test_pipeline_stages_fully_sharded_equal_serial and the pipeline dry run above
 def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
     """docs/auto.md's 405B plan, LLaMA-shaped at 4 layers: zero=3 over dp without resharding
