@@ -225,3 +225,25 @@ def adamw_matches_serial(plan, build, batches: list[dict], where: str = "", rtol
 
     got = plan.merge_state_dicts(run_ranks(plan.mesh.size, train))
     assert_params_close(got, dict(serial.named_parameters()), where, rtol=rtol, atol=atol)
+
+
+def meta_llama(layers=2, batch=8, seq=32):
+    """A tiny HF LLaMA built on the meta device (sdpa, GQA: 4 heads over 2 kv heads) and its
+    meta batch as kwargs, for dry runs: ``model, kw = meta_llama(layers=4)``."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=seq,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}

@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 import autopar as ap
+from tests.harness.hf_models import meta_llama
 from autopar.codegen import program as program_module
 from autopar.dryrun.verify import verified, verify_choice
 from autopar.models.examples import gpt
@@ -137,21 +138,9 @@ def test_checkpointed_blocks_of_a_zero3_llama_are_gathered_again_in_backward():
     """A LLaMA block's region takes zero=3's gathered block as one tuple argument: checkpoint held
     it from forward to backward (no regather; 13 GiB on an 8B) until the region passed its
     tensors one by one through the saved-tensor hooks. The dry run counts the gathers."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.zeros(8, 32, dtype=torch.long, device="meta")
+    pytest.importorskip("transformers")
+    model, kw = meta_llama(layers=2, batch=8)
+    ids = kw["input_ids"]
     plan = ap.plan(
         model,
         ap.Mesh((4,), ("dp",)),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autopar as ap
+from tests.harness.hf_models import meta_llama
 from autopar.models.examples import gpt
 
 
@@ -74,22 +75,8 @@ def test_full_checkpointing_lists_the_tp_collectives_its_recompute_sends_again()
     them. Selective checkpointing keeps collective outputs: nothing is sent again."""
     from collections import Counter
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.zeros(4, 32, dtype=torch.long, device="meta")
-    kw = {"input_ids": ids, "labels": ids}
+    pytest.importorskip("transformers")
+    model, kw = meta_llama(layers=2, batch=4)
     counts = {}
     for mode in ("full", "selective"):
         ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 import autopar as ap
+from tests.harness.hf_models import meta_llama
 from autopar.cost.formulas import PlanSymbols
 from autopar.cost.plan_cost import flops_formula
 from autopar.dryrun.verify import verify_choice
@@ -79,22 +79,8 @@ def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
     after forward (one gathered copy for the step's micro-batches: each bucket gathered once),
     Megatron tp + sequence parallel, 1F1B, full checkpointing (its recomputed tp collectives, per
     micro-batch). The full size is bench/bench_dry_run.py's row."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.zeros(8, 32, dtype=torch.long, device="meta")
-    kw = {"input_ids": ids, "labels": ids}
+    pytest.importorskip("transformers")
+    model, kw = meta_llama(layers=4, batch=8)
     plan = ap.plan(
         model,
         ap.Mesh((2, 2, 2), ("dp", "pp", "tp")),
