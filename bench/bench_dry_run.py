@@ -66,6 +66,10 @@ print(json.dumps({
 }))
 """
 
+# docs/auto.md's 405B on FSDP 8 x PP 8 x TP 8 (1F1B, full AC), one row per rank dry-run: its shape,
+# local batch 32 in 8 micro-batches, then (pp, rank)
+_405B = (16384, 53248, 126, 128, 8, 128256, 32, 8192, 8, "full", 8, 8)
+
 CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local batch, seq, dp ranks, checkpointing, tp)
     "LLaMA-3.1-8B, FSDP 8, selective AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "selective", 1),
     "LLaMA-3.1-8B, FSDP 8, no AC": (4096, 14336, 32, 32, 8, 128256, 2, 8192, 8, "none", 1),
@@ -73,36 +77,8 @@ CASES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, local 
     "LLaMA-3.1-70B, FSDP 32 x TP 8, full AC": (8192, 28672, 80, 64, 8, 128256, 2, 8192, 32, "full", 8),
     # docs/auto.md's 405B: local batch 32 per dp rank in 8 micro-batches; rank 0 (stage 0: the
     # embedding and the first blocks) and the last stage's rank 56 (the head and the loss)
-    "LLaMA-3.1-405B, FSDP 8 x PP 8 x TP 8, 1F1B, full AC, stage 0": (
-        16384,
-        53248,
-        126,
-        128,
-        8,
-        128256,
-        32,
-        8192,
-        8,
-        "full",
-        8,
-        8,
-        0,
-    ),
-    "LLaMA-3.1-405B, FSDP 8 x PP 8 x TP 8, 1F1B, full AC, last stage": (
-        16384,
-        53248,
-        126,
-        128,
-        8,
-        128256,
-        32,
-        8192,
-        8,
-        "full",
-        8,
-        8,
-        56,
-    ),
+    "LLaMA-3.1-405B, FSDP 8 x PP 8 x TP 8, 1F1B, full AC, stage 0": (*_405B, 0),
+    "LLaMA-3.1-405B, FSDP 8 x PP 8 x TP 8, 1F1B, full AC, last stage": (*_405B, 56),
 }
 QUICK = {
     "LLaMA-shaped 2 x 64, FSDP 4, selective AC": (64, 128, 2, 4, 2, 256, 2, 32, 4, "selective", 1),

@@ -33,6 +33,7 @@ from autopar.cost.collectives import _sync_comms, collectives
 from autopar.cost.formulas import PlanSymbols
 from autopar.parallel.fsdp import buckets_cached
 from autopar.parallel.pipeline import messages, schedules
+from autopar.parallel.pipeline.p2p import HeldSends, SelfMessages
 from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline.api import tied_rank_groups
 from autopar.parallel.pipeline.runner import PipelineRunner, loss_group
@@ -97,7 +98,7 @@ class BoundaryShapes:
         return self.cache[key]
 
 
-class FakeChannel:
+class FakeChannel(HeldSends):
     """The runner's p2p channel in a fake world (the module docstring): sends recorded and kept
     until released, receives made at their shapes, buffers posted ahead once a stream is known."""
 
@@ -108,7 +109,7 @@ class FakeChannel:
         self.runner = runner  # its micro-batch inputs size the receives
         self.pending: dict = {}  # (dst, tag) -> the sent tensor, until released
         self.posted: dict = {}  # (src, tag) -> a buffer posted ahead
-        self.local: dict = {}  # tag -> messages to itself (two chunks of one rank)
+        self.local = SelfMessages(rank)
         self.known: set = set()  # (src, stream) whose first message came (its shape known)
 
     def _record(self, kind: str, nbytes: int, peer: int) -> None:
@@ -117,8 +118,7 @@ class FakeChannel:
 
     def send(self, x: torch.Tensor, dst: int, tag: int, stream=None) -> None:
         if dst == self.rank:
-            self.local.setdefault(tag, []).append(x.detach().clone())
-            return
+            return self.local.put(x, tag)
         x = x.detach()
         self.pending[(dst, tag)] = x
         self._record("send", x.numel() * x.element_size(), dst)
@@ -140,20 +140,13 @@ class FakeChannel:
 
     def recv(self, src: int, tag: int, dtype=torch.float32, stream=None) -> torch.Tensor:
         if src == self.rank:
-            return self.local[tag].pop(0)
+            return self.local.take(tag)
         out = self.posted.pop((src, tag), None)
         if out is None:
             out = self._make(tag, dtype, stream)
         self.known.add((src, stream))
         self._record("recv", out.numel() * out.element_size(), src)
         return out
-
-    def release(self, dst: int, tag: int) -> None:
-        self.pending.pop((dst, tag), None)
-
-    def flush(self) -> None:
-        self.pending.clear()
-        self.posted.clear()
 
 
 def build_runner(plan, rank: int, dev) -> PipelineRunner:

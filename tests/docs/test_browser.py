@@ -1,13 +1,13 @@
 """The plan's HTML view in a real browser: Playwright drives Debian's headless ``chromium``
-(skipped without either: ``apt-get install chromium``; playwright is pinned in
-requirements-test.txt and uses that browser, nothing downloaded). It loads the page, reads the
+(skipped where that system package is missing: ``apt-get install chromium``, which `make test`
+does as root; playwright is pinned in requirements-test.txt, so a missing one fails, and it uses
+that browser, nothing downloaded). It loads the page, reads the
 rows a person sees on the first screen, clicks the folded block open and reads its rows, and
 saves a screenshot. The browser runs in a child process with a hard timeout (tests/docs/browser.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,6 @@ from tests.docs.browser import CHROMIUM, drive, notebook_page
 
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
-)
-needs_playwright = pytest.mark.skipif(
-    importlib.util.find_spec("playwright") is None, reason="playwright is not installed (requirements-test.txt)"
 )
 
 # Run in the page: the rows on the first screen, the tree's alignment, the fold and its children.
@@ -45,7 +42,6 @@ SEEN = """() => {
 
 
 @needs_chromium
-@needs_playwright
 def test_folded_tree_in_chromium(tmp_path):
     from tests.harness.models import shared_gpt_plan
 
@@ -85,7 +81,6 @@ NOTEBOOK_SEEN = """() => {
 
 
 @needs_chromium
-@needs_playwright
 def test_llama_notebook_in_chromium(tmp_path):
     """The llama notebook as a static page (its committed outputs, no kernel): the 8B shape's 32
     layers are one closed fold that a click opens onto its modules, and the search view's

@@ -138,7 +138,6 @@ def test_checkpointed_blocks_of_a_zero3_llama_are_gathered_again_in_backward():
     """A LLaMA block's region takes zero=3's gathered block as one tuple argument: checkpoint held
     it from forward to backward (no regather; 13 GiB on an 8B) until the region passed its
     tensors one by one through the saved-tensor hooks. The dry run counts the gathers."""
-    pytest.importorskip("transformers")
     model, kw = meta_llama(layers=2, batch=8)
     ids = kw["input_ids"]
     plan = ap.plan(

@@ -75,7 +75,6 @@ def test_full_checkpointing_lists_the_tp_collectives_its_recompute_sends_again()
     them. Selective checkpointing keeps collective outputs: nothing is sent again."""
     from collections import Counter
 
-    pytest.importorskip("transformers")
     model, kw = meta_llama(layers=2, batch=4)
     counts = {}
     for mode in ("full", "selective"):

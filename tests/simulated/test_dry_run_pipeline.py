@@ -79,7 +79,6 @@ def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
     after forward (one gathered copy for the step's micro-batches: each bucket gathered once),
     Megatron tp + sequence parallel, 1F1B, full checkpointing (its recomputed tp collectives, per
     micro-batch). The full size is bench/bench_dry_run.py's row."""
-    pytest.importorskip("transformers")
     model, kw = meta_llama(layers=4, batch=8)
     plan = ap.plan(
         model,

@@ -82,8 +82,8 @@ class _Streams:
         return self.got.get((src, stream))
 
 
-class _Local:
-    """Messages a rank sends to itself."""
+class SelfMessages:
+    """Messages a rank sends to itself (the two chunks of a V on one rank)."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -101,7 +101,23 @@ class _Local:
         return self.boxes[tag].popleft()
 
 
-class SimChannel(_Streams):
+class HeldSends:
+    """What an in-process channel keeps as DistChannel does: each send until the schedule
+    releases it (``pending``), each receive buffer posted ahead (``posted``). The simulator's
+    channel and the dry run's fake one share it."""
+
+    pending: dict  # (dst, tag) -> the sent tensor, until released
+    posted: dict  # (src, tag) -> the prefetched buffer
+
+    def release(self, dst: int, tag: int) -> None:
+        self.pending.pop((dst, tag), None)
+
+    def flush(self) -> None:
+        self.pending.clear()
+        self.posted.clear()
+
+
+class SimChannel(_Streams, HeldSends):
     """In-memory mailboxes; keeps the stream rules of DistChannel (a shape change raises) and its
     memory: the sender keeps what it sent until ``release``, the receiver copies the message
     into its own buffer (allocated at ``prefetch`` where DistChannel posts its irecv)."""
@@ -112,7 +128,7 @@ class SimChannel(_Streams):
         if not hasattr(backend, "autopar_mail"):
             backend.autopar_mail = defaultdict(deque)  # (src, dst, tag) -> tensors
         self.mail = backend.autopar_mail
-        self.local = _Local(rank)
+        self.local = SelfMessages(rank)
         self.pending: dict = {}  # (dst, tag) -> the sent tensor, until released
         self.posted: dict = {}  # (src, tag) -> the prefetched buffer
 
@@ -159,13 +175,6 @@ class SimChannel(_Streams):
             self.got.setdefault((src, stream), tuple(x.shape))
         return out
 
-    def release(self, dst: int, tag: int) -> None:
-        self.pending.pop((dst, tag), None)
-
-    def flush(self) -> None:
-        self.pending.clear()
-        self.posted.clear()
-
 
 class DistChannel(_Streams):
     """isend / irecv over a torch.distributed group holding every rank (global rank numbers).
@@ -177,7 +186,7 @@ class DistChannel(_Streams):
     def __init__(self, rank: int, group=None):
         super().__init__(rank)
         self.group = group
-        self.local = _Local(rank)
+        self.local = SelfMessages(rank)
         self.pending: dict = {}  # (dst, tag) -> [(isend work, tensor)], until released or flushed
         self.posted: dict = {}  # (src, tag) -> (irecv work, buffer)
         self.headers: dict = {}  # (src, tag) -> (irecv work, header) of a stream's first message
