@@ -1,0 +1,18 @@
+"""The small protocols a parallelism technique is made of (technique.py's ``Technique`` inherits
+them all): options, layout, storage, cost, runtime, display. A caller that needs one part of a
+technique reads only that protocol's file; a technique overrides only the hooks it needs.
+
+Example:
+    >>> from autopar.parallel.protocols import CostHooks
+    >>> CostHooks().recomputed(plan=None)
+    set()
+"""
+
+from autopar.parallel.protocols.cost import CostHooks
+from autopar.parallel.protocols.display import DisplayHooks
+from autopar.parallel.protocols.layout import LayoutHooks
+from autopar.parallel.protocols.options import OptionHooks
+from autopar.parallel.protocols.runtime import RuntimeHooks
+from autopar.parallel.protocols.storage import StorageHooks
+
+__all__ = ["CostHooks", "DisplayHooks", "LayoutHooks", "OptionHooks", "RuntimeHooks", "StorageHooks"]

@@ -1,0 +1,57 @@
+"""OptionHooks, the options hooks of a technique.
+
+What a technique is as an option of ``ap.plan``: the keyword's value, the annotations that
+are its own, what it needs of the other options, the variant plan.check runs.
+
+Called by ``ap.PlanOptions`` (options.py), ``ap.plan`` (api.py), the planner and ``plan.check``.
+
+Example:
+    >>> from autopar.parallel.protocols.options import OptionHooks
+    >>> from autopar.parallel.technique import Technique
+    >>> issubclass(Technique, OptionHooks)
+    True
+"""
+
+from __future__ import annotations
+
+from autopar.errors import PlanError
+
+
+class OptionHooks:
+    """The options hooks of a technique (all optional: each default changes nothing)."""
+
+    @classmethod
+    def of(cls, value):
+        """The technique for ``ap.plan``'s keyword value: None, an instance, or a shorthand a
+        subclass accepts (``data_parallel="dp"``)."""
+        if value is None or isinstance(value, cls):
+            return value
+        raise PlanError(f"{cls.name}={value!r}: give an ap.{cls.__name__}(...) or None.")
+
+    @classmethod
+    def take_annotations(cls, annotations: dict) -> tuple[dict, dict]:
+        """(the annotations left, ap.PlanOptions fields): annotations that belong to the technique
+        rather than to the layouts (``ap.split_before()`` marks pipeline stages)."""
+        return annotations, {}
+
+    @classmethod
+    def fold(cls, chosen: dict) -> dict:
+        """The techniques asked for (name -> technique) as this one changes the others it configures
+        (a precision policy gives its dtypes to the DataParallel beside it); runs on every PlanOptions."""
+        return chosen
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        """Refuse PlanOptions that need this technique and lack it (split_before without a pipeline)."""
+
+    @classmethod
+    def implied(cls, model) -> "OptionHooks | None":
+        """The technique the model asks for by what it is built of, where ap.plan was not given
+        it (a torchao-converted model's Float8Linears: ap.Float8 with their recipe); None."""
+        return None
+
+    def exact(self) -> "OptionHooks | None":
+        """These options as plan.check runs them: the variant whose gradients are the exact fp32
+        sums the serial model has (reduced-precision syncs and optimizer sharding left out); None
+        where nothing of it is left then."""
+        return self
