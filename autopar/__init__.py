@@ -35,16 +35,16 @@ from autopar.cost.plan_cost import Cost
 from autopar.explore.plan_file import PlanFileError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.parallel.activation_checkpoint import ActivationCheckpoint
+from autopar.parallel.activation_checkpoint.technique import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
-from autopar.parallel.data_parallel import DataParallel, DataParallelError
+from autopar.parallel.data_parallel.technique import DataParallel, DataParallelError
 from autopar.parallel.fault_tolerant import FaultTolerant
 from autopar.parallel.float8 import Float8
 from autopar.parallel.grad_scaler import GradScaler
-from autopar.parallel.precision import MixedPrecision
+from autopar.parallel.data_parallel.precision import MixedPrecision
 from autopar.parallel.optimizer import Optimizer
 from autopar.parallel.pipeline import Pipeline, PipelineError, split_before
-from autopar.parallel.zero import ZeroOptimizer
+from autopar.parallel.data_parallel.zero import ZeroOptimizer
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plan import Plan
 from autopar.runtime.comm_stats import CommStats, comm_stats

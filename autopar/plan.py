@@ -39,7 +39,7 @@ from autopar.explore.plan_views import PlanViews
 from autopar.parallel import dp_module
 from autopar.parallel.grad_scaler import mark_rank_params
 from autopar.parallel.optimizer import mark_pieces
-from autopar.parallel.precision import compute_dtype
+from autopar.parallel.data_parallel.precision import compute_dtype
 from autopar.parallel.registry import plan_method, plan_method_names
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.runtime.serial_check import check_plan, default_tolerances
@@ -91,7 +91,7 @@ class Plan(PlanViews):
     def with_options(self, options) -> "Plan":
         """The same trace and layouts under other technique options (no tracing, no propagation).
         The data-parallel axis shapes the layouts, so it cannot change here. A precision policy
-        of another compute dtype traces the model again in it (parallel/precision.py), with the
+        of another compute dtype traces the model again in it (parallel/data_parallel/precision.py), with the
         same layouts (the plan's seeds).
 
         Example: ``plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))``

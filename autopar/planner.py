@@ -25,7 +25,7 @@ from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel import TECHNIQUES
-from autopar.parallel.precision import DTYPES, MixedPrecision, compute_dtype
+from autopar.parallel.data_parallel.precision import DTYPES, MixedPrecision, compute_dtype
 from autopar.plan import Plan
 from autopar.search.auto import search, settle_memory
 from autopar.search.options import Auto

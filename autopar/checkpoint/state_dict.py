@@ -27,7 +27,7 @@ from autopar.checkpoint.pieces import Pieces
 from autopar.checkpoint.target import Target, device_mesh
 from autopar.errors import CheckpointError
 from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
-from autopar.parallel.zero import ZeroOptimizer
+from autopar.parallel.data_parallel.zero import ZeroOptimizer
 
 
 def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:

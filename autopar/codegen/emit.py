@@ -61,7 +61,7 @@ SOURCE = "autopar_source"  # node.meta key of an emitted node: the traced node i
 
 def keep_meta(node: fx.Node, new) -> None:
     """An emitted node keeps the traced node's module path and source line (display, errors)
-    and its name (a program rewrite finds the traced node it came from: parallel/precision.py)."""
+    and its name (a program rewrite finds the traced node it came from: parallel/data_parallel/precision.py)."""
     if isinstance(new, fx.Node):
         if not new.meta:
             new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}

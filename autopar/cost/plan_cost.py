@@ -72,14 +72,14 @@ def layer_of(path: str) -> str:
 
 # One optimizer state (Adam's moments) per element is in the dtype of the parameter it steps:
 # torch's optimizers make it with zeros_like(param). A precision policy keeps fp32 masters
-# (parallel/precision.py), so its state is fp32; a bf16 model stepped by plain AdamW keeps bf16
+# (parallel/data_parallel/precision.py), so its state is fp32; a bf16 model stepped by plain AdamW keeps bf16
 # moments (measured: a dry run of LLaMA-8B in bf16 holds 3.74 GiB of state on 8 ranks, not 7.48).
 # So the state's bytes are ``slots x`` the stepped parameters' own bytes, nowhere a constant.
 
 
 def copy_dtype(plan, dp="plan") -> torch.dtype | None:
     """The dtype of the copies a precision policy's program makes of the parameters it reads: its
-    ``param_dtype``, the dtype the plan was traced in (``plan.traced.dtype``, parallel/precision.py).
+    ``param_dtype``, the dtype the plan was traced in (``plan.traced.dtype``, parallel/data_parallel/precision.py).
     None where it makes none of its own: without a policy, or where ``dp``'s storage gathers the
     parameters (zero=3: the gathers cast, their blocks are the storage's ``gathered``). ``dp``:
     the plan's DataParallel unless another is given (the search weighs others on one plan).

@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from autopar.cost.collectives import _sync_comms, collectives
 from autopar.cost.formulas import PlanSymbols
-from autopar.parallel.fsdp import buckets_cached
+from autopar.parallel.data_parallel.fsdp import buckets_cached
 from autopar.parallel.pipeline import messages, schedules
 from autopar.parallel.pipeline.p2p import HeldSends, SelfMessages
 from autopar.parallel.param_names import held_params

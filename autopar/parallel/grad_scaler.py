@@ -38,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import PlanError
 from autopar.parallel.optimizer import Optimizer, _plan_and_rank
-from autopar.parallel.zero import ZeroOptimizer
+from autopar.parallel.data_parallel.zero import ZeroOptimizer
 from autopar.runtime.backend import current_backend
 
 RANK_PARAMS = WeakIdKeyDictionary()  # parameters of rank modules on meshes of 2+ ranks (by identity)

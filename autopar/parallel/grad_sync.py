@@ -48,7 +48,7 @@ import torch
 from autopar.runtime.backend import current_backend
 from autopar.errors import DataParallelError
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, Bucket, make_buckets
-from autopar.parallel.zero import ZeroShards
+from autopar.parallel.data_parallel.zero import ZeroShards
 
 _GRAD = operator.attrgetter("grad")
 
@@ -123,7 +123,7 @@ class GradSync:
         self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
         self.handles: list = []  # the parameters' hooks (made again when the buckets are rebuilt)
         self._build()
-        if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/fsdp.py)
+        if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/data_parallel/fsdp.py)
             self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         # the first synced backward records the order gradients arrive in, to rebuild the buckets
         self.arrived: list[str] | None = [] if self.zero is None else None

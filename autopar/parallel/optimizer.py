@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import PlanError
 from autopar.parallel.param_names import held_params
-from autopar.parallel.zero import ZeroOptimizer, group_params
+from autopar.parallel.data_parallel.zero import ZeroOptimizer, group_params
 from autopar.placement import Replicate, local_shape, shard_tensor
 from autopar.runtime.backend import current_backend
 

@@ -1,7 +1,7 @@
 """Activation checkpointing at run time: a region of the emitted program run under
 ``torch.utils.checkpoint`` (non-reentrant), its random draws replayed, its policy per op.
 
-The planner (parallel/activation_checkpoint.py) outlines each checkpointed block of the one
+The planner (parallel/activation_checkpoint/technique.py) outlines each checkpointed block of the one
 emitted program into a ``Region``: a GraphModule holding the block's nodes, called from the
 program like a function (``checkpoint_blocks_3(...)`` in ``gm.code``). Calling it:
 

@@ -29,8 +29,8 @@ import torch
 from autopar.cost.activation_memory import saved_activations, share_saved_activations
 from autopar.cost.float8 import lm_heads
 from autopar.options import PlanOptions
-from autopar.parallel.data_parallel import DataParallel
-from autopar.parallel.activation_checkpoint import ActivationCheckpoint
+from autopar.parallel.data_parallel.technique import DataParallel
+from autopar.parallel.activation_checkpoint.technique import ActivationCheckpoint
 from autopar.parallel.float8 import Float8
 from autopar.parallel.pipeline.options import Pipeline
 from autopar.parallel.pipeline.schedules import V_SHAPED

@@ -54,7 +54,7 @@ from autopar.cost.execution import op_seconds
 from autopar.cost.float8 import float8_linears
 from autopar.cost.op_time import optimizer_step_bytes
 from autopar.cost.plan_cost import activation_terms, copy_bytes
-from autopar.parallel.fsdp_layout import gather_wires
+from autopar.parallel.data_parallel.fsdp_layout import gather_wires
 from autopar.parallel.param_names import canonical_names
 from autopar.runtime.ring import ring_steps
 from autopar.trace.model_members import named_parameters

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.parallel.activation_checkpoint import ActivationCheckpoint
+from autopar.parallel.activation_checkpoint.technique import ActivationCheckpoint
 from autopar.search.profiles import Profile, profile_of
 from autopar.errors import PlanError
 

@@ -48,7 +48,7 @@ def fp8_gather_matches_serial():
     each rank's stored pieces after 2 AdamW steps against the serial torchao model's."""
     import torchao.float8 as f8
 
-    from autopar.parallel.fsdp import stored
+    from autopar.parallel.data_parallel.fsdp import stored
 
     rank, spec = dist.get_rank(), MESHES["dp2xtp2"]
     g = torch.Generator().manual_seed(7)

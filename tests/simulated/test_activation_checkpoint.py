@@ -1,4 +1,4 @@
-"""ap.ActivationCheckpoint (parallel/activation_checkpoint.py): checkpointed regions in the emitted
+"""ap.ActivationCheckpoint (parallel/activation_checkpoint/technique.py): checkpointed regions in the emitted
 program equal the serial model (outputs and every gradient) with tp, dp, zero 0-3, dropout in
 both rng modes; the recompute really runs (full: collectives twice; selective: none twice);
 eval/no_grad recomputes nothing; bad input is a PlanError."""
@@ -353,7 +353,7 @@ def test_zero3_frees_the_gathered_block_after_the_region_and_regathers_it_once(m
     and backward uses that same gather: each bucket is gathered twice a step, as without
     checkpointing (the backward re-gather is the collective that must run again; no other does).
     Outputs and every gradient equal serial."""
-    from autopar.parallel.fsdp_layout import buckets_cached
+    from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
     from autopar.runtime.live_bytes import LiveBytes
     from tests.harness.meshes import MESHES
     from tests.harness.models import MEGATRON

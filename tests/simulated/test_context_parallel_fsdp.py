@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.parallel.fsdp import groups
+from autopar.parallel.data_parallel.fsdp import groups
 from autopar.runtime.simulator import run_ranks
 from tests.harness.llama_like import TP, llama_batch, llama_like
 from tests.harness.serial import assert_params_close, serial_step

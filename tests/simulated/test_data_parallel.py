@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.parallel.zero import state_bytes as zero_state_bytes
+from autopar.parallel.data_parallel.zero import state_bytes as zero_state_bytes
 from autopar.runtime.simulator import SimBackend, run_ranks
 from tests.harness import data_parallel as H
 from tests.harness.comm import Recorder, sync_calls

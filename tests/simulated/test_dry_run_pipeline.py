@@ -14,7 +14,7 @@ from tests.harness.hf_models import meta_llama
 from autopar.cost.formulas import PlanSymbols
 from autopar.cost.plan_cost import flops_formula
 from autopar.dryrun.verify import verify_choice
-from autopar.parallel.fsdp import buckets_cached
+from autopar.parallel.data_parallel.fsdp import buckets_cached
 from autopar.parallel.param_names import held_params
 from autopar.models.examples import gpt
 

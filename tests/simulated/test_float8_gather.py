@@ -14,7 +14,7 @@ import torch
 
 import autopar as ap
 from autopar.errors import PlanError
-from autopar.parallel.fsdp_layout import buckets_cached
+from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
 from autopar.runtime.simulator import run_ranks
 from tests.harness.models import MLP_TP
 from tests.simulated.test_float8 import _batches, _loss, _model, _serial_trained

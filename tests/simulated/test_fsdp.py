@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (DataParallel(zero=3), parallel/fsdp.py), simulated: parameters
+"""Fully sharded data parallel (DataParallel(zero=3), parallel/data_parallel/fsdp.py), simulated: parameters
 after 3 AdamW steps equal serial on (4,) dp, (2, 2) dp x tp and HSDP (2 x 2 ranks); memory
 per rank; the bf16 policy; no_sync, frozen and tied parameters; the plan's collectives."""
 
@@ -76,7 +76,7 @@ def test_gradients_land_in_the_pieces_and_sync_skips_dp():
 
 
 def test_reshard_after_forward_gathers_again_in_backward():
-    from autopar.parallel.fsdp import buckets_cached
+    from autopar.parallel.data_parallel.fsdp import buckets_cached
 
     counts = {}
     for reshard in (True, False):
@@ -352,7 +352,7 @@ def test_pipeline_memory_per_rank_counts_its_stages_only(tied, pipeline):
 def test_hsdp_over_two_mesh_axes_equals_serial(shape, axes):
     """HSDP spelled on two mesh axes (torchtitan's dp_replicate, dp_shard): pieces reduce-scattered
     over the user's shard axis, all-reduced over the replicate axis; 3 AdamW steps equal serial."""
-    from autopar.parallel.fsdp import groups
+    from autopar.parallel.data_parallel.fsdp import groups
 
     user = ap.Mesh(shape, axes)
     plan = ap.plan(
@@ -531,7 +531,7 @@ def test_reduce_frees_the_gathered_block_before_its_gradient_flat():
     the same size is allocated (not after the reduce-scatter), so they are never alive together."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autopar.parallel.fsdp import RUNTIME_ATTR
+    from autopar.parallel.data_parallel.fsdp import RUNTIME_ATTR
 
     plan = _plan("dp4_noprefetch")  # prefetch 0: nothing else is regathered during a reduce
     seen = []
@@ -624,7 +624,7 @@ def test_parameter_split_on_the_dp_axis_stays_unbucketed():
     """A layer annotated column-parallel on the dp axis itself (found by the fuzzer): its pieces
     differ per dp rank, so zero=3 leaves it as computed (gathering over dp mixed the ranks'
     different pieces: outputs off by 0.48); plan.check now runs the zero=3 program and agrees."""
-    from autopar.parallel.fsdp_layout import bucket_index
+    from autopar.parallel.data_parallel.fsdp_layout import bucket_index
 
     model, batch = small_gpt(layers=2), gpt_batch()
     plan = ap.plan(

@@ -107,7 +107,7 @@ def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
 
     from autopar.cost.formulas import Numbers
     from autopar.cost.plan_cost import activation_terms
-    from autopar.parallel.fsdp_runtime import FSDPRuntime
+    from autopar.parallel.data_parallel.fsdp_runtime import FSDPRuntime
     from autopar.search.evaluate import Terms, plan_terms
 
     most: dict = {}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar as ap
-from autopar.parallel.fsdp_layout import buckets_cached
+from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
 from autopar.runtime.simulator import run_ranks
 from autopar.trace.in_dtype import kept_in_fp32, policy_params
 

@@ -247,7 +247,7 @@ def test_zero_levels_train_like_serial_on_uneven_pieces(zero, mesh):
     dp = ap.DataParallel("dp", zero=zero, bucket_max_params=3)
     plan = ap.plan(model, ap.Mesh(*mesh), args=(data[0],), annotations=ann, data_parallel=dp)
     if zero == 3:  # every weight sharded over dp, the uneven tp pieces too (at their own sizes)
-        from autopar.parallel.fsdp_layout import bucket_index, rank_buckets
+        from autopar.parallel.data_parallel.fsdp_layout import bucket_index, rank_buckets
 
         assert {n for n, _ in model.named_parameters()} == set(bucket_index(plan))
         sizes = {b.numel for r in plan.mesh.ranks() for b in rank_buckets(plan, r)}

@@ -36,7 +36,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from autopar.errors import FaultToleranceError
-from autopar.parallel import buffer_sync
+from autopar.parallel.data_parallel import buffer_sync
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from autopar.cost.collectives import collectives
 from autopar.errors import FaultToleranceError
-from autopar.parallel.data_parallel import DataParallel
+from autopar.parallel.data_parallel.technique import DataParallel
 from autopar.parallel.fault_tolerant import runtime
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique

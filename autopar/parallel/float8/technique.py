@@ -39,9 +39,9 @@ from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's r
 from autopar.parallel.float8.rule import AMAX_BYTES
 from autopar.parallel.float8.gather import Float8Wire
 from autopar.parallel.float8.recipes import RECIPES, config, recipe_of
-from autopar.parallel.fsdp import held_buckets
-from autopar.parallel.fsdp_layout import buckets_cached
-from autopar.parallel.fsdp_runtime import fsdp_gather
+from autopar.parallel.data_parallel.fsdp import held_buckets
+from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
+from autopar.parallel.data_parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.param_names import canonical_names
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique

@@ -40,7 +40,7 @@ import torch
 from autopar.cost.activation_memory import activation_bytes, saved_activations, tensor_bytes
 from autopar.cost.formulas import Numbers, PlanSymbols
 from autopar.cost.plan_cost import activation_terms
-from autopar.parallel.ac_memory import draws_random
+from autopar.parallel.activation_checkpoint.memory import draws_random
 from autopar.parallel.pipeline import messages, schedules
 from autopar.runtime.rng import initial_state
 from autopar.parallel.pipeline.schedules import Action

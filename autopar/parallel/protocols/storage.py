@@ -56,7 +56,7 @@ class StorageHooks:
         """Parameters zero=3 gathers in a form of this technique's rather than in the compute
         dtype (float8: the weights cast to fp8 before the all-gather), canonical name -> a hashable
         wire: its ``dtype`` crosses; ``bind(plan, runtime)`` gives the run-time half, whose
-        ``reset()``, ``pack(k, chunk)`` and ``unpack(k, views)`` parallel/fsdp_runtime.py calls.
+        ``reset()``, ``pack(k, chunk)`` and ``unpack(k, views)`` parallel/data_parallel/fsdp_runtime.py calls.
         Such parameters get buckets of their own."""
         return {}
 

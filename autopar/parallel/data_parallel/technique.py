@@ -14,7 +14,7 @@ option at its default) or a DataParallel naming the axis and the options:
 - ``local_sgd_every=k``: no gradient sync on the axis; each rank steps on its own gradient
   and parameters are averaged every k optimizer steps (``module.autopar_local_sgd``).
 - ``reduce_dtype``: gradients are cast to this dtype for the collective and back after it.
-- ``zero=3`` (fully sharded, parallel/fsdp.py): each rank stores 1/dp of every parameter;
+- ``zero=3`` (fully sharded, parallel/data_parallel/fsdp.py): each rank stores 1/dp of every parameter;
   per block the pieces are all-gathered right before use (``prefetch`` next blocks in
   flight), freed after the forward (``reshard_after_forward``) and gathered again for
   backward; gradients are reduce-scattered into the pieces; a plain torch optimizer steps
@@ -25,7 +25,7 @@ option at its default) or a DataParallel naming the axis and the options:
   |rep| x |axis| shards over both (a (8, 8) mesh as 64-way FSDP).
 - data parallel over two mesh axes at any ZeRO level: ``replicate_axis`` with zero 0-2 splits
   the batch over both (one data-parallel axis of their product; ZeRO-1/2 shard over all of it).
-- ``param_dtype`` / ``output_dtype`` (any zero level): the precision policy (parallel/precision.py):
+- ``param_dtype`` / ``output_dtype`` (any zero level): the precision policy (parallel/data_parallel/precision.py):
   the model traced and computed in ``param_dtype`` over fp32 master parameters (cast at the gather
   under zero=3, at their read otherwise); the outputs cast to ``output_dtype``.
 - ``loss_mean``: a cross-entropy mean computed inside the model over rows split on this axis
@@ -34,7 +34,7 @@ option at its default) or a DataParallel naming the axis and the options:
   rank's own count ("per_rank": DDP's loss, each rank's mean, their gradients averaged).
 - ``broadcast_buffers`` (default True, as DDP): buffers the model writes (batch-norm running
   statistics) are broadcast from the first dp rank after every training forward, so replicas
-  stay equal (parallel/buffer_sync.py); False lets each rank keep its own.
+  stay equal (parallel/data_parallel/buffer_sync.py); False lets each rank keep its own.
 - ``shard_axes=("dp", "cp")`` (zero 1-3): ZeRO shards over the ranks of these adjacent axes
   together, as torchtitan's FSDP shards over its flattened ``dp_shard_cp`` mesh: the axis after
   ``axis`` must be one whose tokens another technique splits (context parallel's), where the
@@ -60,17 +60,18 @@ import sympy
 import torch
 
 from autopar.errors import DataParallelError
-from autopar.parallel import buffer_sync, dp_module
-from autopar.parallel.fsdp import FullyShardedStorage
+from autopar.parallel import dp_module
+from autopar.parallel.data_parallel import buffer_sync
+from autopar.parallel.data_parallel.fsdp import FullyShardedStorage
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
-from autopar.parallel.local_sgd import LocalSGD
-from autopar.parallel.precision import cast_program
+from autopar.parallel.data_parallel.local_sgd import LocalSGD
+from autopar.parallel.data_parallel.precision import cast_program
 from autopar.parallel.registry import register_technique
-from autopar.parallel.storage import Replicated, ShardedOptimizer
+from autopar.parallel.data_parallel.storage import Replicated, ShardedOptimizer
 from autopar.parallel.technique import Technique
-from autopar.parallel.zero import ZeroOptimizer
+from autopar.parallel.data_parallel.zero import ZeroOptimizer
 
-# the storage policy of each ZeRO level (parallel/storage.py), chosen once per DataParallel
+# the storage policy of each ZeRO level (parallel/data_parallel/storage.py), chosen once per DataParallel
 STORAGE = {0: Replicated(), 1: ShardedOptimizer(1), 2: ShardedOptimizer(2), 3: FullyShardedStorage()}
 
 
@@ -348,7 +349,7 @@ class DataParallel(Technique):
             output_dtype=None,
         )
 
-    # what the storage policy decides (parallel/storage.py)
+    # what the storage policy decides (parallel/data_parallel/storage.py)
     def stored(self, plan, rank, fqn, local):
         return self.storage.stored(plan, rank, fqn, local)
 
@@ -368,7 +369,7 @@ class DataParallel(Technique):
         return self.storage.restored(plan, per_rank)
 
     def rewrite_program(self, plan, graph) -> None:
-        # the program was traced in param_dtype (parallel/precision.py): it needs the casts only
+        # the program was traced in param_dtype (parallel/data_parallel/precision.py): it needs the casts only
         self.storage.rewrite_program(plan, graph)  # zero=3's gathers, in param_dtype
         cast_program(plan, graph, self.param_dtype, self.output_dtype)
 

@@ -1,5 +1,5 @@
 """Which blocks activation checkpointing wraps, and how a block's nodes of the emitted program
-become one checkpointed call (the graph half of parallel/activation_checkpoint.py).
+become one checkpointed call (the graph half of parallel/activation_checkpoint/technique.py).
 
 A block is a module path (``blocks.3``): by default each of the model's repeated blocks (the
 longest ModuleList / Sequential / ModuleDict of identical children, trace/repeat_blocks.py), or the

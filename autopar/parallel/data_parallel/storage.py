@@ -5,7 +5,7 @@ the technique that depends on the level asks its policy, so nothing tests ``zero
 - ``Replicated`` (zero=0): every rank keeps everything; gradients all-reduced.
 - ``ShardedOptimizer`` (zero=1, 2): each rank steps 1/dp of every bucket (``ap.ZeroOptimizer``),
   the stepped slices all-gathered; at 2 the gradients are reduce-scattered too.
-- ``FullyShardedStorage`` (zero=3, parallel/fsdp.py): parameters stored 1/dp, gathered per block.
+- ``FullyShardedStorage`` (zero=3, parallel/data_parallel/fsdp.py): parameters stored 1/dp, gathered per block.
 
 Example:
     >>> ap.DataParallel("dp", zero=2).storage
@@ -131,7 +131,7 @@ class Replicated(Storage):
 
 
 class ShardedOptimizer(Storage):
-    """zero=1 (optimizer state sharded) and zero=2 (gradients too): see parallel/zero.py."""
+    """zero=1 (optimizer state sharded) and zero=2 (gradients too): see parallel/data_parallel/zero.py."""
 
     exact_level = 0
     plain_optimizer = False

@@ -13,7 +13,7 @@ storage and the program do.
   empty) piece of its parameter inside this rank's chunk, a view of one flat chunk buffer:
   a plain torch optimizer steps the pieces in place (every elementwise optimizer gives the
   unsharded result, as ZeRO-1/2 in zero.py), and the gather's input is the chunk itself.
-- Gather (parallel/fsdp_runtime.py, the run-time half): ``fsdp_gather(runtime, k, *pieces)`` all-gathers bucket k's chunks (in
+- Gather (parallel/data_parallel/fsdp_runtime.py, the run-time half): ``fsdp_gather(runtime, k, *pieces)`` all-gathers bucket k's chunks (in
   ``param_dtype`` if given) and returns the bucket's parameters as views of the gathered flat.
   Before returning it starts the all-gathers of the next ``prefetch`` buckets, so they run
   while this block computes. Backward: one reduce-scatter over the shard group (in
@@ -30,7 +30,7 @@ storage and the program do.
   gradient sum is dropped for the bucketed parameters (``sync_axes``), the reduce-scatter summing
   the cp parts as it sums the dp ones.
 - Mixed precision: the gathers gather in ``param_dtype`` and reduce in ``reduce_dtype``; the
-  other casts of the policy are parallel/precision.py's (any zero level).
+  other casts of the policy are parallel/data_parallel/precision.py's (any zero level).
 
 The layout arithmetic (flat buckets, each rank's range) is fsdp_layout.py; the run-time half
 (gathers, reduce-scatters, freeing) fsdp_runtime.py; this file is the plan's side, gathered in
@@ -49,8 +49,8 @@ import torch
 import torch.fx as fx
 
 from autopar.cost import make_comm
-from autopar.parallel import fsdp_runtime
-from autopar.parallel.fsdp_layout import (
+from autopar.parallel.data_parallel import fsdp_runtime
+from autopar.parallel.data_parallel.fsdp_layout import (
     RUNTIME_ATTR,
     FlatBucket,
     bucket_index,
@@ -62,11 +62,11 @@ from autopar.parallel.fsdp_layout import (
     shard_size,
     stored_range,
 )
-from autopar.parallel.fsdp_runtime import fsdp_gather
+from autopar.parallel.data_parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.parallel.param_names import canonical_names, held_params
-from autopar.parallel.precision import param_attrs
-from autopar.parallel.storage import Storage, accumulates
+from autopar.parallel.data_parallel.precision import param_attrs
+from autopar.parallel.data_parallel.storage import Storage, accumulates
 from autopar.runtime.ring import ring_bytes
 
 

@@ -5,8 +5,8 @@ flat vector (the rank's local, tensor-parallel piece of each); the flat is padde
 multiple of the shard group size k and rank i of the group stores chunk i. The shard group spans
 the data-parallel axis, or with ``DataParallel(shard_axes=("dp", "cp"))`` the dp x cp ranks
 (dp-major: position dp * |cp| + cp), whose parameters are replicated alike. This file is the
-arithmetic both halves of zero=3 share: the plan side (parallel/fsdp.py) and the run-time side
-(parallel/fsdp_runtime.py).
+arithmetic both halves of zero=3 share: the plan side (parallel/data_parallel/fsdp.py) and the run-time side
+(parallel/data_parallel/fsdp_runtime.py).
 
 Example:
     >>> b = buckets_cached(plan)[0]; b.key, b.names, b.chunk

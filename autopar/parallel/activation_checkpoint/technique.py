@@ -3,7 +3,7 @@ ap.plan / ap.parallelize.
 
 Each chosen block's forward (the model's repeated blocks, or the modules ``pattern``
 matches; every ``every``-th of them) runs in the one emitted program as a checkpointed
-region (ac_regions.py outlines it, runtime/recompute.py runs it):
+region (regions.py outlines it, runtime/recompute.py runs it):
 
 - ``mode="full"``: the region keeps only its inputs; backward runs its forward again.
 - ``mode="selective"``: per op, as torchtitan's and Megatron's selective recompute: the outputs
@@ -36,8 +36,8 @@ import torch
 from autopar.cost.activation_memory import saved_activations
 from autopar.cost.collectives import graph_collectives
 from autopar.errors import PlanError
-from autopar.parallel import ac_memory
-from autopar.parallel.ac_regions import chosen_blocks, outline, spans
+from autopar.parallel.activation_checkpoint import memory as ac_memory
+from autopar.parallel.activation_checkpoint.regions import chosen_blocks, outline, spans
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.runtime.recompute import MODES, Region, is_collective

@@ -9,7 +9,7 @@ parameters in ``param_dtype`` (trace/in_dtype.py), so every cast its own code ma
 ``hidden_states.to(torch.float32)``, ``softmax(dtype=float32)``, ``finfo(dtype).min`` masks) is in
 the graph as it runs in that dtype. The rank modules keep the fp32 parameters (the masters the
 optimizer steps, its state fp32 too); the program casts them to ``param_dtype`` where it reads
-them: at the gather under zero=3 (parallel/fsdp_runtime.py), by a cast here otherwise (zero 0-2,
+them: at the gather under zero=3 (parallel/data_parallel/fsdp_runtime.py), by a cast here otherwise (zero 0-2,
 no data parallel, a weight tied across pipeline stages), but for the parameters a HuggingFace model
 keeps in fp32 (``_keep_in_fp32_modules_strict``: trace/in_dtype.kept_in_fp32), read in fp32 as
 traced. Autograd takes the gradient back through
@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.errors import DataParallelError
-from autopar.parallel.fsdp_runtime import fsdp_gather
+from autopar.parallel.data_parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.param_names import canonical_names
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique

@@ -23,7 +23,7 @@ from autopar.cost.activation_memory import (
     identity_dropout,
     saved_activations,
 )
-from autopar.parallel.ac_regions import block_of
+from autopar.parallel.activation_checkpoint.regions import block_of
 from autopar.runtime.rng import initial_state
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.propagate import layout_of

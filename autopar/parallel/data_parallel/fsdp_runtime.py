@@ -1,4 +1,4 @@
-"""The run-time half of fully sharded data parallel (parallel/fsdp.py plans the buckets and
+"""The run-time half of fully sharded data parallel (parallel/data_parallel/fsdp.py plans the buckets and
 writes the gathers into the program): each rank module's flat chunks, the gather op with its
 reduce-scatter backward, prefetching, resharding after forward and no_sync.
 
@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from autopar.runtime.eager import eager
-from autopar.parallel.fsdp_layout import RUNTIME_ATTR, FlatBucket, _numel, groups, rank_buckets, shard_axes
+from autopar.parallel.data_parallel.fsdp_layout import (
+    RUNTIME_ATTR,
+    FlatBucket,
+    _numel,
+    groups,
+    rank_buckets,
+    shard_axes,
+)
 from autopar.parallel.param_names import canonical_names
 from autopar.runtime.backend import current_backend
 
@@ -37,7 +44,7 @@ def fsdp_gather(runtime, k: int, *pieces):
 
 
 # Run once per forward, never again in a recompute: its prefetches and the buckets it regathers are
-# run-time state (an activation checkpoint region leaves it before the region: parallel/ac_regions.py).
+# run-time state (an activation checkpoint region leaves it before the region: parallel/activation_checkpoint/regions.py).
 # The recompute gathers the block again all the same, through the saved-tensor hooks below: the
 # checkpoint saves its inputs, the gathered parameters among them, as (bucket, view).
 fsdp_gather.autopar_not_recomputed = True
