@@ -1,0 +1,115 @@
+"""Each technique is one folder (docs/architecture.md, "A technique is one folder"): outside its
+folder only the public API names it, the search imports no technique, and ``Technique`` is made of
+the small protocols of parallel/protocols/.
+
+The crossings that are left are listed in ``CROSSINGS`` with why; the test holds the list exact, so
+a new crossing fails here and a paid one must be struck from the list.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import autopar.parallel as parallel
+from autopar.parallel.protocols import CostHooks, DisplayHooks, LayoutHooks, OptionHooks, RuntimeHooks, StorageHooks
+from autopar.parallel.technique import Technique
+
+ROOT = pathlib.Path(parallel.__file__).parent.parent  # autopar/
+PUBLIC_API = "__init__.py"  # autopar/__init__.py: ap.<Technique> for users
+
+# folder -> {file outside it: why it still names the technique}. Each is a debt: pay it with a hook.
+CROSSINGS: dict[str, dict[str, str]] = {
+    "data_parallel": {
+        "checkpoint/state_dict.py": "ZeroOptimizer's sharded state in DCP state dicts",
+        "parallel/grad_scaler.py": "ap.GradScaler finds the ZeroOptimizer's gradient slices",
+        "parallel/grad_sync.py": "ZeRO 1-2's reduce-scatter into ZeroShards",
+        "parallel/optimizer.py": "ap.Optimizer wraps a ZeroOptimizer per group",
+        "parallel/float8/technique.py": "fp8 gathers ride zero=3's buckets (fsdp_gather, held_buckets)",
+        "parallel/fault_tolerant/job.py": "a replica group's buffers kept equal as data parallel keeps them",
+        "parallel/fault_tolerant/technique.py": "fault tolerance wraps an ap.DataParallel's axis",
+        "plan.py": "the compute dtype of the precision policy",
+        "planner.py": "the precision policy traces the model in its dtype",
+        "dryrun/pipeline.py": "a pipelined dry run keeps zero=3's buckets per stage",
+    },
+    "pipeline": {
+        "dryrun/pipeline.py": "the dry run drives the pipeline runner over fake tensors",
+        "explore/plan_views.py": "plan.pipeline_timeline / schedule table",
+    },
+    "activation_checkpoint": {
+        "parallel/pipeline/stage_memory.py": "a stage's checkpointed activations",
+    },
+}
+
+
+def _technique_folders() -> dict[str, tuple[set, str]]:
+    """folder -> (technique class names, the folder's module prefix) for every registered technique."""
+    folders: dict[str, tuple[set, str]] = {}
+    for cls in parallel.TECHNIQUES.values():
+        parts = cls.__module__.split(".")  # autopar.parallel.<folder>[.<module>]
+        names, prefix = folders.setdefault(parts[2], (set(), ".".join(parts[:3])))
+        names.add(cls.__name__)
+    return folders
+
+
+def _names_of(tree: ast.AST, folder: str, classes: set, prefix: str) -> set[str]:
+    """What in one file names the technique: an import of its folder's modules or a technique class."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == prefix or node.module.startswith(prefix + "."):
+                found.add(node.module)
+            if node.module == "autopar.parallel" and any(a.name == folder for a in node.names):
+                found.add(prefix)
+        elif isinstance(node, ast.Name) and node.id in classes:
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in classes:
+            found.add(node.attr)
+    return found
+
+
+def _outside_users(folder: str, classes: set, prefix: str) -> dict[str, set]:
+    users = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(f"parallel/{folder}/") or rel == f"parallel/{folder}.py":
+            continue
+        found = _names_of(ast.parse(path.read_text()), folder, classes, prefix)
+        if found:
+            users[rel] = found
+    return users
+
+
+def test_each_technique_is_named_outside_its_folder_only_by_the_public_api_and_listed_crossings():
+    for folder, (classes, prefix) in _technique_folders().items():
+        users = set(_outside_users(folder, classes, prefix)) - {PUBLIC_API}
+        listed = set(CROSSINGS.get(folder, {}))
+        assert users <= listed, f"{folder}: new files name it: {sorted(users - listed)} (ask it through a hook)"
+        assert listed <= users, f"{folder}: paid crossings still listed: {sorted(listed - users)} (strike them)"
+
+
+def test_every_technique_lives_in_a_folder_of_its_own():
+    single_files = [cls.__module__ for cls in parallel.TECHNIQUES.values() if cls.__module__.count(".") < 3]
+    allowed = {"autopar.parallel.context_parallel"}  # moving in the context-parallel folder's change
+    assert set(single_files) <= allowed, single_files
+
+
+def test_search_imports_no_technique():
+    folders = _technique_folders()
+    for path in (ROOT / "search").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for folder, (classes, prefix) in folders.items():
+            assert not _names_of(tree, folder, classes, prefix), f"search/{path.name} names {folder}"
+
+
+def test_technique_is_made_of_the_small_protocols():
+    protocols = (OptionHooks, LayoutHooks, StorageHooks, CostHooks, RuntimeHooks, DisplayHooks)
+    assert all(issubclass(Technique, p) for p in protocols)
+    hooks = [
+        set(vars(p)) - set(vars(object)) - {"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__"}
+        for p in protocols
+    ]
+    for i, a in enumerate(hooks):  # each hook in one protocol only
+        for b in hooks[i + 1 :]:
+            assert not (a & b), a & b
+    assert not {k for k in vars(Technique) if callable(vars(Technique)[k]) and not k.startswith("__")}
