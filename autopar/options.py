@@ -77,6 +77,12 @@ class PlanOptions:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return next((t for t in self.__dict__.get("techniques", ()) if type(t).name == name), None)
 
+    @property
+    def compute_dtype(self):
+        """The dtype the plan computes in: the first technique's that names one (a precision
+        policy's ``param_dtype``), None for the model's own."""
+        return next((d for d in (t.compute_dtype() for t in self.techniques) if d is not None), None)
+
     def replace(self, **changes) -> "PlanOptions":
         """These options with some changed: plain fields and techniques by name (None removes one)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -39,7 +39,6 @@ from autopar.explore.plan_views import PlanViews
 from autopar.parallel import dp_module
 from autopar.parallel.grad_scaler import mark_rank_params
 from autopar.parallel.optimizer import mark_pieces
-from autopar.parallel.data_parallel.precision import compute_dtype
 from autopar.parallel.registry import plan_method, plan_method_names
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.runtime.serial_check import check_plan, default_tolerances
@@ -104,7 +103,7 @@ class Plan(PlanViews):
             )
         for technique in options.techniques:
             technique.validate(self.mesh, options, {})
-        if compute_dtype(options) != self.traced.dtype:  # the program is traced in its compute dtype
+        if options.compute_dtype != self.traced.dtype:  # the program is traced in its compute dtype
             return self.traced.replan(options, self.layouts.seeds)
         plan = Plan(self.model, self.mesh, self.traced, self.layouts, options).finish()
         if "auto" in self.built:

@@ -25,7 +25,7 @@ from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel import TECHNIQUES
-from autopar.parallel.data_parallel.precision import DTYPES, MixedPrecision, compute_dtype
+from autopar.parallel.data_parallel.precision import DTYPES, MixedPrecision
 from autopar.plan import Plan
 from autopar.search.auto import search, settle_memory
 from autopar.search.options import Auto
@@ -165,7 +165,7 @@ def _policy(options: PlanOptions) -> MixedPrecision | None:
 def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):
     """``model`` traced as it computes under the options' precision policy: its floating parameters
     and inputs in ``param_dtype`` (trace/in_dtype.py; the model's own dtype without a policy)."""
-    dtype = compute_dtype(options)
+    dtype = options.compute_dtype
     low_args, low_kwargs = inputs_in_dtype(args, kwargs or {}, dtype)
     kept = kept_in_fp32(model, dtype)  # HF's _keep_in_fp32_modules(_strict): traced and read in fp32
     try:

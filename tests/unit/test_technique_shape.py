@@ -28,7 +28,6 @@ CROSSINGS: dict[str, dict[str, str]] = {
         "parallel/float8/technique.py": "fp8 gathers ride zero=3's buckets (fsdp_gather, held_buckets)",
         "parallel/fault_tolerant/job.py": "a replica group's buffers kept equal as data parallel keeps them",
         "parallel/fault_tolerant/technique.py": "fault tolerance wraps an ap.DataParallel's axis",
-        "plan.py": "the compute dtype of the precision policy",
         "planner.py": "the precision policy traces the model in its dtype",
         "dryrun/pipeline.py": "a pipelined dry run keeps zero=3's buckets per stage",
     },

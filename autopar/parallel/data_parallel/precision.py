@@ -57,6 +57,9 @@ class MixedPrecision(Technique):
     name = "mixed_precision"
     order = 30  # after data parallel's gathers and the pipeline's stages: the casts read what they wrote
 
+    def compute_dtype(self):
+        return self.param_dtype
+
     def __post_init__(self):
         for key in DTYPES:
             value = getattr(self, key)
@@ -98,14 +101,6 @@ class MixedPrecision(Technique):
     @classmethod
     def from_fields(cls, fields: dict) -> "MixedPrecision":
         return cls(**{k: None if v is None else getattr(torch, v) for k, v in fields.items()})
-
-
-def compute_dtype(options) -> torch.dtype | None:
-    """The dtype the plan computes in: the policy's ``param_dtype`` (None: the model's own)."""
-    for technique in (options.data_parallel, options.mixed_precision):
-        if technique is not None and technique.param_dtype is not None:
-            return technique.param_dtype
-    return None
 
 
 def cast_program(plan, graph: fx.Graph, param_dtype, output_dtype) -> None:

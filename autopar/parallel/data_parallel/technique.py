@@ -98,6 +98,9 @@ class DataParallel(Technique):
     name = "data_parallel"
     order = 10  # first: the batch split shapes every layout
 
+    def compute_dtype(self):
+        return self.param_dtype
+
     @property
     def storage(self):
         """How parameters, gradients and optimizer state are kept: the policy of ``zero``."""

@@ -50,6 +50,11 @@ class OptionHooks:
         it (a torchao-converted model's Float8Linears: ap.Float8 with their recipe); None."""
         return None
 
+    def compute_dtype(self):
+        """The dtype the plan computes in under this technique (a precision policy's
+        ``param_dtype``), None where it does not choose one (``PlanOptions.compute_dtype``)."""
+        return None
+
     def exact(self) -> "OptionHooks | None":
         """These options as plan.check runs them: the variant whose gradients are the exact fp32
         sums the serial model has (reduced-precision syncs and optimizer sharding left out); None
