@@ -280,3 +280,17 @@ class Technique:
     @classmethod
     def from_fields(cls, fields: dict):
         return cls(**fields)
+
+    # ---- layouts the technique stands for, and graph rewrites every plan needs
+    def annotate(self, model, traced, annotations: dict) -> dict:
+        """The layout annotations the technique stands for, added to ``annotations`` before they
+        are resolved into seeds (expert parallel: ``ap.expert_parallel`` on every experts module of
+        the traced model). Not called where the seeds are given (a plan file's)."""
+        return annotations
+
+    @classmethod
+    def prepare_seeded_graph(cls, traced, seeds, mesh, data_axis: str | None) -> None:
+        """Rewrite the traced graph once the seeds are known, before propagation: called on every
+        registered technique, asked for or not, after ``prepare_graph`` (a MoE model's experts
+        modules become one op each, with or without expert parallel: parallel/experts/).
+        ``data_axis``: the mesh axis that splits the batch, or None."""
