@@ -113,15 +113,14 @@ class ExpertParallel(Technique):
         collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
 
     def describe(self, plan) -> str:
+        """How many experts modules are split, and how their tokens meet their experts."""
         nodes = [n for n in plan.graph.nodes if n.target is MOE_EXPERTS]
-        blocks = [BLOCKS[n.args[4]] for n in nodes]
-        split = [b for b in blocks if b.path in plan.layouts.seeds.experts]
-        dispatched = sum(
-            "dispatch" in axis_modes(n.meta["autopar"].strategies, b).values() for n, b in zip(nodes, blocks)
-        )
-        counts = sorted({b.experts for b in split})
+        blocks = {n.name: BLOCKS[n.args[4]] for n in nodes}
+        counts = sorted({b.experts for b in blocks.values() if b.path in plan.seeds.experts})
+        dispatched = any("dispatch" in axis_modes(n.meta["autopar"].strategies, blocks[n.name]).values() for n in nodes)
+        how = "tokens dispatched to their experts' ranks by all-to-all" if dispatched else "no dispatch"
         tp = f", each expert split over {self.tp!r}" if self.tp else ""
         return (
-            f"expert parallel on {self.axis!r}: {len(split)} experts module(s) of {'/'.join(map(str, counts))} "
-            f"experts split by expert{tp}; {dispatched} dispatch their tokens by all-to-all"
+            f"expert parallel on {self.axis!r}: {len(plan.seeds.experts)} experts module(s) of "
+            f"{'/'.join(map(str, counts))} experts split by expert{tp}; {how}"
         )
