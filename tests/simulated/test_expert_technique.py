@@ -52,6 +52,11 @@ def test_technique_plans_as_the_annotation_does():
     )
     assert said in str(by_technique)
     assert "expert parallel on" not in str(by_annotation)
+    explained = str(by_technique.explain("model.layers.0.mlp.experts"))
+    assert f"expert parallel (ExpertParallel(axis='dp', tp=None, modules=None)): {M.EXPERTS} experts split" in explained
+    assert "expert parallel (" not in str(by_annotation.explain("model.layers.0.mlp.experts"))
+    with pytest.raises(ap.PlanError, match="plan again"):  # the layouts it stands for are the plan's
+        by_annotation.with_options(by_annotation.options.replace(expert_parallel="dp"))
 
 
 def test_technique_with_expert_tp_plans_as_the_preset_does():

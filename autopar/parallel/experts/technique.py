@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from autopar.errors import PlanError
 from autopar.parallel.experts.annotation import expert_parallel
 from autopar.parallel.experts.blocks import BLOCKS, MOE_EXPERTS, collapse_expert_blocks
@@ -89,6 +91,18 @@ class ExpertParallel(Technique):
         if self.tp is not None:
             mesh.axis_index(self.tp)
 
+    @classmethod
+    def modules_of(cls, model, traced) -> dict[str, int]:
+        """{module path: number of experts} of every experts module of ``model`` (traced as
+        ``traced``): what the technique splits when not given ``modules``, and what the search
+        weighs as its experts components."""
+        return expert_modules(model, traced)
+
+    @classmethod
+    def annotation(cls, axis, tp: str | None = None):
+        """The per-module form: ``ap.expert_parallel(axis, tp=tp)`` (the search's probes write it)."""
+        return expert_parallel(axis, tp=tp)
+
     def annotate(self, model, traced, annotations: dict) -> dict:
         """``annotations`` with ``ap.expert_parallel(axis, tp=tp)`` on every experts module (or on
         ``modules``); one the user annotated alike stays as given (a different one is the
@@ -96,14 +110,14 @@ class ExpertParallel(Technique):
         if self.modules is not None:
             patterns = list(self.modules)
         else:
-            patterns = list(expert_modules(model, traced))
+            patterns = list(self.modules_of(model, traced))
             if not patterns:
                 raise PlanError(
                     f"{self!r}: the model has no mixture-of-experts experts module (a module whose stacked "
                     "3-D weights feed a grouped expert matmul, or a per-expert ModuleList; docs/experts.md). "
                     "Give modules=('pattern',) for the module holding the expert weights, or drop expert_parallel=."
                 )
-        ann = expert_parallel(self.axis, tp=self.tp)
+        ann = self.annotation(self.axis, self.tp)
         return {**{p: ann for p in patterns if p not in annotations}, **annotations}
 
     @classmethod
@@ -124,3 +138,14 @@ class ExpertParallel(Technique):
             f"expert parallel on {self.axis!r}: {len(plan.seeds.experts)} experts module(s) of "
             f"{'/'.join(map(str, counts))} experts split by expert{tp}; {how}"
         )
+
+    def explain_module(self, plan, path: str) -> list[str]:
+        """An experts module the technique split: where its experts are, each rank's share."""
+        if path not in plan.seeds.experts:
+            return []
+        module = plan.model.get_submodule(path)
+        stacked = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3]
+        count = len(module) if isinstance(module, torch.nn.ModuleList) else stacked[0]
+        share = f"{count} experts split by expert over {plan.mesh.axis_names[plan.seeds.experts[path]]!r}"
+        tp = f", each expert over {self.tp!r}" if path in plan.seeds.expert_tp and self.tp else ""
+        return [f"  expert parallel ({self!r}): {share}{tp}"]
