@@ -1,4 +1,4 @@
-"""Find the experts of MoE blocks in a traced model, for presets.megatron.
+"""Find the experts of MoE blocks in a traced model (for ap.ExpertParallel, presets.megatron and the search).
 
 An experts module is the owner of the stacked 3-D weights (experts, in, out) that reach a
 grouped expert matmul (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``) as
