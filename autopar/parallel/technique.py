@@ -284,8 +284,8 @@ class Technique:
     # ---- layouts the technique stands for, and graph rewrites every plan needs
     def annotate(self, model, traced, annotations: dict) -> dict:
         """The layout annotations the technique stands for, added to ``annotations`` before they
-        are resolved into seeds (expert parallel: ``ap.expert_parallel`` on every experts module of
-        the traced model). Not called where the seeds are given (a plan file's)."""
+        are resolved into seeds (expert parallel: its per-module annotation on every experts module
+        of the traced model). Not called where the seeds are given (a plan file's)."""
         return annotations
 
     @classmethod

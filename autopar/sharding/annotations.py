@@ -130,7 +130,7 @@ class Seeds:
     inputs: dict[str, tuple] = field(default_factory=dict)  # input name -> placements
     module_outputs: dict[str, dict[int, Placement]] = field(default_factory=dict)  # path -> {axis: p}
     reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
-    experts: dict[str, int] = field(default_factory=dict)  # expert_parallel module path -> mesh axis
+    experts: dict[str, int] = field(default_factory=dict)  # path of an experts module split by expert -> mesh axis
     expert_tp: dict[str, int] = field(default_factory=dict)  # module path -> axis splitting each expert
     # mesh axis -> k: every dim split on the axis must cut into k x (axis size) equal chunks
     # (load-balanced context parallel's zig-zag order holds 2 chunks per rank)
@@ -139,8 +139,8 @@ class Seeds:
 
 @dataclass(frozen=True)
 class Site:
-    """What an annotation defined outside this file (beside its technique: ``ap.expert_parallel``
-    in parallel/experts/) is given to seed itself: ``ann.seed(pattern, site, why)``. ``put(fqn,
+    """What an annotation defined outside this file (beside its technique in parallel/: the
+    experts' split by expert) is given to seed itself: ``ann.seed(pattern, site, why)``. ``put(fqn,
     axis, placement, why)`` places one tensor on one mesh axis (two annotations that disagree are
     an error, as for the ones here); ``seeds`` takes what else it resolves to.
 
