@@ -101,3 +101,21 @@ def test_errors_name_the_fix():
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.raises(ap.PlanError, match="no mixture-of-experts experts module"):
         ap.plan(dense, DP4, args=(torch.randn(4, 8),), data_parallel="dp", expert_parallel="dp")
+
+
+@pytest.mark.parametrize("axis", ["b", "a"])
+def test_technique_on_a_part_of_two_merged_data_parallel_axes(axis):
+    """The batch over (a, b) (HSDP's two axes, planned as one merged axis): the technique on one
+    part plans as the annotation does (the dispatch inside that part's groups)."""
+    mesh, dp = ap.Mesh((2, 2), ("a", "b")), ap.DataParallel("b", replicate_axis="a")
+    model, batch = M.RoutedExperts("mixtral"), M.routing(16, seed=0)
+    by_annotation = ap.plan(
+        model, mesh, args=batch, annotations={"experts": ap.expert_parallel(axis)}, data_parallel=dp, dynamic=False
+    )
+    by_technique = ap.plan(
+        model, mesh, args=batch, data_parallel=dp, expert_parallel=ap.ExpertParallel(axis), dynamic=False
+    )
+    assert _layouts(by_technique) == _layouts(by_annotation)
+    assert _comms(by_technique) == _comms(by_annotation)
+    assert {c.axis for c in by_technique.collectives() if c.kind == "all_to_all"} == {axis}
+    by_technique.check(*batch, rtol=1e-4, atol=1e-5)
