@@ -98,6 +98,9 @@ def test_errors_name_the_fix():
         ap.plan(model, DP2TP2, kwargs=kw, data_parallel="dp", expert_parallel="dp", auto=True)
     with pytest.raises(ap.MeshError):
         ap.plan(model, DP4, kwargs=kw, data_parallel="dp", expert_parallel="ep")
+    on_tp = dict(ap.presets.megatron(model, "tp", kwargs=kw, vocab=False))  # the experts on tp
+    with pytest.raises(ap.PlanError, match="experts=False"):
+        ap.plan(model, DP2TP2, kwargs=kw, annotations=on_tp, data_parallel="dp", expert_parallel="dp")
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.raises(ap.PlanError, match="no mixture-of-experts experts module"):
         ap.plan(dense, DP4, args=(torch.randn(4, 8),), data_parallel="dp", expert_parallel="dp")

@@ -105,8 +105,8 @@ class ExpertParallel(Technique):
 
     def annotate(self, model, traced, annotations: dict) -> dict:
         """``annotations`` with ``ap.expert_parallel(axis, tp=tp)`` on every experts module (or on
-        ``modules``); one the user annotated alike stays as given (a different one is the
-        conflict resolve reports)."""
+        ``modules``). The same module annotated otherwise is an error here; another pattern that
+        places the same tensors otherwise is the conflict resolve reports."""
         if self.modules is not None:
             patterns = list(self.modules)
         else:
@@ -118,7 +118,13 @@ class ExpertParallel(Technique):
                     "Give modules=('pattern',) for the module holding the expert weights, or drop expert_parallel=."
                 )
         ann = self.annotation(self.axis, self.tp)
-        return {**{p: ann for p in patterns if p not in annotations}, **annotations}
+        differ = {p: annotations[p] for p in patterns if p in annotations and annotations[p] != ann}
+        if differ:
+            raise PlanError(
+                f"{self!r} puts {ann!r} on {sorted(differ)}, annotated {sorted(set(map(repr, differ.values())))}: "
+                "drop those annotations (presets.megatron(..., experts=False) leaves the experts out) or expert_parallel=."
+            )
+        return {**annotations, **{p: ann for p in patterns}}
 
     @classmethod
     def prepare_seeded_graph(cls, traced, seeds, mesh, data_axis: str | None) -> None:
