@@ -122,3 +122,16 @@ def test_technique_on_a_part_of_two_merged_data_parallel_axes(axis):
     assert _comms(by_technique) == _comms(by_annotation)
     assert {c.axis for c in by_technique.collectives() if c.kind == "all_to_all"} == {axis}
     by_technique.check(*batch, rtol=1e-4, atol=1e-5)
+
+
+def test_technique_on_an_axis_that_does_not_split_the_batch():
+    """Experts on tp (no dispatch: each rank runs its experts' rows, the outputs summed)."""
+    model, kw = M.moe_model("mixtral")
+    ann = {"model.layers.*.mlp.experts": ap.expert_parallel("tp")}
+    by_annotation = ap.plan(model, DP2TP2, kwargs=kw, annotations=ann, data_parallel="dp", dynamic=False)
+    by_technique = ap.plan(model, DP2TP2, kwargs=kw, data_parallel="dp", expert_parallel="tp", dynamic=False)
+    assert _layouts(by_technique) == _layouts(by_annotation)
+    assert _comms(by_technique) == _comms(by_annotation)
+    assert not any(kind == "all_to_all" for kind, *_ in _comms(by_technique))
+    assert "split by expert; each rank runs the rows routed to its experts" in str(by_technique)
+    by_technique.check(**kw, rtol=1e-4, atol=1e-5)

@@ -138,7 +138,11 @@ class ExpertParallel(Technique):
         blocks = {n.name: BLOCKS[n.args[4]] for n in nodes}
         counts = sorted({b.experts for b in blocks.values() if b.path in plan.seeds.experts})
         dispatched = any("dispatch" in axis_modes(n.meta["autopar"].strategies, blocks[n.name]).values() for n in nodes)
-        how = "tokens dispatched to their experts' ranks by all-to-all" if dispatched else "no dispatch"
+        how = (
+            "tokens dispatched to their experts' ranks by all-to-all"
+            if dispatched
+            else "each rank runs the rows routed to its experts, the outputs summed over the axis"
+        )
         tp = f", each expert split over {self.tp!r}" if self.tp else ""
         return (
             f"expert parallel on {self.axis!r}: {len(plan.seeds.experts)} experts module(s) of "
@@ -152,6 +156,6 @@ class ExpertParallel(Technique):
         module = plan.model.get_submodule(path)
         stacked = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3]
         count = len(module) if isinstance(module, torch.nn.ModuleList) else stacked[0]
-        share = f"{count} experts split by expert over {plan.mesh.axis_names[plan.seeds.experts[path]]!r}"
+        share = f"{count} experts split by expert over {self.axis!r}"
         tp = f", each expert over {self.tp!r}" if path in plan.seeds.expert_tp and self.tp else ""
         return [f"  expert parallel ({self!r}): {share}{tp}"]
