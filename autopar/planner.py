@@ -295,7 +295,7 @@ def plan_traced(
     data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
     if seeds is None:
         for technique in options.techniques:  # layouts a technique stands for (expert parallel's annotations)
-            annotations = technique.annotate(model, traced, dict(annotations or {}))
+            annotations = technique.annotate(model, traced, annotations or {})
         seeds = _resolved(resolved, annotations, model, mesh, traced.user_inputs, data_axis, ndims)
         for technique in options.techniques:  # inputs a technique splits (context parallel: sequences)
             technique.seed_inputs(seeds, mesh, _input_values(traced))

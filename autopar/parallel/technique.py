@@ -285,7 +285,8 @@ class Technique:
     def annotate(self, model, traced, annotations: dict) -> dict:
         """The layout annotations the technique stands for, added to ``annotations`` before they
         are resolved into seeds (expert parallel: its per-module annotation on every experts module
-        of the traced model). Not called where the seeds are given (a plan file's)."""
+        of the traced model): a new dict, ``annotations`` left as given. Not called where the seeds
+        are given (a plan file's)."""
         return annotations
 
     @classmethod
