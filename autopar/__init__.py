@@ -38,6 +38,7 @@ from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint.technique import ActivationCheckpoint
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.data_parallel.technique import DataParallel, DataParallelError
+from autopar.parallel.experts import ExpertParallel, expert_parallel
 from autopar.parallel.fault_tolerant import FaultTolerant
 from autopar.parallel.float8 import Float8
 from autopar.parallel.grad_scaler import GradScaler
@@ -56,7 +57,6 @@ from autopar.search import Auto, calibrate, predict
 from autopar.sharding.rules.batch_norm import sync_batch_norm
 from autopar.sharding.annotations import (
     colwise,
-    expert_parallel,
     place,
     replicate,
     replicated,
@@ -77,6 +77,7 @@ __all__ = [
     "Cost",
     "DataParallel",
     "DataParallelError",
+    "ExpertParallel",
     "FaultToleranceError",
     "FaultTolerant",
     "Float8",

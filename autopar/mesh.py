@@ -60,7 +60,7 @@ class Mesh:
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     # axes made of two by merge_axes: (merged name, outer name, inner name, inner size), for
-    # annotations that name one of the two (expert_parallel on a sub-axis of data parallelism)
+    # annotations that name one of the two (experts split on a sub-axis of data parallelism)
     parts: tuple = field(default=(), compare=False, repr=False)
 
     def __init__(self, shape, axis_names, parts=()):

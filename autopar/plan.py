@@ -33,13 +33,14 @@ from autopar.codegen.program import Program
 from autopar.codegen.rank_module import build_rank_module, tensor_slots
 from autopar.codegen.rank_state import merge_states, shard_state
 from autopar.dryrun.run import dry_run
-from autopar.errors import DataParallelError, InputError
+from autopar.errors import DataParallelError, InputError, PlanError
 from autopar.mesh import SubAxis
 from autopar.explore.plan_views import PlanViews
 from autopar.parallel import dp_module
 from autopar.parallel.grad_scaler import mark_rank_params
 from autopar.parallel.optimizer import mark_pieces
-from autopar.parallel.registry import plan_method, plan_method_names
+from autopar.parallel.registry import TECHNIQUES, plan_method, plan_method_names
+from autopar.parallel.technique import Technique
 from autopar.placement import Partial, Replicate, Shard, merge_tensors, shard_tensor
 from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
@@ -101,6 +102,13 @@ class Plan(PlanViews):
                 f"{new}: the plan's data-parallel axis is {old and old.axis!r}; the batch "
                 "split shapes every layout, so plan again (ap.plan) to change the axis."
             )
+        for name, cls in TECHNIQUES.items():  # one that stands for annotations (expert parallel) shaped the seeds
+            was, now = getattr(self.options, name), getattr(options, name)
+            if cls.annotate is not Technique.annotate and was != now:
+                raise PlanError(
+                    f"{name}={now!r}: the plan was made with {was!r}, which stands for layout annotations; "
+                    "with_options keeps the layouts, so plan again (ap.plan) to change it."
+                )
         for technique in options.techniques:
             technique.validate(self.mesh, options, {})
         if options.compute_dtype != self.traced.dtype:  # the program is traced in its compute dtype

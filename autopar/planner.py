@@ -31,7 +31,6 @@ from autopar.search.auto import search, settle_memory
 from autopar.search.options import Auto
 from autopar.search.quiet_gc import quiet_gc
 from autopar.sharding.annotations import Seeds, data_parallel_inputs, replicated, resolve
-from autopar.sharding.expert_blocks import collapse_expert_blocks
 from autopar.sharding.gradient_flow import analyse
 from autopar.sharding.propagate import propagate
 from autopar.trace.dtype_kernels import check_kernels, export_refusal
@@ -295,14 +294,16 @@ def plan_traced(
     search plans its probes on one trace with this; ``resolved``: its cache of resolve's seeds)."""
     data_axis = next((t.data_axis() for t in options.techniques if t.data_axis()), None)
     if seeds is None:
+        for technique in options.techniques:  # layouts a technique stands for (expert parallel's annotations)
+            annotations = technique.annotate(model, traced, annotations or {})
         seeds = _resolved(resolved, annotations, model, mesh, traced.user_inputs, data_axis, ndims)
         for technique in options.techniques:  # inputs a technique splits (context parallel: sequences)
             technique.seed_inputs(seeds, mesh, _input_values(traced))
     _unify_tied(seeds, traced)
     for technique in options.techniques:
         technique.prepare_graph(traced)
-    # each expert_parallel module as one moe_experts op
-    collapse_expert_blocks(traced, seeds, None if data_axis is None else mesh.axis_index(data_axis), mesh)
+    for cls in TECHNIQUES.values():  # asked for or not (a MoE model's experts modules as one op each)
+        cls.prepare_seeded_graph(traced, seeds, mesh, data_axis)
     ctx = propagate(traced, mesh, seeds, options.strict)
     # a tensor written in place through a view keeps its layout up to the write (else it writes a copy)
     ctx = keep_written_layouts(traced, mesh, seeds, options.strict, ctx)
@@ -326,7 +327,7 @@ def _validate(mesh: Mesh, options: PlanOptions, annotations: dict) -> None:
         technique.validate(mesh, options, annotations)
     for ann in annotations.values():
         if hasattr(ann, "axis"):
-            mesh.sub_axis(ann.axis)  # a mesh axis, or one of two merged into one (expert_parallel)
+            mesh.sub_axis(ann.axis)  # a mesh axis, or one of two merged into one (an expert split)
 
 
 def _input_ndims(traced, args, kwargs) -> dict:

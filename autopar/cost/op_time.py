@@ -32,7 +32,6 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost.formulas import Numbers
-from autopar.sharding.expert_blocks import BLOCKS
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.sharding.rules import VIEW, Work, op_traits
 
@@ -52,7 +51,7 @@ def node_flops(node, sy) -> sympy.Expr:
     """Global forward FLOPs of one op by the work its rule file declares: matmuls 2*M*N*K,
     attention 4*L*S*D per head (half of it causal: the kernels skip the blocks above the
     diagonal, and bench/gpu_calibration.py's measured rates count it so), MoE experts
-    2*T*k*(one expert's weights), views none, anything else one per output element."""
+    2*T*k*(one expert's weights: the op's own ``Work.flops``), views none, anything else one per output element."""
     work = op_work(node)
     outs = [v for v in tensor_outputs(node) if v is not None]
     if work is VIEW or not outs:
@@ -65,11 +64,8 @@ def node_flops(node, sy) -> sympy.Expr:
         q, key = node.args[0].meta["val"], node.args[1].meta["val"]
         full = 4 * sy.numel(q.shape) * sy.dim(key.shape[-2])
         return full / 2 if is_causal(node) else full
-    if work.kind == "experts":  # every routed row through one expert's weights
-        stacked = [p.meta["val"].shape[1:] for p in node.args[3] if p.meta["val"].dim() == 3]
-        per_expert = BLOCKS[node.args[4]].per_expert  # a ModuleList's: expert 0's own tensors
-        one = stacked or [p.meta["val"].shape for p in node.args[3][:per_expert]]
-        return 2 * sy.numel(node.args[1].meta["val"].shape) * sum(sy.numel(shape) for shape in one)
+    if work.flops is not None:  # a kind its rule file counts (MoE experts: parallel/experts/moe_rule.py)
+        return work.flops(node, sy)
     return out_numel
 
 

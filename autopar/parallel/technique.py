@@ -16,8 +16,9 @@ default changes nothing, so a technique overrides only what it needs:
 protocol       hooks
 =============  ==================================================================================
 options        of, take_annotations, fold, check_options, implied, exact
-layout         reshape_mesh, validate, tracing, prepare_graph, data_axis, token_axes, seed_inputs,
-               attention_method, piece_order, input_order, after_plan
+layout         reshape_mesh, validate, tracing, prepare_graph, annotate, prepare_seeded_graph,
+               data_axis, token_axes, seed_inputs, attention_method, piece_order, input_order,
+               after_plan
 storage        stored, stored_start, stored_axes, stored_share, counts_stored, restored,
                rewrite_program, gather_wire, grad_sync_axes, grad_pieces
 cost           collectives, batch_pieces, step_shares, memory, activations, rank_activations,
@@ -36,6 +37,8 @@ in the techniques' ``order``, lowest first)::
       reshape_mesh(mesh) -> validate(mesh, options, annotations)
       tracing(model)                                        around torch.export
       prepare_graph(traced)                                 value-preserving rewrites
+      annotate(model, traced, annotations)                  layouts it stands for (expert parallel)
+      prepare_seeded_graph(traced, seeds, mesh, data_axis)  every registered one (MoE blocks as one op)
       data_axis() / seed_inputs(seeds, mesh, inputs)        the seeds; token_axes() for ZeRO's fold
       -- propagation; the lowerings ask attention_method(axis), piece_order(axis) --
     Plan.finish                                             plan.py

@@ -12,7 +12,7 @@ means the layer reads the residual stream: it stays replicated. A column-paralle
 k equal pieces (GPT-2's fused q|k|v) is split block by block (colwise(blocks=k)).
 The word embedding (the embedding of a user input with the most rows) and an LM head
 (a linear with as many outputs as that vocabulary, or tied to it) become vocab-parallel.
-The experts of MoE blocks (the stacked 3-D weights of grouped expert matmuls, presets/experts.py)
+The experts of MoE blocks (the stacked 3-D weights of grouped expert matmuls, parallel/experts/find.py)
 are split over the axis by expert: ``expert_parallel(axis)``.
 With ``sequence_parallel=True`` the norms run split on the sequence dim, row-parallel
 layers reduce-scatter into it and the embedding's output is reduce-scattered.
@@ -30,11 +30,10 @@ import functools
 import torch
 import torch.fx as fx
 
-from autopar.presets.experts import expert_modules
+from autopar.parallel.experts import expert_modules, expert_parallel
 from autopar.sharding.annotations import (
     _layer_kind,
     colwise,
-    expert_parallel,
     rowwise,
     sequence_parallel,
     vocab_parallel,

@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass, field
 
 from autopar.parallel.context_parallel import ContextParallel
-from autopar.presets.experts import expert_modules
-from autopar.sharding.annotations import colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
+from autopar.parallel.experts import expert_modules, expert_parallel
+from autopar.sharding.annotations import colwise, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard
 from autopar.presets.megatron_plan import _Graph
 from autopar.trace.graph_walk import ancestors, descendants

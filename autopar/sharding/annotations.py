@@ -122,37 +122,6 @@ class sequence_parallel(Annotation):
         return f"sequence_parallel({self.axis!r})"
 
 
-@dataclass(frozen=True)
-class expert_parallel(Annotation):
-    """The experts of a mixture-of-experts module split on ``axis``: every parameter of the
-    matched module whose dim 0 counts its experts (the 3-D expert weights, 2-D expert biases)
-    is split on dim 0, so each rank holds E/n whole experts. Each rank runs the tokens routed
-    to its experts; every token's expert outputs are summed over ``axis`` (a partial sum).
-    presets.megatron finds such modules (the weights of grouped expert matmuls) by itself.
-    On the axis that splits the batch, tokens are dispatched to their experts' ranks by
-    all-to-all (docs/experts.md). ``tp``: each expert's matmuls also split over that axis
-    (expert tensor parallelism: the first grouped matmul column-parallel, fused gate|up blocks
-    kept whole per rank, the last row-parallel, the output a partial sum over ``tp``; a per-expert
-    ModuleList's linears the same way). With the batch over two mesh axes
-    (``DataParallel("b", replicate_axis="a")``), ``axis`` may be the inner one: the experts split
-    within each group of b's ranks (``Shard(0, within=|b|)``), dispatched inside it, their
-    gradients summed over ``a``; the outer one: split across those groups (``Shard(0,
-    across=|b|)``), dispatched among the ranks of equal b, their gradients summed over ``b``; or
-    ``("a", "b")``: over both.
-
-    Example:
-        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("dp", tp="tp")}
-        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("b")}   # dp over ("a", "b")
-        >>> {"model.layers.*.mlp.experts": ap.expert_parallel("a")}   # the same, experts over a
-    """
-
-    axis: str | tuple
-    tp: str | None = None
-
-    def __repr__(self) -> str:
-        return f"expert_parallel({self.axis!r}" + (f", tp={self.tp!r})" if self.tp else ")")
-
-
 @dataclass
 class Seeds:
     """What the annotations resolve to."""
@@ -161,11 +130,34 @@ class Seeds:
     inputs: dict[str, tuple] = field(default_factory=dict)  # input name -> placements
     module_outputs: dict[str, dict[int, Placement]] = field(default_factory=dict)  # path -> {axis: p}
     reasons: dict[str, str] = field(default_factory=dict)  # fqn / input / path -> why
-    experts: dict[str, int] = field(default_factory=dict)  # expert_parallel module path -> mesh axis
+    experts: dict[str, int] = field(default_factory=dict)  # path of an experts module split by expert -> mesh axis
     expert_tp: dict[str, int] = field(default_factory=dict)  # module path -> axis splitting each expert
     # mesh axis -> k: every dim split on the axis must cut into k x (axis size) equal chunks
     # (load-balanced context parallel's zig-zag order holds 2 chunks per rank)
     piece_multiple: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Site:
+    """What an annotation defined outside this file (beside its technique in parallel/: the
+    experts' split by expert) is given to seed itself: ``ann.seed(pattern, site, why)``. ``put(fqn,
+    axis, placement, why)`` places one tensor on one mesh axis (two annotations that disagree are
+    an error, as for the ones here); ``seeds`` takes what else it resolves to.
+
+    Example:
+        >>> for path in site.match_modules("layers.*.experts"):
+        ...     site.put(f"{path}.w", 0, Shard(0), why)
+    """
+
+    modules: dict  # module path -> module
+    paths: list  # module paths, the root's '' left out
+    mesh: object
+    put: object
+    seeds: "Seeds"
+
+    def match_modules(self, pattern: str) -> list[str]:
+        """The module paths ``pattern`` matches (an AnnotationError naming the closest when none)."""
+        return _matching(pattern, self.paths, "module path")
 
 
 def _layer_kind(module: nn.Module) -> str:
@@ -224,12 +216,12 @@ def resolve(
             _apply_place(pattern, ann, params, input_names, mesh, put, why)
         elif isinstance(ann, replicated):
             _apply_replicate(pattern, modules, params, mesh, put, why)
-        elif isinstance(ann, expert_parallel):
-            _apply_experts(pattern, ann, modules, paths, mesh, put, why, seeds)
         elif isinstance(ann, sequence_parallel):
             for path in _matching(pattern, paths, "module path"):
                 seeds.module_outputs.setdefault(path, {})[mesh.axis_index(ann.axis)] = Shard(ann.dim)
                 seeds.reasons[path] = why
+        elif callable(getattr(ann, "seed", None)):  # an annotation defined beside its technique seeds itself
+            ann.seed(pattern, Site(modules, paths, mesh, put, seeds), why)
         else:
             _apply_layer(pattern, ann, modules, paths, mesh, put, why, seeds)
 
@@ -276,79 +268,6 @@ def _apply_replicate(pattern, modules, params, mesh, put, why):
         for fqn in targets:
             for axis in range(mesh.ndim):
                 put(fqn, axis, R, why)
-
-
-def _expert_axis(ann, mesh) -> tuple[int, int, dict | None]:
-    """(mesh axis, ranks the experts are split over, the Shard's part keyword) of ``ann.axis``: a
-    mesh axis ({}), or one of two data-parallel axes merged into one (``DataParallel(axis,
-    replicate_axis=)``): the inner one, the experts split within each group of its ranks and
-    replicated across the groups (``within=k``); the outer one, split across the groups and
-    replicated within each (``across=k``). A part of one rank: None, the experts whole on every rank
-    (their tokens stay split: plain data parallelism); a part of every rank (the other axis has
-    size 1): {}, split over the whole axis."""
-    axis, sub = mesh.sub_axis(ann.axis)
-    n = mesh.shape[axis] if sub is None else mesh.axis_size(sub)
-    if sub is None or n == mesh.shape[axis]:
-        return axis, n, {}
-    key = "within" if sub.part == "inner" else "across"
-    return axis, n, ({key: sub.within} if n > 1 else None)
-
-
-def _expert_split(part: dict | None, **kw):
-    """The placement of an expert tensor on the expert axis (``_expert_axis``' part)."""
-    return R if part is None else Shard(0, **kw, **part)
-
-
-def _apply_experts(pattern, ann, modules, paths, mesh, put, why, seeds):
-    axis, n, part = _expert_axis(ann, mesh)
-    for path in _matching(pattern, paths, "module path"):
-        if isinstance(modules[path], nn.ModuleList):
-            _apply_expert_list(path, ann, modules[path], mesh, put, why, seeds)
-            continue
-        own = dict(modules[path].named_parameters(recurse=False))
-        counts = {p.shape[0] for p in own.values() if p.dim() == 3}
-        if len(counts) != 1:
-            raise AnnotationError(
-                f"{ann!r} on module {path!r} ({type(modules[path]).__name__}): expected its own 3-D expert "
-                f"weights (experts, in, out) with one expert count, found shapes "
-                f"{[tuple(p.shape) for p in own.values()]}. Annotate the module holding the stacked expert weights."
-            )
-        experts = counts.pop()
-        if experts % n:
-            raise AnnotationError(
-                f"{ann!r} on module {path!r}: {experts} experts do not divide over the {n} ranks of axis "
-                f"{ann.axis!r}" + (" (more ranks than experts)" if n > experts else "") + ". Put the experts on an "
-                f"axis whose size divides {experts}, or use a smaller mesh axis."
-            )
-        seeds.experts[path] = axis
-        if ann.tp is not None:
-            seeds.expert_tp[path] = mesh.axis_index(ann.tp)
-        for pname, p in own.items():
-            put(f"{path}.{pname}", axis, _expert_split(part) if p.dim() >= 2 and p.shape[0] == experts else R, why)
-
-
-def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds):
-    """A per-expert ModuleList: expert i's tensors whole on the rank holding it (``Shard(0,
-    of=(i, E))``: E/n experts per rank, under their own names), empty on the others."""
-    (axis, n, part), count = _expert_axis(ann, mesh), len(experts)
-    names = [sorted(name for name, _ in e.named_parameters()) for e in experts]
-    if count < 2 or any(nm != names[0] for nm in names) or not names[0]:
-        raise AnnotationError(
-            f"{ann!r} on module {path!r} (a ModuleList of {count}): expected at least 2 expert modules with "
-            f"the same parameters, found {[nm for nm in names[:3]]}. Annotate the list of the MoE block's experts."
-        )
-    if count % n:
-        raise AnnotationError(
-            f"{ann!r} on module {path!r}: {count} experts do not divide over the {n} ranks of axis "
-            f"{ann.axis!r}" + (" (more ranks than experts)" if n > count else "") + ". Put the experts on an "
-            f"axis whose size divides {count}, or use a smaller mesh axis."
-        )
-    seeds.experts[path] = axis
-    if ann.tp is not None:  # each expert's linears column- then row-parallel (sharding/expert_tp.py)
-        seeds.expert_tp[path] = mesh.axis_index(ann.tp)
-    for i, expert in enumerate(experts):
-        for pname, _ in expert.named_parameters():
-            put(f"{path}.{i}.{pname}", axis, _expert_split(part, of=(i, count)), why)
 
 
 def _apply_layer(pattern, ann, modules, paths, mesh, put, why, seeds):

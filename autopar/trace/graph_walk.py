@@ -1,6 +1,6 @@
 """Walks over a traced graph: what a node is computed from, or what is computed from it, going
 only through the nodes of a region (a set of nodes, or a test on each node). One definition for
-the MoE collapse (sharding/expert_blocks.py, expert_lists.py) and the search's layer pairs
+the MoE collapse (parallel/experts/) and the search's layer pairs
 (search/candidates.py).
 
 Example:

@@ -171,7 +171,7 @@ def train_ranks(plan, batches: list, steps: int = 3, lr: float = 0.01, eps: floa
 
 
 def _record_routes(module, routes: dict) -> None:
-    """Wrap the route step (runtime/moe_dispatch.route) the rank program calls, once for the
+    """Wrap the route step (parallel/experts/moe_dispatch.route) the rank program calls, once for the
     program's code (shared by the ranks' threads, named autopar-rank<r> by the simulator)."""
     import threading
 

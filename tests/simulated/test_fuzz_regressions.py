@@ -227,7 +227,7 @@ def test_moe_ragged_batch_dispatched():
 
 
 def test_moe_trace_reused_by_a_sub_axis_plan():
-    """expert_blocks: a trace collapsed by an earlier plan (the fuzzer's cache, the search's probes)
+    """parallel/experts/blocks.py: a trace collapsed by an earlier plan (the fuzzer's cache, the search's probes)
     kept that plan's split of the experts; a later plan over one part of a two-axis data
     parallelism (Shard(0, within=2)) found no strategy ("no collective turns S(0,within=2) into R")."""
     base = dict(CASES["moe_ragged_batch_plain_dp"], batch=8, mesh=[[2, 2], ["a0", "a1"]], dp="a1")
@@ -241,7 +241,7 @@ MOE_LIST = dict(MOE_PLAIN, form="list", experts=4, ffn=4, bias=False, layout=Non
 
 
 def test_moe_list_trace_reused_after_another_plan():
-    """expert_blocks: a ModuleList collapsed by an earlier plan on the cached trace was not found
+    """parallel/experts/blocks.py: a ModuleList collapsed by an earlier plan on the cached trace was not found
     again (its items' nodes are gone), so a later plan kept that plan's expert tensor parallelism
     (each expert's w1 (4, 8) stored as (4, 4) and multiplied with whole rows: "mat1 and mat2 shapes
     cannot be multiplied"); the fuzzer met it after a plan refused for its tp split."""

@@ -207,6 +207,7 @@ def test_techniques_are_registered_plug_ins():
     assert list(TECHNIQUES) == [
         "data_parallel",
         "fault_tolerant",
+        "expert_parallel",
         "context_parallel",
         "pipeline",
         "float8",

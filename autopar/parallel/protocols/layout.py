@@ -55,6 +55,20 @@ class LayoutHooks:
         """Place user inputs the technique splits (``inputs``: name -> example value) into
         ``seeds.inputs`` / ``seeds.reasons``, leaving inputs the annotations placed on its axis."""
 
+    def annotate(self, model, traced, annotations: dict) -> dict:
+        """The layout annotations the technique stands for, added to ``annotations`` before they
+        are resolved into seeds (expert parallel: its per-module annotation on every experts module
+        of the traced model): a new dict, ``annotations`` left as given. Not called where the seeds
+        are given (a plan file's)."""
+        return annotations
+
+    @classmethod
+    def prepare_seeded_graph(cls, traced, seeds, mesh, data_axis: str | None) -> None:
+        """Rewrite the traced graph once the seeds are known, before propagation: called on every
+        registered technique, asked for or not, after ``prepare_graph`` (a MoE model's experts
+        modules become one op each, with or without expert parallel: parallel/experts/).
+        ``data_axis``: the mesh axis that splits the batch, or None."""
+
     def attention_method(self, axis: str) -> str | None:
         """How attention split on mesh axis ``axis`` by its sequence meets every key ("ring" or
         "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""

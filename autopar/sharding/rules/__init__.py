@@ -51,7 +51,7 @@ from autopar.sharding.rules import vocab_loss  # noqa: F401  (registers cross_en
 from autopar.sharding.rules import hf_ops  # noqa: F401
 from autopar.sharding.rules import conv, pooling, batch_norm, resample  # noqa: F401
 from autopar.sharding.rules import sorting, scatter_gather, views_extra  # noqa: F401
-from autopar.sharding.rules import experts, variants, moe_blocks, histograms  # noqa: F401
+from autopar.sharding.rules import variants, histograms  # noqa: F401
 from autopar.sharding.rules import pointwise_table  # noqa: F401  (after pointwise: the overloads it leaves)
 from autopar.sharding.rules import reductions_dims  # noqa: F401
 from autopar.sharding.rules import matrix  # noqa: F401

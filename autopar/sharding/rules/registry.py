@@ -133,15 +133,17 @@ class Work:
     """The work an op does, as the cost model counts it (cost/plan_cost.py): ``elementwise`` one
     FLOP per output element; ``view`` none, and its output shares its input's memory; ``matmul``
     2 M N K (``lhs_arg``: the argument whose last dim is contracted); ``attention`` 4 L S D per
-    head (scaled dot-product attention's two matmuls); ``experts`` a MoE experts module's grouped
-    matmuls, 2 x routed rows (tokens x top-k) x one expert's weights (rules/moe_blocks.py)."""
+    head (scaled dot-product attention's two matmuls). A kind the cost model does not know gives
+    its own ``flops(node, sizes)``: the global forward FLOPs as a formula (a MoE experts module's
+    grouped matmuls, kind ``experts``: parallel/experts/moe_rule.py); ``sizes`` is the cost
+    model's symbols (``numel(shape)``, ``dim(size)``)."""
 
     kind: str
     lhs_arg: int = 0
+    flops: Callable | None = None
 
 
 ELEMENTWISE, VIEW, MATMUL, ATTENTION = Work("elementwise"), Work("view"), Work("matmul"), Work("attention")
-EXPERTS = Work("experts")
 
 
 @dataclass(frozen=True)

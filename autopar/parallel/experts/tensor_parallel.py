@@ -1,5 +1,5 @@
 """Expert tensor parallelism: each expert's matmuls split over an axis, Megatron's way, inside
-an experts module's chain (sharding/expert_blocks.py).
+an experts module's chain (blocks.py).
 
 The chain has two grouped matmuls ``grouped_mm(x (M, K), w (E, K, N), offs)``: the first is
 split column-parallel (its weight's N dim: fused gate|up weights as ``blocks`` blocks when the

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.sharding.lowerings.local_experts import LOCAL_EXPERTS
+from autopar.parallel.experts.local_experts import LOCAL_EXPERTS
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.rules.registry import OpInfo, Strategy, register, register_by_name
 

@@ -1,4 +1,4 @@
-"""A MoE experts module on one rank (``autopar::moe_experts``, rules/moe_blocks.py).
+"""A MoE experts module on one rank (``autopar::moe_experts``, moe_rule.py).
 
 Each axis of the mesh does one of: nothing (tokens and experts replicated), split the tokens
 (every expert here), split the experts (tokens replicated: out Partial), or both (expert
@@ -28,9 +28,9 @@ import operator
 import torch
 
 from autopar.placement import Shard
-from autopar.runtime import moe_dispatch as md
-from autopar.sharding.expert_blocks import BLOCKS
-from autopar.sharding.expert_lists import owned_items, tie_others
+from autopar.parallel.experts import moe_dispatch as md
+from autopar.parallel.experts.blocks import BLOCKS
+from autopar.parallel.experts.lists import owned_items, tie_others
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 
 aten = torch.ops.aten

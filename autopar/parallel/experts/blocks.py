@@ -12,11 +12,11 @@ For every module annotated ``ap.expert_parallel(axis)``, ``collapse_expert_block
 nodes, takes out the *expert chain*: the nodes from the gathered rows to the rows that meet
 the routing weights (grouped matmuls and what runs between them, row by row; the expert
 weights' transposes), and replaces the module's nodes by one ``moe_experts(hidden, index,
-weights, params, key)`` node. Its rule (rules/moe_blocks.py) keeps tokens split, experts
-split or both, and its lowering (lowerings/expert_dispatch.py) runs the chain on the rows
+weights, params, key)`` node. Its rule (moe_rule.py) keeps tokens split, experts
+split or both, and its lowering (dispatch.py) runs the chain on the rows
 of this rank's experts: with an all-to-all dispatch where the tokens and the experts are
 split on the same axis. The module is checked before it is replaced: the chain, run on the
-rows that runtime/moe_dispatch.py's route gives, must reproduce the module's traced graph
+rows that moe_dispatch.py's route gives, must reproduce the module's traced graph
 on random inputs, with one expert receiving no token; otherwise a PlanError names it.
 
 Example:
@@ -35,14 +35,14 @@ import torch.fx as fx
 
 from autopar.errors import AnnotationError
 from autopar.placement import Replicate, Shard, check_divisible
-from autopar.runtime.moe_dispatch import route, unroute
-from autopar.sharding.expert_lists import (
+from autopar.parallel.experts.moe_dispatch import route, unroute
+from autopar.parallel.experts.lists import (
     list_chain,
     list_expert_modules,
     list_items,
     list_region,
 )
-from autopar.sharding.expert_tp import expert_tp_placements, list_tp_placements
+from autopar.parallel.experts.tensor_parallel import expert_tp_placements, list_tp_placements
 from autopar.trace.graph_walk import ancestors, descendants
 from autopar.trace.module_paths import module_paths
 
@@ -66,7 +66,7 @@ CHECK_NUMEL = 1 << 24  # expert weights larger than this (meta-sized models) are
 class ExpertBlock:
     """One experts module: its expert count, top-k, and its chain (rows, offsets, ids, *params) ->
     rows (``ids``: each row's expert among the weights given, for expert biases). A per-expert
-    ModuleList (expert_lists.py) also has its ``expert`` graph (rows, *one expert's params) ->
+    ModuleList (lists.py) also has its ``expert`` graph (rows, *one expert's params) ->
     rows and ``per_expert`` parameters each, the op's parameters expert after expert."""
 
     path: str
@@ -149,7 +149,7 @@ def collapse_expert_blocks(traced, seeds, data_axis: int | None = None, mesh=Non
 
     A module that is not recognised raises a PlanError where its experts are split on the axis
     that splits the batch (``data_axis``: a dispatch is needed); elsewhere it is left as traced
-    (its grouped matmuls split by expert, op by op: rules/experts.py)."""
+    (its grouped matmuls split by expert, op by op: grouped_mm_rule.py)."""
     graph = traced.gm.graph
     done = _reuse_collapsed(graph, seeds, mesh)
     todo = dict(seeds.experts)
@@ -260,7 +260,7 @@ def _collapse(traced, path: str, region: list[fx.Node]) -> ExpertBlock:
 
 
 def _collapse_list(traced, path: str, experts: int) -> ExpertBlock:
-    """A per-expert ModuleList's loop as one op (expert_lists.py): the parameters expert after
+    """A per-expert ModuleList's loop as one op (lists.py): the parameters expert after
     expert, each expert's in the order of its names."""
     region, out, expert, suffixes = list_region(traced, path, experts)
     inside = set(region)
@@ -303,7 +303,7 @@ def _param_nodes(block: ExpertBlock) -> list[fx.Node]:
 
 
 def _split_experts(block: ExpertBlock, seeds, mesh, axis: int) -> None:
-    """Expert tensor parallelism on ``axis``: each weight's placement there (expert_tp.py), seeded.
+    """Expert tensor parallelism on ``axis``: each weight's placement there (tensor_parallel.py), seeded.
     A ModuleList's experts: each expert's linears split the same way (``list_tp_placements``); a
     weight split on its dim 0 is held whole-or-empty by expert on its dim 1 (``Shard(1, of=)``), a
     column bias on its one dim (``Shard(0, of=)``: its owner holds its tp piece); the row bias,

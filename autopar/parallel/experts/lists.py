@@ -1,6 +1,6 @@
 """Per-expert ``nn.ModuleList`` experts (HF's MoE blocks up to transformers 4.4x: Mixtral's
 ``experts[i].w1/w2/w3``, Qwen2-MoE's / OLMoE's ``experts[i].gate_proj/up_proj/down_proj``)
-as the same ``autopar::moe_experts`` op as stacked 3-D experts (sharding/expert_blocks.py).
+as the same ``autopar::moe_experts`` op as stacked 3-D experts (blocks.py).
 
 Traced, such a block loops over its experts: ``one_hot`` of the top-k indices, per expert
 ``torch.where(expert_mask[i])`` (rows of a data-dependent count), the expert's MLP on the

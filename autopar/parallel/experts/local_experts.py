@@ -1,4 +1,4 @@
-"""A grouped matmul on this rank's experts only (expert parallelism, rules/experts.py).
+"""A grouped matmul on this rank's experts only (expert parallelism, grouped_mm_rule.py).
 
 Rows of x are sorted by expert and ``offs`` holds the cumulative row counts of all E experts.
 A rank holding experts lo..lo+El owns rows start..end (start = offs[lo-1], end = offs[lo+El-1]).

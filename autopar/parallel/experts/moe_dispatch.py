@@ -1,5 +1,5 @@
 """The local steps of a mixture-of-experts block, as a rank program runs them around its
-all-to-alls (sharding/lowerings/expert_dispatch.py emits calls of these).
+all-to-alls (dispatch.py emits calls of these).
 
 A MoE experts block maps each token t, routed to experts ``index[t, :]`` with weights
 ``weights[t, :]``, to ``sum_j weights[t, j] * expert_{index[t, j]}(hidden[t])``. Its rows:

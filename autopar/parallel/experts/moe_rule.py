@@ -1,5 +1,5 @@
 """A whole MoE experts module as one op: ``autopar::moe_experts(hidden, index, weights, params, key)``
-(sharding/expert_blocks.py makes it from an ``expert_parallel`` module). Token-wise: output row t
+(blocks.py makes it from an ``expert_parallel`` module). Token-wise: output row t
 depends on row t of hidden, index and weights only. Strategies, per mesh axis:
 
 - tokens split (hidden, index, weights S(0)), experts replicated -> out S(0): each rank runs its
@@ -15,7 +15,7 @@ depends on row t of hidden, index and weights only. Strategies, per mesh axis:
   experts, the others' rows are zero (the expert split without a dispatch);
 - all replicated -> replicated;
 - tokens replicated, each expert split column- then row-parallel (``expert_parallel(.., tp=)``,
-  sharding/expert_tp.py) -> out Partial: the chain runs as it is on the weights' pieces (a
+  tensor_parallel.py) -> out Partial: the chain runs as it is on the weights' pieces (a
   ModuleList's row bias read as P: the first rank's part adds it, so the sum holds it once).
 
 Every strategy names the one lowering: it emits the whole module on the rank (route, dispatch or
@@ -28,9 +28,9 @@ Example:
 from __future__ import annotations
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.sharding.expert_blocks import BLOCKS, MOE_EXPERTS
-from autopar.sharding.lowerings.expert_dispatch import EXPERT_DISPATCH
-from autopar.sharding.rules.registry import EXPERTS, OpInfo, Strategy, register
+from autopar.parallel.experts.blocks import BLOCKS, MOE_EXPERTS
+from autopar.parallel.experts.dispatch import EXPERT_DISPATCH
+from autopar.sharding.rules.registry import OpInfo, Strategy, Work, register
 
 R = Replicate()
 
@@ -69,4 +69,15 @@ def moe_experts_rule(op: OpInfo) -> list[Strategy]:
     )
 
 
+def moe_experts_flops(node, sy):
+    """Global forward FLOPs of a moe_experts node: every routed row (tokens x top-k) through one
+    expert's weights, 2 per multiply-add (the cost model's ``Work.flops``)."""
+    params = node.args[3]
+    stacked = [p.meta["val"].shape[1:] for p in params if p.meta["val"].dim() == 3]
+    per_expert = BLOCKS[node.args[4]].per_expert  # a ModuleList's: expert 0's own tensors
+    one = stacked or [p.meta["val"].shape for p in params[:per_expert]]
+    return 2 * sy.numel(node.args[1].meta["val"].shape) * sum(sy.numel(shape) for shape in one)
+
+
+EXPERTS = Work("experts", flops=moe_experts_flops)  # kind "experts": a library kernel, never fused (cost/fusion.py)
 register(MOE_EXPERTS, work=EXPERTS)(moe_experts_rule)
