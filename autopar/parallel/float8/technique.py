@@ -185,7 +185,7 @@ class Float8(Technique):
                     data = graph.call_function(item.target, (gather, n + item.args[1]))
                 for u in list(item.users):
                     if u.target is F8:
-                        u.args = (*u.args[:7], data, scale)
+                        u.args = (*u.args[:7], data, scale, *u.args[9:])
 
     def collectives(self, plan, symbols) -> list:
         """The gathered weights' amaxes: one all-reduce (max) of a float32 each, per forward."""
