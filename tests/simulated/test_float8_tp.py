@@ -1,0 +1,254 @@
+"""Tensor parallel's float8 collectives (parallel/float8/rule.py's Float8TensorParallel), as torchao's
+Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput run them under sequence
+parallelism: the column-parallel Linear's input is cast to fp8 on its sequence piece (the scale from
+the whole input's amax) and all-gathered as fp8 bytes; the row-parallel Linear's output is
+reduce-scattered in the compute dtype and its gradient all-gathered in fp8.
+
+Held against the serial torchao float8 model (same recipe): the loss, every gradient and 3 AdamW
+steps. The casts are elementwise with the whole tensor's scale, so the gathered fp8 values are the
+serial ones bit for bit; what differs from serial is the order of the float32 sums (dp's gradient
+sum, the row-parallel partial sums): 5e-5, the tolerance of tests/simulated/test_float8.py
+(measured 6e-8). The bytes of every collective are held three ways: plan.collectives(), what ran
+(ap.comm_stats) and ap.predict's comm_bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar as ap
+from autopar.runtime.simulator import run_ranks
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+F8 = torch.ops.autopar.float8_mm.default
+MESHES = {"tp2": ((2,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
+
+
+class PreNormMLP(nn.Module):
+    """Pre-norm residual MLP blocks (torchtitan's feed-forward shape: Linears without bias)."""
+
+    def __init__(self, d=16, hidden=32, layers=2, bias=False):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {"norm": nn.LayerNorm(d), "fc1": nn.Linear(d, hidden, bias=bias), "fc2": nn.Linear(hidden, d, bias=bias)}
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer["fc2"](F.relu(layer["fc1"](layer["norm"](x))))
+        return self.norm(x)
+
+
+# Megatron's sequence parallel on the MLP: the residual stream split on the sequence (dim 1)
+SP = {
+    "layers.*.norm": ap.sequence_parallel("tp"),
+    "layers.*.fc1": ap.colwise("tp"),
+    "layers.*.fc2": ap.rowwise("tp", output=ap.Shard(1)),
+    "norm": ap.sequence_parallel("tp"),
+}
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(4, 8, 16, generator=g) for _ in range(n)]
+    # the whole batch's max on one rank's piece: sequence position 5 (tp rank 1), row 0 (dp rank 0)
+    xs[0][0, 5, 3] = 40.0
+    return xs
+
+
+def _loss(out):
+    return out.sin().square().mean() + out.mean()
+
+
+def _model(bias=False):
+    torch.manual_seed(0)
+    return PreNormMLP(bias=bias)
+
+
+def _plan(mesh="tp2", recipe="tensorwise", bias=False, **kw):
+    shape, axes = MESHES[mesh]
+    return ap.plan(
+        _model(bias),
+        ap.Mesh(shape, axes),
+        args=(_batches(1)[0],),
+        annotations=SP,
+        data_parallel="dp" if "dp" in axes else None,
+        float8=ap.Float8(recipe),
+        **kw,
+    )
+
+
+def _lowerings(plan) -> list[str]:
+    """Per float8_mm, the name of the lowering it runs with (the tp axis decides)."""
+    from autopar.sharding.lowerings.base import lowering_for
+    from autopar.sharding.propagate import layout_of
+
+    return [lowering_for(layout_of(n).strategies)[0].name for n in plan.graph.nodes if n.target is F8]
+
+
+def _serial(recipe="tensorwise", bias=False):
+    cfg = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+    return torchao_float8.convert_to_float8_training(_model(bias), config=cfg)
+
+
+def _run(plan, steps=3, wrap=None, no_grad_first=False):
+    """Per rank: the first batch's output and gradients, then the parameters after ``steps`` AdamW steps."""
+
+    def rank(r):
+        m = plan.build_module(r)
+        run = wrap(m) if wrap else m
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        first = {}
+        for i, x in enumerate(_batches(steps)):
+            (a,), _ = plan.local_inputs(r, x)
+            out = run(a)
+            _loss(out).backward()
+            if i == 0:
+                first = {"out": out.detach().clone(), **{n: p.grad.clone() for n, p in m.named_parameters()}}
+            opt.step()
+            opt.zero_grad()
+        return first, {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    results = run_ranks(plan.mesh.size, rank)
+    return results, plan.merge_state_dicts([r[1] for r in results])
+
+
+def _serial_run(steps=3, recipe="tensorwise", bias=False):
+    model = _serial(recipe, bias)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    first = {}
+    for i, x in enumerate(_batches(steps)):
+        out = model(x)
+        _loss(out).backward()
+        if i == 0:
+            first = {"out": out.detach().clone(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+        opt.step()
+        opt.zero_grad()
+    return first, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _check_equal_serial(plan, results, merged, steps=3, atol=5e-5, trained_atol=1e-4):
+    first, trained = _serial_run(steps)
+    grads = plan.merge_state_dicts([{k: v for k, v in r[0].items() if k != "out"} for r in results])
+    for n, g in first.items():
+        if n != "out":
+            torch.testing.assert_close(grads[n], g, rtol=0, atol=atol, msg=f"gradient of {n}")
+    # the model's output leaves whole on tp (the loss reads it whole), each dp rank its rows
+    dp = plan.mesh.shape[0] if "dp" in plan.mesh.axis_names else 1
+    for rank, r in enumerate(results):
+        want = first["out"].chunk(dp)[rank // (plan.mesh.size // dp)]
+        torch.testing.assert_close(r[0]["out"], want, rtol=0, atol=atol, msg=f"forward on rank {rank}")
+    for n, p in trained.items():
+        torch.testing.assert_close(merged[n], p, rtol=0, atol=trained_atol, msg=f"{n} after {steps} AdamW steps")
+
+
+def _without_fp8_collectives(monkeypatch):
+    """float8_mm's rule without Float8TensorParallel's strategies: the same plan gathering the
+    input (and the output gradient) in the compute dtype, casting after, as before them."""
+    from autopar.parallel.float8 import rule
+    from autopar.sharding.rules import registry
+
+    full = registry._RULES[F8]
+
+    def plain_float8_mm_rule(op):
+        return [s for s in full(op) if s.lowering is rule.FLOAT8_SCALES]
+
+    monkeypatch.setitem(registry._RULES, F8, plain_float8_mm_rule)
+
+
+def _assert_bitwise(results, merged, other_results, other_merged, what):
+    for (first, _), (other_first, _) in zip(results, other_results):
+        for n, v in first.items():
+            assert torch.equal(v, other_first[n]), (what, "first step", n)
+    for n, p in merged.items():
+        assert torch.equal(p, other_merged[n]), (what, n)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_sequence_parallel_fp8_collectives_equal_serial_torchao(mesh, monkeypatch):
+    """Forward, every gradient and 3 AdamW steps against serial torchao; and bit for bit the same
+    plan gathering in the compute dtype (the fp8 cast is elementwise with the whole tensor's scale,
+    so casting before the gather gives the values casting after does). Tolerance after 3 steps:
+    1e-4, as without the fp8 collectives: on dp2 x tp2 a weight gradient of 1e-10 summed over dp in
+    another order than serial's (1.7e-10 against 1.0e-10) moves AdamW's first step by 7e-5."""
+    plan = _plan(mesh)
+    # fc1 gathers its sequence-split input in fp8; fc2 reduce-scatters its output (gradient gathered in fp8)
+    assert _lowerings(plan) == ["float8_gather_input", "float8_scatter_output"] * 2
+    results, merged = _run(plan)
+    _check_equal_serial(plan, results, merged)
+    _without_fp8_collectives(monkeypatch)
+    plain = _plan(mesh)
+    assert set(_lowerings(plain)) == {"float8_scales"}
+    _assert_bitwise(results, merged, *_run(plain), f"{mesh}: against the compute-dtype gathers")
+
+
+def _label(plan):
+    """comm_stats' rank groups -> plan.collectives()' axis names."""
+    out = {}
+    for a, name in enumerate(plan.mesh.axis_names):
+        for r in plan.mesh.ranks():
+            out[plan.mesh.group((name,), r)] = name
+    return out
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_fp8_bytes_listed_ran_and_predicted(mesh):
+    """One step: every collective's bytes by kind and axis as plan.collectives() lists them and as
+    they ran; the fp8 ones (1 byte per element on the wire) as listed at the float8 Linears; the
+    activations' bytes as ap.predict counts them. The fp8 gathers move a quarter of the float32
+    gathers the same plan runs without float8."""
+    plan = _plan(mesh)
+    label = _label(plan)
+    planned: dict = {}
+    for c in plan.collectives():
+        planned[(c.kind, c.axis)] = planned.get((c.kind, c.axis), 0) + float(c.bytes)
+    with ap.comm_stats() as stats:
+        plan.simulate(lambda m, a: _loss(m(a)).backward(), _batches(1)[0])
+    ran: dict = {}
+    for r in stats.for_rank(0):
+        ran[(r.kind, label[r.group])] = ran.get((r.kind, label[r.group]), 0) + r.bytes
+    assert ran == planned
+    f8_nodes = {n.name for n in plan.graph.nodes if n.target is F8}
+    listed = sum(float(c.bytes) for c in plan.collectives() if c.kind == "all_gather" and c.node in f8_nodes)
+    moved = sum(r.bytes for r in stats.for_rank(0) if r.kind == "all_gather" and r.itemsize == 1)
+    # 2 blocks x (fc1's input forward + fc2's output gradient backward): pieces of 4 x 4 x 16 (/dp) in fp8
+    dp = plan.mesh.shape[0] if mesh == "dp2xtp2" else 1
+    assert listed == moved == 2 * 2 * (4 * 4 * 16 / dp)
+    activations = {}
+    for c in plan.collectives():
+        if c.phase in ("forward", "backward"):
+            activations[c.axis] = activations.get(c.axis, 0.0) + float(c.bytes)
+    assert ap.predict(plan, "h100")["comm_bytes"] == pytest.approx(activations)
+    hp = ap.plan(_model(), plan.mesh, args=(_batches(1)[0],), annotations=SP, data_parallel=plan.options.data_parallel)
+    hp_gathers = sum(
+        float(c.bytes) for c in hp.collectives() if c.kind == "all_gather" and c.axis == "tp" and c.node != "output"
+    )
+    assert listed == hp_gathers / 4
+
+
+def test_rowwise_recipe_gathers_in_the_compute_dtype():
+    """torchao's float8 tensor parallel is tensorwise only: the rowwise recipe's Linears take the
+    plain strategies (the gather before them in the compute dtype)."""
+    plan = _plan("tp2", recipe="rowwise")
+    assert set(_lowerings(plan)) == {"float8_scales"}
+
+
+def test_a_linear_with_bias_gathers_its_input_in_fp8_and_adds_its_bias_after_the_reduce_scatter():
+    """With a bias the bias add is the row-parallel module's output: the reduce-scatter (and its
+    gradient's gather) sits before that add, in the compute dtype; the column-parallel input's gather
+    is in fp8 as without bias. Equal to serial torchao."""
+    plan = _plan("tp2", bias=True)
+    assert _lowerings(plan) == ["float8_gather_input", "float8_scales"] * 2
+    results, merged = _run(plan, steps=1)
+    first, _ = _serial_run(1, bias=True)
+    grads = plan.merge_state_dicts([{k: v for k, v in r[0].items() if k != "out"} for r in results])
+    for n, g in first.items():
+        if n != "out":
+            torch.testing.assert_close(grads[n], g, rtol=0, atol=5e-5, msg=n)
