@@ -252,3 +252,43 @@ def test_a_linear_with_bias_gathers_its_input_in_fp8_and_adds_its_bias_after_the
     for n, g in first.items():
         if n != "out":
             torch.testing.assert_close(grads[n], g, rtol=0, atol=5e-5, msg=n)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "checkpointed"])
+def test_fp8_collectives_compiled_or_checkpointed_equal_serial(mode, monkeypatch):
+    """Under torch.compile (aot_eager) and activation checkpointing (the recompute gathers the input
+    in fp8 again, with the same scale): 3 AdamW steps on tp=2 equal serial torchao, and bit for bit
+    the same plan gathering in the compute dtype."""
+    kw = {"activation_checkpoint": ap.ActivationCheckpoint(pattern="layers.*")} if mode == "checkpointed" else {}
+    wrap = (lambda m: torch.compile(m, backend="aot_eager")) if mode == "compiled" else None
+    plan = _plan("tp2", **kw)
+    assert _lowerings(plan) == ["float8_gather_input", "float8_scatter_output"] * 2
+    with ap.comm_stats() as stats:
+        results, merged = _run(plan, wrap=wrap)
+    assert any(r.kind == "all_gather" and r.itemsize == 1 for r in stats.records), "no fp8 gather ran"
+    _check_equal_serial(plan, results, merged)
+    _without_fp8_collectives(monkeypatch)
+    _assert_bitwise(results, merged, *_run(_plan("tp2", **kw), wrap=wrap), mode)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_fp8_collectives_in_eval_mode_without_grad_equal_serial(mesh):
+    """Inference (eval mode, torch.no_grad): the input gathered in fp8, the output reduce-scattered,
+    no backward; the output equals the serial torchao model's."""
+    plan = _plan(mesh)
+    x = _batches(1)[0]
+
+    def rank(r):
+        m = plan.build_module(r).eval()
+        (a,), _ = plan.local_inputs(r, x)
+        with torch.no_grad():
+            return m(a)
+
+    with ap.comm_stats() as stats:
+        outs = run_ranks(plan.mesh.size, rank)
+    assert any(r.kind == "all_gather" and r.itemsize == 1 for r in stats.records)
+    with torch.no_grad():
+        want = _serial()(x)
+    dp = plan.mesh.size // 2
+    for r, out in enumerate(outs):
+        torch.testing.assert_close(out, want.chunk(dp)[r // 2], rtol=0, atol=5e-5, msg=f"{mesh} rank {r}")
