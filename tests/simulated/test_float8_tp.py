@@ -34,7 +34,11 @@ class PreNormMLP(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(
             nn.ModuleDict(
-                {"norm": nn.LayerNorm(d), "fc1": nn.Linear(d, hidden, bias=bias), "fc2": nn.Linear(hidden, d, bias=bias)}
+                {
+                    "norm": nn.LayerNorm(d),
+                    "fc1": nn.Linear(d, hidden, bias=bias),
+                    "fc2": nn.Linear(hidden, d, bias=bias),
+                }
             )
             for _ in range(layers)
         )

@@ -278,7 +278,9 @@ def _(x, recipe, groups, sizes, masks, rank, gather):
 
 
 @torch.library.custom_op("autopar::float8_scatter_grad", mutates_args=())
-def float8_scatter_grad(g: torch.Tensor, groups: list[int], sizes: list[int], rank: int, gather: list[int]) -> torch.Tensor:
+def float8_scatter_grad(
+    g: torch.Tensor, groups: list[int], sizes: list[int], rank: int, gather: list[int]
+) -> torch.Tensor:
     """float8_gather_input's backward: the gathered input's gradient (partial over the gather's
     axes) reduce-scattered back to this rank's piece, in the compute dtype (as torchao's)."""
     return _Reducer(groups, sizes, [0] * len(sizes), rank).scatter(g, gather).contiguous()
