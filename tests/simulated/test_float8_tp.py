@@ -167,12 +167,17 @@ def _without_fp8_collectives(monkeypatch):
     monkeypatch.setitem(registry._RULES, F8, plain_float8_mm_rule)
 
 
-def _assert_bitwise(results, merged, other_results, other_merged, what):
-    for (first, _), (other_first, _) in zip(results, other_results):
-        for n, v in first.items():
-            assert torch.equal(v, other_first[n]), (what, "first step", n)
-    for n, p in merged.items():
-        assert torch.equal(p, other_merged[n]), (what, n)
+def _assert_bitwise(plans, runs, what):
+    """Two plans' first-step outputs and gradients and trained parameters, merged, bit for bit."""
+    merged = []
+    for plan, (results, trained) in zip(plans, runs):
+        grads = plan.merge_state_dicts([{k: v for k, v in r[0].items() if k != "out"} for r in results])
+        merged.append(({**grads, **{f"out {i}": r[0]["out"] for i, r in enumerate(results)}}, trained))
+    (a_first, a_trained), (b_first, b_trained) = merged
+    for n, v in a_first.items():
+        assert torch.equal(v, b_first[n]), (what, "first step", n)
+    for n, p in a_trained.items():
+        assert torch.equal(p, b_trained[n]), (what, n)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -190,7 +195,7 @@ def test_sequence_parallel_fp8_collectives_equal_serial_torchao(mesh, monkeypatc
     _without_fp8_collectives(monkeypatch)
     plain = _plan(mesh)
     assert set(_lowerings(plain)) == {"float8_scales"}
-    _assert_bitwise(results, merged, *_run(plain), f"{mesh}: against the compute-dtype gathers")
+    _assert_bitwise((plan, plain), ((results, merged), _run(plain)), f"{mesh}: against the compute-dtype gathers")
 
 
 def _label(plan):
@@ -272,7 +277,8 @@ def test_fp8_collectives_compiled_or_checkpointed_equal_serial(mode, monkeypatch
     assert any(r.kind == "all_gather" and r.itemsize == 1 for r in stats.records), "no fp8 gather ran"
     _check_equal_serial(plan, results, merged)
     _without_fp8_collectives(monkeypatch)
-    _assert_bitwise(results, merged, *_run(_plan("tp2", **kw), wrap=wrap), mode)
+    plain = _plan("tp2", **kw)
+    _assert_bitwise((plan, plain), ((results, merged), _run(plain, wrap=wrap)), mode)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -296,3 +302,36 @@ def test_fp8_collectives_in_eval_mode_without_grad_equal_serial(mesh):
     dp = plan.mesh.size // 2
     for r, out in enumerate(outs):
         torch.testing.assert_close(out, want.chunk(dp)[r // 2], rtol=0, atol=5e-5, msg=f"{mesh} rank {r}")
+
+
+def test_with_zero3_fp8_weight_gather_equal_serial_and_bytes_as_listed():
+    """Sequence parallel's fp8 collectives beside zero=3's fp8 weight gather (dp2 x tp2): the matmul
+    reads the gathered fp8 input and the gathered fp8 weight; 3 AdamW steps bit for bit the plan
+    gathering the weights in the compute dtype, within the tolerances above of serial torchao; every
+    collective's bytes as listed."""
+
+    def plan(gather):
+        return ap.plan(
+            _model(),
+            ap.Mesh((2, 2), ("dp", "tp")),
+            args=(_batches(1)[0],),
+            annotations=SP,
+            data_parallel=ap.DataParallel("dp", zero=3),
+            float8=ap.Float8("tensorwise", fp8_all_gather=gather),
+        )
+
+    fp8 = plan(True)
+    assert _lowerings(fp8) == ["float8_gather_input", "float8_scatter_output"] * 2
+    label = {**_label(fp8), tuple(fp8.mesh.ranks()): "dp*tp"}
+    planned: dict = {}
+    for c in fp8.collectives():
+        planned[(c.kind, c.axis)] = planned.get((c.kind, c.axis), 0) + float(c.bytes)
+    with ap.comm_stats() as stats:
+        results, merged = _run(fp8)
+    ran: dict = {}
+    for r in stats.for_rank(0):
+        ran[(r.kind, label[r.group])] = ran.get((r.kind, label[r.group]), 0) + r.bytes
+    assert ran == {k: 3 * v for k, v in planned.items()}  # 3 steps
+    _check_equal_serial(fp8, results, merged)
+    hp = plan(False)
+    _assert_bitwise((fp8, hp), ((results, merged), _run(hp)), "zero=3 weights gathered in the compute dtype")
