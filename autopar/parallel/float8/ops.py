@@ -16,6 +16,12 @@ grad_input, 4 output gradient for grad_weight, 5 input for grad_weight. ``masks[
 set when cast r reduces its amax over the i-th group of ranks (``groups`` holds the groups one
 after the other, ``sizes[i]`` ranks each). The backward is its own op, so torch.compile and export see both.
 
+Tensor parallel's collectives in fp8 (torchao's Float8ColwiseParallel / Float8RowwiseParallel,
+tensorwise): ``float8_gather_input`` casts a rank's piece of the input with the whole input's scale
+and all-gathers the fp8 bytes, float8_mm then reads them (``x8``, ``x_scale``) for the output and
+grad_weight; with ``scatter`` float8_mm reduce-scatters its output and its backward all-gathers the
+output gradient in fp8, cast once for both gemms. The fp8 bytes cross the wire as uint8.
+
 Example:
     >>> y = torch.ops.autopar.float8_mm(x, w, "tensorwise", [], [], [], 0)  # nothing split
     >>> y = torch.ops.autopar.float8_mm(x, w, "tensorwise", [0, 1], [2], [0b111111], 0)

@@ -9,6 +9,14 @@ that split the dims the amax runs over (a row's amax over the in-features: the a
 them, row-parallel's tp). The output gradient is split as the output is (a Partial output's
 gradient is whole on every rank).
 
+Tensorwise, two more strategies run tensor parallel's collective inside the op in fp8, as torchao's
+float8 tensor parallel does under sequence parallelism (Float8TensorParallel): a column-parallel
+Linear taking its input split on a leading dim (GATHER_INPUT: cast, then all-gathered as fp8
+bytes) and a row-parallel one leaving its output split on a leading dim (SCATTER_OUTPUT: its output
+reduce-scattered, its gradient cast and all-gathered in fp8). They price that collective for
+propagation themselves (``strategy_bytes``), so they are chosen where the input arrives split (or
+the output must leave split) and the fp8 gather moves fewer bytes than the compute dtype's.
+
 Example (column-parallel fc1 on tp, batch on dp, tensorwise): the input's amax is reduced over
 dp, the weight's over tp, the output gradient's over dp and tp.
 """
