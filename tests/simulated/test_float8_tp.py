@@ -335,3 +335,41 @@ def test_with_zero3_fp8_weight_gather_equal_serial_and_bytes_as_listed():
     _check_equal_serial(fp8, results, merged)
     hp = plan(False)
     _assert_bitwise((fp8, hp), ((results, merged), _run(hp)), "zero=3 weights gathered in the compute dtype")
+
+
+def test_linears_reading_one_input_share_its_fp8_gather():
+    """A LLaMA-style model under presets.megatron(sequence_parallel=True): q, k and v (and gate and
+    up) read one normed input, gathered once in fp8 (PrepareFloat8ModuleInput's point), listed once
+    and run once; every gradient equals serial torchao's (the LM head left out, as torchtitan does)."""
+    from autopar.cost.float8 import lm_heads
+    from tests.harness.llama_like import llama_batch, llama_like
+
+    ids, labels = llama_batch(batch=2, seq=16)
+    kw = {"input_ids": ids, "labels": labels}
+    model = llama_like(d=32, layers=2)
+    skip = lm_heads(model)
+    ann = ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True)
+    plan = ap.plan(model, ap.Mesh((2,), ("tp",)), kwargs=kw, annotations=ann, float8=ap.Float8("tensorwise", skip=skip))
+    gathers, scatters = _lowerings(plan).count("float8_gather_input"), _lowerings(plan).count("float8_scatter_output")
+    assert (gathers, scatters) == (2 * 5, 2 * 2)  # q, k, v, gate, up; o_proj, down
+    f8 = {n.name for n in plan.graph.nodes if n.target is F8}
+    listed = [c for c in plan.collectives() if c.kind == "all_gather" and c.node in f8]
+    # per block: one forward gather for q, k, v, one for gate, up; one backward gather per row-parallel output
+    assert [c.phase for c in listed] == ["forward", "backward"] * 4
+
+    def rank(r):
+        m = plan.build_module(r)
+        _, local = plan.local_inputs(r, **kw)
+        m(**local)[1].backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    with ap.comm_stats() as stats:
+        grads = plan.merge_state_dicts(run_ranks(2, rank))
+    fp8 = [r for r in stats.for_rank(0) if r.kind == "all_gather" and r.itemsize == 1]
+    assert len(fp8) == len(listed) and sum(r.bytes for r in fp8) == sum(float(c.bytes) for c in listed)
+    serial = torchao_float8.convert_to_float8_training(
+        llama_like(d=32, layers=2), module_filter_fn=lambda m, fqn: fqn not in skip
+    )
+    serial(**kw)[1].backward()
+    for n, p in serial.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
