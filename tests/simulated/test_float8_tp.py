@@ -190,6 +190,7 @@ def test_sequence_parallel_fp8_collectives_equal_serial_torchao(mesh, monkeypatc
     plan = _plan(mesh)
     # fc1 gathers its sequence-split input in fp8; fc2 reduce-scatters its output (gradient gathered in fp8)
     assert _lowerings(plan) == ["float8_gather_input", "float8_scatter_output"] * 2
+    assert "tensor parallel in fp8: 2 read their input gathered, 2 gather their output gradient" in str(plan)
     results, merged = _run(plan)
     _check_equal_serial(plan, results, merged)
     _without_fp8_collectives(monkeypatch)
