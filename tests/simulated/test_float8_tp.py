@@ -374,3 +374,31 @@ def test_linears_reading_one_input_share_its_fp8_gather():
     serial(**kw)[1].backward()
     for n, p in serial.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_pipeline_stages_run_the_fp8_collectives_equal_serial_accumulation():
+    """pp2 x tp2 with sequence parallel inside each stage (1F1B, 2 micro-batches): each stage gathers
+    in fp8; the gradients equal the serial torchao model accumulating over the same micro-batches
+    (a pipeline scales each micro-batch on its own: docs/float8.md)."""
+    from tests.harness.models import mse
+
+    x, y = _batches(1)[0], torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(3))
+    plan = ap.plan(
+        _model(),
+        ap.Mesh((2, 2), ("pp", "tp")),
+        args=(x,),
+        annotations={**SP, "layers.1": ap.split_before()},
+        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b", loss=mse),
+        float8=ap.Float8("tensorwise"),
+    )
+    assert _lowerings(plan) == ["float8_gather_input", "float8_scatter_output"] * 2
+    runners = [plan.pipeline_runner(r) for r in plan.mesh.ranks()]
+    with ap.comm_stats() as stats:
+        run_ranks(4, lambda r: runners[r].step((x,), y))
+    assert any(r.kind == "all_gather" and r.itemsize == 1 for r in stats.records)
+    serial = _serial()
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        (mse(serial(xs), ys) / 2).backward()
+    grads = plan.merge_state_dicts([{n: p.grad for n, p in r.named_parameters()} for r in runners])
+    for n, p in serial.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=5e-5, msg=n)
