@@ -9,6 +9,12 @@ all-gathers (forward, and again in backward), the whole step's and the fp8 weigh
 the bf16 plan's, and ap.predict's fp8 gather bytes against what ran. Embeddings, norms, biases and
 the LM head stay in bf16, so the whole step's ratio lies above the weights' 0.5.
 
+The tensor-parallel rows: the same GPT without biases (torchtitan's Linears) under Megatron's
+sequence parallelism on dp2 x tp2 (zero=3, bf16): with ``ap.Float8("tensorwise")`` the
+column-parallel Linears' inputs are all-gathered on tp in fp8 and the row-parallel outputs'
+gradients too (torchao's Float8ColwiseParallel / Float8RowwiseParallel), against the same plan
+without Float8 (bf16 gathers); the fp8 bytes as plan.collectives() lists them against what ran.
+
 Step times are the simulator's on this CPU (every rank in one process, fp8 matmuls emulated by
 torch._scaled_mm's CPU path): they say nothing about a GPU, where the gather's bytes are the point.
 
@@ -56,6 +62,73 @@ def _gathers(plan, args) -> tuple[float, float, float]:
     return sum(r.bytes for r in recs), sum(r.bytes for r in recs if r.itemsize == 1), seconds
 
 
+def _sp_annotations():
+    import autopar as ap
+
+    return {
+        **GPT_TP,
+        "blocks.*.attn.proj": ap.rowwise("tp", output=ap.Shard(1)),
+        "blocks.*.mlp.proj": ap.rowwise("tp", output=ap.Shard(1)),
+        "blocks.*.ln_*": ap.sequence_parallel("tp"),
+        "ln_f": ap.sequence_parallel("tp"),
+    }
+
+
+def _tp_rows(quick: bool) -> list[dict]:
+    """fp8 against bf16 bytes of tensor parallel's all-gathers under sequence parallelism."""
+    import torch
+
+    import autopar as ap
+    from autopar.cost.float8 import lm_heads
+    from autopar.models.gpt import GPT, GPTConfig
+    from bench.models import SIZES, VOCAB
+
+    d, hidden, layers, heads, batch, seq = SIZES["tiny" if quick else "small"]
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=d, mlp_ratio=hidden // d)
+    model = GPT(GPTConfig(**{**cfg.__dict__, "bias": False}))
+    g = torch.Generator().manual_seed(1)
+    args = tuple(torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(2))
+
+    def plan(float8):
+        return ap.plan(
+            model,
+            ap.Mesh((2, 2), ("dp", "tp")),
+            args=args,
+            annotations=_sp_annotations(),
+            data_parallel=ap.DataParallel("dp", zero=3, param_dtype=torch.bfloat16),
+            float8=ap.Float8("tensorwise", skip=lm_heads(model)) if float8 else None,
+        )
+
+    def tp_gathers(p):
+        tp = {tuple(g) for g in p.mesh.groups("tp")}
+        with ap.comm_stats() as stats:
+            p.simulate(lambda m, *a: loss_of(m(*a)).backward(), *args)
+        recs = [r for r in stats.for_rank(0) if r.kind == "all_gather" and r.group in tp]
+        return sum(r.bytes for r in recs), sum(r.bytes for r in recs if r.itemsize == 1)
+
+    bf16, fp8 = plan(False), plan(True)
+    (b_all, _), (f_all, f8_ran) = tp_gathers(bf16), tp_gathers(fp8)
+    f8 = torch.ops.autopar.float8_mm.default
+    linears = {n.name for n in fp8.graph.nodes if n.target is f8}
+    listed = sum(float(c.bytes) for c in fp8.collectives() if c.kind == "all_gather" and c.node in linears)
+    same_bf16 = b_all - (f_all - f8_ran)  # the bf16 plan's bytes of the gathers fp8 replaces
+    case = f"gpt {'tiny' if quick else 'small'} no bias, dp2 x tp2 + sp, zero=3 bf16"
+    return [
+        row("float8_gather", case, "tp gather B/step/rank bf16", int(b_all)),
+        row("float8_gather", case, "tp gather B/step/rank fp8", int(f_all), note="the Float8 plan, every tp gather"),
+        row(
+            "float8_gather",
+            case,
+            "Linear inputs + output grads fp8 / bf16",
+            round(f8_ran / same_bf16, 3),
+            "0.5",
+            f"{int(f8_ran)} B of fp8 against {int(same_bf16)} B of bf16",
+        ),
+        row("float8_gather", case, "tp fp8 B listed / ran", f"{int(listed)} / {int(f8_ran)}", "equal"),
+    ]
+
+
 def run(quick: bool) -> list[dict]:
     import autopar as ap
 
@@ -93,7 +166,7 @@ def run(quick: bool) -> list[dict]:
                 note="simulated ranks on a CPU: says nothing about a GPU",
             ),
         ]
-    return rows
+    return rows + _tp_rows(quick)
 
 
 if __name__ == "__main__":

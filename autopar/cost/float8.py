@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.runtime.ring import ring_bytes, ring_steps
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.rules import op_traits
 from autopar.trace.model_members import named_modules
@@ -100,5 +101,106 @@ def cast_bytes(plan, sy, compiled: bool, weight_shards: float = 1.0) -> dict:
             fwd += CAST * x_e
         cast_inputs.add(x)
         bwd = CAST * y_e + RELAYOUT * (w_e + y_e + x_e) if plan.ctx.needs_grad.get(node) else 0.0
+        out[name] = (fwd, bwd)
+    return out
+
+
+AMAX_FP32 = 4  # bytes of one weight's amax in the fp8 gather's all-reduce (float32)
+
+
+def _split_axes(spec) -> tuple:
+    return tuple(a for a, p in enumerate(spec or ()) if p.is_shard())
+
+
+def scale_comms(plan, fp8_gathered: bool | None = None) -> dict:
+    """node name -> [(mesh axes, phase, bytes per rank)] of the amax all-reduces (max) float8
+    training adds to that Linear on these layouts, as the float8 plan runs them (tensorwise: the
+    recipe the search prices; parallel/float8/rule.py's lowering): each of the six casts reduces its
+    one amax (in the tensor's dtype) over every axis splitting the tensor it reads (input, weight,
+    output gradient), the backward's casts only where a gradient flows. Where zero=3 gathers the
+    weights in fp8 (``fp8_gathered``; None: the plan's own ap.Float8(fp8_all_gather=True), or the
+    search's float8 pricing under zero=3), the weight's two casts are the gather's instead: one
+    all-reduce of every such weight's float32 amax per forward, over the shard group and the axes
+    splitting them, listed at the first Linear (gather.py's precompute).
+
+    The casts' reductions are those of a plan the search prices in float8 (ap.Auto(float8=True):
+    no ap.Float8 yet); a plan with ap.Float8 lists its own in plan.collectives() (the lowering's),
+    which the search and ap.predict read, and gets here only the fp8 gather's all-reduce, which
+    plan.collectives() lists over several axes at once ("float8 weight scales"), beyond the
+    per-axis activation terms the search reads.
+
+    Example:
+        >>> scale_comms(plan)["linear"]     # [((1,), 'forward', 4.0), ((0,), 'backward', 8.0), ...]
+    """
+    mesh, out = plan.mesh, {}
+    casts = getattr(plan.options, "float8", None) is None  # a plan with ap.Float8 lists its casts' own
+    nodes = {n.name: n for n in plan.graph.nodes}
+    if fp8_gathered is None:
+        f8 = getattr(plan.options, "float8", None)
+        fp8_gathered = bool(getattr(f8, "fp8_all_gather", True)) and _zero3_axis(plan) is not None
+    wire_axes, n_weights, first = set(), 0, None
+    for name in float8_linears(plan):
+        node = nodes[name]
+        lowered = getattr(node.target, "namespace", None) == "autopar"
+        lay = layout_of(node)
+        x, w = (lay.input_targets + [None, None])[:2]
+        split = {0: _split_axes(x), 1: _split_axes(w), 2: _split_axes(lay.spec)}
+        if fp8_gathered and (casts or lowered):
+            n_weights += 1
+            wire_axes |= set(split[1])
+            first = first or name
+        if lowered or not casts:
+            continue
+        grad = plan.ctx.needs_grad.get(node)
+        dtypes = {
+            0: node.args[0].meta["val"].dtype,
+            1: node.args[1].meta["val"].dtype,
+            2: node.meta["val"].dtype,
+        }
+        comms = []
+        for role, tensor in enumerate((0, 1, 2, 1, 2, 0)):
+            if (role >= 2 and not grad) or (fp8_gathered and tensor == 1):
+                continue
+            for a in split[tensor]:
+                phase = "forward" if role < 2 else "backward"
+                comms.append(((a,), phase, float(ring_bytes("all_reduce", dtypes[tensor].itemsize, mesh.shape[a]))))
+        out[name] = comms
+    if fp8_gathered and n_weights:
+        axes = tuple(sorted(wire_axes | {_zero3_axis(plan)}))
+        n = 1
+        for a in axes:
+            n *= mesh.shape[a]
+        if n > 1:
+            out.setdefault(first, []).append(
+                (axes, "forward", float(ring_bytes("all_reduce", AMAX_FP32 * n_weights, n)))
+            )
+    return out
+
+
+def _zero3_axis(plan):
+    """The data-parallel axis zero=3 shards over, or None without zero=3."""
+    dp = plan.data_parallel
+    if dp is None or not dp.storage.gathers_params or plan.dp_axis is None:
+        return None
+    return plan.dp_axis
+
+
+def scale_seconds(plan, profile, fp8_gathered: bool | None = None) -> dict:
+    """node name -> (forward s, backward s) of ``scale_comms``: each all-reduce its link's latency
+    per ring round plus its bytes at the link's bandwidth (a group over several axes on the
+    slowest, outermost one's link). Latency-bound: a few bytes each, 2(n-1) rounds."""
+    out = {}
+    for name, comms in scale_comms(plan, fp8_gathered).items():
+        fwd = bwd = 0.0
+        for axes, phase, nbytes in comms:
+            n = 1
+            for a in axes:
+                n *= plan.mesh.shape[a]
+            alpha, beta = profile.link(plan.mesh, min(axes))
+            t = alpha * ring_steps("all_reduce", n) + nbytes / beta
+            if phase == "forward":
+                fwd += t
+            else:
+                bwd += t
         out[name] = (fwd, bwd)
     return out

@@ -637,6 +637,8 @@ def _cost(node, s: Strategy, axis: int, ins, info: OpInfo, cur, ctx: Context) ->
         if needs_f:  # Megatron's "f": an all-reduce of the gradient (see gradflow.py)
             n = mesh.shape[axis]
             total += 2 * (n - 1) / n * nbytes
+    if s.lowering is not None:  # a collective the lowering runs itself (float8's fp8 gathers)
+        total += s.lowering.strategy_bytes(info, s, axis, cur, mesh, [bool(ctx.needs_grad.get(i)) for i in ins])
     wanted = ctx.output_constraints.get(node, {}).get(axis)
     if wanted is not None and s.outputs[0] != wanted:
         meta = info.outputs[0]

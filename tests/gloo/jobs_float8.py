@@ -78,3 +78,29 @@ def fp8_gather_matches_serial():
         ref = stored(plan, rank, n, shard_tensor(named[n].detach(), plan.param_specs[n], plan.mesh, rank))
         worst = max(worst, (p.detach() - ref).abs().max().item() if p.numel() else 0.0)
     return worst
+
+
+def sequence_parallel_fp8_matches_serial(mesh_name):
+    """Sequence parallel with tensor parallel's float8 collectives (the input gathered in fp8, the
+    row-parallel output reduce-scattered and its gradient gathered in fp8: uint8 through gloo):
+    this rank's gradients against the serial torchao model's, relative to the largest; and whether
+    fp8 bytes crossed (the all-gathers' element sizes this rank ran)."""
+    import torchao.float8 as f8
+
+    from tests.simulated.test_float8_tp import SP, _batches, _loss, _model
+
+    spec, rank = MESHES[mesh_name], dist.get_rank()
+    x = _batches(1)[0]
+    module = ap.parallelize(_model(), spec.mesh(), args=(x,), annotations=SP, data_parallel=spec.dp,
+                            float8=ap.Float8("tensorwise"))  # fmt: skip
+    plan = module.autopar_plan
+    (a,), _ = plan.local_inputs(rank, x)
+    with ap.comm_stats() as stats:
+        _loss(module(a)).backward()
+    serial = f8.convert_to_float8_training(_model())
+    _loss(serial(x)).backward()
+    named, worst = dict(serial.named_parameters()), 0.0
+    for n, p in module.named_parameters():
+        ref = shard_tensor(named[n].grad, plan.param_specs[n], plan.mesh, rank)
+        worst = max(worst, ((p.grad - ref).abs().max() / named[n].grad.abs().max()).item())
+    return worst, sorted({r.itemsize for r in stats.records if r.kind == "all_gather"})

@@ -17,3 +17,13 @@ def test_zero3_fp8_all_gather_on_gloo(gloo):
     """The fp8 bytes cross gloo as uint8; 2 AdamW steps equal serial torchao (tensorwise, 5e-5)."""
     for worst in gloo(4).run("tests.gloo.jobs_float8:fp8_gather_matches_serial"):
         assert worst < 5e-5, worst
+
+
+@pytest.mark.parametrize("mesh", ["tp2", "dp2xtp2"])
+def test_sequence_parallel_fp8_collectives_on_gloo(gloo, mesh):
+    """tp's fp8 all-gathers cross gloo as uint8; the gradients equal serial torchao's (tensorwise)."""
+    for worst, itemsizes in gloo(2 if mesh == "tp2" else 4).run(
+        "tests.gloo.jobs_float8:sequence_parallel_fp8_matches_serial", mesh
+    ):
+        assert worst < 1e-5, worst
+        assert 1 in itemsizes, itemsizes

@@ -36,7 +36,7 @@ import torch
 from autopar.cost import make_comm
 from autopar.errors import PlanError
 from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's rule and lowering
-from autopar.parallel.float8.rule import AMAX_BYTES
+from autopar.parallel.float8.rule import AMAX_BYTES, tp_pairs
 from autopar.parallel.float8.gather import Float8Wire
 from autopar.parallel.float8.recipes import RECIPES, config, recipe_of
 from autopar.parallel.data_parallel.fsdp import held_buckets
@@ -185,7 +185,7 @@ class Float8(Technique):
                     data = graph.call_function(item.target, (gather, n + item.args[1]))
                 for u in list(item.users):
                     if u.target is F8:
-                        u.args = (*u.args[:7], data, scale)
+                        u.args = (*u.args[:7], data, scale, *u.args[9:])
 
     def collectives(self, plan, symbols) -> list:
         """The gathered weights' amaxes: one all-reduce (max) of a float32 each, per forward."""
@@ -212,8 +212,14 @@ class Float8(Technique):
         return sorted({plan.mesh.group(names, r) for r in plan.mesh.ranks()})
 
     def describe(self, plan) -> str:
-        n = sum(1 for node in plan.graph.nodes if node.target is F8)
-        text = f"float8 ({self.recipe}): {n} Linear matmuls in float8, each scale from the whole tensor's amax"
+        f8 = [node for node in plan.graph.nodes if node.target is F8]
+        text = f"float8 ({self.recipe}): {len(f8)} Linear matmuls in float8, each scale from the whole tensor's amax"
+        pairs = [tp_pairs(node) for node in f8]  # torchao's float8 tensor parallel (rule.py's Float8TensorParallel)
+        inputs, outputs = sum(bool(g) for g, _ in pairs), sum(bool(s) for _, s in pairs)
+        if inputs or outputs:
+            text += (
+                f"; tensor parallel in fp8: {inputs} read their input gathered, {outputs} gather their output gradient"
+            )
         if self.fp8_all_gather:
             g = len(self.gather_wire(plan))
             text += f"; zero=3 gathers {g} weights in fp8" if g else "; fp8_all_gather: no zero=3 gather here"

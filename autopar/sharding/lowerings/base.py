@@ -65,6 +65,13 @@ class Lowering:
         formulas of ``symbols``; Cost.time() sets one beside the other. None: not in steps."""
         return None
 
+    def strategy_bytes(self, info, s, axis: int, cur, mesh, grads) -> float:
+        """Bytes per rank the strategy ``s`` moves on ``axis`` inside ``emit`` (not on its input
+        edges), forward and backward, for propagation to weigh it against the other strategies;
+        ``cur``: the inputs' current placements, ``grads``: per input whether a gradient flows to it.
+        0 for a lowering whose collectives are small (scales) or none."""
+        return 0.0
+
     def reason(self, axis_name: str) -> str:
         """Why this lowering's collectives run, for plan.explain."""
         return f"{self.name} on {axis_name}"
