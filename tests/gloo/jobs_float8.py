@@ -9,6 +9,7 @@ import autopar as ap
 from autopar.placement import shard_tensor
 from tests.harness.meshes import MESHES
 from tests.harness.models import MLP, MLP_TP
+from tests.simulated.test_float8 import ADAMW
 
 
 def float8_matches_serial(mesh_name, recipe):
@@ -67,7 +68,7 @@ def fp8_gather_matches_serial():
     torch.manual_seed(0)
     serial = f8.convert_to_float8_training(MLP())
     for m in (module, serial):
-        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(m.parameters(), **ADAMW)
         for x in xs:
             inp = plan.local_inputs(rank, x)[0][0] if m is module else x
             m(inp).sin().square().mean().backward()

@@ -17,7 +17,7 @@ from autopar.errors import PlanError
 from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
 from autopar.runtime.simulator import run_ranks
 from tests.harness.models import MLP_TP
-from tests.simulated.test_float8 import _batches, _loss, _model, _serial_trained
+from tests.simulated.test_float8 import ADAMW, _batches, _loss, _model, _serial_trained
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 MESHES = {"dp2": ((2,), ("dp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
@@ -39,7 +39,7 @@ def _plan(mesh="dp2xtp2", gather=True, model=None, float8="default", **dp):
 def _train(plan, steps=3):
     def rank(r):
         m = plan.build_module(r)
-        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(m.parameters(), **ADAMW)
         for x in _batches(steps):
             (a,), _ = plan.local_inputs(r, x)
             _loss(m(a)).backward()
@@ -112,7 +112,7 @@ def test_a_converted_model_with_enable_fsdp_float8_all_gather_plans_and_trains()
     assert any(b.wire for b in buckets_cached(plan))
     merged = _train(plan)
     serial = torchao_float8.convert_to_float8_training(_model(), config=cfg)
-    opt = torch.optim.AdamW(serial.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(serial.parameters(), **ADAMW)
     for x in _batches(3):
         _loss(serial(x)).backward()
         opt.step()
@@ -209,7 +209,7 @@ def test_fp8_gather_compiled_or_checkpointed_trains_equal_serial(mode):
         def rank(r):
             m = p.build_module(r)
             run = wrap(m) if wrap else m
-            opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+            opt = torch.optim.AdamW(m.parameters(), **ADAMW)
             for x in _batches(3):
                 (a,), _ = p.local_inputs(r, x)
                 _loss(run(a)).backward()
