@@ -31,10 +31,19 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
+from autopar.placement import (
+    Partial,
+    Shard,
+    from_zigzag,
+    is_uneven,
+    piece_size,
+    piece_start,
+    shard_factor,
+    to_zigzag,
+    uneven_dims,
+)
 from autopar.errors import ShardingError
 from autopar.mesh import SubAxis
-from autopar.runtime.zigzag import from_zigzag, to_zigzag
 from autopar.sharding.piece_order import piece_orders
 from autopar.runtime.uneven import (
     from_padded,

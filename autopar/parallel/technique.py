@@ -111,12 +111,12 @@ class Technique:
 
     def attention_method(self, axis: str) -> str | None:
         """How attention split on mesh axis ``axis`` by its sequence meets every key ("ring" or
-        "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""
+        "allgather"; context/attention_lowering.py asks), or None when not this technique's axis."""
         return None
 
     def piece_order(self, axis: str) -> str | None:
         """The order of the pieces of every dim split on mesh axis ``axis``: None (contiguous) or
-        "zigzag" (runtime/zigzag.py: rank r holds chunks r and 2n-1-r). The emitted program's
+        "zigzag" (placement.py's orders: rank r holds chunks r and 2n-1-r). The emitted program's
         redistributions on the axis and plan.local_inputs follow it."""
         return None
 

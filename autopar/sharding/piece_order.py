@@ -1,7 +1,7 @@
 """Which split tensors hold their pieces in the zig-zag order, and which in the plain one.
 
 Load-balanced context parallel (``ContextParallel(load_balance=True)``) cuts the user's
-sequences head-tail (runtime/zigzag.py): rank r of the axis holds chunks r and 2n-1-r. A
+sequences head-tail (placement.py's orders): rank r of the axis holds chunks r and 2n-1-r. A
 parameter split on the same axis (a column-parallel Linear there, a vocabulary split) is cut
 plainly: rank r holds piece r. So on such an axis a split tensor is in one of two orders, and
 every collective that joins or cuts pieces must know which. This pass says it for every value
