@@ -93,6 +93,14 @@ class Shard(Placement):
     consecutive positions, every position of a group holding the same piece: position c holds
     piece ``c // k`` of ``n / k`` (experts over the outer of two data-parallel axes, replicated
     over the inner; the ranks splitting it are ``k`` apart, a stride of ``k``).
+
+    ``order="zigzag"``: the pieces are not contiguous ranges: the dim is cut into 2n chunks and
+    rank k holds chunks k and 2n-1-k (``PIECE_ORDERS``; load-balanced context parallel). A
+    redistribution between two orders is a step like any other (sharding/redistribute.py: the
+    pieces gathered in one order, cut in the other); every collective joining or cutting ordered
+    pieces permutes the dim around it (``PIECE_ORDERS``' pair). Printed ``S(1,zigzag)``.
+    Propagation places the plain split; sharding/piece_order.py says which values hold which
+    order, and the emitter redistributes between the ordered layouts.
     """
 
     dim: int
@@ -100,10 +108,18 @@ class Shard(Placement):
     of: tuple[int, int] | None = None
     within: int | None = None
     across: int | None = None
+    order: str | None = None
 
     def __post_init__(self):
         if self.within and self.across:
             raise ShardingError(f"Shard({self.dim}): within= and across= name the two parts of an axis; give one.")
+        if self.order is not None and self.order not in PIECE_ORDERS:
+            raise ShardingError(
+                f"Shard({self.dim}, order={self.order!r}): the orders of pieces are {sorted(PIECE_ORDERS)} "
+                "(None: contiguous)."
+            )
+        if self.order is not None and (self.of is not None or self.grouped):
+            raise ShardingError(f"Shard({self.dim}, order={self.order!r}): an order of pieces takes a plain split.")
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -150,11 +166,15 @@ class Shard(Placement):
         extra = f",within={self.within}" if self.within else f",across={self.across}" if self.across else ""
         if self.of is not None:
             return f"S({self.dim},of={self.of[0]}/{self.of[1]}{extra})"
+        extra += f",{self.order}" if self.order else ""
         return (f"S({self.dim}" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks}") + extra + ")"
 
     @classmethod
     def _parse(cls, text: str) -> "Shard | None":
         part = {}
+        m = re.fullmatch(r"(.*),\s*(\w+)\)", text)
+        if m and m.group(2) in PIECE_ORDERS:
+            text, part = m.group(1) + ")", {"order": m.group(2)}
         m = re.fullmatch(r"(.*),\s*(within|across)=(\d+)\)", text)
         if m:
             text, part = m.group(1) + ")", {m.group(2): int(m.group(3))}
@@ -466,3 +486,9 @@ def local_positions(n_local: int, n: int, coord: int, zigzag: bool, device=None)
             torch.arange((2 * n - 1 - coord) * c, (2 * n - coord) * c, device=device),
         )
     )
+
+
+# each order of pieces: (serial -> the ranks' pieces in rank order, its inverse), each taking
+# (x, dim, n, blocks); a cut of the reordered dim gives every rank its pieces, and a concatenation
+# of the ranks' pieces put back gives the serial order
+PIECE_ORDERS = {ZIGZAG: (to_zigzag, from_zigzag)}
