@@ -391,7 +391,8 @@ def narrow_piece(t: torch.Tensor, dim: int, n: int, k: int, blocks: int = 1) -> 
 
 
 def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tensor:
-    """This rank's piece of ``full`` (a view where possible; Partial keeps it on the group's first rank)."""
+    """This rank's piece of ``full`` (a view where possible; Partial keeps it on the group's first rank;
+    ``Shard.order``: the pieces of that order, a copy)."""
     coords = mesh.coords(rank)
     out = full
     for axis, p in enumerate(placements):
@@ -399,6 +400,8 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
             mine = p.position(coords[axis]) == p.owner(mesh.shape[axis])
             out = out.narrow(p.dim, 0, out.shape[p.dim] if mine else 0)
         elif isinstance(p, Shard):
+            if p.order is not None:  # the ranks' pieces one after the other, then cut plainly
+                out = PIECE_ORDERS[p.order][0](out, p.dim, mesh.shape[axis], p.blocks)
             out = narrow_piece(out, p.dim, p.pieces(mesh.shape[axis]), p.position(coords[axis]), p.blocks)
         elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)
@@ -420,6 +423,8 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
         if isinstance(p, Shard) and p.blocks > 1:  # rank k holds chunk k of every block
             per_rank = [t.chunk(p.blocks, p.dim) for t in parts]
             return torch.cat([r[b] for b in range(p.blocks) for r in per_rank], dim=p.dim)
+        if isinstance(p, Shard) and p.order is not None:  # the ranks' pieces back in serial order
+            return PIECE_ORDERS[p.order][1](torch.cat(parts, dim=p.dim), p.dim, len(parts))
         if isinstance(p, Shard):
             return torch.cat(parts, dim=p.dim)
         if isinstance(p, Partial):

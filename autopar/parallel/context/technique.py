@@ -18,8 +18,9 @@ ap.parallelize. Long sequences are split across the ranks of one mesh axis.
 
 - ``load_balance=True``: each rank holds the head-tail pair of chunks r and 2cp-1-r of every
   split dim (placement.py's orders), so causal attention's work is the same on every rank. The
-  order is a property of the axis: every redistribution on it reorders around its collective
-  (codegen/emit.py), ``plan.local_inputs`` cuts the inputs so, and positions built with
+  order is a placement (``Shard(d, order="zigzag")``, sharding/piece_order.py says which values
+  hold it): every redistribution on the axis reorders around its collective, ``plan.local_inputs``
+  cuts the inputs so, and positions built with
   ``arange`` arrive permuted to match (RoPE, learned positions, HF's causal mask stay right).
   Every dim split on the axis must divide by 2 cp (PlanError otherwise).
 - The eager attention form (matmul, scale, mask, softmax, matmul: HF's "eager", nanoGPT) is
@@ -47,7 +48,7 @@ from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 from autopar.parallel.context.attention_lowering import CONTEXT_ATTENTION, call_splits, local_heads, ulysses_repeat
 from autopar.parallel.context.eager_attention import fuse_eager_attention
-from autopar.placement import Replicate, Shard, to_zigzag
+from autopar.placement import ZIGZAG, Replicate, Shard
 from autopar.sharding.piece_order import piece_orders
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import Step, step_bytes
@@ -189,14 +190,7 @@ class ContextParallel(Technique):
         fuse_eager_attention(traced)
 
     def piece_order(self, axis: str) -> str | None:
-        return "zigzag" if self.load_balance and axis == self.axis else None
-
-    def input_order(self, plan, value, spec):
-        axis = plan.mesh.axis_index(self.axis)
-        p = spec[axis]
-        if not self.load_balance or not isinstance(p, Shard) or plan.mesh.shape[axis] == 1:
-            return value
-        return to_zigzag(value, p.dim, plan.mesh.shape[axis], p.blocks)
+        return ZIGZAG if self.load_balance and axis == self.axis else None
 
     def after_plan(self, plan):
         """Refuse a KV cache and an attention that gathers the split sequence; the attention

@@ -6,9 +6,9 @@ dims it carries and stays replicated on the dims it broadcasts.
 
 The sequence (context parallel): q, k and v split on dim -2 (their positions), the output
 split as q; the lowering that meets the local queries with every key (all-gathered, passed
-around a ring, or by Ulysses' all-to-alls) is the context-parallel technique's
-(parallel/context/attention_lowering.py), which registers it here at import
-(``register_sequence_lowering``); without one the sequence split is not offered. A mask given to the op is split on its query dim and whole on its key dim. Not
+around a ring, or by Ulysses' all-to-alls) belongs to the technique that splits sequences,
+which registers it here at import (``register_sequence_lowering``); without one the sequence
+split is not offered. A mask given to the op is split on its query dim and whole on its key dim. Not
 offered with attention dropout (its draws would have to follow the serial ones).
 """
 
@@ -43,7 +43,7 @@ def register_sequence_lowering(lowering):
     (once: a second registration is an error). Returns it.
 
     Example:
-        >>> CONTEXT_ATTENTION = register_sequence_lowering(register_lowering(ContextAttention()))
+        >>> SEQUENCE_ATTENTION = register_sequence_lowering(register_lowering(MyAttentionLowering()))
     """
     if _SEQUENCE_LOWERING:
         raise ValueError(f"a sequence-split attention lowering is registered twice ({_SEQUENCE_LOWERING[0].name})")
