@@ -20,6 +20,7 @@ therefore generated once per plan, not once per rank, which is most of emission'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -361,7 +362,7 @@ class Emitter:
             val = src.meta.get("val")
             sizes = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
             for i, st in enumerate(_steps(spec, target)):
-                if st.kind == "all_gather" and st.axis in f_axes and not isinstance(target[st.axis], Shard):
+                if st.kind == "all_gather" and st.axis in f_axes and not _reordered(spec, target, st.axis):
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
                     x = self._step(x, st, ops.all_gather_rs.default, shape=shape, sizes=sizes)
                     f_axes.discard(st.axis)
@@ -638,6 +639,13 @@ def _fresh_grad_use(user: fx.Node, node: fx.Node) -> bool:
 def _steps(src: tuple, dst: tuple) -> tuple:
     """plan_steps, remembered: a pure function of two specs, asked once per edge and rank."""
     return tuple(plan_steps(src, dst))
+
+
+def _reordered(src: tuple, dst: tuple, axis: int) -> bool:
+    """Whether the split on ``axis`` changes its order of pieces only (plan_steps gathers it in one
+    order and cuts it in the other: a plain gather, whatever Megatron's f asks of the axis)."""
+    s, d = src[axis], dst[axis]
+    return isinstance(s, Shard) and isinstance(d, Shard) and s != d and dataclasses.replace(s, order=d.order) == d
 
 
 def emit_graph(plan) -> fx.Graph:
