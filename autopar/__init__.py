@@ -36,7 +36,7 @@ from autopar.explore.plan_file import PlanFileError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel.activation_checkpoint.technique import ActivationCheckpoint
-from autopar.parallel.context_parallel import ContextParallel
+from autopar.parallel.context import ContextParallel
 from autopar.parallel.data_parallel.technique import DataParallel, DataParallelError
 from autopar.parallel.experts import ExpertParallel, expert_parallel
 from autopar.parallel.fault_tolerant import FaultTolerant

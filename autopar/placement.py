@@ -93,6 +93,14 @@ class Shard(Placement):
     consecutive positions, every position of a group holding the same piece: position c holds
     piece ``c // k`` of ``n / k`` (experts over the outer of two data-parallel axes, replicated
     over the inner; the ranks splitting it are ``k`` apart, a stride of ``k``).
+
+    ``order="zigzag"``: the pieces are not contiguous ranges: the dim is cut into 2n chunks and
+    rank k holds chunks k and 2n-1-k (``PIECE_ORDERS``; load-balanced context parallel). A
+    redistribution between two orders is a step like any other (sharding/redistribute.py: the
+    pieces gathered in one order, cut in the other); every collective joining or cutting ordered
+    pieces permutes the dim around it (``PIECE_ORDERS``' pair). Printed ``S(1,zigzag)``.
+    Propagation places the plain split; sharding/piece_order.py says which values hold which
+    order, and the emitter redistributes between the ordered layouts.
     """
 
     dim: int
@@ -100,10 +108,18 @@ class Shard(Placement):
     of: tuple[int, int] | None = None
     within: int | None = None
     across: int | None = None
+    order: str | None = None
 
     def __post_init__(self):
         if self.within and self.across:
             raise ShardingError(f"Shard({self.dim}): within= and across= name the two parts of an axis; give one.")
+        if self.order is not None and self.order not in PIECE_ORDERS:
+            raise ShardingError(
+                f"Shard({self.dim}, order={self.order!r}): the orders of pieces are {sorted(PIECE_ORDERS)} "
+                "(None: contiguous)."
+            )
+        if self.order is not None and (self.of is not None or self.grouped):
+            raise ShardingError(f"Shard({self.dim}, order={self.order!r}): an order of pieces takes a plain split.")
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -150,11 +166,15 @@ class Shard(Placement):
         extra = f",within={self.within}" if self.within else f",across={self.across}" if self.across else ""
         if self.of is not None:
             return f"S({self.dim},of={self.of[0]}/{self.of[1]}{extra})"
+        extra += f",{self.order}" if self.order else ""
         return (f"S({self.dim}" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks}") + extra + ")"
 
     @classmethod
     def _parse(cls, text: str) -> "Shard | None":
         part = {}
+        m = re.fullmatch(r"(.*),\s*(\w+)\)", text)
+        if m and m.group(2) in PIECE_ORDERS:
+            text, part = m.group(1) + ")", {"order": m.group(2)}
         m = re.fullmatch(r"(.*),\s*(within|across)=(\d+)\)", text)
         if m:
             text, part = m.group(1) + ")", {m.group(2): int(m.group(3))}
@@ -371,7 +391,8 @@ def narrow_piece(t: torch.Tensor, dim: int, n: int, k: int, blocks: int = 1) -> 
 
 
 def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tensor:
-    """This rank's piece of ``full`` (a view where possible; Partial keeps it on the group's first rank)."""
+    """This rank's piece of ``full`` (a view where possible; Partial keeps it on the group's first rank;
+    ``Shard.order``: the pieces of that order, a copy)."""
     coords = mesh.coords(rank)
     out = full
     for axis, p in enumerate(placements):
@@ -379,6 +400,8 @@ def shard_tensor(full: torch.Tensor, placements, mesh, rank: int) -> torch.Tenso
             mine = p.position(coords[axis]) == p.owner(mesh.shape[axis])
             out = out.narrow(p.dim, 0, out.shape[p.dim] if mine else 0)
         elif isinstance(p, Shard):
+            if p.order is not None:  # the ranks' pieces one after the other, then cut plainly
+                out = PIECE_ORDERS[p.order][0](out, p.dim, mesh.shape[axis], p.blocks)
             out = narrow_piece(out, p.dim, p.pieces(mesh.shape[axis]), p.position(coords[axis]), p.blocks)
         elif isinstance(p, Partial) and p.reduce_op == "sum" and coords[axis] != 0:
             out = torch.zeros_like(out)
@@ -400,6 +423,8 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
         if isinstance(p, Shard) and p.blocks > 1:  # rank k holds chunk k of every block
             per_rank = [t.chunk(p.blocks, p.dim) for t in parts]
             return torch.cat([r[b] for b in range(p.blocks) for r in per_rank], dim=p.dim)
+        if isinstance(p, Shard) and p.order is not None:  # the ranks' pieces back in serial order
+            return PIECE_ORDERS[p.order][1](torch.cat(parts, dim=p.dim), p.dim, len(parts))
         if isinstance(p, Shard):
             return torch.cat(parts, dim=p.dim)
         if isinstance(p, Partial):
@@ -410,3 +435,65 @@ def merge_tensors(pieces, placements, mesh) -> torch.Tensor:
         return parts[0]
 
     return build(0, [0] * mesh.ndim)
+
+
+# ------------------------------------------------------------------ orders of pieces
+# A split dim's pieces are contiguous by default (rank k holds rows [k m, (k+1) m)). The zig-zag
+# (head-tail) order cuts the dim into 2n equal chunks and gives rank r chunks r and 2n-1-r: under a
+# causal mask every rank then gets the same work ((r + 1) + (2n - r) chunk-pairs), where contiguous
+# pieces give rank r 2r + 1 (load-balanced context parallel asks for it on its axis). The functions
+# below are that order's permutation: ``to_zigzag`` reorders a dim from the serial order to the
+# ranks' pieces one after the other (so a plain contiguous cut gives every rank its two chunks),
+# ``from_zigzag`` is its inverse; with ``blocks`` > 1 (a flattened (blocks, sequence) dim) each block
+# is reordered on its own.
+ZIGZAG = "zigzag"  # the name of the order (a technique's Technique.piece_order answers it)
+
+
+def zigzag_index(size: int, n: int, blocks: int = 1, device=None) -> torch.Tensor:
+    """Serial positions in zig-zag order (rank 0's rows, then rank 1's, ...).
+
+    Example:
+        >>> zigzag_index(8, 2)        # n=2: chunks 0, 3 | 1, 2 of size 2
+        tensor([0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    size = int(size)
+    m = size // blocks
+    if m % (2 * n):
+        raise ValueError(
+            f"load-balanced context parallel: a dim of {m} rows (per block) does not cut into 2 x {n} = {2 * n} "
+            f"equal chunks; use sizes (sequence, and batch where labels are regrouped) that divide by {2 * n}."
+        )
+    order = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+    idx = torch.arange(m, device=device).view(2 * n, m // (2 * n))[order].flatten()
+    if blocks > 1:
+        idx = (torch.arange(blocks, device=device)[:, None] * m + idx[None, :]).flatten()
+    return idx
+
+
+def to_zigzag(x: torch.Tensor, dim: int, n: int, blocks: int = 1) -> torch.Tensor:
+    """``x`` with dim ``dim`` in zig-zag order (serial -> the ranks' pieces in rank order)."""
+    return x.index_select(dim, zigzag_index(x.shape[dim], n, blocks, x.device))
+
+
+def from_zigzag(x: torch.Tensor, dim: int, n: int, blocks: int = 1) -> torch.Tensor:
+    """The inverse of ``to_zigzag``: the ranks' pieces, concatenated in rank order, in serial order."""
+    return x.index_select(dim, torch.argsort(zigzag_index(x.shape[dim], n, blocks, x.device)))
+
+
+def local_positions(n_local: int, n: int, coord: int, zigzag: bool, device=None) -> torch.Tensor:
+    """Serial positions of the ``n_local`` rows rank ``coord`` of ``n`` holds of a split dim."""
+    if not zigzag:
+        return torch.arange(coord * n_local, (coord + 1) * n_local, device=device)
+    c = n_local // 2
+    return torch.cat(
+        (
+            torch.arange(coord * c, (coord + 1) * c, device=device),
+            torch.arange((2 * n - 1 - coord) * c, (2 * n - coord) * c, device=device),
+        )
+    )
+
+
+# each order of pieces: (serial -> the ranks' pieces in rank order, its inverse), each taking
+# (x, dim, n, blocks); a cut of the reordered dim gives every rank its pieces, and a concatenation
+# of the ranks' pieces put back gives the serial order
+PIECE_ORDERS = {ZIGZAG: (to_zigzag, from_zigzag)}

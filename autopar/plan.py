@@ -46,6 +46,7 @@ from autopar.runtime.serial_check import check_plan, default_tolerances
 from autopar.runtime.simulator import run_ranks
 from autopar.sharding.propagate import is_ragged, layout_of
 from autopar.sharding.lowerings.base import check_lowerings
+from autopar.sharding.piece_order import piece_orders
 from autopar.sharding.ragged import check_ragged
 from autopar.trace.model_members import named_parameters
 
@@ -312,11 +313,12 @@ class Plan(PlanViews):
                 f"{len(flat)} were given; pass the same structure as the example inputs."
             )
         local = []
+        orders = piece_orders(self)
+        inputs = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         for name, value, ispec in zip(names, flat, self.input_specs):
             if isinstance(value, torch.Tensor) and ispec is not None:
                 self._check_input(name, value, ispec)
-                for technique in self.options.techniques:  # pieces in another order (zig-zag)
-                    value = technique.input_order(self, value, ispec)
+                ispec = orders.out_spec(inputs[name], ispec)  # pieces in another order (Shard.order)
                 value = shard_tensor(value, ispec, self.mesh, rank).contiguous()
             local.append(value)
         return pytree.tree_unflatten(local, spec)

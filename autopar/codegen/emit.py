@@ -20,6 +20,7 @@ therefore generated once per plan, not once per rank, which is most of emission'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -31,10 +32,18 @@ from autopar.runtime.collectives import plain_eager
 from autopar.codegen.input_guard import check_local_inputs, guard_args
 from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.lowerings.base import lowering_for
-from autopar.placement import Partial, Shard, is_uneven, piece_size, piece_start, shard_factor, uneven_dims
+from autopar.placement import (
+    PIECE_ORDERS,
+    Partial,
+    Shard,
+    is_uneven,
+    piece_size,
+    piece_start,
+    shard_factor,
+    uneven_dims,
+)
 from autopar.errors import ShardingError
 from autopar.mesh import SubAxis
-from autopar.runtime.zigzag import from_zigzag, to_zigzag
 from autopar.sharding.piece_order import piece_orders
 from autopar.runtime.uneven import (
     from_padded,
@@ -48,7 +57,7 @@ from autopar.runtime.uneven import (
     weigh,
 )
 from autopar.sharding.propagate import layout_of
-from autopar.sharding.redistribute import STEP_KINDS, Step, plan_steps
+from autopar.sharding.redistribute import STEP_KINDS, plan_steps
 from autopar.sharding.rules import TensorMeta, op_traits
 
 aten = torch.ops.aten
@@ -190,12 +199,12 @@ class Emitter:
         name = self.mesh.axis_names[axis] if part is None else self.mesh.axis_label(part)
         return self.graph.call_function(op, (*args, name, group, self.rank_value(RANK_ATTR), *extra))
 
-    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=(), sizes=(), order=(False, False)):
-        """One redistribution step. ``order``: (the joined pieces are zig-zag, the cut pieces are
-        to be zig-zag) on a load-balanced context-parallel axis (sharding/piece_order.py)."""
+    def _step(self, x: fx.Node, st, gather=None, owned: bool = False, shape=(), sizes=()):
+        """One redistribution step (``st.order`` / ``st.order2``: it joins or cuts pieces in
+        another order than contiguous, Shard.order)."""
         gather = gather or ops.all_gather.default
-        if any(order) and st.kind in ("all_gather", "slice", "reduce_scatter", "all_to_all"):
-            return self._zigzag_step(x, st, gather, shape, sizes, *order)
+        if st.order or st.order2:
+            return self._ordered_step(x, st, gather, shape, sizes)
         if st.blocks > 1:
             return self._blocked_step(x, st, gather, sizes)
         n = self.mesh.shape[st.axis]
@@ -260,32 +269,23 @@ class Emitter:
             x = g.call_function(trim_piece, (x, dst, int(shape[dst]), n, coord))
         return x
 
-    def _zigzag_step(self, x: fx.Node, st, gather, shape, sizes, joined_zz: bool, cut_zz: bool) -> fx.Node:
-        """A step joining or cutting pieces in the zig-zag order: the serial order is reordered to
-        the ranks' pieces before a cut (slice, reduce-scatter, the split side of an all-to-all) and
-        back after a concatenation (all-gather, the joined side), so the collectives stay plain."""
+    def _ordered_step(self, x: fx.Node, st, gather, shape, sizes) -> fx.Node:
+        """A step joining or cutting pieces in another order than contiguous (Shard.order): the
+        serial order is permuted to the ranks' pieces before a cut (slice, reduce-scatter, the
+        split side of an all-to-all) and back after a concatenation (all-gather, the joined side),
+        by the order's pair in placement.PIECE_ORDERS, so the collectives stay plain."""
         g, n = self.graph, self.mesh.shape[st.axis]
+        if st.kind == "all_to_all":
+            if st.order2:
+                x = g.call_function(PIECE_ORDERS[st.order2][0], (x, st.dim2, n))
+            x = self._step_plain(x, st, gather, shape, sizes)
+            return g.call_function(PIECE_ORDERS[st.order][1], (x, st.dim, n)) if st.order else x
         if st.kind == "all_gather":
             x = self._step_plain(x, st, gather, shape, sizes)
-            return g.call_function(from_zigzag, (x, st.dim, n, self._block_count(st, sizes))) if joined_zz else x
-        if st.kind == "all_to_all":
-            if cut_zz:
-                x = g.call_function(to_zigzag, (x, st.dim2, n))
-            x = self._step_plain(x, st, gather, shape, sizes)
-            return g.call_function(from_zigzag, (x, st.dim, n)) if joined_zz else x
-        if cut_zz:  # slice, reduce_scatter
-            x = g.call_function(to_zigzag, (x, st.dim, n, self._block_count(st, sizes)))
+            return g.call_function(PIECE_ORDERS[st.order][1], (x, st.dim, n, self._block_count(st, sizes)))
+        # slice, reduce_scatter
+        x = g.call_function(PIECE_ORDERS[st.order][0], (x, st.dim, n, self._block_count(st, sizes)))
         return self._step_plain(x, st, gather, shape, sizes)
-
-    def _reorder(self, x: fx.Node, p: Shard, axis: int, to_zigzag: bool, shape, sizes) -> fx.Node:
-        """Pieces on ``axis`` from one order to the other (sharding/piece_order.py's reorders): the
-        whole dim gathered in its order and cut again in the other; autograd runs it back."""
-        x = self._step(
-            x, Step("all_gather", axis, p.dim, blocks=p.blocks), shape=shape, sizes=sizes, order=(not to_zigzag, False)
-        )
-        return self._step(
-            x, Step("slice", axis, p.dim, blocks=p.blocks), shape=shape, sizes=sizes, order=(False, to_zigzag)
-        )
 
     def _step_plain(self, x, st, gather, shape, sizes=()):
         """``st`` as on a contiguous axis (blocked: the blocks regrouped around the collective)."""
@@ -350,34 +350,24 @@ class Emitter:
 
     def edge(self, src: fx.Node, target: tuple, f_axes=frozenset(), reader: tuple = ()) -> fx.Node:
         """``src``'s value in layout ``target`` (collectives added once per layout). ``reader``:
-        (node, input index) reading it, whose order of pieces on a zig-zag axis it gets."""
-        plain_in = self.orders.plain_in.get((reader[0].name, reader[1]), frozenset()) if reader else frozenset()
-        reorder = self.orders.reordered(*reader) if reader else frozenset()
-        key = (src, target, frozenset(f_axes), plain_in, reorder)
+        (node, input index) reading it, whose order of pieces it gets (Shard.order: the layouts
+        with their orders, sharding/piece_order.py; a change of order is a step as any other)."""
+        spec = self.orders.out_spec(src, layout_of(src).spec)
+        target = self.orders.in_spec(*reader, target) if reader else self.orders.output_spec(spec, target)
+        key = (src, target, frozenset(f_axes))
         if key not in self.edges:
             x = self.env[src]
             f_axes = set(f_axes)
             shape = _static_shape(src)
             val = src.meta.get("val")
             sizes = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
-            spec = layout_of(src).spec
-            zz = {a for a in self.orders.axes if self.orders.zigzag_out(src, a)}  # axes src is zig-zag on
-            for a in sorted(reorder):
-                x = self._reorder(x, spec[a], a, a not in plain_in, shape, sizes)
-                zz.symmetric_difference_update({a})
             for i, st in enumerate(_steps(spec, target)):
-                order = (st.axis in zz, st.axis in self.orders.axes and st.axis not in plain_in)
-                if st.kind == "all_gather" and st.axis in f_axes:
+                if st.kind == "all_gather" and st.axis in f_axes and not _reordered(spec, target, st.axis):
                     # the gathered value's gradient arrives in parts: reduce-scatter it back
-                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape, sizes=sizes, order=order)
+                    x = self._step(x, st, ops.all_gather_rs.default, shape=shape, sizes=sizes)
                     f_axes.discard(st.axis)
-                    zz.discard(st.axis)
                     continue
-                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape, sizes=sizes, order=order)
-                if st.kind in ("slice", "reduce_scatter", "all_to_all") and order[1]:
-                    zz.add(st.axis)
-                elif st.kind != "to_partial":
-                    zz.discard(st.axis)
+                x = self._step(x, st, owned=i == 0 and self._owned(src), shape=shape, sizes=sizes)
             for axis in sorted(f_axes):
                 flag = self.eager_flag()  # Megatron's f returns its input only in plain eager mode
                 x = self.collective(ops.grad_all_reduce.default, (x,), axis)
@@ -649,6 +639,13 @@ def _fresh_grad_use(user: fx.Node, node: fx.Node) -> bool:
 def _steps(src: tuple, dst: tuple) -> tuple:
     """plan_steps, remembered: a pure function of two specs, asked once per edge and rank."""
     return tuple(plan_steps(src, dst))
+
+
+def _reordered(src: tuple, dst: tuple, axis: int) -> bool:
+    """Whether the split on ``axis`` changes its order of pieces only (plan_steps gathers it in one
+    order and cuts it in the other: a plain gather, whatever Megatron's f asks of the axis)."""
+    s, d = src[axis], dst[axis]
+    return isinstance(s, Shard) and isinstance(d, Shard) and s != d and dataclasses.replace(s, order=d.order) == d
 
 
 def emit_graph(plan) -> fx.Graph:

@@ -32,9 +32,8 @@ import contextlib
 import torch
 
 from autopar.errors import PlanError
-from autopar.placement import narrow_piece, piece_size
+from autopar.placement import narrow_piece, piece_size, to_zigzag
 from autopar.runtime.recompute import replayed_state
-from autopar.runtime.zigzag import to_zigzag
 
 STATE = "autopar_rng_state"
 MODES = ("placement", "serial")
@@ -136,7 +135,7 @@ CUT = 6  # entries per axis in ``cuts``: (dim, pieces, coordinate, blocks, globa
 
 def _piece(full, cuts):
     """This rank's piece of a full-size tensor, as placement.shard_tensor cuts it; on an axis
-    whose pieces are in the zig-zag order (load-balanced context parallel: runtime/zigzag.py)
+    whose pieces are in the zig-zag order (load-balanced context parallel: placement.py's orders)
     its chunks ``coordinate`` and 2 pieces - 1 - ``coordinate``, as plan.local_inputs cuts."""
     out = full
     for i in range(0, len(cuts), CUT):

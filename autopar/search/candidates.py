@@ -33,7 +33,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from autopar.parallel.context_parallel import ContextParallel
+from autopar.parallel.context import ContextParallel
 from autopar.parallel.experts import expert_modules, expert_parallel
 from autopar.sharding.annotations import colwise, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard

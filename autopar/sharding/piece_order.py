@@ -1,7 +1,8 @@
 """Which split tensors hold their pieces in the zig-zag order, and which in the plain one.
 
-Load-balanced context parallel (``ContextParallel(load_balance=True)``) cuts the user's
-sequences head-tail (runtime/zigzag.py): rank r of the axis holds chunks r and 2n-1-r. A
+A technique may ask for the zig-zag order of pieces on its mesh axis (``Technique.piece_order``:
+load-balanced context parallel) and then cuts the user's sequences head-tail (placement.py's
+orders, ``Shard.order``): rank r of the axis holds chunks r and 2n-1-r. A
 parameter split on the same axis (a column-parallel Linear there, a vocabulary split) is cut
 plainly: rank r holds piece r. So on such an axis a split tensor is in one of two orders, and
 every collective that joins or cuts pieces must know which. This pass says it for every value
@@ -17,6 +18,10 @@ of the plan and every input of every op, before anything is emitted:
 - an input that arrives split in the other order than the op needs is reordered on that edge
   (gathered, reordered, cut again: ``PieceOrders.reorders``), so every op sees one order.
 
+The layouts propagation chose stay order-free (the rules and the cost model compare plain
+splits); ``out_spec`` / ``in_spec`` give the emitter each edge's two layouts with their orders
+(``Shard(d, order="zigzag")``), and redistribute.plan_steps turns them into steps like any other.
+
 Example (a column-parallel Linear on the context-parallel axis, as the fuzzer drew it): the
 sequence is gathered before the Linear (zig-zag pieces rejoined), its output is split by the
 weight's rows (plain pieces), so the output's final all-gather joins them plainly.
@@ -24,11 +29,11 @@ weight's rows (plain pieces), so the output's final all-gather joins them plainl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
-from autopar.placement import Shard
+from autopar.placement import ZIGZAG, Shard
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.redistribute import plan_steps
 
@@ -62,13 +67,47 @@ class PieceOrders:
         """The axes on which ``node``'s input ``i`` is reordered on its way in."""
         return frozenset(a for name, j, a in self.reorders if name == node.name and j == i)
 
+    def out_spec(self, node: fx.Node, spec: tuple) -> tuple:
+        """``node``'s output layout ``spec`` with the order of its pieces on every ordered axis
+        (``Shard.order``): what the emitter redistributes from."""
+        return _ordered(spec, [a for a in self.axes if self.zigzag_out(node, a)])
+
+    def in_spec(self, node: fx.Node, i: int, target: tuple) -> tuple:
+        """Input ``i``'s layout ``target`` as ``node`` reads it, with the order of its pieces:
+        what the emitter redistributes to (a change of order is then a step: redistribute.py)."""
+        return _ordered(target, [a for a in self.axes if self.zigzag_in(node, i, a)])
+
+    def output_spec(self, spec: tuple, target: tuple) -> tuple:
+        """A model output's layout ``target`` with orders, from its value's ordered ``spec``: a
+        split kept as it is keeps its order; a split made on the way out is cut zig-zag."""
+        out = list(_ordered(target, self.axes))
+        for a in self.axes:
+            if isinstance(spec[a], Shard) and replace(spec[a], order=None) == target[a]:
+                out[a] = spec[a]
+        return tuple(out)
+
+
+def _plain_split(p: Shard) -> bool:
+    """A split of the whole axis into its ranks' pieces (no list item, no part of an axis)."""
+    return p.of is None and not p.grouped
+
+
+def _ordered(spec: tuple, axes) -> tuple:
+    """``spec`` with its splits on ``axes`` in the zig-zag order (the others as they are)."""
+    if not axes:
+        return tuple(spec)
+    return tuple(
+        replace(p, order=ZIGZAG) if a in axes and isinstance(p, Shard) and p.order is None and _plain_split(p) else p
+        for a, p in enumerate(spec)
+    )
+
 
 def zigzag_axes(plan) -> frozenset:
     """The mesh axes (of more than one rank) whose sequence pieces are in the zig-zag order."""
     return frozenset(
         a
         for a, name in enumerate(plan.mesh.axis_names)
-        if plan.mesh.shape[a] > 1 and any(t.piece_order(name) == "zigzag" for t in plan.options.techniques)
+        if plan.mesh.shape[a] > 1 and any(t.piece_order(name) == ZIGZAG for t in plan.options.techniques)
     )
 
 

@@ -7,7 +7,10 @@
     R    -> S(j)  slice(j), local        backward: all_gather
     R    -> P     to_partial, local      backward: identity
 Axes are handled in three passes (gathers, then reductions, then local slices) so that no
-tensor dim is ever split by two axes at once.
+tensor dim is ever split by two axes at once. A split whose pieces change order only
+(``Shard.order``: S(i) -> S(i, zigzag)) is gathered in its order and cut in the other first.
+A step joining or cutting ordered pieces says so (``order``, ``order2``), and runs as on
+contiguous pieces with the dim permuted around it (placement.PIECE_ORDERS).
 
 Example:
     >>> plan_steps((Shard(0), Partial()), (Replicate(), Replicate()))
@@ -16,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.errors import ShardingError
 from autopar.placement import Partial, Replicate, Shard
@@ -33,11 +36,20 @@ class Step:
     dim2: int | None = None  # all_to_all: the dim that becomes split
     op: str | None = None  # reduce op for partial kinds
     blocks: int = 1  # all_gather / slice of a blocked shard (Shard.blocks)
+    # Shard.order of the pieces of ``dim`` the step joins (all_gather, all_to_all) or cuts (slice,
+    # reduce_scatter); ``order2``: of the pieces of ``dim2`` an all_to_all cuts. None: contiguous.
+    order: str | None = None
+    order2: str | None = None
 
     def __repr__(self) -> str:
-        extra = "".join(
-            f", {k}={v}" for k, v in (("dim", self.dim), ("dim2", self.dim2), ("op", self.op)) if v is not None
+        pairs = (
+            ("dim", self.dim),
+            ("dim2", self.dim2),
+            ("op", self.op),
+            ("order", self.order),
+            ("order2", self.order2),
         )
+        extra = "".join(f", {k}={v}" for k, v in pairs if v is not None)
         return f"Step({self.kind!r}, axis={self.axis}{extra})"
 
     @property
@@ -59,20 +71,26 @@ def plan_steps(src, dst) -> list[Step]:
                 f"no collective turns {s!r} into {d!r} on mesh axis {a}: a tensor split on a part of an "
                 "axis (expert weights over one of two data-parallel axes) stays as its op uses it."
             )
-    for a, (s, d) in enumerate(zip(src, dst)):  # 1: shards that must go
+    for a, (s, d) in enumerate(zip(src, dst)):  # 0: the same split, its pieces in another order
+        if isinstance(s, Shard) and isinstance(d, Shard) and s != d and replace(s, order=d.order) == d:
+            steps.append(Step("all_gather", a, s.dim, blocks=s.blocks, order=s.order))
+            steps.append(Step("slice", a, d.dim, blocks=d.blocks, order=d.order))
+            cur[a] = d
+    for a, d in enumerate(dst):  # 1: shards that must go
+        s = cur[a]
         if isinstance(s, Shard) and s != d:
             plain = s.blocks == 1 and not (isinstance(d, Shard) and (d.blocks > 1 or d.dim == s.dim))
             if plain and isinstance(d, Shard) and _dim_free(cur, a, d.dim) and _dim_free(dst, a, d.dim):
-                steps.append(Step("all_to_all", a, s.dim, d.dim))
+                steps.append(Step("all_to_all", a, s.dim, d.dim, order=s.order, order2=d.order))
                 cur[a] = d
             else:
-                steps.append(Step("all_gather", a, s.dim, blocks=s.blocks))
+                steps.append(Step("all_gather", a, s.dim, blocks=s.blocks, order=s.order))
                 cur[a] = R
     for a, d in enumerate(dst):  # 2: partial sums
         s = cur[a]
         if isinstance(s, Partial) and s != d:
             if isinstance(d, Shard) and d.blocks == 1 and _dim_free(cur, a, d.dim):
-                steps.append(Step("reduce_scatter", a, d.dim, op=s.reduce_op))
+                steps.append(Step("reduce_scatter", a, d.dim, op=s.reduce_op, order=d.order))
                 cur[a] = d
             elif isinstance(d, Partial):
                 steps.append(Step("partial_cast", a, op=f"{s.reduce_op}->{d.reduce_op}"))
@@ -83,7 +101,7 @@ def plan_steps(src, dst) -> list[Step]:
     for a, d in enumerate(dst):  # 3: local splits of replicated data
         if cur[a] == R and d != R:
             if isinstance(d, Shard):
-                steps.append(Step("slice", a, d.dim, blocks=d.blocks))
+                steps.append(Step("slice", a, d.dim, blocks=d.blocks, order=d.order))
             else:
                 steps.append(Step("to_partial", a, op=d.reduce_op))
             cur[a] = d
@@ -125,9 +143,9 @@ class StepKind:
         if self.name in ("all_gather", "all_reduce"):
             return R
         if self.name in ("reduce_scatter", "slice"):
-            return Shard(step.dim)
+            return Shard(step.dim, order=step.order)
         if self.name == "all_to_all":
-            return Shard(step.dim2)
+            return Shard(step.dim2, order=step.order2)
         return Partial(step.op.split("->")[-1])  # to_partial, partial_cast
 
 

@@ -78,7 +78,7 @@ def test_hf_llama_zero3_over_cp_alone():
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_hf_eager_attention_on_the_split_sequence(name):
     """HF's eager attention (matmul, scale, + mask, softmax, dropout p=0, matmul) becomes one SDPA
-    node before planning (sharding/eager_attention.py), placed on the split sequence."""
+    node before planning (context/eager_attention.py), placed on the split sequence."""
     cp = ap.ContextParallel("cp", method="ring", load_balance=True)
     plan, kw = _plan(name, ap.Mesh((2,), ("cp",)), cp, attn="eager")
     plan.check(**kw, loss=_loss)

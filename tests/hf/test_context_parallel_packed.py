@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import autopar as ap
-import autopar.runtime.context_attention as context_attention
-from autopar.runtime.ulysses import gather_mask_rows, ulysses_attention
+import autopar.parallel.context.block_attention as context_attention
+from autopar.parallel.context.ulysses import gather_mask_rows, ulysses_attention
 from tests.harness.hf_models import adamw_matches_serial, causal_lm, llama
 from tests.harness.hf_models import packed_batch as packed
 
@@ -64,10 +64,10 @@ def test_blocks_of_other_documents_are_skipped(method, monkeypatch):
 
 
 def test_ulysses_runs_masked_attention_in_key_blocks(monkeypatch):
-    """Under a model's mask Ulysses attends every position in key blocks (runtime/ulysses.MASK_BLOCK,
+    """Under a model's mask Ulysses attends every position in key blocks (context/ulysses.MASK_BLOCK,
     4 keys here: 4 blocks of the 16, each block's additive mask (16 x 4), not (16 x 16)); it equals
     serial. Every block meets some query of its own document, so none is skipped."""
-    import autopar.runtime.ulysses as ulysses
+    import autopar.parallel.context.ulysses as ulysses
 
     monkeypatch.setattr(ulysses, "MASK_BLOCK", 4)
     kw = packed(docs=((8, 8), (8, 8)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import autopar as ap
-from autopar.runtime.ulysses import kv_repeat
+from autopar.parallel.context.ulysses import kv_repeat
 from tests.harness.hf_models import adamw_matches_serial, batch, causal_lm, llama
 
 import transformers  # noqa: F401  (pinned: a missing one is a failure, not a skip)

@@ -10,9 +10,9 @@ import torch
 
 import autopar as ap
 from autopar.errors import PlanError
-from autopar.runtime.context_attention import block_plan
+from autopar.parallel.context.block_attention import block_plan
 from autopar.runtime.ring import ring_bytes, ring_steps
-from autopar.runtime.zigzag import from_zigzag, local_positions, to_zigzag, zigzag_index
+from autopar.placement import from_zigzag, local_positions, to_zigzag, zigzag_index
 from tests.harness.llama_like import TP, llama_batch, llama_like
 from tests.harness.models import MEGATRON, NanoGPTLoss, gpt_batch, small_gpt
 

@@ -71,19 +71,16 @@ class LayoutHooks:
 
     def attention_method(self, axis: str) -> str | None:
         """How attention split on mesh axis ``axis`` by its sequence meets every key ("ring" or
-        "allgather"; lowerings/context_attention.py asks), or None when not this technique's axis."""
+        "allgather"; the lowering of attention on a split sequence asks), or None when not this
+        technique's axis."""
         return None
 
     def piece_order(self, axis: str) -> str | None:
         """The order of the pieces of every dim split on mesh axis ``axis``: None (contiguous) or
-        "zigzag" (runtime/zigzag.py: rank r holds chunks r and 2n-1-r). The emitted program's
-        redistributions on the axis and plan.local_inputs follow it."""
+        one of placement.PIECE_ORDERS ("zigzag": rank r holds chunks r and 2n-1-r). Such splits are
+        then ``Shard(dim, order=...)`` layouts (sharding/piece_order.py says which values): the
+        emitted program's redistributions and plan.local_inputs follow them."""
         return None
-
-    def input_order(self, plan, value, spec):
-        """A user input's global value reordered as ``plan.local_inputs`` cuts it (the zig-zag
-        order of piece_order), given its placements ``spec``."""
-        return value
 
     def after_plan(self, plan):
         """Structure built once the layouts are known (the pipeline cuts the graph into stages);

@@ -16,12 +16,23 @@ import operator
 import torch
 
 from autopar.errors import ShardingError
-from autopar.runtime.zigzag import triangular_zigzag
 from autopar.sharding.lowerings.base import Lowering, register_lowering
-from autopar.placement import Shard
+from autopar.placement import Shard, local_positions
 from autopar.sharding.rules.registry import OpInfo, Strategy
 
 aten = torch.ops.aten
+
+
+def triangular_zigzag(x: torch.Tensor, dim: int, diagonal: int, n: int, coord: int, upper: bool) -> torch.Tensor:
+    """tril (or triu) of the rank's zig-zag piece of ``x``, split on ``dim`` (one of the last two):
+    element (i, j) is kept iff j - i <= diagonal (triu: >=) at the rows' and columns' serial positions."""
+    nd = x.dim()
+    rows, cols = x.shape[-2], x.shape[-1]
+    rp = local_positions(rows, n, coord, True, x.device) if dim == nd - 2 else torch.arange(rows, device=x.device)
+    cp = local_positions(cols, n, coord, True, x.device) if dim == nd - 1 else torch.arange(cols, device=x.device)
+    d = cp[None, :] - rp[:, None]
+    keep = d >= diagonal if upper else d <= diagonal
+    return torch.where(keep, x, torch.zeros_like(x))
 
 
 class TriangularLocal(Lowering):
@@ -41,7 +52,7 @@ class TriangularLocal(Lowering):
             if len(mine) > 1:
                 raise ShardingError(
                     f"{node.name}: tril/triu split on two mesh axes, one in the zig-zag order; "
-                    "plan with ContextParallel(load_balance=False)."
+                    "plan that axis with its pieces in the contiguous order (load_balance=False)."
                 )
             a = zigzag[0]
             dim = lay.input_targets[0][a].dim

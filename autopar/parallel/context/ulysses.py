@@ -37,9 +37,9 @@ import math
 import torch
 
 from autopar.runtime.collectives import ops
-from autopar.runtime.context_attention import BlockAttention, cp_attention
+from autopar.parallel.context.block_attention import BlockAttention, cp_attention
 from autopar.runtime.pieces import _pos
-from autopar.runtime.zigzag import from_zigzag, to_zigzag
+from autopar.placement import from_zigzag, to_zigzag
 
 
 def kv_repeat(heads: int, kv_heads: int, n: int) -> int:
@@ -69,7 +69,7 @@ def _to_positions(x, zigzag: bool, axis: str, group: list, rank: int):
 
 def gather_mask_rows(mask, zigzag: bool, axis: str, group: list, rank: int):
     """The model's mask (..., L/n, S), split on its query rows, with every rank's rows in serial
-    order (..., L, S). Emitted once per mask and program (sharding/lowerings/context_attention.py):
+    order (..., L, S). Emitted once per mask and program (parallel/context/attention_lowering.py):
     every attention call of the model reads the same mask, so its rows travel once, not per layer.
 
     Example:
@@ -116,7 +116,7 @@ def ulysses_attention(
     ``outer``: hybrid context parallel, (method, zigzag, axis, group) of a second split of the
     sequence, outside this one: after the all-to-all the rank holds every position of the outer
     piece, and meets the other outer pieces' keys by the ring or the all-gather
-    (runtime/context_attention.cp_attention)."""
+    (context/block_attention.cp_attention)."""
     group = list(group)
     n = len(group)
     t = kv_repeat(q.shape[-3], k.shape[-3], n)

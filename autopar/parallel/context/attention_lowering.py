@@ -1,6 +1,6 @@
 """Attention with the sequence split on a mesh axis (context parallel): the rank's queries
-against every key, by all-gathered K/V or by a ring of K/V blocks (runtime/context_attention.py),
-or every position of 1/n of the heads after an all-to-all (Ulysses: runtime/ulysses.py).
+against every key, by all-gathered K/V or by a ring of K/V blocks (context/block_attention.py),
+or every position of 1/n of the heads after an all-to-all (Ulysses: context/ulysses.py).
 
 The rule (rules/attention.py) offers it when q, k and v arrive split on their sequence dim
 (dim -2): the technique that split the sequence (``ap.ContextParallel``) answers
@@ -34,11 +34,12 @@ import torch
 import torch.fx as fx
 
 from autopar.mesh import SubAxis
-from autopar.runtime.context_attention import cp_attention
+from autopar.parallel.context.block_attention import cp_attention
 from autopar.runtime.ring import ring_bytes
-from autopar.runtime.ulysses import gather_mask_rows, kv_repeat, ulysses_attention
+from autopar.parallel.context.ulysses import gather_mask_rows, kv_repeat, ulysses_attention
 from autopar.sharding.lowerings.base import Lowering, register_lowering
 from autopar.sharding.piece_order import zigzag_axes
+from autopar.sharding.rules.attention import register_sequence_lowering
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
@@ -106,7 +107,7 @@ def local_heads(plan, node, i: int) -> int:
 
 
 def ulysses_repeat(plan, node, split: "Split") -> int:
-    """Ulysses' K/V head repeat for this call on ``split`` (runtime/ulysses.kv_repeat); ValueError
+    """Ulysses' K/V head repeat for this call on ``split`` (context/ulysses.kv_repeat); ValueError
     where the heads do not split over its ranks."""
     return kv_repeat(local_heads(plan, node, 0), local_heads(plan, node, 1), split.size(plan.mesh))
 
@@ -255,7 +256,7 @@ class ContextAttention(Lowering):
         return out + (_outer_comms(node, outer, symbols, t) if outer is not None else [])
 
     def kept(self, plan, node, axis: int) -> list[tuple]:
-        """What a call keeps for backward (runtime/context_attention.BlockAttention): q, the rank's
+        """What a call keeps for backward (context/block_attention.BlockAttention): q, the rank's
         K and V (allgather: gathered on the axis, cp times the piece; Ulysses: the head-split
         q, K, V, repeated t times for GQA, in place of the pieces), the output, the fp32
         log-sum-exp rows and the model's mask (Ulysses: its rows gathered, counted at the first
@@ -323,7 +324,7 @@ class ContextAttention(Lowering):
         """One of the n steps of a call (one key block), forward + backward: FLOPs 3 x 4 q_rows x
         block_keys x head_dim per head (backward twice the forward), halved under the causal
         mask with load balancing (every block but the diagonal one is half attended:
-        runtime/context_attention.block_plan; the diagonal one is a triangle); and on the ring
+        context/block_attention.block_plan; the diagonal one is a triangle); and on the ring
         what a step shifts: K and V forward, K, V and their fp32 gradients backward (4
         messages). The runtime does not overlap a block's shift with its compute: Cost.time()
         adds both, and shows them side by side. Ulysses runs one block (None); hybrid's blocks
@@ -353,4 +354,4 @@ class ContextAttention(Lowering):
         )
 
 
-CONTEXT_ATTENTION = register_lowering(ContextAttention())
+CONTEXT_ATTENTION = register_sequence_lowering(register_lowering(ContextAttention()))

@@ -8,22 +8,23 @@ ap.parallelize. Long sequences are split across the ranks of one mesh axis.
   say; positions built with ``arange`` (RoPE, learned positions) are cut to the rank's positions
   by the ordinary replicated-to-split slice; the loss over split rows divides by the global count.
 - ``scaled_dot_product_attention`` (causal or not, GQA, a mask given to it) meets the local
-  queries with every key (lowerings/context_attention.py): ``method="allgather"`` gathers K and V
+  queries with every key (context/attention_lowering.py): ``method="allgather"`` gathers K and V
   on the axis (backward reduce-scatters their gradients); ``method="ring"`` passes K/V blocks
   around the axis, merges the partial results with the log-sum-exp correction and skips the
-  blocks the causal mask hides; its backward is exact (runtime/context_attention.py).
+  blocks the causal mask hides; its backward is exact (context/block_attention.py).
 - An attention the rule cannot place on the split sequence (attention dropout, a mask
   broadcast along the keys) would gather the whole sequence: PlanError, naming the module.
   A model that reads or returns a KV cache (``past_key_values``) is refused too.
 
 - ``load_balance=True``: each rank holds the head-tail pair of chunks r and 2cp-1-r of every
-  split dim (runtime/zigzag.py), so causal attention's work is the same on every rank. The
-  order is a property of the axis: every redistribution on it reorders around its collective
-  (codegen/emit.py), ``plan.local_inputs`` cuts the inputs so, and positions built with
+  split dim (placement.py's orders), so causal attention's work is the same on every rank. The
+  order is a placement (``Shard(d, order="zigzag")``, sharding/piece_order.py says which values
+  hold it): every redistribution on the axis reorders around its collective, ``plan.local_inputs``
+  cuts the inputs so, and positions built with
   ``arange`` arrive permuted to match (RoPE, learned positions, HF's causal mask stay right).
   Every dim split on the axis must divide by 2 cp (PlanError otherwise).
 - The eager attention form (matmul, scale, mask, softmax, matmul: HF's "eager", nanoGPT) is
-  rewritten into one SDPA node before planning (sharding/eager_attention.py).
+  rewritten into one SDPA node before planning (context/eager_attention.py).
 
 Example:
     >>> plan = ap.plan(model, ap.Mesh((4,), ("cp",)), args=(ids, labels),
@@ -45,14 +46,13 @@ from autopar.errors import PlanError
 from autopar.mesh import SubAxis
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
-from autopar.placement import Replicate, Shard
-from autopar.sharding.eager_attention import fuse_eager_attention
-from autopar.sharding.lowerings.context_attention import CONTEXT_ATTENTION, call_splits, local_heads, ulysses_repeat
+from autopar.parallel.context.attention_lowering import CONTEXT_ATTENTION, call_splits, local_heads, ulysses_repeat
+from autopar.parallel.context.eager_attention import fuse_eager_attention
+from autopar.placement import ZIGZAG, Replicate, Shard
 from autopar.sharding.piece_order import piece_orders
 from autopar.sharding.propagate import layout_of
 from autopar.sharding.redistribute import Step, step_bytes
 from autopar.sharding.rules.attention import ATTENTION_KERNELS
-from autopar.runtime.zigzag import to_zigzag
 from autopar.trace.module_paths import module_path
 
 METHODS = ("allgather", "ring", "ulysses")
@@ -190,14 +190,7 @@ class ContextParallel(Technique):
         fuse_eager_attention(traced)
 
     def piece_order(self, axis: str) -> str | None:
-        return "zigzag" if self.load_balance and axis == self.axis else None
-
-    def input_order(self, plan, value, spec):
-        axis = plan.mesh.axis_index(self.axis)
-        p = spec[axis]
-        if not self.load_balance or not isinstance(p, Shard) or plan.mesh.shape[axis] == 1:
-            return value
-        return to_zigzag(value, p.dim, plan.mesh.shape[axis], p.blocks)
+        return ZIGZAG if self.load_balance and axis == self.axis else None
 
     def after_plan(self, plan):
         """Refuse a KV cache and an attention that gathers the split sequence; the attention
@@ -247,7 +240,7 @@ class ContextParallel(Technique):
 
     def _check_heads(self, plan, node, axis: int) -> None:
         """Ulysses splits each rank's heads over the axis: they must divide (K/V heads are
-        repeated as Megatron does where they are fewer, runtime/ulysses.kv_repeat)."""
+        repeated as Megatron does where they are fewer, context/ulysses.kv_repeat)."""
         uly = call_splits(plan, node, axis)[0]
         if uly is None:
             return

@@ -25,7 +25,7 @@ A mask given by the model (``attn_mask``: boolean, True = attend, or additive fl
 split with the queries and whole along the keys (rules/attention.py places it so).
 
 What one call keeps for backward, and holds on top while it runs (cost/ reads
-``kept_by``/``workspace_bytes`` through lowerings/context_attention.py): q, K and V (allgather:
+``kept_by``/``workspace_bytes`` through context/attention_lowering.py): q, K and V (allgather:
 gathered), the output and the fp32 log-sum-exp rows (and the model's mask); while running, the
 fp32 accumulators of the output (forward) or of dQ, dK, dV (backward), the block at hand and,
 on the ring, the one arriving.
@@ -43,14 +43,14 @@ import torch
 
 from autopar.runtime.collectives import ops, ring_shift
 from autopar.runtime.pieces import _pos
-from autopar.runtime.zigzag import local_positions
+from autopar.placement import local_positions
 
 
 def cp_attention(
     q, k, v, mask, is_causal: bool, scale, enable_gqa: bool, method: str, zigzag: bool, axis: str, group, rank
 ):
     """This rank's attention output (the shape of ``q``) for sequence pieces split on ``group``
-    (``zigzag``: each piece is the head-tail pair of chunks of runtime/zigzag.py). GQA (fewer
+    (``zigzag``: each piece is the head-tail pair of chunks of placement.py's orders). GQA (fewer
     K/V heads than query heads) is taken whether ``enable_gqa`` is set or not."""
     if method == "allgather":  # the pieces in rank order: block ``src`` is rank src's piece
         # one op for both (and for their gradients' reduce-scatters): compiled, the two keep

@@ -7,7 +7,7 @@ HF's ``attn_implementation="eager"`` and nanoGPT-style models compute attention 
     y = p @ v
 
 The rules place each op alone and a sequence split on a mesh axis cannot survive the first
-matmul cheaply, so context parallel (parallel/context_parallel.py) rewrites each recognised
+matmul cheaply, so context parallel (context/technique.py) rewrites each recognised
 chain, before planning, into ``aten.scaled_dot_product_attention(q, k, v, attn_mask, scale=...)``
 (the same value: the boolean mask is the kept pairs, the additive one is added to the scores),
 which its rule and lowering place on the split sequence. A chain with attention dropout
