@@ -264,6 +264,9 @@ def test_bad_input_is_a_plan_error():
         cp_plan(4, batch=llama_batch(seq=12), load_balance=True)  # 2 chunks per rank
     with pytest.raises(PlanError, match="method"):
         ap.ContextParallel("cp", method="tree")
+    for seq_dim in (0, 1.0, True):  # the batch dim, a float, a bool: refused when made (was never checked)
+        with pytest.raises(PlanError, match="seq_dim"):
+            ap.ContextParallel("cp", seq_dim=seq_dim)
     with pytest.raises(PlanError, match="KV cache"):
         ap.plan(CachedLM(), ap.Mesh((2,), ("cp",)), args=llama_batch(), context_parallel="cp")
 

@@ -99,6 +99,8 @@ class ContextParallel(Technique):
             )
         if len(axes) == 2 and len(methods) != 2:
             raise PlanError(f"ContextParallel({self.axis!r}, method={self.method!r}): two axes take a method each.")
+        if isinstance(self.seq_dim, bool) or not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
+            raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
 
     def reshape_mesh(self, mesh):
         """Hybrid: the two axes merged into one (outer-major: Mesh.merge_axes), the method pair on it."""
@@ -112,8 +114,6 @@ class ContextParallel(Technique):
                 f"inside a node) right after {outer!r} ({self.method[0]}, across nodes); reorder the mesh's axes."
             )
         return mesh.merge_axes(outer, inner), dataclasses.replace(self, axis=f"{outer}_{inner}")
-        if not (isinstance(self.seq_dim, int) and self.seq_dim >= 1):
-            raise PlanError(f"ContextParallel(seq_dim={self.seq_dim!r}): the inputs' sequence dim, an int >= 1.")
 
     @classmethod
     def of(cls, value):
