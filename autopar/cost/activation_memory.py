@@ -12,7 +12,9 @@ Where the runtime differs from the op autograd would run, the table below says w
 autopar lowers dropout to ``x * mask`` with a mask of x's dtype (runtime/rng.py), a dropout of
 p == 0 returns its input (no mask, no new tensor: it counts as a view), and CPU/GPU
 attention kernels (flash, efficient, the CPU flash kernel) keep q, k, v, the output and the
-log-sum-exp rows, never the s x s matrix the meta device's math path would. An op whose
+log-sum-exp rows, never the s x s matrix the meta device's math path would. A kept input the
+program gathers on the way in (sequence parallelism's norm output, read whole by the next
+matmul) counts gathered, once per layout (``edge_gathers``). An op whose
 lowering runs something else says what that keeps (``Lowering.kept``: context-parallel
 attention keeps all-gathered K/V, a storage of cp x the rank's piece: ``Saved.gathered``) and
 what it holds while it runs (``Lowering.workspace``, ``workspace_bytes``).
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.placement import Replicate
+from autopar.placement import Replicate, Shard
 from autopar.sharding.lowerings.base import lowering_for
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.trace.module_paths import module_paths
@@ -55,6 +57,7 @@ class Saved:
     fraction: float = 0.0  # own tensors: bytes as a fraction of ``ref``'s bytes
     ref: tuple = ("out", 0)  # own tensors: the consumer's largest tensor ("in", i) or ("out", j)
     gathered: tuple = ()  # mesh axes the producer's value was gathered on (a storage of its own)
+    edge: bool = False  # gathered by the consumer's input edge: one storage per (producer, layout)
 
 
 def share_saved_activations(plan, saves: list[Saved]) -> None:
@@ -104,15 +107,36 @@ def _as_saves(node: fx.Node, kept: list[tuple]) -> list[Saved]:
             base, idx = base_of(_tensor_args(node)[i])
             out.append(Saved(node.name, base.name, idx, gathered=(frac,)))
         elif kind == "in":
-            base, idx = base_of(_tensor_args(node)[i])
+            inp = _tensor_args(node)[i]
+            base, idx = base_of(inp)
             if base.op in ("placeholder", "get_attr"):
                 continue  # parameters and inputs (or views of them): held by their owners
-            out.append(Saved(node.name, base.name, idx))
+            axes = edge_gathers(node, inp)
+            out.append(
+                Saved(node.name, inp.name, 0, gathered=axes, edge=True) if axes else Saved(node.name, base.name, idx)
+            )
         elif kind == "out":
             out.append(Saved(node.name, node.name, i))
-        else:
-            out.append(Saved(node.name, None, 0, frac, tuple(ref[0]) if ref else ("out", 0)))
+        else:  # the i-th tensor of its own (a lowering may keep several of one size)
+            out.append(Saved(node.name, None, i, frac, tuple(ref[0]) if ref else ("out", 0)))
     return out
+
+
+def edge_gathers(node: fx.Node, inp: fx.Node) -> tuple:
+    """The mesh axes on which ``node`` reads ``inp`` gathered (``inp`` split there, ``node``'s
+    input target whole): the planned program all-gathers it on the way in (codegen/emit.edge,
+    once per layout, shared by every reader of that layout), and what ``node``'s backward keeps
+    of it is the gathered tensor, a storage of its own, not ``inp``'s piece. Measured: under
+    Megatron's sequence parallelism the head reads the final norm's output gathered over tp (a
+    dry run of LLaMA-405B widths: 1.0 GiB a micro-batch, where the piece is 0.125)."""
+    if "autopar" not in node.meta or "autopar" not in inp.meta:
+        return ()
+    lay = layout_of(node)
+    target = next((t for x, t in zip(lay.inputs, lay.input_targets) if x is inp), None)
+    spec = layout_of(inp).spec
+    if target is None or spec is None:
+        return ()
+    return tuple(a for a, (p, t) in enumerate(zip(spec, target)) if isinstance(p, Shard) and isinstance(t, Replicate))
 
 
 def held_outputs(plan) -> list[tuple[str, int]]:
@@ -204,7 +228,10 @@ MEMO_SIZE = 8  # bytes_by_node's kept answers per plan
 def _bytes_by_node(plan, sy, saves: list[Saved], with_outputs: bool) -> dict:
     seen: dict = {}
     for s in saves:
-        if s.gathered:  # the producer's value gathered by a lowering: its own storage
+        if s.edge:  # gathered on the way in: one storage for every reader of that layout
+            key = ("edge", s.producer, s.gathered)
+            seen[key] = (s.producer, tensor_bytes(plan, sy, s.producer, s.index, gathered=s.gathered))
+        elif s.gathered:  # the producer's value gathered by a lowering: its own storage
             key = (s.consumer, s.producer, s.gathered)
             seen[key] = (s.producer, tensor_bytes(plan, sy, s.producer, s.index, gathered=s.gathered))
         elif s.index == -1:  # a collective's output of the producer's value: its own storage
@@ -212,7 +239,7 @@ def _bytes_by_node(plan, sy, saves: list[Saved], with_outputs: bool) -> dict:
         elif s.producer is not None:
             seen.setdefault((s.producer, s.index), (s.producer, tensor_bytes(plan, sy, s.producer, s.index)))
         else:
-            seen[(s.consumer, "own", s.fraction)] = (s.consumer, s.fraction * _ref_bytes(plan, sy, s))
+            seen[(s.consumer, "own", s.fraction, s.index)] = (s.consumer, s.fraction * _ref_bytes(plan, sy, s))
     if with_outputs:
         for name, idx in held_outputs(plan):  # at the layout they leave in (gathered logits: a new tensor)
             local = tensor_bytes(plan, sy, name, idx)

@@ -48,6 +48,27 @@ CAUSAL = {
 }
 
 
+class _NoModuleTracking:
+    """FlopCounterMode's module tracker, doing nothing: every count goes to "Global" (all the dry
+    run reads). torch's ModuleTracker registers a multi-grad hook on each module's inputs and
+    outputs that need a gradient and keeps the handles until the mode exits, which keeps those
+    tensors alive for the whole step: a pipeline stage's received inputs and their gradients,
+    one pair per micro-batch (measured: 405B widths, 2 blocks on the last of 2 stages, 8
+    micro-batches: 1.4 GiB that no training loop holds, the peak 1.08x the model instead of
+    0.99x)."""
+
+    parents = {"Global"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
 def counting_flops() -> FlopCounterMode:
-    """A FlopCounterMode that counts causal attention at half (the module docstring)."""
-    return FlopCounterMode(display=False, custom_mapping=CAUSAL)
+    """A FlopCounterMode that counts causal attention at half (the module docstring), by op only:
+    no module tracking, whose hooks would keep tensors alive (``_NoModuleTracking``)."""
+    counter = FlopCounterMode(display=False, custom_mapping=CAUSAL)
+    counter.mod_tracker = _NoModuleTracking()
+    return counter

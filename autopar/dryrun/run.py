@@ -25,6 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
+from autopar.cost.collectives import _sync_comms, collectives
+from autopar.cost.formulas import PlanSymbols
 from autopar.dryrun import pipeline
 from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
@@ -96,7 +98,7 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
     if piped:
         predicted_collectives, predicted_flops = pipeline.predicted(plan, rank, slots)
     else:
-        predicted_collectives = [(c.kind, c.axis, c.bytes) for c in plan.collectives()]
+        predicted_collectives = _rank_collectives(plan, rank)
         predicted_flops = float(plan.cost(optimizer_states=slots, rank=rank).at()["flops"])
     return RankRun(
         rank=rank,
@@ -115,6 +117,17 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         predicted_collectives=predicted_collectives,
         predicted_flops=predicted_flops,
     )
+
+
+def _rank_collectives(plan, rank: int) -> list:
+    """plan.collectives() with the gradient sync of what ``rank`` stores: zero=3 cuts a flat
+    bucket into ranges, so a parameter synced on another axis (a norm weight over tp) is whole on
+    one rank and absent on another, where plan.collectives() lists an even share (measured: the
+    405B's search choice, zero=3 over 64 ranks, rank 0 all-reduced its norm weights on tp at 64x
+    the share). The same as a pipeline rank's (pipeline.rank_sync)."""
+    sy = PlanSymbols.of(plan)
+    comms = collectives(plan, sy, grad_sync=False) + _sync_comms(plan, sy, rank, pipeline.stored_pieces(plan, rank))
+    return [(c.kind, c.axis, c.bytes) for c in comms]
 
 
 def _label(record, mesh):

@@ -151,3 +151,25 @@ def test_checkpointed_blocks_of_a_zero3_llama_are_gathered_again_in_backward():
     run = plan.dry_run(rank=0, steps=1).runs[0]
     assert [k for k, *_ in run.collectives].count("all_gather") == 7  # 4 buckets, then the 3 before the head again
     assert run.collectives_match, (run.collectives, run.predicted_collectives)
+
+
+def test_a_zero3_ranks_sync_on_tp_is_of_the_pieces_it_stores():
+    """zero=3 cuts flat buckets into ranges: the norm weights (replicated on tp, all-reduced there)
+    are whole on one rank and absent on another, and each rank's tp all-reduce carries what it
+    stores; the plan's listing for the rank says the same (it listed an even share: 64x too few
+    bytes on the 405B search choice's rank 0, 1/4 here)."""
+    model, kw = meta_llama(layers=2, batch=8)
+    plan = ap.plan(
+        model,
+        ap.Mesh((4, 2), ("dp", "tp")),
+        kwargs=kw,
+        dynamic=False,
+        annotations=ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True),
+        data_parallel=ap.DataParallel("dp", zero=3),
+    )
+    runs = plan.dry_run(rank=0, steps=1).runs | plan.dry_run(rank=6, steps=1).runs
+    synced = {}
+    for rank, run in runs.items():
+        assert run.collectives_match, (rank, run.collectives, run.predicted_collectives)
+        synced[rank] = sum(b for k, a, b in run.collectives if (k, a) == ("all_reduce", "tp"))
+    assert synced[0] != synced[6]  # different ranges of the flat buckets

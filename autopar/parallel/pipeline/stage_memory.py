@@ -214,7 +214,7 @@ def _kept_bytes(plan, sy, st, own: bool, boundary: bool = True):
     mine = [s for s in saves if s.consumer.split(":")[0] in nodes]
     if not boundary:
         crossing = {name for name, _ in st.recv} | {name for name, _ in st.send}
-        mine = [s for s in mine if s.producer not in crossing or s.index == -1]
+        mine = [s for s in mine if s.producer not in crossing or s.index == -1 or s.edge]
     total = activation_bytes(plan, sy, mine, with_outputs=st.has_output)
     if not boundary:
         return total
