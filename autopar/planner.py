@@ -106,22 +106,8 @@ def make_plan(
         # the probes change no module: its parameters walked once; the trace and the model left
         # out of the collector's passes (quiet_gc.py)
         with held(model), quiet_gc():
-            annotations, chosen, record = search(
-                model,
-                mesh,
-                traced,
-                annotations,
-                options.data_parallel,
-                options.auto,
-                ndims,
-                options.strict,
-                plan_probe,
-                options.pipeline,
-                options.activation_checkpoint,
-                options.context_parallel,
-                options.split_before,
-                precision=None if policy is None else {k: getattr(policy, k) for k in DTYPES},
-            )
+            precision = None if policy is None else {k: getattr(policy, k) for k in DTYPES}
+            annotations, chosen, record = search(model, mesh, traced, annotations, options, plan_probe, precision)
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.ring import ring_bytes
+from autopar.runtime.ring import DEFAULT_BUCKET_MB, ring_bytes
 
-DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
 DEFAULT_FIRST_BUCKET_MB = 1.0  # as DDP: a small first bucket starts communication early
 
 

@@ -24,6 +24,8 @@ cost           collectives, batch_pieces, step_shares, memory, activations, rank
                kept_saves, recomputed, memory_formulas, rank_params, memory_ranks
 runtime        join, attach, checkpoint_mesh, process_groups
 display        describe, explain_param, explain_module, fields, from_fields
+search         search_roles, search_variant, search_offered, search_space, search_axes, search_label,
+               gathers_weights, search_adds, priced_wire_params (what ap.Auto's search may choose)
 =============  ==================================================================================
 
 The map of a plan's life: which hook runs when, and who calls it (every technique's hook runs
@@ -68,10 +70,18 @@ Example (the shape of a new technique):
 
 from __future__ import annotations
 
-from autopar.parallel.protocols import CostHooks, DisplayHooks, LayoutHooks, OptionHooks, RuntimeHooks, StorageHooks
+from autopar.parallel.protocols import (
+    CostHooks,
+    DisplayHooks,
+    LayoutHooks,
+    OptionHooks,
+    RuntimeHooks,
+    SearchHooks,
+    StorageHooks,
+)
 
 
-class Technique(OptionHooks, LayoutHooks, StorageHooks, CostHooks, RuntimeHooks, DisplayHooks):
+class Technique(OptionHooks, LayoutHooks, StorageHooks, CostHooks, RuntimeHooks, DisplayHooks, SearchHooks):
     """Base of parallelism techniques; subclasses are frozen dataclasses."""
 
     #: its keyword in ap.plan / ap.parallelize, its field of ap.PlanOptions, its key in plan files

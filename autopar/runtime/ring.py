@@ -13,6 +13,10 @@ Example:
 
 from __future__ import annotations
 
+# a bucketed collective's size: the gradient sync fuses gradients into flats of this many MB (DDP's
+# bucket_cap_mb), one collective each; the cost model counts a sync's latency rounds per bucket
+DEFAULT_BUCKET_MB = 25.0
+
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_shift", "ring_pass")
 
 

@@ -3,7 +3,9 @@
 A MILP (solver.py) picks what each mesh axis does (data parallel with a ZeRO level, Megatron
 tensor parallel with or without sequence parallel, replicated) and which components (Megatron
 pairs, the vocabulary) are split, minimising the step time of evaluate.py's cost model under
-a memory budget. Device profiles (profiles.py) or ap.calibrate() give its numbers.
+a memory budget. Device profiles (profiles.py) or ap.calibrate() give its numbers. It names no
+technique: the registered techniques offer their roles and choices (parallel/protocols/search.py),
+``ap.Auto(choices={technique name: ...})`` narrows them.
 
 Example:
     >>> plan = ap.plan(model, ap.Mesh((2, 2), ("a", "b")), kwargs=batch, auto=ap.Auto(memory_budget=2**30))

@@ -1,11 +1,11 @@
 """What each mesh axis can do, and the parts of the model whose layout the search chooses.
 
-Axis roles (one per mesh axis, see ``structures``): ``dp`` (the batch split, gradients
-synced; ZeRO 0-3 are memory options of it; over two adjacent axes, their product), ``tp``
-(Megatron tensor parallel: the column/row pairs, optionally the vocabulary and sequence
-parallel), ``pp`` (pipeline stages), ``cp`` (context parallel: every sequence split, attention
-by all-gathered K/V or a ring of K/V blocks, ap.ContextParallel) and ``R`` (replicated: every
-rank of the axis computes the same). At most one of each but dp.
+Axis roles (one per mesh axis, see ``Structure`` and ``structures``): ``tp`` (Megatron tensor
+parallel: the column/row pairs, optionally the vocabulary and sequence parallel: ``tp+sp``), the
+roles the registered techniques give (``Technique.search_roles``: ``dp`` / ``rep``, the batch
+split over one axis or two adjacent ones, the storages its options; ``pp``, pipeline stages;
+``cp`` / ``cp_inner``, context parallel) and ``R`` (no role: every rank of the axis computes the
+same). At most one of each but dp.
 
 Components are what the search decides layer by layer on the tp axis: each Megatron pair
 (found from the graph by presets.megatron's analysis) and the vocabulary (word embedding,
@@ -29,12 +29,11 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from autopar.parallel.context import ContextParallel
-from autopar.parallel.experts import expert_modules, expert_parallel
+from autopar.parallel.registry import TECHNIQUES
 from autopar.sharding.annotations import colwise, rowwise, sequence_parallel, vocab_parallel
 from autopar.placement import Shard
 from autopar.presets.megatron_plan import _Graph
@@ -74,7 +73,7 @@ class Component:
         """The annotations of the split choice on ``axis`` (experts: expert parallel there, the
         axis that splits the batch, each expert split over ``tp`` where given)."""
         if self.kind == "experts":
-            return {self.module: expert_parallel(axis, tp=tp)}
+            return {self.module: experts_technique().annotation(axis, tp=tp)}
         out_sp = Shard(1) if sp else None
         if self.kind == "vocab":
             ann = {h: vocab_parallel(axis) for h in self.heads}
@@ -104,7 +103,8 @@ def components(model, traced) -> tuple[list[Component], list[str]]:
         if n.op == "call_function":
             by_path.setdefault(module_path(n), set()).add(n.name)
     by_key: dict[str, Component] = {}
-    moe = expert_modules(model, traced)
+    splitter = experts_technique()  # the technique splitting MoE experts modules: what it would split
+    moe = splitter.modules_of(model, traced) if splitter is not None else {}
     for row, cols in g.pairs():
         if any(x.startswith(p + ".") for p in moe for x in [row, *cols]):
             continue  # a per-expert ModuleList's own linears: the list is split whole, by expert
@@ -185,58 +185,84 @@ def _params_of(model, paths) -> set:
 
 @dataclass(frozen=True)
 class Structure:
-    """What each axis does: the dp axis (with ``rep``, the axis right before it, the batch is
-    split over both: one data-parallel axis of their product), the tp axis, sequence parallel on
-    tp, the pipeline axis, and the context-parallel axis with its attention method (``cp_method``:
-    "allgather", "ring" or "ulysses") and order (``cp_balanced``: the zig-zag order that evens
-    causal work); hybrid context parallel (``cp_inner``: Ulysses on the axis right after ``cp``,
-    ``cp_method`` then ("ring" or "allgather", "ulysses"): ap.ContextParallel over both)."""
+    """What each mesh axis does: ``{axis index: role}`` (``assignment``, sorted pairs), and the
+    context-parallel choice where an axis has its role (its method and order). Roles: ``tp`` and
+    ``tp+sp`` (Megatron tensor parallel, with sequence parallel: the layouts' own, the search's
+    components) and the techniques' (``Technique.search_roles``: data parallel's ``dp`` and
+    ``rep``, the axis right before dp over which the batch is split too; the pipeline's ``pp``;
+    context parallel's ``cp`` and hybrid's ``cp_inner``, Ulysses within the axis right after cp).
+    An axis without a role is replicated. The properties name the axis of each role (None without
+    one), as the probes and the labels read them.
 
-    dp: int | None
-    tp: int | None
-    sp: bool
-    rep: int | None = None
-    pp: int | None = None  # pipeline stages over this axis (the layouts leave it replicated)
-    cp: int | None = None  # every sequence split over this axis
-    cp_method: str | tuple | None = None
-    cp_balanced: bool = False
-    cp_inner: int | None = None  # hybrid: Ulysses within this axis (right after cp), cp_method[0] across
+    Example:
+        >>> s = Structure.of({0: "dp", 1: "tp+sp"})
+        >>> s.dp, s.tp, s.sp, s.roles(ap.Mesh((2, 2), ("a", "b")))       # (0, 1, True, 'a=dp, b=tp+sp')
+    """
+
+    assignment: tuple = ()  # ((axis index, role), ...) by axis
+    context: object = None  # the context-parallel technique (cp / cp_inner axes)
+
+    @classmethod
+    def of(cls, roles: dict, context=None) -> "Structure":
+        return cls(tuple(sorted(roles.items())), context)
+
+    def axis(self, *roles: str) -> int | None:
+        """The axis holding one of ``roles`` (None where none does)."""
+        return next((a for a, r in self.assignment if r in roles), None)
+
+    def role(self, axis: int) -> str | None:
+        return next((r for a, r in self.assignment if a == axis), None)
+
+    @cached_property
+    def dp(self) -> int | None:
+        return self.axis("dp")
+
+    @cached_property
+    def rep(self) -> int | None:
+        return self.axis("rep")
+
+    @cached_property
+    def tp(self) -> int | None:
+        return self.axis("tp", "tp+sp")
+
+    @cached_property
+    def sp(self) -> bool:
+        return self.axis("tp+sp") is not None
+
+    @cached_property
+    def pp(self) -> int | None:
+        return self.axis("pp")
+
+    @cached_property
+    def cp(self) -> int | None:
+        return self.axis("cp")
+
+    @cached_property
+    def cp_inner(self) -> int | None:
+        return self.axis("cp_inner")
+
+    @property
+    def cp_method(self):
+        return None if self.context is None else self.context.method
+
+    @property
+    def cp_balanced(self) -> bool:
+        return False if self.context is None else self.context.load_balance
+
+    def without_tp(self) -> "Structure":
+        """The same structure with its tp axis replicated (a tp axis that split nothing)."""
+        return Structure(tuple((a, r) for a, r in self.assignment if r not in ("tp", "tp+sp")), self.context)
 
     def roles(self, mesh) -> str:
-        names = []
-        for a, n in enumerate(mesh.axis_names):
-            cp = a in (self.cp, self.cp_inner)
-            role = "dp" if a in (self.dp, self.rep) else "pp" if a == self.pp else "cp" if cp else "R"
-            if a == self.tp:
-                role = "tp+sp" if self.sp else "tp"
-            names.append(f"{n}={role}")
-        return ", ".join(names)
+        shown = {"rep": "dp", "cp_inner": "cp"}
+        return ", ".join(f"{n}={shown.get(self.role(a), self.role(a) or 'R')}" for a, n in enumerate(mesh.axis_names))
 
     def uses(self, axis: int) -> bool:
-        return axis in (self.dp, self.tp, self.rep, self.pp, self.cp, self.cp_inner)
+        return self.role(axis) is not None
 
     def context_parallel(self, mesh):
         """The ap.ContextParallel of this structure (None without a cp axis)."""
-        if self.cp is None:
-            return None
-        if self.cp_inner is not None:  # hybrid: the two axes, the outer method and Ulysses
-            axes = (mesh.axis_names[self.cp], mesh.axis_names[self.cp_inner])
-            return ContextParallel(axes, method=self.cp_method, load_balance=self.cp_balanced)
-        return ContextParallel(mesh.axis_names[self.cp], method=self.cp_method, load_balance=self.cp_balanced)
-
-    def data_parallel(self, mesh, base, zero: int, shard: int | None, fold: bool = False):
-        """The ap.DataParallel of this structure as a user writes it (``base``'s other options);
-        ``fold``: ZeRO shards over the dp and cp axes together (``shard_axes``; over cp alone
-        without a dp axis), torchtitan's dp_shard_cp.
-
-        Example: Structure(dp=0, tp=None, sp=False, cp=1, cp_method="ring").data_parallel(mesh,
-        ap.DataParallel("dp"), 3, None, fold=True) -> DataParallel('dp', zero=3, shard_axes=('dp', 'cp'))"""
-        if self.dp is None and not fold:
-            return None
-        axis = mesh.axis_names[self.dp] if self.dp is not None else None
-        rep = mesh.axis_names[self.rep] if self.rep is not None else None
-        folded = tuple(a for a in (axis, mesh.axis_names[self.cp]) if a is not None) if fold else None
-        return dataclasses.replace(base, axis=axis, zero=zero, replicate_axis=rep, shard_size=shard, shard_axes=folded)
+        return self.context
 
     def can_fold(self) -> bool:
         """Whether ZeRO may fold this structure's cp axis into its shard group: the axis right
@@ -245,6 +271,17 @@ class Structure:
         if self.cp_inner is not None:
             return False  # hybrid's two axes are planned as one merged axis: not folded (untried)
         return self.cp is not None and (self.dp is None or self.cp == self.dp + 1)
+
+
+def experts_technique():
+    """The registered technique that splits mixture-of-experts modules over the dp axis (it offers
+    ``modules_of(model, traced)`` and their ``annotation(axis, tp=)``), or None."""
+    return next((cls for cls in TECHNIQUES.values() if hasattr(cls, "modules_of")), None)
+
+
+def technique_of(role: str):
+    """The registered technique that gives mesh axes ``role`` (Technique.search_roles), or None."""
+    return next((cls for cls in TECHNIQUES.values() if role in cls.search_roles), None)
 
 
 def structures(
@@ -259,11 +296,12 @@ def structures(
 ) -> list[Structure]:
     """Every assignment of roles to axes (one dp axis or two adjacent ones, at most one tp, at
     most one pipeline axis, at most one context-parallel axis, by each of ``cp_methods``,
-    zig-zag ordered where ``balanced(axis size)``) that the constraints allow. Context parallel
-    is not combined with pipeline stages nor with sequence parallel (neither pairing has been
-    run against serial)."""
+    zig-zag ordered where ``balanced(axis size)``: the context-parallel technique's
+    ``search_choices``) that the constraints allow. Context parallel is not combined with
+    pipeline stages nor with sequence parallel (neither pairing has been run against serial)."""
     out = []
     axes = [None, *range(mesh.ndim)]
+    cp_technique = technique_of("cp")
     for dp in axes:
         if (fixed_dp is not None and dp != fixed_dp) or (not any_dp and dp is not None and fixed_dp is None):
             continue
@@ -277,28 +315,16 @@ def structures(
                 if fixed_tp is not None and tp != fixed_tp:
                     continue
                 for sp in (False, True) if tp is not None and allow_sp else (False,):
-                    free = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and a not in (dp, rep, tp)]
+                    roles = {
+                        a: r for a, r in ((dp, "dp"), (rep, "rep"), (tp, "tp+sp" if sp else "tp")) if a is not None
+                    }
+                    free = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and a not in roles]
                     for pp in [None] + (free if allow_pp else []):
-                        out.append(Structure(dp, tp, sp, rep, pp))
-                    if sp:
+                        out.append(Structure.of({**roles, **({pp: "pp"} if pp is not None else {})}))
+                    if sp or cp_technique is None:
                         continue
-                    for cp in free:
-                        lb = balanced(mesh.shape[cp])
-                        out += [Structure(dp, tp, sp, rep, None, cp, m, lb) for m in cp_methods if isinstance(m, str)]
-                    out += _hybrids(mesh, free, dp, tp, sp, rep, cp_methods, balanced)
-    return out
-
-
-def _hybrids(mesh, free: list, dp, tp, sp, rep, cp_methods: tuple, balanced) -> list:
-    """Hybrid context parallel where it fits: Ulysses on a free axis right after another free one
-    (its inner, fast ranks: the mesh's later axis), the ring or all-gather across the outer axis;
-    offered where Ulysses and the outer method are both among ``cp_methods``."""
-    pairs = [(m, "ulysses") for m in ("ring", "allgather") if m in cp_methods and "ulysses" in cp_methods]
-    out = []
-    for cp in free:
-        if cp + 1 in free:
-            lb = balanced(mesh.shape[cp] * mesh.shape[cp + 1])
-            out += [Structure(dp, tp, sp, rep, None, cp, pair, lb, cp_inner=cp + 1) for pair in pairs]
+                    for cp in cp_technique.search_choices(mesh, free, cp_methods, balanced):
+                        out.append(Structure.of({**roles, **cp.search_axes(mesh)}, cp))
     return out
 
 

@@ -51,15 +51,13 @@ from autopar.cost.activation_memory import bytes_by_node, loss_backward_source, 
 from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
 from autopar.cost.execution import op_seconds
-from autopar.cost.float8 import float8_linears
 from autopar.cost.op_time import optimizer_step_bytes
 from autopar.cost.plan_cost import activation_terms, copy_bytes
-from autopar.parallel.data_parallel.fsdp_layout import gather_wires
-from autopar.parallel.param_names import canonical_names
-from autopar.runtime.ring import ring_steps
+from autopar.parallel.registry import TECHNIQUES
+from autopar.runtime.ring import DEFAULT_BUCKET_MB, ring_bytes, ring_steps
 from autopar.trace.model_members import named_parameters
 
-BUCKET_BYTES = 25 * 2**20
+BUCKET_BYTES = DEFAULT_BUCKET_MB * 2**20  # a bucket's bytes (the gradient sync's latency rounds)
 FP8_BYTES = 1  # an fp8 element on zero=3's wire
 
 
@@ -418,13 +416,12 @@ BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.5.mlp.up.weight" -> "model
 def _fp8_gathered(plan, profile) -> set:
     """Names of the parameters zero=3 gathers in fp8: the plan's own (a technique's gather wire:
     ap.Float8(fp8_all_gather=True)), else, where the search prices float8 on a plan not converted
-    yet (``profile.float8``), the weights of the Linears float8 training converts (its plan
-    gathers them so: search/auto.py)."""
-    wired = gather_wires(plan) if plan.data_parallel is not None and plan.data_parallel.storage.gathers_params else {}
-    if wired:
-        canon = canonical_names(plan)
-        return {n for n, _ in named_parameters(plan.model) if canon.get(n, n) in wired}
-    return set(float8_linears(plan).values()) if getattr(profile, "float8", False) else set()
+    yet (``profile.float8``), those a technique priced so would gather (Technique.priced_wire_params:
+    the weights of the Linears float8 training converts; its plan gathers them so: search/auto.py)."""
+    dp = plan.data_parallel
+    if dp is not None:
+        return dp.wire_params(plan, profile)
+    return set().union(*(cls.priced_wire_params(plan, profile) for cls in TECHNIQUES.values()))
 
 
 def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
@@ -474,7 +471,9 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
                 continue
             n = mesh.shape[a]
             alpha, beta = profile.link(mesh, a)
-            seconds = w * (alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + 2 * (n - 1) / n * local / beta)
+            seconds = w * (
+                alpha * ring_steps("all_reduce", n) * local / BUCKET_BYTES + ring_bytes("all_reduce", local, n) / beta
+            )
             t.sync_other += seconds
             if folded and a in folds:
                 t.fold_sync += seconds

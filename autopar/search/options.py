@@ -10,8 +10,9 @@
 - ``optimizer_states``: state tensors per parameter element, each in its parameter's dtype (2 for Adam).
 - ``activation_checkpoint``: the checkpointing of every repeated block the search may pick
   (None: none, "selective", "full": ap.ActivationCheckpoint's modes, or ap.ActivationCheckpoint
-  values; its recompute counted). By default also selective keeping every second matmul
-  (torchtitan's op policy: between the two in memory and time).
+  values; its recompute counted). By default (None: the technique's own space) none, selective,
+  selective keeping every second matmul (torchtitan's op policy: between the two in memory and
+  time) and full.
 - ``pipeline``: whether an axis may hold pipeline stages (one micro-batch per row of a
   data-parallel rank's batch), under the schedules of ``pipeline_schedules`` ("1f1b",
   "interleaved", the zero-bubble "zb-h1", "zbv" and "dualpipev"; each where it applies: two
@@ -35,6 +36,11 @@
   ``plan.explain("auto")`` lists its runners-up (``"dp=a, tp=b, ZeRO-1"``). The search weighs the
   same options and keeps the same record; only the choice differs (over the budget too: that is
   what explaining a refused option needs). ``plan.search_view().explain(i)`` plans with it.
+- ``choices``: the choices per technique, by its name (``{"pipeline": ("1f1b",), "data_parallel": (0, 3),
+  "activation_checkpoint": (None, "full"), "context_parallel": ("ring",), "float8": True}``); each
+  technique reads its own (parallel/protocols/search.py) and, where absent, its shorthand above
+  (``zero``, ``pipeline`` / ``pipeline_schedules``, ``activation_checkpoint``, ``context_parallel``,
+  ``float8``). A name no technique has is an error.
 - ``verify``: the chosen plan's peak rank dry-run at full size on fake tensors (plan.dry_run); its
   measured peak goes into the record (``dry_run_peak``), with a warning where it is over the budget.
 
@@ -47,9 +53,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.parallel.activation_checkpoint.technique import ActivationCheckpoint
-from autopar.search.profiles import Profile, profile_of
 from autopar.errors import PlanError
+from autopar.parallel.registry import TECHNIQUES
+from autopar.search.profiles import Profile, profile_of
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class Auto:
     optimizer_states: int = 2
     pipeline: bool = True
     pipeline_schedules: tuple = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-    activation_checkpoint: tuple = (None, "selective", ActivationCheckpoint("selective", save_every=2), "full")
+    activation_checkpoint: tuple | None = None  # None: the technique's own (none, selective, 1 matmul in 2, full)
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True
     context_parallel: tuple = ("allgather", "ring", "ulysses")
@@ -74,6 +80,31 @@ class Auto:
     float8: bool = False
     verify: bool = False  # dry-run the chosen plan (autopar/dryrun/verify.py): warn where it peaks over the budget
     option: str | None = None  # a runner-up's label to plan instead of the fastest option (search_view)
+    choices: tuple | dict | None = None  # {technique name: its choices}: over the shorthands above
+
+    def __post_init__(self):
+        if self.choices is None:
+            return
+        given = dict(self.choices)
+        unknown = sorted(set(given) - set(TECHNIQUES))
+        if unknown:
+            raise PlanError(
+                f"ap.Auto(choices=...) names {unknown}, which no technique is; the techniques are "
+                f"{', '.join(TECHNIQUES)}."
+            )
+        # kept as sorted pairs, lists as tuples: an Auto stays a hashable value
+        frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in given.items()))
+        object.__setattr__(self, "choices", frozen)
+
+    def choices_for(self, name: str, shorthand=None):
+        """Technique ``name``'s choices: ``choices[name]`` where given, else ``shorthand`` (the
+        field that says it, which the technique's search hook passes).
+
+        Example: ap.Auto(choices={"pipeline": ("1f1b",)}).choices_for("pipeline", ()) -> ("1f1b",)"""
+        for key, value in self.choices or ():
+            if key == name:
+                return value
+        return shorthand
 
     @classmethod
     def of(cls, value) -> "Auto":
@@ -91,9 +122,10 @@ class Auto:
         )
         if self.compiled not in (False, True, "blocks"):
             raise PlanError(f"ap.Auto(compiled={self.compiled!r}): use False, True or 'blocks'.")
-        if self.float8 and not profile.fp8_ratio:
+        float8 = bool(self.choices_for("float8", self.float8))
+        if float8 and not profile.fp8_ratio:
             raise PlanError(
                 f"ap.Auto(float8=True): the {profile.name!r} profile has no fp8 tensor cores (float8 "
                 "matmuls need an H100/H200-class GPU); drop float8= or pick such a device."
             )
-        return replace(profile, compiled=self.compiled, float8=self.float8)
+        return replace(profile, compiled=self.compiled, float8=float8)

@@ -12,7 +12,15 @@ import ast
 import pathlib
 
 import autopar.parallel as parallel
-from autopar.parallel.protocols import CostHooks, DisplayHooks, LayoutHooks, OptionHooks, RuntimeHooks, StorageHooks
+from autopar.parallel.protocols import (
+    CostHooks,
+    DisplayHooks,
+    LayoutHooks,
+    OptionHooks,
+    RuntimeHooks,
+    SearchHooks,
+    StorageHooks,
+)
 from autopar.parallel.technique import Technique
 
 ROOT = pathlib.Path(parallel.__file__).parent.parent  # autopar/
@@ -104,7 +112,7 @@ def test_search_imports_no_technique():
 
 
 def test_technique_is_made_of_the_small_protocols():
-    protocols = (OptionHooks, LayoutHooks, StorageHooks, CostHooks, RuntimeHooks, DisplayHooks)
+    protocols = (OptionHooks, LayoutHooks, StorageHooks, CostHooks, RuntimeHooks, DisplayHooks, SearchHooks)
     assert all(issubclass(Technique, p) for p in protocols)
     hooks = [
         set(vars(p)) - set(vars(object)) - {"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__"}

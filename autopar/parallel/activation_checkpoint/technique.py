@@ -267,6 +267,29 @@ class ActivationCheckpoint(Technique):
             save = tuple(_op_by_name(s) for s in save)
         return cls(**{**fields, "save": save})
 
+    # ------------------------------------------------------------------ the search's hooks (protocols/search.py)
+    search_variant = True  # each choice is the same probe under other options (Plan.with_options)
+
+    @classmethod
+    def search_space(cls, mesh, facts, auto, structure=None) -> list:
+        """The checkpointing of every repeated block the search may pick: the user's (costed as its
+        mode on every block), else ``ap.Auto(activation_checkpoint=...)`` (or ``choices=
+        {"activation_checkpoint": ...}``: None, mode names, ActivationCheckpoint values); by default
+        none, selective, selective keeping every second matmul (torchtitan's op policy: between
+        the two in memory and time) and full.
+
+        Example: ap.Auto(activation_checkpoint=(None, "full")) -> [None, ActivationCheckpoint("full")]"""
+        user = facts.user.get(cls.name)
+        if user is not None:
+            return [user]
+        asked = auto.choices_for(cls.name, auto.activation_checkpoint)
+        if asked is None:
+            asked = (None, "selective", cls("selective", save_every=2), "full")
+        return [m if m is None or isinstance(m, cls) else cls(m) for m in (tuple(asked) or (None,))]
+
+    def search_label(self, mesh, structure) -> str:
+        return f", {self.label()} checkpointing"
+
 
 def _graph_ops(graph) -> set:
     return {n.target for n in graph.nodes if n.op == "call_function"} | {

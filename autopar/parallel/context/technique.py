@@ -322,6 +322,63 @@ class ContextParallel(Technique):
     def _methods(self) -> tuple:
         return (self.method,) if isinstance(self.method, str) else self.method
 
+    # ---- the search's hooks (parallel/protocols/search.py): the methods and orders it may pick
+    search_roles = ("cp", "cp_inner")  # cp_inner: hybrid's Ulysses axis, right after cp
+
+    @classmethod
+    def search_methods(cls, facts, auto) -> tuple:
+        """(the attention methods context parallel may use, whether an axis of n ranks takes the
+        zig-zag order): the user's ContextParallel, else ``ap.Auto(context_parallel=...)``'s methods
+        (or ``choices={"context_parallel": ...}``) where the model has sequence inputs (2-D or more:
+        dim 1 split) and no experts (the expert dispatch on split sequences has not been run
+        against serial); zig-zag (causal work even on every rank) where every sequence divides
+        into 2n chunks."""
+        user = facts.user.get(cls.name)
+        if user is not None:
+            return (user.method,), lambda n: user.load_balance
+        lengths = facts.sequence_lengths
+        if not lengths or facts.experts:
+            return (), lambda n: False
+        methods = tuple(auto.choices_for(cls.name, auto.context_parallel))
+        return methods, lambda n: all(length % (2 * n) == 0 for length in lengths)
+
+    @classmethod
+    def search_choices(cls, mesh, free: list, methods: tuple, balanced) -> list:
+        """Context parallel on each free axis (of ``free``, mesh axis indices) by each method, then
+        hybrid where it fits: Ulysses on a free axis right after another free one (its inner, fast
+        ranks: the mesh's later axis), the ring or all-gather across the outer axis, offered where
+        Ulysses and the outer method are both among ``methods``; zig-zag ordered where
+        ``balanced(ranks)``.
+
+        Example: free [0, 1] of ("a", "b"), methods ("ring", "ulysses") -> ContextParallel("a", "ring"),
+        ("a", "ulysses"), ("b", "ring"), ("b", "ulysses"), (("a", "b"), ("ring", "ulysses"))"""
+        out = []
+        for cp in free:
+            lb = balanced(mesh.shape[cp])
+            out += [cls(mesh.axis_names[cp], method=m, load_balance=lb) for m in methods if isinstance(m, str)]
+        pairs = [(m, "ulysses") for m in ("ring", "allgather") if m in methods and "ulysses" in methods]
+        for cp in free:
+            if cp + 1 in free:
+                lb = balanced(mesh.shape[cp] * mesh.shape[cp + 1])
+                axes = (mesh.axis_names[cp], mesh.axis_names[cp + 1])
+                out += [cls(axes, method=pair, load_balance=lb) for pair in pairs]
+        return out
+
+    @classmethod
+    def search_space(cls, mesh, facts, auto, structure=None) -> list:
+        """``search_choices`` on the axes ``structure`` leaves free."""
+        free = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and (structure is None or not structure.uses(a))]
+        return cls.search_choices(mesh, free, *cls.search_methods(facts, auto))
+
+    def search_axes(self, mesh) -> dict:
+        """{mesh axis index: role} of this choice: "cp", and hybrid's Ulysses axis "cp_inner"."""
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        return {mesh.axis_index(a): role for a, role in zip(axes, self.search_roles)}
+
+    def search_label(self, mesh, structure) -> str:
+        method = self.method if isinstance(self.method, str) else "+".join(self.method)  # hybrid: "ring+ulysses"
+        return f", cp {method}" + (" zig-zag" if self.load_balance else "")
+
 
 def _sizes_at(plan, pieces: int) -> dict:
     """The example's value of every input dim's symbol, each batch (dim 0) cut in ``pieces``

@@ -64,12 +64,15 @@ from autopar.parallel import dp_module
 from autopar.parallel.data_parallel import buffer_sync
 from autopar.parallel.data_parallel.fsdp import FullyShardedStorage
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
+from autopar.parallel.data_parallel.fsdp_layout import gather_wires
 from autopar.parallel.data_parallel.local_sgd import LocalSGD
 from autopar.parallel.data_parallel.precision import cast_program
-from autopar.parallel.registry import register_technique
+from autopar.parallel.param_names import canonical_names
+from autopar.parallel.registry import TECHNIQUES, register_technique
 from autopar.parallel.data_parallel.storage import Replicated, ShardedOptimizer
 from autopar.parallel.technique import Technique
 from autopar.parallel.data_parallel.zero import ZeroOptimizer
+from autopar.trace.model_members import named_parameters
 
 # the storage policy of each ZeRO level (parallel/data_parallel/storage.py), chosen once per DataParallel
 STORAGE = {0: Replicated(), 1: ShardedOptimizer(1), 2: ShardedOptimizer(2), 3: FullyShardedStorage()}
@@ -454,3 +457,109 @@ class DataParallel(Technique):
             if fields.get(key) is not None:
                 fields[key] = getattr(torch, fields[key])
         return cls(**fields)
+
+    # ---- the search's hooks (parallel/protocols/search.py): the storages it may pick on a structure
+    search_roles = ("dp", "rep")  # the batch split; "rep": the axis right before dp, split over both
+
+    @classmethod
+    def search_space(cls, mesh, facts, auto, structure=None) -> list:
+        """The DataParallel choices of ``structure`` (None where it has neither a dp axis nor a
+        fold): ZeRO's allowed levels (the user's when given; ``ap.Auto(zero=...)``, or
+        ``choices={"data_parallel": levels}``), zero=3 over two axes both as HSDP and sharded over
+        both, and ZeRO folded over dp x cp where the structure's cp axis allows it (``search_storages``).
+
+        Example: on (2, 2) with {0: "dp", 1: "tp"}, levels (0, 3) ->
+        [DataParallel('a', zero=0), DataParallel('a', zero=3)]"""
+        user = facts.user.get(cls.name)
+        base = user or cls(mesh.axis_names[0], **facts.precision)
+        return [cls._search_choice(mesh, base, structure, *s) for s in cls.search_storages(structure, mesh, user, auto)]
+
+    @classmethod
+    def search_probe(cls, mesh, structure) -> "DataParallel | None":
+        """The data parallel the search's probes plan ``structure``'s layouts with: ZeRO 0 over its
+        dp axes (the levels are options of the same layouts, costed from the probe's terms)."""
+        return cls._search_choice(mesh, cls(mesh.axis_names[0]), structure, 0, None)
+
+    @classmethod
+    def search_may_fold(cls, mesh, facts, auto) -> bool:
+        """Whether a structure with a cp axis may have ZeRO folded over it (its state sharded over
+        more ranks: the search's bound on what such a structure holds)."""
+        return any(z for z, _, fold in cls.search_storages(None, mesh, facts.user.get(cls.name), auto) if fold)
+
+    @classmethod
+    def search_storages(cls, s, mesh, user, auto) -> list[tuple]:
+        """(zero, shard_size, fold) the search may pick for structure ``s`` (None: any structure
+        that can fold): the allowed ZeRO levels (the user's when given); zero=3 over two axes both
+        as HSDP (sharded on the inner axis, replicated on the outer) and sharded over both; and,
+        where ``s`` has a cp axis ZeRO may fold in (``s.can_fold()``), each level >= 1 also over
+        dp x cp (over cp alone without a dp axis): the state sharded over more ranks, its sync one
+        group over both instead of dp's and cp's apart. The user's ``shard_axes`` folds only; a
+        user's level without them does not fold (the user chose the storage)."""
+        levels = auto.choices_for(cls.name, auto.zero)
+        zeros = (user.zero,) if user is not None and user.zero else (tuple(levels) or (0,))
+        user_fold = user is not None and user.shard_axes is not None
+        folds = (True,) if user_fold else (False, True) if user is None or not user.zero else (False,)
+        can_fold = s is None or s.can_fold()
+        out = []
+        for fold in folds:
+            if fold and not can_fold:
+                continue
+            if s is not None and s.dp is None:  # no data parallel: ZeRO only folded over cp
+                out += [(z, None, True) for z in zeros if z and fold] if fold else [(0, None, False)]
+                continue
+            for z in zeros:
+                if fold and not z:
+                    continue  # folding shards ZeRO's state: no level, nothing to fold
+                if STORAGE[z].gathers_params and s is not None and s.rep is not None:
+                    shards = (
+                        (user.shard_size,)
+                        if user is not None and user.shard_size
+                        else (mesh.shape[s.dp], mesh.shape[s.dp] * mesh.shape[s.rep])
+                    )
+                    out += [(z, k, fold) for k in shards]
+                else:
+                    out.append((z, user.shard_size if user is not None and STORAGE[z].gathers_params else None, fold))
+        return out
+
+    @staticmethod
+    def _search_choice(mesh, base, s, zero: int, shard: int | None, fold: bool = False):
+        """``base`` over structure ``s``'s dp axes at ``zero`` as a user writes it; ``fold``: ZeRO
+        shards over the dp and cp axes together (``shard_axes``; over cp alone without a dp axis),
+        torchtitan's dp_shard_cp. None where ``s`` has no dp axis and does not fold.
+
+        Example: ({0: "dp", 1: "cp"}, zero 3, fold) -> DataParallel('dp', zero=3, shard_axes=('dp', 'cp'))"""
+        if s.dp is None and not fold:
+            return None
+        axis = mesh.axis_names[s.dp] if s.dp is not None else None
+        rep = mesh.axis_names[s.rep] if s.rep is not None else None
+        folded = tuple(a for a in (axis, mesh.axis_names[s.cp]) if a is not None) if fold else None
+        return dataclasses.replace(base, axis=axis, zero=zero, replicate_axis=rep, shard_size=shard, shard_axes=folded)
+
+    def search_label(self, mesh, structure) -> str:
+        """ ", ZeRO-3", with " sharded over both" / " HSDP" over two axes, " folded over dp*cp"."""
+        label = f", ZeRO-{self.zero}"
+        if self.shard_size is not None and self.replicate_axis is not None:
+            both = mesh.axis_size(self.axis) * mesh.axis_size(self.replicate_axis)
+            label += " sharded over both" if self.shard_size == both else " HSDP"
+        if self.shard_axes is not None:  # ZeRO's shard group over dp x cp (torchtitan's dp_shard_cp)
+            label += " folded over " + "*".join(self.shard_axes)
+        return label
+
+    def gathers_weights(self) -> bool:
+        return self.storage.gathers_params
+
+    def wire_params(self, plan, profile) -> set:
+        """Names of the parameters this plan's zero=3 gathers in a technique's own form (its gather
+        wire: ap.Float8(fp8_all_gather=True)); where the plan has none yet, those a technique priced
+        under ``profile`` would (SearchHooks.priced_wire_params: the search prices float8 before its
+        plan converts the Linears)."""
+        wired = gather_wires(plan) if self.storage.gathers_params else {}
+        if wired:
+            canon = canonical_names(plan)
+            return {n for n, _ in named_parameters(plan.model) if canon.get(n, n) in wired}
+        return priced_wire_params(plan, profile)
+
+
+def priced_wire_params(plan, profile) -> set:
+    """Every registered technique's ``priced_wire_params`` (the plan need not have data parallel)."""
+    return set().union(*(cls.priced_wire_params(plan, profile) for cls in TECHNIQUES.values()))

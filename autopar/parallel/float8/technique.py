@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cost import make_comm
+from autopar.cost.float8 import float8_linears, lm_heads
 from autopar.errors import PlanError
 from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's rule and lowering
 from autopar.parallel.float8.rule import AMAX_BYTES, tp_pairs
@@ -231,6 +232,23 @@ class Float8(Technique):
     @classmethod
     def from_fields(cls, fields: dict):
         return cls(fields["recipe"], tuple(fields.get("skip", ())), fields.get("fp8_all_gather", False))
+
+    # ---- the search's hooks (parallel/protocols/search.py)
+    @classmethod
+    def search_adds(cls, model, chosen: dict, auto):
+        """Where ``auto`` prices the Linears in float8 (ap.Auto(float8=True), cost/float8.py), the
+        plan runs them so: every Linear but the LM head (torchtitan's filter), and where the chosen
+        data parallel gathers weights (zero=3) it gathers them in fp8, as they were priced."""
+        if not auto.choices_for(cls.name, auto.float8):
+            return None
+        gathers = any(t is not None and t.gathers_weights() for t in chosen.values() if hasattr(t, "gathers_weights"))
+        return cls("tensorwise", skip=lm_heads(model), fp8_all_gather=gathers)
+
+    @classmethod
+    def priced_wire_params(cls, plan, profile) -> set:
+        """Under a profile pricing float8 (``profile.float8``), the weights of the Linears float8
+        training converts: a zero=3 plan the search returns gathers them in fp8."""
+        return set(float8_linears(plan).values()) if getattr(profile, "float8", False) else set()
 
 
 def _bucket(plan, gather):

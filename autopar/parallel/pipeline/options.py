@@ -8,10 +8,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
-from autopar.errors import PipelineError
+from autopar.errors import PipelineError, PlanError
 from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline import api, schedules, stage_memory, stage_shares
 from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED
@@ -115,7 +116,7 @@ class Pipeline(Technique):
         recompute, the loss's backward) is 1/m of it, and gradients accumulate between them.
         Even stages are an approximation: the embedding and the head sit on the end stages."""
         pp, m, v = mesh.axis_size(self.axis), self.microbatches, self.chunks
-        sends = (self.axis, 2 * m * v, 1 / m)
+        sends = self.sends()
         if built is not None:
             return {**stage_shares.shares(built, self), "sends": sends, "pieces": m}
         time = (m * v + pp - 1) / (m * v * pp)
@@ -130,6 +131,11 @@ class Pipeline(Technique):
         else:
             acts = min(m, pp) / (pp * m)
         return {"time": time, "state": 1 / pp, "acts": acts, "sends": sends, "pieces": m}
+
+    def sends(self) -> tuple:
+        """step_shares' ``sends``: (its axis, 2 m v messages a step, each 1/m of the boundary activation)."""
+        m = self.microbatches
+        return (self.axis, 2 * m * self.chunks, 1 / m)
 
     def cut(self, traced, mesh, split_before=(), balance: str = "time"):
         """The stage layout ap.plan would cut ``traced`` into (split.py), before any plan exists
@@ -192,6 +198,99 @@ class Pipeline(Technique):
             "Save the plan made without pipeline=..., load it with ap.load_plan, then add "
             "the pipeline with plan.with_pipeline(ap.Pipeline(...), split_before=[...])."
         )
+
+    # ------------------------------------------------------- the search's hooks (parallel/protocols/search.py)
+    search_roles = ("pp",)  # pipeline stages over the axis (the layouts leave it replicated)
+    SEARCH_INTERLEAVE = (2, 4)  # model chunks per pipeline rank the search tries besides 1F1B's one
+    SEARCH_LABELS = {"zb-h1": "ZB-H1", "zbv": "ZBV", "dualpipev": "DualPipeV"}
+
+    @classmethod
+    def search_offered(cls, auto) -> bool:
+        """Whether an axis may hold pipeline stages: ``ap.Auto(pipeline=...)``, or
+        ``choices={"pipeline": ...}`` (False or (): none)."""
+        value = auto.choices_for(cls.name)
+        return bool(auto.pipeline if value is None else value)
+
+    @classmethod
+    def search_kinds(cls, auto) -> tuple:
+        """The schedules the search may pick: ``ap.Auto(pipeline_schedules=...)``, or
+        ``choices={"pipeline": schedules}``."""
+        value = auto.choices_for(cls.name)
+        return tuple(auto.pipeline_schedules if value is None or value is True else value or ())
+
+    @classmethod
+    def search_space(cls, mesh, facts, auto, structure=None) -> list:
+        """The pipelines of ``structure``: the user's, or over its pp axis with one micro-batch per
+        row of a data-parallel rank's batch (the fewest idle slots, the least in flight), under the
+        schedules ``search_kinds``: 1F1B; the interleaved 1F1B with v model chunks per rank (a
+        bubble of (pp - 1) / v micro-batch slots instead of pp - 1, v times the point-to-point
+        sends, more in flight) where the micro-batches come in groups of pp (the schedule needs
+        it); ZB-H1 (1F1B's order, each W deferred into the bubble); ZBV (two chunks in a V, B/W
+        split) and DualPipeV (ZBV's V in DualPipe's order, m >= 2pp). Several chunks per rank
+        need at least one block per stage (pp x v of them). [] when ``structure`` has no pp axis
+        or the rows are too few for one micro-batch per stage.
+
+        Example: pp=2 of a (2, 2) mesh, 8 rows over dp=2, 4 blocks ->
+        [Pipeline('b', 4, '1f1b'), Pipeline('b', 4, 'zb-h1'), Pipeline('b', 4, 'interleaved', chunks=2), ...]"""
+        pp_axis = structure.axis("pp") if structure is not None else None
+        if pp_axis is None:
+            return []
+        user = facts.user.get(cls.name)
+        if user is not None:
+            return [user]
+        kinds = cls.search_kinds(auto)
+        dp_size = math.prod(mesh.shape[a] for a in (structure.dp, structure.rep) if a is not None)
+        pp, batch, blocks = mesh.shape[pp_axis], facts.batch, facts.blocks
+        if batch is None or batch % dp_size or batch // dp_size < pp:
+            return []
+        m, axis = batch // dp_size, mesh.axis_names[pp_axis]
+        out = [cls(axis, microbatches=m, schedule=k) for k in ("1f1b", "zb-h1") if k in kinds]
+        for v in cls.SEARCH_INTERLEAVE if "interleaved" in kinds else ():
+            if m % pp == 0 and pp * v <= blocks:
+                out.append(cls(axis, microbatches=m, schedule="interleaved", chunks=v))
+        for k in V_SHAPED:
+            if k in kinds and 2 * pp <= blocks and (k != "dualpipev" or m >= 2 * pp):
+                out.append(cls(axis, microbatches=m, schedule=k, chunks=2))
+        return out
+
+    def search_variants(self, traced, mesh, split_before, cache: dict) -> list[tuple]:
+        """[(split_before paths or () for ap.plan's own cut, the pipeline's step shares)]: the
+        runtime's cut (time-balanced), and for 1F1B the memory-balanced one where it differs
+        (stage s holds min(m, pp - s) micro-batches: fewer layers on the first stages). ``cache``:
+        kept by the search across its structures (the cuts and shares by sizes: the same
+        whichever axis of that size holds the stages)."""
+        out = []
+        for balance in ("time",) + (("memory",) if self.kind == "1f1b" and not split_before else ()):
+            lay = self._search_cut(traced, mesh, split_before, balance, cache)
+            if lay is None:
+                continue
+            paths = () if balance == "time" else lay.cut_paths
+            if balance == "memory" and (
+                not all(paths) or len(set(paths)) != len(paths) or out and lay.cut_paths == out[0][2]
+            ):
+                continue  # the same cut, or one split_before cannot name
+            key = ("shares", mesh.axis_size(self.axis), self.chunks, self.microbatches, self.kind, paths)
+            if key not in cache:
+                cache[key] = {k: v for k, v in self.step_shares(mesh, lay).items() if k != "sends"}
+            shares = {**cache[key], "sends": self.sends()}  # the sends on its own axis
+            out.append((paths, shares, lay.cut_paths))
+        return [(paths, shares) for paths, shares, _ in out]
+
+    def _search_cut(self, traced, mesh, split_before, balance: str, cache: dict):
+        """The stages ap.plan would cut (None where the graph cannot be cut so), kept by sizes."""
+        key = ("cut", mesh.axis_size(self.axis), self.chunks, balance)
+        key += (self.microbatches if balance == "memory" else None, self.kind in V_SHAPED)  # a V: other ranks
+        if key not in cache:
+            try:
+                cache[key] = self.cut(traced, mesh, split_before, balance)
+            except PlanError:
+                cache[key] = None
+        return cache[key]
+
+    def search_label(self, mesh, structure) -> str:
+        if self.kind == "interleaved":
+            return f", interleaved 1F1B x{self.chunks}"
+        return ", " + self.SEARCH_LABELS[self.kind] if self.kind in self.SEARCH_LABELS else ""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The small protocols a parallelism technique is made of (technique.py's ``Technique`` inherits
-them all): options, layout, storage, cost, runtime, display. A caller that needs one part of a
+them all): options, layout, storage, cost, runtime, display, search. A caller that needs one part of a
 technique reads only that protocol's file; a technique overrides only the hooks it needs.
 
 Example:
@@ -13,6 +13,16 @@ from autopar.parallel.protocols.display import DisplayHooks
 from autopar.parallel.protocols.layout import LayoutHooks
 from autopar.parallel.protocols.options import OptionHooks
 from autopar.parallel.protocols.runtime import RuntimeHooks
+from autopar.parallel.protocols.search import SearchFacts, SearchHooks
 from autopar.parallel.protocols.storage import StorageHooks
 
-__all__ = ["CostHooks", "DisplayHooks", "LayoutHooks", "OptionHooks", "RuntimeHooks", "StorageHooks"]
+__all__ = [
+    "CostHooks",
+    "DisplayHooks",
+    "LayoutHooks",
+    "OptionHooks",
+    "RuntimeHooks",
+    "SearchFacts",
+    "SearchHooks",
+    "StorageHooks",
+]
