@@ -27,7 +27,7 @@ from autopar.checkpoint.pieces import Pieces
 from autopar.checkpoint.target import Target, device_mesh
 from autopar.errors import CheckpointError
 from autopar.checkpoint.wrap import copy_boxes, to_checkpoint
-from autopar.parallel.data_parallel.zero import ZeroOptimizer
+from autopar.parallel.protocols.storage import SlicedOptimizer
 
 
 def get_state_dict(module, optimizer=None) -> tuple[dict, dict]:
@@ -187,11 +187,9 @@ def entries(t: Target, optimizer) -> dict:
     """Each tensor the optimizer steps -> (serial name, None | start in the flattened local
     parameter for a ZeRO piece)."""
     out = {}
-    if isinstance(optimizer, ZeroOptimizer):
-        params = optimizer.module.autopar_grad_sync.params
-        for piece in optimizer.shards.all_pieces():
-            p = params[piece.name]
-            out[piece.tensor] = (t.param_names[id(p)], piece.tensor.storage_offset() - p.storage_offset())
+    if isinstance(optimizer, SlicedOptimizer):  # it steps slices of the parameters (ZeRO-1/2): each from its start
+        for piece, (p, start) in optimizer.param_slices().items():
+            out[piece] = (t.param_names[id(p)], start)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p in out or p.numel() == 0:

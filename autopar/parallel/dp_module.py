@@ -43,8 +43,8 @@ def attach(plan, gm: torch.nn.Module, rank: int) -> None:
     )
     gm.autopar_grad_sync = sync
     gm.no_sync = sync.no_sync
-    if sync.zero is not None:  # model.zero_grad() clears ZeRO-2's slices too, as opt.zero_grad() does
-        gm.zero_grad = _zero_grad_with_slices(gm.zero_grad, sync.zero)
+    if sync.shards is not None:  # model.zero_grad() clears ZeRO-2's slices too, as opt.zero_grad() does
+        gm.zero_grad = _zero_grad_with_slices(gm.zero_grad, sync.shards)
 
 
 def _zero_grad_with_slices(module_zero_grad, shards):

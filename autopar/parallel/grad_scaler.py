@@ -38,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import PlanError
 from autopar.parallel.optimizer import Optimizer, _plan_and_rank
-from autopar.parallel.data_parallel.zero import ZeroOptimizer
+from autopar.parallel.protocols.storage import SlicedOptimizer
 from autopar.runtime.backend import current_backend
 
 RANK_PARAMS = WeakIdKeyDictionary()  # parameters of rank modules on meshes of 2+ ranks (by identity)
@@ -121,7 +121,7 @@ def _driving_scaler():
 
 
 def _on_ranks(optimizer) -> bool:
-    if isinstance(optimizer, (Optimizer, ZeroOptimizer)):
+    if isinstance(optimizer, (Optimizer, SlicedOptimizer)):  # its tensors are not the module's: ask the module
         plan = getattr(optimizer.module, "autopar_plan", None)
         return plan is not None and plan.mesh.size > 1
     return any(p in RANK_PARAMS for group in optimizer.param_groups for p in group["params"])

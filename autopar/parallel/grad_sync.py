@@ -26,10 +26,10 @@ but gets no ``.grad``: an optimizer with weight decay must not move it.
 
 On the data-parallel axis the ap.DataParallel options apply: ``reduce_dtype`` (one cast per
 bucket into a wire buffer kept for it, one back), ``zero=1`` (all-reduce, then the
-ZeroOptimizer steps this rank's slice, a view of the bucket), ``zero=2`` (reduce-scatter: the
-bucket's buffer is made for the step when its first gradient arrives, each gradient is
-copied in and freed at once, the buffer goes after the launch and only this rank's reduced
-slice is kept), ``local_sgd_every`` (no collective: each rank keeps its own gradient). Other
+optimizer of the storage's ``grad_shards`` steps this rank's slice, a view of the bucket),
+``zero=2`` (the shards' ``reduce_scatters``: the bucket's buffer is made for the step when
+its first gradient arrives, each gradient is copied in and freed at once, the buffer goes
+after the launch and only this rank's reduced slice is kept), ``local_sgd_every`` (no collective: each rank keeps its own gradient). Other
 axes get a plain all-reduce.
 
 Example:
@@ -46,9 +46,7 @@ import operator
 import torch
 
 from autopar.runtime.backend import current_backend
-from autopar.errors import DataParallelError
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, Bucket, make_buckets
-from autopar.parallel.data_parallel.zero import ZeroShards
 
 _GRAD = operator.attrgetter("grad")
 
@@ -119,14 +117,16 @@ class GradSync:
         self.params = dict(module.named_parameters())
         self.buckets = make_buckets(self.params, sync_axes, bucket_bytes, bucket_max_params, order, first)
         self.enabled = True
-        self.zero = None  # ZeroShards, for zero=1|2 (set below)
-        self.zero_optimizer = None  # the ap.ZeroOptimizer stepping the shards, once made
+        # each rank's slices of the dp buckets where the storage steps slices (ZeRO-1/2's), else None;
+        # asked before the buckets are made: whether they are reduce-scattered decides their buffers
+        self.shards = dp.grad_shards() if dp is not None else None
         self.handles: list = []  # the parameters' hooks (made again when the buckets are rebuilt)
         self._build()
-        if dp is not None and dp.zero in (1, 2):  # zero=3: the gathers reduce (parallel/data_parallel/fsdp.py)
-            self.zero = ZeroShards(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
+        if self.shards is not None:
+            self.shards.bind(self, [i for i, b in enumerate(self.buckets) if self.on_dp(b)])
         # the first synced backward records the order gradients arrive in, to rebuild the buckets
-        self.arrived: list[str] | None = [] if self.zero is None else None
+        # (not where shards were laid out by the first buckets)
+        self.arrived: list[str] | None = [] if self.shards is None else None
         self._reset()
         self.held: set[int] = set()  # buckets whose .grad hold synced sums (no zero_grad since)
         module.register_forward_pre_hook(self._rescale_held)
@@ -180,7 +180,7 @@ class GradSync:
             return "none"
         if self.dp is not None and self.dp.local_sgd_every is not None:
             return "local"
-        return "reduce_scatter" if self.dp is not None and self.dp.zero == 2 else "all_reduce"
+        return "reduce_scatter" if self.shards is not None and self.shards.reduce_scatters else "all_reduce"
 
     def factor(self, bucket: Bucket) -> int:
         """How many rank-parts the bucket's sync adds up (the product of its groups' sizes)."""
@@ -327,7 +327,7 @@ class GradSync:
             slots, mode = self.slots[i], self.modes[i]
             result = work.wait() if work is not None else flat
             if mode == "reduce_scatter":
-                self.zero.set_grad(
+                self.shards.set_grad(
                     i, result if result.dtype == self.buckets[i].dtype else result.to(self.buckets[i].dtype)
                 )
                 continue
@@ -340,23 +340,15 @@ class GradSync:
                     if p.grad is None and p.requires_grad:  # frozen since the buckets were made: None
                         p.grad = view
             self.held.add(i)
-            if self.zero is not None and mode == "all_reduce":
+            if self.shards is not None and mode == "all_reduce":
                 # this rank's slice, a view of the bucket the module's .grad are views of too
-                self.zero.set_grad(i, self.zero.own_slice(i, flat), accumulate=False)
+                self.shards.set_grad(i, self.shards.own_slice(i, flat), accumulate=False)
         arrived = self.arrived
         self._reset()
         if arrived is not None:
             self._rebuild(arrived)
-        if self.zero is not None and self.zero_optimizer is None:
-            raise DataParallelError(
-                f"DataParallel(zero={self.dp.zero}): each rank steps only its 1/{len(self.dp_group())} slice of every "
-                "gradient bucket, which no module parameter is, so a plain torch.optim optimizer over "
-                "module.parameters() would step whole parameters on partial or missing gradients. Before backward, "
-                "write opt = ap.Optimizer(module, torch.optim.AdamW, lr=...) in place of "
-                "torch.optim.AdamW(module.parameters(), lr=...) (any torch.optim class; per-group options as "
-                "param_groups=[{'params': ['*.bias'], 'weight_decay': 0}]), or plan with a storage a plain optimizer "
-                f"steps: ap.DataParallel({self.dp.axis!r}, zero=0 or 3), or ap.Auto(zero=(0, 3)) for the search."
-            )
+        if self.shards is not None:  # a plain optimizer would step whole parameters on partial gradients
+            self.shards.check_stepped()
 
     # ---------------------------------------------------------------------- rebuilding
     def _rebuild(self, arrived: list[str]) -> None:

@@ -4,7 +4,8 @@ A rank module's parameters are pieces: split by tensor parallelism, 1-D ranges u
 a pipeline rank's stages only. An *elementwise* optimizer (SGD, Adam, AdamW, Adagrad, RMSprop,
 NAdam, RAdam, Adamax, Adadelta, ASGD, Rprop: each element's update reads that element of the
 parameter, its gradient and its state) gives the serial update on any piece: ap.Optimizer
-steps the pieces as they are, with no communication (ZeRO-1/2: through ap.ZeroOptimizer).
+steps the pieces as they are, with no communication (ZeRO-1/2: through the optimizer the
+storage's shards make, ap.ZeroOptimizer).
 The others read whole tensors: Adafactor factors each matrix's second moment into row and
 column means, Muon orthogonalises each whole matrix (Newton-Schulz), LBFGS takes dot products
 over every parameter. Stepping pieces gives other numbers (2.2e-2 and 9.0e-2 from serial after
@@ -40,8 +41,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import PlanError
+from autopar.parallel.param_groups import group_params
 from autopar.parallel.param_names import held_params
-from autopar.parallel.data_parallel.zero import ZeroOptimizer, group_params
 from autopar.placement import Replicate, local_shape, shard_tensor
 from autopar.runtime.backend import current_backend
 
@@ -63,12 +64,12 @@ class Optimizer(torch.optim.Optimizer):
         if elementwise is None:
             elementwise = getattr(optimizer_class, "__name__", "") in ELEMENTWISE
         sync = getattr(module, "autopar_grad_sync", None)
-        zero12 = sync is not None and sync.zero is not None
+        shards = sync.shards if sync is not None else None  # a storage stepping slices of the buckets (ZeRO-1/2)
         self.module, self.whole = module, None
-        if elementwise and zero12 and params is not None:
+        if elementwise and shards is not None and params is not None:
             elementwise = False  # ZeRO's shards step every trainable parameter: a selection is stepped whole
-        if elementwise and zero12:
-            self.inner = ZeroOptimizer(module, optimizer_class, param_groups, **defaults)
+        if elementwise and shards is not None:
+            self.inner = shards.optimizer_for(module, optimizer_class, param_groups, **defaults)
         elif elementwise:
             self.inner = optimizer_class(group_params(named, param_groups or [], names), **defaults)
         else:
@@ -77,7 +78,7 @@ class Optimizer(torch.optim.Optimizer):
                     f"ap.Optimizer: {optimizer_class.__name__} is not supported (LBFGS re-evaluates a closure "
                     "over the whole model, SparseAdam needs sparse gradients); use another optimizer."
                 )
-            self.whole = WholeTensorStep(plan, rank, everywhere, sync if zero12 else None)
+            self.whole = WholeTensorStep(plan, rank, everywhere, shards)
             shadows = list(self.whole.shadows.items())
             self.inner = optimizer_class(group_params(shadows, param_groups or [], names), **defaults)
         super().__init__(self.inner.param_groups, self.inner.defaults)
@@ -102,22 +103,22 @@ class Optimizer(torch.optim.Optimizer):
         if self.whole is None:
             own = getattr(self.inner, "stepped_tensors", None)
             return own() if own is not None else [p for g in self.param_groups for p in g["params"]]
-        sync = self.whole.zero_sync
-        if sync is None or sync.dp.zero != 2:
+        shards = self.whole.shards
+        if shards is None or not shards.reduce_scatters:
             return list(self.whole.params.values())
-        bucketed = {n for i in sync.zero.bucket_ids for n in sync.buckets[i].names}
-        slices = [piece.tensor for piece in sync.zero.all_pieces() if piece.name in self.whole.params]
+        bucketed = shards.sliced_names()
+        slices = shards.slice_tensors(self.whole.params)
         return slices + [p for n, p in self.whole.params.items() if n not in bucketed]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients of what this optimizer steps (two of them on one module, Muon for the
         matrices and AdamW for the rest, clear each its own)."""
-        self.inner.zero_grad(set_to_none)  # pieces it steps (ZeroOptimizer: the module's), or the shadows
+        self.inner.zero_grad(set_to_none)  # pieces it steps (the shards' optimizer: the module's), or the shadows
         if self.whole is None:
             return
         tensors = list(self.whole.params.values())
-        if self.whole.zero_sync is not None:  # the reduced ZeRO slices of its own parameters (not the other's)
-            tensors += [q.tensor for q in self.whole.zero_sync.zero.all_pieces() if q.name in self.whole.params]
+        if self.whole.shards is not None:  # the reduced ZeRO slices of its own parameters (not the other's)
+            tensors += self.whole.shards.slice_tensors(self.whole.params)
         for p in tensors:
             if p.grad is not None:
                 if set_to_none:
@@ -137,23 +138,24 @@ class WholeTensorStep:
     """The whole parameters and gradients an optimizer that reads whole tensors steps, gathered
     from every rank's pieces, and each rank's piece of the result written back."""
 
-    def __init__(self, plan, rank: int, everywhere: list, zero_sync=None):
+    def __init__(self, plan, rank: int, everywhere: list, shards=None):
         """``everywhere``: (serial name, this rank's parameter or None where it holds none) of
-        what every rank steps, in one order (each rank's gather lays its pieces out so)."""
-        self.plan, self.rank, self.zero_sync = plan, rank, zero_sync
+        what every rank steps, in one order (each rank's gather lays its pieces out so);
+        ``shards``: the gradient sync's GradShards where the storage keeps slices (ZeRO-1/2)."""
+        self.plan, self.rank, self.shards = plan, rank, shards
         self.names = [n for n, _ in everywhere]
         self.params = {n: p for n, p in everywhere if p is not None}
         shapes = _serial(plan)
         self.shadows = {n: torch.nn.Parameter(torch.zeros(shapes[n].shape, dtype=shapes[n].dtype)) for n in self.params}
         self.stored = {n: [_stored_shape(plan, r, n) for r in plan.mesh.ranks()] for n in self.names}
         self.numels = {n: [_prod(s) for s in self.stored[n]] for n in self.names}
-        if zero_sync is not None:
-            zero_sync.zero_optimizer = self  # the gradient sync's check: an optimizer is attached
+        if shards is not None:
+            shards.stepped_by = self  # the gradient sync's check: an optimizer is attached
 
     def gather(self) -> bool:
         """Whole parameters and gradients into the shadows (False: no gradient anywhere)."""
-        if self.zero_sync is not None and self.zero_sync.dp.zero == 2:
-            _zero2_gradients(self.zero_sync)
+        if self.shards is not None:  # ZeRO-2's reduced slices, all-gathered into whole .grad
+            self.shards.gather_grads()
         held = [self.params.get(n) for n in self.names]
         has = torch.tensor([float(p is not None and p.grad is not None) for p in held])
         has = _all_ranks_max(self.plan, self.rank, has)
@@ -231,24 +233,6 @@ def _same_but_stage(plan, a: int, b: int) -> bool:
 
 def _holds(plan, rank: int, name: str) -> bool:
     return name in held_params(plan, rank)
-
-
-def _zero2_gradients(sync) -> None:
-    """ZeRO-2 keeps only each rank's reduced slice of a bucket's gradient: all-gather the slices
-    over dp into the parameters' .grad (a whole-tensor optimizer reads every element)."""
-    backend, shards = current_backend(), sync.zero
-    for i in shards.bucket_ids:
-        mine = torch.zeros(shards.chunk(i), dtype=sync.buckets[i].dtype)
-        for piece in shards.pieces[i]:
-            if piece.tensor.grad is not None:
-                mine[piece.lo : piece.hi] = piece.tensor.grad
-        full = backend.all_gather(mine, 0, shards.groups[i], sync.rank)
-        at = 0
-        for n in sync.buckets[i].names:
-            p = sync.params[n]
-            if p.requires_grad:
-                p.grad = full[at : at + p.numel()].view_as(p).clone()
-            at += p.numel()
 
 
 # ------------------------------------------------------------------ what each rank stores

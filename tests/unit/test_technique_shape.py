@@ -29,10 +29,6 @@ PUBLIC_API = "__init__.py"  # autopar/__init__.py: ap.<Technique> for users
 # folder -> {file outside it: why it still names the technique}. Each is a debt: pay it with a hook.
 CROSSINGS: dict[str, dict[str, str]] = {
     "data_parallel": {
-        "checkpoint/state_dict.py": "ZeroOptimizer's sharded state in DCP state dicts",
-        "parallel/grad_scaler.py": "ap.GradScaler finds the ZeroOptimizer's gradient slices",
-        "parallel/grad_sync.py": "ZeRO 1-2's reduce-scatter into ZeroShards",
-        "parallel/optimizer.py": "ap.Optimizer wraps a ZeroOptimizer per group",
         "parallel/float8/technique.py": "fp8 gathers ride zero=3's buckets (fsdp_gather, held_buckets)",
         "parallel/fault_tolerant/job.py": "a replica group's buffers kept equal as data parallel keeps them",
         "parallel/fault_tolerant/technique.py": "fault tolerance wraps an ap.DataParallel's axis",

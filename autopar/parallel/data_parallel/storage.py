@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from autopar.parallel.data_parallel.zero import ZeroShards
 from autopar.parallel.dp_module import grad_buckets
 from autopar.parallel.grad_buckets import bucket_sync
 from autopar.placement import counts_piece
@@ -81,6 +82,9 @@ class Storage:
     def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
         return pieces
 
+    def grad_shards(self):
+        return None
+
     # what it costs
     def bucket_comms(self, dp, n, wire_bytes, param_bytes) -> list[tuple]:
         """(kind, phase, bytes per rank) of one gradient bucket's sync on the dp axis of size ``n``."""
@@ -139,6 +143,10 @@ class ShardedOptimizer(Storage):
     def __init__(self, level: int):
         self.level = level
 
+    def grad_shards(self):
+        """Each rank steps its slice of every dp bucket (zero.py's ZeroShards; ZeRO-2 reduce-scatters)."""
+        return ZeroShards(self.level)
+
     def memory_divisors(self, dp, n, fold=1):
         return 1, (n * fold if self.level == 2 else 1), n * fold
 
@@ -176,8 +184,8 @@ class ShardedOptimizer(Storage):
         sync = module.autopar_grad_sync
         coords, default = plan.mesh.coords(rank), (None,) * plan.mesh.ndim
         extra, sliced = [], set()
-        for i in sync.zero.bucket_ids:  # a slice differs over its bucket's group: dp, or dp x cp
-            for piece in sync.zero.pieces[i]:
+        for i in sync.shards.bucket_ids:  # a slice differs over its bucket's group: dp, or dp x cp
+            for piece in sync.shards.pieces[i]:
                 if piece.tensor.grad is None:
                     continue
                 spec = plan.param_specs.get(piece.name, default)

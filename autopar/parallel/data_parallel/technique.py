@@ -385,6 +385,9 @@ class DataParallel(Technique):
     def grad_pieces(self, plan, module, rank, pieces):
         return self.storage.grad_pieces(plan, module, rank, pieces)
 
+    def grad_shards(self):
+        return self.storage.grad_shards()
+
     def explain_param(self, plan, fqn):
         return self.storage.explain_param(plan, fqn)
 

@@ -20,13 +20,14 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.backend import current_backend
 from autopar.errors import DataParallelError
+from autopar.parallel.param_groups import group_params
+from autopar.parallel.protocols.storage import GradShards, SlicedOptimizer
+from autopar.runtime.backend import current_backend
 
 WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor")
 
@@ -39,12 +40,22 @@ class Piece:
     hi: int
 
 
-class ZeroShards:
+class ZeroShards(GradShards):
     """The flat buffers of the dp buckets, this rank's slice of each, and its pieces. A bucket is
     sliced over its sync group: the dp ranks, or the dp x cp ranks where ``shard_axes`` folds cp in
-    (``sync.groups``)."""
+    (``sync.groups``). Made by the storage of ``level`` 1 or 2 (``ShardedOptimizer.grad_shards``),
+    bound to the gradient sync's dp buckets once it has made them (``bind``).
 
-    def __init__(self, sync, bucket_ids: list[int]):
+    Example:
+        >>> shards = ZeroShards(level=2)                   # the gradient sync then calls:
+        >>> shards.bind(sync, [i for i, b in enumerate(sync.buckets) if sync.on_dp(b)])
+    """
+
+    def __init__(self, level: int):
+        self.level, self.reduce_scatters = level, level == 2  # ZeRO-2 reduce-scatters the buckets
+        self.stepped_by = None  # the optimizer stepping the slices (ap.ZeroOptimizer, ap.Optimizer), once made
+
+    def bind(self, sync, bucket_ids: list[int]) -> None:
         self.sync, self.bucket_ids = sync, bucket_ids
         self.groups = {i: sync.groups[i] for i in bucket_ids}
         self.n = {i: len(g) for i, g in self.groups.items()}
@@ -95,7 +106,7 @@ class ZeroShards:
         """What the module's zero_grad() clears beside its parameters' .grad: ZeRO-2's slice
         gradients, which the next backward adds to (ZeRO-1's slices are views of the module's
         gradients, set again by every sync)."""
-        if self.sync.dp.zero != 2:
+        if not self.reduce_scatters:
             return
         for piece in self.all_pieces():
             if piece.tensor.grad is not None:
@@ -117,8 +128,51 @@ class ZeroShards:
         for w in works:
             w.wait()
 
+    def sliced_names(self) -> set[str]:
+        return {n for i in self.bucket_ids for n in self.sync.buckets[i].names}
 
-class ZeroOptimizer(torch.optim.Optimizer):
+    def slice_tensors(self, names) -> list[torch.Tensor]:
+        return [piece.tensor for piece in self.all_pieces() if piece.name in names]
+
+    def gather_grads(self) -> None:
+        """ZeRO-2 keeps only each rank's reduced slice of a bucket's gradient: all-gather the slices
+        over the bucket's group into the parameters' .grad (a whole-tensor optimizer reads every
+        element). ZeRO-1's .grad are whole already."""
+        if not self.reduce_scatters:
+            return
+        backend, sync = current_backend(), self.sync
+        for i in self.bucket_ids:
+            mine = torch.zeros(self.chunk(i), dtype=sync.buckets[i].dtype)
+            for piece in self.pieces[i]:
+                if piece.tensor.grad is not None:
+                    mine[piece.lo : piece.hi] = piece.tensor.grad
+            full = backend.all_gather(mine, 0, self.groups[i], sync.rank)
+            at = 0
+            for n in sync.buckets[i].names:
+                p = sync.params[n]
+                if p.requires_grad:
+                    p.grad = full[at : at + p.numel()].view_as(p).clone()
+                at += p.numel()
+
+    def check_stepped(self) -> None:
+        if self.stepped_by is not None:
+            return
+        sync, dp = self.sync, self.sync.dp
+        raise DataParallelError(
+            f"DataParallel(zero={self.level}): each rank steps only its 1/{len(sync.dp_group())} slice of every "
+            "gradient bucket, which no module parameter is, so a plain torch.optim optimizer over "
+            "module.parameters() would step whole parameters on partial or missing gradients. Before backward, "
+            "write opt = ap.Optimizer(module, torch.optim.AdamW, lr=...) in place of "
+            "torch.optim.AdamW(module.parameters(), lr=...) (any torch.optim class; per-group options as "
+            "param_groups=[{'params': ['*.bias'], 'weight_decay': 0}]), or plan with a storage a plain optimizer "
+            f"steps: ap.DataParallel({dp.axis!r}, zero=0 or 3), or ap.Auto(zero=(0, 3)) for the search."
+        )
+
+    def optimizer_for(self, module, optimizer_class, param_groups, **defaults) -> "ZeroOptimizer":
+        return ZeroOptimizer(module, optimizer_class, param_groups, **defaults)
+
+
+class ZeroOptimizer(torch.optim.Optimizer, SlicedOptimizer):
     """Any elementwise torch optimizer, stepping only this rank's ZeRO slice.
 
     ``param_groups``: optional list of dicts whose "params" are parameter-name patterns
@@ -131,7 +185,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, module: torch.nn.Module, optimizer_class, param_groups: list[dict] | None = None, **defaults):
         sync = getattr(module, "autopar_grad_sync", None)
-        if sync is None or sync.zero is None:
+        if sync is None or sync.shards is None:
             raise DataParallelError(
                 "ap.ZeroOptimizer needs a module planned with "
                 "data_parallel=ap.DataParallel('dp', zero=1 or 2); for zero=0 and zero=3 use "
@@ -143,16 +197,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "rank a flat slice. Use an elementwise optimizer (SGD, Adam, AdamW, ...) "
                 "or zero=0."
             )
-        self.module, self.shards = module, sync.zero
+        self.module, self.shards = module, sync.shards
         groups = self._groups(sync, param_groups or [])
         self.optim = optimizer_class(groups, **defaults)
         super().__init__(groups, self.optim.defaults)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one truth
-        sync.zero_optimizer = self
+        self.shards.stepped_by = self  # the gradient sync's check: an optimizer is attached
 
     def _groups(self, sync, spec: list[dict]) -> list[dict]:
         """The optimizer's param groups: this rank's pieces plus trainable params not on dp."""
-        sharded = {n for i in self.shards.bucket_ids for n in sync.buckets[i].names}
+        sharded = self.shards.sliced_names()
         tensors = [(p.name, p.tensor) for p in self.shards.all_pieces()]
         tensors += [(n, p) for n, p in sync.params.items() if p.requires_grad and n not in sharded]
         trainable = [n for n, p in sync.params.items() if p.requires_grad]  # the same on every dp rank
@@ -168,13 +222,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The tensors whose ``.grad`` ap.GradScaler unscales: ZeRO-2's slices and the parameters
         not on dp (the param groups); under ZeRO-1 the module's parameters, whose full gradients
         the slices are views of (each element once, and clipping reads the full ones)."""
-        if self.shards.sync.dp.zero != 1:
+        if self.shards.level != 1:
             return [p for g in self.param_groups for p in g["params"]]
         seen: dict = {}
         for p in self.shards.sync.params.values():
             if p.requires_grad:
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    def param_slices(self) -> dict:
+        params = self.shards.sync.params
+        return {
+            piece.tensor: (params[piece.name], piece.tensor.storage_offset() - params[piece.name].storage_offset())
+            for piece in self.shards.all_pieces()
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)
@@ -195,30 +256,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (1/dp of the unsharded optimizer's)."""
         return state_bytes(self.optim)
-
-
-def group_params(named: list, spec: list[dict], every_name: list[str]) -> list[dict]:
-    """Param groups from name patterns: ``spec``'s groups in order, then one for the names that
-    match none (only if some name anywhere does). ``named``: (serial name, tensor) this rank
-    steps; ``every_name``: the names every rank steps. Every rank gets the same groups, empty
-    where it holds none of a group's parameters (a ZeRO slice, a pipeline stage): checkpoints
-    match groups by position (ap.set_state_dict) and LR schedulers set them by index, so a
-    dropped group would hand its hyperparameters to the next one.
-
-    Example:
-        >>> group_params([("w", w)], [{"params": ["*.bias"], "weight_decay": 0}], ["w", "b.bias"])
-        [{'params': [], 'weight_decay': 0}, {'params': [w]}]
-    """
-
-    def group_of(name: str) -> int:
-        return next(
-            (j for j, g in enumerate(spec) if any(fnmatch.fnmatch(name, pat) for pat in g["params"])), len(spec)
-        )
-
-    out = [dict(g, params=[]) for g in spec] + [{"params": []}]
-    for name, t in named:
-        out[group_of(name)]["params"].append(t)
-    return out if any(group_of(n) == len(spec) for n in every_name) or not spec else out[:-1]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

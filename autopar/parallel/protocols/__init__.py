@@ -14,15 +14,17 @@ from autopar.parallel.protocols.layout import LayoutHooks
 from autopar.parallel.protocols.options import OptionHooks
 from autopar.parallel.protocols.runtime import RuntimeHooks
 from autopar.parallel.protocols.search import SearchFacts, SearchHooks
-from autopar.parallel.protocols.storage import StorageHooks
+from autopar.parallel.protocols.storage import GradShards, SlicedOptimizer, StorageHooks
 
 __all__ = [
     "CostHooks",
     "DisplayHooks",
+    "GradShards",
     "LayoutHooks",
     "OptionHooks",
     "RuntimeHooks",
     "SearchFacts",
     "SearchHooks",
+    "SlicedOptimizer",
     "StorageHooks",
 ]

@@ -5,7 +5,10 @@ parallel keeps a 1-D range of each piece), rewrites the emitted program (zero=3'
 precision casts), and keeps gradients (ZeRO's slices, the buckets' axes).
 
 Called by the rank modules (codegen/rank_module.py), ``Plan.program``, checkpoints, clipping and
-zero=3's buckets.
+zero=3's buckets. A technique that has each rank step a slice of every gradient bucket (ZeRO 1-2)
+answers ``grad_shards`` with a ``GradShards``, which the gradient sync, ap.Optimizer and the
+clipping ask; the optimizer it steps them with is a ``SlicedOptimizer``, which ap.GradScaler and
+checkpoints ask. Nothing outside the technique's folder names its classes.
 
 Example:
     >>> from autopar.parallel.protocols.storage import StorageHooks
@@ -68,3 +71,86 @@ class StorageHooks:
         """(name, gradient, counted by this rank) of every gradient ``rank`` holds, as the
         technique keeps them: whole-model sums (clipping) add the counted ones once."""
         return pieces
+
+    def grad_shards(self):
+        """A fresh ``GradShards`` for one rank module's gradient sync where each rank steps only a
+        slice of every gradient bucket (ZeRO 1-2), None where the ranks step whole parameters.
+        parallel/grad_sync.py asks it before it makes its buckets and binds it to them after."""
+        return None
+
+
+class GradShards:
+    """Each rank's slices of the gradient buckets, as a storage keeps them (``grad_shards``): the
+    gradient sync hands it the reduced gradients, ap.Optimizer asks it for the optimizer that steps
+    the slices, and the module's ``zero_grad`` clears them. Subclassed by the storage's own
+    (ZeRO 1-2's ``ZeroShards``).
+
+    Example:
+        >>> shards = plan.data_parallel.grad_shards()      # zero=2: a ZeroShards, not yet bound
+        >>> shards.reduce_scatters
+        True
+    """
+
+    #: the buckets are reduce-scattered (each rank keeps only its reduced slice), not all-reduced
+    reduce_scatters: bool = False
+    #: the optimizer stepping the slices, once made (the gradient sync refuses a backward without one)
+    stepped_by = None
+
+    def bind(self, sync, bucket_ids: list[int]) -> None:
+        """Lay out buckets ``bucket_ids`` of the gradient sync ``sync`` (its parameters become views
+        of one flat buffer per bucket) and take this rank's slice of each."""
+        raise NotImplementedError
+
+    def own_slice(self, i: int, full):
+        """This rank's slice of a flat tensor the size of bucket ``i``."""
+        raise NotImplementedError
+
+    def set_grad(self, i: int, chunk, accumulate: bool = True) -> None:
+        """This rank's reduced gradient slice of bucket ``i`` to the tensors it steps."""
+        raise NotImplementedError
+
+    def check_stepped(self) -> None:
+        """Raise, saying how to fix it, where no optimizer steps the slices (``stepped_by``)."""
+        raise NotImplementedError
+
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """What the module's ``zero_grad()`` clears beside its parameters' ``.grad``."""
+
+    def sliced_names(self) -> set[str]:
+        """The parameters (gradient sync names) whose buckets are sliced."""
+        raise NotImplementedError
+
+    def slice_tensors(self, names) -> list:
+        """The slice tensors (each with its reduced ``.grad``) of the parameters in ``names``."""
+        raise NotImplementedError
+
+    def gather_grads(self) -> None:
+        """Every rank's reduced slices into the parameters' ``.grad``, whole (an optimizer that reads
+        whole tensors steps them); nothing where the ``.grad`` are whole already."""
+
+    def optimizer_for(self, module, optimizer_class, param_groups, **defaults):
+        """The ``SlicedOptimizer`` stepping these slices with ``optimizer_class`` (an elementwise one)."""
+        raise NotImplementedError
+
+
+class SlicedOptimizer:
+    """An optimizer that steps slices of a rank module's parameters rather than the parameters (ZeRO
+    1-2's ap.ZeroOptimizer, from ``GradShards.optimizer_for``): ap.GradScaler asks it for its
+    ``module`` and ``stepped_tensors()``, checkpoints for its ``param_slices()``.
+
+    Example:
+        >>> isinstance(ap.ZeroOptimizer(module, torch.optim.AdamW, lr=1e-3), SlicedOptimizer)
+        True
+    """
+
+    #: the rank module whose parameters it steps slices of
+    module = None
+
+    def stepped_tensors(self) -> list:
+        """The tensors whose ``.grad`` its step reads (what ap.GradScaler unscales and checks)."""
+        raise NotImplementedError
+
+    def param_slices(self) -> dict:
+        """Each slice tensor it steps -> (the module parameter it is a slice of, where the slice
+        starts in the flattened parameter): checkpoints lay its state out by that range."""
+        raise NotImplementedError
