@@ -19,7 +19,7 @@ options        of, take_annotations, fold, check_options, implied, exact
 layout         reshape_mesh, validate, tracing, prepare_graph, annotate, prepare_seeded_graph,
                data_axis, token_axes, seed_inputs, attention_method, piece_order, after_plan
 storage        stored, stored_start, stored_axes, stored_share, counts_stored, restored,
-               rewrite_program, gather_wire, grad_sync_axes, grad_pieces
+               rewrite_program, gather_wire, grad_sync_axes, grad_pieces, grad_shards
 cost           collectives, batch_pieces, step_shares, memory, activations, rank_activations,
                kept_saves, recomputed, memory_formulas, rank_params, memory_ranks
 runtime        join, attach, checkpoint_mesh, process_groups
@@ -50,7 +50,8 @@ in the techniques' ``order``, lowest first)::
       attach(plan, module, rank)                            runtime hooks on a rank's module
     ap.parallelize                                          api.py, parallel/process_groups.py
       join(plan, timeout) -> process_groups(plan)
-    training: grad_sync_axes (buckets), grad_pieces (clipping)
+    training: grad_sync_axes (buckets), grad_shards (the sync's slices, ZeRO 1-2: then
+      ap.Optimizer, ap.GradScaler and checkpoints ask them), grad_pieces (clipping)
     costing: collectives, step_shares, batch_pieces,        cost/, plan.memory_per_rank,
       activations -> rank_activations, memory,              ap.predict, the search
       memory_formulas, kept_saves, recomputed, rank_params, memory_ranks, stored_share
