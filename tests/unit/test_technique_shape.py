@@ -9,6 +9,7 @@ a new crossing fails here and a paid one must be struck from the list.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import autopar.parallel as parallel
@@ -58,29 +59,36 @@ def _technique_folders() -> dict[str, tuple[set, str]]:
     return folders
 
 
-def _names_of(tree: ast.AST, folder: str, classes: set, prefix: str) -> set[str]:
+@functools.cache
+def _file_names() -> dict[str, tuple[frozenset, frozenset]]:
+    """autopar/-relative path -> (modules it imports from, identifiers it names), each file parsed once."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        modules, names = set(), set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules.add(node.module)
+                modules.update(f"{node.module}.{a.name}" for a in node.names)  # from autopar.parallel import x
+            elif isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+        out[path.relative_to(ROOT).as_posix()] = (frozenset(modules), frozenset(names))
+    return out
+
+
+def _names_of(rel: str, classes: set, prefix: str) -> set[str]:
     """What in one file names the technique: an import of its folder's modules or a technique class."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == prefix or node.module.startswith(prefix + "."):
-                found.add(node.module)
-            if node.module == "autopar.parallel" and any(a.name == folder for a in node.names):
-                found.add(prefix)
-        elif isinstance(node, ast.Name) and node.id in classes:
-            found.add(node.id)
-        elif isinstance(node, ast.Attribute) and node.attr in classes:
-            found.add(node.attr)
-    return found
+    modules, names = _file_names()[rel]
+    return {m for m in modules if m == prefix or m.startswith(prefix + ".")} | (names & classes)
 
 
 def _outside_users(folder: str, classes: set, prefix: str) -> dict[str, set]:
     users = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT).as_posix()
+    for rel in _file_names():
         if rel.startswith(f"parallel/{folder}/") or rel == f"parallel/{folder}.py":
             continue
-        found = _names_of(ast.parse(path.read_text()), folder, classes, prefix)
+        found = _names_of(rel, classes, prefix)
         if found:
             users[rel] = found
     return users
@@ -101,10 +109,9 @@ def test_every_technique_lives_in_a_folder_of_its_own():
 
 def test_search_imports_no_technique():
     folders = _technique_folders()
-    for path in (ROOT / "search").rglob("*.py"):
-        tree = ast.parse(path.read_text())
+    for rel in [r for r in _file_names() if r.startswith("search/")]:
         for folder, (classes, prefix) in folders.items():
-            assert not _names_of(tree, folder, classes, prefix), f"search/{path.name} names {folder}"
+            assert not _names_of(rel, classes, prefix), f"{rel} names {folder}"
 
 
 def test_technique_is_made_of_the_small_protocols():
