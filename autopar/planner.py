@@ -74,14 +74,19 @@ def make_plan(
     _validate(mesh, options, annotations)
     keep = opaque_paths(annotations, model)  # ap.opaque(): traced as one replicated op each
     annotations = {p: (replicated() if isinstance(a, opaque) else a) for p, a in annotations.items()}
-    traced = _trace(model, options, args, kwargs, keep)
-    traced.replan = lambda again, seeds: make_plan(  # Plan.with_options under another compute dtype
-        model, mesh, again, **_example(traced), annotations={p: opaque() for p in keep}, seeds=seeds
-    )
-    if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
-        traced.materialize_device = input_device(args, kwargs)
-        if traced.materialize_device is not None:
-            retarget_meta_device(traced.gm.graph, traced.materialize_device)
+
+    def traced_for(options: PlanOptions):
+        traced = _trace(model, options, args, kwargs, keep)
+        traced.replan = lambda again, seeds: make_plan(  # Plan.with_options under another compute dtype
+            model, mesh, again, **_example(traced), annotations={p: opaque() for p in keep}, seeds=seeds
+        )
+        if meta_names(model):  # a meta-device model: its rank modules run where the inputs are
+            traced.materialize_device = input_device(args, kwargs)
+            if traced.materialize_device is not None:
+                retarget_meta_device(traced.gm.graph, traced.materialize_device)
+        return traced
+
+    traced = traced_for(options)
     ndims = _input_ndims(traced, args, kwargs)
     record, searched = None, options.auto
     if options.auto is not None:  # the search plans many probes on this trace, then seeds as a user would
@@ -110,6 +115,11 @@ def make_plan(
             annotations, chosen, record = search(model, mesh, traced, annotations, options, plan_probe, precision)
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
+        # a pipeline chosen under dynamic=False traces its batch dim dynamic (_trace_dynamic): the
+        # search's trace, static at the whole batch, counted each micro-batch's activations at the
+        # whole batch (16x on the 70B) and its stages would fail on their first reshape
+        if _trace_dynamic(options) != _trace_dynamic(asked[1]):
+            traced = traced_for(options)
     plan = plan_traced(model, mesh, traced, options, annotations=annotations, ndims=ndims, seeds=seeds, enforce=enforce)
     if record is not None:  # JSON: the search's choice, its reasons and the runners-up
         plan.built["auto"] = settle_memory(plan, record, Auto.of(searched).optimizer_states)
