@@ -5,8 +5,10 @@ checkpointing."""
 from __future__ import annotations
 
 import copy
+import statistics
 
 import matplotlib.figure
+
 import pytest
 import torch
 import torch.nn as nn
@@ -355,17 +357,20 @@ def test_v_shaped_state_dicts_merge_to_serial(mesh, schedule):
 def test_split_backward_costs_what_the_cost_model_charges():
     """The cost model prices a zero-bubble B and W at SPLIT_B and SPLIT_W of the stage's plain
     backward (FIRST_W: a first stage's W): measured again here, in CPU time on one thread, on a
-    two-block stage of the bench's MLP (the bench's V chunk), each within 0.15 of the constant
-    (five runs on the loaded 2-vCPU machine gave B 0.47-0.53, W 0.59-0.68, first W 1.03-1.08 at this
-    size). A regression that made the split cost more (a graph walk per parameter, say) fails it."""
+    two-block stage of the bench's MLP (the bench's V chunk), the median of five runs each within
+    0.25 of the constant. The constants are the bench's medians on the machine that set them (B 0.51,
+    W 0.63); another machine of the same kind measured W 0.71-0.77 in medians of seven (runs 0.59-0.95,
+    2026-12-07, main and 46d8511 alike), and one run alone failed a 0.15 band there. A regression that
+    made the split cost more (a graph walk per parameter, say: W at 1.5 or more) still fails it."""
     from autopar.parallel.pipeline import stage_shares
     from bench.bench_pipeline import split_cost
 
-    ((_, _, whole_ms, b, w, first),) = split_cost(sizes=((2, 32),), repeats=20)
-    assert whole_ms > 0
-    assert b == pytest.approx(stage_shares.SPLIT_B, abs=0.15)
-    assert w == pytest.approx(stage_shares.SPLIT_W, abs=0.15)
-    assert first == pytest.approx(stage_shares.FIRST_W, abs=0.15)
+    runs = [split_cost(sizes=((2, 32),), repeats=20)[0] for _ in range(5)]
+    assert all(whole_ms > 0 for _, _, whole_ms, *_ in runs)
+    b, w, first = (statistics.median(r[i] for r in runs) for i in (3, 4, 5))
+    assert b == pytest.approx(stage_shares.SPLIT_B, abs=0.25)
+    assert w == pytest.approx(stage_shares.SPLIT_W, abs=0.25)
+    assert first == pytest.approx(stage_shares.FIRST_W, abs=0.25)
 
 
 @pytest.mark.slow  # ~16 s on the loaded machine: 4 schedules x 5 steps; the split's shares above are its cheap sibling
