@@ -2,12 +2,12 @@
 precision policy), the pipeline, and every other technique in this folder.
 
 Importing this package imports every module in it, so each technique registers itself
-(registry.py): adding one is dropping its file here.
+(registry.py): adding one is dropping its folder here.
 
 Example:
     >>> from autopar.parallel import TECHNIQUES
     >>> list(TECHNIQUES)
-    ['data_parallel', 'fault_tolerant', 'context_parallel', 'pipeline', 'mixed_precision', 'activation_checkpoint']
+    ['data_parallel', 'fault_tolerant', 'expert_parallel', 'context_parallel', 'pipeline', 'float8', 'mixed_precision', 'activation_checkpoint']
 """
 
 import importlib

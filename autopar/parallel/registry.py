@@ -1,6 +1,6 @@
 """The parallelism techniques a plan can be asked for, by name.
 
-Each technique is one file in parallel/ (a frozen dataclass implementing technique.py's
+Each technique is one folder of parallel/ (a frozen dataclass implementing technique.py's
 ``Technique``) decorated with ``@register_technique``: its ``name`` is its keyword in
 ``ap.plan`` / ``ap.parallelize``, its field of ``ap.PlanOptions`` and its key in plan files;
 options, mesh reshaping, save/load, the API's keywords, ``Plan``'s technique methods and
@@ -9,7 +9,7 @@ of docs. ``autopar.parallel`` imports every module of the folder, which fills it
 
 Example:
     >>> list(TECHNIQUES)  # in the order they apply
-    ['data_parallel', 'fault_tolerant', 'context_parallel', 'pipeline', 'mixed_precision', 'activation_checkpoint']
+    ['data_parallel', 'fault_tolerant', 'expert_parallel', 'context_parallel', 'pipeline', 'float8', 'mixed_precision', 'activation_checkpoint']
     >>> TECHNIQUES["data_parallel"].of("dp")
     DataParallel(axis='dp', ...)
 """

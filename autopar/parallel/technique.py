@@ -41,6 +41,7 @@ in the techniques' ``order``, lowest first)::
       annotate(model, traced, annotations)                  layouts it stands for (expert parallel)
       prepare_seeded_graph(traced, seeds, mesh, data_axis)  every registered one (MoE blocks as one op)
       data_axis() / seed_inputs(seeds, mesh, inputs)        the seeds; token_axes() for ZeRO's fold
+      -- with ap.Auto: the search asks every registered technique's search_* hooks (search/) --
       -- propagation; the lowerings ask attention_method(axis), piece_order(axis) --
     Plan.finish                                             plan.py
       after_plan(plan)                                      -> plan.built[name] (pipeline stages)
