@@ -13,8 +13,6 @@ from autopar.cost.float8 import scale_comms, scale_seconds
 from tests.harness.models import MLP_TP
 from tests.simulated.test_float8 import _batches, _loss, _model
 
-torchao_float8 = pytest.importorskip("torchao.float8")
-
 
 def _plans(zero):
     """(the plan the search prices, without ap.Float8; the float8 plan it runs), dp2 x tp2."""
