@@ -96,17 +96,24 @@ def _apply_experts(pattern, ann, site, why):
                 f"{[tuple(p.shape) for p in own.values()]}. Annotate the module holding the stacked expert weights."
             )
         experts = counts.pop()
-        if experts % n:
-            raise AnnotationError(
-                f"{ann!r} on module {path!r}: {experts} experts do not divide over the {n} ranks of axis "
-                f"{ann.axis!r}" + (" (more ranks than experts)" if n > experts else "") + ". Put the experts on an "
-                f"axis whose size divides {experts}, or use a smaller mesh axis."
-            )
-        seeds.experts[path] = axis
-        if ann.tp is not None:
-            seeds.expert_tp[path] = mesh.axis_index(ann.tp)
+        _seed_experts(path, ann, experts, n, axis, mesh, seeds)
         for pname, p in own.items():
             put(f"{path}.{pname}", axis, _expert_split(part) if p.dim() >= 2 and p.shape[0] == experts else R, why)
+
+
+def _seed_experts(path: str, ann, count: int, n: int, axis: int, mesh, seeds) -> None:
+    """Refuse ``count`` experts that do not divide over the axis' ``n`` ranks, else record the
+    module's expert axis (and its expert tp axis: each expert's linears column- then row-parallel,
+    tensor_parallel.py) in ``seeds``: stacked weights and per-expert lists alike."""
+    if count % n:
+        raise AnnotationError(
+            f"{ann!r} on module {path!r}: {count} experts do not divide over the {n} ranks of axis "
+            f"{ann.axis!r}" + (" (more ranks than experts)" if n > count else "") + ". Put the experts on an "
+            f"axis whose size divides {count}, or use a smaller mesh axis."
+        )
+    seeds.experts[path] = axis
+    if ann.tp is not None:
+        seeds.expert_tp[path] = mesh.axis_index(ann.tp)
 
 
 def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds):
@@ -119,15 +126,7 @@ def _apply_expert_list(path, ann, experts: nn.ModuleList, mesh, put, why, seeds)
             f"{ann!r} on module {path!r} (a ModuleList of {count}): expected at least 2 expert modules with "
             f"the same parameters, found {[nm for nm in names[:3]]}. Annotate the list of the MoE block's experts."
         )
-    if count % n:
-        raise AnnotationError(
-            f"{ann!r} on module {path!r}: {count} experts do not divide over the {n} ranks of axis "
-            f"{ann.axis!r}" + (" (more ranks than experts)" if n > count else "") + ". Put the experts on an "
-            f"axis whose size divides {count}, or use a smaller mesh axis."
-        )
-    seeds.experts[path] = axis
-    if ann.tp is not None:  # each expert's linears column- then row-parallel (tensor_parallel.py)
-        seeds.expert_tp[path] = mesh.axis_index(ann.tp)
+    _seed_experts(path, ann, count, n, axis, mesh, seeds)
     for i, expert in enumerate(experts):
         for pname, _ in expert.named_parameters():
             put(f"{path}.{i}.{pname}", axis, _expert_split(part, of=(i, count)), why)
