@@ -101,6 +101,8 @@ def test_errors_name_the_fix():
     on_tp = dict(ap.presets.megatron(model, "tp", kwargs=kw, vocab=False))  # the experts on tp
     with pytest.raises(ap.PlanError, match="experts=False"):
         ap.plan(model, DP2TP2, kwargs=kw, annotations=on_tp, data_parallel="dp", expert_parallel="dp")
+    with pytest.raises(ap.PlanError, match="4 experts do not divide over the 3 ranks"):  # stacked weights
+        ap.plan(model, ap.Mesh((3,), ("ep",)), kwargs=kw, expert_parallel="ep")
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.raises(ap.PlanError, match="no mixture-of-experts experts module"):
         ap.plan(dense, DP4, args=(torch.randn(4, 8),), data_parallel="dp", expert_parallel="dp")
