@@ -41,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import PlanError
-from autopar.parallel.param_groups import group_params
+from autopar.parallel.param_groups import group_params, zero_grads
 from autopar.parallel.param_names import held_params
 from autopar.placement import Replicate, local_shape, shard_tensor
 from autopar.runtime.backend import current_backend
@@ -119,12 +119,7 @@ class Optimizer(torch.optim.Optimizer):
         tensors = list(self.whole.params.values())
         if self.whole.shards is not None:  # the reduced ZeRO slices of its own parameters (not the other's)
             tensors += self.whole.shards.slice_tensors(self.whole.params)
-        for p in tensors:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        zero_grads(tensors, set_to_none)
 
     def state_dict(self):
         return self.inner.state_dict()

@@ -1,6 +1,6 @@
 """Optimizer param groups from parameter-name patterns, the same on every rank: shared by
 ap.Optimizer (parallel/optimizer.py) and the optimizer a storage steps its slices with
-(ZeRO 1-2's ap.ZeroOptimizer), so that both read ``param_groups=`` alike.
+(ZeRO 1-2's ap.ZeroOptimizer), so that both read ``param_groups=`` alike; and their zero_grad.
 
 Example:
     >>> group_params([("w", w)], [{"params": ["*.bias"], "weight_decay": 0}], ["w", "b.bias"])
@@ -34,3 +34,13 @@ def group_params(named: list, spec: list[dict], every_name: list[str]) -> list[d
     for name, t in named:
         out[group_of(name)]["params"].append(t)
     return out if any(group_of(n) == len(spec) for n in every_name) or not spec else out[:-1]
+
+
+def zero_grads(tensors, set_to_none: bool = True) -> None:
+    """``optimizer.zero_grad`` over ``tensors`` (parameters, ZeRO slices): None or zeros in place."""
+    for p in tensors:
+        if p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()

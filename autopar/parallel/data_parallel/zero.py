@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import DataParallelError
-from autopar.parallel.param_groups import group_params
+from autopar.parallel.param_groups import group_params, zero_grads
 from autopar.parallel.protocols.storage import GradShards, SlicedOptimizer
 from autopar.runtime.backend import current_backend
 
@@ -239,12 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer, SlicedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        zero_grads(self.module.parameters(), set_to_none)
 
     def state_dict(self):
         return self.optim.state_dict()
