@@ -17,6 +17,7 @@ import autopar as ap
 from autopar.errors import PlanError
 from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
 from autopar.runtime.simulator import run_ranks
+from tests.harness.float8 import eval_outputs, listed_and_ran_bytes
 from tests.harness.models import MLP_TP
 from tests.simulated.test_float8 import ADAMW, _batches, _loss, _model, _serial_trained
 
@@ -78,14 +79,7 @@ def test_fp8_gather_bytes_are_what_ran_listed_and_predicted(param_dtype):
     label = {(0, 2): "dp", (1, 3): "dp", (0, 1): "tp", (2, 3): "tp", (0, 1, 2, 3): "dp*tp"}
     for gather in (True, False):
         plan = _plan(gather=gather, param_dtype=param_dtype)
-        planned: dict = {}
-        for c in plan.collectives():
-            planned[(c.kind, c.axis)] = planned.get((c.kind, c.axis), 0) + float(c.bytes)
-        with ap.comm_stats() as stats:
-            plan.simulate(lambda m, a: _loss(m(a)).backward(), _batches(1)[0])
-        ran: dict = {}
-        for r in stats.for_rank(0):
-            ran[(r.kind, label[r.group])] = ran.get((r.kind, label[r.group]), 0) + r.bytes
+        planned, ran, stats = listed_and_ran_bytes(plan, label, _loss, _batches(1)[0])
         assert ran == planned, gather
         if gather:  # the scales: one all-reduce of the 4 weights' amaxes over the dp x tp ranks
             assert planned[("all_reduce", "dp*tp")] == 2 * 3 / 4 * (4 * 4)  # a ring all-reduce of 4 float32
@@ -235,14 +229,7 @@ def test_fp8_gather_in_eval_mode_without_grad_equals_serial():
     plan = _plan("dp2xtp2")
     x = _batches(1)[0]
 
-    def rank(r):
-        m = plan.build_module(r).eval()
-        (a,), _ = plan.local_inputs(r, x)
-        with torch.no_grad():
-            return m(a)
-
-    with ap.comm_stats() as stats:
-        outs = run_ranks(4, rank)
+    outs, stats = eval_outputs(plan, x)
     assert any(r.kind == "all_gather" and r.itemsize == 1 for r in stats.records)
     want = _serial_forward(x)
     for r, out in enumerate(outs):

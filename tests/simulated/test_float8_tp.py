@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import autopar as ap
 from autopar.runtime.simulator import run_ranks
+from tests.harness.float8 import eval_outputs, listed_and_ran_bytes
 
 F8 = torch.ops.autopar.float8_mm.default
 MESHES = {"tp2": ((2,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
@@ -216,14 +217,7 @@ def test_fp8_bytes_listed_ran_and_predicted(mesh):
     gathers the same plan runs without float8."""
     plan = _plan(mesh)
     label = _label(plan)
-    planned: dict = {}
-    for c in plan.collectives():
-        planned[(c.kind, c.axis)] = planned.get((c.kind, c.axis), 0) + float(c.bytes)
-    with ap.comm_stats() as stats:
-        plan.simulate(lambda m, a: _loss(m(a)).backward(), _batches(1)[0])
-    ran: dict = {}
-    for r in stats.for_rank(0):
-        ran[(r.kind, label[r.group])] = ran.get((r.kind, label[r.group]), 0) + r.bytes
+    planned, ran, stats = listed_and_ran_bytes(plan, label, _loss, _batches(1)[0])
     assert ran == planned
     f8_nodes = {n.name for n in plan.graph.nodes if n.target is F8}
     listed = sum(float(c.bytes) for c in plan.collectives() if c.kind == "all_gather" and c.node in f8_nodes)
@@ -289,14 +283,7 @@ def test_fp8_collectives_in_eval_mode_without_grad_equal_serial(mesh):
     plan = _plan(mesh)
     x = _batches(1)[0]
 
-    def rank(r):
-        m = plan.build_module(r).eval()
-        (a,), _ = plan.local_inputs(r, x)
-        with torch.no_grad():
-            return m(a)
-
-    with ap.comm_stats() as stats:
-        outs = run_ranks(plan.mesh.size, rank)
+    outs, stats = eval_outputs(plan, x)
     assert any(r.kind == "all_gather" and r.itemsize == 1 for r in stats.records)
     with torch.no_grad():
         want = _serial()(x)
