@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from autopar.runtime.backend import current_backend
@@ -67,7 +69,27 @@ def plain_eager() -> bool:
     too, unless every mode active says it only observes (``observer = True``, e.g. the memory
     counter runtime/live_bytes.LiveBytes, which must measure the step as it runs unobserved).
     """
-    return not torch.compiler.is_compiling() and _only_observers()
+    return not torch.compiler.is_compiling() and (_only_observers() or _EMULATED[0])
+
+
+# A dry run (dryrun/run.py) executes the program on fake tensors to measure what plain eager
+# execution allocates: under ``eager_emulated()`` the program takes its plain-eager choices (the
+# ``alias`` / ``owned`` flags) and the identity forwards below run their eager path (returning
+# their input where aliased), as on real tensors; every other op still dispatches, so the dry
+# run's counters see it. Without this the dry run counted a copy the real program never makes
+# (scale_grad's clone of a dp-split output: the logits, a tenth of a small GPT's peak).
+_EMULATED = [False]
+LOCAL_FORWARD = frozenset({"grad_all_reduce", "scale_grad"})  # identity forwards: no collective in them
+
+
+@contextlib.contextmanager
+def eager_emulated():
+    """Run autopar's ops as plain eager mode runs them, on fake tensors (a dry run)."""
+    before, _EMULATED[0] = _EMULATED[0], True
+    try:
+        yield
+    finally:
+        _EMULATED[0] = before
 
 
 def _only_observers() -> bool:
@@ -96,7 +118,7 @@ def _define(name: str, schema: str, kernel, fake, backward, saved: tuple, eager=
     def forward(ctx, *args):
         for key, value in zip(saved, args[tensors:]):
             setattr(ctx, key, value)
-        if _fast(args[0]):
+        if _fast(args[0]) or (_EMULATED[0] and name in LOCAL_FORWARD):
             return run_eager(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
@@ -179,8 +201,12 @@ def site_function(name: str, consts: tuple):
     arguments = op._schema.arguments[1:]
     consts = tuple(consts)
 
+    local = name in LOCAL_FORWARD
+
     def forward(ctx, x):  # the caller saw plain eager mode: the tensor alone is left to check
         if type(x) is torch.Tensor and not torch._is_functional_tensor(x) and not _functorch_wrapped(x):
+            return run_eager(x, *consts)
+        if local and _EMULATED[0]:
             return run_eager(x, *consts)
         with torch._C._AutoDispatchBelowAutograd():
             return op(x, *consts)
