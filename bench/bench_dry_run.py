@@ -75,7 +75,7 @@ print(json.dumps({
     "cpu_s": time.process_time() - c0, "planned_rss_mib": rss0 / 1024,  # CPU: the machine is shared
     "peak": run.peak_bytes, "peak_by_kind": run.peak_by_kind, "predicted": run.predicted_bytes,
     "predicted_by_kind": run.predicted_by_kind, "predict": ap.predict(plan, "h100")["memory"],
-    "phases": run.predicted_phases,
+    "phases": run.predicted_phases, "parts_sum": run.predicted_sum,
     "flops": run.flops, "predicted_flops": run.predicted_flops,
     "attention_flops": sum(v for k, v in run.flops_by_op.items() if "attention" in k),
     "rank": rank, "equal": run.collectives_match, "chosen": chosen,
@@ -166,7 +166,7 @@ def run(quick: bool, only: str | None = None) -> list[dict]:
                 "within 5%",
                 (f"rank {got['rank']} of {got['chosen']}; " if got["chosen"] != "hand" else "")
                 + kinds
-                + "; predicted by phase "
+                + f"; parts' sum {got['parts_sum'] / gib:.2f}; predicted by phase "
                 + ", ".join(f"{k} {v / gib:.2f}" for k, v in got["phases"].items()),
             ),
             row(

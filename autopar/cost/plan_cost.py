@@ -124,6 +124,10 @@ class Cost:
         memory = memory_formulas(plan, self.sy, optimizer_states, self.rank)
         self.host_memory = {k: memory.pop(k) for k in HOST_PARTS if k in memory}  # not the device's
         self.memory = memory
+        # the step's peak: the largest phase (memory_phases), the figure ap.predict and
+        # memory_per_rank(rank).peak give; a pipeline's micro-batches run beside earlier gradients
+        phases = memory_phases(memory, grads_in_backward=plan.stage_layout is not None)
+        self.peak_memory = sympy.Max(*[sympy.sympify(v) for v in phases.values()])
         self.flops = flops_formula(plan, self.sy, self.rank)
 
     @property
@@ -140,6 +144,7 @@ class Cost:
         return {
             "comm": {k: ev(v) for k, v in self.comm.items()},
             "memory": {k: ev(v) for k, v in self.memory.items()},
+            "peak_memory": ev(self.peak_memory),
             "flops": ev(self.flops),
         }
 
@@ -235,10 +240,51 @@ HOST_PARTS = ("offloaded",)  # terms in host memory (offloaded checkpoints): bes
 STATE_PARTS = ("params", "grads", "optimizer", "accumulated", "gathered", "reduce_buffers")  # the rest: activations
 
 
+# The parts each moment of a step holds beyond its base (memory_phases), in order; the base
+# (parameters, optimizer state, accumulated gradients, padding, and any part not named here, an
+# upper bound for what a technique adds) counts at every moment. The backward phase is the larger
+# of its two moments. A linear table, so that the search's MILP can hold each row to the budget.
+PHASE_ROWS = {
+    "forward": ("compute_copies", "activations", "workspace", "gathered"),
+    "backward": ("compute_copies", "activations", "recompute", "workspace", "backward", "outputs"),
+    "backward, gathering": ("compute_copies", "activations", "recompute", "workspace", "gathered", "reduce_buffers"),
+    "optimizer": ("grads", "gathered", "reduce_buffers"),
+}
+PHASE_OF_ROW = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward, gathering": "backward",
+    "optimizer": "optimizer",
+}
+_BASE = ("params", "optimizer", "optimizer_state", "accumulated", "padding")
+_NAMED = set(_BASE).union(*PHASE_ROWS.values())
+
+
+def memory_rows(parts: dict, grads_in_backward: bool = False) -> dict:
+    """Bytes a rank holds at each moment of PHASE_ROWS, from its memory parts (numbers or
+    formulas): each row a sum of parts, so linear in them (the search's MILP holds each row to
+    the budget; memory_phases takes the largest of the backward rows).
+
+    Example:
+        >>> memory_rows({"params": 2, "grads": 2, "optimizer_state": 4, "activations": 10})
+        {'forward': 16, 'backward': 16, 'backward, gathering': 16, 'optimizer': 8}
+    """
+    g = lambda k: parts.get(k, 0)  # noqa: E731
+    base = sum(g(k) for k in _BASE) + sum(v for k, v in parts.items() if k not in _NAMED)
+    out = {}
+    for row, names in PHASE_ROWS.items():
+        held = base + sum(g(k) for k in names)
+        if grads_in_backward and row != "optimizer":  # a pipeline's later micro-batches, beside the earlier's gradients
+            held += g("grads")
+        out[row] = held
+    return out
+
+
 def memory_phases(parts: dict, grads_in_backward: bool = False) -> dict:
     """Bytes a rank holds at each phase of a step, from its memory parts (memory_per_rank's
     numbers or plan.cost()'s formulas, either naming of the optimizer's state): the step's peak
-    is the largest, not their sum, since no phase holds every part:
+    is the largest (the headline: memory_per_rank(rank).peak, plan.cost()'s ``peak_memory``,
+    ap.predict), not their sum, since no phase holds every part:
 
     - ``forward``: at the forward's end: the state (parameters, optimizer state, accumulated
       gradients, padding), a policy's compute copies, the activations, zero=3's gathered blocks;
@@ -249,25 +295,20 @@ def memory_phases(parts: dict, grads_in_backward: bool = False) -> dict:
     - ``optimizer``: backward's end and the step: the state and the gradients, the last bucket
       gathered and reducing; the activations gone.
 
-    Measured against dry runs (LLaMA-3.1-8B FSDP 8: the peak at the loss's backward, 60.66 GiB
-    measured, 60.62 by these phases, 66.82 by the parts' sum). Parts not named here count in every
-    phase (an upper bound for what a technique adds).
+    PHASE_ROWS lists each moment's parts. Measured against dry runs (LLaMA-3.1-8B FSDP 8: the
+    peak at the loss's backward, 60.66 GiB measured, 60.62 by these phases, 66.82 by the parts'
+    sum; docs/auto.md has the full-size rows). Parts not named there count in every phase (an
+    upper bound for what a technique adds).
 
     Example:
         >>> memory_phases({"params": 2, "grads": 2, "optimizer_state": 4, "activations": 10})
         {'forward': 16, 'backward': 16, 'optimizer': 8}
     """
-    g = lambda k: parts.get(k, 0)  # noqa: E731
-    named = {"params", "grads", "optimizer", "optimizer_state", "accumulated", "padding", "compute_copies"}
-    named |= {"activations", "recompute", "workspace", "backward", "outputs", "gathered", "reduce_buffers"}
-    base = g("params") + g("optimizer") + g("optimizer_state") + g("accumulated") + g("padding")
-    base += sum(v for k, v in parts.items() if k not in named)
-    held = base + g("compute_copies") + g("activations") + (g("grads") if grads_in_backward else 0)
-    step = g("recompute") + g("workspace")
+    rows = memory_rows(parts, grads_in_backward)
     return {
-        "forward": held + g("workspace") + g("gathered"),
-        "backward": held + _max(step + g("backward") + g("outputs"), step + g("gathered") + g("reduce_buffers")),
-        "optimizer": base + g("grads") + g("gathered") + g("reduce_buffers"),
+        "forward": rows["forward"],
+        "backward": _max(rows["backward"], rows["backward, gathering"]),
+        "optimizer": rows["optimizer"],
     }
 
 
@@ -315,21 +356,26 @@ def memory_formulas(plan, sy: PlanSymbols, optimizer_states: int = 2, rank: int 
         out = technique.memory_formulas(plan, sy, out, rank)
     if copies:
         out["compute_copies"] = copies
-    padding = _padding(plan, sy, out, rank, optimizer_states)
+    padding, grads_padding = _padding(plan, sy, out, rank, optimizer_states)
     if padding:
         out["padding"] = padding
+    if grads_padding:  # in the gradients' own part: they are alive at other phases than the state
+        out["grads"] = out["grads"] + grads_padding
     out.update(activation_terms(plan, sy, rank))
     return {k: simplify(sympy.sympify(v)) for k, v in out.items()}
 
 
-def _padding(plan, sy, state: dict, rank: int, optimizer_states: int):
+def _padding(plan, sy, state: dict, rank: int, optimizer_states: int) -> tuple:
     """What ``rank``'s stored state (plan.memory_per_rank: its buckets, each padded to a multiple
-    of its group) holds beyond the formulas' even shares of it, at the example: a number."""
+    of its group) holds beyond the formulas' even shares of it, at the example: (the state's
+    padding, the gradients'), numbers; apart since the gradients are alive at other phases."""
     exact = plan.memory_per_rank(rank, optimizer_states)
-    held = sum(exact.get(k, 0) for k in ("params", "grads", "optimizer_state", "accumulated", "gathered"))
+    held = sum(exact.get(k, 0) for k in ("params", "optimizer_state", "accumulated", "gathered"))
     held += exact.get("reduce_buffers", 0)
-    extra = held - float(sy.value(sum(state[k] for k in STATE_PARTS if k in state)))
-    return sympy.Float(extra) if abs(extra) > 1e-6 else 0
+    parts = [k for k in STATE_PARTS if k in state and k != "grads"]
+    extra = held - float(sy.value(sum(state[k] for k in parts)))
+    grads = exact.get("grads", 0) - float(sy.value(state.get("grads", 0)))
+    return tuple(sympy.Float(e) if abs(e) > 1e-6 else 0 for e in (extra, grads))
 
 
 def activation_terms(plan, sy, rank: int | None = None, whole_model: bool = False) -> dict:

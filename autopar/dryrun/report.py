@@ -30,7 +30,8 @@ class RankRun:
     collectives: list  # (kind, axis, bytes per rank) of one step, in the order they ran
     flops: float  # per step (the last one)
     seconds: float
-    predicted_bytes: float = 0.0  # plan.memory_per_rank(rank).total
+    predicted_bytes: float = 0.0  # plan.memory_per_rank(rank).peak: its largest phase, ap.predict's figure
+    predicted_sum: float = 0.0  # memory_per_rank(rank).total: every part added, an upper bound
     predicted_by_kind: dict = field(default_factory=dict)
     predicted_phases: dict = field(default_factory=dict)  # memory_per_rank(rank).phases: by phase
     predicted_collectives: list = field(default_factory=list)  # plan.collectives(): (kind, axis, bytes)

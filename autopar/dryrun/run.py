@@ -12,7 +12,7 @@ PipelineRunner's step instead, its messages carried by the fake world (pipeline.
 
 Example:
     >>> report = dry_run(plan, device="cuda", steps=2)
-    >>> report.peak_bytes / plan.memory_per_rank(report.peak_rank).total
+    >>> report.peak_bytes / plan.memory_per_rank(report.peak_rank).peak
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from autopar.dryrun import pipeline
 from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
 from autopar.dryrun.flops import counting_flops
+from autopar.runtime.collectives import eager_emulated
 from autopar.dryrun.memory import MemoryCounter
 from autopar.dryrun.report import DryRun, RankRun
 from autopar.dryrun.where import failing_node
@@ -65,7 +66,13 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         else contextlib.nullcontext()
     )
     piped = plan.stage_layout is not None
-    with FakeTensorMode(allow_non_fake_inputs=True), gpu, counter, fake_world(plan, rank, counter) as stats:
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        gpu,
+        counter,
+        eager_emulated(),  # the program as plain eager mode runs it (no copy the real run does not make)
+        fake_world(plan, rank, counter) as stats,
+    ):
         if piped:  # the rank's stages, driven by its PipelineRunner; messages through a FakeChannel
             module = pipeline.build_runner(plan, rank, dev)
             for stage in module.stage_modules:
@@ -111,7 +118,8 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         flops=float(flops),
         flops_by_op=by_op,
         seconds=time.perf_counter() - start,
-        predicted_bytes=float(mem.total),
+        predicted_bytes=float(mem.peak),
+        predicted_sum=float(mem.total),
         predicted_by_kind={k: float(v) for k, v in mem.items()},
         predicted_phases={k: float(v) for k, v in mem.phases.items()},
         predicted_collectives=predicted_collectives,
@@ -199,8 +207,10 @@ def _step(module, opt, inputs, counter, piped: bool = False) -> None:
     else:
         args, kwargs = inputs
         out = module(*args, **kwargs)
-        _loss(out).backward()
-        del out
+        loss = _loss(out)
+        if any(t is loss for t in pytree.tree_leaves(out)):  # the model returns its loss: the caller
+            del out  # keeps it and drops the rest before backward (HF's Trainer, torchtitan's del pred),
+        loss.backward()  # as the model counts them (cost/activation_memory.held_outputs)
     counter.label([p.grad for p in module.parameters()], "grads")
     with counter.kind("optimizer_state"):
         opt.step()

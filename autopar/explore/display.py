@@ -153,7 +153,8 @@ def comm_totals(comms) -> dict:
 
 
 def memory_numbers(plan) -> dict:
-    """Bytes per rank at the example: params, grads, optimizer, activations; plus serial params.
+    """Bytes per rank at the example: params, grads, optimizer, activations, ...; ``peak`` (the
+    step's largest phase, ap.predict's figure) and ``phase`` (its name); plus serial params.
     Kept on the plan (it does not change once made): the formulas take seconds on a deep model,
     and the summary heads print(plan), the HTML view and the flat table alike."""
     kept = plan.__dict__.get("_memory_numbers")
@@ -162,6 +163,8 @@ def memory_numbers(plan) -> dict:
     cost = Cost(plan)
     num = cost.at()["memory"]
     num.update({k: float(cost.sy.value(v)) for k, v in cost.host_memory.items()})
+    mem = plan.memory_per_rank(cost.rank)
+    num["peak"], num["phase"] = float(cost.sy.value(cost.peak_memory)), mem.phase
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))
     plan.__dict__["_memory_numbers"] = dict(num)
     return num
@@ -173,6 +176,7 @@ def summary(plan, comms=None) -> str:
     mem = memory_numbers(plan)
     lines = [
         f"autopar plan for {type(plan.model).__name__} on {plan.mesh} ({plan.mesh.size} ranks)",
+        f"  memory per rank at the step's peak: {fmt_bytes(mem['peak'])} ({mem['phase']}, the rank that holds the most)",
         f"  parameters per rank: {fmt_bytes(mem['params'])} (serial {fmt_bytes(mem['serial params'])})",
         f"  activations per rank: {fmt_bytes(mem['activations'])} (outputs kept for backward, upper bound)",
     ]

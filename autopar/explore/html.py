@@ -69,6 +69,7 @@ def summary_html(plan, comms) -> str:
         f"<b>{escape(type(plan.model).__name__)}</b> on mesh "
         f"{escape(', '.join(f'{a}={n}' for a, n in zip(mesh.axis_names, mesh.shape)))}"
         f" ({mesh.size} ranks)",
+        f"memory per rank at the step's peak: {fmt_bytes(mem['peak'])} ({escape(mem['phase'])})",
         "memory per rank: "
         + ", ".join(
             f"{k} {fmt_bytes(mem[k])}" for k in ("params", "grads", "optimizer", "activations", "gathered") if k in mem

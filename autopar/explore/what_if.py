@@ -49,7 +49,7 @@ class WhatIf:
 
     def figures(self, plan) -> dict:
         mem = memory_numbers(plan)
-        out = {"memory per rank": sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))}
+        out = {"memory per rank": mem["peak"]}  # the step's peak, as ap.predict gives it
         for axis, t in comm_totals(plan.collectives()).items():
             out[f"bytes on {axis}"] = t["bytes"]
         return out

@@ -72,18 +72,19 @@ def grad_buckets(plan, rank: int = 0):
 
 
 class RankMemory(dict):
-    """Bytes one rank holds at its step's peak, by part: ``sum(mem.values())`` (``mem.total``) is
-    the rank's memory, the figure plan.cost(rank).at()["memory"] and ap.predict give too: an upper
-    bound, since no phase of a step holds every part. ``mem.phases`` is what each phase holds
-    (plan_cost.memory_phases: forward, backward, optimizer) and ``mem.phase`` the largest, the
-    figure a dry run measures (docs/dry_run.md); the three figures do not use it yet.
+    """Bytes one rank holds, by part. ``mem.phases`` is what each phase of a step holds
+    (plan_cost.memory_phases: forward, backward, optimizer), ``mem.phase`` the largest and
+    ``mem.peak`` its bytes: the rank's memory, the figure ap.predict, plan.cost()'s
+    ``peak_memory`` and the search give, and a dry run measures (docs/dry_run.md).
+    ``sum(mem.values())`` (``mem.total``) adds every part, as though all were alive at once: an
+    upper bound, since no phase holds every part (the loss's backward holds no gradient yet).
     Figures that are not bytes held (the dp size, the ZeRO level, what zero=0 would keep, host
     memory) are in ``mem.info``, and ``mem[key]`` reads them there too.
 
     Example:
         >>> mem = plan.memory_per_rank(2)
+        >>> mem.peak == mem.phases[mem.phase]     # the largest phase's bytes (mem.phase: "backward")
         >>> mem.total == sum(mem.values())        # params + grads + optimizer_state + activations + ...
-        >>> mem.phases[mem.phase]                 # the largest phase's bytes (mem.phase: "backward")
         >>> mem["optimizer_state_unsharded"]      # mem.info's: what zero=0 would keep
     """
 
@@ -112,11 +113,17 @@ class RankMemory(dict):
 
     @property
     def total(self) -> int:
+        """Every part added: an upper bound of ``peak``."""
         return sum(self.values())
+
+    @property
+    def peak(self) -> float:
+        """The rank's memory: its largest phase's bytes."""
+        return self.phases[self.phase]
 
 
 def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
-    """Bytes ``rank`` holds at its step's peak, by part (RankMemory: their sum is the rank's memory):
+    """Bytes ``rank`` holds, by part (RankMemory: ``.peak``, its largest phase, is the rank's memory):
 
     - ``params``: the parameter pieces its modules hold (its pipeline stages' only; tensor- or
       ZeRO-3-split: its piece, padding included), in their dtype;
@@ -134,8 +141,9 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
       its stages' micro-batches in flight).
 
     Host memory (``offloaded`` checkpoints) is in ``info``. plan.cost(rank=r) counts the same
-    parts as formulas (its ``padding``: the buckets' padding, a number) and ap.predict's memory is
-    the total of the rank that holds the most (``peak_memory_rank``).
+    parts as formulas (its ``padding``: the buckets' padding, a number; its ``peak_memory`` the
+    largest phase) and ap.predict's memory is the peak of the rank that holds the most
+    (``peak_memory_rank``).
     """
     dp = plan.data_parallel
     params = held_params(plan, rank)
@@ -174,10 +182,10 @@ def memory_ranks(plan) -> list[int]:
 
 
 def peak_memory_rank(plan, state_slots: int = 2) -> int:
-    """The rank that holds the most at its step's peak (``memory_per_rank``'s total): the one
+    """The rank that holds the most at its step's peak (``memory_per_rank``'s peak): the one
     plan.cost() and ap.predict answer for. Kept on the plan per ``state_slots``."""
     held = plan.__dict__.setdefault("_peak_memory_rank", {})
     if state_slots not in held:
-        totals = {r: memory_per_rank(plan, r, state_slots).total for r in memory_ranks(plan)}
+        totals = {r: memory_per_rank(plan, r, state_slots).peak for r in memory_ranks(plan)}
         held[state_slots] = max(totals, key=lambda r: (totals[r], -r))
     return held[state_slots]

@@ -52,13 +52,14 @@ from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
 from autopar.cost.execution import op_seconds
 from autopar.cost.op_time import optimizer_step_bytes
-from autopar.cost.plan_cost import activation_terms, copy_bytes
+from autopar.cost.plan_cost import activation_terms, copy_bytes, memory_rows
 from autopar.parallel.registry import TECHNIQUES
 from autopar.runtime.ring import DEFAULT_BUCKET_MB, ring_bytes, ring_steps
 from autopar.trace.model_members import named_parameters
 
 BUCKET_BYTES = DEFAULT_BUCKET_MB * 2**20  # a bucket's bytes (the gradient sync's latency rounds)
 FP8_BYTES = 1  # an fp8 element on zero=3's wire
+PEAKS = ("recompute", "workspace", "loss_backward")  # Terms' transient parts: one micro-batch's on a pipeline stage
 
 
 @dataclass
@@ -76,7 +77,12 @@ class Terms:
     opt_other: float = 0.0
     opt_dp: float = 0.0  # optimizer state bytes of the dp-synced parameters (ZeRO shards them)
     acts: float = 0.0  # the tensors autograd keeps through the step (and per-block extras)
-    peak: float = 0.0  # what one batch's step adds at its peak: a recompute, a workspace, the loss's backward
+    # what one batch's step adds at its moments (plan_cost.PHASE_ROWS): a checkpointed block's
+    # recompute (backward), a lowering's workspace (forward and backward), the loss's backward and
+    # the gathered outputs it drops (backward, before any gradient)
+    recompute: float = 0.0
+    workspace: float = 0.0
+    loss_backward: float = 0.0
     dp_grad_elems: float = 0.0  # elements of the dp-synced gradients (their bytes in another dtype)
     dp_fp8: float = 0.0  # bytes of the dp-synced weights zero=3 gathers in fp8 (1 byte each on the wire)
     pieces: float = 1.0  # backward passes per step (a pipeline's micro-batches; a max): > 1 accumulates
@@ -137,7 +143,8 @@ class Terms:
             setattr(out, name, getattr(self, name) * shares["state"])
         out.acts = self.acts * shares["acts"]
         out.pieces = shares.get("pieces", 1)
-        out.peak = self.peak / out.pieces  # one micro-batch's recompute / loss backward, on its stage
+        for name in PEAKS:  # one micro-batch's recompute / workspace / loss backward, on its stage
+            setattr(out, name, getattr(self, name) / out.pieces)
         out.comm_bytes = {k: v * shares["state"] for k, v in self.comm_bytes.items()}
         axis, messages, share = shares["sends"]
         if not sends:
@@ -248,27 +255,44 @@ class Terms:
         replaces the cp axis' all-reduce of the gradients it holds."""
         return self.sync_other - (self.fold_sync if dp is not None and dp.fold_axes(mesh) else 0.0)
 
-    def memory(self, mesh, dp_axis, dp, plan=None) -> float:
-        """Bytes per rank, what ``dp``'s storage keeps of the dp-synced state (DataParallel.memory_divisors,
-        over dp x cp where it folds cp in) and what it holds gathered while stepping (of ``plan``'s
-        own buckets where given)."""
+    def memory_parts(self, mesh, dp_axis, dp, plan=None) -> dict:
+        """Bytes per rank by part, named as memory_per_rank names them: what ``dp``'s storage keeps
+        of the dp-synced state (DataParallel.memory_divisors, over dp x cp where it folds cp in),
+        what it holds gathered and reducing while stepping (of ``plan``'s own buckets where given),
+        the activations and the step's transient parts."""
+        out = {
+            "activations": self.acts,
+            "recompute": self.recompute,
+            "workspace": self.workspace,
+            "backward": self.loss_backward,
+        }
+        if dp is None or not dp.storage.gathers_params:  # zero=3's gathered blocks are its copies
+            out["compute_copies"] = self.copies
         params = self.params + self.params_other
         grads = self.dp_grad + self.grads_other
         opt = self.opt_dp + self.opt_other
-        out = self.acts + self.peak
-        if dp is None or not dp.storage.gathers_params:  # zero=3's gathered blocks are its copies
-            out += self.copies
-        if dp is None:
-            return out + params + grads + opt
-        n = mesh.shape[dp_axis] if dp_axis is not None else 1
-        out += dp.storage.held_bytes(dp, n, self.largest_unit, plan)
-        for n, fold, _, _, p, g, e, o in self.zero_groups(mesh, dp_axis, dp):
-            d_params, d_grads, d_opt = dp.memory_divisors(n, fold)
-            out += p / d_params + g / d_grads + o / d_opt
-            params, grads, opt = params - p, grads - g, opt - o
-            if self.pieces > 1 and g:  # gradients accumulated over the micro-batches, reduced at the last
-                out += dp.storage.accumulated_bytes(dp, n * fold, g, e, plan)
-        return out + params + grads + opt  # what no group shards
+        if dp is not None:
+            n = mesh.shape[dp_axis] if dp_axis is not None else 1
+            out["gathered"], out["reduce_buffers"] = dp.storage.held_bytes(dp, n, self.largest_unit, plan)
+            accumulated = 0.0
+            for n, fold, _, _, p, g, e, o in self.zero_groups(mesh, dp_axis, dp):
+                d_params, d_grads, d_opt = dp.memory_divisors(n, fold)
+                params, grads, opt = params - p + p / d_params, grads - g + g / d_grads, opt - o + o / d_opt
+                if self.pieces > 1 and g:  # gradients accumulated over the micro-batches, reduced at the last
+                    accumulated += dp.storage.accumulated_bytes(dp, n * fold, g, e, plan)
+            out["accumulated"] = accumulated
+        return dict(out, params=params, grads=grads, optimizer=opt)
+
+    def memory_rows(self, mesh, dp_axis, dp, plan=None) -> tuple:
+        """Bytes per rank at each moment of a step (plan_cost.PHASE_ROWS, in order): the solver
+        holds each to the budget; their largest is the rank's memory (``memory``)."""
+        parts = self.memory_parts(mesh, dp_axis, dp, plan)
+        return tuple(memory_rows(parts, grads_in_backward=self.pieces > 1).values())
+
+    def memory(self, mesh, dp_axis, dp, plan=None) -> float:
+        """Bytes per rank at the step's peak: the largest of ``memory_rows``, as
+        memory_per_rank(rank).peak counts it."""
+        return max(self.memory_rows(mesh, dp_axis, dp, plan))
 
     def hidden_behind(self, prefetching: bool) -> float:
         """Compute seconds the overlapped communication can hide behind: backward's, or (with
@@ -346,9 +370,12 @@ def plan_terms(
     extra.pop("offloaded", None)  # host memory (offloading checkpoints): not the device's budget
     backward = float(extra.pop("backward", 0.0))
     terms("base").acts += blocks * per_block
-    terms("base").peak += float(sum(extra.values()))  # a block's recompute, a lowering's workspace
+    base = terms("base")
+    base.recompute += float(extra.pop("recompute", 0.0))  # a block's recompute
+    base.workspace += float(extra.pop("workspace", 0.0))  # a lowering's workspace
+    base.loss_backward += float(sum(extra.values()))  # outputs gathered at the forward's end, then dropped
     if backward:  # the loss's backward holds two of its largest kept tensor: that node's component's
-        terms(comp_of.get(loss_backward_source(plan, sy)[1], "base")).peak += backward
+        terms(comp_of.get(loss_backward_source(plan, sy)[1], "base")).loss_backward += backward
     terms("base").boundary = max(kept.values(), default=0.0)  # what a pipeline stage sends, at most
     if "comms" not in shared:
         shared["comms"] = _comm_terms(plan, sy, comp_of, nw, profile)

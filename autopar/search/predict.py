@@ -25,8 +25,9 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     or the search's float8 pricing).
 
     ``memory``: what the rank that holds the most holds at its step's peak (``memory_rank``):
-    plan.memory_per_rank(memory_rank)'s total, plan.cost()'s memory summed at the example (one
-    definition: parallel/dp_module.memory_per_rank says what it counts). ``memory_estimate``: the
+    plan.memory_per_rank(memory_rank).peak, its largest phase, plan.cost()'s ``peak_memory`` at the
+    example (one definition: parallel/dp_module.memory_per_rank says what it counts, and a dry run
+    measures it, docs/dry_run.md). ``memory_estimate``: the
     search's own figure for the plan, from its step shares (a pipeline rank's stages and
     micro-batches in flight estimated: search/evaluate.py), what it weighed while choosing."""
     dp = plan.data_parallel
@@ -41,7 +42,7 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     rank = plan.peak_memory_rank(optimizer_states)
     return {
         "time_s": total.time(plan.mesh, profile, plan.dp_axis, dp),
-        "memory": float(plan.memory_per_rank(rank, optimizer_states).total),
+        "memory": float(plan.memory_per_rank(rank, optimizer_states).peak),
         "memory_rank": rank,
         "memory_estimate": total.memory(plan.mesh, plan.dp_axis, dp, plan),
         "compute_s": total.compute,

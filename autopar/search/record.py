@@ -56,11 +56,11 @@ def named(ctx, options: list):
 
 def settle_memory(plan, record: dict, optimizer_states: int = 2) -> dict:
     """The search's record with the chosen plan's memory as the plan holds it: ``memory``, the
-    total of the rank that holds the most (plan.memory_per_rank, what plan.cost() and ap.predict
+    peak of the rank that holds the most (plan.memory_per_rank, what plan.cost() and ap.predict
     say), ``memory_estimate``, the figure the search weighed (a pipeline's from its step shares,
     search/evaluate.py). Where the plan holds more than the budget, a warning says by how much."""
     rank = plan.peak_memory_rank(optimizer_states)
-    held = float(plan.memory_per_rank(rank, optimizer_states).total)
+    held = float(plan.memory_per_rank(rank, optimizer_states).peak)
     out = dict(record, memory=held, memory_rank=rank, memory_estimate=record["memory"])
     budget = record.get("budget")
     if budget is not None and held > budget:
@@ -99,7 +99,7 @@ def record_of(ctx, best, options: list, n_probes: int) -> dict:
             binding = {"constraint": "memory budget", "faster": over}
     comps = []
     for c in ctx.free:
-        opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3]} for k, v in chosen.comps[c.key].items()}
+        opts = {k: {"time_s": v[0], "sync_s": v[1], "memory": v[3 + best.row]} for k, v in chosen.comps[c.key].items()}
         pats = sorted(set(c.patterns))
         comps.append(
             {"key": c.key, "what": c.describe(), "choice": best.choices[c.key], "options": opts, "patterns": pats}

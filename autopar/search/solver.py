@@ -11,12 +11,16 @@ Variables, for every option ``g`` (a Structure plus a ZeRO level) and component 
   unless g is chosen: the products "g and k" stay linear);
 - ``e_g >= 0``: the exposed part of the gradient sync, e_g >= sync_g - overlap * hide_g
   (both linear in x and w), which is max(0, .) at the optimum; ``hide`` is the compute the
-  sync can hide behind (backward's, or the whole step's when zero=3 prefetches its gathers).
+  sync can hide behind (backward's, or the whole step's when zero=3 prefetches its gathers);
+- ``m >= 0``: the memory per rank, m >= each moment's row (the tie-break's second solve).
 
 Objective: sum of the time coefficients (compute + activation collectives + ZeRO's gather) of
-the chosen x and w, plus sum_g e_g. Memory: sum of memory coefficients <= budget. This is
-exact for the cost model of evaluate.py given the components' additivity (candidates.py);
-the model's own approximations are listed there.
+the chosen x and w, plus sum_g e_g. Memory: a coefficient per moment of a step
+(plan_cost.PHASE_ROWS: forward's end, the loss's backward, a block's gathers in backward, the
+optimizer step), each moment's sum <= budget: the peak is the largest moment, as
+memory_per_rank(rank).peak counts it, and a max of sums is a set of linear rows. This is exact
+for the cost model of evaluate.py given the components' additivity (candidates.py); the model's
+own approximations are listed there.
 
 Enumeration: the components are few (a model's distinct Megatron pairs and its vocabulary: 2-4,
 each split or not), so each option has a handful of component combinations; where all options
@@ -44,11 +48,11 @@ ENUMERATE_LIMIT = 200_000  # component combinations over all options costed dire
 
 @dataclass
 class Option:
-    """One x_g: its base coefficients and, per component, per choice, the same four numbers."""
+    """One x_g: its base coefficients and, per component, per choice, the same numbers."""
 
     label: object
-    base: tuple  # (time, sync, hide, memory)
-    comps: dict  # component key -> {choice: (time, sync, hide, memory)}
+    base: tuple  # (time, sync, hide, memory at each moment of the step, ...): one or more moments
+    comps: dict  # component key -> {choice: (time, sync, hide, memory, ...)}
     idle: int = 0  # mesh axes (of size > 1) the option leaves replicated: their ranks repeat work
     idle_choice: dict = field(default_factory=dict)  # choice -> a fraction of an idle axis (R on a tp axis)
     # 1 where a plain torch.optim optimizer cannot step the plan (ZeRO-1/2: ap.ZeroOptimizer or
@@ -64,6 +68,16 @@ class Solution:
     time: float
     memory: float
     status: str
+    row: int = 0  # the moment of the step whose memory is the largest (memory's)
+
+
+def memory_rows(opt: Option, picked: tuple) -> tuple:
+    """The memory at each moment of option ``opt`` with its components' choices ``picked`` (in
+    ``opt.comps``' order): its base's plus each choice's, summed in that order."""
+    rows = list(opt.base[3:])
+    for c, k in zip(opt.comps, picked):
+        rows = [a + b for a, b in zip(rows, opt.comps[c][k][3:])]
+    return tuple(rows)
 
 
 def solve(options: list[Option], budget: float | None, overlap: float, milp_only: bool = False) -> Solution | None:
@@ -86,10 +100,11 @@ def _enumerate(options: list[Option], budget: float | None, overlap: float) -> S
     (least time; within the MILP's tolerance of it, fewest idle axes, then the options a plain
     optimizer steps, then least memory normalised as the MILP normalises it)."""
     every_t = [o.base[0] for o in options] + [v[0] for o in options for ch in o.comps.values() for v in ch.values()]
-    every_m = [o.base[3] for o in options] + [v[3] for o in options for ch in o.comps.values() for v in ch.values()]
+    every_m = [m for o in options for m in o.base[3:]]
+    every_m += [m for o in options for ch in o.comps.values() for v in ch.values() for m in v[3:]]
     scale = 1e6 / max(max(abs(t) for t in every_t), 1e-30)  # as the MILP scales time (see _milp)
     norm = max(sum(abs(m) for m in every_m), 1.0)
-    found = []  # (time, memory, idle, option index, choice per component)
+    found = []  # (time, memory, idle, option index, choice per component, largest row)
     for g, opt in enumerate(options):
         keys = list(opt.comps)
         names = [list(opt.comps[c]) for c in keys]
@@ -106,19 +121,20 @@ def _enumerate(options: list[Option], budget: float | None, overlap: float) -> S
             total += table[combos[:, j]]
             idle += np.array([opt.idle_choice.get(k, 0.0) for k in names[j]])[combos[:, j]]
         time = total[:, 0] + np.maximum(0.0, total[:, 1] - overlap * total[:, 2])
-        mem = total[:, 3]
+        mem, row = total[:, 3:].max(axis=1), total[:, 3:].argmax(axis=1)
         ok = mem <= budget if budget is not None else np.ones(len(combos), dtype=bool)
         for i in np.flatnonzero(ok):
-            found.append((time[i], mem[i], idle[i], g, tuple(names[j][combos[i, j]] for j in range(len(keys)))))
+            picked = tuple(names[j][combos[i, j]] for j in range(len(keys)))
+            found.append((time[i], mem[i], idle[i], g, picked, int(row[i])))
     if not found:
         return None
     best = min(f[0] for f in found)
     limit = best * (1 + 1e-9) + 1e-6 / scale
     tied = [f for f in found if f[0] <= limit]
-    t, m, _, g, picked = min(
+    t, m, _, g, picked, row = min(
         tied, key=lambda f: (2.0 * f[2] + options[f[3]].wrapped + f[1] / norm + 1e-12 * f[0] * scale, f[3])
     )
-    return Solution(options[g].label, dict(zip(options[g].comps, picked)), float(t), float(m), "enumerated")
+    return Solution(options[g].label, dict(zip(options[g].comps, picked)), float(t), float(m), "enumerated", row)
 
 
 SMALL = 64  # an option with at most this many combinations is costed in Python (numpy's set-up outweighs it)
@@ -131,16 +147,18 @@ def _costed(g: int, opt: Option, keys: list, names: list, budget: float | None, 
     each, where the arrays cost more than the sums (a tenth of a 512-rank search)."""
     out = []
     for picked in itertools.product(*[range(len(n)) for n in names]):
-        t, s, h, m = opt.base
+        t, s, h, *m = opt.base
         idle = float(opt.idle)
         for j, c in enumerate(keys):
             k = names[j][picked[j]]
-            dt, ds, dh, dm = opt.comps[c][k]
-            t, s, h, m = t + dt, s + ds, h + dh, m + dm
+            dt, ds, dh, *dm = opt.comps[c][k]
+            t, s, h, m = t + dt, s + ds, h + dh, [a + b for a, b in zip(m, dm)]
             idle += opt.idle_choice.get(k, 0.0)
-        if budget is not None and not m <= budget:
+        peak = max(m)
+        if budget is not None and not peak <= budget:
             continue
-        out.append((t + max(0.0, s - overlap * h), m, idle, g, tuple(names[j][picked[j]] for j in range(len(keys)))))
+        chosen = tuple(names[j][picked[j]] for j in range(len(keys)))
+        out.append((t + max(0.0, s - overlap * h), peak, idle, g, chosen, m.index(peak)))
     return out
 
 
@@ -153,10 +171,13 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
         cols.append(("e", g, None, None))
         for c, ch in opt.comps.items():
             cols += [("w", g, c, k) for k in ch]
+    cols.append(("m", None, None, None))  # the memory per rank: at least each moment's
     idx = {col: i for i, col in enumerate(cols)}
     n = len(cols)
-    cost, mem = np.zeros(n), np.zeros(n)
+    moments = len(options[0].base) - 3
+    cost, mem = np.zeros(n), np.zeros((moments, n))
     rows, lo, hi = [], [], []
+    continuous = [col[0] in ("e", "m") for col in cols]
 
     def coef(col):
         _, g, c, k = col
@@ -167,8 +188,10 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
         if col[0] == "e":
             cost[i] = 1.0
             continue
-        t, _, _, m = coef(col)
-        cost[i], mem[i] = t, m
+        if col[0] == "m":
+            continue
+        t, _, _, *m = coef(col)
+        cost[i], mem[:, i] = t, m
         if col[0] == "x":
             one[i] = 1.0
     rows.append(one)
@@ -182,7 +205,7 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
         sync = np.zeros(n)
         sync[idx[("e", g, None, None)]] = -1.0
         for col in [("x", g, None, None)] + [("w", g, c, k) for c, ch in opt.comps.items() for k in ch]:
-            _, s, b, _ = coef(col)
+            _, s, b, *_ = coef(col)
             sync[idx[col]] = (s - overlap * b) * scale
         rows.append(sync)
         lo.append(-np.inf)
@@ -195,12 +218,18 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
             rows.append(r)
             lo.append(0)
             hi.append(0)
-    if budget is not None:
-        rows.append(mem)
+    for row in mem:  # each moment within the budget, and m at least each moment
+        if budget is not None:
+            rows.append(row)
+            lo.append(-np.inf)
+            hi.append(float(budget))
+        at_least = row.copy()
+        at_least[idx[cols[-1]]] = -1.0
+        rows.append(at_least)
         lo.append(-np.inf)
-        hi.append(float(budget))
-    integrality = np.array([0 if col[0] == "e" else 1 for col in cols])
-    upper = np.array([np.inf if col[0] == "e" else 1.0 for col in cols])
+        hi.append(0.0)
+    integrality = np.array([0 if c else 1 for c in continuous])
+    upper = np.array([np.inf if c else 1.0 for c in continuous])
     bounds = Bounds(np.zeros(n), upper)
     res = milp(
         cost,
@@ -218,12 +247,12 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
         rows.append(cost)
         lo.append(-np.inf)
         hi.append(res.fun * (1 + 1e-9) + 1e-6)
-        idle = np.array(
-            [options[col[1]].idle if col[0] == "x" else options[col[1]].idle_choice.get(col[3], 0.0) for col in cols]
-        )
+        idle = np.array([_idle(options, col) for col in cols])
         wrapped = np.array([float(options[col[1]].wrapped) if col[0] == "x" else 0.0 for col in cols])
+        peak = np.zeros(n)
+        peak[idx[cols[-1]]] = 1.0 / max(float(np.abs(mem).sum()), 1.0)
         second = milp(
-            2.0 * idle + wrapped + mem / max(float(np.abs(mem).sum()), 1.0) + 1e-12 * cost,
+            2.0 * idle + wrapped + peak + 1e-12 * cost,
             constraints=LinearConstraint(np.array(rows), lo, hi),
             integrality=integrality,
             bounds=bounds,
@@ -233,6 +262,17 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
     if res.x is None:
         return None
     x = np.round(res.x[:])
+    x[idx[cols[-1]]] = 0.0  # m is not a memory coefficient
     g = next(g for g in range(len(options)) if x[idx[("x", g, None, None)]] > 0.5)
     choices = {c: next(k for k in ch if x[idx[("w", g, c, k)]] > 0.5) for c, ch in options[g].comps.items()}
-    return Solution(options[g].label, choices, float(cost @ res.x) / scale, float(mem @ res.x), res.message)
+    held = mem @ x
+    row = int(np.argmax(held))
+    return Solution(options[g].label, choices, float(cost @ res.x) / scale, float(held[row]), res.message, row)
+
+
+def _idle(options, col) -> float:
+    """The tie-break's idle axes of a column: an option's, or a fraction for an unsplit component."""
+    kind, g, _, k = col
+    if kind == "x":
+        return options[g].idle
+    return options[g].idle_choice.get(k, 0.0) if kind == "w" else 0.0

@@ -14,9 +14,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
-from autopar.search.evaluate import Terms
-from autopar.search.solver import Option
+from autopar.search.evaluate import PEAKS, Terms
+from autopar.search.solver import Option, memory_rows
 
 
 def weigh(ctx, structs: list, probes, modes: list) -> list[Option]:
@@ -67,13 +68,17 @@ def _probed(ctx, s, probes) -> tuple | None:
 
 def _base(split, rep) -> Terms:
     base = (split or rep).get("base", Terms())
-    if split is not None and rep is not None and "base" in rep and rep["base"].peak > base.peak:
+    if split is not None and rep is not None and "base" in rep and _transient(rep["base"]) > _transient(base):
         # a block's recompute (and a workspace) at the step's peak: a component the solver leaves
         # whole recomputes its block whole, so the larger of the two probes' (an upper bound
         # where every block is split); the split probe's alone read 545 KB against the
         # plan's 662 KB on a tiny GPT under full checkpointing, its blocks left whole
-        base = dataclasses.replace(base, peak=rep["base"].peak)
+        base = dataclasses.replace(base, **{k: getattr(rep["base"], k) for k in PEAKS})
     return base
+
+
+def _transient(t: Terms) -> float:
+    return sum(getattr(t, k) for k in PEAKS)
 
 
 def _variants(ctx, pipe, cuts: dict) -> list[tuple]:
@@ -127,7 +132,7 @@ def _option(ctx, label, base, split, rep, ep=False, shares=None, ept=None) -> Op
 
 
 def _coefs(t: Terms, mesh, profile, dp, shares=None, base=False) -> tuple:
-    """(time, sync, hide, memory) of ``t`` under ``dp`` (as a user writes it: two axes are merged
+    """(time, sync, hide, memory at each moment of a step) of ``t`` under ``dp`` (as a user writes it: two axes are merged
     into the one data-parallel axis the plan has) and a pipeline rank's share (``shares``, its
     step_shares; its point-to-point sends are charged once, to the ``base`` terms)."""
     if shares is not None:
@@ -140,7 +145,7 @@ def _coefs(t: Terms, mesh, profile, dp, shares=None, base=False) -> tuple:
     hide = t.hidden_behind(prefetches(dp, mesh, dp_axis))
     step = t.step_seconds(mesh, profile, dp_axis, dp)
     rest = t.other_sync(mesh, dp)  # folded: the group's reduction replaces cp's all-reduce
-    return (t.compute + t.comm + after + step, sync + ahead + rest, hide, t.memory(mesh, dp_axis, dp))
+    return (t.compute + t.comm + after + step, sync + ahead + rest, hide, *t.memory_rows(mesh, dp_axis, dp))
 
 
 def prefetches(dp, mesh, dp_axis) -> bool:
@@ -168,8 +173,8 @@ def _moved(probe: dict, ref: dict, key: str) -> Terms:
 
 
 def least_memory(o: Option) -> float:
-    """The least memory any choice of option ``o``'s components needs."""
-    return o.base[3] + sum(min(v[3] for v in ch.values()) for ch in o.comps.values())
+    """The least memory any choice of option ``o``'s components needs (its largest moment's)."""
+    return min(max(memory_rows(o, picked)) for picked in itertools.product(*[list(ch) for ch in o.comps.values()]))
 
 
 def label_of(mesh, option) -> str:

@@ -58,17 +58,12 @@ def test_gpt_auto_equals_serial(shape, device):
     assert pred["memory"] == pytest.approx(rec["memory"], rel=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the step's peak is a max (recompute + workspace, the loss's backward, gathered outputs); "
-    "the solver sums a plan's parts, each component option's from its own probe, so where the "
-    "vocabulary's choice moves the peak between the loss and the gathered logits the search counts "
-    "16 KiB more than ap.predict (4 layers); exact needs the max in the solver",
-)
 def test_search_memory_is_predicts_with_a_free_vocabulary_on_a_deep_stack():
     """The search costs a short probe of a deep stack and each component's options in their own
-    probes; the chosen plan's estimate should still be ap.predict's (its record's ``memory`` is the
-    plan's own count, settled after the search: always ap.predict's)."""
+    probes; the chosen plan's estimate is still ap.predict's (its record's ``memory`` is the
+    plan's own count, settled after the search: always ap.predict's). It failed (16 KiB over, 4
+    layers) while the solver summed a plan's parts: the vocabulary's choice moves the peak between
+    the loss's backward and the gathered logits, a max the solver now takes over the phases' rows."""
     for layers in (3, 4):
         model, args = gpt(layers=layers)
         mesh = ap.Mesh((2, 2), ("dp", "tp"))
@@ -118,7 +113,7 @@ def test_search_matches_plan_cost_formulas():
     plan = ap.plan(model, mesh_of((2, 2)), args=args, auto=SPLIT_PAYS)
     cost = plan.cost().at()
     pred = ap.predict(plan, SPLIT_PAYS)
-    assert pred["memory"] == pytest.approx(sum(cost["memory"].values()), rel=1e-9)
+    assert pred["memory"] == pytest.approx(cost["peak_memory"], rel=1e-9)
     acts = {k: v for k, v in pred["comm_bytes"].items()}
     for axis, b in acts.items():
         assert b <= cost["comm"][axis] + 1e-6  # the activation part of each axis' bytes
@@ -265,7 +260,7 @@ def test_zero3_gathers_hide_behind_compute():
     assert f["prefetched_s"] > 0 and f["optimizer_s"] == pytest.approx(p["optimizer_s"] / 4)  # each steps 1/4
     assert f["time_s"] - f["optimizer_s"] == pytest.approx(p["time_s"] - p["optimizer_s"], rel=1e-9)
     assert f["memory"] < p["memory"]
-    assert f["memory"] == pytest.approx(sum(fsdp.cost().at()["memory"].values()), rel=1e-9)
+    assert f["memory"] == pytest.approx(fsdp.cost().at()["peak_memory"], rel=1e-9)
 
 
 def test_ties_go_to_options_that_use_every_rank():
@@ -379,25 +374,27 @@ def test_zero_bubble_pipeline_when_the_bubble_costs():
     zero-bubble schedules offered: ZB-H1, ZBV and DualPipeV are among the options, each predicted
     faster than 1F1B (their W's fill its bubble, B + W costing SPLIT_B + SPLIT_W = 1.14 of a
     backward), and under a budget only pipeline stages meet the search picks the fastest of the
-    schedules, a zero-bubble one; the plan runs it, equals serial, and ap.predict of it is the
-    search's prediction. Offered 1F1B and interleaved only, the same search keeps to them. (On 8
-    rows 1F1B idles 1/9: the split's cost outweighs what ZB-H1 fills, and it is predicted slower;
-    the interleaved 1F1B x4 is predicted faster than every zero-bubble one at either size.)"""
+    schedules that fit, a zero-bubble one; the plan runs it, equals serial, and ap.predict of it is
+    the search's prediction. Offered 1F1B and interleaved only, the same search keeps to them. (On
+    8 rows 1F1B idles 1/9: the split's cost outweighs what ZB-H1 fills, and it is predicted slower;
+    the interleaved 1F1B x4 is predicted faster than every zero-bubble one at either size.) Without
+    sequence parallelism: at the step's peak (the largest phase) tp + sp holds less than any
+    pipeline of this tiny model, whose stages keep their gradients beside the micro-batches."""
     model, args = gpt(layers=8)
     args = tuple(a[:4] for a in args)
     mesh = mesh_of((2,))
     slow = dict(device="cpu-gloo", flops_per_s=1e6, alpha=0.0, beta=1e12, activation_checkpoint=(None,), zero=(0,))
-    slow["pipeline_schedules"] = ("1f1b", "zb-h1", "zbv", "dualpipev")
+    slow.update(pipeline_schedules=("1f1b", "zb-h1", "zbv", "dualpipev"), sequence_parallel=False)
     free = ap.plan(model, mesh, args=args, auto=ap.Auto(**slow))
     runners = {r["option"]: r for r in free.built["auto"]["runners_up"]}
     pipes = {k: r for k, r in runners.items() if k.startswith("a=pp") and "balanced" not in k}
     for name in ("ZB-H1", "ZBV", "DualPipeV"):
         assert pipes[f"a=pp, {name}"]["time_s"] < pipes["a=pp"]["time_s"], name
+    others = min(r["memory"] for k, r in runners.items() if not k.startswith("a=pp"))
+    pipes = {k: r for k, r in pipes.items() if r["memory"] < others}  # those a budget can leave alone
     fastest = min(pipes, key=lambda k: pipes[k]["time_s"])
     assert fastest.split(", ")[-1] in ("ZB-H1", "ZBV", "DualPipeV"), fastest
-    others = min(r["memory"] for k, r in runners.items() if not k.startswith("a=pp"))
     budget = (max(r["memory"] for r in pipes.values()) + others) / 2
-    assert max(r["memory"] for r in pipes.values()) < others
     plan = ap.plan(model, mesh, args=args, auto=ap.Auto(memory_budget=budget, **slow))
     rec = plan.built["auto"]
     assert rec["chosen"] == fastest, (rec["chosen"], fastest)

@@ -39,9 +39,12 @@ def test_a_cpu_traced_plan_runs_on_cuda_with_the_plans_collectives_flops_and_mem
     # FLOPs: FlopCounterMode counts matmuls and attention; the formulas every op (the few
     # elementwise FLOPs of norms and softmax are the difference)
     assert abs(run.flops_ratio - 1) < 0.05
-    # memory: the same parts, counted at every allocation; what the formulas leave out (the
-    # optimizer's step temporaries, the loss's small tensors) is within a few %
-    assert abs(run.memory_ratio - 1) < 0.1, run.memory_ratio
+    # memory: the same parts, counted at every allocation. The measured peak lies between the
+    # largest phase (the headline, run.predicted_bytes) and the parts' sum: this tiny model's
+    # gradients are one bucket, allocated whole as backward starts, beside the loss's backward
+    # (the phase model has no gradient there; at model size a bucket is 25 MiB of many GiB)
+    assert run.predicted_bytes <= run.peak_bytes <= run.predicted_sum, (run.peak_bytes, run.predicted_phases)
+    assert run.memory_ratio < 1.12, run.memory_ratio
     for kind in ("params", "grads", "optimizer_state", "activations"):
         assert run.peak_by_kind.get(kind, 0) > 0, run.peak_by_kind
     # Adam's state: two fp32 tensors per parameter element, exactly

@@ -54,19 +54,23 @@ def test_causal_attention_is_counted_at_half_forward_and_backward():
 
 
 def test_the_three_memory_figures_agree_and_the_phases_are_named():
-    """ap.predict, plan.memory_per_rank and plan.cost() give one figure (the parts' sum, an upper
-    bound); it fails if any of the three drifts. The phases (forward, backward, optimizer) are
-    each at most that sum, and the dry run reports them beside its measured peak."""
+    """ap.predict, plan.memory_per_rank(rank).peak and plan.cost()'s peak_memory give one figure
+    (the largest phase, the search's too); it fails if any of the three drifts. The phases
+    (forward, backward, optimizer) are each at most the parts' sum, which bounds the measured peak
+    from above, and the dry run reports them beside its measured peak."""
     model, (idx, tgt) = gpt(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=8, seq=64)
     plan = ap.plan(model, ap.Mesh((2,), ("dp",)), args=(idx, tgt), data_parallel=ap.DataParallel("dp", zero=3))
     mem = plan.memory_per_rank(0)
     assert set(mem.phases) == {"forward", "backward", "optimizer"}
-    assert mem.phases[mem.phase] == max(mem.phases.values()) < mem.total == sum(mem.values())
-    assert ap.predict(plan, "h100")["memory"] == mem.total
+    assert mem.peak == mem.phases[mem.phase] == max(mem.phases.values()) < mem.total == sum(mem.values())
+    assert ap.predict(plan, "h100")["memory"] == mem.peak
+    assert ap.predict(plan, "h100")["memory_estimate"] == pytest.approx(mem.peak, rel=1e-9)  # the search's
+    assert plan.cost(rank=0).at()["peak_memory"] == pytest.approx(mem.peak, rel=1e-9)
     assert sum(plan.cost(rank=0).at()["memory"].values()) == pytest.approx(mem.total, rel=1e-9)
     run = plan.dry_run(rank=0, steps=2).runs[0]
-    assert run.predicted_bytes == mem.total and run.predicted_phases == pytest.approx(mem.phases)
-    assert run.peak_bytes <= mem.total  # the sum bounds the measured peak from above
+    assert run.predicted_bytes == mem.peak and run.predicted_phases == pytest.approx(mem.phases)
+    assert run.predicted_sum == mem.total and run.peak_bytes <= mem.total  # the sum: an upper bound
+    assert abs(run.memory_ratio - 1) < 0.1, (run.peak_bytes, mem.phases)  # measured / the peak
 
 
 def test_full_checkpointing_lists_the_tp_collectives_its_recompute_sends_again():

@@ -93,9 +93,10 @@ def _plan(name):
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_memory_per_rank_cost_and_predict_agree(name):
-    """For every rank, plan.cost(rank=r)'s memory parts sum to memory_per_rank(r)'s total; its
-    params, grads and optimizer state are memory_per_rank's up to the buckets' padding (its own
-    ``padding`` part); plan.cost() and ap.predict answer for the rank that holds the most."""
+    """For every rank, plan.cost(rank=r)'s memory parts sum to memory_per_rank(r)'s total and its
+    peak_memory is memory_per_rank(r)'s peak (the largest phase); its params, grads and optimizer
+    state are memory_per_rank's up to the buckets' padding (its own ``padding`` part); plan.cost()
+    and ap.predict answer for the rank that holds the most at its peak."""
     plan = _plan(name)
     totals = {}
     for rank in plan.mesh.ranks():
@@ -104,14 +105,15 @@ def test_memory_per_rank_cost_and_predict_agree(name):
         assert all(isinstance(v, (int, float)) for v in mem.values())  # bytes only: no dp size, no zero level
         cost = plan.cost(rank=rank).at()["memory"]
         assert sum(cost.values()) == pytest.approx(mem.total, rel=1e-9), (rank, cost, dict(mem))
+        assert plan.cost(rank=rank).at()["peak_memory"] == pytest.approx(mem.peak, rel=1e-9), rank
         for key, ck in (("params", "params"), ("grads", "grads"), ("optimizer_state", "optimizer")):
             assert abs(cost[ck] - mem[key]) <= max(cost.get("padding", 0), 0) + 1e-6, (rank, key)
         for key in ("activations", "recompute", "backward", "workspace", "outputs"):
             assert cost.get(key, 0.0) == pytest.approx(mem.get(key, 0.0), abs=1e-6), (rank, key)
-        totals[rank] = mem.total
+        totals[rank] = mem.peak
     peak = plan.peak_memory_rank()
     assert totals[peak] == max(totals.values())
-    assert sum(plan.cost().at()["memory"].values()) == pytest.approx(totals[peak], rel=1e-9)
+    assert plan.cost().at()["peak_memory"] == pytest.approx(totals[peak], rel=1e-9)
     pred = ap.predict(plan, "cpu-gloo")
     assert pred["memory"] == pytest.approx(totals[peak], rel=1e-9) and pred["memory_rank"] == peak
 
@@ -155,8 +157,8 @@ def test_searched_pipeline_counts_micro_batches_and_meets_its_record():
     assert rec["chosen"] == "a=pp"
     peak = plan.peak_memory_rank()
     mem = plan.memory_per_rank(peak)
-    assert rec["memory"] == mem.total == ap.predict(plan, auto)["memory"]
-    assert sum(plan.cost().at()["memory"].values()) == pytest.approx(mem.total, rel=1e-9)
+    assert rec["memory"] == mem.peak == ap.predict(plan, auto)["memory"]
+    assert plan.cost().at()["peak_memory"] == pytest.approx(mem.peak, rel=1e-9)
     assert rec["memory"] == pytest.approx(rec["memory_estimate"], rel=0.25)  # m times over before
 
 

@@ -51,7 +51,9 @@ def test_text_table_and_summary(plan):
     row = next(line for line in plan.table().splitlines() if " add_tensor_1 " in line)  # the flat table
     for cell in ("blocks.0.attn.proj", "add", "(S(0), R)", "all_reduce(tp)", "4.0 KiB"):
         assert cell in row
-    assert plan.summary() == "\n".join(lines[:5]) and repr(plan.summary()) == plan.summary()
+    assert plan.summary() == "\n".join(lines[:6]) and repr(plan.summary()) == plan.summary()
+    peak = ap.predict(plan, "h100")["memory"] / 1024  # the headline: the step's largest phase
+    assert lines[1].startswith(f"  memory per rank at the step's peak: {peak:.1f} KiB (")
 
 
 def test_html_is_the_folded_tree_with_collectives_coloured(plan):

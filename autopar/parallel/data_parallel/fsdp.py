@@ -377,15 +377,15 @@ class FullyShardedStorage(Storage):
             out.append(("all_reduce", "grad sync", ring_bytes("all_reduce", grad / k, replicas), False, units))
         return out
 
-    def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:
+    def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> tuple[float, float]:
         """The block in use and the ``prefetch`` blocks gathered ahead of it, unsharded, and one
         block's reduce buffers: of ``plan``'s buckets where a plan is given, else estimated from
         the largest unit (fp32 bytes)."""
         if plan is not None:
-            return sum(held(plan, 0))
+            return held(plan, 0)
         grad = _as(largest_unit_bytes, dp.reduce_dtype or dp.param_dtype)
         unit = _as(largest_unit_bytes, dp.param_dtype)
-        return (1 + dp.prefetch) * unit + unit + grad  # (without resharding every block stays: not estimated)
+        return (1 + dp.prefetch) * unit, unit + grad  # (without resharding every block stays: not estimated)
 
     def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
         """The gathers' unreduced gradient flats, kept whole from a unit's first backward of the

@@ -101,11 +101,12 @@ class Storage:
         comms = self.bucket_comms(dp, n * fold, grad_bytes, param_bytes)
         return [(kind, phase, nbytes, False, None) for kind, phase, nbytes in comms]
 
-    def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> float:
-        """Bytes a rank holds beyond its stored share while stepping (zero=3: the gathered blocks
-        in flight): exactly, of a ``plan`` made with this storage, else estimated from the
-        parameter bytes of the largest unit the storage gathers at once."""
-        return 0.0
+    def held_bytes(self, dp, n, largest_unit_bytes, plan=None) -> tuple[float, float]:
+        """(gathered, reducing): bytes a rank holds beyond its stored share while stepping (zero=3:
+        the gathered blocks in flight, and one block's reduce buffers; they peak at different
+        moments, plan_cost.PHASE_ROWS): exactly, of a ``plan`` made with this storage, else
+        estimated from the parameter bytes of the largest unit the storage gathers at once."""
+        return 0.0, 0.0
 
     def memory_divisors(self, dp, n, fold=1):
         """What a rank keeps of the parameters, gradients and optimizer state it computes with:
