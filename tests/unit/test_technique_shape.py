@@ -40,9 +40,6 @@ CROSSINGS: dict[str, dict[str, str]] = {
         "dryrun/pipeline.py": "the dry run drives the pipeline runner over fake tensors",
         "explore/plan_views.py": "plan.pipeline_timeline / schedule table",
     },
-    "experts": {
-        "presets/megatron_plan.py": "ap.presets.megatron puts ap.expert_parallel on the experts modules it finds",
-    },
     "activation_checkpoint": {
         "parallel/pipeline/stage_memory.py": "a stage's checkpointed activations",
     },
