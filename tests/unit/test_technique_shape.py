@@ -40,9 +40,6 @@ CROSSINGS: dict[str, dict[str, str]] = {
         "dryrun/pipeline.py": "the dry run drives the pipeline runner over fake tensors",
         "explore/plan_views.py": "plan.pipeline_timeline / schedule table",
     },
-    "activation_checkpoint": {
-        "parallel/pipeline/stage_memory.py": "a stage's checkpointed activations",
-    },
 }
 
 
