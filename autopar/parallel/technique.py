@@ -23,7 +23,7 @@ storage        stored, stored_start, stored_axes, stored_share, counts_stored, r
 cost           collectives, batch_pieces, step_shares, memory, activations, rank_activations,
                kept_saves, recomputed, memory_formulas, rank_params, memory_ranks
 runtime        join, attach, checkpoint_mesh, process_groups
-display        describe, explain_param, explain_module, fields, from_fields
+display        describe, explain_param, explain_module, timeline, fields, from_fields
 search         search_roles, search_variant, search_offered, search_space, search_axes, search_label,
                gathers_weights, search_adds, priced_wire_params (what ap.Auto's search may choose)
 =============  ==================================================================================
@@ -57,8 +57,8 @@ in the techniques' ``order``, lowest first)::
       activations -> rank_activations, memory,              ap.predict, the search
       memory_formulas, kept_saves, recomputed, rank_params, memory_ranks, stored_share
     checkpoints: stored_start, restored, checkpoint_mesh    checkpoint/, plan.load_state_dict
-    display: describe, explain_param, explain_module; fields / from_fields (plan files);
-      exact() for plan.check
+    display: describe, explain_param, explain_module; timeline (plan.timeline_figure);
+      fields / from_fields (plan files); exact() for plan.check
 
 Example (the shape of a new technique):
     >>> @register_technique

@@ -38,7 +38,6 @@ CROSSINGS: dict[str, dict[str, str]] = {
     },
     "pipeline": {
         "dryrun/pipeline.py": "the dry run drives the pipeline runner over fake tensors",
-        "explore/plan_views.py": "plan.pipeline_timeline / schedule table",
     },
 }
 
