@@ -15,6 +15,7 @@ from typing import Callable
 from autopar.errors import PipelineError, PlanError
 from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline import api, schedules, stage_memory, stage_shares
+from autopar.parallel.pipeline.dry_run import PipelineDryRank
 from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED
 from autopar.parallel.pipeline.split import describe, split_stages
 from autopar.parallel.pipeline.timeline import marked_actions, slot_table, timeline_rows
@@ -182,6 +183,11 @@ class Pipeline(Technique):
         """The groups of ranks that hold one tied weight on several pipeline ranks, and the
         pp x dp groups the step's loss is reduced over."""
         return api.tied_rank_groups(plan) + api.loss_rank_groups(plan)
+
+    def dry_run_rank(self, plan, rank: int, device, stats) -> PipelineDryRank:
+        """The rank's runner driven through its schedule, its messages recorded by the fake world
+        (dry_run.py)."""
+        return PipelineDryRank(plan, rank, device, stats)
 
     # ------------------------------------------------------- what a Plan offers (plan.<name>)
     @staticmethod
