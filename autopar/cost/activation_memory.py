@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from autopar.placement import Replicate, Shard
 from autopar.sharding.lowerings.base import lowering_for
+from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.propagate import layout_of, tensor_outputs
 from autopar.trace.module_paths import module_paths
 from autopar.sharding.rules import VIEW, op_traits
@@ -361,6 +362,14 @@ def identity_dropout(node: fx.Node) -> bool:
     p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
     train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
     return p == 0 or train is False
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (dropout, a random op): a checkpointed region or a
+    recomputed pipeline stage keeps a generator-state copy to replay them."""
+    if node.target in DROPOUT_OPS:  # a dropout of p = 0 returns its input: no draw, no state read
+        return not identity_dropout(node)
+    return random_lowering(node.target) is not None
 
 
 def _lowered_kept(plan, node: fx.Node) -> list[tuple] | None:

@@ -140,7 +140,7 @@ def _sync_comms(plan, sy, rank: int | None = None, stored: dict | None = None) -
     """Gradient-sync collectives per step: per bucket and axis. On the data-parallel axis its
     options decide (ZeRO reduce-scatters and all-gathers after the step; local SGD has none).
     ``rank``: whose buckets (a pipeline rank's: its stages' parameters); ``stored``: the pieces it
-    stores (``dryrun.pipeline.stored_pieces(plan, rank)``, passed in by the caller: cost sits below
+    stores (``parallel.param_names.stored_pieces(plan, rank)``, passed in by the caller: cost sits below
     parallel) of a parameter zero=3 cuts (a range of a flat bucket: a small parameter whole
     on one rank, none on another); None: rank 0's buckets and an even share of each piece."""
     mesh, dp = plan.mesh, plan.data_parallel

@@ -7,8 +7,10 @@ forward, ``loss.backward()`` (the gradient sync, zero=3's gathers and frees, che
 recompute run inside), the optimizer's step and ``zero_grad``, over torch's fake process group
 of the plan's world size (fake_world.py). It counts every allocation (memory.py), every
 collective (autopar's backend reports each one) and the FLOPs (FlopCounterMode), and puts them
-beside the plan's figures for that rank (report.py). A pipelined plan's rank runs its
-PipelineRunner's step instead, its messages carried by the fake world (pipeline.py).
+beside the plan's figures for that rank (report.py). Where a technique runs a rank's step itself
+(its runtime hook ``dry_run_rank``: a pipelined plan's rank runs its PipelineRunner's step, its
+messages carried by the fake world, parallel/pipeline/dry_run.py), the dry run runs that step and
+asks the technique for the figures.
 
 Example:
     >>> report = dry_run(plan, device="cuda", steps=2)
@@ -27,7 +29,6 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTen
 
 from autopar.cost.collectives import _sync_comms, collectives
 from autopar.cost.formulas import PlanSymbols
-from autopar.dryrun import pipeline
 from autopar.dryrun.attention import flash_attention_on_meta
 from autopar.dryrun.fake_world import fake_device, fake_world
 from autopar.dryrun.flops import counting_flops
@@ -38,8 +39,8 @@ from autopar.dryrun.where import failing_node
 from autopar.errors import MeshError, PlanError
 from autopar.parallel.dp_module import memory_per_rank, memory_ranks
 from autopar.parallel.optimizer import Optimizer
-from autopar.runtime.backend import current_backend
-from autopar.runtime.comm_stats import _axis
+from autopar.parallel.param_names import stored_pieces
+from autopar.runtime.comm_stats import _axis, group_label
 from autopar.trace.in_dtype import materialized
 
 
@@ -65,7 +66,6 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         if dev.type == "meta" and torch.device(device).type == "cuda"
         else contextlib.nullcontext()
     )
-    piped = plan.stage_layout is not None
     with (
         FakeTensorMode(allow_non_fake_inputs=True),
         gpu,
@@ -73,17 +73,15 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         eager_emulated(),  # the program as plain eager mode runs it (no copy the real run does not make)
         fake_world(plan, rank, counter) as stats,
     ):
-        if piped:  # the rank's stages, driven by its PipelineRunner; messages through a FakeChannel
-            module = pipeline.build_runner(plan, rank, dev)
-            for stage in module.stage_modules:
+        own = _own_step(plan, rank, dev, stats)
+        if own is not None:  # the technique's step (a pipeline rank's stages, driven by its runner)
+            module, stages, inputs = own.module, own.stages, None
+            for stage in stages:
                 _move_buffers(stage, dev)
-            channel = pipeline.FakeChannel(plan, rank, dev, stats, module)
-            current_backend().p2p_channel = lambda r: channel
-            inputs = pipeline.batch(plan, materialized(plan.traced.example, dev))
         else:
             module = _module(plan, rank, dev)
             inputs = _inputs(plan, rank, dev)
-        stages = module.stage_modules if piped else [module]
+            stages = [module]
         counter.label(module.parameters(), "params")
         counter.label([b for m in stages for b in m.buffers()], "buffers")
         opt = Optimizer(module, optimizer, **optimizer_kwargs)
@@ -95,15 +93,15 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
         for _ in range(steps):
             first = len(stats.records)
             with counting_flops() as flop_counter, _named(rank, dev):
-                _step(module, opt, inputs, counter, piped)
+                _step(module, opt, inputs, counter, own)
             flops = flop_counter.get_total_flops()
             by_op = {str(op): n for op, n in flop_counter.get_flop_counts().get("Global", {}).items()}
             collectives = [(r.kind, _label(r, plan.mesh), r.bytes) for r in stats.records[first:]]
         slots = _state_slots(opt)
         held = {k: v for k, v in counter.by_kind.items() if v}  # between steps: what a rank keeps
     mem = memory_per_rank(plan, rank, slots)
-    if piped:
-        predicted_collectives, predicted_flops = pipeline.predicted(plan, rank, slots)
+    if own is not None:
+        predicted_collectives, predicted_flops = own.predicted(slots)
     else:
         predicted_collectives = _rank_collectives(plan, rank)
         predicted_flops = float(plan.cost(optimizer_states=slots, rank=rank).at()["flops"])
@@ -127,14 +125,23 @@ def run_rank(plan, rank: int, device, steps: int, optimizer, optimizer_kwargs: d
     )
 
 
+def _own_step(plan, rank: int, dev, stats):
+    """The DryRank of the first technique that runs ``rank``'s step itself, or None."""
+    for technique in plan.options.techniques:
+        own = technique.dry_run_rank(plan, rank, dev, stats)
+        if own is not None:
+            return own
+    return None
+
+
 def _rank_collectives(plan, rank: int) -> list:
     """plan.collectives() with the gradient sync of what ``rank`` stores: zero=3 cuts a flat
     bucket into ranges, so a parameter synced on another axis (a norm weight over tp) is whole on
     one rank and absent on another, where plan.collectives() lists an even share (measured: the
     405B's search choice, zero=3 over 64 ranks, rank 0 all-reduced its norm weights on tp at 64x
-    the share). The same as a pipeline rank's (pipeline.rank_sync)."""
+    the share). The same as a pipeline rank's (parallel/pipeline/dry_run.rank_sync)."""
     sy = PlanSymbols.of(plan)
-    comms = collectives(plan, sy, grad_sync=False) + _sync_comms(plan, sy, rank, pipeline.stored_pieces(plan, rank))
+    comms = collectives(plan, sy, grad_sync=False) + _sync_comms(plan, sy, rank, stored_pieces(plan, rank))
     return [(c.kind, c.axis, c.bytes) for c in comms]
 
 
@@ -145,7 +152,7 @@ def _label(record, mesh):
     if axis is not None:
         return axis
     found = _axis(record.group, mesh)
-    return found if isinstance(found, str) else pipeline.group_label(record.group, mesh)
+    return found if isinstance(found, str) else group_label(record.group, mesh)
 
 
 @contextlib.contextmanager
@@ -201,9 +208,9 @@ def _inputs(plan, rank: int, dev) -> tuple:
     return plan.local_inputs(rank, *args, **kwargs)
 
 
-def _step(module, opt, inputs, counter, piped: bool = False) -> None:
-    if piped:  # the schedule's forwards and backwards, the gradient sync, the loss's all-reduce
-        module.step(inputs)
+def _step(module, opt, inputs, counter, own=None) -> None:
+    if own is not None:  # the technique's (a pipeline: the schedule's forwards and backwards, the sync, the loss)
+        own.step()
     else:
         args, kwargs = inputs
         out = module(*args, **kwargs)

@@ -1,7 +1,7 @@
 """``ap.Auto(verify=True)``: the search's choice dry-run before it is handed over.
 
 The search weighs memory by formulas; ``verify`` runs the chosen plan's peak rank (the one
-``plan.memory_per_rank`` says holds the most; a pipelined plan's too: its runner, dryrun/pipeline.py)
+``plan.memory_per_rank`` says holds the most; a pipelined plan's too: its runner, parallel/pipeline/dry_run.py)
 at full size on fake tensors and records the measured peak in the search's record
 (``dry_run_peak``, ``dry_run_rank``: explain("auto") prints them). Where it is over the memory
 budget the choice is refused and the next option that fits by the formulas (the runners-up in

@@ -1,6 +1,8 @@
 """What a Plan shows of itself: the table, summary and HTML, explain, the collectives and
-costs, plots, drawings, the pipeline's schedule, plan files and diffs. Mixed into Plan, so that
-plan.py keeps layouts and modules and everything here reads a plan without deciding anything.
+costs, plots, drawings, the timeline of a technique's schedule (its ``timeline`` display hook),
+plan files and diffs. Mixed into Plan, so that plan.py keeps layouts and modules and everything
+here reads a plan without deciding anything; a view of one technique's own (the pipeline's
+``plan.schedule_table``) is that technique's plan method, in its folder.
 
 Example:
     >>> print(plan); plan.explain("blocks.0.mlp.fc"); plan.cost().at(B=64)
@@ -10,6 +12,7 @@ Example:
 from __future__ import annotations
 
 from autopar.cost import Cost, collectives
+from autopar.errors import PlanError
 from autopar.explore import display
 from autopar.explore.diff import diff_plans
 from autopar.explore.draw import draw
@@ -20,8 +23,6 @@ from autopar.explore.plan_file import save_plan
 from autopar.explore.search_view import SearchView, plot_search
 from autopar.explore.tree_view import PlanTree, tree_text
 from autopar.explore.plots import plot_comm, plot_memory, plot_timeline
-from autopar.parallel.pipeline.api import require_pipeline
-from autopar.parallel.pipeline.timeline import marked_actions, schedule_table, timeline_rows
 
 
 class PlanViews:
@@ -91,14 +92,18 @@ class PlanViews:
         """This rank's graph, collectives coloured: SVG with Graphviz ``dot``, DOT text otherwise."""
         return draw(self, rank, **kw)
 
-    def schedule_table(self, rank: int | None = None) -> str:
-        """Which micro-batch each pipeline rank runs at each slot (F forward, B backward)."""
-        return schedule_table(require_pipeline(self), rank)
-
     def timeline_figure(self, events_per_rank=None, title: str | None = None):
-        """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines."""
-        rows, unit = timeline_rows(events_per_rank, require_pipeline(self))
-        return plot_timeline(rows, unit, title, marked_actions(self))
+        """A matplotlib Figure of the schedule (unit slots), or of measured runner timelines: the
+        actions of the technique that runs each rank through a schedule (its ``timeline`` hook)."""
+        for technique in self.options.techniques:
+            found = technique.timeline(self, events_per_rank)
+            if found is not None:
+                rows, unit, marked = found
+                return plot_timeline(rows, unit, title, marked)
+        raise PlanError(
+            "plan.timeline_figure(): this plan runs no schedule of actions to draw "
+            "(a pipeline does: pass pipeline=ap.Pipeline(...) to ap.plan)."
+        )
 
     def save(self, path) -> None:
         """Write the plan (mesh, annotations' seeds, every node's layout and strategies) as JSON."""

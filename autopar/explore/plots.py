@@ -1,5 +1,6 @@
 """Plots of a plan (matplotlib Figures, no pyplot state): memory per rank, communication per
-layer and axis. The pipeline timeline is ``plan.timeline_figure()`` (plot_timeline, rows from parallel/pipeline/timeline.py).
+layer and axis. The pipeline timeline is ``plan.timeline_figure()`` (plot_timeline, rows from a
+technique's ``timeline`` display hook: the pipeline's, parallel/pipeline/timeline.py).
 
 Example:
     >>> fig = plan.plot_memory()          # stacked bars: params, grads, optimizer, activations
@@ -93,7 +94,7 @@ def plot_timeline(rows, unit: str, title: str | None = None, marked=None):
     """A matplotlib Figure (shown inline in Jupyter): one row per rank, a bar per action
     (forward blue, backward orange, a zero-bubble schedule's weight-gradient part W green) labelled with its micro-batch, and with its stage (``F3/1``:
     micro-batch 3 of stage 1) where a rank runs several stages (interleaved schedules); ``rows``
-    from parallel/pipeline/timeline.py's ``timeline_rows``; ``marked`` (per rank, a set of
+    from a technique's ``timeline`` hook (parallel/pipeline/timeline.py's ``timeline_rows``); ``marked`` (per rank, a set of
     (kind, micro-batch, stage)): actions the schedule overlaps (DualPipeV), hatched."""
     fig = _figure(10, 0.6 * len(rows) + 1.2)
     ax = fig.add_subplot(1, 1, 1)

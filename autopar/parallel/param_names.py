@@ -78,3 +78,15 @@ def held_params(plan, rank: int = 0) -> dict[str, torch.Tensor]:
     read = {plan.attr_name(ph) for st in lay.stages if lay.rank_of_stage(st.index) == pos for ph in st.attrs}
     held = {canon.get(n, n) for n in read if n is not None}
     return {n: p for n, p in params.items() if canon.get(n, n) in held}
+
+
+def stored_pieces(plan, rank: int) -> dict:
+    """What ``rank`` stores of each parameter it holds (meta tensors): its compute piece, as the
+    techniques store it (zero=3: its range of the flat bucket, which may hold a small parameter
+    whole, in part or not at all)."""
+    out = {}
+    for name, local in held_params(plan, rank).items():
+        for technique in plan.options.techniques:
+            local = technique.stored(plan, rank, name, local)
+        out[name] = local
+    return out

@@ -21,9 +21,9 @@ layout         reshape_mesh, validate, tracing, prepare_graph, annotate, prepare
 storage        stored, stored_start, stored_axes, stored_share, counts_stored, restored,
                rewrite_program, gather_wire, grad_sync_axes, grad_pieces, grad_shards
 cost           collectives, batch_pieces, step_shares, memory, activations, rank_activations,
-               kept_saves, recomputed, memory_formulas, rank_params, memory_ranks
-runtime        join, attach, checkpoint_mesh, process_groups
-display        describe, explain_param, explain_module, fields, from_fields
+               kept_saves, recomputed, memory_formulas, rank_params, memory_ranks, rank_collectives
+runtime        join, attach, dry_run_rank, checkpoint_mesh, process_groups
+display        describe, explain_param, explain_module, timeline, fields, from_fields
 search         search_roles, search_variant, search_offered, search_space, search_axes, search_label,
                gathers_weights, search_adds, priced_wire_params (what ap.Auto's search may choose)
 =============  ==================================================================================
@@ -57,8 +57,10 @@ in the techniques' ``order``, lowest first)::
       activations -> rank_activations, memory,              ap.predict, the search
       memory_formulas, kept_saves, recomputed, rank_params, memory_ranks, stored_share
     checkpoints: stored_start, restored, checkpoint_mesh    checkpoint/, plan.load_state_dict
-    display: describe, explain_param, explain_module; fields / from_fields (plan files);
-      exact() for plan.check
+    plan.dry_run: dry_run_rank(plan, rank, device, stats)   dryrun/run.py: a rank's step run by the technique
+      -> a DryRank (the pipeline's runner); its predicted figures ask rank_collectives
+    display: describe, explain_param, explain_module; timeline (plan.timeline_figure);
+      fields / from_fields (plan files); exact() for plan.check
 
 Example (the shape of a new technique):
     >>> @register_technique

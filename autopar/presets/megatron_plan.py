@@ -12,8 +12,10 @@ means the layer reads the residual stream: it stays replicated. A column-paralle
 k equal pieces (GPT-2's fused q|k|v) is split block by block (colwise(blocks=k)).
 The word embedding (the embedding of a user input with the most rows) and an LM head
 (a linear with as many outputs as that vocabulary, or tied to it) become vocab-parallel.
-The experts of MoE blocks (the stacked 3-D weights of grouped expert matmuls, parallel/experts/find.py)
-are split over the axis by expert: ``expert_parallel(axis)``.
+The experts of MoE blocks (the stacked 3-D weights of grouped expert matmuls) are split over the
+axis by expert: ``expert_parallel(axis)``, as the registered expert-parallel technique finds and
+annotates them (``ap.ExpertParallel.modules_of`` / ``.annotation``: the preset is a composition of
+public techniques and names none of their folders).
 With ``sequence_parallel=True`` the norms run split on the sequence dim, row-parallel
 layers reduce-scatter into it and the embedding's output is reduce-scattered.
 
@@ -30,7 +32,7 @@ import functools
 import torch
 import torch.fx as fx
 
-from autopar.parallel.experts import expert_modules, expert_parallel
+from autopar.parallel import TECHNIQUES
 from autopar.sharding.annotations import (
     _layer_kind,
     colwise,
@@ -129,7 +131,8 @@ def megatron(
     traced = trace(model, args if isinstance(args, tuple) else (args,), kwargs, dynamic=False)
     g = _Graph(model, traced)
     ann, why = {}, []
-    moe = expert_modules(model, traced) if experts else {}
+    experts_technique = TECHNIQUES["expert_parallel"]  # ap.ExpertParallel, by its name
+    moe = experts_technique.modules_of(model, traced) if experts else {}
     # the linears of a per-expert ModuleList belong to its experts (split whole, by expert)
     pairs = [(r, c) for r, c in g.pairs() if not any(x.startswith(p + ".") for p in moe for x in [r, *c])]
     if not pairs and not moe:
@@ -164,7 +167,7 @@ def megatron(
         _vocab(g, ann, why, axis, sp_out, size)
     on = expert_axis or axis
     for path, count in moe.items():
-        ann[path] = expert_parallel(on, tp=axis if expert_tp and on != axis else None)
+        ann[path] = experts_technique.annotation(on, tp=axis if expert_tp and on != axis else None)
         how = (
             "a ModuleList of experts"
             if isinstance(model.get_submodule(path), torch.nn.ModuleList)

@@ -83,6 +83,15 @@ def _axis(group: tuple, mesh):
     return group
 
 
+def group_label(group, mesh) -> str:
+    """The mesh axes a group of ranks spans, as plan.collectives() names them ("pp", "dp*pp")."""
+    coords = [mesh.coords(r) for r in group]
+    spans = [a for a in range(mesh.ndim) if len({c[a] for c in coords}) > 1]
+    if len(spans) == 1:
+        return mesh.axis_names[spans[0]]
+    return mesh.axis_label(tuple(mesh.axis_names[a] for a in spans)) if spans else str(tuple(group))
+
+
 @contextlib.contextmanager
 def comm_stats():
     """Record every collective run in this block (simulated or real); yields a CommStats."""

@@ -34,17 +34,6 @@ CROSSINGS: dict[str, dict[str, str]] = {
         "parallel/fault_tolerant/job.py": "a replica group's buffers kept equal as data parallel keeps them",
         "parallel/fault_tolerant/technique.py": "fault tolerance wraps an ap.DataParallel's axis",
         "planner.py": "the precision policy traces the model in its dtype",
-        "dryrun/pipeline.py": "a pipelined dry run keeps zero=3's buckets per stage",
-    },
-    "pipeline": {
-        "dryrun/pipeline.py": "the dry run drives the pipeline runner over fake tensors",
-        "explore/plan_views.py": "plan.pipeline_timeline / schedule table",
-    },
-    "experts": {
-        "presets/megatron_plan.py": "ap.presets.megatron puts ap.expert_parallel on the experts modules it finds",
-    },
-    "activation_checkpoint": {
-        "parallel/pipeline/stage_memory.py": "a stage's checkpointed activations",
     },
 }
 

@@ -16,16 +16,14 @@ import dataclasses
 import torch
 
 from autopar.cost.activation_memory import (
-    DROPOUT_OPS,
     Saved,
     activation_bytes,
     base_of,
-    identity_dropout,
+    draws_random,
     saved_activations,
 )
 from autopar.parallel.activation_checkpoint.regions import block_of
 from autopar.runtime.rng import initial_state
-from autopar.sharding.lowerings.random_draws import random_lowering
 from autopar.sharding.propagate import layout_of
 
 
@@ -208,11 +206,3 @@ GRADIENTS_ALIVE = 2
 def _largest(plan, sy, saves: list[Saved]):
     sizes = [activation_bytes(plan, sy, [s], with_outputs=False) for s in saves]
     return max(sizes, key=sy.value) if sizes else 0
-
-
-def draws_random(node) -> bool:
-    """Whether ``node`` draws random numbers (dropout, a random op): its region or stage keeps a
-    generator-state copy to replay them."""
-    if node.target in DROPOUT_OPS:  # a dropout of p = 0 returns its input: no draw, no state read
-        return not identity_dropout(node)
-    return random_lowering(node.target) is not None

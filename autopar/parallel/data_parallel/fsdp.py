@@ -255,6 +255,9 @@ def accumulated(plan, rank: int) -> int:
     return sum(b.chunk * k * b.grad_dtype(dp).itemsize for b in held_buckets(plan, rank))
 
 
+BUCKET = "fsdp bucket "  # how ``collectives`` names a bucket's comms: "fsdp bucket 3 (9 params)"
+
+
 def collectives(plan, sy) -> list:
     """Per bucket: its forward all-gather, backward all-gather (resharded after forward),
     backward reduce-scatter and, for HSDP, the all-reduce of the reduced piece across replicas."""
@@ -262,7 +265,7 @@ def collectives(plan, sy) -> list:
     r = len(groups(plan, 0)[1])
     out = []
     for i, b in enumerate(buckets_cached(plan)):
-        where = (f"fsdp bucket {i} ({len(b.names)} params)", b.key)
+        where = (f"{BUCKET}{i} ({len(b.names)} params)", b.key)
         gather = sympy.Float(ring_bytes("all_gather", _wire(plan, b, b.gather_dtype(dp.param_dtype)), k))
         grad = _wire(plan, b, b.grad_dtype(dp))
         unit = f"{b.key or 'the ' + str(len(b.names)) + ' parameters outside blocks'}"
@@ -280,6 +283,19 @@ def collectives(plan, sy) -> list:
         if r > 1:
             ar = sympy.Float(ring_bytes("all_reduce", grad, r))
             out.append(make_comm(sy, "all_reduce", axis, "grad sync", ar, *where, reason=why["replicas"]))
+    return out
+
+
+def rank_collectives(plan, rank: int, comms: list, passes: int) -> list:
+    """Of ``comms``, the bucket collectives (``collectives``) ``rank`` runs in a step of ``passes``
+    forward and backward passes: those of the buckets holding a parameter it holds (a pipeline
+    rank: its stages'), reduced once a step, gathered every pass when resharded after forward."""
+    held, buckets = held_params(plan, rank), buckets_cached(plan)
+    out = []
+    for c in comms:
+        if c.node.startswith(BUCKET) and any(n in held for n in buckets[int(c.node[len(BUCKET) :].split()[0])].names):
+            again = plan.data_parallel.reshard_after_forward and c.phase != "grad sync"
+            out += [c] * (passes if again else 1)
     return out
 
 
@@ -409,3 +425,6 @@ class FullyShardedStorage(Storage):
 
     def collectives(self, plan, symbols) -> list:
         return collectives(plan, symbols)
+
+    def rank_collectives(self, plan, rank, comms, passes) -> list:
+        return rank_collectives(plan, rank, comms, passes)

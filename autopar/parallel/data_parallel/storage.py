@@ -130,6 +130,9 @@ class Storage:
     def collectives(self, plan, symbols) -> list:
         return []
 
+    def rank_collectives(self, plan, rank: int, comms: list, passes: int) -> list:
+        return []
+
 
 class Replicated(Storage):
     """zero=0: every rank keeps every parameter, gradient and optimizer state."""

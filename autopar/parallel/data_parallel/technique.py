@@ -408,6 +408,9 @@ class DataParallel(Technique):
     def collectives(self, plan, symbols) -> list:
         return self.storage.collectives(plan, symbols)
 
+    def rank_collectives(self, plan, rank, comms, passes) -> list:
+        return self.storage.rank_collectives(plan, rank, comms, passes)
+
     def process_groups(self, plan) -> list:
         return self.storage.process_groups(plan)
 

@@ -15,8 +15,10 @@ from typing import Callable
 from autopar.errors import PipelineError, PlanError
 from autopar.parallel.param_names import held_params
 from autopar.parallel.pipeline import api, schedules, stage_memory, stage_shares
+from autopar.parallel.pipeline.dry_run import PipelineDryRank
 from autopar.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED
 from autopar.parallel.pipeline.split import describe, split_stages
+from autopar.parallel.pipeline.timeline import marked_actions, slot_table, timeline_rows
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
 
@@ -65,7 +67,7 @@ class Pipeline(Technique):
 
     name = "pipeline"
     order = 20  # after data parallel: a stage's parameters are stored as data parallel keeps them
-    plan_methods = ("with_pipeline", "pipeline_runner")
+    plan_methods = ("with_pipeline", "pipeline_runner", "schedule_table")
 
     @property
     def kind(self) -> str:
@@ -171,10 +173,21 @@ class Pipeline(Technique):
         """The stages: their nodes, modules, FLOPs and what they send (split.describe)."""
         return describe(plan.stage_layout, plan.graph)
 
+    def timeline(self, plan, events_per_rank=None) -> tuple:
+        """The schedule's actions per rank on unit slots, or the runners' measured ones
+        (timeline.py), the actions DualPipeV overlaps marked: what plan.timeline_figure() draws."""
+        rows, unit = timeline_rows(events_per_rank, plan)
+        return rows, unit, marked_actions(plan)
+
     def process_groups(self, plan) -> list:
         """The groups of ranks that hold one tied weight on several pipeline ranks, and the
         pp x dp groups the step's loss is reduced over."""
         return api.tied_rank_groups(plan) + api.loss_rank_groups(plan)
+
+    def dry_run_rank(self, plan, rank: int, device, stats) -> PipelineDryRank:
+        """The rank's runner driven through its schedule, its messages recorded by the fake world
+        (dry_run.py)."""
+        return PipelineDryRank(plan, rank, device, stats)
 
     # ------------------------------------------------------- what a Plan offers (plan.<name>)
     @staticmethod
@@ -185,6 +198,15 @@ class Pipeline(Technique):
             >>> gpipe = plan.with_pipeline(ap.Pipeline("pp", microbatches=8, schedule="gpipe"))
         """
         return api.with_pipeline(plan, pipeline, split_before)
+
+    @staticmethod
+    def schedule_table(plan, rank: int | None = None) -> str:
+        """Which micro-batch each pipeline rank runs at each slot (F forward, B backward; timeline.py).
+
+        Example:
+            >>> print(plan.schedule_table(0))        # rank 0's pipeline row
+        """
+        return slot_table(api.require_pipeline(plan), rank)
 
     @staticmethod
     def pipeline_runner(plan, rank: int, **kwargs):

@@ -81,7 +81,7 @@ class PipelineRunner:
     """One rank's pipeline stages and their schedule.
 
     ``state`` (name -> full tensor): the pieces cut from it instead of the model's values (a dry
-    run's fake tensors, dryrun/pipeline.py).
+    run's fake tensors, dry_run.py).
 
     Attributes: ``modules`` (stage index -> GraphModule, only its parameters), ``params``
     (serial name -> this rank's Parameter, tied names included), ``timeline`` (Events of the

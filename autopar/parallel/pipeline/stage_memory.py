@@ -37,10 +37,9 @@ from __future__ import annotations
 import sympy
 import torch
 
-from autopar.cost.activation_memory import activation_bytes, saved_activations, tensor_bytes
+from autopar.cost.activation_memory import activation_bytes, draws_random, saved_activations, tensor_bytes
 from autopar.cost.formulas import Numbers, PlanSymbols
 from autopar.cost.plan_cost import activation_terms
-from autopar.parallel.activation_checkpoint.memory import draws_random
 from autopar.parallel.pipeline import messages, schedules
 from autopar.runtime.rng import initial_state
 from autopar.parallel.pipeline.schedules import Action

@@ -8,8 +8,8 @@ the schedule's dependencies (as if messages were free and each rank had its own 
 which is what the bubble formula predicts and what an oversubscribed CPU cannot show.
 
 Example:
-    >>> print(schedule_table(plan, rank=0))
-    >>> rows, unit = timeline_rows(events_per_rank)   # explore/plots.py draws them
+    >>> print(slot_table(plan, rank=0))               # plan.schedule_table(0)
+    >>> rows, unit = timeline_rows(events_per_rank)   # Pipeline.timeline: plan.timeline_figure() draws them
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def slots(plan, forward_only: bool = False):
     return schedules.replay(plan_schedule(plan, forward_only), plan.stage_layout.n_stages)
 
 
-def schedule_table(plan, rank: int | None = None) -> str:
+def slot_table(plan, rank: int | None = None) -> str:
     """Which micro-batch (F = forward, B = backward; /s = stage with chunks > 1) each pipeline
     rank runs at each slot; ``rank`` (a mesh rank) picks that rank's pipeline row."""
     rows = None

@@ -12,13 +12,14 @@ from autopar.parallel.protocols.cost import CostHooks
 from autopar.parallel.protocols.display import DisplayHooks
 from autopar.parallel.protocols.layout import LayoutHooks
 from autopar.parallel.protocols.options import OptionHooks
-from autopar.parallel.protocols.runtime import RuntimeHooks
+from autopar.parallel.protocols.runtime import DryRank, RuntimeHooks
 from autopar.parallel.protocols.search import SearchFacts, SearchHooks
 from autopar.parallel.protocols.storage import GradShards, SlicedOptimizer, StorageHooks
 
 __all__ = [
     "CostHooks",
     "DisplayHooks",
+    "DryRank",
     "GradShards",
     "LayoutHooks",
     "OptionHooks",

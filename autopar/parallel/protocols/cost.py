@@ -75,6 +75,14 @@ class CostHooks:
         stages'): the parameters plan.cost(rank=rank) counts."""
         return names
 
+    def rank_collectives(self, plan, rank: int, comms: list, passes: int) -> list:
+        """Of ``comms`` (plan.collectives() without the gradient sync), those this technique adds
+        beside the graph's nodes that ``rank`` runs in a step of ``passes`` forward and backward
+        passes (a pipeline rank's micro-batches), each as often as it runs (zero=3: the buckets of
+        the rank's stages, gathered every pass when resharded after forward). A pipelined plan's
+        dry run asks it (parallel/pipeline/dry_run.py); [] where it adds none."""
+        return []
+
     def memory_ranks(self, plan) -> tuple:
         """Ranks whose memory may differ from rank 0's (a pipeline: one per stage position): the
         ones plan.cost() and ap.predict weigh to find the rank that holds the most."""

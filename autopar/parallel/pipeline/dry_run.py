@@ -1,4 +1,5 @@
-"""Dry runs of pipelined plans: a rank's PipelineRunner driven through its schedule in the fake world.
+"""Dry runs of pipelined plans: a rank's PipelineRunner driven through its schedule in the fake world
+(plan.dry_run asks the technique's runtime hook ``dry_run_rank``: ``PipelineDryRank``).
 
 A pipeline rank's program is its stage modules, run by the runner's schedule actions (forward,
 backward, W), with point-to-point messages between neighbouring stages, the gradient sync after
@@ -14,9 +15,10 @@ An integer crossing a boundary (a ``sym_size``) is a real one-element tensor: th
 stage reads its value.
 
 ``predicted`` gives the plan's figures for the rank: its stages' collectives (each micro-batch
-runs them: ``plan.collectives()`` lists the whole model's once), its point-to-point messages from
-the schedule at the memory model's sizes (stage_memory: the value's formula at the micro-batch),
-and plan.cost(rank)'s FLOPs (its stages' nodes).
+runs them: ``plan.collectives()`` lists the whole model's once), the other techniques' collectives
+the rank runs (their cost hook ``rank_collectives``: zero=3's buckets of the rank's stages), its
+point-to-point messages from the schedule at the memory model's sizes (stage_memory: the value's
+formula at the micro-batch), and plan.cost(rank)'s FLOPs (its stages' nodes).
 
 Example:
     >>> run = plan.dry_run(rank=0).runs[0]       # a pipelined plan: stage 0's rank
@@ -31,16 +33,19 @@ import torch.utils._pytree as pytree
 
 from autopar.cost.collectives import _sync_comms, collectives
 from autopar.cost.formulas import PlanSymbols
-from autopar.parallel.data_parallel.fsdp import buckets_cached
 from autopar.parallel.pipeline import messages, schedules
 from autopar.parallel.pipeline.p2p import HeldSends, SelfMessages
-from autopar.parallel.param_names import held_params
+from autopar.parallel.param_names import held_params, stored_pieces
 from autopar.parallel.pipeline.api import tied_rank_groups
 from autopar.parallel.pipeline.runner import PipelineRunner, loss_group
 from autopar.parallel.pipeline.stage_memory import _micro_batch, _value_bytes
+from autopar.parallel.protocols.runtime import DryRank
 from autopar.placement import Shard, local_shape
+from autopar.runtime.backend import current_backend
+from autopar.runtime.comm_stats import group_label
 from autopar.runtime.ring import ring_bytes
 from autopar.sharding.propagate import layout_of
+from autopar.trace.in_dtype import materialized
 
 INT_BYTES = 8  # an integer crosses a boundary as one int64 (runner._wire)
 
@@ -149,6 +154,27 @@ class FakeChannel(HeldSends):
         return out
 
 
+class PipelineDryRank(DryRank):
+    """``rank``'s step in the fake world (Pipeline.dry_run_rank): its runner with its stages'
+    pieces cut from full-size fake tensors, its messages through a ``FakeChannel`` recorded in
+    ``stats``, the example batch as the runner's ``step`` takes it."""
+
+    def __init__(self, plan, rank: int, dev, stats):
+        self.plan, self.rank = plan, rank
+        self.module = build_runner(plan, rank, dev)
+        self.stages = list(self.module.stage_modules)
+        channel = FakeChannel(plan, rank, dev, stats, self.module)
+        current_backend().p2p_channel = lambda r: channel
+        self.inputs = batch(plan, materialized(plan.traced.example, dev))
+
+    def step(self) -> None:
+        """The schedule's forwards and backwards, the gradient sync, the loss's all-reduce."""
+        self.module.step(self.inputs)
+
+    def predicted(self, state_slots: int) -> tuple[list, float]:
+        return predicted(self.plan, self.rank, state_slots)
+
+
 def build_runner(plan, rank: int, dev) -> PipelineRunner:
     """``rank``'s runner with its stages' pieces cut from full-size fake tensors on ``dev``."""
     lay = plan.stage_layout
@@ -178,41 +204,18 @@ def predicted(plan, rank: int, optimizer_states: int) -> tuple[list, float]:
         nodes.add(out_node)
     sy = PlanSymbols.of(plan)
     micro = _micro_batch(plan, sy, o.microbatches)
-    held = held_params(plan, rank)
+    comms = collectives(plan, sy, grad_sync=False)
     out = []
-    for c in collectives(plan, sy, grad_sync=False):
+    for c in comms:
         if c.node in nodes:  # every micro-batch runs its stage's collectives (and their recompute)
             b = sy.value(sympy.sympify(c.formula).xreplace(micro))
             out += [(c.kind, c.axis, b)] * o.microbatches
-        elif c.node.startswith(ZERO3_BUCKET):  # zero=3's: the rank's own buckets, reduced once a step,
-            if any(n in held for n in zero3_bucket(plan, c.node)):  # gathered per micro-batch, or kept
-                again = plan.data_parallel.reshard_after_forward and c.phase != "grad sync"
-                out += [(c.kind, c.axis, c.bytes)] * (o.microbatches if again else 1)
+    for technique in plan.options.techniques:  # the others' own (zero=3: the buckets of its stages)
+        out += [(c.kind, c.axis, c.bytes) for c in technique.rank_collectives(plan, rank, comms, o.microbatches)]
     out += rank_sync(plan, rank, sy)
     out += messages_of(plan, rank, sy, micro)
     flops = float(plan.cost(optimizer_states=optimizer_states, rank=rank).at()["flops"])
     return out, flops
-
-
-ZERO3_BUCKET = "fsdp bucket "  # how parallel/fsdp.collectives names a bucket's comms: "fsdp bucket 3 (9 params)"
-
-
-def zero3_bucket(plan, node: str) -> list:
-    """The parameter names of the zero=3 bucket a Comm's ``node`` names."""
-
-    return buckets_cached(plan)[int(node[len(ZERO3_BUCKET) :].split()[0])].names
-
-
-def stored_pieces(plan, rank: int) -> dict:
-    """What ``rank`` stores of each parameter it holds (meta tensors): its compute piece, as the
-    techniques store it (zero=3: its range of the flat bucket, which may hold a small parameter
-    whole, in part or not at all)."""
-    out = {}
-    for name, local in held_params(plan, rank).items():
-        for technique in plan.options.techniques:
-            local = technique.stored(plan, rank, name, local)
-        out[name] = local
-    return out
 
 
 def rank_sync(plan, rank: int, sy) -> list:
@@ -231,15 +234,6 @@ def rank_sync(plan, rank: int, sy) -> list:
     group = loss_group(plan, rank)
     out.append(("all_reduce", group_label(group, plan.mesh), float(ring_bytes("all_reduce", 4 * results, len(group)))))
     return out
-
-
-def group_label(group, mesh) -> str:
-    """The mesh axes a group of ranks spans, as plan.collectives() names them ("pp", "dp*pp")."""
-    coords = [mesh.coords(r) for r in group]
-    spans = [a for a in range(mesh.ndim) if len({c[a] for c in coords}) > 1]
-    if len(spans) == 1:
-        return mesh.axis_names[spans[0]]
-    return mesh.axis_label(tuple(mesh.axis_names[a] for a in spans)) if spans else str(tuple(group))
 
 
 def messages_of(plan, rank: int, sy, micro) -> list:
