@@ -30,10 +30,6 @@ PUBLIC_API = "__init__.py"  # autopar/__init__.py: ap.<Technique> for users
 # folder -> {file outside it: why it still names the technique}. Each is a debt: pay it with a hook.
 CROSSINGS: dict[str, dict[str, str]] = {
     "data_parallel": {
-        "parallel/float8/technique.py": "fp8 gathers ride zero=3's buckets (fsdp_gather, held_buckets)",
-        "parallel/fault_tolerant/job.py": "a replica group's buffers kept equal as data parallel keeps them",
-        "parallel/fault_tolerant/technique.py": "fault tolerance wraps an ap.DataParallel's axis",
-        "planner.py": "the precision policy traces the model in its dtype",
         "dryrun/pipeline.py": "a pipelined dry run keeps zero=3's buckets per stage",
     },
     "pipeline": {
