@@ -45,6 +45,15 @@ CROSSINGS: dict[str, dict[str, str]] = {
 }
 
 
+# file outside parallel/ -> why it still reads plan.data_parallel / plan.dp_axis (the data-parallel
+# technique's own); every other file asks the plan's technique-neutral questions (plan.batch_axis,
+# plan.state_storage, plan.weight_shards) or the techniques' hooks. Held exact, as CROSSINGS.
+DP_READS: dict[str, str] = {
+    "plan.py": "defines them (Plan.data_parallel, Plan.dp_axis) beside the neutral questions",
+    "dryrun/pipeline.py": "a pipelined dry run keeps zero=3's buckets per stage (its data_parallel crossing)",
+}
+
+
 def _technique_folders() -> dict[str, tuple[set, str]]:
     """folder -> (technique class names, the folder's module prefix) for every registered technique."""
     folders: dict[str, tuple[set, str]] = {}
@@ -96,6 +105,19 @@ def test_each_technique_is_named_outside_its_folder_only_by_the_public_api_and_l
         listed = set(CROSSINGS.get(folder, {}))
         assert users <= listed, f"{folder}: new files name it: {sorted(users - listed)} (ask it through a hook)"
         assert listed <= users, f"{folder}: paid crossings still listed: {sorted(listed - users)} (strike them)"
+
+
+def _reads_dp(path: pathlib.Path) -> bool:
+    """Whether a file reads an attribute ``.data_parallel`` or ``.dp_axis`` (of a plan or its options)."""
+    tree = ast.parse(path.read_text())
+    return any(isinstance(n, ast.Attribute) and n.attr in ("data_parallel", "dp_axis") for n in ast.walk(tree))
+
+
+def test_outside_parallel_no_file_reads_plan_data_parallel_or_dp_axis():
+    readers = {rel for rel in _file_names() if not rel.startswith("parallel/") and _reads_dp(ROOT / rel)}
+    listed = set(DP_READS)
+    assert readers <= listed, f"new readers: {sorted(readers - listed)} (ask plan.batch_axis, plan.state_storage, ...)"
+    assert listed <= readers, f"paid reads still listed: {sorted(listed - readers)} (strike them)"
 
 
 def test_every_technique_lives_in_a_folder_of_its_own():
