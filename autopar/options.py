@@ -71,7 +71,7 @@ class PlanOptions:
             cls.check_options(self)
 
     def __getattr__(self, name: str):
-        """A technique by its registered name (``options.data_parallel``), None when not asked for."""
+        """A technique by its registered name (``options.pipeline``), None when not asked for."""
         cls = TECHNIQUES.get(name)
         if cls is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

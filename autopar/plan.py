@@ -147,6 +147,28 @@ class Plan(PlanViews):
         """The ap.DataParallel options of the dp axis (None without data parallelism)."""
         return self.options.data_parallel
 
+    # ---- what the techniques answer, asked without naming one (outside parallel/ these stand for
+    # plan.data_parallel and plan.dp_axis, which only the techniques' folders read)
+    @cached_property
+    def batch_axis(self) -> int | None:
+        """The mesh axis (index) that splits the batch (dim 0 of every input): the first
+        technique's ``data_axis()``, None where none splits it."""
+        axis = next((a for a in (t.data_axis() for t in self.options.techniques) if a is not None), None)
+        return None if axis is None else self.mesh.axis_index(axis)
+
+    @property
+    def state_storage(self):
+        """The technique that keeps the parameters, gradients and optimizer state of the ranks it
+        syncs as a storage policy of its own (``keeps_state``: data parallel's ZeRO levels), which
+        the cost model and the search weigh; None where none does."""
+        return next((t for t in self.options.techniques if t.keeps_state()), None)
+
+    @property
+    def weight_shards(self) -> tuple | None:
+        """(the mesh axis that splits the batch, how many of its ranks share one weight's pieces)
+        where a technique gathers weights over it before use (zero=3), else None (``weight_shards``)."""
+        return next((s for s in (t.weight_shards(self) for t in self.options.techniques) if s is not None), None)
+
     def __deepcopy__(self, memo):
         # A plan does not change once made; a deep-copied rank module (module.autopar_plan) shares it.
         return self
@@ -204,7 +226,7 @@ class Plan(PlanViews):
         """How an output leaves a rank: reduced to R, gathered on every axis but data parallel."""
         out = []
         for axis, p in enumerate(spec):
-            if isinstance(p, Partial) or (isinstance(p, Shard) and axis != self.dp_axis):
+            if isinstance(p, Partial) or (isinstance(p, Shard) and axis != self.batch_axis):
                 out.append(R)
             else:
                 out.append(p)

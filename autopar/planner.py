@@ -25,7 +25,6 @@ from autopar.explore.plan_file import read_plan_file
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallel import TECHNIQUES
-from autopar.parallel.data_parallel.precision import DTYPES, MixedPrecision
 from autopar.plan import Plan
 from autopar.search.auto import search, settle_memory
 from autopar.search.options import Auto
@@ -96,7 +95,7 @@ def make_plan(
 
         def plan_probe(probe_traced, probe_options, probe_annotations):
             if policy is not None:  # the probes compute as the plan will, on its trace in the policy's dtype
-                probe_options = probe_options.replace(mixed_precision=policy)
+                probe_options = probe_options.replace(**{type(policy).name: policy})
             probe_mesh, probe_options = _reshape_mesh(mesh, probe_options)  # data parallel over two axes
             return plan_traced(
                 model,
@@ -111,7 +110,9 @@ def make_plan(
         # the probes change no module: its parameters walked once; the trace and the model left
         # out of the collector's passes (quiet_gc.py)
         with held(model), quiet_gc():
-            precision = None if policy is None else {k: getattr(policy, k) for k in DTYPES}
+            precision = (
+                None if policy is None else {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+            )
             annotations, chosen, record = search(model, mesh, traced, annotations, options, plan_probe, precision)
         mesh, options = _reshape_mesh(mesh, options.replace(**chosen, auto=None))
         _validate(mesh, options, annotations)
@@ -142,19 +143,17 @@ def _option_planner(model, asked: tuple, traced) -> Callable:
     return plan_option
 
 
-def _policy(options: PlanOptions) -> MixedPrecision | None:
+def _policy(options: PlanOptions):
     """The options' precision policy as one technique (ap.MixedPrecision, or a DataParallel's own
-    dtypes): the search's probes, each with a data parallel of its own, plan under it. Without it
+    dtypes: ``Technique.precision_policy``, the last technique's that carries one, a policy given
+    on its own coming after the data parallel it gives its dtypes to): the search's probes, each
+    with a data parallel of its own, plan under it. Without it
     a probe's options named no compute dtype while its trace was in one, and each checkpointed
     variant (Plan.with_options) traced the model again in fp32: the probes priced the fp32
     program, and the saves shared between variants named the other trace's nodes (a KeyError
     on the 8B with ``mixed_precision=`` and ``auto=``)."""
-    if options.mixed_precision is not None:
-        return options.mixed_precision
-    dp = options.data_parallel
-    if dp is None or all(getattr(dp, k) is None for k in DTYPES):
-        return None
-    return MixedPrecision(**{k: getattr(dp, k) for k in DTYPES})
+    policies = [p for p in (t.precision_policy() for t in options.techniques) if p is not None]
+    return policies[-1] if policies else None
 
 
 def _trace(model, options: PlanOptions, args: tuple, kwargs, keep: list):

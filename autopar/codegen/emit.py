@@ -456,7 +456,7 @@ class Emitter:
             return self.env[v]
         target = self.plan.output_target(layout_of(v).spec)
         x = self.edge(v, target)
-        dp = self.plan.dp_axis
+        dp = self.plan.batch_axis
         if dp is not None and isinstance(target[dp], Shard) and v.meta["val"].dtype.is_floating_point:
             # a loss taken over this output is each rank's mean: its gradient counts the rank's
             # share of the rows (1/n when pieces are equal; uneven batches weigh by their rows)

@@ -54,7 +54,7 @@ def guard_args(plan, env: dict, rank: int) -> tuple | None:
     # on a ragged axis (an uneven example batch) any batch runs: no size split there must divide,
     # and the batch links (local size times pieces) cannot tell a global size from a rank's
     divisors = symbol_divisors(plan.graph, plan.mesh, plan.ragged)
-    links = () if plan.dp_axis in plan.ragged else batch_links(vals, plan.dp_axis)
+    links = () if plan.batch_axis in plan.ragged else batch_links(vals, plan.batch_axis)
     dtypes = expected_dtypes(vals, plan)
     return tuple(values), tuple(checks), rank, divisors, links, dtypes, planned_without_grad(plan)
 

@@ -143,7 +143,7 @@ def _sync_comms(plan, sy, rank: int | None = None, stored: dict | None = None) -
     stores (``parallel.param_names.stored_pieces(plan, rank)``, passed in by the caller: cost sits below
     parallel) of a parameter zero=3 cuts (a range of a flat bucket: a small parameter whole
     on one rank, none on another); None: rank 0's buckets and an even share of each piece."""
-    mesh, dp = plan.mesh, plan.data_parallel
+    mesh, dp = plan.mesh, plan.state_storage
     params = dict(named_parameters(plan.model))
     out = []
     for i, b in enumerate(plan.grad_buckets(rank or 0)):

@@ -54,7 +54,5 @@ def op_seconds(plan, sy, profile) -> list[tuple]:
 def fsdp_shards(plan) -> float:
     """How many ranks zero=3 shards a parameter over (1 without zero=3): a Float8 weight gathered
     by FSDP is cast on each rank's shard before the gather."""
-    dp = plan.data_parallel
-    if dp is None or not dp.storage.gathers_params or plan.dp_axis is None:
-        return 1.0
-    return float(dp.shard_size or plan.mesh.shape[plan.dp_axis])
+    shards = plan.weight_shards
+    return 1.0 if shards is None else float(shards[1])

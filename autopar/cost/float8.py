@@ -179,10 +179,8 @@ def scale_comms(plan, fp8_gathered: bool | None = None) -> dict:
 
 def _zero3_axis(plan):
     """The data-parallel axis zero=3 shards over, or None without zero=3."""
-    dp = plan.data_parallel
-    if dp is None or not dp.storage.gathers_params or plan.dp_axis is None:
-        return None
-    return plan.dp_axis
+    shards = plan.weight_shards
+    return None if shards is None else shards[0]
 
 
 def scale_seconds(plan, profile, fp8_gathered: bool | None = None) -> dict:

@@ -87,7 +87,7 @@ def copy_dtype(plan, dp="plan") -> torch.dtype | None:
     Example:
         >>> copy_dtype(plan)      # torch.bfloat16 under DataParallel("dp", zero=1, param_dtype=bf16)
     """
-    dtype, dp = plan.traced.dtype, plan.options.data_parallel if dp == "plan" else dp
+    dtype, dp = plan.traced.dtype, plan.state_storage if dp == "plan" else dp
     if dtype is None or (dp is not None and dp.storage.gathers_params):
         return None
     return dtype

@@ -102,7 +102,7 @@ def plan_record(plan) -> dict:
         "version": VERSION,
         "model": {"class": type(plan.model).__name__, "params": model_params(plan.model)},
         "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)} | _parts(plan.mesh),
-        "data_parallel": None if plan.dp_axis is None else plan.mesh.axis_names[plan.dp_axis],
+        "data_parallel": None if plan.batch_axis is None else plan.mesh.axis_names[plan.batch_axis],
         "autopar_version": _version(),
         "options": _options_out(plan.options),
         "dynamic": plan.traced.dynamic,

@@ -15,14 +15,18 @@ default changes nothing, so a technique overrides only what it needs:
 =============  ==================================================================================
 protocol       hooks
 =============  ==================================================================================
-options        of, take_annotations, fold, check_options, implied, exact
+options        of, take_annotations, fold, replica_groups, check_options, implied, compute_dtype,
+               precision_policy, exact
 layout         reshape_mesh, validate, tracing, prepare_graph, annotate, prepare_seeded_graph,
-               data_axis, token_axes, seed_inputs, attention_method, piece_order, after_plan
+               data_axis, token_axes, seed_inputs, attention_method, loss_mean_on, piece_order,
+               after_plan
 storage        stored, stored_start, stored_axes, stored_share, counts_stored, restored,
-               rewrite_program, gather_wire, grad_sync_axes, grad_pieces, grad_shards
-cost           collectives, batch_pieces, step_shares, memory, activations, rank_activations,
-               kept_saves, recomputed, memory_formulas, rank_params, memory_ranks, rank_collectives
-runtime        join, attach, dry_run_rank, checkpoint_mesh, process_groups
+               rewrite_program, gather_wire, grad_sync_axes, grad_pieces, grad_shards, keeps_state,
+               group_axes, gather_axes, weight_shards, wired_gathers, wired_params
+cost           collectives, bucket_comms, batch_pieces, step_shares, memory, activations,
+               rank_activations, kept_saves, recomputed, memory_formulas, rank_params, memory_ranks,
+               rank_collectives
+runtime        join, attach, dry_run_rank, checkpoint_mesh, process_groups, synced_buffers
 display        describe, explain_param, explain_module, timeline, fields, from_fields
 search         search_roles, search_variant, search_offered, search_space, search_axes, search_label,
                gathers_weights, search_adds, priced_wire_params (what ap.Auto's search may choose)
@@ -33,7 +37,9 @@ in the techniques' ``order``, lowest first)::
 
     ap.plan(model, mesh, name=technique, ...)              api.py, options.py
       of(value) -> take_annotations(annotations) -> fold(chosen) -> check_options(options)
+        fault tolerance's fold asks replica_groups(chosen, axis) of every registered one
       implied(model)                                        a model that asks for one (Float8Linear)
+      compute_dtype(), precision_policy()                   the trace's dtype; the search's probes' policy
     planner.make_plan                                       planner.py
       reshape_mesh(mesh) -> validate(mesh, options, annotations)
       tracing(model)                                        around torch.export
@@ -42,20 +48,26 @@ in the techniques' ``order``, lowest first)::
       prepare_seeded_graph(traced, seeds, mesh, data_axis)  every registered one (MoE blocks as one op)
       data_axis() / seed_inputs(seeds, mesh, inputs)        the seeds; token_axes() for ZeRO's fold
       -- with ap.Auto: the search asks every registered technique's search_* hooks (search/) --
-      -- propagation; the lowerings ask attention_method(axis), piece_order(axis) --
+      -- propagation; the lowerings ask attention_method(axis), piece_order(axis),
+         loss_mean_on(axis) --
     Plan.finish                                             plan.py
       after_plan(plan)                                      -> plan.built[name] (pipeline stages)
     plan.program / plan.module(rank)                        plan.py, codegen/rank_module.py
-      rewrite_program(plan, graph), gather_wire(plan)       the one emitted program
+      rewrite_program(plan, graph), gather_wire(plan)       the one emitted program (a wire's gathers:
+        wired_gathers(plan, graph), gather_axes(plan), wired_params(plan, rank))
       stored / stored_start / stored_axes / counts_stored   what each rank keeps
       attach(plan, module, rank)                            runtime hooks on a rank's module
+        synced_buffers(plan)                                the written buffers kept equal (fault tolerance)
     ap.parallelize                                          api.py, parallel/process_groups.py
       join(plan, timeout) -> process_groups(plan)
     training: grad_sync_axes (buckets), grad_shards (the sync's slices, ZeRO 1-2: then
       ap.Optimizer, ap.GradScaler and checkpoints ask them), grad_pieces (clipping)
     costing: collectives, step_shares, batch_pieces,        cost/, plan.memory_per_rank,
       activations -> rank_activations, memory,              ap.predict, the search
-      memory_formulas, kept_saves, recomputed, rank_params, memory_ranks, stored_share
+      memory_formulas, kept_saves, recomputed, rank_params, memory_ranks, stored_share,
+      group_axes -> bucket_comms (a gradient bucket's group)
+      keeps_state, weight_shards, data_axis                 plan.state_storage, plan.weight_shards,
+                                                            plan.batch_axis (asked outside parallel/)
     checkpoints: stored_start, restored, checkpoint_mesh    checkpoint/, plan.load_state_dict
     plan.dry_run: dry_run_rank(plan, rank, device, stats)   dryrun/run.py: a rank's step run by the technique
       -> a DryRank (the pipeline's runner); its predicted figures ask rank_collectives

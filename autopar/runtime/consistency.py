@@ -27,7 +27,7 @@ from autopar.placement import fmt_spec
 
 def plan_hash(plan) -> str:
     """A hash of everything that decides which collectives a rank runs."""
-    h = hashlib.sha256(repr((plan.mesh.shape, plan.mesh.axis_names, plan.dp_axis)).encode())
+    h = hashlib.sha256(repr((plan.mesh.shape, plan.mesh.axis_names, plan.batch_axis)).encode())
     for node in plan.graph.nodes:
         lay = node.meta.get("autopar")
         text = f"{node.name}|{node.target}"

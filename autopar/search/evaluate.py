@@ -431,7 +431,7 @@ def _group_link(profile, mesh, name) -> tuple:
 def fold_candidates(plan) -> tuple:
     """The mesh axes ZeRO could fold into its shard group: those on which a technique other than
     data parallel splits the tokens (context parallel's), where the parameters are replicated."""
-    dp = plan.data_parallel
+    dp = plan.state_storage
     return tuple(
         plan.mesh.axis_index(a) for t in plan.options.techniques if t is not dp for a in t.token_axes() if a is not None
     )
@@ -445,7 +445,7 @@ def _fp8_gathered(plan, profile) -> set:
     ap.Float8(fp8_all_gather=True)), else, where the search prices float8 on a plan not converted
     yet (``profile.float8``), those a technique priced so would gather (Technique.priced_wire_params:
     the weights of the Linears float8 training converts; its plan gathers them so: search/auto.py)."""
-    dp = plan.data_parallel
+    dp = plan.state_storage
     if dp is not None:
         return dp.wire_params(plan, profile)
     return set().union(*(cls.priced_wire_params(plan, profile) for cls in TECHNIQUES.values()))
@@ -465,7 +465,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         copied = None if name in plan.traced.kept_fp32 else plan.traced.dtype  # HF keeps some in fp32
         t.copies += w * copy_bytes(p, numel, copied)  # Terms.memory: unless dp gathers them
         axes = sync.get(name, ())
-        if p.requires_grad and plan.dp_axis is not None and plan.dp_axis not in axes:
+        if p.requires_grad and plan.batch_axis is not None and plan.batch_axis not in axes:
             t.params_other += w * local  # split on dp already (expert parallel): zero=3 gathers none of it
         else:
             t.params += w * local
@@ -476,7 +476,7 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
             unit_weight[unit] = max(unit_weight.get(unit, 0.0), w)
         if not p.requires_grad:
             continue
-        if plan.dp_axis in axes:
+        if plan.batch_axis in axes:
             t.dp_grad += w * local
             t.dp_grad_elems += w * local / p.element_size()
             t.dp_fp8 += w * local if name in fp8 else 0.0
@@ -488,13 +488,13 @@ def _param_terms(plan, sy, terms, profile, states, pw, param_comp) -> None:
         # gradient whole on cp too, entering the reduce-scatter divided by |cp|); ZeRO-1/2 fold
         # only the buckets summed over both (DataParallel.group_axes): a gradient whole on cp
         # (rare: a head on a pooled sequence) is counted folded here
-        folded = bool(folds) and (plan.dp_axis is None or plan.dp_axis in axes)
+        folded = bool(folds) and (plan.batch_axis is None or plan.batch_axis in axes)
         if folded:
             t.fold_grad += w * local
             t.fold_grad_elems += w * local / p.element_size()
             t.fold_opt += w * states * local
         for a in axes:
-            if a == plan.dp_axis:
+            if a == plan.batch_axis:
                 continue
             n = mesh.shape[a]
             alpha, beta = profile.link(mesh, a)

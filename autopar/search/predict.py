@@ -30,7 +30,7 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
     measures it, docs/dry_run.md). ``memory_estimate``: the
     search's own figure for the plan, from its step shares (a pipeline rank's stages and
     micro-batches in flight estimated: search/evaluate.py), what it weighed while choosing."""
-    dp = plan.data_parallel
+    dp = plan.state_storage
     auto = device if isinstance(device, Auto) else Auto(device=device)
     profile = auto.profile()
     total = Terms()
@@ -38,20 +38,20 @@ def predict(plan, device=None, optimizer_states: int = 2) -> dict:
         total.add(t)
     for technique in plan.options.techniques:  # a pipeline stage's share of the step
         total = total.scaled(technique.step_shares(plan.mesh, plan.built.get(technique.name)), plan.mesh, profile)
-    sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.dp_axis, dp)
+    sync, ahead, after = total.dp_sync(plan.mesh, profile, plan.batch_axis, dp)
     rank = plan.peak_memory_rank(optimizer_states)
     return {
-        "time_s": total.time(plan.mesh, profile, plan.dp_axis, dp),
+        "time_s": total.time(plan.mesh, profile, plan.batch_axis, dp),
         "memory": float(plan.memory_per_rank(rank, optimizer_states).peak),
         "memory_rank": rank,
-        "memory_estimate": total.memory(plan.mesh, plan.dp_axis, dp, plan),
+        "memory_estimate": total.memory(plan.mesh, plan.batch_axis, dp, plan),
         "compute_s": total.compute,
         "comm_s": total.comm,
         "sync_s": sync + total.other_sync(plan.mesh, dp),
         "prefetched_s": ahead,
         "zero_gather_s": after,
-        "optimizer_s": total.step_seconds(plan.mesh, profile, plan.dp_axis, dp),
+        "optimizer_s": total.step_seconds(plan.mesh, profile, plan.batch_axis, dp),
         "comm_bytes": dict(total.comm_bytes),
-        "sync_bytes": total.sync_bytes(plan.mesh, profile, plan.dp_axis, dp),
-        "fp8_gather_bytes": total.fp8_gather_bytes(plan.mesh, plan.dp_axis, dp),
+        "sync_bytes": total.sync_bytes(plan.mesh, profile, plan.batch_axis, dp),
+        "fp8_gather_bytes": total.fp8_gather_bytes(plan.mesh, plan.batch_axis, dp),
     }

@@ -34,6 +34,7 @@ import torch
 from autopar.runtime.backend import current_backend
 from autopar.runtime.eager import eager
 from autopar.sharding.rules.batch_norm import SYNC_ATTR
+from autopar.trace.written_buffers import written
 
 
 def written_buffers(plan) -> list[str]:
@@ -51,30 +52,6 @@ def written_buffers(plan) -> list[str]:
         if spec is None or spec[plan.dp_axis].is_replicate():
             out.append(name)
     return out
-
-
-def written(plan) -> list[str]:
-    """Buffers the traced program writes: returned as mutated (its signature's buffer
-    mutations) or passed where an op's schema says it writes (batch norm's running stats,
-    ``num_batches_tracked.add_``), in graph order."""
-    out = dict.fromkeys(plan.traced.buffer_mutations.values())
-    for node in plan.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        unannotated = _WRITES_UNANNOTATED.get(node.target, ())
-        for i, (arg, value) in enumerate(zip(schema.arguments, node.args)):
-            written = (arg.alias_info is not None and arg.alias_info.is_write) or i in unannotated
-            if written and getattr(value, "op", None) == "placeholder" and value.name in plan.traced.buffer_fqn:
-                out[plan.traced.buffer_fqn[value.name]] = None
-    return list(out)
-
-
-# composite ops that update running statistics in place although their schema does not say so
-_WRITES_UNANNOTATED = {
-    torch.ops.aten.batch_norm.default: (3, 4),
-    torch.ops.aten.instance_norm.default: (3, 4),
-}
 
 
 def attach(plan, module: torch.nn.Module, rank: int) -> None:

@@ -60,6 +60,9 @@ class MixedPrecision(Technique):
     def compute_dtype(self):
         return self.param_dtype
 
+    def precision_policy(self):
+        return self
+
     def __post_init__(self):
         for key in DTYPES:
             value = getattr(self, key)

@@ -62,11 +62,12 @@ import torch
 from autopar.errors import DataParallelError
 from autopar.parallel import dp_module
 from autopar.parallel.data_parallel import buffer_sync
-from autopar.parallel.data_parallel.fsdp import FullyShardedStorage
+from autopar.parallel.data_parallel.fsdp import FullyShardedStorage, held_buckets
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
-from autopar.parallel.data_parallel.fsdp_layout import gather_wires
+from autopar.parallel.data_parallel.fsdp_layout import buckets_cached, gather_wires
+from autopar.parallel.data_parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.data_parallel.local_sgd import LocalSGD
-from autopar.parallel.data_parallel.precision import cast_program
+from autopar.parallel.data_parallel.precision import DTYPES, MixedPrecision, cast_program
 from autopar.parallel.param_names import canonical_names
 from autopar.parallel.registry import TECHNIQUES, register_technique
 from autopar.parallel.data_parallel.storage import Replicated, ShardedOptimizer
@@ -103,6 +104,22 @@ class DataParallel(Technique):
 
     def compute_dtype(self):
         return self.param_dtype
+
+    def precision_policy(self):
+        """Its dtypes as one ap.MixedPrecision, None where it names none."""
+        if all(getattr(self, k) is None for k in DTYPES):
+            return None
+        return MixedPrecision(**{k: getattr(self, k) for k in DTYPES})
+
+    @classmethod
+    def replica_groups(cls, chosen: dict, axis: str) -> dict:
+        """What crossing replica groups on ``axis`` needs of data parallel: the replica axis as its
+        axis when none was asked for, and each group's own loss mean (a mean over every rank's rows
+        would be a forward collective across groups, which a lost group breaks)."""
+        dp = chosen.get(cls.name) or cls(axis)
+        if dp.loss_mean != "per_rank":
+            dp = dataclasses.replace(dp, loss_mean="per_rank")
+        return {**chosen, cls.name: dp}
 
     @property
     def storage(self):
@@ -274,6 +291,9 @@ class DataParallel(Technique):
     def token_axes(self) -> tuple:
         return (self.axis,) if self.axis is not None else ()
 
+    def loss_mean_on(self, axis: str) -> str | None:
+        return self.loss_mean if self.axis is not None and axis == self.axis else None
+
     def shard_group_axes(self, mesh) -> tuple[int, ...]:
         """The mesh axes (indices) ZeRO shards over: ``shard_axes``, or the data-parallel axis."""
         names = self.shard_axes or ((self.axis,) if self.axis is not None else ())
@@ -387,6 +407,29 @@ class DataParallel(Technique):
 
     def grad_shards(self):
         return self.storage.grad_shards()
+
+    def keeps_state(self) -> bool:
+        return True
+
+    def gather_axes(self, plan) -> tuple:
+        return self.shard_group_axes(plan.mesh) if self.storage.gathers_params else ()
+
+    def weight_shards(self, plan) -> tuple | None:
+        if not self.storage.gathers_params or plan.dp_axis is None:
+            return None
+        return plan.dp_axis, self.shard_size or plan.mesh.shape[plan.dp_axis]
+
+    def wired_gathers(self, plan, graph) -> list:
+        """zero=3's gathers (fsdp_gather nodes) of the buckets a technique's wire gathers."""
+        return [n for n in graph.nodes if n.target is fsdp_gather and buckets_cached(plan)[n.args[1]].wire is not None]
+
+    def wired_params(self, plan, rank: int) -> list[str]:
+        if not self.storage.gathers_params:
+            return []
+        return [n for b in held_buckets(plan, rank) if b.wire is not None for n in b.names]
+
+    def synced_buffers(self, plan) -> list[str]:
+        return buffer_sync.written_buffers(plan)
 
     def explain_param(self, plan, fqn):
         return self.storage.explain_param(plan, fqn)

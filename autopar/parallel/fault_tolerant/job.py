@@ -36,7 +36,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from autopar.errors import FaultToleranceError
-from autopar.parallel.data_parallel import buffer_sync
+from autopar.trace.written_buffers import written
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable
 
@@ -56,8 +56,8 @@ class ReplicaJob:
     def attach(self, plan, module) -> None:
         self.module = module
         held = dict(module.named_buffers())
-        self.written = [n for n in buffer_sync.written(plan) if n in held]
-        self.synced = set(buffer_sync.written_buffers(plan)) & set(self.written)
+        self.written = [n for n in written(plan) if n in held]
+        self.synced = {n for t in plan.options.techniques for n in t.synced_buffers(plan)} & set(self.written)
 
     @property
     def step(self) -> int:

@@ -31,14 +31,12 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from autopar.cost.collectives import collectives
 from autopar.errors import FaultToleranceError
-from autopar.parallel.data_parallel.technique import DataParallel
 from autopar.parallel.fault_tolerant import runtime
-from autopar.parallel.registry import register_technique
+from autopar.parallel.registry import TECHNIQUES, register_technique
 from autopar.parallel.technique import Technique
 from autopar.sharding.rules.batch_norm import SYNC_ATTR
 
@@ -78,16 +76,16 @@ class FaultTolerant(Technique):
 
     @classmethod
     def fold(cls, chosen: dict) -> dict:
-        """Give the data-parallel technique what crossing replica groups needs: the replica axis as
-        its axis when none was asked for, and each group's own loss mean (a mean over every
-        rank's rows would be a forward collective across groups, which a lost group breaks)."""
+        """The techniques as replica groups on ``replica_axis`` need them (``replica_groups``, asked of
+        every registered one): data parallel on the replica axis when none was asked for, with
+        each group's own loss mean (a mean over every rank's rows would be a forward collective
+        across groups, which a lost group breaks)."""
         ft = chosen.get(cls.name)
         if ft is None:
             return chosen
-        dp = chosen.get("data_parallel") or DataParallel(ft.replica_axis)
-        if dp.loss_mean != "per_rank":
-            dp = dataclasses.replace(dp, loss_mean="per_rank")
-        return {**chosen, "data_parallel": dp}
+        for technique in TECHNIQUES.values():
+            chosen = technique.replica_groups(chosen, ft.replica_axis)
+        return chosen
 
     def replica_part(self, mesh):
         """(mesh axis, its part or None) the replica groups are positions of (a SubAxis: two-axis

@@ -40,9 +40,6 @@ from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's r
 from autopar.parallel.float8.rule import AMAX_BYTES, tp_pairs
 from autopar.parallel.float8.gather import Float8Wire
 from autopar.parallel.float8.recipes import RECIPES, config, recipe_of
-from autopar.parallel.data_parallel.fsdp import held_buckets
-from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
-from autopar.parallel.data_parallel.fsdp_runtime import fsdp_gather
 from autopar.parallel.param_names import canonical_names
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
@@ -160,9 +157,7 @@ class Float8(Technique):
 
     def gather_wire(self, plan) -> dict:
         """With ``fp8_all_gather`` under zero=3: the weights gathered in fp8 (gather.py)."""
-        if not self.fp8_all_gather or not getattr(plan.data_parallel, "storage", None):
-            return {}
-        if not plan.data_parallel.storage.gathers_params:
+        if not self.fp8_all_gather or not any(t.gathers_weights() for t in plan.options.techniques):
             return {}
         if "float8_wire" not in plan.built:
             plan.built["float8_wire"] = fp8_gathered(plan, self.recipe)
@@ -171,7 +166,7 @@ class Float8(Technique):
     def rewrite_program(self, plan, graph) -> None:
         """Each matmul reading a weight gathered in fp8 gets its fp8 data and scale (the gather's
         outputs after the stand-ins: gather.py's unpack)."""
-        wired = [n for n in graph.nodes if n.target is fsdp_gather and _bucket(plan, n).wire is not None]
+        wired = [n for t in plan.options.techniques for n in t.wired_gathers(plan, graph)]
         for gather in wired:
             n = len(gather.args) - 2
             for item in [u for u in gather.users if u.args[1] < n]:
@@ -195,7 +190,7 @@ class Float8(Technique):
             return []
         (wire,) = wires
         group = plan.mesh.group(tuple(plan.mesh.axis_names[a] for a in wire.axes), 0)
-        n = sum(len(b.names) for b in held_buckets(plan, 0) if b.wire is not None)
+        n = sum(len(t.wired_params(plan, 0)) for t in plan.options.techniques)
         if len(group) < 2 or not n:
             return []
         label = plan.mesh.axis_label(wire.axes if len(wire.axes) > 1 else wire.axes[0])
@@ -251,16 +246,12 @@ class Float8(Technique):
         return set(float8_linears(plan).values()) if getattr(profile, "float8", False) else set()
 
 
-def _bucket(plan, gather):
-    return buckets_cached(plan)[gather.args[1]]
-
-
 def fp8_gathered(plan, recipe: str) -> dict:
     """Canonical name -> Float8Wire of each weight zero=3 can gather in fp8: every read of it is a
     float8 matmul's weight, in the layout it is stored in (nothing between the gather and the
     matmul). The wire's axes: the shard group's and every axis splitting one of them."""
     canon, bad, names = canonical_names(plan), set(), set()
-    axes = set(plan.data_parallel.shard_group_axes(plan.mesh))
+    axes = {a for t in plan.options.techniques for a in t.gather_axes(plan)}
     for node in plan.graph.nodes:
         fqn = plan.traced.param_fqn.get(node.name) if node.op == "placeholder" else None
         if fqn is None or not node.users:

@@ -23,6 +23,11 @@ class CostHooks:
         """The collectives the technique adds per training step (cost.Comm)."""
         return []
 
+    def bucket_comms(self, numel, dtype, n) -> list[tuple]:
+        """(kind, phase, bytes per rank) of one gradient bucket of ``numel`` elements of ``dtype``
+        over a group of ``n`` ranks that this technique reduces (``group_axes``): the cost model's."""
+        return []
+
     def batch_pieces(self) -> int:
         """Into how many pieces the technique cuts each rank's batch (dim 0 of the inputs) at run
         time, beyond the mesh's split: a pipeline's micro-batches. Sizes the plan must divide

@@ -75,6 +75,12 @@ class LayoutHooks:
         technique's axis."""
         return None
 
+    def loss_mean_on(self, axis: str) -> str | None:
+        """How a mean over rows split on mesh axis ``axis`` divides (the cross-entropy lowering
+        asks): "per_rank" (by the rank's own count, DDP's loss) or "global" (by every rank's), None
+        when not this technique's axis."""
+        return None
+
     def piece_order(self, axis: str) -> str | None:
         """The order of the pieces of every dim split on mesh axis ``axis``: None (contiguous) or
         one of placement.PIECE_ORDERS ("zigzag": rank r holds chunks r and 2n-1-r). Such splits are

@@ -41,6 +41,14 @@ class OptionHooks:
         return chosen
 
     @classmethod
+    def replica_groups(cls, chosen: dict, axis: str) -> dict:
+        """The techniques asked for (name -> technique) as this one changes for replica groups on
+        mesh axis ``axis`` that each run as a job of their own (fault tolerance's ``fold`` asks
+        every registered one): data parallel splits the batch on ``axis`` where none was asked
+        for, and takes each group's own loss mean."""
+        return chosen
+
+    @classmethod
     def check_options(cls, options) -> None:
         """Refuse PlanOptions that need this technique and lack it (split_before without a pipeline)."""
 
@@ -53,6 +61,11 @@ class OptionHooks:
     def compute_dtype(self):
         """The dtype the plan computes in under this technique (a precision policy's
         ``param_dtype``), None where it does not choose one (``PlanOptions.compute_dtype``)."""
+        return None
+
+    def precision_policy(self):
+        """The precision policy this technique carries, as a technique (an ap.MixedPrecision), None
+        where it carries none: the planner gives the last technique's to the search's probes."""
         return None
 
     def exact(self) -> "OptionHooks | None":

@@ -72,3 +72,9 @@ class RuntimeHooks:
         """Rank groups beyond the mesh axes' that the technique's collectives use (ap.parallelize
         makes them on every rank, in this order)."""
         return []
+
+    def synced_buffers(self, plan) -> list[str]:
+        """Names of the buffers the program writes that this technique keeps equal across the
+        ranks holding replicas of them (data parallel's broadcast after each training forward):
+        fault tolerance keeps them so across replica groups too."""
+        return []

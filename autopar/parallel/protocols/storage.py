@@ -78,6 +78,41 @@ class StorageHooks:
         parallel/grad_sync.py asks it before it makes its buckets and binds it to them after."""
         return None
 
+    def keeps_state(self) -> bool:
+        """Whether this technique keeps the parameters, gradients and optimizer state of the ranks
+        it syncs gradients over, as a storage policy of its own (data parallel's ZeRO levels): it
+        is then ``plan.state_storage``, which the cost model and the search weigh."""
+        return False
+
+    def group_axes(self, mesh, axes: tuple) -> tuple:
+        """Of a gradient bucket summed over mesh axes ``axes``, those this technique reduces as
+        one group (data parallel's axis, or its shard group over dp x cp), () for none: the cost
+        model prices that group's collectives by ``bucket_comms``."""
+        return ()
+
+    def gather_axes(self, plan) -> tuple:
+        """Mesh axes (indices) over which this technique stores weights in pieces that it
+        all-gathers before use (zero=3: its shard group), () where it gathers none: a gather wire
+        (float8's fp8 all-gather) scales each weight over them."""
+        return ()
+
+    def weight_shards(self, plan) -> tuple | None:
+        """(the mesh axis that splits the batch, how many of its ranks share one weight's pieces)
+        where this technique gathers weights over it before use (zero=3; HSDP: its shard size),
+        None where it does not: the cost model's float8 casts ask it (each on a rank's piece)."""
+        return None
+
+    def wired_gathers(self, plan, graph) -> list:
+        """The nodes of ``graph`` (the emitted program, after this technique's ``rewrite_program``)
+        that gather weights in a technique's gather wire (``gather_wire``): the wire's technique
+        reads their outputs (its ``unpack``'s) in its own ``rewrite_program``."""
+        return []
+
+    def wired_params(self, plan, rank: int) -> list[str]:
+        """Names of the parameters ``rank`` gathers in a gather wire (``gather_wire``), each once:
+        the wire's technique counts what its collectives carry."""
+        return []
+
 
 class GradShards:
     """Each rank's slices of the gradient buckets, as a storage keeps them (``grad_shards``): the

@@ -45,8 +45,8 @@ def per_rank_mean(plan, axis: int) -> bool:
     """Whether a mean over rows split on ``axis`` is each rank's own mean (DDP's loss):
     ``ap.DataParallel(axis, loss_mean="per_rank")`` on its axis. Otherwise (the default) it is
     the mean over every rank's rows, the serial model's on the union of the ranks' batches."""
-    dp = plan.data_parallel
-    return dp is not None and axis == plan.dp_axis and dp.loss_mean == "per_rank"
+    name = plan.mesh.axis_names[axis]
+    return any(t.loss_mean_on(name) == "per_rank" for t in plan.options.techniques)
 
 
 def rows_mean(em, node, total, count, axes: list[int]):
