@@ -25,15 +25,17 @@ needs that a byte count does not: links and overlap.
   (``fold_sync``) is dropped, the group's reduction summing the cp parts as it sums dp's.
 - ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
 - memory: parameters, gradients, optimizer state (``optimizer_states`` copies in the parameters' dtype; ZeRO
-  divides them by dp), zero=3's gathered units in flight (``Storage.held_bytes`` of the largest
-  unit: a repeated block, or the parameters outside blocks), a precision policy's compute copies
-  of the parameters (``copies``: plan_cost.copy_bytes, where the storage does not gather them),
-  activations (the tensors autograd
-  keeps, by the node that made them), ``peak`` (what one batch's step adds at its peak: a
-  block's recompute, a lowering's workspace, the loss's backward) - as cost/plan_cost.py
-  memory_formulas counts them (tests/simulated/test_auto_planning.py holds the two against each
-  other). As a pipeline rank (``scaled``): 1/m of ``peak``, and the gradients the storage keeps
-  whole while they accumulate over the m micro-batches (``Storage.accumulated_bytes``).
+  divides them by dp), zero=3's gathered units in flight and a unit's reduce buffers
+  (``Storage.held_bytes`` of the largest unit: a repeated block, or the parameters outside
+  blocks), a precision policy's compute copies of the parameters (``copies``: plan_cost.copy_bytes,
+  where the storage does not gather them), activations (the tensors autograd keeps, by the node
+  that made them), what one batch's step adds at its moments (``PEAKS``: a block's recompute, a
+  lowering's workspace, the loss's backward) - as cost/plan_cost.py memory_formulas counts them,
+  by part (``memory_parts``), and at each moment of the step (``memory_rows``: plan_cost.PHASE_ROWS;
+  the largest is the rank's memory, as memory_per_rank(rank).peak: tests/simulated/
+  test_auto_planning.py holds the two against each other). As a pipeline rank (``scaled``): 1/m of
+  ``PEAKS``, and the gradients the storage keeps whole while they accumulate over the m
+  micro-batches (``Storage.accumulated_bytes``), beside the micro-batches' activations.
 
 Example:
     >>> t = plan_terms(plan, {}, PROFILES["cpu-gloo"])["base"]

@@ -74,10 +74,7 @@ class Solution:
 def memory_rows(opt: Option, picked: tuple) -> tuple:
     """The memory at each moment of option ``opt`` with its components' choices ``picked`` (in
     ``opt.comps``' order): its base's plus each choice's, summed in that order."""
-    rows = list(opt.base[3:])
-    for c, k in zip(opt.comps, picked):
-        rows = [a + b for a, b in zip(rows, opt.comps[c][k][3:])]
-    return tuple(rows)
+    return tuple(_evaluated(opt, picked, 0.0)[1])
 
 
 def solve(options: list[Option], budget: float | None, overlap: float, milp_only: bool = False) -> Solution | None:
@@ -147,18 +144,15 @@ def _costed(g: int, opt: Option, keys: list, names: list, budget: float | None, 
     each, where the arrays cost more than the sums (a tenth of a 512-rank search)."""
     out = []
     for picked in itertools.product(*[range(len(n)) for n in names]):
-        t, s, h, *m = opt.base
-        idle = float(opt.idle)
-        for j, c in enumerate(keys):
-            k = names[j][picked[j]]
-            dt, ds, dh, *dm = opt.comps[c][k]
-            t, s, h, m = t + dt, s + ds, h + dh, [a + b for a, b in zip(m, dm)]
-            idle += opt.idle_choice.get(k, 0.0)
+        chosen = tuple(names[j][picked[j]] for j in range(len(keys)))
+        time, m = _evaluated(opt, chosen, overlap)
         peak = max(m)
         if budget is not None and not peak <= budget:
             continue
-        chosen = tuple(names[j][picked[j]] for j in range(len(keys)))
-        out.append((t + max(0.0, s - overlap * h), peak, idle, g, chosen, m.index(peak)))
+        idle = float(opt.idle)
+        for k in chosen:  # in the numpy rows' order: the same floats
+            idle += opt.idle_choice.get(k, 0.0)
+        out.append((time, peak, idle, g, chosen, m.index(peak)))
     return out
 
 
@@ -262,12 +256,24 @@ def _milp(options: list[Option], budget: float | None, overlap: float) -> Soluti
     if res.x is None:
         return None
     x = np.round(res.x[:])
-    x[idx[cols[-1]]] = 0.0  # m is not a memory coefficient
     g = next(g for g in range(len(options)) if x[idx[("x", g, None, None)]] > 0.5)
     choices = {c: next(k for k in ch if x[idx[("w", g, c, k)]] > 0.5) for c, ch in options[g].comps.items()}
-    held = mem @ x
-    row = int(np.argmax(held))
-    return Solution(options[g].label, choices, float(cost @ res.x) / scale, float(held[row]), res.message, row)
+    # the chosen combination's time and memory as _costed sums them (HiGHS's continuous e and m
+    # sit within its tolerances of their bounds, 1e-9 of the time)
+    opt = options[g]
+    time, rows = _evaluated(opt, tuple(choices[c] for c in opt.comps), overlap)
+    row = rows.index(max(rows))
+    return Solution(opt.label, choices, time, rows[row], res.message, row)
+
+
+def _evaluated(opt: Option, picked: tuple, overlap: float) -> tuple[float, list]:
+    """(time, memory at each moment) of option ``opt`` with its components' choices ``picked``
+    (in ``opt.comps``' order): the base's and each choice's coefficients summed in that order."""
+    t, s, h, *m = opt.base
+    for c, k in zip(opt.comps, picked):
+        dt, ds, dh, *dm = opt.comps[c][k]
+        t, s, h, m = t + dt, s + ds, h + dh, [a + b for a, b in zip(m, dm)]
+    return t + max(0.0, s - overlap * h), m
 
 
 def _idle(options, col) -> float:

@@ -4,7 +4,8 @@ An option's label is ``(structure, data parallel, checkpointing, pipeline, stage
 structure's roles and the choice of each technique on it (the data-parallel and pipeline
 techniques' ``search_space`` for the structure, the variant technique's modes, the pipeline's
 ways of cutting the stages). Its coefficients, per component choice, are (time, sync, hide,
-memory) of evaluate.Terms under that data parallel and pipeline rank's share (solver.py).
+memory at each moment of the step) of evaluate.Terms under that data parallel and pipeline rank's
+share (solver.py).
 
 Example:
     >>> options = weigh(ctx, structs, Probes(ctx, modes), modes)
