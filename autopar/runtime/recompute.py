@@ -94,6 +94,23 @@ def replayed_state(states: list, snapshots: list):
                 s.copy_(kept)
 
 
+class _Fresh:
+    """A context manager made anew by ``make`` each time it is entered: torch's checkpoint enters
+    its recompute context once per recompute, and a region whose backward runs in two calls (a
+    zero-bubble stage's B, then its W) recomputes twice (a generator's context enters once only)."""
+
+    def __init__(self, make):
+        self.make, self.entered = make, []
+
+    def __enter__(self):
+        cm = self.make()
+        self.entered.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.entered.pop().__exit__(*exc)
+
+
 @contextlib.contextmanager
 def _all(*contexts):
     with contextlib.ExitStack() as stack:
@@ -240,5 +257,6 @@ class Region:
                 forward.storage = recompute.storage = moved.cache = host_cache()
         else:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-        # the state is set and the inputs moved back outside the policy's mode
-        return forward, _all(replayed_state(states, snapshots), moved.back(), recompute)
+        # the state is set and the inputs moved back outside the policy's mode; made afresh at each
+        # recompute: a zero-bubble schedule's B and W are two backward calls, each recomputing
+        return forward, _Fresh(lambda: _all(replayed_state(states, snapshots), moved.back(), recompute))

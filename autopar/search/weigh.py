@@ -41,11 +41,18 @@ def weigh(ctx, structs: list, probes, modes: list) -> list[Option]:
             base = _base(split, rep)
             for dp in storages:
                 for pipe in pipes or [None]:
+                    if not _pair(mode, pipe):
+                        continue  # a pair the cost model cannot price (Technique.pairs_with)
                     # each way of cutting the stages (none where the graph cannot be cut)
                     for paths, shares in _variants(ctx, pipe, cuts):
                         label = (s, dp, mode, pipe, paths)
                         options.append(_option(ctx, label, base, split, rep, ep, shares, ept))
     return options
+
+
+def _pair(a, b) -> bool:
+    """Whether two techniques' choices may share an option (each may refuse the other)."""
+    return a is None or b is None or (a.pairs_with(b) and b.pairs_with(a))
 
 
 def _probed(ctx, s, probes) -> tuple | None:

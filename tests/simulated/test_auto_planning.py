@@ -455,3 +455,16 @@ def test_data_parallel_over_both_axes_with_checkpointing():
     fast = ap.plan(model, mesh, args=args, data_parallel=ap.DataParallel("b", replicate_axis="a", zero=3, shard_size=4))
     assert all(r["fits"] for r in both)
     fast.check(*args)
+
+
+def test_zero_bubble_schedules_are_not_paired_with_checkpointing():
+    """A zero-bubble schedule's B and W each recompute a checkpointed region, and the graph keeps
+    B's recompute until W: memory and FLOPs the cost model does not count (test_dry_run_pipeline).
+    The search offers the schedules without checkpointing and checkpointing with the others."""
+    model, args = gpt(layers=4)
+    auto = ap.Auto(device="cpu-gloo", activation_checkpoint=(None, "full"), zero=(0,))
+    plan = ap.plan(model, mesh_of((2,)), args=args, auto=auto)
+    labels = [r["option"] for r in plan.built["auto"]["runners_up"]]
+    piped = [lab for lab in labels if lab.startswith("a=pp")]
+    assert any("full checkpointing" in lab for lab in piped) and any("ZB-H1" in lab for lab in piped), piped
+    assert not [lab for lab in piped if "checkpointing" in lab and any(z in lab for z in ("ZB", "DualPipeV"))]

@@ -98,3 +98,27 @@ def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
         own = [b for b in buckets_cached(plan) if any(n in held for n in b.names)]
         assert len(gathers) == len(own) == 3, (rank, gathers)  # embedding (or head) + 2 blocks, once a step
         assert abs(run.flops_ratio - 1) < 0.05, run.flops_ratio
+
+
+def test_zero_bubble_with_checkpointing_recomputes_in_b_and_again_in_w():
+    """A zero-bubble stage runs each micro-batch's backward in two calls (B, then W), and torch's
+    checkpoint recomputes a region in each: the region's recompute context is made afresh each
+    time (runtime/recompute._Fresh; a generator's context entered once, and the second recompute
+    failed in the dry run). The pair holds more than the memory model counts (each region's
+    recompute kept by the graph from B to its W) and runs more FLOPs than it counts (the
+    recompute twice), so the search leaves it out (pairs_with)."""
+    model, (idx, tgt) = gpt(n_layer=4, n_embd=32, n_head=4, vocab_size=64, batch=8, seq=16)
+    plan = ap.plan(
+        model,
+        ap.Mesh((2,), ("pp",)),
+        args=(idx, tgt),
+        pipeline=ap.Pipeline("pp", microbatches=4, schedule="zb-h1"),
+        activation_checkpoint="full",
+    )
+    runs = plan.dry_run(steps=1).runs
+    assert all(run.collectives_match for run in runs.values())
+    assert runs[1].flops_ratio > 1.5, runs[1].flops_ratio  # the second stage's regions: recomputed in B and in W
+    full, zb = plan.options.activation_checkpoint, plan.options.pipeline
+    assert zb.splits_backward() and not full.pairs_with(zb)
+    assert full.pairs_with(ap.Pipeline("pp", microbatches=4, schedule="1f1b"))
+    assert ap.ActivationCheckpoint("selective").pairs_with(zb) is False

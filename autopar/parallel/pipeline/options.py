@@ -309,6 +309,10 @@ class Pipeline(Technique):
                 cache[key] = None
         return cache[key]
 
+    def splits_backward(self) -> bool:
+        """Zero-bubble schedules run B (input gradients) and W (weights) as two backward calls."""
+        return self.kind in SPLIT_BACKWARD
+
     def search_label(self, mesh, structure) -> str:
         if self.kind == "interleaved":
             return f", interleaved 1F1B x{self.chunks}"

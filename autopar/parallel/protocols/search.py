@@ -81,6 +81,17 @@ class SearchHooks:
         """How the choice reads in an option's label, after the axis roles (", ZeRO-3")."""
         return ""
 
+    def splits_backward(self) -> bool:
+        """Whether the choice runs each micro-batch's backward in two calls (a zero-bubble
+        pipeline: B, the input gradients, then W, the weights'); asked by ``pairs_with``."""
+        return False
+
+    def pairs_with(self, other) -> bool:
+        """Whether the search may combine this choice with ``other`` (another technique's choice
+        in the same option): False where the cost model cannot price the pair (weigh.py skips it;
+        a user may still plan it by hand)."""
+        return True
+
     def gathers_weights(self) -> bool:
         """Whether the choice keeps weights sharded and gathers them at use (zero=3): a technique
         with weights in a form of its own gathers them in that form (float8's fp8 all-gather)."""
