@@ -10,8 +10,8 @@ processes; rank 0 reports. Per rank, ``measure_step`` records:
 - ``peak``: the most bytes alive at once over forward + backward (gradients preallocated by a
   warm-up step, so that what is counted is activations, recompute and backward temporaries);
 - ``host``: under ``offload=True``, the bytes of the host copies alive after the forward
-  (runtime/offload.py; on the CPU a separate storage all the same), held against the model's
-  ``offloaded``; ``held`` and ``peak`` leave them out.
+  (parallel/activation_checkpoint/offload.py; on the CPU a separate storage all the same), held
+  against the model's ``offloaded``; ``held`` and ``peak`` leave them out.
 
 On the CPU both come from autopar/runtime/live_bytes.LiveBytes (a dispatch mode seeing every
 storage an op makes, alive until it dies: torch keeps no allocator statistics on the CPU); on
@@ -35,7 +35,7 @@ import torch
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.runtime.live_bytes import LiveBytes
-from autopar.runtime.offload import host_storages
+from autopar.runtime.live_bytes import host_storages
 from bench.common import alternate, median_ratio, ms, pool, row
 
 POLICIES = {

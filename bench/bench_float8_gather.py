@@ -36,7 +36,7 @@ def _plan(model, args, mesh, fp8):
     import torch
 
     import autopar as ap
-    from autopar.cost.float8 import lm_heads
+    from autopar.parallel.float8.cost import lm_heads
 
     shape, axes = MESHES[mesh]
     return ap.plan(
@@ -79,7 +79,7 @@ def _tp_rows(quick: bool) -> list[dict]:
     import torch
 
     import autopar as ap
-    from autopar.cost.float8 import lm_heads
+    from autopar.parallel.float8.cost import lm_heads
     from autopar.models.gpt import GPT, GPTConfig
     from bench.models import SIZES, VOCAB
 

@@ -1,7 +1,7 @@
 """Offload prefetch (``ActivationCheckpoint(offload=True)``): the recompute of block k starts block
-k - 1's copies back to the device (runtime/offload.py ``Ahead``). On CUDA they overlap block k's
-backward on a side stream; on a CPU there is nothing to overlap (a copy is a memcpy on the thread
-that runs backward), so the CPU copies at need by default. This bench forces the prefetching path
+k - 1's copies back to the device (parallel/activation_checkpoint/offload.py ``Ahead``). On CUDA
+they overlap block k's backward on a side stream; on a CPU there is nothing to overlap (a copy is
+a memcpy on the thread that runs backward), so the CPU copies at need by default. This bench forces the prefetching path
 on the CPU (``offload.PREFETCH``) and measures what it does there: step time (alternating with
 the default, median of per-step ratios) and peak bytes (LiveBytes), on 4 gloo ranks (dp=2 x
 tp=2, Megatron), rank 0, the GPT and the residual MLP stack of bench_activation_checkpoint.py.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import autopar as ap
-from autopar.runtime import offload
+from autopar.parallel.activation_checkpoint import offload
 from bench.bench_activation_checkpoint import MODELS, _step, measure_step
 from bench.common import alternate, median_ratio, ms, pool, row
 

@@ -16,7 +16,7 @@ profile is measured on a 700 W H100 80GB HBM3 (bench/gpu_calibration.py), and ``
 derived from that measurement for their hardware (search/profiles.py: power-cap and bandwidth
 ratios, no constant fitted to the published figures); both predictions are given. Their runs also used
 torch.compile, Float8 and activation checkpointing where the table says so: compile and Float8 are
-modelled (cost/fusion.py, cost/float8.py), async TP is not.
+modelled (cost/fusion.py, parallel/float8/cost.py), async TP is not.
 
 ``PUBLISHED_EAGER``: torchtitan's runs without compile or Float8 (docs/performance.md at the
 commits that added them: 64 A100s, and the 405B on 128 H100s), each predicted under its own

@@ -25,7 +25,7 @@ storage        stored, stored_start, stored_axes, stored_share, counts_stored, r
                group_axes, gather_axes, weight_shards, wired_gathers, wired_params
 cost           collectives, bucket_comms, batch_pieces, step_shares, memory, activations,
                rank_activations, kept_saves, recomputed, memory_formulas, rank_params, memory_ranks,
-               rank_collectives
+               rank_collectives, op_extras
 runtime        join, attach, dry_run_rank, checkpoint_mesh, process_groups, synced_buffers
 display        describe, explain_param, explain_module, timeline, fields, from_fields
 search         search_roles, search_variant, search_offered, search_space, search_axes, search_label,
@@ -66,6 +66,8 @@ in the techniques' ``order``, lowest first)::
       activations -> rank_activations, memory,              ap.predict, the search
       memory_formulas, kept_saves, recomputed, rank_params, memory_ranks, stored_share,
       group_axes -> bucket_comms (a gradient bucket's group)
+      op_extras(plan, sy, profile, fused)                   each op's seconds (cost/execution.py),
+                                                            every registered one
       keeps_state, weight_shards, data_axis                 plan.state_storage, plan.weight_shards,
                                                             plan.batch_axis (asked outside parallel/)
     checkpoints: stored_start, restored, checkpoint_mesh    checkpoint/, plan.load_state_dict

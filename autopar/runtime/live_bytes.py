@@ -12,10 +12,12 @@ Two things no op shows, and how they are counted:
   keeps its unsharded parameters in storages it resizes to 0 after use and back before the
   next all-gather (``UntypedStorage.resize_``, not a dispatched op); they count at their
   current size after every op, so a gathered block is not invisible.
-- Host copies (runtime/offload.py: activations an offloading checkpoint keeps until backward)
-  are not device bytes: ``live`` and ``peak`` leave them out, ``host`` and ``host_peak`` count
-  the host copies made inside the block (on a CPU run too, where "host" is the same memory: the
-  split is what a GPU step would hold on each side).
+- Host copies (activations an offloading checkpoint keeps until backward) are not device
+  bytes: whoever makes one registers its storage here (``register_host``: activation
+  checkpointing's offload, parallel/activation_checkpoint/offload.py), and ``live`` and ``peak``
+  leave them out, ``host`` and ``host_peak`` count the host copies made inside the block (on a
+  CPU run too, where "host" is the same memory: the split is what a GPU step would hold on each
+  side).
 - An observer, not a transform: the mode is marked ``observer`` and autopar's programs keep
   their eager fast paths under it (runtime/collectives.plain_eager), so what is measured is
   what an unobserved step allocates.
@@ -29,13 +31,39 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.runtime.offload import host_storages, is_host
+# id(storage) -> storage, for the host copies alive (a storage's Python object is kept with it);
+# also per thread: the simulator runs every rank in one process, one thread each
+_HOST: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_MINE = threading.local()
+
+
+def register_host(storage) -> None:
+    """Count ``storage`` as a host copy (not device bytes) while it is alive."""
+    _HOST[id(storage)] = storage
+    _mine()[id(storage)] = storage
+
+
+def is_host(storage) -> bool:
+    """Whether ``storage`` is a host copy registered by ``register_host``."""
+    return _HOST.get(id(storage)) is storage
+
+
+def host_storages() -> list:
+    """The host copies this thread registered that are alive now."""
+    return list(_mine().values())
+
+
+def _mine() -> weakref.WeakValueDictionary:
+    if not hasattr(_MINE, "storages"):
+        _MINE.storages = weakref.WeakValueDictionary()
+    return _MINE.storages
 
 
 def bytes_of(tensors) -> int:

@@ -33,7 +33,6 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.placement import narrow_piece, piece_size, to_zigzag
-from autopar.runtime.recompute import replayed_state
 
 STATE = "autopar_rng_state"
 MODES = ("placement", "serial")
@@ -263,10 +262,28 @@ def rng_state(module: torch.nn.Module) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
+def replayed_state(states: list, snapshots: list):
+    """Run with each of ``states`` (the generator state, running statistics) at its snapshot
+    (a recompute draws the forward's draws again: an activation checkpoint region's, a pipeline
+    stage's), then put back what they held (the step's later draws and the statistics are as if
+    nothing was recomputed)."""
+    now = [s.clone() for s in states]
+    with torch.no_grad():
+        for s, snap in zip(states, snapshots):
+            s.copy_(snap)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for s, kept in zip(states, now):
+                s.copy_(kept)
+
+
+@contextlib.contextmanager
 def replayed_rng(module: torch.nn.Module, state: torch.Tensor | None):
     """Run with ``module``'s generator at ``state`` (a pipeline stage's recompute draws the
-    forward's masks again), then put back the state it had: the same replay as an activation
-    checkpoint region's (runtime/recompute.replayed_state)."""
+    forward's masks again), then put back the state it had: ``replayed_state``, as an
+    activation checkpoint region's recompute does (parallel/activation_checkpoint/recompute.py)."""
     buf = getattr(module, STATE, None)
     if buf is None or state is None:
         yield

@@ -398,8 +398,9 @@ def plan_terms(
 
 def _op_seconds(plan, sy, profile) -> list[tuple]:
     """(node name, forward s, backward s, needs a gradient) of each op of ``plan`` (op_time's
-    roofline; compiled and Float8 as the profile says: cost/execution.py)."""
-    return op_seconds(plan, sy, profile)
+    roofline; compiled as the profile says, and what the registered techniques change in each
+    op, their op_extras: Float8's rate, casts and scales: cost/execution.py)."""
+    return op_seconds(plan, sy, profile, TECHNIQUES.values())
 
 
 def _comm_terms(plan, sy, comp_of, nw, profile) -> list[tuple]:

@@ -31,7 +31,7 @@
 - ``float8``: every nn.Linear but the LM head runs its matmuls in float8 (torchao's tensorwise
   dynamic scaling, as torchtitan converts them): at the profile's bf16 rate times its fp8 / bf16
   datasheet ratio, plus the casting kernels' bytes, and zero=3 gathers those weights in fp8
-  (cost/float8.py). A PlanError on a profile without fp8 tensor cores (a100, cpu-gloo).
+  (parallel/float8/cost.py). A PlanError on a profile without fp8 tensor cores (a100, cpu-gloo).
 - ``option``: plan this option of the search instead of the fastest one that fits: a label as
   ``plan.explain("auto")`` lists its runners-up (``"dp=a, tp=b, ZeRO-1"``). The search weighs the
   same options and keeps the same record; only the choice differs (over the budget too: that is

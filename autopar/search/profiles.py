@@ -52,9 +52,10 @@ class Profile:
     memory_bandwidth: float | None = None  # B/s of device memory: memory-bound ops' roof; None: FLOPs only
     attention_flops_per_s: float | None = None  # attention kernels' FLOP/s where they differ from matmuls'
     fp8_ratio: float | None = None  # datasheet dense fp8 / bf16 tensor-core peak; None: no fp8 tensor cores
-    # how the rank module runs (ap.Auto(compiled=, float8=) sets them; cost/execution.py reads them)
+    # how the rank module runs (ap.Auto(compiled=, float8=) sets them; cost/execution.py and the
+    # techniques' op_extras read them)
     compiled: bool | str = False  # under torch.compile ("blocks": each block's): fused regions (cost/fusion.py)
-    float8: bool = False  # nn.Linear matmuls (not the LM head) in float8, tensorwise scaling (cost/float8.py)
+    float8: bool = False  # nn.Linear matmuls (not the LM head) in float8, tensorwise scaling (parallel/float8/cost.py)
 
     def link(self, mesh, axis: int) -> tuple[float, float]:
         """(alpha, beta) of mesh axis ``axis`` (inner axes first fill a node)."""

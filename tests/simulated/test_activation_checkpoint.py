@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import autopar as ap
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.runtime import recompute
+from autopar.parallel.activation_checkpoint import recompute
 from tests.harness.models import gpt_batch, gpt_plan
 
 aten = torch.ops.aten
@@ -422,10 +422,11 @@ def test_offload_keeps_strides_hf_llama():
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_offload_prefetch_starts_the_next_regions_copies_and_equals_serial(mode, monkeypatch):
-    """offload=True: the recompute of block k starts block k - 1's copies back (runtime/offload.py
-    ``Ahead``: on CUDA on a side stream; on the CPU off by default, here forced on to run the same
-    path). Every copy started ahead is the one the next recompute takes, and the step equals serial."""
-    from autopar.runtime import offload
+    """offload=True: the recompute of block k starts block k - 1's copies back
+    (parallel/activation_checkpoint/offload.py ``Ahead``: on CUDA on a side stream; on the CPU off by
+    default, here forced on to run the same path). Every copy started ahead is the one the next
+    recompute takes, and the step equals serial."""
+    from autopar.parallel.activation_checkpoint import offload
 
     made, taken = [], []
     init, take = offload.Ahead.__init__, offload.Ahead.take

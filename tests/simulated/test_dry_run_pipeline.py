@@ -103,7 +103,7 @@ def test_the_405b_configuration_at_small_size_runs_with_its_collectives():
 def test_zero_bubble_with_checkpointing_recomputes_in_b_and_again_in_w():
     """A zero-bubble stage runs each micro-batch's backward in two calls (B, then W), and torch's
     checkpoint recomputes a region in each: the region's recompute context is made afresh each
-    time (runtime/recompute._Fresh; a generator's context entered once, and the second recompute
+    time (activation_checkpoint/recompute._Fresh; a generator's context entered once, and the second recompute
     failed in the dry run). The pair holds more than the memory model counts (each region's
     recompute kept by the graph from B to its W) and runs more FLOPs than it counts (the
     recompute twice), so the search leaves it out (pairs_with)."""

@@ -209,7 +209,7 @@ def test_a_torchao_converted_model_plans_with_its_recipe():
 def test_auto_float8_plans_run_equal_to_serial_torchao():
     """ap.Auto(float8=True) prices the Linears in float8 and its plan runs them so (the LM head
     left out, as torchtitan does): the loss and every gradient equal the serial converted model's."""
-    from autopar.cost.float8 import lm_heads
+    from autopar.parallel.float8.cost import lm_heads
     from tests.harness.llama_like import llama_batch, llama_like
 
     ids, labels = llama_batch(batch=4, seq=16)

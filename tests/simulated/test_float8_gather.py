@@ -139,7 +139,7 @@ def test_auto_float8_plan_with_zero3_gathers_in_fp8_equal_to_serial():
     """ap.Auto(float8=True) priced zero=3's gather of the Linears' weights in fp8: when it chooses
     zero=3 its plan runs that gather (uint8 all-gathers recorded), with the gradients of the serial
     converted model and the fp8 bytes ap.predict gives."""
-    from autopar.cost.float8 import lm_heads
+    from autopar.parallel.float8.cost import lm_heads
     from tests.harness.llama_like import llama_batch, llama_like
 
     ids, labels = llama_batch(batch=4, seq=16)

@@ -1,4 +1,4 @@
-"""The price of float8's scales (cost/float8.py's scale_comms, scale_seconds): the amax all-reduces
+"""The price of float8's scales (parallel/float8/cost.py's scale_comms, scale_seconds): the amax all-reduces
 (max) the search adds where it prices the Linears in float8 (ap.Auto(float8=True)), and zero=3's one
 all-reduce of the fp8-gathered weights' amaxes, held against what the float8 plan runs on the same
 layouts (ap.comm_stats): the same count of all-reduces on each group, the same bytes; and
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import autopar as ap
-from autopar.cost.float8 import scale_comms, scale_seconds
+from autopar.parallel.float8.cost import scale_comms, scale_seconds
 from tests.harness.models import MLP_TP
 from tests.simulated.test_float8 import _batches, _loss, _model
 
@@ -58,10 +58,10 @@ def test_predict_prices_the_scales_seconds_in_the_search_and_for_the_fp8_gather(
     auto = ap.Auto(device="h100", float8=True)
     seconds = scale_seconds(probe, auto.profile())
     assert len(seconds) == 4 and all(f > 0 for f, _ in seconds.values())
-    import autopar.cost.execution as execution
+    import autopar.parallel.float8.technique as technique  # its op_extras hook prices them for cost/execution.py
 
     with_scales, plan_with = ap.predict(probe, auto)["compute_s"], ap.predict(plan, "h100")["compute_s"]
-    monkeypatch.setattr(execution, "scale_seconds", lambda plan, profile, fp8_gathered=None: {})
+    monkeypatch.setattr(technique, "scale_seconds", lambda plan, profile, fp8_gathered=None: {})
     without, plan_without = ap.predict(probe, auto)["compute_s"], ap.predict(plan, "h100")["compute_s"]
     assert with_scales - without == pytest.approx(sum(f + b for f, b in seconds.values()))
     gather = scale_seconds(plan, auto.profile())

@@ -329,7 +329,7 @@ def test_linears_reading_one_input_share_its_fp8_gather():
     """A LLaMA-style model under presets.megatron(sequence_parallel=True): q, k and v (and gate and
     up) read one normed input, gathered once in fp8 (PrepareFloat8ModuleInput's point), listed once
     and run once; every gradient equals serial torchao's (the LM head left out, as torchtitan does)."""
-    from autopar.cost.float8 import lm_heads
+    from autopar.parallel.float8.cost import lm_heads
     from tests.harness.llama_like import llama_batch, llama_like
 
     ids, labels = llama_batch(batch=2, seq=16)

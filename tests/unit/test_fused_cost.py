@@ -1,5 +1,5 @@
 """ap.Auto(compiled=, float8=): fused memory-bound regions (cost/fusion.py) and Float8 Linears
-(cost/float8.py) in the cost model that ap.predict and the search share."""
+(parallel/float8/cost.py) in the cost model that ap.predict and the search share."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 
 import autopar as ap
 from autopar.cost.execution import op_seconds
-from autopar.cost.float8 import cast_bytes, float8_linears
 from autopar.cost.formulas import Numbers
 from autopar.cost.fusion import fused_bytes, fused_regions
 from autopar.cost.op_time import node_bytes
+from autopar.parallel import TECHNIQUES
+from autopar.parallel.float8.cost import cast_bytes, float8_linears
 from autopar.search.evaluate import Terms
 from autopar.search.profiles import PROFILES
 from tests.harness.llama_like import llama_batch, llama_like
@@ -67,8 +68,8 @@ def test_float8_halves_the_linear_matmuls_and_adds_their_casts(plan):
     bf16 = replace(PROFILES["h100"], flops_per_s=1e9, attention_flops_per_s=1e9)
     fp8 = replace(bf16, float8=True)
     sy = Numbers(plan.mesh)
-    before = {n: (f, b) for n, f, b, _ in op_seconds(plan, sy, bf16)}
-    after = {n: (f, b) for n, f, b, _ in op_seconds(plan, sy, fp8)}
+    before = {n: (f, b) for n, f, b, _ in op_seconds(plan, sy, bf16, TECHNIQUES.values())}
+    after = {n: (f, b) for n, f, b, _ in op_seconds(plan, sy, fp8, TECHNIQUES.values())}
     casts = cast_bytes(plan, sy, compiled=False)
     q = next(n for n, p in linears.items() if p == "blocks.0.attn.q_proj.weight")
     x_e, w_e, y_e = 2 * 16 * 32, 32 * 32, 2 * 16 * 32

@@ -85,7 +85,7 @@ def _checkpointed_saves(plan, technique) -> tuple[list[Saved], dict[str, list[Sa
 
 
 def _offloaded(s: Saved, nodes: dict, blocks: set, plan_needs_grad) -> bool:
-    """Whether an offloading region keeps ``s`` in host memory (runtime/recompute.Region): its
+    """Whether an offloading region keeps ``s`` in host memory (recompute.Region): its
     inputs that autograd made (floating point, made outside the block with a gradient) and
     everything its selective policy keeps (the tensors made inside it, collectives' outputs)."""
     if s.producer is None or s.index == -1:
@@ -140,7 +140,7 @@ def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
     """plan.cost()'s ``activations`` under checkpointing and ``recompute``: what the step's peak
     adds to them; with ``offload``, ``offloaded``: the bytes kept in host memory instead (not
     device memory). A block that draws random numbers also keeps a copy of the generator state
-    until its backward (the recompute starts from it: runtime/recompute.Region), a CPU
+    until its backward (the recompute starts from it: recompute.Region), a CPU
     generator's state in bytes."""
     kept, redone, host = checkpointed_saves(plan, technique)
     if technique.offload and technique.mode == "selective":

@@ -7,7 +7,7 @@ outermost modules matching ``pattern``; ``every=k`` keeps blocks 0, k, 2k, ... I
 in a program is the run of nodes from the first to the last node that came from the block
 (emitted nodes keep their module path): the collectives emission wrote between them belong
 to it. ``outline`` moves the region into a GraphModule of its inputs and calls it through a
-``runtime/recompute.Region``:
+``recompute.Region``:
 
     checkpoint_blocks_0 = checkpoint_blocks_0(dropout, blocks_0_ln_1_weight, ..., autopar_rng_state)
     getitem_9 = checkpoint_blocks_0[0]
@@ -114,7 +114,7 @@ def _not_recomputed(node: fx.Node) -> bool:
 
 def outline(graph: fx.Graph, blocks: list[str], make_region, buffers=frozenset()) -> list:
     """Replace each block's region of ``graph`` by a call of ``make_region(block, body, inputs,
-    mutated)`` (a callable, see runtime/recompute.Region); returns the regions made. ``buffers``:
+    mutated)`` (a callable, see recompute.Region); returns the regions made. ``buffers``:
     the model's buffer names (what an op may write in place)."""
     made = []
     for block, region in spans(graph, blocks):

@@ -3,7 +3,7 @@ ap.plan / ap.parallelize.
 
 Each chosen block's forward (the model's repeated blocks, or the modules ``pattern``
 matches; every ``every``-th of them) runs in the one emitted program as a checkpointed
-region (regions.py outlines it, runtime/recompute.py runs it):
+region (regions.py outlines it, recompute.py runs it):
 
 - ``mode="full"``: the region keeps only its inputs; backward runs its forward again.
 - ``mode="selective"``: per op, as torchtitan's and Megatron's selective recompute: the outputs
@@ -12,7 +12,7 @@ region (regions.py outlines it, runtime/recompute.py runs it):
   Keeping the collectives' outputs means the recompute sends nothing (a tensor-parallel
   all-reduce is not run again); full mode runs them again, as Megatron's full recompute does.
 - ``offload=True``: what a region keeps lives in host memory until its backward (pinned where
-  CUDA exists; runtime/offload.py): its activation inputs and, under the selective policy, the
+  CUDA exists; offload.py): its activation inputs and, under the selective policy, the
   outputs the policy keeps; the cost model counts them as ``offloaded`` (host) bytes.
 
 Random draws (dropout, every random op) are replayed: the recompute starts the rank's
@@ -37,10 +37,10 @@ from autopar.cost.activation_memory import saved_activations
 from autopar.cost.collectives import graph_collectives
 from autopar.errors import PlanError
 from autopar.parallel.activation_checkpoint import memory as ac_memory
+from autopar.parallel.activation_checkpoint.recompute import MODES, Region, is_collective
 from autopar.parallel.activation_checkpoint.regions import chosen_blocks, outline, spans
 from autopar.parallel.registry import register_technique
 from autopar.parallel.technique import Technique
-from autopar.runtime.recompute import MODES, Region, is_collective
 
 aten = torch.ops.aten
 
@@ -223,7 +223,7 @@ class ActivationCheckpoint(Technique):
     def collectives(self, plan, symbols) -> list:
         """The forward collectives backward runs again: a full checkpoint recomputes its blocks
         (up to the last tensor their backward keeps, ``recomputed``) with their collectives; the
-        selective policy keeps collective outputs (runtime/recompute.is_collective). Found by a
+        selective policy keeps collective outputs (recompute.is_collective). Found by a
         dry run: LLaMA-70B on TP 8 + sp under full checkpointing sent 2 all-gathers and 1
         reduce-scatter a layer more than plan.collectives() listed."""
         if self.mode == "selective":

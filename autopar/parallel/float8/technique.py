@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cost import make_comm
-from autopar.cost.float8 import float8_linears, lm_heads
+from autopar.cost.execution import OpExtra
 from autopar.errors import PlanError
 from autopar.parallel.float8 import rule  # noqa: F401 - registers float8_mm's rule and lowering
+from autopar.parallel.float8.cost import cast_bytes, float8_linears, fsdp_shards, lm_heads, scale_seconds
 from autopar.parallel.float8.rule import AMAX_BYTES, tp_pairs
 from autopar.parallel.float8.gather import Float8Wire
 from autopar.parallel.float8.recipes import RECIPES, config, recipe_of
@@ -198,6 +199,24 @@ class Float8(Technique):
         why = f"float8 fp8 all-gather: the amax of the {n} weights gathered in fp8, all at once, so each rank scales its piece as serial"
         return [make_comm(symbols, "all_reduce", label, "forward", size, "float8 weight scales", "", reason=why)]
 
+    @classmethod
+    def op_extras(cls, plan, sy, profile, fused: bool) -> dict:
+        """Under a profile pricing float8 (``profile.float8``: the search's, ap.predict's), the
+        converted Linears' matmuls at the fp8 rate and their casts' bytes (cost.py's cast_bytes,
+        ``fused``: compiled, a shared input cast once); with it or with ap.Float8 in the plan, the
+        scales' amax all-reduces beside each Linear (cost.py's scale_seconds)."""
+        priced = getattr(profile, "float8", False)
+        fp8 = float8_linears(plan) if priced else {}
+        casts = cast_bytes(plan, sy, fused, fsdp_shards(plan)) if priced and profile.memory_bandwidth else {}
+        converted = priced or getattr(plan.options, "float8", None) is not None
+        scales = scale_seconds(plan, profile) if converted and hasattr(profile, "link") else {}
+        return {
+            name: OpExtra(
+                rate=profile.fp8_ratio if name in fp8 else None, nbytes=casts.get(name), seconds=scales.get(name)
+            )
+            for name in {*fp8, *casts, *scales}
+        }
+
     def process_groups(self, plan) -> list:
         """The groups the fp8 gather's amax all-reduce runs over where they span several mesh axes
         (dp x tp): torch.distributed makes them on every rank (ap.parallelize)."""
@@ -231,7 +250,7 @@ class Float8(Technique):
     # ---- the search's hooks (parallel/protocols/search.py)
     @classmethod
     def search_adds(cls, model, chosen: dict, auto):
-        """Where ``auto`` prices the Linears in float8 (ap.Auto(float8=True), cost/float8.py), the
+        """Where ``auto`` prices the Linears in float8 (ap.Auto(float8=True), cost.py), the
         plan runs them so: every Linear but the LM head (torchtitan's filter), and where the chosen
         data parallel gathers weights (zero=3) it gathers them in fp8, as they were priced."""
         if not auto.choices_for(cls.name, auto.float8):

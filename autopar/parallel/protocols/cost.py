@@ -88,6 +88,14 @@ class CostHooks:
         dry run asks it (parallel/pipeline/dry_run.py); [] where it adds none."""
         return []
 
+    @classmethod
+    def op_extras(cls, plan, sy, profile, fused: bool) -> dict:
+        """Node name -> cost.execution.OpExtra: what this technique changes in that op's seconds on
+        a rank (a rate, kernels and messages beside it), asked of every registered class by the
+        cost model's op_seconds (the search, ap.predict) for a plan with it or one ``profile``
+        prices as if it had it (``profile.float8``: no ap.Float8 yet); ``fused``: compiled regions."""
+        return {}
+
     def memory_ranks(self, plan) -> tuple:
         """Ranks whose memory may differ from rank 0's (a pipeline: one per stage position): the
         ones plan.cost() and ap.predict weigh to find the rank that holds the most."""

@@ -24,6 +24,10 @@ Saved for backward: the fp8 input and weight (``manual_float8_matmul_with_args_i
 byte per element where bf16 Linear autograd keeps the bf16 input; not in the memory model (see
 docs/auto.md).
 
+What the cost model adds per op (cost/execution.py's op_seconds, through ``Float8.op_extras``:
+the fp8 rate, ``cast_bytes`` and ``scale_seconds``), where the search and ap.predict price a plan
+in float8 (``profile.float8``) or the plan has ap.Float8.
+
 Example:
     >>> sorted(float8_linears(plan))               # ['linear', 'linear_1', ...] (not lm_head's)
     >>> cast_bytes(plan, Numbers(plan.mesh), compiled=True)["linear"]   # (forward, backward) bytes
@@ -103,6 +107,13 @@ def cast_bytes(plan, sy, compiled: bool, weight_shards: float = 1.0) -> dict:
         bwd = CAST * y_e + RELAYOUT * (w_e + y_e + x_e) if plan.ctx.needs_grad.get(node) else 0.0
         out[name] = (fwd, bwd)
     return out
+
+
+def fsdp_shards(plan) -> float:
+    """How many ranks zero=3 shards a parameter over (1 without zero=3): a Float8 weight gathered
+    by FSDP is cast on each rank's shard before the gather."""
+    shards = plan.weight_shards
+    return 1.0 if shards is None else float(shards[1])
 
 
 AMAX_FP32 = 4  # bytes of one weight's amax in the fp8 gather's all-reduce (float32)

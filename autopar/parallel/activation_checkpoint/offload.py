@@ -1,6 +1,6 @@
 """Activations held in host memory until backward (``ActivationCheckpoint(offload=True)``).
 
-Two kinds of tensor a checkpointed region keeps go to the host (runtime/recompute.py):
+Two kinds of tensor a checkpointed region keeps go to the host (recompute.py):
 
 - the region's inputs that autograd made (checkpoint keeps them for the recompute), and
 - under a selective policy, the outputs of the ops it keeps (matmuls, attention, collectives):
@@ -10,10 +10,10 @@ Two kinds of tensor a checkpointed region keeps go to the host (runtime/recomput
 
 ``to_host`` copies into pinned memory where CUDA exists (the copy overlaps the next kernels);
 on a CPU run it copies into a separate host storage all the same, so that a CPU step holds
-what a GPU step would hold on each side. Host storages are registered here (weakly), and
-``runtime/live_bytes.LiveBytes`` counts them as ``host`` bytes, not device bytes; the copy
-itself runs below every dispatch mode (an observer, the policy's mode), so it is neither
-counted as a device allocation nor recorded by the policy. ``to_device`` is an ordinary op
+what a GPU step would hold on each side. Host storages are registered (weakly) with
+runtime/live_bytes.py (``register_host``), whose ``LiveBytes`` counts them as ``host`` bytes, not
+device bytes; the copy itself runs below every dispatch mode (an observer, the policy's mode), so
+it is neither counted as a device allocation nor recorded by the policy. ``to_device`` is an ordinary op
 (its copy is a device allocation, and LiveBytes sees it).
 
 Prefetch: in backward, the recompute of region k asks for its own copies back and then starts
@@ -27,37 +27,31 @@ k's backward, so there it runs when the recompute asks (the tests add "cpu" to r
 prefetching path, which must give the same step).
 
 Example:
-    >>> h = to_host(x)                         # x's bytes now live on the host
-    >>> is_host(h.untyped_storage())           # True
-    >>> y = to_device(h, x.device)             # back for the recompute (a new device tensor)
+    >>> h = to_host(x)                              # x's bytes now live on the host
+    >>> live_bytes.is_host(h.untyped_storage())     # True
+    >>> y = to_device(h, x.device)                  # back for the recompute (a new device tensor)
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections import defaultdict
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-# id(storage) -> storage, for the host copies alive (a storage's Python object is kept with it);
-# also per thread: the simulator runs every rank in one process, one thread each
-_HOST: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_MINE = threading.local()
+from autopar.runtime.live_bytes import register_host
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
-    """A detached copy of ``x`` in host memory (pinned where CUDA exists), registered as host."""
+    """A detached copy of ``x`` in host memory (pinned where CUDA exists), registered as host
+    (runtime/live_bytes.register_host)."""
     pinned = torch.cuda.is_available()
     with _disable_current_modes(), torch.no_grad():  # x's strides kept: the recompute's ops (a
         # reshape that copies a transposed tensor, not a contiguous one) must run as the forward's
         host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=pinned)
         host.copy_(x.detach(), non_blocking=pinned)
-    storage = host.untyped_storage()
-    _HOST[id(storage)] = storage
-    _mine()[id(storage)] = storage
+    register_host(host.untyped_storage())
     return host
 
 
@@ -115,22 +109,6 @@ def _side_stream(device: torch.device):
     if device not in _SIDE:
         _SIDE[device] = torch.cuda.Stream(device)
     return _SIDE[device]
-
-
-def is_host(storage) -> bool:
-    """Whether ``storage`` is a host copy made by ``to_host``."""
-    return _HOST.get(id(storage)) is storage
-
-
-def host_storages() -> list:
-    """The host copies this thread made that are alive now."""
-    return list(_mine().values())
-
-
-def _mine() -> weakref.WeakValueDictionary:
-    if not hasattr(_MINE, "storages"):
-        _MINE.storages = weakref.WeakValueDictionary()
-    return _MINE.storages
 
 
 class _OnHost:

@@ -1,8 +1,8 @@
 """Activation checkpointing at run time: a region of the emitted program run under
 ``torch.utils.checkpoint`` (non-reentrant), its random draws replayed, its policy per op.
 
-The planner (parallel/activation_checkpoint/technique.py) outlines each checkpointed block of the one
-emitted program into a ``Region``: a GraphModule holding the block's nodes, called from the
+The planner (technique.py and regions.py beside this file) outlines each checkpointed block of the
+one emitted program into a ``Region``: a GraphModule holding the block's nodes, called from the
 program like a function (``checkpoint_blocks_3(...)`` in ``gm.code``). Calling it:
 
 - without autograd (``torch.no_grad()``, ``inference_mode``, eval loops) runs the body as
@@ -12,15 +12,16 @@ program like a function (``checkpoint_blocks_3(...)`` in ``gm.code``). Calling i
   ``"selective"`` keeps the outputs of the ops ``policy`` names (torch's selective checkpoint
   contexts) and reruns the rest;
 - the dropout generator (runtime/rng.py: a state tensor the body's draws advance in place)
-  is put back where it was at the region's forward for the recompute and restored after it,
-  so the recompute draws exactly the forward's masks, in both rng modes;
-- ``offload``: what the region keeps lives in host memory until its backward (runtime/offload.py:
+  is put back where it was at the region's forward for the recompute and restored after it
+  (runtime/rng.replayed_state), so the recompute draws exactly the forward's masks, in both rng
+  modes;
+- ``offload``: what the region keeps lives in host memory until its backward (offload.py:
   pinned where CUDA exists): its inputs that autograd made (the forward runs on the device
   tensors themselves; checkpoint keeps only host copies, moved back for the recompute) and,
   under a selective policy, the outputs the policy keeps (copied out as the forward makes them,
   back when the recompute asks for them); the recompute of a region starts the copies back of
   the region before it (``before``: the one the next recompute needs), ahead of need where the
-  device can overlap them (runtime/offload.py: CUDA's side stream; on a CPU, at need).
+  device can overlap them (offload.py: CUDA's side stream; on a CPU, at need).
 
 Example:
     >>> region = Region("checkpoint_blocks_0", body, mode="full", mutated=[4])
@@ -38,8 +39,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.parallel.activation_checkpoint.offload import (
+    Ahead,
+    cached_on_host,
+    host_cache,
+    prefetching,
+    to_device,
+    to_host,
+)
 from autopar.runtime.eager import eager
-from autopar.runtime.offload import Ahead, cached_on_host, host_cache, prefetching, to_device, to_host
+from autopar.runtime.rng import replayed_state
 
 MODES = ("full", "selective")
 ops = torch.ops.autopar
@@ -75,23 +84,6 @@ def save_policy(save_ops: frozenset, every: int = 1, counted: frozenset = frozen
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
-
-
-@contextlib.contextmanager
-def replayed_state(states: list, snapshots: list):
-    """Run with each of ``states`` (the generator state, running statistics) at its snapshot
-    (the recompute draws the forward's draws again), then put back what they held (the
-    step's later draws and the statistics are as if nothing was recomputed)."""
-    now = [s.clone() for s in states]
-    with torch.no_grad():
-        for s, snap in zip(states, snapshots):
-            s.copy_(snap)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for s, kept in zip(states, now):
-                s.copy_(kept)
 
 
 class _Fresh:
