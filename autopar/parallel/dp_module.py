@@ -82,6 +82,8 @@ def grad_buckets(plan, rank: int = 0, stored: dict | None = None):
     sizes (zero=3: a norm weight synced on tp is whole on one rank, empty on another); None:
     the compute pieces'."""
     size, count, first = bucket_limits(plan)
+    if plan.stage_layout is not None:  # a pipeline's runner makes its sync without the small first bucket
+        first = None
     params = held_params(plan, rank)
     if stored is not None:
         params = {n: stored.get(n, p).detach().requires_grad_(p.requires_grad) for n, p in params.items()}
