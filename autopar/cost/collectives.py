@@ -146,7 +146,7 @@ def _sync_comms(plan, sy, rank: int | None = None, stored: dict | None = None) -
     mesh, dp = plan.mesh, plan.state_storage
     params = dict(named_parameters(plan.model))
     out = []
-    for i, b in enumerate(plan.grad_buckets(rank or 0)):
+    for i, b in enumerate(plan.grad_buckets(rank or 0, stored)):  # the rank's module buckets its stored pieces
         # a parameter stored in pieces (zero=3) is synced on the other axes as its stored piece
         numel = sum(
             stored[n].numel() if stored is not None and n in stored and _stored_share(plan, n) > 1

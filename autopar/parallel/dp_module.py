@@ -29,6 +29,17 @@ def sync_axes_all_names(plan) -> dict[str, tuple[int, ...]]:
     return axes
 
 
+def sync_order(plan) -> list[str]:
+    """The parameter names in the order their gradients reach the gradient sync: backward's
+    (``param_order``), as the techniques that set gradients themselves change it (zero=3: a
+    bucket's pieces at once, after its reduce-scatter). The sync makes its buckets in this order
+    and again from the order its first backward sees: the same where this is right."""
+    order = param_order(plan)
+    for technique in plan.options.techniques:
+        order = technique.grad_order(plan, order)
+    return order
+
+
 def attach(plan, gm: torch.nn.Module, rank: int) -> None:
     """Give ``gm`` its gradient sync as the rank-module builder does."""
     sync = GradSync(
@@ -39,7 +50,7 @@ def attach(plan, gm: torch.nn.Module, rank: int) -> None:
         *bucket_limits(plan)[:2],
         dp=plan.data_parallel,
         dp_axis=plan.dp_axis,
-        order=param_order(plan),
+        order=sync_order(plan),
     )
     gm.autopar_grad_sync = sync
     gm.no_sync = sync.no_sync
@@ -64,11 +75,19 @@ def bucket_limits(plan) -> tuple[int, int | None, int | None]:
     return dp.bucket_bytes, dp.bucket_max_params, dp.first_bucket_bytes
 
 
-def grad_buckets(plan, rank: int = 0):
+def grad_buckets(plan, rank: int = 0, stored: dict | None = None):
     """The gradient buckets of ``rank`` (the same on every rank of its dp group), in launch order;
-    under a pipeline, of its stages' parameters (as its runner makes them)."""
+    under a pipeline, of its stages' parameters (as its runner makes them). ``stored``: the pieces
+    the rank's module holds (``param_names.stored_pieces``), which its sync buckets by their
+    sizes (zero=3: a norm weight synced on tp is whole on one rank, empty on another); None:
+    the compute pieces'."""
     size, count, first = bucket_limits(plan)
-    return make_buckets(held_params(plan, rank), sync_axes_all_names(plan), size, count, param_order(plan), first)
+    if plan.stage_layout is not None:  # a pipeline's runner makes its sync without the small first bucket
+        first = None
+    params = held_params(plan, rank)
+    if stored is not None:
+        params = {n: stored.get(n, p).detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+    return make_buckets(params, sync_axes_all_names(plan), size, count, sync_order(plan), first)
 
 
 class RankMemory(dict):

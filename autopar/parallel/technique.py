@@ -21,7 +21,7 @@ layout         reshape_mesh, validate, tracing, prepare_graph, annotate, prepare
                data_axis, token_axes, seed_inputs, attention_method, loss_mean_on, piece_order,
                after_plan
 storage        stored, stored_start, stored_axes, stored_share, counts_stored, restored,
-               rewrite_program, gather_wire, grad_sync_axes, grad_pieces, grad_shards, keeps_state,
+               rewrite_program, gather_wire, grad_sync_axes, grad_order, grad_pieces, grad_shards, keeps_state,
                group_axes, gather_axes, weight_shards, wired_gathers, wired_params
 cost           collectives, bucket_comms, batch_pieces, step_shares, memory, activations,
                rank_activations, kept_saves, recomputed, memory_formulas, rank_params, memory_ranks,

@@ -176,3 +176,25 @@ def test_a_zero3_ranks_sync_on_tp_is_of_the_pieces_it_stores():
         assert run.collectives_match, (rank, run.collectives, run.predicted_collectives)
         synced[rank] = sum(b for k, a, b in run.collectives if (k, a) == ("all_reduce", "tp"))
     assert synced[0] != synced[6]  # different ranges of the flat buckets
+
+
+def test_a_zero3_ranks_tp_sync_buckets_its_stored_pieces_in_the_order_they_arrive():
+    """The tp-synced norm weights spread over several buckets (a 700-byte bucket: three of 64
+    fp32). The rank's sync buckets the pieces its module holds (whole or empty) by their sizes,
+    in the order zero=3's reduce-scatters set them (a gathered block's pieces at once, in the
+    block's order), after its first backward; the plan bucketed the compute pieces in backward's
+    order (norm weights in the other bucket: 70B, FSDP 32 x TP 8, 917,504 bytes moved)."""
+    model, kw = meta_llama(layers=4, batch=8)
+    bucket = 700 / 2**20
+    plan = ap.plan(
+        model,
+        ap.Mesh((4, 2), ("dp", "tp")),
+        kwargs=kw,
+        dynamic=False,
+        annotations=ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True),
+        data_parallel=ap.DataParallel("dp", zero=3, bucket_mb=bucket, first_bucket_mb=bucket),
+        activation_checkpoint="full",
+    )
+    for rank in (0, 2, 4):  # five norm weights whole, four, none
+        run = plan.dry_run(rank=rank, steps=2).runs[rank]
+        assert run.collectives_match, (rank, run.collectives, run.predicted_collectives)

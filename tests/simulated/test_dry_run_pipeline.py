@@ -122,3 +122,22 @@ def test_zero_bubble_with_checkpointing_recomputes_in_b_and_again_in_w():
     assert zb.splits_backward() and not full.pairs_with(zb)
     assert full.pairs_with(ap.Pipeline("pp", microbatches=4, schedule="1f1b"))
     assert ap.ActivationCheckpoint("selective").pairs_with(zb) is False
+
+
+def test_a_pipeline_ranks_tp_sync_has_no_small_first_bucket_as_its_runner_makes_none():
+    """A pipeline's runner makes its gradient sync with the bucket size alone (no small first
+    bucket): the plan's buckets of a pipeline rank leave first_bucket_mb out too. Here the
+    tp-synced norm weights of zero=3 (whole on rank 2) in one 700-byte bucket, not a 100-byte
+    first one and the rest."""
+    model, kw = meta_llama(layers=4, batch=8)
+    plan = ap.plan(
+        model,
+        ap.Mesh((2, 2, 2), ("dp", "pp", "tp")),
+        kwargs=kw,
+        dynamic=False,
+        annotations=ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True),
+        data_parallel=ap.DataParallel("dp", zero=3, bucket_mb=700 / 2**20, first_bucket_mb=100 / 2**20),
+        pipeline=ap.Pipeline("pp", microbatches=2, schedule="1f1b"),
+    )
+    run = plan.dry_run(rank=2, steps=2).runs[2]
+    assert run.collectives_match, (run.collectives, run.predicted_collectives)

@@ -126,6 +126,27 @@ def sync_axes(plan, axes: dict) -> dict:
     return out
 
 
+def grad_order(plan, order: list) -> list:
+    """When the gradients reach the gradient sync (of ``order``, backward's): a gathered bucket's
+    pieces all at once, when the bucket's last gradient in backward is made (its reduce-scatter
+    sets them, fsdp_runtime.reduce), in the bucket's order; the others when backward makes them.
+    The sync's buckets of a parameter synced on another axis (a norm weight under sequence
+    parallelism, on tp) are made in this order: the one the sync records in its first backward."""
+    index, canon = bucket_index(plan), canonical_names(plan)
+    pos = {n: i for i, n in enumerate(order)}
+    done: dict[int, int] = {}  # bucket -> the position of its last gradient in backward
+    for n, i in pos.items():
+        where = index.get(canon.get(n, n))
+        if where is not None:
+            done[where[0]] = max(done.get(where[0], i), i)
+
+    def when(n):
+        where = index.get(canon.get(n, n))
+        return (pos[n], 0, 0) if where is None else (done[where[0]], 1, where[1])
+
+    return sorted(order, key=when)
+
+
 # ------------------------------------------------------------------------------ program
 def insert_gathers(plan, graph: fx.Graph) -> None:
     """One gather per bucket, right before the first node that uses one of its parameters (in
@@ -355,6 +376,9 @@ class FullyShardedStorage(Storage):
 
     def grad_sync_axes(self, plan, axes):
         return sync_axes(plan, axes)
+
+    def grad_order(self, plan, order):
+        return grad_order(plan, order)
 
     def attach(self, plan, module, rank: int) -> None:
         fsdp_runtime.attach(plan, module, rank)

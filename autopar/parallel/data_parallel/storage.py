@@ -70,6 +70,9 @@ class Storage:
     def grad_sync_axes(self, plan, axes: dict) -> dict:
         return axes
 
+    def grad_order(self, plan, order: list) -> list:
+        return order
+
     def attach(self, plan, module, rank: int) -> None:
         pass
 

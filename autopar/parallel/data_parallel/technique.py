@@ -402,6 +402,9 @@ class DataParallel(Technique):
     def grad_sync_axes(self, plan, axes):
         return self.storage.grad_sync_axes(plan, axes)
 
+    def grad_order(self, plan, order):
+        return self.storage.grad_order(plan, order)
+
     def grad_pieces(self, plan, module, rank, pieces):
         return self.storage.grad_pieces(plan, module, rank, pieces)
 
@@ -469,9 +472,10 @@ class DataParallel(Technique):
         return plan.with_options(plan.options.replace(data_parallel=data_parallel))
 
     @staticmethod
-    def grad_buckets(plan, rank: int = 0) -> list:
-        """The fused gradient buckets of ``rank``, in the order every rank of its group launches them."""
-        return dp_module.grad_buckets(plan, rank)
+    def grad_buckets(plan, rank: int = 0, stored: dict | None = None) -> list:
+        """The fused gradient buckets of ``rank``, in the order every rank of its group launches them
+        (``stored``: of the pieces its module holds, ``parallel.param_names.stored_pieces(plan, rank)``)."""
+        return dp_module.grad_buckets(plan, rank, stored)
 
     @staticmethod
     def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> dict:

@@ -67,6 +67,13 @@ class StorageHooks:
         """The gradient buckets' axes per parameter (a technique reducing some itself drops them)."""
         return axes
 
+    def grad_order(self, plan, order: list) -> list:
+        """The parameter names in the order their gradients reach the gradient sync (``order``:
+        backward's, parallel/param_names.param_order): a technique that sets gradients itself
+        (zero=3: a bucket's pieces at once, after its reduce-scatter) says when they arrive. The
+        sync's buckets are made in this order (and made again from the order seen, once)."""
+        return order
+
     def grad_pieces(self, plan, module, rank: int, pieces: list) -> list:
         """(name, gradient, counted by this rank) of every gradient ``rank`` holds, as the
         technique keeps them: whole-model sums (clipping) add the counted ones once."""
