@@ -130,7 +130,11 @@ def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
     for rank in plan.mesh.ranks():
         mem = plan.memory_per_rank(rank)
         assert mem["accumulated"] == most[rank] > 0, (rank, mem["accumulated"], most)
-        assert mem["recompute"] == pytest.approx(whole["recompute"] / 2, rel=0.05)
+        last = plan.mesh.coords(rank)[plan.stage_layout.axis] == 1
+        if last:  # the model's last block and the head: the whole model's recompute, one micro-batch
+            assert mem["recompute"] == pytest.approx(whole["recompute"] / 2, rel=0.05)
+        else:  # the first blocks', none of the head's kept tensors freed before them: more
+            assert mem["recompute"] > whole["recompute"] / 2
     assert plan.memory_per_rank(2)["backward"] == pytest.approx(whole["backward"] / 2, rel=0.05)  # last stage
     # ap.predict (the search's terms, a pipeline rank's share): the flats of the plan's buckets
     prof = ap.Auto(device="h100").profile()
