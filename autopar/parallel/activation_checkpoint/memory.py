@@ -174,8 +174,9 @@ def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict, host: l
     already freed by their backwards. Backward's own temporaries (activation gradients) are
     left out. 0 when no block's recompute outweighs what is freed before it. ``only``: the
     blocks and the ops after them among these graph node names (a pipeline stage's: measured, a
-    405B-width stage 0 of pp 8 held its block's whole recompute, 5.6 GiB a micro-batch, where the
-    whole model's, less the head's and loss's kept tensors freed before it, gave 1.7)."""
+    405B-width stage 0 of pp 8 held its block's whole recompute and its gradients, 8.0 GiB a
+    micro-batch; 7.0 by this with ``only``, 1.7 by the whole model's, less the head's and loss's
+    kept tensors freed before its last block)."""
     order = plan.built[technique.name]  # program order: backward runs them last to first
     nodes = {n.name: n for n in plan.graph.nodes}
     index = {n.name: i for i, n in enumerate(plan.graph.nodes)}
