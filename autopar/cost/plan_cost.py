@@ -126,7 +126,11 @@ class Cost:
         self.memory = memory
         # the step's peak: the largest phase (memory_phases), the figure ap.predict and
         # memory_per_rank(rank).peak give; a pipeline's micro-batches run beside earlier gradients
-        phases = memory_phases(memory, grads_in_backward=plan.stage_layout is not None)
+        phases = memory_phases(
+            memory,
+            grads_in_backward=plan.stage_layout is not None,
+            gathered_in_backward=kept_gathered(plan.data_parallel),
+        )
         self.peak_memory = sympy.Max(*[sympy.sympify(v) for v in phases.values()])
         self.flops = flops_formula(plan, self.sy, self.rank)
 
@@ -242,32 +246,48 @@ STATE_PARTS = ("params", "grads", "optimizer", "accumulated", "gathered", "reduc
 
 # The parts each moment of a step holds beyond its base (memory_phases), in order; the base
 # (parameters, optimizer state, accumulated gradients, padding, and any part not named here, an
-# upper bound for what a technique adds) counts at every moment. The backward phase is the larger
-# of its two moments. A linear table, so that the search's MILP can hold each row to the budget.
+# upper bound for what a technique adds) counts at every moment. The backward phase is the largest
+# of its three moments. A linear table, so that the search's MILP can hold each row to the budget.
+# A block's backward holds its recompute beside its gathered parameters; its reduce-scatter's
+# buffers come at its end, its recompute freed (fsdp_runtime.reduce: the gathers' backward):
+# measured, a 405B-width pipeline's stage 0 peaked inside a block's recompute with no reduce
+# buffer alive, 2.2 GiB below their sum.
 PHASE_ROWS = {
     "forward": ("compute_copies", "activations", "workspace", "gathered"),
     "backward": ("compute_copies", "activations", "recompute", "workspace", "backward", "outputs"),
-    "backward, gathering": ("compute_copies", "activations", "recompute", "workspace", "gathered", "reduce_buffers"),
+    "backward, gathering": ("compute_copies", "activations", "recompute", "workspace", "gathered"),
+    "backward, reducing": ("compute_copies", "activations", "workspace", "gathered", "reduce_buffers"),
     "optimizer": ("grads", "gathered", "reduce_buffers"),
 }
 PHASE_OF_ROW = {
     "forward": "forward",
     "backward": "backward",
     "backward, gathering": "backward",
+    "backward, reducing": "backward",
     "optimizer": "optimizer",
 }
 _BASE = ("params", "optimizer", "optimizer_state", "accumulated", "padding")
 _NAMED = set(_BASE).union(*PHASE_ROWS.values())
 
 
-def memory_rows(parts: dict, grads_in_backward: bool = False) -> dict:
+def kept_gathered(dp) -> bool:
+    """Whether DataParallel ``dp``'s gathered blocks stay gathered from their forward to their
+    backward (zero=3 without ``reshard_after_forward``): then they are alive at the loss's
+    backward too (memory_rows' ``gathered_in_backward``)."""
+    return dp is not None and dp.storage.gathers_params and not dp.reshard_after_forward
+
+
+def memory_rows(parts: dict, grads_in_backward: bool = False, gathered_in_backward: bool = False) -> dict:
     """Bytes a rank holds at each moment of PHASE_ROWS, from its memory parts (numbers or
     formulas): each row a sum of parts, so linear in them (the search's MILP holds each row to
-    the budget; memory_phases takes the largest of the backward rows).
+    the budget; memory_phases takes the largest of the backward rows). ``gathered_in_backward``
+    (``kept_gathered``): the loss's backward holds the ``gathered`` blocks too (measured: a
+    405B-width last pipeline stage, zero=3 not resharded, peaked at the loss's backward with its
+    11.6 GiB of gathered blocks alive).
 
     Example:
         >>> memory_rows({"params": 2, "grads": 2, "optimizer_state": 4, "activations": 10})
-        {'forward': 16, 'backward': 16, 'backward, gathering': 16, 'optimizer': 8}
+        {'forward': 16, 'backward': 16, 'backward, gathering': 16, 'backward, reducing': 16, 'optimizer': 8}
     """
     g = lambda k: parts.get(k, 0)  # noqa: E731
     base = sum(g(k) for k in _BASE) + sum(v for k, v in parts.items() if k not in _NAMED)
@@ -276,11 +296,13 @@ def memory_rows(parts: dict, grads_in_backward: bool = False) -> dict:
         held = base + sum(g(k) for k in names)
         if grads_in_backward and row != "optimizer":  # a pipeline's later micro-batches, beside the earlier's gradients
             held += g("grads")
+        if gathered_in_backward and row == "backward":  # the blocks kept gathered since their forward
+            held += g("gathered")
         out[row] = held
     return out
 
 
-def memory_phases(parts: dict, grads_in_backward: bool = False) -> dict:
+def memory_phases(parts: dict, grads_in_backward: bool = False, gathered_in_backward: bool = False) -> dict:
     """Bytes a rank holds at each phase of a step, from its memory parts (memory_per_rank's
     numbers or plan.cost()'s formulas, either naming of the optimizer's state): the step's peak
     is the largest (the headline: memory_per_rank(rank).peak, plan.cost()'s ``peak_memory``,
@@ -288,10 +310,11 @@ def memory_phases(parts: dict, grads_in_backward: bool = False) -> dict:
 
     - ``forward``: at the forward's end: the state (parameters, optimizer state, accumulated
       gradients, padding), a policy's compute copies, the activations, zero=3's gathered blocks;
-    - ``backward``: from the loss's backward on, the activations with the larger of the loss's
-      backward (``recompute + workspace + backward + outputs``) and a block's recompute beside a
-      gathered block and a reduce-scatter's buffers; no gradient yet (``zero_grad(set_to_none)``
-      freed them), except where a pipeline's micro-batches accumulate them (``grads_in_backward``);
+    - ``backward``: from the loss's backward on, the activations with the largest of the loss's
+      backward (``recompute + workspace + backward + outputs``), a block's recompute beside its
+      gathered block, and, at the block's end, its recompute freed, the gathered blocks beside a
+      reduce-scatter's buffers; no gradient yet (``zero_grad(set_to_none)`` freed them), except
+      where a pipeline's micro-batches accumulate them (``grads_in_backward``);
     - ``optimizer``: backward's end and the step: the state and the gradients, the last bucket
       gathered and reducing; the activations gone.
 
@@ -304,10 +327,10 @@ def memory_phases(parts: dict, grads_in_backward: bool = False) -> dict:
         >>> memory_phases({"params": 2, "grads": 2, "optimizer_state": 4, "activations": 10})
         {'forward': 16, 'backward': 16, 'optimizer': 8}
     """
-    rows = memory_rows(parts, grads_in_backward)
+    rows = memory_rows(parts, grads_in_backward, gathered_in_backward)
     return {
         "forward": rows["forward"],
-        "backward": _max(rows["backward"], rows["backward, gathering"]),
+        "backward": _max(rows["backward"], _max(rows["backward, gathering"], rows["backward, reducing"])),
         "optimizer": rows["optimizer"],
     }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype, memory_phases
+from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype, kept_gathered, memory_phases
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
@@ -117,10 +117,10 @@ class RankMemory(dict):
         "trainable_elements",
     )
 
-    def __init__(self, mem: dict, grads_in_backward: bool = False):
+    def __init__(self, mem: dict, grads_in_backward: bool = False, gathered_in_backward: bool = False):
         super().__init__({k: v for k, v in mem.items() if k not in self.INFO})
         self.info = {k: v for k, v in mem.items() if k in self.INFO}
-        self.phases = memory_phases(self, grads_in_backward)
+        self.phases = memory_phases(self, grads_in_backward, gathered_in_backward)
         self.phase = max(self.phases, key=self.phases.get)
 
     def __missing__(self, key):
@@ -188,7 +188,7 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
     mem.update({k: float(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
     # a pipeline's later micro-batches run backward beside the earlier ones' gradients
-    return RankMemory(mem, grads_in_backward=plan.stage_layout is not None)
+    return RankMemory(mem, plan.stage_layout is not None, kept_gathered(dp))  # zero=3's blocks kept gathered
 
 
 def memory_ranks(plan) -> list[int]:

@@ -100,7 +100,9 @@ def test_a_send_is_let_go_once_its_receiver_answered(schedule, chunks, m):
 def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
     """zero=3 under 1F1B: a stage's gathers reduce once a step, in the last micro-batch's backward;
     the earlier ones keep each bucket's unreduced flat (fp32: reduce_dtype). The model's
-    ``accumulated`` is the most those flats hold on each rank, measured in the runtime; the
+    ``accumulated`` is the most those flats hold on each rank, measured in the runtime, less
+    the rank's gradient pieces of them (the phase rows add ``grads`` beside it: the flats
+    stand for them until the last reduce; fp32 here as the flats, 1/2 of them on dp 2); the
     one-micro-batch terms (a checkpointed block's recompute, the loss's backward) are 1/m of
     the whole batch's; and ap.predict counts the flats (its ``memory`` beside the plan's)."""
     import torch
@@ -129,8 +131,12 @@ def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
     whole = activation_terms(plan, Numbers(plan.mesh), whole_model=True)
     for rank in plan.mesh.ranks():
         mem = plan.memory_per_rank(rank)
-        assert mem["accumulated"] == most[rank] > 0, (rank, mem["accumulated"], most)
-        assert mem["recompute"] == pytest.approx(whole["recompute"] / 2, rel=0.05)
+        assert mem["accumulated"] == most[rank] // 2 > 0, (rank, mem["accumulated"], most)
+        last = plan.mesh.coords(rank)[plan.stage_layout.axis] == 1
+        if last:  # the model's last block and the head: the whole model's recompute, one micro-batch
+            assert mem["recompute"] == pytest.approx(whole["recompute"] / 2, rel=0.05)
+        else:  # the first blocks', none of the head's kept tensors freed before them: more
+            assert mem["recompute"] > whole["recompute"] / 2
     assert plan.memory_per_rank(2)["backward"] == pytest.approx(whole["backward"] / 2, rel=0.05)  # last stage
     # ap.predict (the search's terms, a pipeline rank's share): the flats of the plan's buckets
     prof = ap.Auto(device="h100").profile()
@@ -142,7 +148,7 @@ def test_zero3_stages_accumulate_whole_gradient_flats(monkeypatch):
     assert rank.pieces == 2 and transient(rank) == pytest.approx(transient(terms) / 2)
     with_flats = rank.memory(plan.mesh, plan.dp_axis, dp, plan)
     assert with_flats == pytest.approx(ap.predict(plan, prof)["memory_estimate"])
-    assert rank.memory_parts(plan.mesh, plan.dp_axis, dp, plan)["accumulated"] == most[0]
+    assert rank.memory_parts(plan.mesh, plan.dp_axis, dp, plan)["accumulated"] == most[0] // 2
     rank.pieces = 1  # one backward pass: nothing accumulates
     assert rank.memory_parts(plan.mesh, plan.dp_axis, dp, plan)["accumulated"] == 0
     zero2 = plan.with_options(plan.options.replace(data_parallel=ap.DataParallel("dp", zero=2)))

@@ -143,14 +143,7 @@ def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
     until its backward (the recompute starts from it: recompute.Region), a CPU
     generator's state in bytes."""
     kept, redone, host = checkpointed_saves(plan, technique)
-    if technique.offload and technique.mode == "selective":
-        # every tensor of the block is on the device again in its recompute (what the policy kept
-        # copied back, the rest recomputed): as a full recompute's. Measured (the bench's five
-        # policies): selective+offload's peak equals full+offload's on all three models
-        full = dataclasses.replace(technique, mode="full", save=None)
-        peak = recompute_peak(plan, full, sy, *checkpointed_saves(plan, full))
-    else:
-        peak = recompute_peak(plan, technique, sy, kept, redone, host)
+    peak = checkpointed_recompute(plan, technique, sy)
     blocks = set(plan.built[technique.name])
     where = block_map(plan, blocks)
     drawing = {where.get(n) for n in plan.graph.nodes if n.op == "call_function" and draws_random(n)} - {None}
@@ -161,27 +154,52 @@ def checkpointed_terms(plan, technique, sy, terms: dict) -> dict:
     return out
 
 
-def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict, host: list[Saved] = ()):
+def checkpointed_recompute(plan, technique, sy, only: set | None = None):
+    """``recompute``: the most one block's recompute adds at a moment (recompute_peak); ``only``:
+    of the blocks among those graph nodes (a pipeline stage's, which runs its backward alone: what
+    is freed before a block's recompute is its own later blocks' and, on the last stage, the head's)."""
+    if technique.offload and technique.mode == "selective":
+        # every tensor of the block is on the device again in its recompute (what the policy kept
+        # copied back, the rest recomputed): as a full recompute's. Measured (the bench's five
+        # policies): selective+offload's peak equals full+offload's on all three models
+        full = dataclasses.replace(technique, mode="full", save=None)
+        return recompute_peak(plan, full, sy, *checkpointed_saves(plan, full), only=only)
+    return recompute_peak(plan, technique, sy, *checkpointed_saves(plan, technique), only=only)
+
+
+def recompute_peak(plan, technique, sy, kept: list[Saved], redone: dict, host: list[Saved] = (), only=None):
     """The most the recompute adds to the kept bytes at one moment: block b's backward holds what
     its recompute made (and, offloaded, what it kept in host memory, moved back), while what the
     ops after it kept on the device (the head and loss, the later blocks' kept tensors) is
     already freed by their backwards. Backward's own temporaries (activation gradients) are
-    left out. 0 when no block's recompute outweighs what is freed before it."""
+    left out. 0 when no block's recompute outweighs what is freed before it. ``only``: the
+    blocks and the ops after them among these graph node names (a pipeline stage's: measured, a
+    405B-width stage 0 of pp 8 held its block's whole recompute and its gradients, 8.0 GiB a
+    micro-batch; 7.0 by this with ``only``, 1.7 by the whole model's, less the head's and loss's
+    kept tensors freed before its last block)."""
     order = plan.built[technique.name]  # program order: backward runs them last to first
     nodes = {n.name: n for n in plan.graph.nodes}
     index = {n.name: i for i, n in enumerate(plan.graph.nodes)}
     where = block_map(plan, set(order))
-    first = min((index[n.name] for n in plan.graph.nodes if where.get(n)), default=0)
+    if only is not None:
+        mine = {blk for n, blk in where.items() if n.name in only}
+        order = [b for b in order if b in mine]
+    first = min((index[n.name] for n in plan.graph.nodes if where.get(n) in order), default=0)
     by_block, back = {b: [] for b in order}, {b: [] for b in order}
     tail = []
     for s in kept:
-        block = where.get(nodes[s.consumer.split(":")[0]])
-        if block is not None:
+        made = s.consumer.split(":")[0]
+        if only is not None and made not in only:
+            continue
+        block = where.get(nodes[made])
+        if block in by_block:
             by_block[block].append(s)
-        elif index.get(s.consumer.split(":")[0], 0) > first:
+        elif block is None and index.get(made, 0) > first:
             tail.append(s)
     for s in host:  # moved back for the recompute
-        back[where.get(nodes[s.consumer.split(":")[0]])].append(s)
+        block = where.get(nodes[s.consumer.split(":")[0]])
+        if block in back:
+            back[block].append(s)
     freed = activation_bytes(plan, sy, tail, with_outputs=False)
     best, best_value = 0, 0.0
     for b in reversed(order):

@@ -199,6 +199,10 @@ class ActivationCheckpoint(Technique):
     def kept_saves(self, plan, saves: list) -> list:
         return ac_memory.checkpointed_saves(plan, self)[0]
 
+    def nodes_recompute(self, plan, symbols, nodes: set):
+        """One block's recompute at its peak among ``nodes`` (a pipeline stage's blocks)."""
+        return ac_memory.checkpointed_recompute(plan, self, symbols, only=nodes)
+
     def recomputed(self, plan) -> set:
         """The nodes of a checkpointed block that backward runs again: under the selective policy
         less the ops it keeps, and none after the last one that makes a tensor the block's

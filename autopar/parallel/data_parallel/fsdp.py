@@ -269,11 +269,18 @@ def accumulated(plan, rank: int) -> int:
     """Where the plan's techniques cut a rank's batch into pieces, each run backward on its own
     (a pipeline's micro-batches), the bytes of the unreduced gradient flats ``rank`` keeps
     whole until the last piece's backward (fsdp_runtime.FSDPRuntime.reduce under no_sync: one
-    per bucket of its stages, in ``reduce_dtype``, else the gradients' dtype); 0 otherwise."""
+    per bucket of its stages, in ``reduce_dtype``, else the gradients' dtype) beyond its
+    gradient pieces (``grads``), as Storage.accumulated_bytes counts it: the phase rows add
+    ``grads`` to a pipeline's backward (plan_cost.memory_rows' ``grads_in_backward``), where
+    zero=3 holds the flats and no piece yet (the pieces are made by the last reduce-scatter;
+    ``zero_grad`` freed the step's before). Measured: a 405B-width stage 0 (pp 8, dp 8, tp 8)
+    peaked in its second micro-batch's backward with every flat and no gradient piece. 0 otherwise."""
     if not accumulates(plan):
         return 0
     dp, k = plan.data_parallel, shard_size(plan)
-    return sum(b.chunk * k * b.grad_dtype(dp).itemsize for b in held_buckets(plan, rank))
+    local, bs = held_params(plan, rank), held_buckets(plan, rank)
+    flats = sum(b.chunk * k * b.grad_dtype(dp).itemsize for b in bs)
+    return flats - sum(b.chunk * b.dtype.itemsize for b in bs if any(local[n].requires_grad for n in b.names))
 
 
 BUCKET = "fsdp bucket "  # how ``collectives`` names a bucket's comms: "fsdp bucket 3 (9 params)"
@@ -430,11 +437,12 @@ class FullyShardedStorage(Storage):
     def accumulated_bytes(self, dp, n, grad_bytes, grad_elems, plan=None) -> float:
         """The gathers' unreduced gradient flats, kept whole from a unit's first backward of the
         step to its last (FSDPRuntime.reduce under no_sync), in ``reduce_dtype`` (else the
-        gradients' dtype): of ``plan``'s buckets on rank 0 where given."""
+        gradients' dtype), beyond the rank's 1/n gradient pieces (``accumulated``): of
+        ``plan``'s buckets on rank 0 where given."""
         if plan is not None:
             return accumulated(plan, 0)
         dtype = dp.reduce_dtype or dp.param_dtype
-        return grad_elems * dtype.itemsize if dtype is not None else grad_bytes
+        return (grad_elems * dtype.itemsize if dtype is not None else grad_bytes) - grad_bytes / n
 
     def memory(self, plan, rank, state_slots, mem):
         return memory(plan, rank, state_slots, mem)

@@ -88,8 +88,10 @@ def _position_terms(plan, pipeline, sy, terms: dict, pos: int) -> dict:
     if pipeline.checkpoint:  # one micro-batch of a stage recomputed whole, just before its backward
         whole = [sympy.sympify(_kept_bytes(plan, sy, st, own=True)).xreplace(micro) for st in mine]
         out["recompute"] = max(whole, key=sy.value)
-    elif "recompute" in terms:  # checkpointed blocks inside the stage: one block, one micro-batch
-        out["recompute"] = sympy.sympify(terms["recompute"]).xreplace(micro)
+    elif "recompute" in terms:  # checkpointed blocks inside the stage: one of its blocks, one micro-batch
+        got = [t.nodes_recompute(plan, sy, set(st.nodes)) for st in mine for t in plan.options.techniques]
+        got = [sympy.sympify(g).xreplace(micro) for g in got if g is not None]
+        out["recompute"] = max(got, key=sy.value) if got else sympy.sympify(terms["recompute"]).xreplace(micro)
     if "workspace" in terms:  # one lowered op's buffers while it runs (cp attention): one micro-batch
         out["workspace"] = sympy.sympify(terms["workspace"]).xreplace(micro)
     if "backward" in terms:  # the loss's backward: the last stage's, one micro-batch

@@ -67,6 +67,13 @@ class CostHooks:
         search attributes them to the nodes that made them."""
         return saves
 
+    def nodes_recompute(self, plan, symbols, nodes: set):
+        """``recompute`` (what ``activations`` adds as the step's peak of recomputing) for a rank
+        that runs only the graph nodes ``nodes`` (a pipeline stage, whose backward runs alone: what
+        the rest of the model frees before it is not its own), at the plan's batch; None where the
+        technique recomputes nothing."""
+        return None
+
     def recomputed(self, plan) -> set:
         """Names of the nodes whose forward runs again in backward (checkpointed regions)."""
         return set()
