@@ -129,7 +129,7 @@ class Cost:
         phases = memory_phases(
             memory,
             grads_in_backward=plan.stage_layout is not None,
-            gathered_in_backward=kept_gathered(plan.data_parallel),
+            gathered_in_backward=kept_gathered(plan.state_storage),
         )
         self.peak_memory = sympy.Max(*[sympy.sympify(v) for v in phases.values()])
         self.flops = flops_formula(plan, self.sy, self.rank)
