@@ -259,13 +259,6 @@ PHASE_ROWS = {
     "backward, reducing": ("compute_copies", "activations", "workspace", "gathered", "reduce_buffers"),
     "optimizer": ("grads", "gathered", "reduce_buffers"),
 }
-PHASE_OF_ROW = {
-    "forward": "forward",
-    "backward": "backward",
-    "backward, gathering": "backward",
-    "backward, reducing": "backward",
-    "optimizer": "optimizer",
-}
 _BASE = ("params", "optimizer", "optimizer_state", "accumulated", "padding")
 _NAMED = set(_BASE).union(*PHASE_ROWS.values())
 
@@ -294,7 +287,7 @@ def memory_rows(parts: dict, grads_in_backward: bool = False, gathered_in_backwa
     out = {}
     for row, names in PHASE_ROWS.items():
         held = base + sum(g(k) for k in names)
-        if grads_in_backward and row != "optimizer":  # a pipeline's later micro-batches, beside the earlier's gradients
+        if grads_in_backward and row != "optimizer":  # a pipeline's later micro-batches, beside earlier gradients
             held += g("grads")
         if gathered_in_backward and row == "backward":  # the blocks kept gathered since their forward
             held += g("gathered")
