@@ -283,9 +283,7 @@ def test_pipeline_stages_when_only_they_fit():
     model, args = gpt()
     mesh = mesh_of((4,))
     auto = dict(device="cpu-gloo", activation_checkpoint=(None,), sequence_parallel=False)
-    free = ap.plan(model, mesh, args=args, auto=ap.Auto(**auto))
-    stages = next(r for r in free.built["auto"]["runners_up"] if r["option"] == "a=pp")
-    others = min(r["memory"] for r in free.built["auto"]["runners_up"] if r["option"] != "a=pp")
+    free, stages, others = _stages_and_others(model, mesh, args, auto)
     assert stages["memory"] < others and stages["time_s"] > free.built["auto"]["time_s"]  # not chosen unless asked
     budget = (stages["memory"] + others) / 2
     plan = ap.plan(model, mesh, args=args, auto=ap.Auto(memory_budget=budget, **auto))
@@ -294,6 +292,14 @@ def test_pipeline_stages_when_only_they_fit():
     pred = ap.predict(plan, "cpu-gloo")
     assert pred["time_s"] == pytest.approx(rec["time_s"], rel=1e-9) and pred["memory"] == pytest.approx(rec["memory"])
     plan.check(*args)
+
+
+def _stages_and_others(model, mesh, args, auto: dict):
+    """The free search's plan, its pipeline option ("a=pp") and the least memory of the others."""
+    free = ap.plan(model, mesh, args=args, auto=ap.Auto(**auto))
+    runners = free.built["auto"]["runners_up"]
+    stages = next(r for r in runners if r["option"] == "a=pp")
+    return free, stages, min(r["memory"] for r in runners if r["option"] != "a=pp")
 
 
 def test_pipeline_chosen_under_static_shapes_is_traced_for_its_micro_batches():
@@ -306,9 +312,7 @@ def test_pipeline_chosen_under_static_shapes_is_traced_for_its_micro_batches():
     model, args = gpt()
     mesh = mesh_of((4,))
     auto = dict(device="cpu-gloo", activation_checkpoint=(None,), sequence_parallel=False)
-    free = ap.plan(model, mesh, args=args, auto=ap.Auto(**auto))
-    stages = next(r for r in free.built["auto"]["runners_up"] if r["option"] == "a=pp")
-    others = min(r["memory"] for r in free.built["auto"]["runners_up"] if r["option"] != "a=pp")
+    _, stages, others = _stages_and_others(model, mesh, args, auto)
     budget = ap.Auto(memory_budget=(stages["memory"] + others) / 2, **auto)
     dynamic = ap.plan(model, mesh, args=args, auto=budget)
     static = ap.plan(model, mesh, args=args, dynamic=False, auto=budget)

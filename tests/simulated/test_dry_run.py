@@ -156,20 +156,26 @@ def test_checkpointed_blocks_of_a_zero3_llama_are_gathered_again_in_backward():
     assert run.collectives_match, (run.collectives, run.predicted_collectives)
 
 
-def test_a_zero3_ranks_sync_on_tp_is_of_the_pieces_it_stores():
-    """zero=3 cuts flat buckets into ranges: the norm weights (replicated on tp, all-reduced there)
-    are whole on one rank and absent on another, and each rank's tp all-reduce carries what it
-    stores; the plan's listing for the rank says the same (it listed an even share: 64x too few
-    bytes on the 405B search choice's rank 0, 1/4 here)."""
-    model, kw = meta_llama(layers=2, batch=8)
-    plan = ap.plan(
+def _zero3_tp_sp_llama(layers: int, activation_checkpoint=None, **dp):
+    """A meta LLaMA on (4, 2) dp x tp: zero=3 over dp (``dp``: its other fields), Megatron tp + sp."""
+    model, kw = meta_llama(layers=layers, batch=8)
+    return ap.plan(
         model,
         ap.Mesh((4, 2), ("dp", "tp")),
         kwargs=kw,
         dynamic=False,
         annotations=ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True),
-        data_parallel=ap.DataParallel("dp", zero=3),
+        data_parallel=ap.DataParallel("dp", zero=3, **dp),
+        activation_checkpoint=activation_checkpoint,
     )
+
+
+def test_a_zero3_ranks_sync_on_tp_is_of_the_pieces_it_stores():
+    """zero=3 cuts flat buckets into ranges: the norm weights (replicated on tp, all-reduced there)
+    are whole on one rank and absent on another, and each rank's tp all-reduce carries what it
+    stores; the plan's listing for the rank says the same (it listed an even share: 64x too few
+    bytes on the 405B search choice's rank 0, 1/4 here)."""
+    plan = _zero3_tp_sp_llama(layers=2)
     runs = plan.dry_run(rank=0, steps=1).runs | plan.dry_run(rank=6, steps=1).runs
     synced = {}
     for rank, run in runs.items():
@@ -184,17 +190,8 @@ def test_a_zero3_ranks_tp_sync_buckets_its_stored_pieces_in_the_order_they_arriv
     in the order zero=3's reduce-scatters set them (a gathered block's pieces at once, in the
     block's order), after its first backward; the plan bucketed the compute pieces in backward's
     order (norm weights in the other bucket: 70B, FSDP 32 x TP 8, 917,504 bytes moved)."""
-    model, kw = meta_llama(layers=4, batch=8)
     bucket = 700 / 2**20
-    plan = ap.plan(
-        model,
-        ap.Mesh((4, 2), ("dp", "tp")),
-        kwargs=kw,
-        dynamic=False,
-        annotations=ap.presets.megatron(model, "tp", kwargs=kw, sequence_parallel=True),
-        data_parallel=ap.DataParallel("dp", zero=3, bucket_mb=bucket, first_bucket_mb=bucket),
-        activation_checkpoint="full",
-    )
+    plan = _zero3_tp_sp_llama(layers=4, bucket_mb=bucket, first_bucket_mb=bucket, activation_checkpoint="full")
     for rank in (0, 2, 4):  # five norm weights whole, four, none
         run = plan.dry_run(rank=rank, steps=2).runs[rank]
         assert run.collectives_match, (rank, run.collectives, run.predicted_collectives)

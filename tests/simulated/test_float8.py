@@ -21,6 +21,7 @@ import torch
 import torchao.float8 as torchao_float8  # pinned in requirements-test.txt: missing is a broken set-up, not a skip
 
 import autopar as ap
+from tests.harness.float8 import loss_grads
 from autopar.errors import PlanError
 from autopar.runtime.simulator import run_ranks
 from tests.harness.models import MLP, MLP_TP
@@ -224,13 +225,7 @@ def test_auto_float8_plans_run_equal_to_serial_torchao():
     loss = serial(**kw)[1]
     loss.backward()
 
-    def rank(r):
-        m = plan.build_module(r)
-        _, local = plan.local_inputs(r, **kw)
-        m(**local)[1].backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters()}
-
-    grads = plan.merge_state_dicts(run_ranks(4, rank))
+    grads, _ = loss_grads(plan, kw)
     for n, p in serial.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-3, atol=1e-5, msg=n)
 

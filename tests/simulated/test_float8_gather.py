@@ -17,7 +17,7 @@ import autopar as ap
 from autopar.errors import PlanError
 from autopar.parallel.data_parallel.fsdp_layout import buckets_cached
 from autopar.runtime.simulator import run_ranks
-from tests.harness.float8 import eval_outputs, listed_and_ran_bytes
+from tests.harness.float8 import eval_outputs, listed_and_ran_bytes, loss_grads
 from tests.harness.models import MLP_TP
 from tests.simulated.test_float8 import ADAMW, _batches, _loss, _model, _serial_trained
 
@@ -157,14 +157,7 @@ def test_auto_float8_plan_with_zero3_gathers_in_fp8_equal_to_serial():
     )
     serial(**kw)[1].backward()
 
-    def rank(r):
-        m = plan.build_module(r)
-        _, local = plan.local_inputs(r, **kw)
-        m(**local)[1].backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters()}
-
-    with ap.comm_stats() as stats:
-        grads = plan.merge_state_dicts(run_ranks(4, rank))
+    grads, stats = loss_grads(plan, kw)
     moved = sum(r.bytes for r in stats.for_rank(0) if r.kind == "all_gather" and r.itemsize == 1)
     assert moved == ap.predict(plan, "h100")["fp8_gather_bytes"] > 0
     for n, p in serial.named_parameters():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import autopar as ap
 from autopar.runtime.simulator import run_ranks
-from tests.harness.float8 import eval_outputs, listed_and_ran_bytes
+from tests.harness.float8 import eval_outputs, listed_and_ran_bytes, loss_grads
 
 F8 = torch.ops.autopar.float8_mm.default
 MESHES = {"tp2": ((2,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
@@ -345,14 +345,7 @@ def test_linears_reading_one_input_share_its_fp8_gather():
     # per block: one forward gather for q, k, v, one for gate, up; one backward gather per row-parallel output
     assert [c.phase for c in listed] == ["forward", "backward"] * 4
 
-    def rank(r):
-        m = plan.build_module(r)
-        _, local = plan.local_inputs(r, **kw)
-        m(**local)[1].backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters()}
-
-    with ap.comm_stats() as stats:
-        grads = plan.merge_state_dicts(run_ranks(2, rank))
+    grads, stats = loss_grads(plan, kw)
     fp8 = [r for r in stats.for_rank(0) if r.kind == "all_gather" and r.itemsize == 1]
     assert len(fp8) == len(listed) and sum(r.bytes for r in fp8) == sum(float(c.bytes) for c in listed)
     serial = torchao_float8.convert_to_float8_training(
