@@ -125,12 +125,8 @@ class Cost:
         self.host_memory = {k: memory.pop(k) for k in HOST_PARTS if k in memory}  # not the device's
         self.memory = memory
         # the step's peak: the largest phase (memory_phases), the figure ap.predict and
-        # memory_per_rank(rank).peak give; a pipeline's micro-batches run beside earlier gradients
-        phases = memory_phases(
-            memory,
-            grads_in_backward=plan.stage_layout is not None,
-            gathered_in_backward=kept_gathered(plan.state_storage),
-        )
+        # memory_per_rank(rank).peak give
+        phases = memory_phases(memory, **phase_flags(plan))
         self.peak_memory = sympy.Max(*[sympy.sympify(v) for v in phases.values()])
         self.flops = flops_formula(plan, self.sy, self.rank)
 
@@ -263,18 +259,22 @@ _BASE = ("params", "optimizer", "optimizer_state", "accumulated", "padding")
 _NAMED = set(_BASE).union(*PHASE_ROWS.values())
 
 
-def kept_gathered(dp) -> bool:
-    """Whether DataParallel ``dp``'s gathered blocks stay gathered from their forward to their
-    backward (zero=3 without ``reshard_after_forward``): then they are alive at the loss's
-    backward too (memory_rows' ``gathered_in_backward``)."""
-    return dp is not None and dp.storage.gathers_params and not dp.reshard_after_forward
+def phase_flags(plan) -> dict:
+    """What memory_rows needs to know of ``plan``'s techniques beside the parts, as keywords: a
+    pipeline's later micro-batches run backward beside the earlier ones' gradients
+    (``grads_in_backward``); a storage keeps its gathered blocks from forward to backward
+    (``gathered_in_backward``: the ``keeps_gathered`` hook, zero=3 not resharded)."""
+    return {
+        "grads_in_backward": plan.stage_layout is not None,
+        "gathered_in_backward": any(t.keeps_gathered() for t in plan.options.techniques),
+    }
 
 
 def memory_rows(parts: dict, grads_in_backward: bool = False, gathered_in_backward: bool = False) -> dict:
     """Bytes a rank holds at each moment of PHASE_ROWS, from its memory parts (numbers or
     formulas): each row a sum of parts, so linear in them (the search's MILP holds each row to
     the budget; memory_phases takes the largest of the backward rows). ``gathered_in_backward``
-    (``kept_gathered``): the loss's backward holds the ``gathered`` blocks too (measured: a
+    (``keeps_gathered``): the loss's backward holds the ``gathered`` blocks too (measured: a
     405B-width last pipeline stage, zero=3 not resharded, peaked at the loss's backward with its
     11.6 GiB of gathered blocks alive).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopar.cost.formulas import Numbers
-from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype, kept_gathered, memory_phases
+from autopar.cost.plan_cost import activation_terms, copy_bytes, copy_dtype, memory_phases, phase_flags
 from autopar.parallel.grad_buckets import DEFAULT_BUCKET_MB, make_buckets
 from autopar.parallel.grad_sync import GradSync
 from autopar.parallel.param_names import held_params, param_order
@@ -187,8 +187,7 @@ def memory_per_rank(plan, rank: int = 0, state_slots: int = 2) -> RankMemory:
         mem["compute_copies"] = copies
     # what autograd keeps (cost/activation_memory.py), as the techniques change it (checkpointing)
     mem.update({k: float(v) for k, v in activation_terms(plan, Numbers(plan.mesh), rank).items()})
-    # a pipeline's later micro-batches run backward beside the earlier ones' gradients
-    return RankMemory(mem, plan.stage_layout is not None, kept_gathered(dp))  # zero=3's blocks kept gathered
+    return RankMemory(mem, **phase_flags(plan))
 
 
 def memory_ranks(plan) -> list[int]:

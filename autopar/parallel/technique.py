@@ -22,7 +22,7 @@ layout         reshape_mesh, validate, tracing, prepare_graph, annotate, prepare
                after_plan
 storage        stored, stored_start, stored_axes, stored_share, counts_stored, restored,
                rewrite_program, gather_wire, grad_sync_axes, grad_order, grad_pieces, grad_shards, keeps_state,
-               group_axes, gather_axes, weight_shards, wired_gathers, wired_params
+               keeps_gathered, group_axes, gather_axes, weight_shards, wired_gathers, wired_params
 cost           collectives, bucket_comms, batch_pieces, step_shares, memory, activations,
                rank_activations, kept_saves, recomputed, memory_formulas, rank_params, memory_ranks,
                rank_collectives, op_extras
@@ -70,6 +70,7 @@ in the techniques' ``order``, lowest first)::
                                                             every registered one
       keeps_state, weight_shards, data_axis                 plan.state_storage, plan.weight_shards,
                                                             plan.batch_axis (asked outside parallel/)
+      keeps_gathered                                        the memory phases (cost/plan_cost.phase_flags)
     checkpoints: stored_start, restored, checkpoint_mesh    checkpoint/, plan.load_state_dict
     plan.dry_run: dry_run_rank(plan, rank, device, stats)   dryrun/run.py: a rank's step run by the technique
       -> a DryRank (the pipeline's runner); its predicted figures ask rank_collectives

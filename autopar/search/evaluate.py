@@ -54,7 +54,7 @@ from autopar.cost.collectives import collectives
 from autopar.cost.formulas import Numbers
 from autopar.cost.execution import op_seconds
 from autopar.cost.op_time import optimizer_step_bytes
-from autopar.cost.plan_cost import activation_terms, copy_bytes, kept_gathered, memory_rows
+from autopar.cost.plan_cost import activation_terms, copy_bytes, memory_rows
 from autopar.parallel.registry import TECHNIQUES
 from autopar.runtime.ring import DEFAULT_BUCKET_MB, ring_bytes, ring_steps
 from autopar.trace.model_members import named_parameters
@@ -289,7 +289,7 @@ class Terms:
         """Bytes per rank at each moment of a step (plan_cost.PHASE_ROWS, in order): the solver
         holds each to the budget; their largest is the rank's memory (``memory``)."""
         parts = self.memory_parts(mesh, dp_axis, dp, plan)
-        return tuple(memory_rows(parts, self.pieces > 1, kept_gathered(dp)).values())
+        return tuple(memory_rows(parts, self.pieces > 1, dp is not None and dp.keeps_gathered()).values())
 
     def memory(self, mesh, dp_axis, dp, plan=None) -> float:
         """Bytes per rank at the step's peak: the largest of ``memory_rows``, as

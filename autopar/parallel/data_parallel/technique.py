@@ -414,6 +414,9 @@ class DataParallel(Technique):
     def keeps_state(self) -> bool:
         return True
 
+    def keeps_gathered(self) -> bool:
+        return self.storage.gathers_params and not self.reshard_after_forward
+
     def gather_axes(self, plan) -> tuple:
         return self.shard_group_axes(plan.mesh) if self.storage.gathers_params else ()
 

@@ -85,6 +85,12 @@ class StorageHooks:
         parallel/grad_sync.py asks it before it makes its buckets and binds it to them after."""
         return None
 
+    def keeps_gathered(self) -> bool:
+        """Whether the weights this technique gathers stay gathered from their forward to their
+        backward (zero=3 without resharding after forward): the memory phases (cost/plan_cost.py)
+        then hold them at the loss's backward too."""
+        return False
+
     def keeps_state(self) -> bool:
         """Whether this technique keeps the parameters, gradients and optimizer state of the ranks
         it syncs gradients over, as a storage policy of its own (data parallel's ZeRO levels): it
