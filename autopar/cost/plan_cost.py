@@ -126,8 +126,8 @@ class Cost:
         self.memory = memory
         # the step's peak: the largest phase (memory_phases), the figure ap.predict and
         # memory_per_rank(rank).peak give
-        phases = memory_phases(memory, **phase_flags(plan))
-        self.peak_memory = sympy.Max(*[sympy.sympify(v) for v in phases.values()])
+        self.memory_phases = memory_phases(memory, **phase_flags(plan))  # phase -> formula
+        self.peak_memory = sympy.Max(*[sympy.sympify(v) for v in self.memory_phases.values()])
         self.flops = flops_formula(plan, self.sy, self.rank)
 
     @property

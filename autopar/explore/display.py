@@ -163,8 +163,9 @@ def memory_numbers(plan) -> dict:
     cost = Cost(plan)
     num = cost.at()["memory"]
     num.update({k: float(cost.sy.value(v)) for k, v in cost.host_memory.items()})
-    mem = plan.memory_per_rank(cost.rank)
-    num["peak"], num["phase"] = float(cost.sy.value(cost.peak_memory)), mem.phase
+    phases = {k: float(cost.sy.value(v)) for k, v in cost.memory_phases.items()}
+    num["phase"] = max(phases, key=phases.get)
+    num["peak"] = phases[num["phase"]]
     num["serial params"] = float(sum(p.numel() * p.element_size() for p in plan.model.parameters()))
     plan.__dict__["_memory_numbers"] = dict(num)
     return num
